@@ -1,0 +1,245 @@
+"""The model and hardware catalogs: `models.yaml` and `hardware.yaml`, read into typed specs.
+
+The top-level YAML files are the source; copies ship inside the wheel (`chunkflow_planner/data/`) so an
+installed `chunkflow` finds them. Per-block parameter counts are derived from the architecture by
+`chunkflow_planner.params`, never typed in by hand.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CATALOG_SCHEMA_VERSION = 1
+
+BlockKind = Literal["dit", "mmdit_double", "mmdit_single"]
+BlockArch = Literal["wan_dit", "flux_double", "flux_single", "hunyuan_double", "hunyuan_single", "qwen_double"]
+
+
+class CatalogError(ValueError):
+    """A catalog entry or profile file that cannot be used; the message says what to fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BlockGroup(_Strict):
+    """One ordered list of identical blocks in the transformer (e.g. Flux's 19 double-stream blocks)."""
+
+    kind: BlockKind = Field(description="FLOP family: dit (eq. 12), mmdit_double (eq. 18), mmdit_single (eq. 22)")
+    arch: BlockArch = Field(description="exact layer layout, used to derive the parameter count")
+    count: int = Field(gt=0)
+    diffusers_list: str = Field(description="attribute of the diffusers model holding this nn.ModuleList")
+
+
+class Workload(_Strict):
+    """What one generation asks of the model: resolution, frames or batch, steps, guidance passes."""
+
+    batch: int = Field(1, gt=0)
+    frames: int = Field(1, gt=0, description="video frames (1 for image models)")
+    height: int = Field(gt=0)
+    width: int = Field(gt=0)
+    steps: int = Field(gt=0)
+    cfg_passes: int = Field(1, ge=1, le=2, description="transformer forwards per step: 2 with true CFG")
+
+
+class ActivationModel(_Strict):
+    """Peak activation bytes per local token: dtype_bytes * (c_f * f + c_d * d) (see memory.py)."""
+
+    c_f: float = 2.0
+    c_d: float = 4.0
+
+
+class DiffusersSpec(_Strict):
+    cls: str = Field(description="diffusers class name, e.g. WanTransformer3DModel")
+    config: dict[str, Any] = Field(description="constructor config (the checkpoint's config.json)")
+    inputs: Literal["wan", "flux", "hunyuan_video", "qwen_image"] = Field(
+        description="which input builder makes latents, timestep and text states for this class"
+    )
+
+
+class ModelSpec(_Strict):
+    """Architecture of one diffusion transformer, as the planner and runtime need it."""
+
+    name: str
+    aliases: list[str] = []
+    description: str = ""
+    d: int = Field(gt=0, description="hidden size")
+    f: int = Field(gt=0, description="FFN inner size")
+    heads: int = Field(gt=0)
+    text_len: int = Field(ge=0, description="text context length L_ctx")
+    patch: tuple[int, int, int] = Field(description="patch size (t, h, w); t = 1 for image models")
+    vae_spatial: int = Field(gt=0)
+    vae_temporal: int | None = Field(None, description="VAE temporal compression; None for image models")
+    latent_channels: int = Field(gt=0)
+    dtype_bytes: int = Field(2, gt=0, description="bytes per parameter (bf16: 2)")
+    blocks: list[BlockGroup] = Field(min_length=1, description="block lists in execution order")
+    total_params: int = Field(gt=0, description="all parameters of the transformer (meta instantiation)")
+    default_workload: Workload
+    activation: ActivationModel = ActivationModel()
+    diffusers: DiffusersSpec
+
+    @property
+    def is_video(self) -> bool:
+        return self.vae_temporal is not None
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(g.count for g in self.blocks)
+
+    def block_params(self, group: BlockGroup) -> int:
+        """Parameters of one block of `group`, derived from the architecture."""
+        from chunkflow_planner.params import block_params
+
+        return block_params(group.arch, self)
+
+    def block_bytes(self, group: BlockGroup) -> int:
+        return self.block_params(group) * self.dtype_bytes
+
+    @property
+    def block_bytes_total(self) -> int:
+        return sum(self.block_bytes(g) * g.count for g in self.blocks)
+
+    @property
+    def non_block_bytes(self) -> int:
+        return self.total_params * self.dtype_bytes - self.block_bytes_total
+
+    @property
+    def mean_block_bytes(self) -> float:
+        """Average per-block parameter bytes over all blocks (the B_pref of Appendix B)."""
+        return self.block_bytes_total / self.n_blocks
+
+    def block_sequence(self) -> list[BlockGroup]:
+        """One entry per block, in execution order."""
+        return [g for g in self.blocks for _ in range(g.count)]
+
+
+PeerLink = Literal["nvlink", "pcie", "none"]
+
+
+class HardwareSpec(_Strict):
+    """One GPU type in a node: rates, links and the planner's efficiency factors."""
+
+    schema_version: int = CATALOG_SCHEMA_VERSION
+    name: str
+    description: str = ""
+    peak_tflops: float = Field(gt=0, description="peak dense BF16 TFLOP/s of one GPU (P_peak)")
+    h2d_link_gbps: float = Field(gt=0, description="pinned host-to-device GB/s of one host link")
+    gpus_per_host_link: int = Field(1, gt=0, description="GPUs sharing that host link (root complex)")
+    memory_bytes: int = Field(gt=0, description="GPU memory")
+    gpus: int = Field(1, gt=0, description="GPUs in the node")
+    peer_link: PeerLink = Field(description="how GPUs reach each other: nvlink, pcie (shares the host link) or none")
+    coll_gbps: float = Field(gt=0, description="effective per-GPU all-to-all bandwidth over the peer link")
+    contention: float = Field(1.0, ge=1.0, description="collective slowdown while H2D is in flight on a shared link")
+    eta_comp: float = Field(gt=0, le=1, description="achieved fraction of P_peak on DiT blocks")
+    eta_pref: float = Field(gt=0, le=1, description="achieved fraction of the H2D bandwidth for large copies")
+    dma_startup_us: float = Field(3.0, ge=0, description="fixed cost per H2D copy (chunk-size efficiency)")
+    block_overhead_us: float = Field(30.0, ge=0, description="runtime cost per offloaded block per forward")
+    yield_overhead_us: float = Field(10.0, ge=0, description="runtime cost per collective when yielding")
+    source: str = Field("", description="where these numbers come from")
+
+    @property
+    def h2d_gbps(self) -> float:
+        """Effective per-GPU host-to-device bandwidth BW_h2d (the link shared out among its GPUs)."""
+        return self.h2d_link_gbps / self.gpus_per_host_link
+
+
+def _catalog_text(filename: str) -> str:
+    return resources.files("chunkflow_planner").joinpath("data", filename).read_text()
+
+
+def _read_yaml(text: str, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"{what} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise CatalogError(f"{what} must be a YAML mapping")
+    return data
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+
+
+@lru_cache(maxsize=None)
+def load_models() -> dict[str, ModelSpec]:
+    """All models of the shipped `models.yaml`, by canonical name."""
+    data = _read_yaml(_catalog_text("models.yaml"), "models.yaml")
+    out: dict[str, ModelSpec] = {}
+    for name, entry in data.get("models", {}).items():
+        try:
+            out[name] = ModelSpec(name=name, **entry)
+        except ValidationError as exc:
+            raise CatalogError(f"models.yaml entry {name!r}: {_errors(exc)}") from None
+    return out
+
+
+@lru_cache(maxsize=None)
+def load_hardware() -> dict[str, HardwareSpec]:
+    """All hardware of the shipped `hardware.yaml`, by name."""
+    data = _read_yaml(_catalog_text("hardware.yaml"), "hardware.yaml")
+    out: dict[str, HardwareSpec] = {}
+    for name, entry in data.get("hardware", {}).items():
+        try:
+            out[name] = HardwareSpec(name=name, **entry)
+        except ValidationError as exc:
+            raise CatalogError(f"hardware.yaml entry {name!r}: {_errors(exc)}") from None
+    return out
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name.lower(), choices, n=3, cutoff=0.4)
+    return f" Did you mean {', '.join(close)}?" if close else ""
+
+
+def get_model(name: str) -> ModelSpec:
+    """A model by name or alias (case-insensitive); unknown names get close suggestions."""
+    models = load_models()
+    key = name.lower()
+    for spec in models.values():
+        if key == spec.name.lower() or key in (a.lower() for a in spec.aliases):
+            return spec
+    choices = [n.lower() for n in models] + [a.lower() for s in models.values() for a in s.aliases]
+    raise CatalogError(
+        f"unknown model {name!r}.{_suggest(name, choices)} `chunkflow models` lists the catalog."
+    )
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    """A catalog GPU by name (case-insensitive), or a hardware profile file (YAML or JSON) by path."""
+    hw = load_hardware()
+    for spec in hw.values():
+        if spec.name.lower() == name.lower():
+            return spec
+    path = Path(name).expanduser()
+    if path.suffix.lower() in {".yaml", ".yml", ".json"} or path.exists():
+        return load_profile(path)
+    raise CatalogError(
+        f"unknown hardware {name!r}.{_suggest(name, [n.lower() for n in hw])} "
+        "`chunkflow hardware` lists the catalog; a path to a profile file from `chunkflow calibrate` also works."
+    )
+
+
+def load_profile(path: Path) -> HardwareSpec:
+    """A hardware profile file (what `chunkflow calibrate` writes)."""
+    if not path.exists():
+        raise CatalogError(f"hardware profile {str(path)!r} does not exist")
+    data = _read_yaml(path.read_text(), f"hardware profile {str(path)!r}")
+    version = data.get("schema_version", CATALOG_SCHEMA_VERSION)
+    if version != CATALOG_SCHEMA_VERSION:
+        raise CatalogError(
+            f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
+            f"version {CATALOG_SCHEMA_VERSION}. Re-run `chunkflow calibrate`."
+        )
+    try:
+        return HardwareSpec(**data)
+    except ValidationError as exc:
+        raise CatalogError(f"hardware profile {str(path)!r} is malformed: {_errors(exc)}") from None

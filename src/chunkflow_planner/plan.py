@@ -1,0 +1,143 @@
+"""The plan file: what the planner decided and predicted, read by the runtime and other tools.
+
+A versioned pydantic schema written as JSON. Readers check `schema_version` and refuse others.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PLAN_SCHEMA_VERSION = 1
+
+Mode = Literal["none", "layerwise", "chunkflow"]
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be read; the message says why and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class PlanModel(_Section):
+    name: str
+    n_blocks: int
+    block_bytes_total: int
+    non_block_bytes: int
+
+
+class PlanWorkload(_Section):
+    batch: int
+    frames: int
+    height: int
+    width: int
+    tokens: int = Field(description="global token count S per sample")
+    steps: int
+    cfg_passes: int = 1
+
+
+class PlanParallel(_Section):
+    sp_degree: int = 1
+
+
+class PlanHardware(_Section):
+    name: str
+    source: str = Field("", description="catalog, calibrated profile path, or default")
+    peak_tflops: float
+    h2d_gbps: float
+    eta_comp: float
+    eta_pref: float
+    memory_bytes: int | None = None
+    peer_link: str = "none"
+
+
+class Critical(_Section):
+    axis: Literal["frames", "batch"]
+    value: float | None = Field(description="continuous critical frames or batch; None when never reached")
+    nearest_valid: int | None = None
+    reason: str = ""
+
+
+class Analysis(_Section):
+    block_flops_per_gpu: float
+    prefetch_bytes_per_block: float
+    f_star: float
+    i_block: float
+    i_star: float
+    t_comp_s: float
+    t_pref_s: float
+    regime: Literal["hidden", "exposed"]
+    critical: Critical
+
+
+class Offload(_Section):
+    mode: Mode
+    chunk_bytes: int | None = None
+    residency: float = 0.0
+    comm_aware: bool = True
+
+
+class Prediction(_Section):
+    step_time_s: float
+    peak_memory_bytes: int
+    pinned_host_bytes: int = 0
+
+
+class Baselines(_Section):
+    none: Prediction
+    layerwise: Prediction
+
+
+class PlanPrediction(Prediction):
+    baselines: Baselines
+
+
+class Plan(_Section):
+    schema_version: int = PLAN_SCHEMA_VERSION
+    model: PlanModel
+    workload: PlanWorkload
+    parallel: PlanParallel
+    hardware: PlanHardware
+    analysis: Analysis
+    offload: Offload
+    prediction: PlanPrediction
+    memory_budget_bytes: int | None = None
+    target_step_time_s: float | None = None
+    reason: str = ""
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def load_plan(source: str | Path | Plan) -> Plan:
+    """A plan from a path (or a Plan, returned as is); a clear PlanError for anything unreadable."""
+    if isinstance(source, Plan):
+        return source
+    path = Path(source)
+    if not path.exists():
+        raise PlanError(f"plan file {str(path)!r} does not exist; `chunkflow plan --out {path}` writes one")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"plan file {str(path)!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"plan file {str(path)!r} must hold a JSON object")
+    version = data.get("schema_version")
+    if version != PLAN_SCHEMA_VERSION:
+        raise PlanError(
+            f"plan file {str(path)!r} has schema_version {version!r}; this chunkflow reads version "
+            f"{PLAN_SCHEMA_VERSION}. Write it again with `chunkflow plan`."
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise PlanError(f"plan file {str(path)!r} is malformed: {detail}") from None

@@ -1,0 +1,88 @@
+"""Parse and format sizes ("24GB", "16MiB") and durations ("1.2s", "850ms")."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_TIME_UNITS: dict[str, float] = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class UnitError(ValueError):
+    """A size or duration that cannot be parsed; the message says what is accepted."""
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes in a size such as "24GB" (10^9), "24GiB" (2^30), "512MB" or a plain byte count.
+
+    Units are case-insensitive: B, KB, MB, GB, TB (powers of ten) and KiB, MiB, GiB, TiB
+    (powers of two). The result must be a positive whole number of bytes.
+    """
+    if isinstance(text, bool):
+        raise UnitError(f"not a size: {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), "b"
+    else:
+        match = _NUMBER_UNIT.match(str(text))
+        if not match:
+            raise UnitError(
+                f"cannot read size {text!r}: write a number and a unit, e.g. 24GB, 24GiB, 16MB, 512MiB"
+            )
+        value, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    if unit not in _SIZE_UNITS:
+        raise UnitError(
+            f"unknown size unit {unit!r} in {text!r}: use B, KB, MB, GB, TB (powers of 10) "
+            "or KiB, MiB, GiB, TiB (powers of 2)"
+        )
+    size = value * _SIZE_UNITS[unit]
+    if size <= 0:
+        raise UnitError(f"size must be positive, got {text!r}")
+    if size < 1:
+        raise UnitError(f"size {text!r} is less than one byte")
+    return int(round(size))
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds in a duration such as "1.2s", "850ms" or a plain number of seconds; must be positive."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), "s"
+    else:
+        match = _NUMBER_UNIT.match(str(text))
+        if not match:
+            raise UnitError(f"cannot read duration {text!r}: write e.g. 1.2s or 850ms")
+        value, unit = float(match.group(1)), (match.group(2) or "s").lower()
+    if unit not in _TIME_UNITS:
+        raise UnitError(f"unknown time unit {unit!r} in {text!r}: use s, ms, us or min")
+    seconds = value * _TIME_UNITS[unit]
+    if seconds <= 0:
+        raise UnitError(f"duration must be positive, got {text!r}")
+    return seconds
+
+
+def format_bytes(n: float, binary: bool = False) -> str:
+    """A byte count for people: 24.0 GB (powers of ten) or 22.4 GiB with binary=True."""
+    base, units = (1024.0, ["B", "KiB", "MiB", "GiB", "TiB"]) if binary else (1000.0, ["B", "KB", "MB", "GB", "TB"])
+    value = float(n)
+    for unit in units:
+        if abs(value) < base or unit == units[-1]:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= base
+    raise AssertionError("unreachable")
+
+
+def format_seconds(t: float) -> str:
+    """A duration for people: 850 ms below one second, 1.234 s above."""
+    if t == float("inf"):
+        return "inf"
+    return f"{t * 1e3:.1f} ms" if abs(t) < 1.0 else f"{t:.3f} s"
