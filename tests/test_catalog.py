@@ -1,0 +1,272 @@
+"""The model and hardware catalogs: loading, lookup, and parameter counts checked against real diffusers blocks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import yaml
+
+from chunkflow_planner.catalog import (
+    CatalogError,
+    ModelSpec,
+    get_hardware,
+    get_model,
+    load_hardware,
+    load_models,
+    load_profile,
+)
+from chunkflow_planner.params import block_params
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAMES = list(load_models())
+
+# shared/reference/facts.md: parameter counts from meta-device instantiation (per block, then total).
+FACTS_BLOCK_PARAMS = {
+    ("Wan2.2-TI2V-5B", "wan_dit"): 163.7e6,
+    ("Wan2.1-T2V-14B", "wan_dit"): 351.4e6,
+    ("FLUX.1-dev", "flux_double"): 339.8e6,
+    ("FLUX.1-dev", "flux_single"): 141.6e6,
+}
+FACTS_TOTAL_PARAMS = {
+    "Wan2.2-TI2V-5B": 5.000e9,
+    "Wan2.1-T2V-14B": 14.288e9,
+    "FLUX.1-dev": 11.901e9,
+    "HunyuanVideo": 12.821e9,
+    "Qwen-Image": 20.430e9,
+}
+
+
+def _n_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _build(cls_name: str, config: dict, device: str = "meta"):
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, cls_name)
+    with torch.device(device):
+        return cls.from_config(dict(config))
+
+
+@lru_cache(maxsize=None)
+def _meta_model(name: str):
+    spec = load_models()[name]
+    return _build(spec.diffusers.cls, spec.diffusers.config)
+
+
+def _with_config(spec: ModelSpec, **changes) -> ModelSpec:
+    """`spec` with some diffusers constructor arguments changed."""
+    diffusers_spec = spec.diffusers.model_copy(update={"config": {**spec.diffusers.config, **changes}})
+    return spec.model_copy(update={"diffusers": diffusers_spec})
+
+
+# ---- models: loading and lookup ----
+
+
+def test_every_model_entry_loads():
+    models = load_models()
+    assert {"Wan2.2-TI2V-5B", "Wan2.1-T2V-14B", "FLUX.1-dev", "HunyuanVideo", "Qwen-Image", "tiny-wan"} <= set(models)
+    for name, spec in models.items():
+        assert spec.name == name
+        assert spec.description
+        assert spec.n_blocks == sum(g.count for g in spec.blocks)
+        assert spec.non_block_bytes > 0, name
+
+
+@pytest.mark.parametrize(
+    "alias, name",
+    [
+        ("wan2.2", "Wan2.2-TI2V-5B"),
+        ("wan2.2-5b", "Wan2.2-TI2V-5B"),
+        ("wan2.1-14b", "Wan2.1-T2V-14B"),
+        ("wan14b", "Wan2.1-T2V-14B"),
+        ("flux", "FLUX.1-dev"),
+        ("flux-dev", "FLUX.1-dev"),
+        ("hunyuan", "HunyuanVideo"),
+        ("qwen", "Qwen-Image"),
+        ("tiny", "tiny-wan"),
+        ("FLUX.1-DEV", "FLUX.1-dev"),
+    ],
+)
+def test_aliases_resolve(alias, name):
+    assert get_model(alias).name == name
+
+
+def test_aliases_are_unique():
+    keys = [k.lower() for s in load_models().values() for k in [s.name, *s.aliases]]
+    assert len(keys) == len(set(keys))
+
+
+def test_unknown_model_raises_with_suggestion():
+    with pytest.raises(CatalogError, match="wan2.2") as exc:
+        get_model("wan2.3")
+    assert "Did you mean" in str(exc.value)
+
+
+def test_video_models_declare_temporal_vae_and_image_models_do_not():
+    for spec in load_models().values():
+        if not spec.is_video:
+            assert spec.patch[0] == 1
+            assert spec.default_workload.frames == 1
+        else:
+            assert (spec.default_workload.frames - 1) % spec.vae_temporal == 0
+
+
+# ---- parameter counts ----
+
+
+@pytest.mark.parametrize("key", list(FACTS_BLOCK_PARAMS))
+def test_block_params_agree_with_facts(key):
+    name, arch = key
+    spec = get_model(name)
+    assert block_params(arch, spec) == pytest.approx(FACTS_BLOCK_PARAMS[key], rel=0.01)
+
+
+@pytest.mark.parametrize("name", list(FACTS_TOTAL_PARAMS))
+def test_total_params_agree_with_facts(name):
+    assert get_model(name).total_params == pytest.approx(FACTS_TOTAL_PARAMS[name], rel=0.01)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_block_params_equal_real_diffusers_blocks(name):
+    spec = load_models()[name]
+    model = _meta_model(name)
+    for group in spec.blocks:
+        blocks = getattr(model, group.diffusers_list, None)
+        assert blocks is not None, f"{spec.diffusers.cls} has no attribute {group.diffusers_list!r}"
+        assert len(blocks) == group.count
+        assert spec.block_params(group) == _n_params(blocks[0]), (name, group.arch)
+        assert {_n_params(b) for b in blocks} == {_n_params(blocks[0])}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_total_params_equal_meta_model(name):
+    spec = load_models()[name]
+    assert spec.total_params == _n_params(_meta_model(name))
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_block_lists_cover_every_block_list_of_the_model(name):
+    """Every nn.ModuleList of blocks in the model is declared, and in the declared config's numbers."""
+    import torch
+
+    spec = load_models()[name]
+    model = _meta_model(name)
+    block_lists = {
+        n for n, m in model.named_children() if isinstance(m, torch.nn.ModuleList) and "blocks" in n
+    }
+    assert block_lists == {g.diffusers_list for g in spec.blocks}
+
+
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("tiny-wan", {"added_kv_proj_dim": 24}),
+        ("tiny-wan", {"cross_attn_norm": False}),
+        ("HunyuanVideo", {"qk_norm": "layer_norm", "num_layers": 1, "num_single_layers": 1}),
+        ("HunyuanVideo", {"qk_norm": None, "num_layers": 1, "num_single_layers": 1}),
+    ],
+)
+def test_block_params_follow_config_options(name, changes):
+    spec = _with_config(load_models()[name], **changes)
+    model = _build(spec.diffusers.cls, spec.diffusers.config)
+    for group in spec.blocks:
+        assert block_params(group.arch, spec) == _n_params(getattr(model, group.diffusers_list)[0]), changes
+
+
+def test_block_params_rejects_unknown_arch():
+    with pytest.raises(ValueError, match="unknown block arch"):
+        block_params("unet", get_model("tiny"))
+
+
+def test_planner_modules_do_not_import_torch():
+    code = (
+        "import sys, chunkflow_planner.catalog as c, chunkflow_planner.params;"
+        "[s.block_bytes_total for s in c.load_models().values()];"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---- the tiny model runs ----
+
+
+def test_tiny_model_forward_on_cpu():
+    import torch
+
+    spec = get_model("tiny")
+    cfg = spec.diffusers.config
+    torch.manual_seed(0)
+    model = _build(spec.diffusers.cls, cfg, device="cpu").eval()
+    assert _n_params(model) == spec.total_params
+
+    w = spec.default_workload
+    frames = (w.frames - 1) // spec.vae_temporal + 1
+    latents = torch.randn(w.batch, spec.latent_channels, frames, w.height // spec.vae_spatial, w.width // spec.vae_spatial)
+    text = torch.randn(w.batch, spec.text_len, cfg["text_dim"])
+    timestep = torch.tensor([500.0] * w.batch)
+    with torch.no_grad():
+        out = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    assert out.shape == latents.shape
+    assert torch.isfinite(out).all()
+
+
+# ---- packaged data ----
+
+
+@pytest.mark.parametrize("filename", ["models.yaml", "hardware.yaml"])
+def test_packaged_data_matches_top_level_file(filename):
+    packaged = resources.files("chunkflow_planner").joinpath("data", filename).read_bytes()
+    assert packaged == (ROOT / filename).read_bytes()
+
+
+# ---- hardware ----
+
+
+def test_every_hardware_entry_loads():
+    hw = load_hardware()
+    expected = {
+        "h100-pcie-x2-paper", "h100-sxm", "h200", "h200-x2", "h200-x2-pcie",
+        "a100-80gb", "l40s", "l40", "rtx-a6000", "rtx-4090", "rtx-5090",
+    }
+    assert expected <= set(hw)
+    for name, spec in hw.items():
+        assert spec.name == name
+        assert spec.source, name
+        if spec.peer_link == "none":
+            assert spec.gpus == 1, name
+
+
+def test_paper_platform_h2d_is_shared_between_two_gpus():
+    assert get_hardware("h100-pcie-x2-paper").h2d_gbps == pytest.approx(31.5)
+
+
+def test_hardware_lookup_is_case_insensitive_and_suggests():
+    assert get_hardware("H200").name == "h200"
+    with pytest.raises(CatalogError, match="Did you mean"):
+        get_hardware("h2000")
+
+
+def test_profile_file_round_trips(tmp_path):
+    spec = get_hardware("h200")
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump()))
+    assert load_profile(path) == spec
+    assert get_hardware(str(path)) == spec
+
+
+def test_malformed_profile_names_the_missing_field(tmp_path):
+    data = get_hardware("h200").model_dump()
+    del data["peak_tflops"]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(CatalogError, match="peak_tflops"):
+        get_hardware(str(path))
