@@ -1,0 +1,1 @@
+"""Model-agnostic runtime: host store, layout and residency, streamer (prefetch, yield point), hooks, handle."""

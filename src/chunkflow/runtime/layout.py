@@ -1,0 +1,194 @@
+"""Per-block byte layout: which tensors a block owns, where they sit in its flat byte range, its chunks,
+and the split of that range into a resident head and a streamed tail (paper sections 3.2 and 3.3).
+
+Pure bookkeeping on shapes and dtypes: nothing here allocates or copies, so it runs on meta tensors.
+
+Symbols follow the paper and the issue: V_l is block l's packed byte extent, C the chunk size, r the target
+residency, k_l = round(r V_l / C) the resident chunks, R_l = min(k_l C, V_l) the resident bytes. The streamed
+tail is [R_l, V_l). A tensor straddling R_l starts at R'_l < R_l; the device slot holds [A_l, V_l) with
+A_l = floor_256(R'_l), so every tensor keeps its alignment inside the slot. Bytes [R'_l, R_l) are copied
+device-to-device from the resident buffer, bytes [R_l, V_l) host-to-device in chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ALIGN = 256
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def align_down(n: int, a: int = ALIGN) -> int:
+    return n // a * a
+
+
+@dataclass
+class TensorEntry:
+    """One tensor a block owns: where it lives in the block's byte range and who holds it."""
+
+    name: str  # dotted name inside the block (first owner)
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs holding this very tensor
+    is_param: bool
+    offset: int  # byte offset inside the block's range, ALIGN-aligned
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass
+class BlockLayout:
+    """Block l's packed bytes, its residency split and its H2D chunks (block-relative offsets)."""
+
+    index: int
+    name: str
+    module: nn.Module
+    tensors: list[TensorEntry]
+    nbytes: int  # V_l: packed extent (tensor bytes plus alignment gaps)
+    tensor_bytes: int  # sum of the tensors' own bytes
+    host_offset: int = 0  # where [0, V_l) starts in the host store
+    resident_bytes: int = 0  # R_l
+    straddle_start: int = 0  # R'_l: start of the first tensor not wholly resident (R_l if none straddles)
+    slot_start: int = 0  # A_l: byte of the block that sits at slot[0]
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # H2D ranges covering [R_l, V_l)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.nbytes - self.resident_bytes
+
+    @property
+    def d2d_bytes(self) -> int:
+        return self.resident_bytes - self.straddle_start
+
+    @property
+    def slot_extent(self) -> int:
+        """Bytes of a streaming slot this block needs (0 when fully resident)."""
+        return 0 if self.streamed_bytes == 0 else self.nbytes - self.slot_start
+
+    @property
+    def is_streamed(self) -> bool:
+        return self.streamed_bytes > 0
+
+    def resident_tensors(self) -> list[TensorEntry]:
+        return [t for t in self.tensors if t.end <= self.resident_bytes]
+
+    def streamed_tensors(self) -> list[TensorEntry]:
+        return [t for t in self.tensors if t.end > self.resident_bytes]
+
+
+def _direct_tensors(m: nn.Module):
+    for attr, p in m._parameters.items():
+        if p is not None:
+            yield attr, p, True
+    for attr, b in m._buffers.items():
+        if b is not None:
+            yield attr, b, False
+
+
+def owned_tensors(root: nn.Module, blocks: list[nn.Module]) -> list[list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
+    """For each block, the tensors only it holds: (name, module, attr, tensor, is_param), in registration order.
+
+    A tensor also held outside the block (by the root, another block, or a module shared with one) is left
+    out: it stays resident with the non-block state.
+    """
+    block_of_module: dict[int, set[int]] = {}
+    for i, blk in enumerate(blocks):
+        for m in blk.modules():
+            block_of_module.setdefault(id(m), set()).add(i)
+    holders: dict[int, set] = {}
+    for m in root.modules():
+        where = block_of_module.get(id(m), {"outside"})
+        for _, t, _ in _direct_tensors(m):
+            holders.setdefault(id(t), set()).update(where)
+    out = []
+    for i, blk in enumerate(blocks):
+        seen: set[tuple[int, str]] = set()
+        entries = []
+        for mname, m in blk.named_modules(remove_duplicate=False):
+            for attr, t, is_param in _direct_tensors(m):
+                if (id(m), attr) in seen:
+                    continue
+                seen.add((id(m), attr))
+                if holders.get(id(t), {"outside"}) != {i} or t.numel() == 0:
+                    continue
+                entries.append((f"{mname}.{attr}" if mname else attr, m, attr, t, is_param))
+        out.append(entries)
+    return out
+
+
+def pack_block(index: int, name: str, module: nn.Module, entries) -> BlockLayout:
+    """Pack a block's tensors, grouped by dtype (order of first appearance), at ALIGN-aligned offsets."""
+    by_tensor: dict[int, TensorEntry] = {}
+    order: list[torch.Tensor] = []
+    for ename, m, attr, t, is_param in entries:
+        if id(t) in by_tensor:  # tied inside the block: one copy, several owners
+            by_tensor[id(t)].owners.append((m, attr))
+            continue
+        by_tensor[id(t)] = TensorEntry(ename, [(m, attr)], is_param, 0, t.numel() * t.element_size(), t.dtype,
+                                       tuple(t.shape))
+        order.append(t)
+    dtypes: list[torch.dtype] = []
+    for t in order:
+        if t.dtype not in dtypes:
+            dtypes.append(t.dtype)
+    tensors: list[TensorEntry] = []
+    off = 0
+    for dt in dtypes:
+        for t in order:
+            if t.dtype is dt:
+                e = by_tensor[id(t)]
+                off = align_up(off)
+                e.offset = off
+                off += e.nbytes
+                tensors.append(e)
+    return BlockLayout(index, name, module, tensors, nbytes=off, tensor_bytes=sum(e.nbytes for e in tensors))
+
+
+def split_residency(b: BlockLayout, chunk_bytes: int | None, residency: float) -> None:
+    """Set R_l, R'_l, A_l and the H2D chunks of block b. chunk_bytes None: the whole block is one chunk."""
+    V = b.nbytes
+    C = V if chunk_bytes is None else chunk_bytes
+    if V == 0:
+        b.resident_bytes = b.straddle_start = b.slot_start = 0
+        b.chunks = []
+        return
+    k = round(residency * V / C)
+    R = min(k * C, V)
+    straddle = [t.offset for t in b.tensors if t.offset < R < t.end]
+    r_prime = straddle[0] if straddle else R
+    b.resident_bytes = R
+    b.straddle_start = r_prime
+    b.slot_start = align_down(r_prime) if R < V else V
+    b.chunks = [(a, min(a + C, V)) for a in range(R, V, C)]
+
+
+def block_layouts(root: nn.Module, blocks: list[tuple[str, nn.Module]], chunk_bytes: int | None,
+                  residency: float) -> list[BlockLayout]:
+    """The layouts of all blocks, with host offsets in one store (each block's range ALIGN-aligned)."""
+    owned = owned_tensors(root, [m for _, m in blocks])
+    layouts = []
+    host = 0
+    for i, ((name, m), entries) in enumerate(zip(blocks, owned)):
+        b = pack_block(i, name, m, entries)
+        split_residency(b, chunk_bytes, residency)
+        host = align_up(host)
+        b.host_offset = host
+        host += b.nbytes
+        layouts.append(b)
+    return layouts
+
+
+def store_bytes(layouts: list[BlockLayout]) -> int:
+    if not layouts:
+        return 0
+    last = layouts[-1]
+    return last.host_offset + last.nbytes
