@@ -242,7 +242,11 @@ class OffloadHandle:
         R = sum(b.resident_bytes for b in L)
         s = self.streamer
         slot = s.slots[0].numel() if s is not None and s.slots else 0
-        nb = sum(t.numel() * t.element_size() for t, *_ in self._non_block)
+        nb = 0
+        for t, owners, is_param, _ in self._non_block:
+            m, attr = owners[0]
+            cur = m._parameters[attr] if is_param else m._buffers[attr]
+            nb += cur.numel() * cur.element_size()
         return OffloadStats(
             mode=self.cfg.mode,
             device=str(self.cfg.device),
