@@ -1,0 +1,140 @@
+"""The `chunkflow` command line. Commands import torch only where they need it: `plan` never does."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from chunkflow_planner.units import format_bytes, format_seconds, parse_duration, parse_size
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Run large diffusion transformers with weights streamed from host memory in chunks.",
+)
+console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+class UserError(Exception):
+    """Bad input: printed as one clear message, exit code 2, no traceback."""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+@app.command("models")
+def models_cmd() -> None:
+    """List the model catalog (models.yaml)."""
+    from chunkflow_planner.catalog import load_models
+
+    table = Table(title="Models (models.yaml)")
+    for col in ("name", "aliases", "blocks", "d / f / heads", "block bytes", "non-block", "default workload"):
+        table.add_column(col, no_wrap=col == "name")
+    for spec in load_models().values():
+        blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks)
+        sizes = " / ".join(format_bytes(spec.block_bytes(g)) for g in spec.blocks)
+        w = spec.default_workload
+        wl = f"{w.width}x{w.height}" + (f", {w.frames} frames" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
+        table.add_row(spec.name, ", ".join(spec.aliases), blocks, f"{spec.d} / {spec.f} / {spec.heads}", sizes,
+                      format_bytes(spec.non_block_bytes), wl)
+    console.print(table)
+
+
+@app.command("hardware")
+def hardware_cmd() -> None:
+    """List the hardware catalog (hardware.yaml) and the profile saved by `chunkflow calibrate`, if any."""
+    from chunkflow_planner.catalog import load_hardware
+    from chunkflow_planner.planner import saved_profile_path
+
+    table = Table(title="Hardware (hardware.yaml)")
+    for col in ("name", "BF16 TFLOP/s", "H2D GB/s (per GPU)", "GPUs/link", "memory", "GPUs", "peer link", "eta_comp", "eta_pref"):
+        table.add_column(col, no_wrap=col == "name")
+    for hw in load_hardware().values():
+        table.add_row(hw.name, f"{hw.peak_tflops:g}", f"{hw.h2d_gbps:.1f}", str(hw.gpus_per_host_link),
+                      format_bytes(hw.memory_bytes), str(hw.gpus), hw.peer_link, f"{hw.eta_comp:.2f}", f"{hw.eta_pref:.2f}")
+    console.print(table)
+    path = saved_profile_path()
+    console.print(f"Calibrated profile on this machine: {path if path.exists() else 'none (run `chunkflow calibrate`)'}")
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="catalog model name or alias (see `chunkflow models`)"),
+    frames: Optional[int] = typer.Option(None, help="video frames (1 mod the VAE's temporal factor)"),
+    batch: Optional[int] = typer.Option(None, help="batch size"),
+    height: Optional[int] = typer.Option(None, help="image/video height in pixels"),
+    width: Optional[int] = typer.Option(None, help="image/video width in pixels"),
+    steps: Optional[int] = typer.Option(None, help="denoising steps"),
+    sp: int = typer.Option(1, "--sp", help="Ulysses sequence-parallel degree"),
+    hardware: Optional[str] = typer.Option(None, help="catalog GPU (see `chunkflow hardware`) or a calibrated profile file"),
+    mem_budget: Optional[str] = typer.Option(None, help="GPU memory available, e.g. 24GB or 22GiB (default: the GPU's memory)"),
+    max_slowdown: Optional[float] = typer.Option(None, help="latency target relative to no offload (default 1.05)"),
+    target_step_time: Optional[str] = typer.Option(None, help="absolute latency target per step, e.g. 1.2s"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="write the plan JSON here"),
+    json_out: bool = typer.Option(False, "--json", help="print the plan JSON on stdout instead of tables"),
+    peak_tflops: Optional[float] = typer.Option(None, help="what-if: peak dense BF16 TFLOP/s"),
+    h2d_gbps: Optional[float] = typer.Option(None, help="what-if: effective per-GPU host-to-device GB/s (BW_h2d)"),
+    eta_comp: Optional[float] = typer.Option(None, help="what-if: compute efficiency factor"),
+    eta_pref: Optional[float] = typer.Option(None, help="what-if: prefetch efficiency factor"),
+    prefetch_bytes: Optional[str] = typer.Option(None, help="what-if: per-block prefetch volume, e.g. 520MB"),
+    text_len: Optional[int] = typer.Option(None, help="what-if: text context length L_ctx"),
+) -> None:
+    """Predict step time and peak memory per offload mode and choose chunk size and residency."""
+    from chunkflow_planner.catalog import CatalogError, get_model
+    from chunkflow_planner.planner import make_plan, resolve_hardware
+    from chunkflow_planner.policy import Infeasible
+    from chunkflow_planner.units import UnitError
+    from chunkflow_planner.workload import WorkloadError, make_workload
+
+    try:
+        if max_slowdown is not None and target_step_time is not None:
+            raise UserError("give either --max-slowdown or --target-step-time, not both")
+        if max_slowdown is not None and max_slowdown < 1.0:
+            raise UserError(f"--max-slowdown is relative to no offload and must be >= 1.0, got {max_slowdown}")
+        spec = get_model(model)
+        workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
+        resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp, eta_pref=eta_pref)
+        budget = parse_size(mem_budget) if mem_budget is not None else None
+        target = parse_duration(target_step_time) if target_step_time is not None else None
+        pbytes = parse_size(prefetch_bytes) if prefetch_bytes is not None else None
+        if text_len is not None and text_len < 0:
+            raise UserError(f"--text-len must be >= 0, got {text_len}")
+        plan, decision, analysis = make_plan(
+            spec, workload, resolved, sp=sp, budget=budget,
+            max_slowdown=None if target is not None else (max_slowdown or 1.05),
+            target_step_time=target, prefetch_bytes=pbytes, text_len=text_len,
+        )
+    except Infeasible as exc:
+        err_console.print(f"[bold red]infeasible:[/] {exc}", highlight=False)
+        raise typer.Exit(2)
+    except (UserError, CatalogError, WorkloadError, UnitError, ValueError) as exc:
+        _fail(str(exc))
+        return
+
+    if out:
+        plan.write(out)
+    if json_out:
+        sys.stdout.write(plan.to_json() + "\n")
+        return
+    from chunkflow.report import print_plan
+
+    print_plan(console, plan, decision, analysis)
+    if out:
+        console.print(f"Plan written to {out}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

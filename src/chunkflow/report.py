@@ -1,0 +1,67 @@
+"""Human-readable output: the plan tables that `chunkflow plan` prints."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from chunkflow_planner.plan import Plan
+from chunkflow_planner.units import format_bytes, format_seconds
+
+
+def _sci(x: float) -> str:
+    return f"{x:.3e}"
+
+
+def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noqa: ANN001 - planner types
+    """The analysis, each mode's prediction, the chosen plan and one line saying why."""
+    w, hw, a = plan.workload, plan.hardware, plan.analysis
+    shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
+    console.print(
+        f"[bold]{plan.model.name}[/] at {shape} ({w.tokens} tokens/sample), SP={plan.parallel.sp_degree}, "
+        f"{w.steps} steps x {w.cfg_passes} pass(es)",
+        highlight=False,
+    )
+    console.print(escape(f"hardware: {hw.name} [{hw.source}]"), highlight=False)
+
+    t = Table(title="Overlap analysis (per GPU, per block; paper section 3.1)")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_column("meaning")
+    t.add_row("F_block", _sci(a.block_flops_per_gpu) + " FLOP", "block compute (eq. 23 / SP)")
+    t.add_row("B_pref", format_bytes(a.prefetch_bytes_per_block), "bytes prefetched per block")
+    t.add_row("F*", _sci(a.f_star) + " FLOP", "critical workload (eq. 4)")
+    t.add_row("T_comp / T_pref", f"{format_seconds(a.t_comp_s)} / {format_seconds(a.t_pref_s)}", "eqs. 1 and 2")
+    t.add_row("I_block / I*", f"{a.i_block:.0f} / {a.i_star:.0f}", "FLOP per prefetched byte (eqs. 5, 6)")
+    t.add_row("regime", a.regime, "hidden: F_block >= F*")
+    crit = a.critical
+    crit_text = f"{crit.value:.1f} {crit.axis} (nearest valid {crit.nearest_valid})" if crit.value is not None else crit.reason
+    t.add_row(f"critical {crit.axis}", crit_text, "where F_block reaches F*")
+    console.print(t)
+
+    m = Table(title="Predicted step time and peak GPU memory")
+    for col in ("mode", "chunk", "residency", "step time", "vs none", "peak memory", "pinned host"):
+        m.add_column(col, justify="right" if col not in ("mode",) else "left")
+    base = plan.prediction.baselines.none.step_time_s
+    rows = [("none", None, None, plan.prediction.baselines.none), ("layerwise", None, 0.0, plan.prediction.baselines.layerwise)]
+    if plan.offload.mode == "chunkflow":
+        rows.append(("chunkflow (chosen)", plan.offload.chunk_bytes, plan.offload.residency, plan.prediction))
+    for name, chunk, res, p in rows:
+        if name == plan.offload.mode:
+            name += " (chosen)"
+        m.add_row(
+            name,
+            format_bytes(chunk) if chunk else "-",
+            f"{res:.0%}" if res is not None else "-",
+            format_seconds(p.step_time_s),
+            f"{p.step_time_s / base:.3f}x",
+            format_bytes(p.peak_memory_bytes),
+            format_bytes(p.pinned_host_bytes) if p.pinned_host_bytes else "-",
+        )
+    console.print(m)
+    o = plan.offload
+    chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
+    budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
+    console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)}", highlight=False)
+    console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)

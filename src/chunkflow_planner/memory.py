@@ -1,0 +1,75 @@
+"""Peak GPU memory and pinned host bytes per offload mode.
+
+Assumptions (stated so they can be checked against `chunkflow run`):
+- Weights: `none` keeps all; `layerwise` keeps non-block weights plus two whole-block buffers (the block
+  computing and the one being prefetched); `chunkflow` keeps non-block weights, each block's resident
+  chunks R_l, and two streaming slots sized to the largest streamed extent max_l (V_l - R_l).
+- Activations: the peak inside one block, dtype_bytes * B * T_local * (c_f * f + c_d * d), with T_local the
+  tokens a GPU holds (S / SP for DiT; (S + L) / SP for MM-DiT, which concatenates the text). c_f = 2 counts
+  the MLP's up-projection and activation output; c_d = 4 the residual stream, its normed copy and the
+  attention's q, k, v / output (Ulysses gathers full-sequence q, k, v of 1/SP of the heads: the same bytes).
+  Flash-style attention keeps no S x S matrix. Per-model coefficients live in models.yaml.
+- Prediction = torch's peak allocated bytes. The budget check adds a runtime margin: 5% for allocator
+  fragmentation plus 768 MiB for the CUDA context and libraries, which torch does not count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chunkflow_planner.catalog import ModelSpec, Workload
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.workload import tokens
+
+MARGIN_FRACTION = 0.05
+CUDA_CONTEXT_BYTES = 768 * 2**20
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak GPU bytes, split by what holds them, and pinned host bytes."""
+
+    non_block_weights: float
+    resident_block_weights: float
+    streaming_buffers: float
+    activations: float
+    pinned_host: float
+
+    @property
+    def peak(self) -> int:
+        return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations)
+
+    @property
+    def with_margin(self) -> int:
+        """What the GPU must have free: the peak plus the runtime margin."""
+        return runtime_need(self.peak)
+
+
+def runtime_need(peak: float) -> int:
+    """Bytes a GPU must have for a predicted peak allocation: peak * 1.05 + CUDA context."""
+    return int(peak * (1 + MARGIN_FRACTION) + CUDA_CONTEXT_BYTES)
+
+
+def activation_bytes(spec: ModelSpec, w: Workload, sp: int = 1) -> float:
+    """Peak activation bytes on one GPU inside a block (see the module docstring)."""
+    S = tokens(spec, w)
+    mmdit = any(g.kind != "dit" for g in spec.blocks)
+    T_local = (S + spec.text_len if mmdit else S) / sp
+    per_token = spec.activation.c_f * spec.f + spec.activation.c_d * spec.d
+    return spec.dtype_bytes * w.batch * T_local * per_token
+
+
+def block_volumes(spec: ModelSpec) -> list[int]:
+    """V_l: parameter bytes of each block in execution order."""
+    return [spec.block_bytes(g) for g in spec.block_sequence()]
+
+
+def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1) -> MemoryEstimate:
+    """Peak GPU memory and pinned host bytes of running `w` under `cfg` (per GPU)."""
+    V = block_volumes(spec)
+    act = activation_bytes(spec, w, sp)
+    if cfg.mode == "none":
+        return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0)
+    resident = [cfg.resident_bytes(v) for v in V]
+    slot = max(v - r for v, r in zip(V, resident))
+    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, float(sum(V)))

@@ -1,0 +1,141 @@
+"""The prefetch-compute overlap model (paper section 3.1 and Appendix A): T_comp, T_pref, F_star, I_star.
+
+A block's prefetch hides behind the previous block's compute when F_block >= F_star. Below it, part
+of every block's transfer is exposed. `critical_point` finds the frame count (video) or batch (image)
+where the per-GPU F_block crosses F_star, by root finding on the continuous workload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from scipy.optimize import brentq
+
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.flops import F_block_per_gpu
+from chunkflow_planner.workload import latent_frames, nearest_valid_frames, tokens_per_latent_frame
+
+GB = 1e9
+TFLOP = 1e12
+
+
+def T_comp(F_block: float, P_peak: float, eta_comp: float) -> float:
+    """Eq. 1: block compute time F_block / (eta_comp * P_peak), P_peak in FLOP/s."""
+    return F_block / (eta_comp * P_peak)
+
+
+def T_pref(B_pref: float, BW_h2d: float, eta_pref: float) -> float:
+    """Eq. 2: prefetch time B_pref / (eta_pref * BW_h2d), BW_h2d in bytes/s."""
+    return B_pref / (eta_pref * BW_h2d)
+
+
+def F_star(P_peak: float, eta_comp: float, B_pref: float, BW_h2d: float, eta_pref: float) -> float:
+    """Eq. 4: the critical compute workload eta_comp * P_peak * B_pref / (eta_pref * BW_h2d)."""
+    return eta_comp * P_peak * T_pref(B_pref, BW_h2d, eta_pref)
+
+
+def I_block(F_block: float, B_pref: float) -> float:
+    """Eq. 5: operational intensity of a block against its prefetch volume (FLOP per byte)."""
+    return F_block / B_pref
+
+
+def I_star(P_peak: float, eta_comp: float, BW_h2d: float, eta_pref: float) -> float:
+    """Eq. 6: the roofline turning point eta_comp * P_peak / (eta_pref * BW_h2d) (FLOP per byte)."""
+    return eta_comp * P_peak / (eta_pref * BW_h2d)
+
+
+@dataclass(frozen=True)
+class CriticalPoint:
+    """Where F_block per GPU crosses F_star along the workload's free axis."""
+
+    axis: Literal["frames", "batch"]
+    value: float | None
+    nearest_valid: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class OverlapAnalysis:
+    """The first-order overlap analysis of one workload (all per GPU)."""
+
+    F_block: float
+    B_pref: float
+    F_star: float
+    I_block: float
+    I_star: float
+    T_comp: float
+    T_pref: float
+    critical: CriticalPoint
+
+    @property
+    def regime(self) -> Literal["hidden", "exposed"]:
+        return "hidden" if self.F_block >= self.F_star else "exposed"
+
+
+def _block_flops_along_axis(spec: ModelSpec, w: Workload, sp: int, L: float | None):
+    """F_block per GPU as a function of the continuous frames (video) or batch (image)."""
+    per_frame = tokens_per_latent_frame(spec, w.height, w.width)
+    if spec.is_video:
+        return "frames", lambda n: F_block_per_gpu(spec, w.batch, per_frame * latent_frames(spec, n), sp, L)
+    S = per_frame * latent_frames(spec, 1)
+    return "batch", lambda b: F_block_per_gpu(spec, b, S, sp, L)
+
+
+def critical_point(
+    spec: ModelSpec, w: Workload, f_star: float, sp: int = 1, L: float | None = None, max_frames: int = 100_000
+) -> CriticalPoint:
+    """The continuous frames or batch at which F_block per GPU equals F_star (brentq), and the nearest valid one."""
+    axis, flops = _block_flops_along_axis(spec, w, sp, L)
+    lo = 1.0
+    if flops(lo) >= f_star:
+        return CriticalPoint(axis, None, 1, f"prefetch hides behind compute already at {axis} = 1")
+    hi = float(max_frames) if axis == "frames" else 2.0
+    if axis == "batch":
+        while flops(hi) < f_star:  # F_block is linear in B: doubling always brackets the root
+            hi *= 2
+    elif flops(hi) < f_star:
+        return CriticalPoint(
+            axis, None, None,
+            f"never: even at {max_frames} frames the per-GPU block compute stays below F* "
+            f"(SP degree {sp} divides it); only partial residency can hide the prefetch",
+        )
+    x = float(brentq(lambda v: flops(v) - f_star, lo, hi, xtol=1e-9, rtol=1e-12))
+    if axis == "frames":
+        low, high = nearest_valid_frames(spec, x)
+        nearest = low if (x - low) <= (high - x) else high
+    else:
+        nearest = max(1, int(x + 0.5))
+    return CriticalPoint(axis, x, nearest, f"F_block per GPU reaches F* at {axis} = {x:.1f}")
+
+
+def analyse(
+    spec: ModelSpec,
+    w: Workload,
+    hw: HardwareSpec,
+    sp: int = 1,
+    prefetch_bytes: float | None = None,
+    text_len: float | None = None,
+) -> OverlapAnalysis:
+    """The overlap analysis of workload `w` on `hw`: per-GPU F_block, B_pref, F_star, regime, critical point.
+
+    B_pref is the mean per-block parameter bytes (Appendix B) unless `prefetch_bytes` overrides it (the
+    paper profiles it). Tokens are the workload's S; batch and frames enter through F_block.
+    """
+    from chunkflow_planner.workload import tokens
+
+    P = hw.peak_tflops * TFLOP
+    BW = hw.h2d_gbps * GB
+    B_pref = spec.mean_block_bytes if prefetch_bytes is None else float(prefetch_bytes)
+    F = F_block_per_gpu(spec, w.batch, tokens(spec, w), sp, text_len)
+    fs = F_star(P, hw.eta_comp, B_pref, BW, hw.eta_pref)
+    return OverlapAnalysis(
+        F_block=F,
+        B_pref=B_pref,
+        F_star=fs,
+        I_block=I_block(F, B_pref),
+        I_star=I_star(P, hw.eta_comp, BW, hw.eta_pref),
+        T_comp=T_comp(F, P, hw.eta_comp),
+        T_pref=T_pref(B_pref, BW, hw.eta_pref),
+        critical=critical_point(spec, w, fs, sp, text_len),
+    )

@@ -1,0 +1,156 @@
+"""From a model, workload, hardware and constraints to a Plan: the planner's one entry point."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from chunkflow_planner.catalog import CatalogError, HardwareSpec, ModelSpec, Workload, get_hardware, load_profile
+from chunkflow_planner.overlap import OverlapAnalysis, analyse
+from chunkflow_planner.plan import (
+    Analysis,
+    Baselines,
+    Critical,
+    Offload,
+    Plan,
+    PlanHardware,
+    PlanModel,
+    PlanParallel,
+    PlanPrediction,
+    PlanWorkload,
+    Prediction,
+)
+from chunkflow_planner.policy import Decision, Point, Problem, decide
+from chunkflow_planner.workload import WorkloadError, tokens
+
+DEFAULT_HARDWARE = "h200"
+PROFILE_FILENAME = "hardware-profile.yaml"
+
+
+def config_dir() -> Path:
+    """Where chunkflow keeps per-machine state: $CHUNKFLOW_CONFIG_DIR, else $XDG_CONFIG_HOME/chunkflow."""
+    if os.environ.get("CHUNKFLOW_CONFIG_DIR"):
+        return Path(os.environ["CHUNKFLOW_CONFIG_DIR"]).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or "~/.config"
+    return Path(base).expanduser() / "chunkflow"
+
+
+def saved_profile_path() -> Path:
+    """The hardware profile `chunkflow calibrate` saves for this machine."""
+    return config_dir() / PROFILE_FILENAME
+
+
+@dataclass(frozen=True)
+class ResolvedHardware:
+    spec: HardwareSpec
+    source: str  # "catalog:h200", "profile:/path", "default:h200"
+
+
+def resolve_hardware(
+    name: str | None = None,
+    *,
+    peak_tflops: float | None = None,
+    h2d_gbps: float | None = None,
+    eta_comp: float | None = None,
+    eta_pref: float | None = None,
+) -> ResolvedHardware:
+    """The hardware to plan for: a catalog name or profile path, else the saved profile, else the default.
+
+    What-if overrides replace single figures; `h2d_gbps` is the effective per-GPU BW_h2d.
+    """
+    if name:
+        spec = get_hardware(name)
+        source = f"profile:{name}" if spec.name.lower() != name.lower() else f"catalog:{spec.name}"
+    elif saved_profile_path().exists():
+        spec = load_profile(saved_profile_path())
+        source = f"profile:{saved_profile_path()} (saved by chunkflow calibrate)"
+    else:
+        spec = get_hardware(DEFAULT_HARDWARE)
+        source = f"default:{DEFAULT_HARDWARE} (no --hardware and no calibrated profile on this machine)"
+    update: dict[str, float] = {}
+    for key, value in (("peak_tflops", peak_tflops), ("eta_comp", eta_comp), ("eta_pref", eta_pref)):
+        if value is not None:
+            if value <= 0 or (key.startswith("eta") and value > 1):
+                raise CatalogError(f"--{key.replace('_', '-')} must be {'in (0, 1]' if key.startswith('eta') else 'positive'}, got {value}")
+            update[key] = value
+    if h2d_gbps is not None:
+        if h2d_gbps <= 0:
+            raise CatalogError(f"--h2d-gbps must be positive, got {h2d_gbps}")
+        update["h2d_link_gbps"] = h2d_gbps * spec.gpus_per_host_link
+    if update:
+        spec = spec.model_copy(update=update)
+        source += " with overrides " + ", ".join(f"{k}={v:g}" for k, v in update.items())
+    return ResolvedHardware(spec, source)
+
+
+def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
+    """Ulysses splits heads: the degree must divide them and not exceed the node's GPUs."""
+    if sp < 1:
+        raise WorkloadError(f"--sp must be at least 1, got {sp}")
+    if spec.heads % sp:
+        divisors = [k for k in range(1, spec.heads + 1) if spec.heads % k == 0]
+        raise WorkloadError(f"Ulysses SP splits attention heads: {spec.name} has {spec.heads}, so --sp must be one of {divisors}")
+    if sp > hw.gpus:
+        raise WorkloadError(f"--sp {sp} needs {sp} GPUs; hardware {hw.name!r} lists {hw.gpus}. Pick another --hardware.")
+
+
+def _prediction(p: Point) -> Prediction:
+    return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak, pinned_host_bytes=int(p.memory.pinned_host))
+
+
+def make_plan(
+    spec: ModelSpec,
+    workload: Workload,
+    hardware: ResolvedHardware,
+    *,
+    sp: int = 1,
+    budget: int | None = None,
+    max_slowdown: float | None = 1.05,
+    target_step_time: float | None = None,
+    prefetch_bytes: float | None = None,
+    text_len: float | None = None,
+) -> tuple[Plan, Decision, OverlapAnalysis]:
+    """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits."""
+    hw = hardware.spec
+    check_parallel(spec, hw, sp)
+    budget = hw.memory_bytes if budget is None else budget
+    analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len)
+    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len)
+    decision = decide(problem, budget, max_slowdown, target_step_time)
+    chosen = decision.chosen
+    plan = Plan(
+        model=PlanModel(
+            name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes
+        ),
+        workload=PlanWorkload(
+            batch=workload.batch, frames=workload.frames, height=workload.height, width=workload.width,
+            tokens=tokens(spec, workload), steps=workload.steps, cfg_passes=workload.cfg_passes,
+        ),
+        parallel=PlanParallel(sp_degree=sp),
+        hardware=PlanHardware(
+            name=hw.name, source=hardware.source, peak_tflops=hw.peak_tflops, h2d_gbps=hw.h2d_gbps,
+            eta_comp=hw.eta_comp, eta_pref=hw.eta_pref, memory_bytes=hw.memory_bytes, peer_link=hw.peer_link,
+        ),
+        analysis=Analysis(
+            block_flops_per_gpu=analysis.F_block, prefetch_bytes_per_block=analysis.B_pref, f_star=analysis.F_star,
+            i_block=analysis.I_block, i_star=analysis.I_star, t_comp_s=analysis.T_comp, t_pref_s=analysis.T_pref,
+            regime=analysis.regime,
+            critical=Critical(
+                axis=analysis.critical.axis, value=analysis.critical.value,
+                nearest_valid=analysis.critical.nearest_valid, reason=analysis.critical.reason,
+            ),
+        ),
+        offload=Offload(
+            mode=chosen.cfg.mode, chunk_bytes=chosen.cfg.chunk_bytes, residency=chosen.cfg.residency,
+            comm_aware=chosen.cfg.comm_aware,
+        ),
+        prediction=PlanPrediction(
+            **_prediction(chosen).model_dump(),
+            baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise)),
+        ),
+        memory_budget_bytes=budget,
+        target_step_time_s=decision.target_s,
+        reason=decision.reason,
+    )
+    return plan, decision, analysis

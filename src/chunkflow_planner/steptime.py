@@ -1,0 +1,118 @@
+"""Denoising step time per offload mode: compute, collectives, exposed prefetch, contention, overhead.
+
+Each block l computes for T_comp,l (eq. 1) and, under Ulysses SP, runs n_coll all-to-alls. Meanwhile
+the copy stream fetches block l+1 (the last block fetches the first, for the next forward):
+T_pref = streamed bytes / (eta_pref BW_h2d) (eq. 2) plus a DMA start-up cost per copy (chunk-size
+efficiency). A block's wall time is the longer of the two paths, plus:
+- layerwise (and chunkflow without communication awareness): collectives that meet an in-flight H2D
+  copy run `contention` times slower, for the fraction of the block window the prefetch is in flight;
+  on a PCIe peer link the collective's bytes also occupy the path the prefetch needs.
+- chunkflow with communication awareness: copies pause at chunk boundaries while a collective runs, so
+  prefetch progresses only in compute windows; each collective waits on average for half of the chunk in
+  flight (bounded by one chunk's service time, section 3.2), and pays a small yield overhead.
+Step time = cfg_passes * sum over blocks. Non-block layers (embeddings, final projection) are not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.flops import F_kind
+from chunkflow_planner.memory import block_volumes
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.overlap import GB, TFLOP, T_comp, T_pref
+from chunkflow_planner.workload import tokens
+
+COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
+COLLECTIVE_LATENCY_S = 15e-6
+
+
+@dataclass
+class StepTime:
+    """Predicted time of one denoising step and where it goes (seconds)."""
+
+    compute: float = 0.0
+    collective: float = 0.0
+    prefetch_stall: float = 0.0
+    contention_stall: float = 0.0
+    overhead: float = 0.0
+    per_block: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.collective + self.prefetch_stall + self.contention_stall + self.overhead
+
+
+def t_all_to_all(spec: ModelSpec, group: BlockGroup, w: Workload, hw: HardwareSpec, sp: int) -> float:
+    """One Ulysses all-to-all of this block: B * T_local * d * dtype_bytes over the peer link."""
+    if sp <= 1:
+        return 0.0
+    T = tokens(spec, w) + (spec.text_len if group.kind != "dit" else 0)
+    nbytes = w.batch * (T / sp) * spec.d * spec.dtype_bytes
+    return nbytes / (hw.coll_gbps * GB) + COLLECTIVE_LATENCY_S
+
+
+def block_time(
+    t_comp: float, t_coll: float, n_coll: int, V_next: float, cfg: OffloadConfig, hw: HardwareSpec
+) -> tuple[float, float, float, float]:
+    """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block."""
+    window = t_comp + t_coll
+    if cfg.mode == "none":
+        return window, 0.0, 0.0, 0.0
+    streamed = cfg.streamed_bytes(V_next)
+    if streamed <= 0:
+        return window, 0.0, 0.0, 0.0
+    BW = hw.h2d_gbps * GB
+    dma = hw.dma_startup_us * 1e-6
+    pref = T_pref(streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma
+    overhead = hw.block_overhead_us * 1e-6
+    contention = 0.0
+    if t_coll > 0 and cfg.mode == "chunkflow" and cfg.comm_aware:
+        in_flight = min(1.0, pref / max(t_comp, 1e-12))
+        t_chunk = T_pref(cfg.chunk_service_bytes(V_next), BW, hw.eta_pref) + dma
+        contention = n_coll * in_flight * (1 - 1 / hw.contention) * 0.5 * t_chunk
+        overhead += n_coll * hw.yield_overhead_us * 1e-6
+        link_busy = pref + t_coll  # copies pause while collectives run
+    elif t_coll > 0:
+        in_flight = min(1.0, pref / window)
+        contention = (hw.contention - 1) * t_coll * in_flight
+        link_busy = pref + (t_coll * in_flight if hw.peer_link == "pcie" else 0.0)
+    else:
+        link_busy = pref
+    compute_path = window + contention
+    wall = max(compute_path, link_busy)
+    return wall + overhead, wall - compute_path, contention, overhead
+
+
+def step_time(
+    spec: ModelSpec,
+    w: Workload,
+    hw: HardwareSpec,
+    cfg: OffloadConfig,
+    sp: int = 1,
+    prefetch_bytes: float | None = None,
+    text_len: float | None = None,
+) -> StepTime:
+    """Predicted step time of `w` on `hw` under `cfg` (per GPU; all GPUs of an SP group run in lockstep)."""
+    L = spec.text_len if text_len is None else text_len
+    S = tokens(spec, w)
+    P = hw.peak_tflops * TFLOP
+    groups = spec.block_sequence()
+    V = block_volumes(spec) if prefetch_bytes is None else [float(prefetch_bytes)] * len(groups)
+    out = StepTime()
+    for l, g in enumerate(groups):
+        tc = T_comp(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, P, hw.eta_comp)
+        n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
+        tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
+        wall, stall, cont, over = block_time(tc, tcoll, n_coll, V[(l + 1) % len(groups)], cfg, hw)
+        out.compute += tc
+        out.collective += tcoll
+        out.prefetch_stall += stall
+        out.contention_stall += cont
+        out.overhead += over
+        out.per_block.append(wall)
+    passes = w.cfg_passes  # one transformer forward per guidance pass
+    for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead"):
+        setattr(out, name, getattr(out, name) * passes)
+    return out

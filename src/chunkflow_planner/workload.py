@@ -1,0 +1,90 @@
+"""A workload (resolution, frames or batch, steps) and its token count S, with validation."""
+
+from __future__ import annotations
+
+from chunkflow_planner.catalog import ModelSpec, Workload
+
+__all__ = ["Workload", "WorkloadError", "make_workload", "tokens", "tokens_per_latent_frame", "latent_frames"]
+
+
+class WorkloadError(ValueError):
+    """A workload the model cannot run; the message names the nearest valid values."""
+
+
+def tokens_per_latent_frame(spec: ModelSpec, height: int, width: int) -> int:
+    """Tokens of one latent frame after VAE downsampling and patchification: (H/(s*ph)) * (W/(s*pw))."""
+    _, ph, pw = spec.patch
+    return (height // (spec.vae_spatial * ph)) * (width // (spec.vae_spatial * pw))
+
+
+def latent_frames(spec: ModelSpec, frames: float) -> float:
+    """Latent frames of a video of `frames` frames: ((n - 1) / vae_t + 1) / pt; 1 for image models."""
+    if spec.vae_temporal is None:
+        return 1.0
+    return ((frames - 1) / spec.vae_temporal + 1) / spec.patch[0]
+
+
+def tokens(spec: ModelSpec, w: Workload) -> int:
+    """Global sequence length S of one sample (facts.md: S = (H/(s p)) (W/(s p)) ((n-1)/t + 1))."""
+    return int(round(tokens_per_latent_frame(spec, w.height, w.width) * latent_frames(spec, w.frames)))
+
+
+def nearest_valid_frames(spec: ModelSpec, frames: float) -> tuple[int, int]:
+    """The valid frame counts (1 mod the VAE's temporal factor) just below and just above `frames`."""
+    t = spec.vae_temporal or 1
+    low = max(1, int((frames - 1) // t) * t + 1)
+    return low, low + t
+
+
+def validate(spec: ModelSpec, w: Workload) -> None:
+    """Raise WorkloadError if the model cannot run `w`, saying what would be valid instead."""
+    step_h = spec.vae_spatial * spec.patch[1]
+    step_w = spec.vae_spatial * spec.patch[2]
+    for what, value, step in (("height", w.height, step_h), ("width", w.width, step_w)):
+        if value % step:
+            low = max(step, value // step * step)
+            raise WorkloadError(
+                f"{spec.name} needs {what} divisible by {step} (VAE x{spec.vae_spatial}, patch "
+                f"x{step // spec.vae_spatial}); {value} is not. Nearest valid: {low} or {low + step}."
+            )
+    if spec.vae_temporal is None:
+        if w.frames != 1:
+            raise WorkloadError(f"{spec.name} is an image model: use --batch, not --frames ({w.frames} given).")
+        return
+    t = spec.vae_temporal
+    if (w.frames - 1) % t:
+        low, high = nearest_valid_frames(spec, w.frames)
+        raise WorkloadError(
+            f"{spec.name} needs frames = 1 mod {t} (its VAE compresses time {t}x); {w.frames} is not. "
+            f"Nearest valid: {low} or {high}."
+        )
+
+
+def make_workload(
+    spec: ModelSpec,
+    *,
+    batch: int | None = None,
+    frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    steps: int | None = None,
+    cfg_passes: int | None = None,
+) -> Workload:
+    """The model's default workload with the given fields replaced, validated."""
+    d = spec.default_workload
+    fields = {
+        "batch": d.batch if batch is None else batch,
+        "frames": d.frames if frames is None else frames,
+        "height": d.height if height is None else height,
+        "width": d.width if width is None else width,
+        "steps": d.steps if steps is None else steps,
+        "cfg_passes": d.cfg_passes if cfg_passes is None else cfg_passes,
+    }
+    for key, value in fields.items():
+        if value < 1 and key != "cfg_passes":
+            raise WorkloadError(f"--{key} must be at least 1, got {value}")
+    if fields["cfg_passes"] not in (1, 2):
+        raise WorkloadError(f"cfg passes must be 1 or 2, got {fields['cfg_passes']}")
+    w = Workload(**fields)
+    validate(spec, w)
+    return w

@@ -1,0 +1,186 @@
+"""Step-time, memory and policy behaviour, with property tests over the catalog (hypothesis)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkflow_planner.catalog import get_hardware, get_model
+from chunkflow_planner.memory import estimate_memory, runtime_need
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.policy import Infeasible, Problem, decide, residency_grid
+from chunkflow_planner.steptime import step_time
+from chunkflow_planner.workload import make_workload
+
+MB = 10**6
+GB = 10**9
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+video_case = st.tuples(
+    st.sampled_from(["wan2.2", "hunyuan", "Wan2.1-T2V-14B"]),
+    st.sampled_from([9, 21, 33, 41, 81]),
+    st.sampled_from(["h200", "h100-pcie-x2-paper", "rtx-4090", "l40s"]),
+    st.sampled_from([1, 2]),
+)
+image_case = st.tuples(
+    st.sampled_from(["flux", "qwen"]), st.sampled_from([1, 2, 4, 8]), st.sampled_from(["h200", "rtx-4090", "a100-80gb"]),
+    st.sampled_from([1, 2]),
+)
+
+
+def _problem(case) -> Problem:
+    name, x, hw_name, sp = case
+    spec = get_model(name)
+    hw = get_hardware(hw_name)
+    if spec.is_video:
+        w = make_workload(spec, frames=x, height=720 if name != "wan2.2" else 704, width=1280)
+    else:
+        w = make_workload(spec, batch=x)
+    if sp > hw.gpus:
+        hw = hw.model_copy(update={"gpus": sp})
+    return Problem(spec, w, hw, sp)
+
+
+def test_layerwise_hides_prefetch_when_compute_is_long():
+    wan = get_model("wan2.2")
+    hw = get_hardware("h200")
+    w = make_workload(wan, frames=121)
+    none = step_time(wan, w, hw, OffloadConfig("none"))
+    lw = step_time(wan, w, hw, OffloadConfig("layerwise"))
+    assert lw.prefetch_stall == 0.0
+    assert lw.total == pytest.approx(none.total + lw.overhead)
+
+
+def test_exposed_prefetch_is_the_gap_between_pref_and_comp():
+    wan = get_model("wan2.2")
+    hw = get_hardware("h200").model_copy(update={"h2d_link_gbps": 5.0, "block_overhead_us": 0.0})
+    w = make_workload(wan, frames=41)
+    none = step_time(wan, w, hw, OffloadConfig("none"))
+    lw = step_time(wan, w, hw, OffloadConfig("layerwise"))
+    t_pref = wan.mean_block_bytes / (hw.eta_pref * 5e9) + hw.dma_startup_us * 1e-6
+    per_block_comp = none.compute / w.cfg_passes / wan.n_blocks
+    assert lw.prefetch_stall == pytest.approx(w.cfg_passes * wan.n_blocks * (t_pref - per_block_comp), rel=1e-9)
+
+
+def test_contention_stall_only_with_collectives_and_removed_by_yielding():
+    wan = get_model("wan2.2")
+    hw = get_hardware("h200-x2-pcie")
+    w = make_workload(wan, frames=81)
+    lw1 = step_time(wan, w, hw, OffloadConfig("layerwise"), sp=1)
+    lw2 = step_time(wan, w, hw, OffloadConfig("layerwise"), sp=2)
+    cf2 = step_time(wan, w, hw, OffloadConfig("chunkflow", 16 * MB), sp=2)
+    blind = step_time(wan, w, hw, OffloadConfig("chunkflow", 16 * MB, comm_aware=False), sp=2)
+    assert lw1.contention_stall == 0.0 and lw2.contention_stall > 0.0
+    assert cf2.contention_stall < 0.2 * lw2.contention_stall
+    assert blind.contention_stall == pytest.approx(lw2.contention_stall, rel=0.05)
+    assert cf2.total < lw2.total
+
+
+def test_chunk_size_trades_dma_cost_against_tail():
+    wan = get_model("wan2.2")
+    hw = get_hardware("h200-x2-pcie")
+    w = make_workload(wan, frames=81)
+    tails = [step_time(wan, w, hw, OffloadConfig("chunkflow", c * MB), sp=2).contention_stall for c in (4, 16, 64, 256)]
+    assert tails == sorted(tails)  # a larger chunk waits longer at each yield
+    cost_small = step_time(wan, w, hw.model_copy(update={"h2d_link_gbps": 2.0}), OffloadConfig("chunkflow", 4 * MB))
+    cost_large = step_time(wan, w, hw.model_copy(update={"h2d_link_gbps": 2.0}), OffloadConfig("chunkflow", 64 * MB))
+    assert cost_small.total > cost_large.total  # more copies, more DMA start-up when the link is the bottleneck
+
+
+def test_cfg_passes_double_the_step():
+    wan = get_model("wan2.2")
+    hw = get_hardware("h200")
+    one = step_time(wan, make_workload(wan, frames=41, cfg_passes=1), hw, OffloadConfig("none"))
+    two = step_time(wan, make_workload(wan, frames=41, cfg_passes=2), hw, OffloadConfig("none"))
+    assert two.total == pytest.approx(2 * one.total)
+
+
+def test_memory_modes_order_and_parts():
+    wan = get_model("wan2.2")
+    w = make_workload(wan, frames=81)
+    none = estimate_memory(wan, w, OffloadConfig("none"))
+    lw = estimate_memory(wan, w, OffloadConfig("layerwise"))
+    cf = estimate_memory(wan, w, OffloadConfig("chunkflow", 16 * MB, 0.0))
+    block = wan.block_bytes(wan.blocks[0])
+    assert none.peak == pytest.approx(wan.total_params * 2 + none.activations, abs=1)
+    assert lw.streaming_buffers == 2 * block and lw.pinned_host == wan.block_bytes_total
+    assert cf.peak == lw.peak
+    assert estimate_memory(wan, w, OffloadConfig("chunkflow", 16 * MB, 1.0)).peak == none.peak
+    sp2 = estimate_memory(wan, w, OffloadConfig("none"), sp=2)
+    assert sp2.activations == pytest.approx(none.activations / 2)
+
+
+def test_plan_is_none_when_model_fits():
+    p = _problem(("wan2.2", 81, "h200", 1))
+    d = decide(p, budget=140 * GB)
+    assert d.chosen.cfg.mode == "none" and "only cost time" in d.reason
+
+
+def test_plan_picks_residency_when_prefetch_is_exposed():
+    p = _problem(("wan2.2", 41, "h100-pcie-x2-paper", 2))
+    p = Problem(p.spec, p.workload, p.hw, 2, prefetch_bytes=520e6)
+    budget = int(0.9 * runtime_need(p.evaluate(OffloadConfig("none")).memory.peak))
+    d = decide(p, budget=budget, max_slowdown=1.2)
+    assert d.chosen.cfg.mode == "chunkflow"
+    assert 0 < d.chosen.cfg.residency < 1
+    assert d.chosen.step_time <= d.target_s
+    assert d.chosen.need <= budget
+    # one chunk-step less residency would miss the target: the choice is the smallest
+    C = d.chosen.cfg.chunk_bytes
+    grid = residency_grid(p.spec, C)
+    lower = grid[grid.index(d.chosen.cfg.residency) - 1]
+    assert p.evaluate(OffloadConfig("chunkflow", C, lower)).step_time > d.target_s
+
+
+def test_infeasible_names_the_binding_constraint():
+    p = _problem(("wan2.2", 81, "h200", 1))
+    with pytest.raises(Infeasible) as mem:
+        decide(p, budget=1 * GB)
+    assert mem.value.binding == "memory" and mem.value.min_memory > 1 * GB
+    with pytest.raises(Infeasible) as lat:
+        decide(p, budget=6 * GB, target_step_time=0.01)
+    assert lat.value.binding == "latency" and lat.value.best_step_time > 0.01
+
+
+@SETTINGS
+@given(case=st.one_of(video_case, image_case), chunk_mb=st.sampled_from([4, 16, 64, 256]))
+def test_step_time_never_rises_and_memory_never_falls_with_residency(case, chunk_mb):
+    p = _problem(case)
+    C = chunk_mb * MB
+    points = [p.evaluate(OffloadConfig("chunkflow", C, r)) for r in residency_grid(p.spec, C)]
+    times = [pt.step_time for pt in points]
+    mems = [pt.memory.peak for pt in points]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:]))
+    assert all(b >= a for a, b in zip(mems, mems[1:]))
+
+
+@SETTINGS
+@given(
+    case=st.one_of(video_case, image_case),
+    slow=st.tuples(st.floats(1.0, 1.5), st.floats(0.0, 0.5)),
+    budget_frac=st.floats(0.05, 0.9),
+)
+def test_looser_target_never_raises_residency(case, slow, budget_frac):
+    p = _problem(case)
+    none_need = runtime_need(p.evaluate(OffloadConfig("none")).memory.peak)
+    budget = int(none_need * budget_frac)
+    tight, loose = slow[0], slow[0] + slow[1]
+    try:
+        r_tight = decide(p, budget, max_slowdown=tight).chosen.cfg.residency
+    except Infeasible:
+        return
+    r_loose = decide(p, budget, max_slowdown=loose).chosen.cfg.residency  # must stay feasible
+    assert r_loose <= r_tight
+
+
+@SETTINGS
+@given(case=st.one_of(video_case, image_case), budget_frac=st.floats(0.05, 1.2), extra=st.floats(0.0, 0.5))
+def test_larger_budget_never_turns_feasible_infeasible(case, budget_frac, extra):
+    p = _problem(case)
+    none_need = runtime_need(p.evaluate(OffloadConfig("none")).memory.peak)
+    small = int(none_need * budget_frac)
+    try:
+        decide(p, small)
+    except Infeasible:
+        return
+    decide(p, int(small * (1 + extra)))
