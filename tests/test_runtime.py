@@ -1,0 +1,264 @@
+"""CPU tests of the runtime: the same control flow as on CUDA, with synchronous copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+from diffusers import FluxTransformer2DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel  # noqa: E402
+
+import chunkflow  # noqa: E402
+from chunkflow import OffloadError  # noqa: E402
+
+
+def _wan(mixed: bool = False):
+    torch.manual_seed(0)
+    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=8,
+                              out_channels=8, text_dim=128, freq_dim=128, ffn_dim=256, num_layers=3,
+                              rope_max_seq_len=64).eval()
+    if mixed:  # bf16 with Wan's fp32 modules kept in fp32: blocks hold two dtypes
+        keep = m._keep_in_fp32_modules
+        for n, p in m.named_parameters():
+            if not any(k in n.split(".") for k in keep):
+                p.data = p.data.to(torch.bfloat16)
+    dt = torch.bfloat16 if mixed else torch.float32
+    g = torch.Generator().manual_seed(1)
+    kw = dict(hidden_states=torch.randn(1, 8, 3, 8, 8, generator=g).to(dt), timestep=torch.tensor([500.0]),
+              encoder_hidden_states=torch.randn(1, 7, 128, generator=g).to(dt), return_dict=False)
+    return m, [m.blocks], kw
+
+
+def _flux():
+    torch.manual_seed(0)
+    m = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+                               num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                               guidance_embeds=True, axes_dims_rope=(4, 6, 6)).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.zeros(4, 4, 3)
+    ids[..., 1] = torch.arange(4)[:, None]
+    ids[..., 2] = torch.arange(4)[None]
+    kw = dict(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+              pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
+              img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(6, 3), guidance=torch.tensor([3.5]), return_dict=False)
+    return m, [m.transformer_blocks, m.single_transformer_blocks], kw
+
+
+def _hunyuan():
+    torch.manual_seed(0)
+    m = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+                                       num_layers=2, num_single_layers=2, num_refiner_layers=1, mlp_ratio=2.0,
+                                       patch_size=2, patch_size_t=1, text_embed_dim=32, pooled_projection_dim=16,
+                                       rope_axes_dim=(4, 6, 6), guidance_embeds=True).eval()
+    g = torch.Generator().manual_seed(1)
+    kw = dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([500.0]),
+              encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+              encoder_attention_mask=torch.ones(1, 6, dtype=torch.int64),
+              pooled_projections=torch.randn(1, 16, generator=g), guidance=torch.tensor([6000.0]), return_dict=False)
+    return m, [m.transformer_blocks, m.single_transformer_blocks], kw
+
+
+MODELS = {"wan": _wan, "wan_mixed": lambda: _wan(mixed=True), "flux": _flux, "hunyuan": _hunyuan}
+CASES = [("none", 1, 0.0), ("layerwise", 1, 0.0), ("chunkflow", 4096, 0.0), ("chunkflow", 3001, 0.0),
+         ("chunkflow", 3001, 0.3), ("chunkflow", 50_000, 0.5), ("chunkflow", 1000, 1.0), ("chunkflow", "1MB", 0.0)]
+
+
+def _run(m, kw):
+    with torch.no_grad():
+        return m(**kw)[0]
+
+
+def _snapshot(m):
+    return [(n, id(p), p.device, p.dtype, p.detach().clone()) for n, p in m.named_parameters()] + \
+           [(n, id(b), b.device, b.dtype, b.clone()) for n, b in m.named_buffers()]
+
+
+def _same(m, snap) -> bool:
+    now = _snapshot(m)
+    return len(now) == len(snap) and all(
+        a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[3] == b[3] and torch.equal(a[4], b[4])
+        for a, b in zip(now, snap))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("mode,chunk,r", CASES)
+def test_bit_exact_and_remove_restores(model, mode, chunk, r):
+    m, blocks, kw = MODELS[model]()
+    ref = _run(m, kw)
+    snap = _snapshot(m)
+    h = chunkflow.offload(m, mode=mode, chunk_size=chunk, residency=r, device="cpu", blocks=blocks, record_chunks=True)
+    for _ in range(3):
+        assert torch.equal(_run(m, kw), ref)
+    assert [id(p) for p in m.parameters()] == [s[1] for s in snap if s[0] in dict(m.named_parameters())]
+    st = h.stats()
+    if mode != "none":
+        assert st.forwards == 3
+        assert st.host_bytes == sum(b.nbytes for b in h.layouts) + sum(
+            b.host_offset - (a.host_offset + a.nbytes) for a, b in zip(h.layouts, h.layouts[1:]))
+    h.remove()
+    assert _same(m, snap)
+    assert torch.equal(_run(m, kw), ref)
+    with pytest.raises(OffloadError):  # removed twice is harmless; offloading again works
+        h2 = chunkflow.offload(m, mode=mode, chunk_size=chunk, residency=r, device="cpu", blocks=blocks)
+        chunkflow.offload(m, mode=mode, chunk_size=chunk, residency=r, device="cpu", blocks=blocks)
+    h2.remove()
+    assert _same(m, snap)
+
+
+@pytest.mark.parametrize("model", ["wan", "wan_mixed", "flux"])
+@pytest.mark.parametrize("chunk,r", [(4096, 0.0), (3001, 0.3), (7000, 0.5), (3001, 0.77), (1000, 1.0), (None, 0.0)])
+def test_every_streamed_byte_copied_once_per_step(model, chunk, r):
+    m, blocks, kw = MODELS[model]()
+    mode = "layerwise" if chunk is None else "chunkflow"
+    h = chunkflow.offload(m, mode=mode, chunk_size=chunk or 1, residency=r, device="cpu", blocks=blocks,
+                          record_chunks=True)
+    n_streamed = sum(b.is_streamed for b in h.layouts)
+    for step in range(3):
+        h.chunk_log.clear()
+        _run(m, kw)
+        per_block: dict[int, list] = {}
+        for c in h.chunk_log:
+            if c.kind == "h2d":
+                per_block.setdefault(c.block, []).append((c.start, c.end))
+        assert len(per_block) == n_streamed
+        for b in h.layouts:
+            ranges = sorted(per_block.get(b.index, []))
+            if not b.is_streamed:
+                assert not ranges
+                continue
+            # union covers exactly [R_l, V_l), no overlap, no gap
+            assert ranges[0][0] == b.resident_bytes and ranges[-1][1] == b.nbytes
+            assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+            if chunk is not None:
+                assert all(e - s == chunk for s, e in ranges[:-1]) and ranges[-1][1] - ranges[-1][0] <= chunk
+            else:
+                assert len(ranges) == 1
+        assert sum(e - s for v in per_block.values() for s, e in v) == h.stats().streamed_bytes_per_step
+    # chunk copies come in issue order, one block after the other, the next block's after the current's
+    orders = [c.order for c in h.chunk_log]
+    assert orders == sorted(orders)
+    h.remove()
+
+
+@pytest.mark.parametrize("r", [0.0, 0.1, 0.3, 0.5, 0.77, 1.0])
+@pytest.mark.parametrize("chunk", [1000, 3001, 16384])
+def test_residency_within_one_chunk(r, chunk):
+    m, blocks, kw = _wan(mixed=True)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=chunk, residency=r, device="cpu", blocks=blocks)
+    for b in h.layouts:
+        assert abs(b.resident_bytes - r * b.nbytes) <= chunk
+        assert b.resident_bytes % chunk == 0 or b.resident_bytes == b.nbytes
+    st = h.stats()
+    assert abs(st.achieved_residency - r) <= chunk / min(b.nbytes for b in h.layouts)
+    assert st.resident_bytes + st.streamed_bytes_per_step == sum(b.nbytes for b in h.layouts)
+    h.remove()
+
+
+def test_host_bytes_at_most_105_percent_of_offloaded():
+    m, blocks, _ = _wan()  # all dims multiples of 64 fp32 elements: no alignment padding to speak of
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="4KB", device="cpu", blocks=blocks)
+    st = h.stats()
+    assert st.bytes_offloaded > 0
+    assert st.host_bytes <= 1.05 * st.bytes_offloaded
+    assert st.pinned_bytes == 0  # no CUDA: nothing pinned
+    assert h.store.data.numel() == st.host_bytes
+    h.remove()
+
+
+def test_streaming_memory_is_two_slots_allocated_once():
+    m, blocks, kw = _wan()
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=3001, residency=0.3, device="cpu", blocks=blocks)
+    slots = [s.data_ptr() for s in h.streamer.slots]
+    _run(m, kw)
+    _run(m, kw)
+    assert [s.data_ptr() for s in h.streamer.slots] == slots
+    assert h.stats().slot_bytes == max(b.slot_extent for b in h.layouts)
+    # between blocks, streamed tensors are placeholders; resident ones stay bound
+    for b in h.layouts:
+        for t in b.streamed_tensors():
+            assert getattr(t.owners[0][0], t.owners[0][1]).numel() == 0
+    h.remove()
+
+
+def test_gate_is_asked_before_every_h2d_chunk():
+    m, blocks, kw = _wan()
+    asked = []
+
+    def gate(block, start, end):
+        asked.append((block, start, end))
+        return None
+
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=5000, device="cpu", blocks=blocks, gate=gate,
+                          record_chunks=True)
+    _run(m, kw)
+    assert asked == [(c.block, c.start, c.end) for c in h.chunk_log if c.kind == "h2d"]
+    h.remove()
+
+
+def test_odd_block_count_and_single_block():
+    m, blocks, kw = _wan()
+    ref = _run(m, kw)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=4000, device="cpu", blocks=[m.blocks[1]])
+    for _ in range(3):
+        assert torch.equal(_run(m, kw), ref)
+    h.remove()
+    assert torch.equal(_run(m, kw), ref)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _bad(m, **kw):
+    snap = _snapshot(m)
+    with pytest.raises(OffloadError) as e:
+        chunkflow.offload(m, **kw)
+    assert _same(m, snap)
+    assert not hasattr(m, "_chunkflow_handle")
+    return str(e.value)
+
+
+def test_bad_inputs_raise_and_leave_module_untouched(tmp_path):
+    m, blocks, kw = _wan()
+    assert "outside [0, 1]" in _bad(m, residency=1.5, device="cpu", blocks=blocks)
+    assert "outside [0, 1]" in _bad(m, residency=-0.1, device="cpu", blocks=blocks)
+    assert "positive" in _bad(m, chunk_size=0, device="cpu", blocks=blocks)
+    assert "positive" in _bad(m, chunk_size=-5, device="cpu", blocks=blocks)
+    assert "cannot be parsed" in _bad(m, chunk_size="sixteen", device="cpu", blocks=blocks)
+    assert "mode" in _bad(m, mode="fast", device="cpu", blocks=blocks)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    msg = _bad(other, device="cpu")
+    assert "blocks=" in msg
+    assert "submodule" in _bad(m, device="cpu", blocks=[other[0]])
+    if not torch.cuda.is_available():
+        msg = _bad(m, device="cuda", blocks=blocks)
+        assert "CUDA is not available" in msg and "device='cpu'" in msg
+    assert "does not exist" in _bad(m, plan=tmp_path / "nope.json", device="cpu", blocks=blocks)
+
+
+def test_plan_for_another_model_is_refused(tmp_path):
+    from chunkflow_planner.plan import Plan
+
+    plan = Plan.model_validate({
+        "model": {"name": "FLUX.1-dev", "n_blocks": 57, "block_bytes_total": 1, "non_block_bytes": 1},
+        "workload": {"batch": 1, "frames": 1, "height": 1024, "width": 1024, "tokens": 4096, "steps": 28},
+        "parallel": {}, "hardware": {"name": "h200", "peak_tflops": 1, "h2d_gbps": 1, "eta_comp": 1, "eta_pref": 1},
+        "analysis": {"block_flops_per_gpu": 1, "prefetch_bytes_per_block": 1, "f_star": 1, "i_block": 1, "i_star": 1,
+                     "t_comp_s": 1, "t_pref_s": 1, "regime": "hidden", "critical": {"axis": "batch", "value": None}},
+        "offload": {"mode": "chunkflow", "chunk_bytes": 4096, "residency": 0.25},
+        "prediction": {"step_time_s": 1, "peak_memory_bytes": 1,
+                       "baselines": {"none": {"step_time_s": 1, "peak_memory_bytes": 1},
+                                     "layerwise": {"step_time_s": 1, "peak_memory_bytes": 1}}},
+    })
+    m, blocks, kw = _wan()
+    msg = _bad(m, plan=plan, device="cpu", blocks=blocks)
+    assert "FLUX.1-dev" in msg and "WanTransformer3DModel" in msg
+    # the same plan drives a Flux module: mode, chunk and residency come from it
+    f, fblocks, fkw = _flux()
+    ref = _run(f, fkw)
+    path = tmp_path / "plan.json"
+    plan.write(path)
+    h = chunkflow.offload(f, plan=path, device="cpu")  # blocks from the catalog adapter
+    assert h.stats().chunk_bytes == 4096 and h.stats().target_residency == 0.25
+    assert h.stats().n_blocks == 5
+    assert torch.equal(_run(f, fkw), ref)
+    h.remove()
