@@ -14,6 +14,15 @@ from typing import Literal
 Mode = Literal["none", "layerwise", "chunkflow"]
 
 
+def resident_bytes(V: int | float, C: int | float, r: float) -> int | float:
+    """R_l: the whole-chunk prefix of a V-byte block (chunks of C bytes, the last one shorter) nearest to r V."""
+    if r <= 0 or V <= 0:
+        return 0
+    k = math.floor(r * V / C)
+    below, above = min(k * C, V), min((k + 1) * C, V)
+    return above if (above - r * V) <= (r * V - below) else below
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """One point of the design space: mode, chunk size C (bytes), residency r, communication awareness."""
@@ -35,8 +44,7 @@ class OffloadConfig:
             return V
         if self.mode == "layerwise" or self.residency == 0.0:
             return 0.0
-        C = float(self.chunk_bytes)  # type: ignore[arg-type]
-        return min(round(self.residency * math.ceil(V / C)) * C, V)
+        return float(resident_bytes(V, float(self.chunk_bytes), self.residency))  # type: ignore[arg-type]
 
     def streamed_bytes(self, V: float) -> float:
         """Bytes of a V-byte block copied host-to-device once per forward."""

@@ -4,7 +4,7 @@ and the split of that range into a resident head and a streamed tail (paper sect
 Pure bookkeeping on shapes and dtypes: nothing here allocates or copies, so it runs on meta tensors.
 
 Symbols follow the paper and the issue: V_l is block l's packed byte extent, C the chunk size, r the target
-residency, k_l = round(r V_l / C) the resident chunks, R_l = min(k_l C, V_l) the resident bytes. The streamed
+residency, R_l = min(k_l C, V_l) the resident bytes, k_l whole chunks chosen so R_l is nearest to r V_l. The streamed
 tail is [R_l, V_l). A tensor straddling R_l starts at R'_l < R_l; the device slot holds [A_l, V_l) with
 A_l = floor_256(R'_l), so every tensor keeps its alignment inside the slot. Bytes [R'_l, R_l) are copied
 device-to-device from the resident buffer, bytes [R_l, V_l) host-to-device in chunks.
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from chunkflow_planner.offload import resident_bytes
 
 ALIGN = 256
 
@@ -161,8 +163,7 @@ def split_residency(b: BlockLayout, chunk_bytes: int | None, residency: float) -
         b.resident_bytes = b.straddle_start = b.slot_start = 0
         b.chunks = []
         return
-    k = round(residency * V / C)
-    R = min(k * C, V)
+    R = int(resident_bytes(V, C, residency))  # the planner's rule: nearest whole-chunk prefix to r V
     straddle = [t.offset for t in b.tensors if t.offset < R < t.end]
     r_prime = straddle[0] if straddle else R
     b.resident_bytes = R
