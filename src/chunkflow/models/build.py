@@ -207,18 +207,28 @@ def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, 
     loading = isinstance(source, _SafetensorsSource)
     mod_names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
     done: set[int] = set()
+    moved: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for m in module.modules():
             prefix = mod_names[id(m)]
             items = [(a, t, True) for a, t in m._parameters.items()]
-            items += [(a, t, False) for a, t in m._buffers.items()] if loading else []
+            items += [(a, t, False) for a, t in m._buffers.items()]
             for attr, p, is_param in items:
+                if p is not None and id(p) in moved:  # a buffer shared with a module seen before
+                    m._buffers[attr] = moved[id(p)]
+                    continue
                 if p is None or id(p) in done:
                     continue
                 done.add(id(p))
                 name = f"{prefix}.{attr}" if prefix else attr
-                if not is_param and name not in source.where:
-                    continue  # a non-persistent buffer: keep the value computed at construction
+                if not is_param and not (loading and name in source.where):
+                    # a buffer computed at construction (e.g. rope tables): keep its value, in its final home
+                    if id(p) in entry_of:
+                        b, t = entry_of[id(p)]
+                        store.view(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape).copy_(p)
+                    else:
+                        moved[id(p)] = m._buffers[attr] = p.to(cfg.device)
+                    continue
                 if id(p) in entry_of:
                     b, t = entry_of[id(p)]
                     source.fill(name, m, attr, store.view(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape))
