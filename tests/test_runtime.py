@@ -58,7 +58,20 @@ def _hunyuan():
     return m, [m.transformer_blocks, m.single_transformer_blocks], kw
 
 
-MODELS = {"wan": _wan, "wan_mixed": lambda: _wan(mixed=True), "flux": _flux, "hunyuan": _hunyuan}
+def _qwen():
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    m = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16,
+                                    num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)).eval()
+    g = torch.Generator().manual_seed(1)
+    kw = dict(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+              encoder_hidden_states_mask=torch.ones(1, 6, dtype=torch.int64), timestep=torch.tensor([0.5]),
+              img_shapes=[[(1, 4, 4)]], return_dict=False)
+    return m, [m.transformer_blocks], kw
+
+
+MODELS = {"wan": _wan, "wan_mixed": lambda: _wan(mixed=True), "flux": _flux, "hunyuan": _hunyuan, "qwen": _qwen}
 CASES = [("none", 1, 0.0), ("layerwise", 1, 0.0), ("chunkflow", 4096, 0.0), ("chunkflow", 3001, 0.0),
          ("chunkflow", 3001, 0.3), ("chunkflow", 50_000, 0.5), ("chunkflow", 1000, 1.0), ("chunkflow", "1MB", 0.0)]
 
