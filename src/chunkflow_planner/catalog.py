@@ -8,6 +8,7 @@ installed `chunkflow` finds them. Per-block parameter counts are derived from th
 from __future__ import annotations
 
 import difflib
+import math
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -140,10 +141,44 @@ class HardwareSpec(_Strict):
     contention: float = Field(1.0, ge=1.0, description="collective slowdown while H2D is in flight on a shared link")
     eta_comp: float = Field(gt=0, le=1, description="achieved fraction of P_peak on DiT blocks")
     eta_pref: float = Field(gt=0, le=1, description="achieved fraction of the H2D bandwidth for large copies")
+    eta_comp_curve: list[tuple[float, float]] | None = Field(
+        None,
+        description="measured [F_block, eta_comp] pairs (FLOP, fraction of P_peak), increasing in F; the planner "
+        "interpolates eta linearly in log F and clamps at the ends. Without it the scalar eta_comp applies.",
+    )
+    gemm_tflops: float | None = Field(None, gt=0, description="measured bf16 GEMM rate (calibrate), for reference")
     dma_startup_us: float = Field(3.0, ge=0, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, description="runtime cost per collective when yielding")
     source: str = Field("", description="where these numbers come from")
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> "HardwareSpec":
+        curve = self.eta_comp_curve
+        if curve is not None:
+            if not curve:
+                raise ValueError("eta_comp_curve must hold at least one [flops, eta] pair (or be left out)")
+            flops = [f for f, _ in curve]
+            if any(f <= 0 for f in flops) or any(b <= a for a, b in zip(flops, flops[1:])):
+                raise ValueError("eta_comp_curve needs positive FLOP values in strictly increasing order")
+            if any(not 0 < e <= 1 for _, e in curve):
+                raise ValueError("eta_comp_curve efficiencies must be in (0, 1]")
+        return self
+
+    def eta_comp_at(self, F: float) -> float:
+        """eta_comp for a block of F FLOP (per GPU): the curve interpolated in log F, clamped; else eta_comp."""
+        curve = self.eta_comp_curve
+        if not curve:
+            return self.eta_comp
+        if F <= curve[0][0]:
+            return curve[0][1]
+        if F >= curve[-1][0]:
+            return curve[-1][1]
+        for (f0, e0), (f1, e1) in zip(curve, curve[1:]):
+            if F <= f1:
+                u = (math.log(F) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return e0 + u * (e1 - e0)
+        return curve[-1][1]  # pragma: no cover
 
     @property
     def h2d_gbps(self) -> float:

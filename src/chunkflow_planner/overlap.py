@@ -7,6 +7,7 @@ where the per-GPU F_block crosses F_star, by root finding on the continuous work
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +44,26 @@ def I_block(F_block: float, B_pref: float) -> float:
 def I_star(P_peak: float, eta_comp: float, BW_h2d: float, eta_pref: float) -> float:
     """Eq. 6: the roofline turning point eta_comp * P_peak / (eta_pref * BW_h2d) (FLOP per byte)."""
     return eta_comp * P_peak / (eta_pref * BW_h2d)
+
+
+def T_comp_hw(F_block: float, hw: HardwareSpec) -> float:
+    """Eq. 1 with the hardware's efficiency at this block size: F / (eta_comp(F) * P_peak)."""
+    return T_comp(F_block, hw.peak_tflops * TFLOP, hw.eta_comp_at(F_block))
+
+
+def F_star_hw(hw: HardwareSpec, B_pref: float) -> float:
+    """Eq. 4 on `hw`: the F_block at which T_comp(F) = T_pref(B_pref).
+
+    With a scalar eta_comp this is the closed form; with a measured eta_comp(F) curve the efficiency depends on
+    F itself, so the root of T_comp(F) - T_pref is found by brentq in log F (T_comp grows with F).
+    """
+    P, BW = hw.peak_tflops * TFLOP, hw.h2d_gbps * GB
+    if not hw.eta_comp_curve:
+        return F_star(P, hw.eta_comp, B_pref, BW, hw.eta_pref)
+    tp = T_pref(B_pref, BW, hw.eta_pref)
+    g = lambda logF: T_comp_hw(math.exp(logF), hw) - tp  # noqa: E731
+    lo, hi = math.log(1.0), math.log(1e24)
+    return math.exp(brentq(g, lo, hi, xtol=1e-12, rtol=1e-12))
 
 
 @dataclass(frozen=True)
@@ -120,7 +141,9 @@ def analyse(
     """The overlap analysis of workload `w` on `hw`: per-GPU F_block, B_pref, F_star, regime, critical point.
 
     B_pref is the mean per-block parameter bytes (Appendix B) unless `prefetch_bytes` overrides it (the
-    paper profiles it). Tokens are the workload's S; batch and frames enter through F_block.
+    paper profiles it). With a calibrated eta_comp(F) curve, T_comp uses the efficiency at this F_block and F_star
+    is the root of T_comp(F) = T_pref; the critical point then solves F_block(x) = F_star, which is the same as
+    T_comp(F_block(x)) = T_pref since T_comp increases with F. Tokens are the workload's S; batch and frames enter through F_block.
     """
     from chunkflow_planner.workload import tokens
 
@@ -128,14 +151,14 @@ def analyse(
     BW = hw.h2d_gbps * GB
     B_pref = spec.mean_block_bytes if prefetch_bytes is None else float(prefetch_bytes)
     F = F_block_per_gpu(spec, w.batch, tokens(spec, w), sp, text_len)
-    fs = F_star(P, hw.eta_comp, B_pref, BW, hw.eta_pref)
+    fs = F_star_hw(hw, B_pref)
     return OverlapAnalysis(
         F_block=F,
         B_pref=B_pref,
         F_star=fs,
         I_block=I_block(F, B_pref),
-        I_star=I_star(P, hw.eta_comp, BW, hw.eta_pref),
-        T_comp=T_comp(F, P, hw.eta_comp),
+        I_star=I_star(P, hw.eta_comp_at(fs), BW, hw.eta_pref),  # = F_star / B_pref, also with a curve
+        T_comp=T_comp_hw(F, hw),
         T_pref=T_pref(B_pref, BW, hw.eta_pref),
         critical=critical_point(spec, w, fs, sp, text_len),
     )

@@ -54,6 +54,7 @@ class PlanHardware(_Section):
     eta_pref: float
     memory_bytes: int | None = None
     peer_link: str = "none"
+    spec: dict | None = Field(None, description="the full hardware profile planned with (HardwareSpec fields)")
 
 
 class Critical(_Section):
@@ -71,6 +72,7 @@ class Analysis(_Section):
     i_star: float
     t_comp_s: float
     t_pref_s: float
+    eta_comp_used: float | None = Field(None, description="eta_comp at this F_block (the curve's value, if any)")
     regime: Literal["hidden", "exposed"]
     critical: Critical
 

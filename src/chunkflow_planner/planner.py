@@ -131,10 +131,12 @@ def make_plan(
         hardware=PlanHardware(
             name=hw.name, source=hardware.source, peak_tflops=hw.peak_tflops, h2d_gbps=hw.h2d_gbps,
             eta_comp=hw.eta_comp, eta_pref=hw.eta_pref, memory_bytes=hw.memory_bytes, peer_link=hw.peer_link,
+            spec=hw.model_dump(mode="json"),
         ),
         analysis=Analysis(
             block_flops_per_gpu=analysis.F_block, prefetch_bytes_per_block=analysis.B_pref, f_star=analysis.F_star,
             i_block=analysis.I_block, i_star=analysis.I_star, t_comp_s=analysis.T_comp, t_pref_s=analysis.T_pref,
+            eta_comp_used=hw.eta_comp_at(analysis.F_block),
             regime=analysis.regime,
             critical=Critical(
                 axis=analysis.critical.axis, value=analysis.critical.value,

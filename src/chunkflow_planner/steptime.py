@@ -1,9 +1,11 @@
 """Denoising step time per offload mode: compute, collectives, exposed prefetch, contention, overhead.
 
-Each block l computes for T_comp,l (eq. 1) and, under Ulysses SP, runs n_coll all-to-alls. Meanwhile
+Each block l computes for T_comp,l (eq. 1, with eta_comp at that block's F when the profile has a measured
+eta_comp(F) curve) and, under Ulysses SP, runs n_coll all-to-alls. Meanwhile
 the copy stream fetches block l+1 (the last block fetches the first, for the next forward):
 T_pref = streamed bytes / (eta_pref BW_h2d) (eq. 2) plus a DMA start-up cost per copy (chunk-size
-efficiency). A block's wall time is the longer of the two paths, plus:
+efficiency). `chunkflow calibrate` fits t(C) = dma_startup + C / BW_h2d to pinned copies of 1-256 MB, so in a
+calibrated profile BW_h2d is the asymptotic rate, the DMA term carries the whole size effect and eta_pref is 1. A block's wall time is the longer of the two paths, plus:
 - layerwise (and chunkflow without communication awareness): collectives that meet an in-flight H2D
   copy run `contention` times slower, for the fraction of the block window the prefetch is in flight;
   on a PCIe peer link the collective's bytes also occupy the path the prefetch needs.
@@ -21,7 +23,7 @@ from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workl
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes
 from chunkflow_planner.offload import OffloadConfig
-from chunkflow_planner.overlap import GB, TFLOP, T_comp, T_pref
+from chunkflow_planner.overlap import GB, T_comp_hw, T_pref
 from chunkflow_planner.workload import tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
@@ -97,12 +99,11 @@ def step_time(
     """Predicted step time of `w` on `hw` under `cfg` (per GPU; all GPUs of an SP group run in lockstep)."""
     L = spec.text_len if text_len is None else text_len
     S = tokens(spec, w)
-    P = hw.peak_tflops * TFLOP
     groups = spec.block_sequence()
     V = block_volumes(spec) if prefetch_bytes is None else [float(prefetch_bytes)] * len(groups)
     out = StepTime()
     for l, g in enumerate(groups):
-        tc = T_comp(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, P, hw.eta_comp)
+        tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw)  # eta_comp(F) of this block
         n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
         tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
         wall, stall, cont, over = block_time(tc, tcoll, n_coll, V[(l + 1) % len(groups)], cfg, hw)
