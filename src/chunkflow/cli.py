@@ -131,6 +131,65 @@ def plan_cmd(
         console.print(f"Plan written to {out}")
 
 
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=False)
+
+
+@app.command("run")
+def run_cmd(
+    plan: str = typer.Option(..., "--plan", "-p", help="plan file written by `chunkflow plan --out`"),
+    mode: Optional[str] = typer.Option(None, help="override the plan's mode: none, layerwise or chunkflow"),
+    chunk_size: Optional[str] = typer.Option(None, help="override the chunk size, e.g. 16MB or 4KB"),
+    residency: Optional[float] = typer.Option(None, help="override the residency, a fraction in [0, 1]"),
+    device: Optional[str] = typer.Option(None, help="cuda (default when available), cuda:1 or cpu"),
+    weights: Optional[str] = typer.Option(None, help="local diffusers-format checkpoint directory (default: random weights)"),
+    warmup: int = typer.Option(1, help="untimed warm-up steps"),
+    steps: Optional[int] = typer.Option(None, help="timed denoising steps (default: the plan's steps, at most 5)"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile or catalog GPU to predict with (default: the plan's)"),
+    report: str = typer.Option("run-report.json", help="where to write the JSON run report"),
+    seed: int = typer.Option(0, help="seed for random weights and inputs"),
+) -> None:
+    """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler.
+
+    Each step is cfg_passes transformer forwards plus one scheduler step. Prints measured against predicted
+    step time and peak GPU memory and writes a run report. Under torchrun (WORLD_SIZE > 1) the model runs
+    with Ulysses sequence parallelism over the processes; rank 0 prints and writes the report.
+    """
+    from chunkflow_planner.catalog import CatalogError
+    from chunkflow_planner.plan import PlanError, load_plan
+
+    try:
+        p = load_plan(plan)
+        from chunkflow.run import RunError, RunOptions, check_steps, resolve_options
+
+        opts = RunOptions(mode=mode, chunk_size=chunk_size, residency=residency, device=device, weights=weights,
+                          warmup=warmup, steps=steps, profile=profile, seed=seed)
+        check_steps(warmup, steps)
+        resolve_options(p, opts)  # bad options fail before anything is built
+    except (PlanError, CatalogError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    from chunkflow.report import print_run
+    from chunkflow.run import run_plan
+
+    try:
+        with _progress() as bar:
+            task = bar.add_task("denoising steps", total=None)
+            rep = run_plan(p, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
+                           log=lambda s: err_console.print(s, highlight=False))
+    except (RunError, CatalogError) as exc:
+        _fail(str(exc))
+        return
+    if rep is None:  # not rank 0
+        return
+    rep.write(report)
+    print_run(console, rep)
+    console.print(f"Run report written to {report}")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -65,3 +65,33 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
     console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)}", highlight=False)
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport (imports torch-free)
+    """Measured against predicted for one `chunkflow run`, with relative errors."""
+    r, m, p, e = report.run, report.measured, report.predicted, report.rel_error
+    w = report.plan.workload
+    shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
+    mode = r.mode + (f", chunk {format_bytes(r.chunk_bytes)}, residency {r.residency:.0%}" if r.mode == "chunkflow" else "")
+    console.print(
+        f"[bold]{report.plan.model.name}[/] at {shape}, {w.cfg_passes} forward(s) per step, mode {mode}, "
+        f"on {report.gpu} (SP={r.sp_degree}); {r.steps} timed step(s) after {r.warmup} warm-up",
+        highlight=False,
+    )
+    t = Table(title=f"Measured vs predicted (hardware profile {escape(report.hardware)}, regime {p.regime})")
+    for col in ("quantity", "measured", "predicted", "error"):
+        t.add_column(col, justify="left" if col == "quantity" else "right")
+    t.add_row("step time (median)", format_seconds(m.median_step_s), format_seconds(p.step_time_s), _pct(e.step_time))
+    peak = format_bytes(m.peak_allocated_bytes) if m.peak_allocated_bytes is not None else "- (no GPU)"
+    t.add_row("peak GPU memory (allocated)", peak, format_bytes(p.peak_memory_bytes), _pct(e.peak_memory))
+    if m.peak_reserved_bytes is not None:
+        t.add_row("peak GPU memory (reserved)", format_bytes(m.peak_reserved_bytes), "-", "-")
+    t.add_row("pinned host memory", format_bytes(m.pinned_host_bytes), format_bytes(p.pinned_host_bytes), "-")
+    if m.achieved_residency is not None and r.mode == "chunkflow":
+        t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{r.residency:.1%}", "-")
+    console.print(t)
+    console.print("step times: " + ", ".join(format_seconds(x) for x in m.step_times_s), highlight=False)
