@@ -190,6 +190,90 @@ def run_cmd(
     console.print(f"Run report written to {report}")
 
 
+@app.command("calibrate")
+def calibrate_cmd(
+    model: str = typer.Option("wan2.2", "--model", "-m", help="catalog model whose block sets the eta_comp curve"),
+    out: str = typer.Option("profile.yaml", "--out", "-o", help="write the hardware profile (YAML) here"),
+    save: Optional[bool] = typer.Option(None, "--save/--no-save",
+                                        help="also save it as this machine's default profile (default: yes, except --cpu-smoke)"),
+    cpu_smoke: bool = typer.Option(False, "--cpu-smoke", help="run every measurement tiny on the CPU (tests); the numbers mean nothing"),
+    from_report: Optional[list[str]] = typer.Option(None, "--from-report",
+                                                    help="refit instead of measuring: run report(s) (.json, or .jsonl with one per line)"),
+    profile: Optional[str] = typer.Option(None, help="with --from-report: the profile to refit (default: each report's own)"),
+    gemm_size: int = typer.Option(8192, help="n of the n^3 bf16 GEMM"),
+    peak_tflops: Optional[float] = typer.Option(None, help="P_peak to express eta against (default: the catalog GPU's datasheet peak)"),
+    base: Optional[str] = typer.Option(None, help="catalog GPU whose unmeasured fields the profile inherits (default: by GPU name)"),
+    raw: Optional[str] = typer.Option(None, help="also write the raw measurements as JSON here"),
+) -> None:
+    """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
+    all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses."""
+    from chunkflow_planner.catalog import CatalogError, get_hardware
+    from chunkflow_planner.planner import saved_profile_path
+
+    from chunkflow.calibrate import CalibrationError, profile_yaml, write_profile
+
+    if gemm_size < 1:
+        _fail(f"--gemm-size must be positive, got {gemm_size}")
+    if peak_tflops is not None and peak_tflops <= 0:
+        _fail(f"--peak-tflops must be positive, got {peak_tflops}")
+    if from_report:
+        from chunkflow.calibrate import read_reports, refit
+
+        try:
+            reports = read_reports(from_report)
+            from chunkflow_planner.catalog import HardwareSpec
+
+            hw = get_hardware(profile) if profile else HardwareSpec(**(reports[0].plan.hardware.spec or {}))
+        except (CalibrationError, CatalogError, ValueError) as exc:
+            _fail(str(exc))
+            return
+        new, notes = refit(hw, reports)
+        for n in notes:
+            console.print(f"- {n}", highlight=False)
+        header = f"refit from {', '.join(from_report)}"
+    else:
+        import os
+
+        from chunkflow.calibrate import calibrate
+
+        try:
+            with _progress() as bar:
+                def progress(desc, total):
+                    task = bar.add_task(desc, total=total)
+                    return lambda: bar.advance(task)
+
+                cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
+                                progress=progress, log=lambda s: err_console.print(s, highlight=False))
+        except (CalibrationError, CatalogError) as exc:
+            _fail(str(exc))
+            return
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        new = cal.profile
+        header = "measured by chunkflow calibrate" + (" --cpu-smoke (not a GPU: numbers mean nothing)" if cpu_smoke else "")
+        if raw:
+            import json
+
+            from pathlib import Path
+
+            Path(raw).write_text(json.dumps(cal.raw, indent=2, default=str) + "\n")
+    write_profile(new, out, header)
+    console.print(f"Profile written to {out}")
+    if save if save is not None else not cpu_smoke:
+        path = write_profile(new, saved_profile_path(), header)
+        console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)")
+    t = Table(title=f"Hardware profile {new.name}")
+    t.add_column("field")
+    t.add_column("value", justify="right")
+    for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
+                "coll_gbps", "contention", "block_overhead_us"):
+        v = getattr(new, key)
+        t.add_row(key, "-" if v is None else f"{v:.4g}")
+    if new.eta_comp_curve:
+        t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in new.eta_comp_curve))
+    console.print(t)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,550 @@
+"""`chunkflow calibrate`: measure this machine's factors and write a hardware profile the planner reads.
+
+What is measured, and how each number enters the planner:
+- **GEMM rate**: a bf16 n^3 matmul, median of CUDA-event timings after warm-up (`gemm_tflops`, for reference).
+  P_peak stays the datasheet figure of the matching catalog GPU (else the measured GEMM rate); eta is relative
+  to it, so the choice cancels in T_comp = F / (eta P_peak).
+- **eta_comp(F)**: one block of each block list of `--model` (the real diffusers class, built with a single
+  layer per list, random bf16 weights) timed with CUDA events around the block (forward hooks) at several token
+  counts; eta = F_block(S) / (P_peak t) with the planner's F (flops.py). Stored as `eta_comp_curve`
+  ([F, eta] pairs; the planner interpolates in log F and clamps at the ends); the scalar `eta_comp` is the
+  curve's median, the fallback and summary.
+- **H2D**: pinned-source copies of C = 1..256 MB, back to back, the same total bytes per size; per-copy time
+  t(C) is fitted as t0 + C / BW by least squares in relative error. BW (asymptotic) -> `h2d_link_gbps`,
+  t0 -> `dma_startup_us`, and **eta_pref = 1**: steptime.py charges every copy t0 plus its bytes at eta_pref
+  BW, so with the fitted pair the model reproduces the measured t(C) for every chunk size, including a whole
+  block (layerwise); folding the size effect into eta_pref as well would count it twice.
+- **Collectives** (only under torchrun, WORLD_SIZE > 1, NCCL): the all-to-all bandwidth of a Ulysses-sized
+  exchange (`coll_gbps` = local bytes / time, as steptime.t_all_to_all uses it) and its slowdown while a 512 MB
+  H2D copy is in flight on another stream (`contention`). With one process these keep the base entry's values.
+
+`refit` adjusts a profile from `chunkflow run` reports: eta_comp (curve and scalar) by the ratio of predicted
+to measured compute in `none` runs, and `block_overhead_us` from offload-vs-none gaps where the prefetch is
+predicted hidden. The fitting functions are pure (no torch) and tested on synthetic measurements.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import yaml
+
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
+from chunkflow_planner.flops import F_kind
+from chunkflow_planner.workload import tokens
+
+MB = 10**6
+H2D_SIZES = tuple(c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256))
+H2D_TOTAL = 512 * MB
+
+
+class CalibrationError(ValueError):
+    """Calibration cannot run or its input is unusable; the message says why."""
+
+
+# ------------------------------------------------------------------------------------------ pure fits
+
+
+@dataclass(frozen=True)
+class H2DFit:
+    t0_s: float  # per-copy start-up
+    bw_Bps: float  # asymptotic bytes per second
+
+    def time(self, C: float) -> float:
+        return self.t0_s + C / self.bw_Bps
+
+    def efficiency(self, C: float) -> float:
+        """Realised / asymptotic bandwidth of one C-byte copy."""
+        return (C / self.time(C)) / self.bw_Bps
+
+
+def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
+    """Least-squares fit of per-copy times t(C) = t0 + C / BW, in relative error (weights 1 / t).
+
+    Plain least squares would let the largest copies decide everything and leave t0 to noise; dividing each
+    equation by its t weighs every size alike. t0 is clamped at 0 (refit as pure bandwidth if negative).
+    """
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise CalibrationError("fit_h2d needs at least two (size, time) pairs of equal length")
+    if any(t <= 0 for t in times) or any(c <= 0 for c in sizes):
+        raise CalibrationError("fit_h2d needs positive sizes and times")
+    # minimise sum ((t0 + C a - t) / t)^2 over (t0, a): the 2x2 normal equations
+    w = [1.0 / t for t in times]
+    s11 = sum(wi * wi for wi in w)
+    s12 = sum(wi * wi * c for wi, c in zip(w, sizes))
+    s22 = sum(wi * wi * c * c for wi, c in zip(w, sizes))
+    b1 = sum(wi * wi * t for wi, t in zip(w, times))
+    b2 = sum(wi * wi * c * t for wi, c, t in zip(w, sizes, times))
+    det = s11 * s22 - s12 * s12
+    if det <= 0:
+        raise CalibrationError("fit_h2d needs at least two different sizes")
+    t0 = (b1 * s22 - b2 * s12) / det
+    a = (s11 * b2 - s12 * b1) / det
+    if t0 < 0 or a <= 0:
+        t0 = 0.0
+        a = b2 / s22
+    return H2DFit(t0, 1.0 / a)
+
+
+def eta_curve(flops: Sequence[float], times: Sequence[float], peak_flops: float) -> list[tuple[float, float]]:
+    """[F, eta] pairs sorted by F, eta = F / (P_peak t), clamped to (0, 1]; equal F values are merged (median)."""
+    if len(flops) != len(times) or not flops:
+        raise CalibrationError("eta_curve needs matching, non-empty FLOP and time lists")
+    by_f: dict[float, list[float]] = {}
+    for F, t in zip(flops, times):
+        if F <= 0 or t <= 0:
+            raise CalibrationError("eta_curve needs positive FLOPs and times")
+        by_f.setdefault(float(F), []).append(min(1.0, F / (peak_flops * t)))
+    return [(F, statistics.median(e)) for F, e in sorted(by_f.items())]
+
+
+def summary_eta(curve: Sequence[tuple[float, float]]) -> float:
+    """The scalar eta_comp kept next to the curve: its median."""
+    return float(statistics.median(e for _, e in curve))
+
+
+def coll_bandwidth_gbps(local_bytes: float, seconds: float) -> float:
+    """Per-GPU all-to-all GB/s as steptime.t_all_to_all uses it: the local tensor's bytes over the time."""
+    return local_bytes / seconds / 1e9
+
+
+def contention_factor(t_busy: float, t_idle: float) -> float:
+    """How many times slower a collective runs while H2D is in flight (at least 1)."""
+    return max(1.0, t_busy / t_idle)
+
+
+# --------------------------------------------------------------------------------------- the profile
+
+
+def base_hardware(device_name: str, world: int = 1, base: str | None = None) -> tuple[HardwareSpec, str]:
+    """The catalog entry whose unmeasured fields the profile inherits: `base`, else one matching the GPU name."""
+    if base:
+        return get_hardware(base), f"base {base} (as asked)"
+    name = device_name.lower().replace("nvidia", "").replace("geforce", "").strip()
+    hits = [hw for hw in load_hardware().values() if hw.name.split("-")[0] in name.replace(" ", "-").split("-")
+            or hw.name.split("-")[0] in name.replace(" ", "")]
+    if "pcie" not in name:
+        hits = [h for h in hits if "pcie" not in h.name] or hits
+    if hits:
+        best = sorted(hits, key=lambda h: (h.gpus != world, h.gpus))[0]
+        return best, f"base {best.name} (catalog match for {device_name!r})"
+    return get_hardware("h200"), f"base h200 (no catalog match for {device_name!r}: unmeasured fields are h200's)"
+
+
+def make_profile(base: HardwareSpec, *, name: str, peak_tflops: float, gemm_tflops: float | None,
+                 curve: list[tuple[float, float]], h2d: H2DFit, memory_bytes: int | None = None, gpus: int | None = None,
+                 coll_gbps: float | None = None, contention: float | None = None, peer_link: str | None = None,
+                 source: str = "") -> HardwareSpec:
+    """A HardwareSpec: the base entry with every measured field replaced (see the module docstring)."""
+    update: dict[str, Any] = dict(
+        name=name, description=f"calibrated by chunkflow calibrate ({base.name} base)", peak_tflops=peak_tflops,
+        gemm_tflops=gemm_tflops, eta_comp_curve=[(float(f), float(e)) for f, e in curve],
+        eta_comp=summary_eta(curve), h2d_link_gbps=h2d.bw_Bps / 1e9 * 1.0, eta_pref=1.0,
+        dma_startup_us=h2d.t0_s * 1e6, source=source,
+    )
+    for key, value in (("memory_bytes", memory_bytes), ("gpus", gpus), ("coll_gbps", coll_gbps),
+                       ("contention", contention), ("peer_link", peer_link)):
+        if value is not None:
+            update[key] = value
+    if gpus is not None and gpus > 1:
+        update["gpus_per_host_link"] = base.gpus_per_host_link
+    return HardwareSpec(**{**base.model_dump(), **update})
+
+
+def profile_yaml(hw: HardwareSpec, header: str = "") -> str:
+    lines = ["# chunkflow hardware profile (HardwareSpec); `chunkflow plan --hardware THIS_FILE` reads it."]
+    lines += [f"# {h}" for h in header.splitlines() if h]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(hw.model_dump(mode="json"), sort_keys=False)
+
+
+def write_profile(hw: HardwareSpec, path: str | Path, header: str = "") -> Path:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile_yaml(hw, header))
+    return path
+
+
+# --------------------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class Calibration:
+    profile: HardwareSpec
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+Progress = Callable[[str, int], Callable[[], None]]  # (description, total) -> advance()
+
+
+def _no_progress(desc: str, total: int) -> Callable[[], None]:
+    return lambda: None
+
+
+class _Clock:
+    """CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            a = self.torch.cuda.Event(enable_timing=True)
+            b = self.torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def measure_gemm(device, n: int, warmup: int = 3, repeats: int = 20, progress: Progress = _no_progress) -> float:
+    """Median bf16 n^3 GEMM rate in TFLOP/s."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    clock = _Clock(device)
+    step = progress(f"bf16 GEMM {n}^3", warmup + repeats)
+    times = []
+    for i in range(warmup + repeats):
+        t = clock.time(lambda: torch.matmul(a, b))
+        if i >= warmup:
+            times.append(t)
+        step()
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def one_block_spec(spec: ModelSpec) -> ModelSpec:
+    """The same architecture with one block per block list (config layer counts set to 1)."""
+    config = dict(spec.diffusers.config)
+    for key in ("num_layers", "num_single_layers"):
+        if key in config:
+            config[key] = 1
+    blocks = [g.model_copy(update={"count": 1}) for g in spec.blocks]
+    return spec.model_copy(update={"diffusers": spec.diffusers.model_copy(update={"config": config}), "blocks": blocks})
+
+
+def default_points(spec: ModelSpec, cpu: bool = False) -> list[Workload]:
+    """Workloads spanning the useful range: frames 5..121 (video) or batch 1..8 (image) at the default size."""
+    d = spec.default_workload
+    if cpu:
+        values = [5, 9, 17] if spec.is_video else [1, 2, 4]
+    else:
+        values = [5, 21, 41, 81, 121] if spec.is_video else [1, 2, 4, 8]
+    out = []
+    for v in values:
+        if spec.is_video:
+            out.append(Workload(batch=1, frames=v, height=d.height, width=d.width, steps=1))
+        else:
+            out.append(Workload(batch=v, frames=1, height=d.height, width=d.width, steps=1))
+    return out
+
+
+def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: int = 2, repeats: int = 5,
+                   progress: Progress = _no_progress) -> list[dict[str, float]]:
+    """Per workload: the summed FLOPs and median times of one block of each block list (forward hooks)."""
+    import torch
+
+    from chunkflow.models.build import build_transformer
+    from chunkflow.models.inputs import make_inputs
+
+    points = list(points)
+    one = one_block_spec(spec)
+    model, handle = build_transformer(one, weights=None, dtype=torch.bfloat16, device=device, mode="none")
+    blocks = [getattr(model, g.diffusers_list)[0] for g in one.blocks]
+    cuda = device.type == "cuda"
+    marks: dict[int, list] = {}
+
+    def pre(mod, args, kwargs=None):
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks[id(mod)] = [ev]
+        else:
+            marks[id(mod)] = [time.perf_counter()]
+
+    def post(mod, args, out):
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks[id(mod)].append(ev)
+        else:
+            marks[id(mod)].append(time.perf_counter())
+
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post))]
+    rows = []
+    step = progress(f"{spec.name} block at {len(points)} sizes", len(points) * (warmup + repeats))
+    try:
+        with torch.no_grad():
+            for w in points:
+                inputs = make_inputs(one, w, torch.bfloat16, device, seed=0)
+                samples = []
+                for i in range(warmup + repeats):
+                    model(**inputs)
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                        t = sum(marks[id(b)][0].elapsed_time(marks[id(b)][1]) / 1e3 for b in blocks)
+                    else:
+                        t = sum(marks[id(b)][1] - marks[id(b)][0] for b in blocks)
+                    if i >= warmup:
+                        samples.append(t)
+                    step()
+                S = tokens(spec, w)
+                F = sum(F_kind(g.kind, w.batch, S, spec.text_len, spec.d, spec.f) for g in spec.blocks)
+                rows.append(dict(frames=w.frames, batch=w.batch, tokens=S, flops=F, time_s=statistics.median(samples)))
+                del inputs
+    finally:
+        for h in hooks:
+            h.remove()
+        handle.remove()
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def measure_h2d(device, sizes: Sequence[int] = H2D_SIZES, total: int = H2D_TOTAL, repeats: int = 3,
+                progress: Progress = _no_progress) -> list[dict[str, float]]:
+    """Per chunk size: median per-copy time of back-to-back non_blocking copies from a pinned source."""
+    import torch
+
+    cuda = device.type == "cuda"
+    total = max(total, max(sizes))
+    src = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    src.fill_(1)
+    dst = torch.empty(total, dtype=torch.uint8, device=device)
+    clock = _Clock(device)
+    rows = []
+    step = progress("pinned H2D copies", len(sizes) * (repeats + 1))
+    for C in sizes:
+        n = max(1, total // C)
+
+        def copies():
+            for i in range(n):
+                dst[i * C:(i + 1) * C].copy_(src[i * C:(i + 1) * C], non_blocking=True)
+
+        samples = []
+        for r in range(repeats + 1):  # the first is a warm-up
+            t = clock.time(copies)
+            if r:
+                samples.append(t / n)
+            step()
+        rows.append(dict(chunk_bytes=C, copies=n, time_per_copy_s=statistics.median(samples),
+                         gbps=C / statistics.median(samples) / 1e9))
+    del src, dst
+    return rows
+
+
+def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512 * MB, repeats: int = 10,
+                        progress: Progress = _no_progress) -> dict[str, float]:
+    """Under torchrun: all-to-all time alone and with an H2D copy in flight on another stream (max over ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    x = torch.randn(local_bytes // 2, device=device, dtype=torch.bfloat16)
+    x = x[: (x.numel() // world) * world]
+    y = torch.empty_like(x)
+    host = torch.empty(h2d_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(h2d_bytes, dtype=torch.uint8, device=device)
+    copy_stream = torch.cuda.Stream(device)
+    clock = _Clock(device)
+    step = progress(f"all-to-all over {world} GPUs", 2 * (repeats + 2))
+
+    def a2a():
+        dist.all_to_all_single(y, x)
+
+    idle, busy = [], []
+    for i in range(repeats + 2):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        t = clock.time(a2a)
+        if i >= 2:
+            idle.append(t)
+        step()
+    for i in range(repeats + 2):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(copy_stream):
+            dev.copy_(host, non_blocking=True)
+        t = clock.time(a2a)
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            busy.append(t)
+        step()
+    both = torch.tensor([statistics.median(idle), statistics.median(busy)], device=device, dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    t_idle, t_busy = both.tolist()
+    del host, dev
+    return dict(world=world, local_bytes=x.numel() * 2, t_idle_s=t_idle, t_busy_s=t_busy,
+                coll_gbps=coll_bandwidth_gbps(x.numel() * 2, t_idle), contention=contention_factor(t_busy, t_idle))
+
+
+def calibrate(model: str = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
+              base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
+              log: Callable[[str], None] = lambda s: None) -> Calibration:
+    """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke)."""
+    import torch
+
+    from chunkflow_planner.catalog import get_model
+
+    spec = get_model("tiny-wan" if cpu_smoke else model)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cpu_smoke:
+        device = torch.device("cpu")
+        gemm_n, sizes, total, world = 256, tuple(c * 2**10 for c in (64, 128, 256, 512, 1024)), 4 * 2**20, 1
+        device_name = "cpu"
+    else:
+        if not torch.cuda.is_available():
+            raise CalibrationError("CUDA is not available on this machine: calibrate measures a GPU "
+                                   "(use --cpu-smoke to exercise the code paths on the CPU)")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        sizes, total = H2D_SIZES, H2D_TOTAL
+        device_name = torch.cuda.get_device_name(device)
+    base_hw, base_note = base_hardware(device_name, world, base)
+    log(f"device {device_name}; {base_note}")
+
+    gemm = measure_gemm(device, gemm_n, progress=progress)
+    log(f"bf16 GEMM {gemm_n}^3: {gemm:.1f} TFLOP/s")
+    matched = base is not None or "no catalog match" not in base_note
+    peak = peak_tflops or (base_hw.peak_tflops if matched and not cpu_smoke else gemm)
+    blocks = measure_blocks(spec, device, default_points(spec, cpu_smoke), progress=progress)
+    curve = eta_curve([r["flops"] for r in blocks], [r["time_s"] for r in blocks], peak * 1e12)
+    log("eta_comp(F): " + ", ".join(f"{F:.2e} FLOP -> {e:.3f}" for F, e in curve))
+    h2d_rows = measure_h2d(device, sizes, total, progress=progress)
+    fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows], [r["time_per_copy_s"] for r in h2d_rows])
+    log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
+    coll = None
+    if world > 1 and not cpu_smoke:
+        coll = measure_collectives(device, progress=progress)
+        log(f"all-to-all {coll['local_bytes'] / 1e6:.0f} MB: {coll['t_idle_s'] * 1e3:.3f} ms "
+            f"({coll['coll_gbps']:.0f} GB/s), with H2D in flight x{coll['contention']:.2f}")
+        if peer_link is None:
+            peer_link = "pcie" if os.environ.get("NCCL_P2P_DISABLE") == "1" else (
+                "nvlink" if torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(0, 1) else "pcie")
+    date = datetime.date.today().isoformat()
+    src = (f"chunkflow calibrate {date} on {device_name}: GEMM {gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
+           f"({'datasheet of ' + base_hw.name if peak == base_hw.peak_tflops and matched else 'measured GEMM'}); "
+           f"eta_comp curve from one {spec.name} block at {len(curve)} sizes; H2D t(C) = t0 + C/BW fitted over "
+           f"{len(h2d_rows)} chunk sizes ({sizes[0] / 1e6:g}-{sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries "
+           f"the size effect)" + (f"; all-to-all and contention over {world} GPUs" if coll else
+                                  f"; coll_gbps/contention from {base_hw.name}"))
+    mem = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else base_hw.memory_bytes
+    profile = make_profile(
+        base_hw, name=("cpu-smoke" if cpu_smoke else f"calibrated-{device_name.lower().replace(' ', '-')}"),
+        peak_tflops=peak, gemm_tflops=gemm, curve=curve, h2d=fit, memory_bytes=mem,
+        gpus=world if world > 1 else None, coll_gbps=coll["coll_gbps"] if coll else None,
+        contention=coll["contention"] if coll else None, peer_link=peer_link, source=src,
+    )
+    raw = dict(date=date, device=device_name, torch=torch.__version__, world=world, gemm_n=gemm_n, gemm_tflops=gemm,
+               peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, h2d=h2d_rows,
+               h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note)
+    return Calibration(profile, raw)
+
+
+# ------------------------------------------------------------------------------------------- refit
+
+
+def read_reports(paths: Sequence[str | Path]) -> list:
+    """RunReports from .json files (one report) or .jsonl files (one per line)."""
+    from pydantic import ValidationError
+
+    from chunkflow.run import RUN_REPORT_SCHEMA_VERSION, RunReport
+
+    out = []
+    for p in paths:
+        path = Path(p)
+        if not path.exists():
+            raise CalibrationError(f"run report {str(path)!r} does not exist")
+        text = path.read_text()
+        lines = [ln for ln in text.splitlines() if ln.strip()] if path.suffix == ".jsonl" else [text]
+        for i, line in enumerate(lines):
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CalibrationError(f"run report {str(path)!r} is not JSON: {exc}") from None
+            if not isinstance(data, dict) or data.get("schema_version") != RUN_REPORT_SCHEMA_VERSION:
+                raise CalibrationError(f"{str(path)!r}{f' line {i + 1}' if len(lines) > 1 else ''} is not a run report "
+                                       f"of schema_version {RUN_REPORT_SCHEMA_VERSION} (write it with `chunkflow run`)")
+            try:
+                out.append(RunReport.model_validate(data))
+            except ValidationError as exc:
+                raise CalibrationError(f"run report {str(path)!r} is malformed: {exc.errors()[0]['msg']}") from None
+    if not out:
+        raise CalibrationError("no run reports given")
+    return out
+
+
+def _key(rep) -> tuple:
+    w = rep.plan.workload
+    return (rep.plan.model.name, w.batch, w.frames, w.height, w.width, w.cfg_passes, rep.run.sp_degree)
+
+
+def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
+    """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
+
+    - eta_comp: each `none` report gives k = predicted compute / measured compute (measured step minus the
+      predicted non-compute part), with predictions recomputed on `hw`; the curve and scalar are scaled by the
+      geometric mean of k (capped at 1).
+    - block_overhead_us: each offload report with a `none` report of the same workload, predicted `hidden`,
+      gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
+    """
+    from chunkflow_planner.catalog import get_model
+    from chunkflow.run import predict, workload_of
+
+    notes: list[str] = []
+    none = {_key(r): r for r in reports if r.run.mode == "none"}
+    ks = []
+    for r in none.values():
+        spec = get_model(r.plan.model.name)
+        p = predict(spec, workload_of(r.plan), hw, "none", None, 1.0, r.run.sp_degree)
+        comp = r.measured.median_step_s - (p.step_time_s - p.compute_s)
+        if comp > 0:
+            ks.append(p.compute_s / comp)
+    update: dict[str, Any] = {}
+    if ks:
+        k = math.exp(sum(math.log(x) for x in ks) / len(ks))
+        update["eta_comp"] = min(1.0, hw.eta_comp * k)
+        if hw.eta_comp_curve:
+            update["eta_comp_curve"] = [(f, min(1.0, e * k)) for f, e in hw.eta_comp_curve]
+        notes.append(f"eta_comp x{k:.3f} from {len(ks)} `none` run(s): {hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
+    else:
+        notes.append("no `none` run: eta_comp unchanged")
+    gaps = []
+    for r in reports:
+        if r.run.mode == "none" or _key(r) not in none:
+            continue
+        spec = get_model(r.plan.model.name)
+        p = predict(spec, workload_of(r.plan), hw, r.run.mode, r.run.chunk_bytes, r.run.residency, r.run.sp_degree)
+        if p.prefetch_stall_s > 0.01 * p.step_time_s:
+            continue  # prefetch exposed: the gap is transfer, not overhead
+        n = (r.stats or {}).get("n_streamed_blocks") or spec.n_blocks
+        per = (r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * r.plan.workload.cfg_passes)
+        gaps.append(per)
+    if gaps:
+        update["block_overhead_us"] = max(0.0, statistics.median(gaps) * 1e6)
+        notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {update['block_overhead_us']:.1f} "
+                     f"from {len(gaps)} hidden-regime offload run(s)")
+    else:
+        notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
+    if update:
+        update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
+        hw = HardwareSpec(**{**hw.model_dump(), **update})
+    return hw, notes
