@@ -274,6 +274,101 @@ def calibrate_cmd(
     console.print(t)
 
 
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be a comma-separated list of whole numbers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{what} needs positive values, got {text!r}")
+    return sorted(set(values))
+
+
+@app.command("bench")
+def bench_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="catalog model name or alias"),
+    frames: Optional[str] = typer.Option(None, help="video frame counts to sweep, e.g. 41,81,121"),
+    batch: Optional[str] = typer.Option(None, help="batch sizes to sweep (image models), e.g. 1,4,8"),
+    modes: str = typer.Option("none,layerwise,chunkflow", help="modes to run"),
+    residency: str = typer.Option("0", help="chunkflow residencies, e.g. 0,0.2,0.4,0.6"),
+    chunk_sizes: str = typer.Option("16MB", help="chunkflow chunk sizes, e.g. 4MB,16MB,64MB"),
+    height: Optional[int] = typer.Option(None, help="height in pixels (default: the model's)"),
+    width: Optional[int] = typer.Option(None, help="width in pixels (default: the model's)"),
+    hardware: Optional[str] = typer.Option(None, help="catalog GPU or profile to predict with (default: saved profile, else h200)"),
+    device: Optional[str] = typer.Option(None, help="cuda (default when available) or cpu"),
+    warmup: int = typer.Option(1, help="warm-up steps per point"),
+    steps: int = typer.Option(2, help="timed steps per point (median), one forward each"),
+    out: str = typer.Option("bench", "--out", "-o", help="directory for bench.csv and the PNG plots"),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the plots (needs matplotlib)"),
+) -> None:
+    """Sweep frames or batch, modes, residency and chunk size for a model; write bench.csv and four plots."""
+    from pathlib import Path
+
+    from chunkflow_planner.catalog import CatalogError, get_model
+    from chunkflow_planner.planner import resolve_hardware
+    from chunkflow_planner.units import UnitError, parse_size
+    from chunkflow_planner.workload import WorkloadError
+
+    try:
+        spec = get_model(model)
+        if (frames is None) == (batch is None):
+            raise UserError("give exactly one of --frames (video models) or --batch")
+        axis = "frames" if frames is not None else "batch"
+        if axis == "frames" and not spec.is_video:
+            raise UserError(f"{spec.name} is an image model: sweep --batch")
+        values = _int_list(frames if frames is not None else batch, f"--{axis}")  # type: ignore[arg-type]
+        mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+        bad = [m for m in mode_list if m not in ("none", "layerwise", "chunkflow")]
+        if bad or not mode_list:
+            raise UserError(f"unknown mode(s) {', '.join(bad) or modes!r}; use none, layerwise, chunkflow")
+        try:
+            res = sorted({float(x) for x in residency.split(",") if x.strip()})
+        except ValueError:
+            raise UserError(f"--residency must be comma-separated fractions, got {residency!r}") from None
+        if not res or any(not 0.0 <= r <= 1.0 for r in res):
+            raise UserError(f"--residency values must be in [0, 1], got {residency!r}")
+        chunks = [parse_size(c) for c in chunk_sizes.split(",") if c.strip()]
+        if steps < 1 or warmup < 0:
+            raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+        from chunkflow.bench import configs, workloads
+
+        workloads(spec, axis, values, height, width, 1)  # validates frames / sizes
+        hw = resolve_hardware(hardware).spec
+        from chunkflow.run import RunError, resolve_device
+
+        dev = resolve_device(device)
+    except (UserError, CatalogError, WorkloadError, UnitError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    from chunkflow.bench import BenchError, plot_all, run_bench, subtitle
+
+    cfgs = configs(mode_list, chunks, res)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _progress() as bar:
+        task = bar.add_task(f"{spec.name}: {len(cfgs)} configs x {len(values)} workloads", total=len(cfgs) * len(values))
+        df = run_bench(spec, hw, axis, values, cfgs, height=height, width=width, device=dev, warmup=warmup,
+                       steps=steps, progress=lambda: bar.advance(task))
+    csv = out_dir / "bench.csv"
+    df.to_csv(csv, index=False)
+    console.print(f"CSV written to {csv} ({len(df)} points)")
+    if plots:
+        try:
+            paths = plot_all(df, spec, hw, axis, values, cfgs, out_dir, subtitle(dev, hw), height, width)
+        except BenchError as exc:
+            _fail(str(exc))
+            return
+        console.print("Plots: " + ", ".join(str(p) for p in paths))
+    t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name})")
+    for col in (axis, "config", "measured", "predicted", "error"):
+        t.add_column(col, justify="right")
+    for _, r in df.iterrows():
+        label = r["mode"] + (f" C={format_bytes(r['chunk_bytes'])} r={r['residency']:g}" if r["mode"] == "chunkflow" else "")
+        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), format_seconds(r["predicted_step_s"]),
+                  f"{r['err_step']:+.1%}")
+    console.print(t)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
