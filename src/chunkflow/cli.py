@@ -169,6 +169,10 @@ def run_cmd(
                           warmup=warmup, steps=steps, profile=profile, seed=seed)
         check_steps(warmup, steps)
         resolve_options(p, opts)  # bad options fail before anything is built
+        if device is not None:
+            from chunkflow.run import resolve_device
+
+            resolve_device(device)
     except (PlanError, CatalogError, ValueError) as exc:
         _fail(str(exc))
         return

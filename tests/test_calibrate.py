@@ -1,0 +1,163 @@
+"""Calibration fits on synthetic measurements, the eta curve in the planner, the CPU smoke profile, refits."""
+
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from chunkflow.calibrate import H2DFit, eta_curve, fit_h2d, make_profile, refit, summary_eta
+from chunkflow.cli import app
+from chunkflow_planner.catalog import get_hardware, get_model, load_profile
+from chunkflow_planner.overlap import F_star_hw, T_comp_hw, T_pref, analyse
+from chunkflow_planner.workload import make_workload
+
+runner = CliRunner()
+MB = 10**6
+
+
+@pytest.fixture(autouse=True)
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("t0, gbps", [(2.7e-6, 55.3), (12e-6, 25.0), (0.0, 31.5)])
+def test_h2d_fit_recovers_startup_and_bandwidth(t0, gbps):
+    sizes = [c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    noise = [1.0, 1.004, 0.997, 1.002, 0.999, 1.001, 0.998, 1.003, 1.0]  # +-0.4 %
+    times = [(t0 + c / (gbps * 1e9)) * n for c, n in zip(sizes, noise)]
+    fit = fit_h2d(sizes, times)
+    assert fit.bw_Bps / 1e9 == pytest.approx(gbps, rel=0.01)
+    assert fit.t0_s == pytest.approx(t0, abs=1e-6)
+
+
+def test_h2d_fit_rejects_too_few_points():
+    with pytest.raises(ValueError):
+        fit_h2d([MB], [1e-3])
+
+
+def test_eta_curve_recovers_known_efficiencies_and_interpolates_in_log_f():
+    P = 989e12
+    true = {1e11: 0.30, 1e12: 0.45, 1e13: 0.60}
+    curve = eta_curve(list(true), [F / (e * P) for F, e in true.items()], P)
+    assert [f for f, _ in curve] == sorted(true)
+    for (F, e) in curve:
+        assert e == pytest.approx(true[F], rel=1e-9)
+    assert summary_eta(curve) == pytest.approx(0.45)
+    hw = get_hardware("h200").model_copy(update={"eta_comp_curve": curve})
+    assert hw.eta_comp_at(10**11.5) == pytest.approx(0.375)  # halfway in log F
+    assert hw.eta_comp_at(1e9) == pytest.approx(0.30) and hw.eta_comp_at(1e15) == pytest.approx(0.60)  # clamped
+
+
+def test_curve_enters_t_comp_and_f_star_by_root_finding():
+    P = 989e12
+    curve = [(1e11, 0.3), (1e12, 0.45), (1e13, 0.6)]
+    hw = get_hardware("h200").model_copy(update={"eta_comp_curve": curve})
+    B = 327e6
+    fs = F_star_hw(hw, B)
+    assert T_comp_hw(fs, hw) == pytest.approx(T_pref(B, hw.h2d_gbps * 1e9, hw.eta_pref), rel=1e-9)
+    assert T_comp_hw(1e12, hw) == pytest.approx(1e12 / (0.45 * P))
+    # eq. 4 holds with the efficiency at the crossing, which here is above the scalar 0.48: F* moves up
+    assert fs == pytest.approx(hw.eta_comp_at(fs) * P * T_pref(B, hw.h2d_gbps * 1e9, hw.eta_pref), rel=1e-9)
+    assert hw.eta_comp_at(fs) > 0.48 and fs > F_star_hw(get_hardware("h200"), B)
+    spec = get_model("wan2.2")
+    a = analyse(spec, make_workload(spec, frames=81), hw)
+    assert a.I_star == pytest.approx(a.F_star / a.B_pref, rel=1e-9)
+
+
+def test_curve_must_increase_in_f():
+    with pytest.raises(ValueError):
+        get_hardware("h200").model_validate({**get_hardware("h200").model_dump(), "eta_comp_curve": [[2e12, 0.5], [1e12, 0.4]]})
+
+
+def test_profile_from_synthetic_fit_loads_in_plan(tmp_path):
+    from chunkflow.calibrate import write_profile
+
+    hw = make_profile(get_hardware("h200"), name="synthetic", peak_tflops=989, gemm_tflops=797,
+                      curve=[(1e12, 0.4), (1e13, 0.55)], h2d=H2DFit(3e-6, 54e9), source="test")
+    path = write_profile(hw, tmp_path / "p.yaml")
+    assert load_profile(path) == hw
+    result = runner.invoke(app, ["plan", "--model", "wan2.2", "--frames", "81", "--hardware", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["hardware"]["name"] == "synthetic" and plan["hardware"]["eta_pref"] == 1.0
+    assert 0.4 < plan["analysis"]["eta_comp_used"] < 0.55
+    assert plan["hardware"]["spec"]["eta_comp_curve"] == [[1e12, 0.4], [1e13, 0.55]]
+
+
+def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
+    result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--raw", "raw.json"])
+    assert result.exit_code == 0, result.output
+    hw = load_profile(tmp_path / "smoke.yaml")
+    assert hw.eta_comp_curve and len(hw.eta_comp_curve) >= 3 and hw.eta_pref == 1.0
+    assert hw.h2d_link_gbps > 0 and hw.dma_startup_us >= 0
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert len(raw["h2d"]) >= 3 and len(raw["blocks"]) >= 3
+    assert not (tmp_path / "config" / "hardware-profile.yaml").exists()  # smoke profiles are not saved by default
+    result = runner.invoke(app, ["plan", "--model", "tiny", "--hardware", "smoke.yaml", "--json"])
+    assert result.exit_code == 0, result.output
+    # --save puts it where `plan` looks by default
+    result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "s2.yaml", "--save"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["plan", "--model", "tiny", "--json"])
+    assert json.loads(result.stdout)["hardware"]["name"] == "cpu-smoke"
+
+
+def test_calibrate_without_cuda_exits_2():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = runner.invoke(app, ["calibrate"])
+    assert result.exit_code == 2
+    assert "CUDA is not available" in result.output and "Traceback" not in result.output
+
+
+def _report(tmp_path, mode, measured, **extra):
+    """A real tiny run report with its measured step time replaced."""
+    result = runner.invoke(app, ["plan", "--model", "tiny", "--out", "plan.json"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / f"{mode}.json"
+    result = runner.invoke(app, ["run", "--plan", "plan.json", "--mode", mode, "--steps", "1", "--report", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    data["measured"]["median_step_s"] = measured
+    out.write_text(json.dumps(data))
+    return data, out
+
+
+def test_refit_from_report_moves_eta_comp_the_right_way(tmp_path):
+    data, path = _report(tmp_path, "none", 1.0)
+    pred = data["predicted"]["step_time_s"]
+    hw = get_hardware("h200")
+    # measured 2x the predicted compute: efficiency halves
+    data["measured"]["median_step_s"] = 2 * pred
+    path.write_text(json.dumps(data))
+    from chunkflow.calibrate import read_reports
+
+    new, notes = refit(hw, read_reports([path]))
+    assert new.eta_comp == pytest.approx(hw.eta_comp / 2, rel=1e-6)
+    # faster than predicted: efficiency rises; through the CLI
+    data["measured"]["median_step_s"] = pred / 1.5
+    path.write_text(json.dumps(data))
+    result = runner.invoke(app, ["calibrate", "--from-report", str(path), "--profile", "h200", "--out", "refit.yaml", "--no-save"])
+    assert result.exit_code == 0, result.output
+    assert load_profile(tmp_path / "refit.yaml").eta_comp == pytest.approx(min(1.0, hw.eta_comp * 1.5), rel=1e-6)
+
+
+def test_refit_block_overhead_from_offload_vs_none(tmp_path):
+    from chunkflow.calibrate import read_reports
+
+    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-6})  # tiny block: compute dominates, hidden
+    none, p_none = _report(tmp_path, "none", 1.0)
+    lw, p_lw = _report(tmp_path, "layerwise", 1.0 + 2 * 100e-6)  # 2 streamed blocks, 1 forward: 100 us each
+    new, notes = refit(hw, read_reports([p_none, p_lw]))
+    assert new.block_overhead_us == pytest.approx(100.0, rel=1e-6)
+
+
+def test_refit_rejects_non_reports(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"schema_version": 99}))
+    result = runner.invoke(app, ["calibrate", "--from-report", "x.json", "--profile", "h200"])
+    assert result.exit_code == 2 and "not a run report" in result.output

@@ -1,0 +1,129 @@
+"""`chunkflow run` on the tiny model, end to end on the CPU, its report, and bad input."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from chunkflow.cli import app
+from chunkflow.run import RUN_REPORT_SCHEMA_VERSION, RunReport
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["plan", "--model", "tiny", "--out", "plan.json"])
+    assert result.exit_code == 0, result.output
+
+
+def _ok(*args):
+    result = runner.invoke(app, ["run", "--plan", "plan.json", *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_run_tiny_end_to_end_writes_a_valid_report(tmp_path):
+    result = _ok()
+    assert "Measured vs predicted" in result.output
+    rep = RunReport.model_validate_json((tmp_path / "run-report.json").read_text())
+    assert rep.schema_version == RUN_REPORT_SCHEMA_VERSION
+    assert rep.plan.model.name == "tiny-wan" and rep.run.mode == rep.plan.offload.mode == "none"
+    assert rep.run.steps == min(5, rep.plan.workload.steps) and len(rep.measured.step_times_s) == rep.run.steps
+    for x in rep.measured.step_times_s + [rep.measured.median_step_s, rep.predicted.step_time_s]:
+        assert math.isfinite(x) and x > 0
+    m, p = rep.measured.median_step_s, rep.predicted.step_time_s
+    assert rep.rel_error.step_time == pytest.approx((m - p) / p)
+    assert rep.rel_error.peak_memory is None and rep.measured.peak_allocated_bytes is None  # CPU: not measured
+    assert rep.predicted.peak_memory_bytes > 0 and rep.torch and rep.diffusers and rep.date and rep.command
+
+
+def test_run_chunkflow_with_residency_reports_achieved_residency(tmp_path):
+    _ok("--mode", "chunkflow", "--chunk-size", "4KB", "--residency", "0.5", "--steps", "2", "--report", "r.json")
+    rep = RunReport.model_validate_json((tmp_path / "r.json").read_text())
+    assert rep.run.mode == "chunkflow" and rep.run.chunk_bytes == 4000 and rep.run.residency == 0.5
+    assert 0.3 < rep.measured.achieved_residency < 0.7
+    assert rep.stats["mode"] == "chunkflow" and rep.stats["n_streamed_blocks"] == 2
+    assert rep.stats["forwards"] >= 3  # 1 warm-up + 2 timed steps, one forward each
+    assert rep.predicted.pinned_host_bytes > 0
+    _ok("--mode", "layerwise", "--steps", "1", "--report", "l.json")
+    assert json.loads((tmp_path / "l.json").read_text())["run"]["mode"] == "layerwise"
+
+
+def test_run_as_a_subprocess(tmp_path):
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "chunkflow.cli", "run", "--plan", "plan.json", "--steps", "1"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run-report.json").exists()
+
+
+def _bad(args, message):
+    result = runner.invoke(app, ["run", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--mode", "turbo"], "unknown mode"),
+    (["--mode", "chunkflow", "--chunk-size", "4XB"], "unknown size unit"),
+    (["--mode", "chunkflow", "--chunk-size", "lots"], "cannot read size"),
+    (["--mode", "chunkflow", "--residency", "1.5"], "must be in [0, 1]"),
+    (["--mode", "chunkflow", "--residency", "-0.1"], "must be in [0, 1]"),
+    (["--profile", "nosuch.yaml", "--steps", "1"], "does not exist"),
+    (["--device", "tpu"], "is not a torch device"),
+])
+def test_bad_options(args, message):
+    _bad(["--plan", "plan.json", *args], message)
+
+
+def test_bad_plans(tmp_path):
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    (tmp_path / "v2.json").write_text(json.dumps(dict(plan, schema_version=2)))
+    _bad(["--plan", "v2.json"], "schema_version 2")
+    plan["model"]["name"] = "Imaginary-9B"
+    (tmp_path / "unknown.json").write_text(json.dumps(plan))
+    _bad(["--plan", "unknown.json", "--steps", "1"], "not in the catalog")
+    _bad(["--plan", "missing.json"], "does not exist")
+
+
+def test_profile_with_missing_fields(tmp_path):
+    (tmp_path / "bad.yaml").write_text("schema_version: 1\nname: half\npeak_tflops: 100\n")
+    _bad(["--plan", "plan.json", "--profile", "bad.yaml", "--steps", "1"], "malformed")
+
+
+def test_weights_dir_missing_and_misshapen_tensors(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from chunkflow.models.build import construct_meta
+    from chunkflow_planner.catalog import get_model
+
+    spec = get_model("tiny")
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"_class_name": spec.diffusers.cls, **spec.diffusers.config}))
+    module = construct_meta(spec)
+    tensors = {n: torch.zeros(p.shape) for n, p in module.named_parameters()}
+    name = next(iter(tensors))
+    save_file({k: v for k, v in tensors.items() if k != name}, str(d / "model.safetensors"))
+    _bad(["--plan", "plan.json", "--weights", str(d), "--steps", "1"], "lacks tensor")
+    tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, str(d / "model.safetensors"))
+    _bad(["--plan", "plan.json", "--weights", str(d), "--steps", "1"], "has shape")
+    _bad(["--plan", "plan.json", "--weights", str(tmp_path / "nowhere"), "--steps", "1"], "not a directory")
+
+
+def test_help_of_every_command():
+    for cmd in ("plan", "run", "bench", "calibrate", "models", "hardware"):
+        result = runner.invoke(app, [cmd, "--help"])
+        assert result.exit_code == 0 and "Usage" in result.output
