@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from chunkflow.runtime.comm import CollectiveTap, CommPacer, EventLog, dist_active
 from chunkflow.runtime.hooks import BlockHook
 from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.store import HostStore
@@ -45,6 +46,7 @@ class OffloadStats:
     device_buffer_bytes: int  # resident buffer plus both slots
     forwards: int  # forwards seen by the ring so far
     h2d_bytes_issued: int  # H2D bytes enqueued so far
+    comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -56,6 +58,7 @@ class OffloadConfig:
     chunk_bytes: int | None
     residency: float
     device: torch.device
+    comm_aware: bool = True  # chunkflow: pace chunks around collectives (ignored without torch.distributed)
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -93,9 +96,10 @@ def parse_chunk(chunk_size) -> int:
     return int(n)
 
 
-def make_config(mode: str, chunk_size, residency, device, plan=None, module: nn.Module | None = None) -> OffloadConfig:
+def make_config(mode: str, chunk_size, residency, device, plan=None, module: nn.Module | None = None,
+                comm_aware: bool = True) -> OffloadConfig:
     if plan is not None:
-        mode, chunk_size, residency = _from_plan(plan, module)
+        mode, chunk_size, residency, comm_aware = _from_plan(plan, module)
     if mode not in MODES:
         raise OffloadError(f"mode {mode!r} is unknown; use one of {', '.join(MODES)}")
     try:
@@ -110,7 +114,7 @@ def make_config(mode: str, chunk_size, residency, device, plan=None, module: nn.
     elif mode == "layerwise" and r != 0.0:
         raise OffloadError("layerwise mode streams whole blocks with no residency; use mode='chunkflow' for residency")
     return OffloadConfig(mode, chunk, r if mode == "chunkflow" else (1.0 if mode == "none" else 0.0),
-                         resolve_device(device))
+                         resolve_device(device), bool(comm_aware))
 
 
 def _from_plan(plan, module):
@@ -133,7 +137,7 @@ def _from_plan(plan, module):
         )
     if p.offload.mode == "chunkflow" and p.offload.chunk_bytes is None:
         raise OffloadError("the plan's offload.mode is chunkflow but offload.chunk_bytes is missing; re-plan")
-    return p.offload.mode, p.offload.chunk_bytes, p.offload.residency
+    return p.offload.mode, p.offload.chunk_bytes, p.offload.residency, getattr(p.offload, "comm_aware", True)
 
 
 def resolve_blocks(module: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
@@ -189,7 +193,7 @@ class OffloadHandle:
     """State of one offloaded module. Build with `offload()` (or `models.build`); undo with `remove()`."""
 
     def __init__(self, module: nn.Module, cfg: OffloadConfig, layouts: list[BlockLayout], store: HostStore | None,
-                 gate: Gate | None = None, record_chunks: bool = False):
+                 gate: Gate | None = None, record_chunks: bool = False, record_events: bool = False):
         self.module = module
         self.cfg = cfg
         self.layouts = layouts
@@ -198,6 +202,9 @@ class OffloadHandle:
         self.hooks: list[BlockHook] = []
         self.streamer: Streamer | None = None
         self._gate = gate or never_wait
+        self.event_log: EventLog | None = EventLog(cfg.device.type == "cuda") if record_events else None
+        self.pacer: CommPacer | None = None  # listener of the tap: paces chunks (aware) and/or logs collectives
+        self.tap: CollectiveTap | None = None  # the collective wrappers this handle owns while it lives
         block_ids = {id(current(t)) for b in layouts for t in b.tensors}
         # Non-block tensors: everything else, moved to the device and resident. Remember where each was.
         self._non_block = [(t, owners, is_param, t.device) for t, owners, is_param in _all_tensors(module)
@@ -224,7 +231,48 @@ class OffloadHandle:
             self.streamer = Streamer(self.layouts, self.store, self.cfg.device, backend, self._gate, self.chunk_log)
             self.streamer.fill_resident_and_start()
             self.hooks = [BlockHook(self.streamer, b.index, b.module) for b in self.layouts if b.is_streamed]
+            self.streamer.events = self.event_log
+            self._configure_comm()
         setattr(self.module, _MARK, True)
+
+    # ---- communication awareness (runtime/comm.py)
+
+    def _configure_comm(self) -> None:
+        """Pacer and collective wrappers as the config and the event log ask; none without torch.distributed."""
+        s = self.streamer
+        if s is None:
+            return
+        aware = self.cfg.comm_aware and self.cfg.mode == "chunkflow" and bool(s.ring)
+        want = dist_active() and (aware or self.event_log is not None)
+        if not want:
+            if self.tap is not None:
+                self.tap.remove()
+            self.tap = self.pacer = None
+            s.pacer = None
+            return
+        if self.pacer is None:
+            self.pacer = CommPacer(s, aware, self.event_log)
+        self.pacer.aware = aware
+        self.pacer.log = self.event_log
+        s.pacer = self.pacer if aware else None
+        if self.tap is None:
+            self.tap = CollectiveTap(self.pacer)
+            self.tap.install()
+
+    def set_comm_aware(self, aware: bool) -> None:
+        """Switch communication awareness (chunkflow mode); takes effect at the next block boundary."""
+        from dataclasses import replace
+
+        self.cfg = replace(self.cfg, comm_aware=bool(aware))
+        self._configure_comm()
+
+    def set_event_log(self, on: bool) -> EventLog | None:
+        """Start (a fresh) or stop the event log of copies, collectives and stream waits; returns it."""
+        self.event_log = EventLog(self.cfg.device.type == "cuda") if on else None
+        if self.streamer is not None:
+            self.streamer.events = self.event_log
+        self._configure_comm()
+        return self.event_log
 
     # ---- yield point
 
@@ -266,6 +314,7 @@ class OffloadHandle:
             device_buffer_bytes=(s.resident.numel() + 2 * slot) if s is not None else 0,
             forwards=s.forwards if s is not None else 0,
             h2d_bytes_issued=s.issuer.bytes_h2d if s is not None else 0,
+            comm_aware=s is not None and s.pacer is not None,
         )
 
     # ---- undo
@@ -274,6 +323,9 @@ class OffloadHandle:
         """Hooks off, every tensor back on its original device with its values, host and device memory freed."""
         if self.removed:
             return
+        if self.tap is not None:  # the original collective functions back, exactly
+            self.tap.remove()
+        self.tap = self.pacer = None
         for h in self.hooks:
             h.remove()
         self.hooks = []
@@ -308,17 +360,21 @@ def check_not_offloaded(module: nn.Module) -> None:
 
 def offload(module: nn.Module, mode: str = "chunkflow", chunk_size="16MB", residency: float = 0.0,
             device: str | torch.device = "cuda", blocks=None, plan=None, gate: Gate | None = None,
-            record_chunks: bool = False) -> OffloadHandle:
+            record_chunks: bool = False, comm_aware: bool = True, record_events: bool = False) -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
     mode: 'none' (all on the device), 'layerwise' (whole block per copy) or 'chunkflow' (chunks of `chunk_size`,
     the first `residency` of each block kept on the device). `plan` (a path or Plan) sets mode, chunk size and
     residency. `blocks`: the block modules in execution order (default: from the catalog for the module's class).
+    comm_aware (chunkflow mode, under torch.distributed): keep chunk copies out of the model's collectives by
+    pacing them into the compute windows between them (runtime/comm.py); the plan's `offload.comm_aware`
+    overrides it. Call `init_distributed()` before offloading. record_events: keep an EventLog
+    (`handle.event_log`) of copies, collectives and stream waits, for tests and evidence.
     """
     if not isinstance(module, nn.Module):
         raise OffloadError(f"offload() takes an nn.Module, got {type(module).__name__}")
     check_not_offloaded(module)
-    cfg = make_config(mode, chunk_size, residency, device, plan, module)
+    cfg = make_config(mode, chunk_size, residency, device, plan, module, comm_aware)
     named = resolve_blocks(module, blocks) if cfg.mode != "none" else []
     if any(t.device.type == "meta" for t, *_ in _all_tensors(module)):
         raise OffloadError("the module has tensors on the meta device (no values); "
@@ -327,7 +383,7 @@ def offload(module: nn.Module, mode: str = "chunkflow", chunk_size="16MB", resid
     store = None
     if cfg.mode != "none":
         store = HostStore(store_bytes(layouts), pin=cfg.device.type == "cuda")
-    handle = OffloadHandle(module, cfg, layouts, store, gate, record_chunks)
+    handle = OffloadHandle(module, cfg, layouts, store, gate, record_chunks, record_events)
     if store is not None:
         for b in layouts:  # copy each block tensor into the store, then drop the original
             for t in b.tensors:

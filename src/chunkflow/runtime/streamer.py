@@ -133,21 +133,29 @@ class ChunkIssuer:
             self.log.append(ChunkCopy(self._order, block, a, b, kind))
         self._order += 1
 
-    def issue(self, b: BlockLayout, res_offset: int, slot: torch.Tensor) -> None:
-        nb = self.backend.non_blocking
-        A = b.slot_start
-        if b.d2d_bytes:  # resident part of the tensor straddling R_l, into the slot head
+    def issue_head(self, b: BlockLayout, res_offset: int, slot: torch.Tensor) -> None:
+        """The resident part of the tensor straddling R_l, device to device into the slot head (if any)."""
+        if b.d2d_bytes:
+            A = b.slot_start
             lo, hi = b.straddle_start, b.resident_bytes
-            slot[lo - A : hi - A].copy_(self.resident[res_offset + lo : res_offset + hi], non_blocking=nb)
+            slot[lo - A : hi - A].copy_(self.resident[res_offset + lo : res_offset + hi],
+                                        non_blocking=self.backend.non_blocking)
             self.bytes_d2d += hi - lo
             self._record(b.index, lo, hi, "d2d")
+
+    def issue_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor) -> None:
+        ev = self.gate(b.index, lo, hi)
+        if ev is not None:
+            self.backend.copy_stream.wait_event(ev)
+        A = b.slot_start
+        slot[lo - A : hi - A].copy_(self.host.view(b.host_offset + lo, hi - lo), non_blocking=self.backend.non_blocking)
+        self.bytes_h2d += hi - lo
+        self._record(b.index, lo, hi, "h2d")
+
+    def issue(self, b: BlockLayout, res_offset: int, slot: torch.Tensor) -> None:
+        self.issue_head(b, res_offset, slot)
         for lo, hi in b.chunks:
-            ev = self.gate(b.index, lo, hi)
-            if ev is not None:
-                self.backend.copy_stream.wait_event(ev)
-            slot[lo - A : hi - A].copy_(self.host.view(b.host_offset + lo, hi - lo), non_blocking=nb)
-            self.bytes_h2d += hi - lo
-            self._record(b.index, lo, hi, "h2d")
+            self.issue_chunk(b, lo, hi, slot)
 
 
 # --------------------------------------------------------------------------------------------- streamer
@@ -172,8 +180,28 @@ def bind(t: TensorEntry, data: torch.Tensor) -> None:
             m._buffers[attr] = data
 
 
+class _Pending:
+    """A block whose prefetch has begun but whose chunks are not all enqueued yet."""
+
+    __slots__ = ("block", "slot", "chunks", "next")
+
+    def __init__(self, block: int, slot: int, chunks):
+        self.block, self.slot, self.chunks, self.next = block, slot, chunks, 0
+
+    @property
+    def left(self) -> int:
+        return len(self.chunks) - self.next
+
+
 class Streamer:
-    """Owns the device buffers and the ring of streamed blocks; the hooks call `before` and `after`."""
+    """Owns the device buffers and the ring of streamed blocks; the hooks call `before` and `after`.
+
+    A block's prefetch is begun (`begin`: wait for the slot, the D2D head), its chunks enqueued (`pump`), and
+    finished (`finish`: the rest, then `ready[l]`). Without a pacer, `schedule` does all three at once, when the
+    previous block starts. With a pacer (runtime/comm.py), the chunks are spread over the compute windows
+    between collectives; the pacer is told when a prefetch period begins and ends and when a block ends.
+    `log` (an EventLog, or None) records copies and stream waits with their stream-ordering information.
+    """
 
     def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend,
                  gate: Gate = never_wait, log: list[ChunkCopy] | None = None):
@@ -210,6 +238,11 @@ class Streamer:
         self.bound: dict[int, int] = {}  # running blocks and their slot
         self.running: list[int] = []  # slots of running blocks
         self.forwards = 0
+        self.pending: _Pending | None = None
+        self.pacer = None  # set by the handle: period_start(m), period_end(m), block_end(l)
+        self.events = None  # EventLog or None
+        self.free_mark = [-1, -1]  # compute-stream mark at which free[s] was last recorded (for the log)
+        self.wait_probe = None  # optional callable(kind, fn): wraps each compute-stream wait (stall timing)
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.placeholders:
@@ -233,47 +266,112 @@ class Streamer:
 
     # ---- hot path
 
-    def schedule(self, l: int, s: int) -> None:
-        """Enqueue block l's copies into slot s on the copy stream, after compute has released slot s."""
+    def begin(self, l: int, s: int) -> None:
+        """Start prefetching block l into slot s: the copy stream waits until compute released slot s."""
         be = self.backend
         b = self.layouts[l]
         with be.on(be.copy_stream):
             be.copy_stream.wait_event(self.free[s])
-            self.issuer.issue(b, self.res_offset[l], self.slots[s])
-            self.ready[l].record(be.copy_stream)
+            if self.events is not None:
+                self.events.copy_waits(self.free_mark[s])
+            self.issuer.issue_head(b, self.res_offset[l], self.slots[s])
+        self.pending = _Pending(l, s, b.chunks)
         self.slot_of[l] = s
+
+    def pump(self, n: int) -> int:
+        """Enqueue up to n more chunks of the pending block; returns how many were enqueued."""
+        p = self.pending
+        if p is None or n <= 0:
+            return 0
+        be = self.backend
+        b = self.layouts[p.block]
+        slot = self.slots[p.slot]
+        k = min(n, p.left)
+        if k and self.pacer is not None:
+            self.pacer.before_chunks()
+        with be.on(be.copy_stream):
+            for lo, hi in p.chunks[p.next : p.next + k]:
+                if self.events is not None:
+                    self.events.copy(p.block, lo, hi, be.copy_stream)
+                self.issuer.issue_chunk(b, lo, hi, slot)
+        p.next += k
+        return k
+
+    def finish(self) -> None:
+        """Enqueue the pending block's remaining chunks and mark it ready."""
+        p = self.pending
+        if p is None:
+            return
+        self.pump(p.left)
+        be = self.backend
+        self.ready[p.block].record(be.copy_stream)
+        if self.events is not None:
+            self.events.ready(p.block)
+        self.pending = None
+
+    def schedule(self, l: int, s: int) -> None:
+        """Enqueue block l's copies into slot s on the copy stream, after compute has released slot s."""
+        self.begin(l, s)
+        self.finish()
+
+    def compute_wait(self, event, kind: str, cover=None) -> None:
+        """The compute stream waits on a copy-stream event (ready[l] or a fence)."""
+        cs = self.backend.compute_stream()
+        if self.wait_probe is not None:
+            self.wait_probe(kind, lambda: cs.wait_event(event))
+        else:
+            cs.wait_event(event)
+        if self.events is not None:
+            self.events.compute_waits(kind, cover)
 
     def before(self, l: int) -> None:
         if l == self.ring[0]:
             self.forwards += 1
+        if self.pending is not None:  # normally block l itself; out of order, finish it so its ready[] is right
+            if self.pacer is not None and self.pending.block == l:
+                self.pacer.period_end(l)
+            self.finish()
         s = self.slot_of.pop(l, None)
         if s is None:  # not prefetched (blocks ran out of the declared order): load it now
             s = 1 - self.running[-1] if self.running else 0
             self._evict(s)
             self.schedule(l, s)
             self.slot_of.pop(l)
-        self.backend.compute_stream().wait_event(self.ready[l])
+        self.compute_wait(self.ready[l], "ready", ("ready", l))
         for t, view in self.slot_views[(l, s)]:
             bind(t, view)
         self.running.append(s)
         self.bound[l] = s
         other = 1 - s
         self._evict(other)
-        self.schedule(self.next_of[l], other)  # the last block prefetches the first, for the next forward
+        nxt = self.next_of[l]  # the last block prefetches the first, for the next forward
+        if self.pacer is None:
+            self.schedule(nxt, other)
+        else:
+            self.begin(nxt, other)
+            self.pacer.period_start(nxt)
 
     def after(self, l: int) -> None:
         s = self.bound.pop(l)
         self.running.remove(s)
         self.free[s].record(self.backend.compute_stream())
+        if self.events is not None:
+            self.free_mark[s] = self.events.compute_mark("free")
         for t, _ in self.slot_views[(l, s)]:
             bind(t, self.placeholder(t.dtype))
+        if self.pacer is not None:
+            self.pacer.block_end(l)
 
     def _evict(self, s: int) -> None:
         self.slot_of = {k: v for k, v in self.slot_of.items() if v != s}
+        if self.pending is not None and self.pending.slot == s:  # a half-enqueued prefetch nobody will use
+            self.pending = None
 
     # ---- tear-down
 
     def release(self) -> None:
+        self.pending = None
+        self.pacer = None
         self.backend.synchronize()
         self.slot_views.clear()
         self.slots = []

@@ -1,0 +1,497 @@
+"""Communication awareness: see every collective the model issues, and keep chunk copies out of them.
+
+Interception (`CollectiveTap`). While a handle lives, the collectives of `torch.distributed` (c10d: all_to_all,
+all_gather, all_reduce, reduce_scatter, broadcast, ...) and of `torch.distributed._functional_collectives`
+(all_to_all_single, all_gather_tensor, all_reduce, reduce_scatter_tensor, their autograd and coalesced forms,
+...) are wrapped by module attribute; `remove()` puts the very same function objects back. Callers that look the
+function up at call time (diffusers' `funcol.all_to_all_single`, `dist.all_gather`, DTensor) are seen; a caller
+that did `from torch.distributed import all_reduce` before the handle existed keeps the original (not seen).
+A TorchDispatchMode would see every op whatever its import path, but it costs a Python call per op of the
+whole model; wrapping a dozen functions costs nothing outside collectives.
+
+Each wrapped call is bracketed: `listener.collective_start(name)` before it, then the call, then its result is
+made complete *for the compute stream* (an AsyncCollectiveTensor is waited, an async_op Work is waited; on NCCL
+that is a stream wait, not a host sync), then `listener.collective_end(name)`. Waiting eagerly costs no overlap
+for diffusers' Ulysses attention, which waits each all-to-all on the next line anyway.
+
+Pacing (`CommPacer`, design (a): chunks placed into the compute windows between collectives). The CPU runs
+ahead of the GPU, so "a collective is running now" is not a host-side fact. Instead everything is expressed as
+stream order, decided on the host when the collective is launched:
+  * at a collective's start, if chunks were enqueued since the last fence, the compute stream waits on a fence
+    event recorded on the copy stream after them, then E_start is recorded on the compute stream;
+  * at its end (result waited), E_end is recorded on the compute stream and the copy stream waits on E_end
+    before the next window's chunks are enqueued.
+So on the GPU no chunk copy can run between a collective's start and its end: copies before it are fenced,
+copies after it wait for E_end. No copy in flight is aborted (a window's chunks are never cut; the fence
+waits for them). To keep the fences from stalling compute, each window gets only the chunks that fit in it:
+the budget of window w of block m's prefetch period is margin * duration_w * bandwidth, both measured in the
+previous forward from timing events on the two streams (read only once `query()` says they are done: no host
+sync); the last window (after the period's last collective, where only the block-boundary `ready` wait
+follows) takes the rest. First forward (nothing measured): every window gets no chunk and the whole block is
+enqueued at the end of the block that prefetches it; from the second forward on the budgets apply. With no
+collective in a period the only window is the first one and the block is enqueued at once, as without
+awareness. Overhead per collective: two or three event records and one or two stream waits on the host
+(a few microseconds), nothing on the GPU beyond the stalls it is designed to take.
+
+Observability (`EventLog`, off by default): every chunk copy, collective start and end, compute-stream wait on
+the copy stream (ready, fence) and slot release, in program order, with stream-ordering information: a copy's
+`after` (the latest compute-stream mark the copy stream waited on before it) and a wait's `cover` (the copies it
+waits for). `stream_violations()` finds every (copy, collective) pair the streams allow to overlap: the copy is
+not ordered after the collective's end and the collective's start is not ordered after the copy. That is the
+GPU's guarantee, whatever the timing; on CUDA the log also records timing events, and `time_violations()`
+(after `resolve()`) reports copies whose measured start fell inside a measured collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# --------------------------------------------------------------------------------------------- interception
+
+FUNCOL_NAMES = ("all_to_all_single", "all_to_all_single_autograd", "all_gather_tensor", "all_gather_tensor_autograd",
+                "all_gather_single", "all_gather_single_autograd", "all_reduce", "reduce_scatter_tensor",
+                "reduce_scatter_tensor_autograd", "reduce_scatter_single", "reduce_scatter_single_autograd",
+                "permute_tensor", "broadcast", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
+                "reduce_scatter_tensor_coalesced", "all_gather_single_coalesced", "reduce_scatter_single_coalesced")
+C10D_NAMES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce",
+              "reduce_scatter", "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter")
+
+
+def _complete(out):
+    """Make a collective's result complete for the current stream; returns what the caller should get."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(out, AsyncCollectiveTensor):
+        return out.wait()
+    if isinstance(out, list) and out and isinstance(out[0], AsyncCollectiveTensor):
+        return [o.wait() for o in out]
+    wait = getattr(out, "wait", None)  # c10d Work (async_op=True)
+    if callable(wait) and not isinstance(out, torch.Tensor):
+        wait()
+    return out
+
+
+class CollectiveTap:
+    """Wraps the collectives by module attribute while installed; tells `listener` each one's start and end."""
+
+    def __init__(self, listener):
+        self.listener = listener
+        self.saved: list[tuple[object, str, object]] = []  # (module, name, original)
+        self._depth = 0  # a collective issued inside another (DTensor -> funcol) is reported once
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.saved)
+
+    def _wrap(self, orig, name: str):
+        tap = self
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            if tap._depth:
+                return orig(*args, **kwargs)
+            tap._depth += 1
+            try:
+                tap.listener.collective_start(name)
+                try:
+                    return _complete(orig(*args, **kwargs))
+                finally:
+                    tap.listener.collective_end(name)
+            finally:
+                tap._depth -= 1
+
+        wrapper._chunkflow_original = orig
+        return wrapper
+
+    def install(self) -> None:
+        if self.saved or not torch.distributed.is_available():
+            return
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+
+        targets = [(funcol, n, f"funcol.{n}") for n in FUNCOL_NAMES]
+        targets += [(mod, n, n) for n in C10D_NAMES for mod in (c10d, dist)]
+        wrappers: dict[int, object] = {}  # one wrapper per original (dist.x is c10d.x)
+        for mod, n, label in targets:
+            orig = getattr(mod, n, None)
+            if orig is None:
+                continue
+            if id(orig) not in wrappers:
+                wrappers[id(orig)] = self._wrap(orig, label)
+            self.saved.append((mod, n, orig))
+            setattr(mod, n, wrappers[id(orig)])
+
+    def remove(self) -> None:
+        for mod, n, orig in reversed(self.saved):
+            setattr(mod, n, orig)
+        self.saved = []
+
+
+def dist_active() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
+# --------------------------------------------------------------------------------------------- clocks
+
+
+class _Stamp:
+    """A CPU stand-in for a timing event: the host time when recorded (CPU copies and compute are synchronous)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self):
+        self.t = None
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def elapsed_time(self, other: "_Stamp") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def timing_event(cuda: bool):
+    return torch.cuda.Event(enable_timing=True) if cuda else _Stamp()
+
+
+class _Pool:
+    """Reusable timing events, handed out in order; `reset()` starts over (the previous ones are overwritten)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.events: list = []
+        self.n = 0
+
+    def next(self):
+        if self.n == len(self.events):
+            self.events.append(timing_event(self.cuda))
+        self.n += 1
+        return self.events[self.n - 1]
+
+    def used(self) -> list:
+        return self.events[: self.n]
+
+
+# --------------------------------------------------------------------------------------------- event log
+
+
+@dataclass
+class Event:
+    seq: int  # program order
+    kind: str  # copy | coll_start | coll_end | wait | free | ready
+    block: int = -1
+    start: int = 0
+    end: int = 0
+    name: str = ""
+    mark: int = -1  # position on the compute stream (compute-side entries)
+    after: int = -1  # copy: latest compute mark the copy stream waited on before it
+    cseq: int = -1  # copy: position on the copy stream; wait/ready: last copy covered
+    t_ms: float | None = None  # GPU time (CUDA, after resolve()), relative to the first timed entry
+    gpu: object = field(default=None, repr=False)
+
+
+class EventLog:
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda
+        self.events: list[Event] = []
+        self._mark = 0
+        self._cseq = 0
+        self._after = -1
+        self._ready_cover: dict[int, int] = {}
+
+    def _add(self, kind: str, stream=None, **kw) -> Event:
+        e = Event(len(self.events), kind, **kw)
+        if self.cuda and stream is not None:
+            e.gpu = torch.cuda.Event(enable_timing=True)
+            e.gpu.record(stream)
+        self.events.append(e)
+        return e
+
+    def _next_mark(self) -> int:
+        self._mark += 1
+        return self._mark
+
+    def clear(self) -> None:
+        self.events = []
+
+    # compute stream
+    def compute_mark(self, kind: str) -> int:
+        return self._add(kind, mark=self._next_mark()).mark
+
+    def compute_waits(self, kind: str, key) -> None:
+        cover = self._ready_cover.get(key[1], self._cseq) if key else self._cseq
+        self._add("wait", name=kind, mark=self._next_mark(), cseq=cover)
+
+    def collective(self, kind: str, name: str, stream=None) -> int:
+        return self._add(kind, stream, name=name, mark=self._next_mark()).mark
+
+    # copy stream
+    def copy_waits(self, mark: int) -> None:
+        self._after = max(self._after, mark)
+
+    def copy(self, block: int, lo: int, hi: int, stream=None) -> None:
+        self._cseq += 1
+        self._add("copy", stream, block=block, start=lo, end=hi, after=self._after, cseq=self._cseq)
+
+    def ready(self, block: int) -> None:
+        self._ready_cover[block] = self._cseq
+        self._add("ready", block=block, cseq=self._cseq)
+
+    # checks
+    def copies(self) -> list[Event]:
+        return [e for e in self.events if e.kind == "copy"]
+
+    def collectives(self) -> list[tuple[Event, Event]]:
+        out, open_ = [], None
+        for e in self.events:
+            if e.kind == "coll_start":
+                open_ = e
+            elif e.kind == "coll_end" and open_ is not None:
+                out.append((open_, e))
+                open_ = None
+        return out
+
+    def stream_violations(self) -> list[tuple[Event, Event]]:
+        """(copy, collective start) pairs that the stream order lets overlap on the GPU."""
+        waits = [e for e in self.events if e.kind == "wait"]
+        bad = []
+        for c in self.copies():
+            covered = next((w.mark for w in waits if w.cseq >= c.cseq), float("inf"))
+            for s, e in self.collectives():
+                if c.after < e.mark and covered > s.mark:
+                    bad.append((c, s))
+        return bad
+
+    def program_violations(self) -> list[Event]:
+        """Copies enqueued (program order) between a collective's start and its end."""
+        inside, bad = False, []
+        for e in self.events:
+            if e.kind == "coll_start":
+                inside = True
+            elif e.kind == "coll_end":
+                inside = False
+            elif e.kind == "copy" and inside:
+                bad.append(e)
+        return bad
+
+    def resolve(self) -> None:
+        """GPU times of the timed entries (CUDA; synchronizes the device: not for the hot path)."""
+        timed = [e for e in self.events if e.gpu is not None]
+        if not timed:
+            return
+        torch.cuda.synchronize()
+        t0 = timed[0].gpu
+        for e in timed:
+            e.t_ms = t0.elapsed_time(e.gpu)
+
+    def time_violations(self) -> list[tuple[Event, Event]]:
+        """(copy, collective start) pairs where the copy's measured GPU start fell inside the collective."""
+        bad = []
+        for c in self.copies():
+            if c.t_ms is None:
+                continue
+            for s, e in self.collectives():
+                if s.t_ms is not None and e.t_ms is not None and s.t_ms < c.t_ms < e.t_ms:
+                    bad.append((c, s))
+        return bad
+
+
+# --------------------------------------------------------------------------------------------- pacing
+
+
+class _Period:
+    """Timing of one prefetch period (block m's prefetch: from the start of the block before it to m's start)."""
+
+    __slots__ = ("block", "compute", "copies", "n_coll", "closed", "nbytes")
+
+    def __init__(self, block: int, cuda: bool):
+        self.block = block
+        self.compute = _Pool(cuda)  # T0, (E_start, E_end) per collective, T_end
+        self.copies = _Pool(cuda)  # (C0, C1) around each non-empty pump
+        self.n_coll = 0
+        self.closed = False
+        self.nbytes = 0  # H2D bytes pumped between the (C0, C1) pairs
+
+
+class CommPacer:
+    """Listener of a CollectiveTap that paces a Streamer's chunks around collectives (see the module docstring).
+
+    aware=False: only logs collectives (for the event log of a mode without awareness); never waits or pumps.
+    """
+
+    margin = 0.9  # fraction of a measured window a budget may fill
+    default_bw = 20e6  # bytes per ms (20 GB/s) until a copy has been measured
+
+    def __init__(self, streamer, aware: bool = True, log: EventLog | None = None):
+        from chunkflow.runtime.streamer import CudaBackend
+
+        self.s = streamer
+        self.be = streamer.backend
+        self.cuda = isinstance(self.be, CudaBackend)
+        self.aware = aware
+        self.log = log
+        self.window_chunks: int | None = None  # fixed chunks per window (tests, ablation); None: measured
+        self.fence = self.be.event()
+        self.unfenced = False
+        self.period: _Period | None = None
+        self.last: dict[int, _Period] = {}  # block -> its previous, closed period (events reused next time)
+        self.plan: dict[int, list[int]] = {}  # block -> chunks per window before the last collective
+        self.bw = None  # measured bytes per ms
+        self.end_ev = self.be.event()  # E_end of a collective outside any prefetch period
+        self.need_wait = None  # (event, mark): the latest collective's end, not yet waited on by the copy stream
+
+    # ---- streamer side
+
+    def period_start(self, m: int) -> None:
+        old = self.last.get(m)
+        if old is not None and old.closed:
+            self._learn(old)
+        p = old if old is not None else _Period(m, self.cuda)
+        p.compute.n = p.copies.n = p.n_coll = p.nbytes = 0
+        p.closed = False
+        p.compute.next().record(self.be.compute_stream())
+        self.period = p
+        self.last[m] = p
+        self._pump(self._budget(0))
+
+    def period_end(self, m: int) -> None:
+        p = self.period
+        if p is not None and p.block == m:
+            p.compute.next().record(self.be.compute_stream())
+            p.closed = True
+            self.period = None
+
+    def block_end(self, l: int) -> None:
+        pend = self.s.pending
+        if pend is not None and self.aware and (self.window_chunks is not None or pend.block not in self.plan):
+            self._pump(pend.left)  # not measured yet: the rest now, after this block's last collective
+
+    def _pump(self, n: int) -> None:
+        if n <= 0 or self.s.pending is None or not self.aware:
+            return
+        p = self.period
+        if p is not None:
+            p.copies.next().record(self.be.copy_stream)
+        k = self.s.pump(n)
+        if p is not None:
+            p.copies.next().record(self.be.copy_stream)
+            p.nbytes += self._bytes_of(k)
+        if k:
+            self.unfenced = True
+
+    def before_chunks(self) -> None:
+        """Called by the streamer before it enqueues chunks (any block): none before the last collective's end."""
+        if self.need_wait is not None:
+            ev, mark = self.need_wait
+            self.be.copy_stream.wait_event(ev)
+            if self.log is not None:
+                self.log.copy_waits(mark)
+            self.need_wait = None
+
+    def _bytes_of(self, k: int) -> int:
+        pend = self.s.pending
+        return sum(hi - lo for lo, hi in pend.chunks[pend.next - k : pend.next])
+
+    # ---- tap side
+
+    def collective_start(self, name: str) -> None:
+        cs = self.be.compute_stream()
+        if self.aware and self.unfenced:
+            self.fence.record(self.be.copy_stream)
+            self.s.compute_wait(self.fence, "fence", None)
+            self.unfenced = False
+        p = self.period
+        if p is not None:
+            p.compute.next().record(cs)
+        if self.log is not None:
+            self.log.collective("coll_start", name, cs)
+
+    def collective_end(self, name: str) -> None:
+        cs = self.be.compute_stream()
+        p = self.period
+        ee = None
+        if p is not None:
+            ee = p.compute.next()
+            ee.record(cs)
+            p.n_coll += 1
+        mark = self.log.collective("coll_end", name, cs) if self.log is not None else -1
+        if not self.aware:
+            return
+        if ee is None:
+            ee = self.end_ev
+            ee.record(cs)
+        self.need_wait = (ee, mark)  # the copy stream waits on it before its next chunk, whichever block
+        self._pump(self._budget(p.n_coll if p is not None else 0))
+
+    # ---- budgets
+
+    def _budget(self, w: int) -> int:
+        pend = self.s.pending
+        if pend is None or not self.aware:
+            return 0
+        if self.window_chunks is not None:
+            return self.window_chunks
+        plan = self.plan.get(pend.block)
+        if plan is None:
+            return 0
+        return plan[w] if w < len(plan) else pend.left
+
+    def _learn(self, p: _Period) -> None:
+        """Window durations and copy bandwidth from p's events, if the GPU has passed them (no host sync)."""
+        ev = p.compute.used()
+        cp = p.copies.used()
+        if len(ev) < 2 or not ev[-1].query() or (cp and not cp[-1].query()):
+            return
+        t = [ev[0].elapsed_time(e) for e in ev]  # T0=0, Es1, Ee1, ..., Tend
+        K = p.n_coll
+        bounds = [0.0] + [x for i in range(K) for x in (t[1 + 2 * i], t[2 + 2 * i])] + [t[-1]]
+        windows = [max(0.0, bounds[2 * w + 1] - bounds[2 * w]) for w in range(K + 1)]
+        b = self.s.layouts[p.block]
+        if cp:
+            ms = sum(cp[2 * i].elapsed_time(cp[2 * i + 1]) for i in range(len(cp) // 2))
+            if ms > 0 and p.nbytes > 0:
+                self.bw = p.nbytes / ms
+        bw = self.bw or self.default_bw
+        plan, i = [], 0
+        for w in range(K):
+            cap, acc, n = self.margin * windows[w] * bw, 0, 0
+            while i < len(b.chunks) and acc + (b.chunks[i][1] - b.chunks[i][0]) <= cap:
+                acc += b.chunks[i][1] - b.chunks[i][0]
+                i += 1
+                n += 1
+            plan.append(n)
+        self.plan[p.block] = plan
+
+
+class CollectiveTimer:
+    """Listener for benchmarks: timing events around every collective; `total_ms()` syncs (not the hot path)."""
+
+    def __init__(self, cuda: bool):
+        self.pool = _Pool(cuda)
+        self.cs = (lambda: torch.cuda.current_stream()) if cuda else (lambda: None)
+        self.count = 0
+
+    def collective_start(self, name: str) -> None:
+        self.pool.next().record(self.cs())
+        self.count += 1
+
+    def collective_end(self, name: str) -> None:
+        self.pool.next().record(self.cs())
+
+    def reset(self) -> None:
+        self.pool.n = 0
+        self.count = 0
+
+    def total_ms(self) -> float:
+        ev = self.pool.used()
+        if ev and self.pool.cuda:
+            torch.cuda.synchronize()
+        return sum(ev[i].elapsed_time(ev[i + 1]) for i in range(0, len(ev) - 1, 2))
