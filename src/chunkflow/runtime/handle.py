@@ -271,6 +271,9 @@ class OffloadHandle:
         self.event_log = EventLog(self.cfg.device.type == "cuda") if on else None
         if self.streamer is not None:
             self.streamer.events = self.event_log
+            self.streamer.free_mark = [-1, -1]  # marks belong to one log; older ones precede this log
+        if self.pacer is not None and self.pacer.need_wait is not None:
+            self.pacer.need_wait = (self.pacer.need_wait[0], -1)
         self._configure_comm()
         return self.event_log
 
