@@ -76,7 +76,7 @@ def main() -> int:
     log(f"{env}")
 
     # 1. calibrate
-    cal = calibrate("wan2.2", cpu_smoke=args.quick, log=log)
+    cal = calibrate("wan2.2,flux,hunyuan", cpu_smoke=args.quick, log=log)  # a curve per model
     hw = cal.profile
     write_profile(hw, out / "profile.yaml", f"scripts/gpu_planner_accuracy.py, {env['date']}, {env['gpu']}")
     (out / "calibration.json").write_text(json.dumps(cal.raw, indent=2, default=str) + "\n")

@@ -161,3 +161,33 @@ def test_refit_rejects_non_reports(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"schema_version": 99}))
     result = runner.invoke(app, ["calibrate", "--from-report", "x.json", "--profile", "h200"])
     assert result.exit_code == 2 and "not a run report" in result.output
+
+
+def test_per_model_curves_apply_to_their_model_only():
+    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow_planner.steptime import step_time
+
+    hw = get_hardware("h200")
+    flux, wan = get_model("flux"), get_model("wan2.2")
+    slow = hw.model_copy(update={"eta_comp_curves": {flux.name: [(1e9, 0.1), (1e15, 0.1)]}})
+    wf, ww = make_workload(flux, batch=2), make_workload(wan, frames=41)
+    none = OffloadConfig("none")
+    # FLUX computes at eta 0.1 instead of the scalar: its compute time scales by eta_comp / 0.1
+    assert step_time(flux, wf, slow, none).compute == pytest.approx(step_time(flux, wf, hw, none).compute * hw.eta_comp / 0.1)
+    assert step_time(wan, ww, slow, none).compute == pytest.approx(step_time(wan, ww, hw, none).compute)
+    assert analyse(flux, wf, slow).F_star == pytest.approx(analyse(flux, wf, hw).F_star * 0.1 / hw.eta_comp)
+
+
+def test_refit_scales_the_reported_models_curve(tmp_path):
+    from chunkflow.calibrate import read_reports
+
+    data, path = _report(tmp_path, "none", 1.0)
+    tiny = get_model("tiny")
+    hw = get_hardware("h200").model_copy(update={"eta_comp_curves": {tiny.name: [(1.0, 0.5), (1e15, 0.5)]},
+                                                 "eta_comp_curve": [(1.0, 0.4), (1e15, 0.4)]})
+    pred = data["predicted"]["step_time_s"]
+    data["measured"]["median_step_s"] = 2 * pred  # predicted with h200's scalar eta; refit re-predicts with hw
+    path.write_text(json.dumps(data))
+    new, _ = refit(hw, read_reports([path]))
+    assert new.eta_comp_curves[tiny.name][0][1] < 0.5  # the tiny model's own curve moved down
+    assert new.for_model(tiny.name).eta_comp_curve == new.eta_comp_curves[tiny.name]

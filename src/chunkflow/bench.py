@@ -231,7 +231,7 @@ def plot_all(df, spec: ModelSpec, hw: HardwareSpec, axis: str, values: list[int]
     # (d) roofline: attainable FLOP/s against FLOP per prefetched byte (paper figure 7)
     P, BW = hw.peak_tflops * TFLOP, hw.h2d_gbps * GB
     a0 = analyse(spec, ws[0], hw)
-    eta = hw.eta_comp_at(a0.F_star)
+    eta = hw.for_model(spec.name).eta_comp_at(a0.F_star)
     i_vals = [analyse(spec, w, hw).I_block for w in workloads(spec, axis, values, height, width, 1)]
     lo, hi = min(i_vals + [a0.I_star]) / 10, max(i_vals + [a0.I_star]) * 10
     grid = [lo * (hi / lo) ** (k / 200) for k in range(201)]

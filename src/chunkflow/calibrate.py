@@ -395,7 +395,7 @@ def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512
                 coll_gbps=coll_bandwidth_gbps(x.numel() * 2, t_idle), contention=contention_factor(t_busy, t_idle))
 
 
-def calibrate(model: str = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
+def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
               log: Callable[[str], None] = lambda s: None) -> Calibration:
     """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke)."""
@@ -403,7 +403,9 @@ def calibrate(model: str = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8
 
     from chunkflow_planner.catalog import get_model
 
-    spec = get_model("tiny-wan" if cpu_smoke else model)
+    names = [m.strip() for m in (model.split(",") if isinstance(model, str) else model) if m.strip()]
+    specs = [get_model(n) for n in (["tiny-wan"] if cpu_smoke else names)]
+    spec = specs[0]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cpu_smoke:
         device = torch.device("cpu")
@@ -425,9 +427,14 @@ def calibrate(model: str = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8
     log(f"bf16 GEMM {gemm_n}^3: {gemm:.1f} TFLOP/s")
     matched = base is not None or "no catalog match" not in base_note
     peak = peak_tflops or (base_hw.peak_tflops if matched and not cpu_smoke else gemm)
-    blocks = measure_blocks(spec, device, default_points(spec, cpu_smoke), progress=progress)
-    curve = eta_curve([r["flops"] for r in blocks], [r["time_s"] for r in blocks], peak * 1e12)
-    log("eta_comp(F): " + ", ".join(f"{F:.2e} FLOP -> {e:.3f}" for F, e in curve))
+    curves: dict[str, list[tuple[float, float]]] = {}
+    blocks: list[dict[str, Any]] = []
+    for sp_ in specs:  # each model's own blocks: attention-heavy and GEMM-heavy blocks differ in efficiency
+        rows = measure_blocks(sp_, device, default_points(sp_, cpu_smoke), progress=progress)
+        blocks += [dict(r, model=sp_.name) for r in rows]
+        curves[sp_.name] = eta_curve([r["flops"] for r in rows], [r["time_s"] for r in rows], peak * 1e12)
+        log(f"eta_comp(F) of {sp_.name}: " + ", ".join(f"{F:.2e} FLOP -> {e:.3f}" for F, e in curves[sp_.name]))
+    curve = curves[spec.name]
     h2d_rows = measure_h2d(device, sizes, total, progress=progress)
     fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows], [r["time_per_copy_s"] for r in h2d_rows])
     log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
@@ -442,7 +449,7 @@ def calibrate(model: str = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8
     date = datetime.date.today().isoformat()
     src = (f"chunkflow calibrate {date} on {device_name}: GEMM {gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
            f"({'datasheet of ' + base_hw.name if peak == base_hw.peak_tflops and matched else 'measured GEMM'}); "
-           f"eta_comp curve from one {spec.name} block at {len(curve)} sizes; H2D t(C) = t0 + C/BW fitted over "
+           f"eta_comp curves from one block of {', '.join(curves)} at {len(curve)}+ sizes each; H2D t(C) = t0 + C/BW fitted over "
            f"{len(h2d_rows)} chunk sizes ({sizes[0] / 1e6:g}-{sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries "
            f"the size effect)" + (f"; all-to-all and contention over {world} GPUs" if coll else
                                   f"; coll_gbps/contention from {base_hw.name}"))
@@ -452,9 +459,9 @@ def calibrate(model: str = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8
         peak_tflops=peak, gemm_tflops=gemm, curve=curve, h2d=fit, memory_bytes=mem,
         gpus=world if world > 1 else None, coll_gbps=coll["coll_gbps"] if coll else None,
         contention=coll["contention"] if coll else None, peer_link=peer_link, source=src,
-    )
+    ).model_copy(update={"eta_comp_curves": curves})
     raw = dict(date=date, device=device_name, torch=torch.__version__, world=world, gemm_n=gemm_n, gemm_tflops=gemm,
-               peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, h2d=h2d_rows,
+               peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note)
     return Calibration(profile, raw)
 
@@ -511,20 +518,33 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
 
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.mode == "none"}
-    ks = []
+    ks: dict[str, list[float]] = {}
     for r in none.values():
         spec = get_model(r.plan.model.name)
         p = predict(spec, workload_of(r.plan), hw, "none", None, 1.0, r.run.sp_degree)
         comp = r.measured.median_step_s - (p.step_time_s - p.compute_s)
         if comp > 0:
-            ks.append(p.compute_s / comp)
+            ks.setdefault(spec.name, []).append(p.compute_s / comp)
     update: dict[str, Any] = {}
+
+    def gmean(xs: list[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
     if ks:
-        k = math.exp(sum(math.log(x) for x in ks) / len(ks))
+        k = gmean([x for xs in ks.values() for x in xs])
         update["eta_comp"] = min(1.0, hw.eta_comp * k)
         if hw.eta_comp_curve:
             update["eta_comp_curve"] = [(f, min(1.0, e * k)) for f, e in hw.eta_comp_curve]
-        notes.append(f"eta_comp x{k:.3f} from {len(ks)} `none` run(s): {hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
+        notes.append(f"eta_comp x{k:.3f} from {sum(map(len, ks.values()))} `none` run(s): "
+                     f"{hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
+        curves = dict(hw.eta_comp_curves)
+        for name, xs in ks.items():  # a model with its own curve is scaled by its own runs
+            if name in curves:
+                km = gmean(xs)
+                curves[name] = [(f, min(1.0, e * km)) for f, e in curves[name]]
+                notes.append(f"eta_comp curve of {name} x{km:.3f} from {len(xs)} `none` run(s)")
+        if curves != hw.eta_comp_curves:
+            update["eta_comp_curves"] = curves
     else:
         notes.append("no `none` run: eta_comp unchanged")
     gaps = []

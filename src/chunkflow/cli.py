@@ -196,7 +196,8 @@ def run_cmd(
 
 @app.command("calibrate")
 def calibrate_cmd(
-    model: str = typer.Option("wan2.2", "--model", "-m", help="catalog model whose block sets the eta_comp curve"),
+    model: str = typer.Option("wan2.2", "--model", "-m", help="catalog model(s) whose blocks set the eta_comp curves, "
+                              "comma-separated (e.g. wan2.2,flux,hunyuan); each model listed gets its own curve"),
     out: str = typer.Option("profile.yaml", "--out", "-o", help="write the hardware profile (YAML) here"),
     save: Optional[bool] = typer.Option(None, "--save/--no-save",
                                         help="also save it as this machine's default profile (default: yes, except --cpu-smoke)"),

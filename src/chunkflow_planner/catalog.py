@@ -146,6 +146,11 @@ class HardwareSpec(_Strict):
         description="measured [F_block, eta_comp] pairs (FLOP, fraction of P_peak), increasing in F; the planner "
         "interpolates eta linearly in log F and clamps at the ends. Without it the scalar eta_comp applies.",
     )
+    eta_comp_curves: dict[str, list[tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="per-model eta_comp curves (catalog model name -> [F_block, eta] pairs), measured on that model's "
+        "own blocks; a model listed here uses its curve instead of eta_comp_curve",
+    )
     gemm_tflops: float | None = Field(None, gt=0, description="measured bf16 GEMM rate (calibrate), for reference")
     dma_startup_us: float = Field(3.0, ge=0, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, description="runtime cost per offloaded block per forward")
@@ -154,16 +159,27 @@ class HardwareSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_curve(self) -> "HardwareSpec":
-        curve = self.eta_comp_curve
-        if curve is not None:
+        named = [("eta_comp_curve", self.eta_comp_curve)] + [
+            (f"eta_comp_curves[{m}]", c) for m, c in self.eta_comp_curves.items()
+        ]
+        for what, curve in named:
+            if curve is None:
+                continue
             if not curve:
-                raise ValueError("eta_comp_curve must hold at least one [flops, eta] pair (or be left out)")
+                raise ValueError(f"{what} must hold at least one [flops, eta] pair (or be left out)")
             flops = [f for f, _ in curve]
             if any(f <= 0 for f in flops) or any(b <= a for a, b in zip(flops, flops[1:])):
-                raise ValueError("eta_comp_curve needs positive FLOP values in strictly increasing order")
+                raise ValueError(f"{what} needs positive FLOP values in strictly increasing order")
             if any(not 0 < e <= 1 for _, e in curve):
-                raise ValueError("eta_comp_curve efficiencies must be in (0, 1]")
+                raise ValueError(f"{what} efficiencies must be in (0, 1]")
         return self
+
+    def for_model(self, model: str) -> "HardwareSpec":
+        """This hardware as seen by `model`: its own measured eta_comp curve, if the profile has one."""
+        curve = self.eta_comp_curves.get(model)
+        if curve is None or curve == self.eta_comp_curve:
+            return self
+        return self.model_copy(update={"eta_comp_curve": curve})
 
     def eta_comp_at(self, F: float) -> float:
         """eta_comp for a block of F FLOP (per GPU): the curve interpolated in log F, clamped; else eta_comp."""
