@@ -22,9 +22,13 @@ import pytest
 
 TOL = 1e-5
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
-# (label, mode, comm_aware, fixed chunks per window or None for measured budgets)
-MODES = (("layerwise", "layerwise", False, None), ("chunkflow-aware", "chunkflow", True, None),
-         ("chunkflow-aware-1", "chunkflow", True, 1), ("chunkflow-not-aware", "chunkflow", False, None))
+# (label, mode, comm_aware, pacer settings): measured budgets unless window_chunks fixes them; a margin near 0
+# makes every compute window too small for its block, so adaptive pacing stops yielding and strict keeps yielding
+MODES = (("layerwise", "layerwise", False, {}), ("chunkflow-aware", "chunkflow", True, {}),
+         ("chunkflow-aware-1", "chunkflow", True, {"window_chunks": 1}),
+         ("chunkflow-not-aware", "chunkflow", False, {}),
+         ("chunkflow-aware-bound", "chunkflow", True, {"margin": 1e-12}),
+         ("chunkflow-aware-bound-strict", "chunkflow", True, {"margin": 1e-12, "strict": True}))
 
 
 def _worker(out_path: str) -> None:
@@ -64,12 +68,12 @@ def _worker(out_path: str) -> None:
         h.remove()
         r["sp_vs_single"] = (sp - ref).abs().max().item()
         r["ref_scale"] = ref.abs().max().item()
-        for label, mode, aware, wc in MODES:
+        for label, mode, aware, settings in MODES:
             m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode=mode, chunk_size=3001, seed=1)
             enable_sequence_parallel(m, spec, world)
             h.set_comm_aware(aware)
-            if h.pacer is not None:
-                h.pacer.window_chunks = wc
+            for key, value in settings.items():
+                setattr(h.pacer, key, value)
             log = h.set_event_log(True)
             patched = {k: v is not originals[k] for k, v in current().items()}
             with torch.no_grad():
@@ -86,6 +90,7 @@ def _worker(out_path: str) -> None:
                 stream_violations=len(log.stream_violations()),
                 program_violations=len(log.program_violations()),
                 paced=h.stats().comm_aware,
+                eager_blocks=len(h.pacer.eager) if h.pacer is not None else 0,
                 patched=patched,
             )
             h.remove()
@@ -201,3 +206,15 @@ def test_stream_violation_check_on_a_hand_made_log():
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefetch_bound_blocks_stop_yielding_unless_strict(sp_result, name):
+    r = sp_result["models"][name]
+    bound, strict = r["chunkflow-aware-bound"], r["chunkflow-aware-bound-strict"]
+    assert bound["exact_vs_sp"] and strict["exact_vs_sp"]
+    # windows too small for the transfer: adaptive pacing issues those blocks at once, so copies meet collectives
+    assert bound["eager_blocks"] > 0 and bound["stream_violations"] > 0
+    # strict pacing still keeps every copy out of every collective
+    assert strict["eager_blocks"] == 0 and strict["stream_violations"] == 0 and strict["program_violations"] == 0
+    assert r["chunkflow-aware"]["eager_blocks"] == 0  # measured windows hold these tiny blocks: paced

@@ -11,7 +11,8 @@ calibrated profile BW_h2d is the asymptotic rate, the DMA term carries the whole
   on a PCIe peer link the collective's bytes also occupy the path the prefetch needs.
 - chunkflow with communication awareness: copies pause at chunk boundaries while a collective runs, so
   prefetch progresses only in compute windows; each collective waits on average for half of the chunk in
-  flight (bounded by one chunk's service time, section 3.2), and pays a small yield overhead.
+  flight (bounded by one chunk's service time, section 3.2), and pays a small yield overhead. Where the
+  compute windows cannot hold a block's transfer the runtime does not yield: the better schedule applies.
 Step time = cfg_passes * sum over blocks. Non-block layers (embeddings, final projection) are not modelled.
 """
 
@@ -58,7 +59,12 @@ def t_all_to_all(spec: ModelSpec, group: BlockGroup, w: Workload, hw: HardwareSp
 def block_time(
     t_comp: float, t_coll: float, n_coll: int, V_next: float, cfg: OffloadConfig, hw: HardwareSpec
 ) -> tuple[float, float, float, float]:
-    """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block."""
+    """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block.
+
+    With communication awareness the runtime yields only where the compute windows can hold the transfer
+    (runtime/comm.py): a prefetch-bound block is issued at once, as without awareness. So the aware
+    prediction is the better of the two schedules.
+    """
     window = t_comp + t_coll
     if cfg.mode == "none":
         return window, 0.0, 0.0, 0.0
@@ -69,22 +75,26 @@ def block_time(
     dma = hw.dma_startup_us * 1e-6
     pref = T_pref(streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma
     overhead = hw.block_overhead_us * 1e-6
-    contention = 0.0
-    if t_coll > 0 and cfg.mode == "chunkflow" and cfg.comm_aware:
-        in_flight = min(1.0, pref / max(t_comp, 1e-12))
-        t_chunk = T_pref(cfg.chunk_service_bytes(V_next), BW, hw.eta_pref) + dma
-        contention = n_coll * in_flight * (1 - 1 / hw.contention) * 0.5 * t_chunk
-        overhead += n_coll * hw.yield_overhead_us * 1e-6
-        link_busy = pref + t_coll  # copies pause while collectives run
-    elif t_coll > 0:
-        in_flight = min(1.0, pref / window)
-        contention = (hw.contention - 1) * t_coll * in_flight
-        link_busy = pref + (t_coll * in_flight if hw.peer_link == "pcie" else 0.0)
-    else:
-        link_busy = pref
-    compute_path = window + contention
-    wall = max(compute_path, link_busy)
-    return wall + overhead, wall - compute_path, contention, overhead
+
+    def finish(contention: float, link_busy: float, extra: float) -> tuple[float, float, float, float]:
+        compute_path = window + contention
+        wall = max(compute_path, link_busy)
+        return wall + overhead + extra, wall - compute_path, contention, overhead + extra
+
+    if t_coll <= 0:
+        return finish(0.0, pref, 0.0)
+    # copies in flight during collectives slow them by `contention`; on a PCIe peer link they also share the path
+    in_flight = min(1.0, pref / window)
+    blind = finish((hw.contention - 1) * t_coll * in_flight,
+                   pref + (t_coll * in_flight if hw.peer_link == "pcie" else 0.0), 0.0)
+    if cfg.mode != "chunkflow" or not cfg.comm_aware:
+        return blind
+    # yielding: copies pause while collectives run; each collective waits for about half the chunk in flight
+    in_flight = min(1.0, pref / max(t_comp, 1e-12))
+    t_chunk = T_pref(cfg.chunk_service_bytes(V_next), BW, hw.eta_pref) + dma
+    tail = n_coll * in_flight * (1 - 1 / hw.contention) * 0.5 * t_chunk
+    aware = finish(tail, pref + t_coll, n_coll * hw.yield_overhead_us * 1e-6)
+    return min(aware, blind)
 
 
 def step_time(

@@ -347,6 +347,8 @@ class CommPacer:
         self.bw = None  # measured bytes per ms
         self.end_ev = self.be.event()  # E_end of a collective outside any prefetch period
         self.need_wait = None  # (event, mark): the latest collective's end, not yet waited on by the copy stream
+        self.strict = False  # True: always yield, even when the compute windows cannot hold a block's prefetch
+        self.eager: set[int] = set()  # blocks whose prefetch does not fit in the compute windows: not paced
 
     # ---- streamer side
 
@@ -360,6 +362,12 @@ class CommPacer:
         p.compute.next().record(self.be.compute_stream())
         self.period = p
         self.last[m] = p
+        if m in self.eager and self.window_chunks is None and self.s.pending is not None:
+            # Prefetch-bound: pausing would expose more transfer than the collectives lose to contention. The
+            # whole block goes now, unfenced and untimed (its copies share the link: not a bandwidth sample).
+            self.before_chunks()
+            self.s.pump(self.s.pending.left)
+            return
         self._pump(self._budget(0))
 
     def period_end(self, m: int) -> None:
@@ -378,6 +386,7 @@ class CommPacer:
         if n <= 0 or self.s.pending is None or not self.aware:
             return
         p = self.period
+        self.before_chunks()  # the copy stream's wait on the last collective goes before C0: not counted as copy time
         if p is not None:
             p.copies.next().record(self.be.copy_stream)
         k = self.s.pump(n)
@@ -460,6 +469,14 @@ class CommPacer:
             if ms > 0 and p.nbytes > 0:
                 self.bw = p.nbytes / ms
         bw = self.bw or self.default_bw
+        need = sum(hi - lo for lo, hi in b.chunks)
+        if not self.strict and need > self.margin * sum(windows) * bw:
+            # The compute windows of this period cannot hold the block's transfer even with every byte placed:
+            # yielding would turn contention into a longer exposed prefetch. Issue this block's chunks at once.
+            self.eager.add(p.block)
+            self.plan.pop(p.block, None)
+            return
+        self.eager.discard(p.block)
         plan, i = [], 0
         for w in range(K):
             cap, acc, n = self.margin * windows[w] * bw, 0, 0
