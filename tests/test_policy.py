@@ -184,3 +184,16 @@ def test_larger_budget_never_turns_feasible_infeasible(case, budget_frac, extra)
     except Infeasible:
         return
     decide(p, int(small * (1 + extra)))
+
+
+def test_comm_aware_yields_only_where_the_transfer_fits_the_compute_windows():
+    from chunkflow_planner.steptime import PACING_MARGIN, block_time
+
+    hw = get_hardware("h200-x2-pcie")
+    aware, blind = OffloadConfig("chunkflow", 16 * MB), OffloadConfig("chunkflow", 16 * MB, comm_aware=False)
+    bw = hw.h2d_gbps * 1e9 * hw.eta_pref
+    t_comp, t_coll = 0.010, 0.004
+    small = 0.5 * PACING_MARGIN * t_comp * bw  # fits: yielding removes the contention
+    large = 1.5 * t_comp * bw  # prefetch-bound: the runtime does not yield, the prediction is the blind one
+    assert block_time(t_comp, t_coll, 4, small, aware, hw)[2] < block_time(t_comp, t_coll, 4, small, blind, hw)[2]
+    assert block_time(t_comp, t_coll, 4, large, aware, hw) == block_time(t_comp, t_coll, 4, large, blind, hw)

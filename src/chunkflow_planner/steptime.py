@@ -29,6 +29,7 @@ from chunkflow_planner.workload import tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
 COLLECTIVE_LATENCY_S = 15e-6
+PACING_MARGIN = 0.9  # the runtime paces a block only if its transfer fits in this share of the compute windows
 
 
 @dataclass
@@ -62,8 +63,8 @@ def block_time(
     """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block.
 
     With communication awareness the runtime yields only where the compute windows can hold the transfer
-    (runtime/comm.py): a prefetch-bound block is issued at once, as without awareness. So the aware
-    prediction is the better of the two schedules.
+    (runtime/comm.py: the block's bytes fit in PACING_MARGIN of its compute time); a prefetch-bound block is
+    issued at once, as without awareness. Where it yields, the prediction is the better of the two schedules.
     """
     window = t_comp + t_coll
     if cfg.mode == "none":
@@ -94,7 +95,8 @@ def block_time(
     t_chunk = T_pref(cfg.chunk_service_bytes(V_next), BW, hw.eta_pref) + dma
     tail = n_coll * in_flight * (1 - 1 / hw.contention) * 0.5 * t_chunk
     aware = finish(tail, pref + t_coll, n_coll * hw.yield_overhead_us * 1e-6)
-    return min(aware, blind)
+    fits = pref <= PACING_MARGIN * t_comp
+    return min(aware, blind) if fits else blind
 
 
 def step_time(
