@@ -148,6 +148,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-log", action="store_true", help="skip the event-log forward")
+    ap.add_argument("--residency", default="0", help="residencies for chunkflow-aware, e.g. 0,0.2 (r > 0: extra rows)")
+    ap.add_argument("--modes", default="layerwise,chunkflow", help="offload modes to run besides none")
+    ap.add_argument("--tag", default="", help="suffix for the output files (default: nvlink / p2poff)")
     ap.add_argument("--quick", action="store_true", help="CPU, gloo, tiny models (smoke test)")
     args = ap.parse_args()
 
@@ -165,7 +168,7 @@ def main() -> int:
         print("CUDA is not available; run with --quick for the CPU smoke test", file=sys.stderr)
         return 2
     p2p_off = os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0")
-    tag = "cpu" if not cuda else ("p2poff" if p2p_off else "nvlink")
+    tag = ("cpu" if not cuda else ("p2poff" if p2p_off else "nvlink")) + (f"-{args.tag}" if args.tag else "")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     import diffusers
@@ -207,13 +210,19 @@ def main() -> int:
         for w in wls:
             res[("none", w)] = run_mode(model, inputs[w], None, cuda, args.warmup, args.iters)
             ref[w] = res[("none", w)][4].clone()
-        for mode in ("layerwise", "chunkflow"):
+        runs = [("layerwise", 0.0)] if "layerwise" in args.modes.split(",") else []
+        if "chunkflow" in args.modes.split(","):
+            runs += [("chunkflow", float(x)) for x in args.residency.split(",")]
+        labels = ["none"]
+        for mode, residency in runs:
             t1 = time.perf_counter()
             h = chunkflow.offload(model, mode=mode, chunk_size=args.chunk if mode == "chunkflow" else 1,
-                                  device=device)
-            log(f"{spec.name}: offload {mode} in {time.perf_counter() - t1:.1f} s")
-            variants = [("layerwise", None)] if mode == "layerwise" else [("chunkflow-aware", True),
-                                                                            ("chunkflow-not-aware", False)]
+                                  residency=residency, device=device)
+            log(f"{spec.name}: offload {mode} r={residency} in {time.perf_counter() - t1:.1f} s")
+            suffix = f"-r{round(100 * residency)}" if residency else ""
+            variants = [("layerwise", None)] if mode == "layerwise" else (
+                [("chunkflow-aware" + suffix, True)] + ([("chunkflow-not-aware", False)] if not residency else []))
+            labels += [v for v, _ in variants]
             for label, aware in variants:
                 if aware is not None:
                     h.set_comm_aware(aware)
@@ -227,8 +236,8 @@ def main() -> int:
         for w in wls:
             none_ms, none_coll = res[("none", w)][0], res[("none", w)][1]
             compute = none_ms - none_coll
-            lw_ms = res[("layerwise", w)][0]
-            for label in ("none", "layerwise", "chunkflow-aware", "chunkflow-not-aware"):
+            lw_ms = res[("layerwise", w)][0] if ("layerwise", w) in res else None
+            for label in labels:
                 r = res[(label, w)]
                 ms, coll, ready, fence, out, ncoll = r[:6]
                 lg = r[6] if len(r) > 6 else None
@@ -241,7 +250,7 @@ def main() -> int:
                            vs_none=round(ms / none_ms, 4),
                            bit_identical=bool(torch.equal(out, ref[w])),
                            contention_removed=(round((lw_ms - ms) / (lw_ms - none_ms), 3)
-                                               if label == "chunkflow-aware" and lw_ms > none_ms else None),
+                                               if label == "chunkflow-aware" and lw_ms and lw_ms > none_ms else None),
                            log_copies=lg[0] if lg else None, gpu_copies_inside_collectives=lg[1] if lg else None,
                            stream_overlap_pairs=lg[2] if lg else None, **{"tag": tag})
                 rows.append(row)

@@ -127,3 +127,28 @@ def test_help_of_every_command():
     for cmd in ("plan", "run", "bench", "calibrate", "models", "hardware"):
         result = runner.invoke(app, [cmd, "--help"])
         assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_run_under_torchrun_with_sequence_parallelism(tmp_path):
+    """`torchrun -m chunkflow.cli run` on two gloo ranks: the SP plan's degree is used and rank 0 reports."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists() and not shutil.which("torchrun"):
+        pytest.skip("torchrun not installed")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    plan = subprocess.run([sys.executable, "-m", "chunkflow.cli", "plan", "--model", "tiny", "--sp", "2", "--hardware",
+                           "h200-x2", "--out", str(tmp_path / "plan.json")], env=env, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    run = subprocess.run([str(torchrun if torchrun.exists() else shutil.which("torchrun")), "--standalone",
+                          "--nproc-per-node", "2", "-m", "chunkflow.cli", "run", "--plan", str(tmp_path / "plan.json"),
+                          "--device", "cpu", "--mode", "chunkflow", "--chunk-size", "4KB", "--steps", "1",
+                          "--report", str(tmp_path / "r.json")], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["run"]["sp_degree"] == 2 and report["run"]["mode"] == "chunkflow"
+    assert report["plan"]["parallel"]["sp_degree"] == 2
