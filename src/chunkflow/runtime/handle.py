@@ -53,7 +53,9 @@ class OffloadStats:
 
 
 @dataclass(frozen=True)
-class OffloadConfig:
+class HandleConfig:
+    """What one handle was asked for, validated: mode, chunk bytes, residency, device, communication awareness."""
+
     mode: str
     chunk_bytes: int | None
     residency: float
@@ -97,7 +99,7 @@ def parse_chunk(chunk_size) -> int:
 
 
 def make_config(mode: str, chunk_size, residency, device, plan=None, module: nn.Module | None = None,
-                comm_aware: bool = True) -> OffloadConfig:
+                comm_aware: bool = True) -> HandleConfig:
     if plan is not None:
         mode, chunk_size, residency, comm_aware = _from_plan(plan, module)
     if mode not in MODES:
@@ -113,7 +115,7 @@ def make_config(mode: str, chunk_size, residency, device, plan=None, module: nn.
         chunk = parse_chunk(chunk_size)
     elif mode == "layerwise" and r != 0.0:
         raise OffloadError("layerwise mode streams whole blocks with no residency; use mode='chunkflow' for residency")
-    return OffloadConfig(mode, chunk, r if mode == "chunkflow" else (1.0 if mode == "none" else 0.0),
+    return HandleConfig(mode, chunk, r if mode == "chunkflow" else (1.0 if mode == "none" else 0.0),
                          resolve_device(device), bool(comm_aware))
 
 
@@ -192,7 +194,7 @@ def _all_tensors(module: nn.Module):
 class OffloadHandle:
     """State of one offloaded module. Build with `offload()` (or `models.build`); undo with `remove()`."""
 
-    def __init__(self, module: nn.Module, cfg: OffloadConfig, layouts: list[BlockLayout], store: HostStore | None,
+    def __init__(self, module: nn.Module, cfg: HandleConfig, layouts: list[BlockLayout], store: HostStore | None,
                  gate: Gate | None = None, record_chunks: bool = False, record_events: bool = False):
         self.module = module
         self.cfg = cfg
@@ -214,18 +216,21 @@ class OffloadHandle:
 
     # ---- start-up, called once by offload() or the builder
 
-    def _move_non_block(self) -> None:
-        dev = self.cfg.device
-        for t, owners, is_param, _ in self._non_block:
+    def _place_non_block(self, original: bool = False) -> None:
+        """Non-block tensors to the offload device (start-up) or back where each was (remove)."""
+        for _, owners, is_param, orig in self._non_block:
+            m0, a0 = owners[0]
+            cur = m0._parameters[a0] if is_param else m0._buffers[a0]
+            dev = orig if original else self.cfg.device
             if is_param:
-                t.data = t.data.to(dev)
+                cur.data = cur.data.to(dev)
             else:
-                moved = t.to(dev)
+                moved = cur.to(dev)
                 for m, attr in owners:
                     m._buffers[attr] = moved
 
     def _start(self) -> None:
-        self._move_non_block()
+        self._place_non_block()
         if self.cfg.mode != "none":
             backend = CudaBackend(self.cfg.device) if self.cfg.device.type == "cuda" else CpuBackend()
             self.streamer = Streamer(self.layouts, self.store, self.cfg.device, backend, self._gate, self.chunk_log)
@@ -340,14 +345,7 @@ class OffloadHandle:
                 dev = torch.device("cpu") if dev.type == "meta" else dev
                 src = self.store.view(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape)
                 bind(t, src.to(dev, copy=True))
-        for t, owners, is_param, dev in self._non_block:
-            cur = owners[0][0]._parameters[owners[0][1]] if is_param else owners[0][0]._buffers[owners[0][1]]
-            if is_param:
-                cur.data = cur.data.to(dev)
-            else:
-                moved = cur.to(dev)
-                for m, attr in owners:
-                    m._buffers[attr] = moved
+        self._place_non_block(original=True)
         if self.store is not None:
             self.store.release()
         self.streamer = None
