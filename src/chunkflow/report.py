@@ -63,7 +63,9 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     o = plan.offload
     chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
-    console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)}", highlight=False)
+    total = plan.prediction.step_time_s * w.steps
+    console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)} "
+                  f"per step; {w.steps} steps take about {format_seconds(total)}", highlight=False)
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
 
 

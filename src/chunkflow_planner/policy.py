@@ -19,6 +19,7 @@ from chunkflow_planner.steptime import StepTime, step_time
 
 MB = 10**6
 CHUNK_CANDIDATES = tuple(c * MB for c in (4, 8, 16, 32, 64, 128, 256))
+DEFAULT_CHUNK = 16 * MB  # the paper's operating point (section 4.4)
 
 
 class Infeasible(Exception):
@@ -115,12 +116,16 @@ def decide(
     in_budget = [p for p in points if p.need <= budget]
     feasible = [p for p in in_budget if p.step_time <= target]
     if feasible:
-        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak))
+        # ties (compute hides every chunk size) go to the chunk size nearest the paper's 16 MB operating point
+        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak,
+                                            abs(math.log2(p.cfg.chunk_bytes / DEFAULT_CHUNK))))
         slow = best.step_time / none.step_time
         if best.cfg.residency == 0:
+            tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time]
             why = (
                 f"full offload already meets the target ({slow:.3f}x no offload, target {target_text}); "
-                f"{best.cfg.chunk_bytes // 10**6} MB chunks give the shortest step"
+                + (f"every chunk size hides, so {best.cfg.chunk_bytes // 10**6} MB (the paper's operating point)"
+                   if len(tied) > 1 else f"{best.cfg.chunk_bytes // 10**6} MB chunks give the shortest step")
             )
         else:
             why = (
