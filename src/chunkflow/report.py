@@ -97,3 +97,7 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run
         t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{r.residency:.1%}", "-")
     console.print(t)
     console.print("step times: " + ", ".join(format_seconds(x) for x in m.step_times_s), highlight=False)
+    if r.device.startswith("cpu"):
+        console.print(f"note: the prediction is for the GPU profile {report.plan.hardware.name!r}; on the CPU this run "
+                      "checks the pipeline end to end, not the planner's accuracy (run it on that GPU for that).",
+                      highlight=False)
