@@ -13,12 +13,13 @@ vs no offload under the same SP must be bit-exact (same kernels on the same valu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torchrun_util import run_workers  # noqa: E402
 
 TOL = 1e-5
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
@@ -104,18 +105,7 @@ def _worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sp_result(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun not found next to the Python interpreter")
-    out = tmp_path_factory.mktemp("sp") / "result.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", __file__, str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_workers(__file__, 2, tmp_path_factory.mktemp("sp") / "result.json", timeout=180)
 
 
 @pytest.mark.parametrize("name", MODELS)

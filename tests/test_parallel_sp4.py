@@ -9,12 +9,13 @@ pacing keeps every chunk copy out of every collective.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torchrun_util import run_workers  # noqa: E402
 
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
 WORLD = 4
@@ -67,18 +68,7 @@ def _worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def sp4(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun not found next to the Python interpreter")
-    out = tmp_path_factory.mktemp("sp4") / "result.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(WORLD), __file__, str(out)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_workers(__file__, str(WORLD), tmp_path_factory.mktemp("sp4") / "result.json", timeout=300)
 
 
 @pytest.mark.parametrize("name", MODELS)
