@@ -64,6 +64,9 @@ class DiffusersSpec(_Strict):
     inputs: Literal["wan", "flux", "hunyuan_video", "qwen_image"] = Field(
         description="which input builder makes latents, timestep and text states for this class"
     )
+    cp_plan: Literal["hunyuan_video"] | None = Field(
+        None, description="chunkflow's own context-parallel plan, for a class diffusers ships without one"
+    )
 
 
 class ModelSpec(_Strict):

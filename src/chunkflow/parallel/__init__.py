@@ -140,16 +140,17 @@ def enable_sequence_parallel(module: nn.Module, spec, degree: int) -> None:
 
     cp_plan = None
     cls = type(module).__name__
-    if cls == "HunyuanVideoTransformer3DModel":
-        cp_plan = _hunyuan_plan()
-        proc = _hunyuan_processor_class()
+    if spec.diffusers.cp_plan is not None:  # models.yaml names our own plan for a class diffusers lacks one for
+        make_plan, processor_class = OWN_CP_PLANS[spec.diffusers.cp_plan]
+        cp_plan = make_plan()
+        proc = processor_class()
         for m in module.modules():
             if isinstance(getattr(m, "processor", None), proc.__mro__[1]):
                 m.set_processor(proc())
     elif getattr(module, "_cp_plan", None) is None:
         raise ValueError(f"{spec.name} ({cls}) has no context-parallel plan; sequence parallelism is not available")
     config = ContextParallelConfig(ulysses_degree=degree)
-    if torch.accelerator.device_count() == 0:  # CPU / gloo: see the module docstring
+    if _accelerators() == 0:  # CPU / gloo: see the module docstring
         module._resolve_parallel_config = _cpu_resolver(module)
         try:
             module.enable_parallelism(config=config, cp_plan=cp_plan)
@@ -157,6 +158,16 @@ def enable_sequence_parallel(module: nn.Module, spec, degree: int) -> None:
             del module._resolve_parallel_config
     else:
         module.enable_parallelism(config=config, cp_plan=cp_plan)
+
+
+# chunkflow's own context-parallel plans, by the name models.yaml gives in `diffusers.cp_plan`
+OWN_CP_PLANS = {"hunyuan_video": (_hunyuan_plan, _hunyuan_processor_class)}
+
+
+def _accelerators() -> int:
+    """Accelerators diffusers will see (torch.accelerator exists from torch 2.6; before it, CUDA only)."""
+    acc = getattr(torch, "accelerator", None)
+    return acc.device_count() if acc is not None else torch.cuda.device_count()
 
 
 def _cpu_resolver(module):
