@@ -168,8 +168,10 @@ def resolve_device(device: str | None):
 
 
 def _timestep_scale(spec: ModelSpec) -> float:
-    """The transformer's timestep units: Flux and Qwen-Image take t / 1000, Wan and HunyuanVideo take t."""
-    return 1e-3 if spec.diffusers.inputs in ("flux", "qwen_image") else 1.0
+    """The transformer's timestep units, kept with the input builders (models/inputs.py)."""
+    from chunkflow.models.inputs import TIMESTEP_SCALE
+
+    return TIMESTEP_SCALE[spec.diffusers.inputs]
 
 
 @dataclass

@@ -91,6 +91,9 @@ def _qwen_image(spec, w, dtype, device, g):
     )
 
 
+# the transformer's timestep units: Flux and Qwen-Image take t / 1000 (their pipelines divide), Wan and Hunyuan take t
+TIMESTEP_SCALE: dict[str, float] = {"wan": 1.0, "flux": 1e-3, "hunyuan_video": 1.0, "qwen_image": 1e-3}
+
 BUILDERS: dict[str, Callable] = {"wan": _wan, "flux": _flux, "hunyuan_video": _hunyuan_video, "qwen_image": _qwen_image}
 
 
