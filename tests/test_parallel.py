@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from torchrun_util import run_workers  # noqa: E402
+from torchrun_util import padded_inputs, run_workers, single_and_sp  # noqa: E402
 
 TOL = 1e-5
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
@@ -38,10 +38,9 @@ def _worker(out_path: str) -> None:
     import torch.distributed._functional_collectives as funcol
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_models import _workload, tiny_spec
+    from test_models import tiny_spec
 
     from chunkflow.models.build import build_transformer
-    from chunkflow.models.inputs import make_inputs
     from chunkflow.parallel import enable_sequence_parallel, init_distributed
 
     rank, world, dev = init_distributed()
@@ -56,17 +55,9 @@ def _worker(out_path: str) -> None:
 
     for name in MODELS:
         spec = tiny_spec(name)
-        kw = make_inputs(spec, _workload(spec), torch.float32, "cpu", seed=3)
-        if "encoder_attention_mask" in kw:  # pad the last text tokens: the mask must follow the all-to-all
-            kw["encoder_attention_mask"][:, -5:] = 0  # more than one rank's text shard
+        kw = padded_inputs(spec)  # the padded text mask must follow the all-to-all
         r: dict = {}
-        m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="none", seed=1)
-        with torch.no_grad():
-            ref = m(**kw)[0]
-        enable_sequence_parallel(m, spec, world)
-        with torch.no_grad():
-            sp = m(**kw)[0]
-        h.remove()
+        ref, sp = single_and_sp(spec, kw, world)
         r["sp_vs_single"] = (sp - ref).abs().max().item()
         r["ref_scale"] = ref.abs().max().item()
         for label, mode, aware, settings in MODES:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from torchrun_util import run_workers  # noqa: E402
+from torchrun_util import padded_inputs, run_workers, single_and_sp  # noqa: E402
 
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
 WORLD = 4
@@ -26,10 +26,9 @@ def _worker(out_path: str) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_models import _workload, tiny_spec
+    from test_models import tiny_spec
 
     from chunkflow.models.build import build_transformer
-    from chunkflow.models.inputs import make_inputs
     from chunkflow.parallel import enable_sequence_parallel, init_distributed
 
     rank, world, _ = init_distributed()
@@ -38,16 +37,8 @@ def _worker(out_path: str) -> None:
         spec = tiny_spec(name)
         cfg = dict(spec.diffusers.config, num_attention_heads=WORLD)
         spec = spec.model_copy(update={"heads": WORLD, "diffusers": spec.diffusers.model_copy(update={"config": cfg})})
-        kw = make_inputs(spec, _workload(spec), torch.float32, "cpu", seed=3)
-        if "encoder_attention_mask" in kw:
-            kw["encoder_attention_mask"][:, -5:] = 0  # padding that crosses the text shards of several ranks
-        m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="none", seed=1)
-        with torch.no_grad():
-            ref = m(**kw)[0]
-        enable_sequence_parallel(m, spec, world)
-        with torch.no_grad():
-            sp = m(**kw)[0]
-        h.remove()
+        kw = padded_inputs(spec)
+        ref, sp = single_and_sp(spec, kw, world)
         m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="chunkflow", chunk_size=3001, seed=1)
         enable_sequence_parallel(m, spec, world)
         h.pacer.strict = True  # always yield: the guarantee under test
