@@ -39,7 +39,7 @@ import chunkflow  # noqa: E402
 from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
 from chunkflow.parallel import enable_sequence_parallel, init_distributed  # noqa: E402
-from chunkflow.runtime.comm import CollectiveTap, CollectiveTimer, _Pool  # noqa: E402
+from chunkflow.runtime.comm import CollectiveTap, CollectiveTimer, StallProbe  # noqa: E402
 from chunkflow_planner.catalog import Workload, get_model  # noqa: E402
 
 RANK = 0
@@ -57,33 +57,6 @@ def tiny_flux():
                joint_attention_dim=32, pooled_projection_dim=16, in_channels=16, axes_dims_rope=(4, 6, 6))
     return s.model_copy(update={"name": "tiny-flux", "diffusers": s.diffusers.model_copy(update={"config": cfg}),
                                 "text_len": 8})
-
-
-class StallProbe:
-    """Timing events around the compute stream's waits on the copy stream (streamer.wait_probe)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.pool = _Pool(cuda)
-        self.kinds: list[str] = []
-
-    def __call__(self, kind, fn):
-        cs = torch.cuda.current_stream() if self.cuda else None
-        self.pool.next().record(cs)
-        fn()
-        self.pool.next().record(cs)
-        self.kinds.append(kind)
-
-    def reset(self):
-        self.pool.n = 0
-        self.kinds = []
-
-    def totals(self) -> dict:
-        ev = self.pool.used()
-        out = {"ready": 0.0, "fence": 0.0}
-        for i, k in enumerate(self.kinds):
-            out[k] += ev[2 * i].elapsed_time(ev[2 * i + 1])
-        return out
 
 
 def run_mode(model, inputs, handle, cuda, warmup, iters):

@@ -512,3 +512,34 @@ class CollectiveTimer:
         if ev and self.pool.cuda:
             torch.cuda.synchronize()
         return sum(ev[i].elapsed_time(ev[i + 1]) for i in range(0, len(ev) - 1, 2))
+
+
+class StallProbe:
+    """For benchmarks: timing events around the compute stream's waits on the copy stream.
+
+    Set as `streamer.wait_probe`; `totals()` gives the milliseconds spent in `ready` waits (a block's copies not
+    done) and `fence` waits (communication awareness). Reading syncs on the events (not the hot path).
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pool = _Pool(cuda)
+        self.kinds: list[str] = []
+
+    def __call__(self, kind: str, fn) -> None:
+        cs = torch.cuda.current_stream() if self.cuda else None
+        self.pool.next().record(cs)
+        fn()
+        self.pool.next().record(cs)
+        self.kinds.append(kind)
+
+    def reset(self) -> None:
+        self.pool.n = 0
+        self.kinds = []
+
+    def totals(self) -> dict[str, float]:
+        ev = self.pool.used()
+        out = {"ready": 0.0, "fence": 0.0}
+        for i, k in enumerate(self.kinds):
+            out[k] = out.get(k, 0.0) + ev[2 * i].elapsed_time(ev[2 * i + 1])
+        return out
