@@ -1,13 +1,23 @@
-"""`chunkflow bench` on the tiny model on the CPU: CSV and plots, and bad input."""
+"""`chunkflow bench` on the tiny model on the CPU: the sweep's points, CSV, summary and plots, redrawing a run,
+SP under torchrun (gloo), and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.bench import COLUMNS
+from chunkflow.bench import COLUMNS, BenchSpec, Config
+from chunkflow.bench.summary import chunk_verdict, error_stats
+from chunkflow.bench.choices import PlannerChoice
 from chunkflow.cli import app
 
 runner = CliRunner()
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(autouse=True)
@@ -16,33 +26,125 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def test_bench_writes_csv_and_plots(tmp_path):
+def _spec(**kw) -> BenchSpec:
+    base = dict(model="tiny-wan", axis="frames", values=[5, 9, 13], chunk_sizes=[16_000, 4_000, 64_000],
+                residencies=[0.0, 0.25, 0.5])
+    return BenchSpec(**{**base, **kw})
+
+
+def test_points_measure_each_configuration_once_and_sweeps_at_their_workloads():
+    b = _spec()
+    pts = b.points()
+    cfgs = [c for c, _ in pts]
+    assert len(cfgs) == len(set(cfgs))
+    assert [c.mode for c in cfgs][:2] == ["none", "layerwise"]  # none first: the bit-identity reference
+    by = dict(pts)
+    assert by[Config.of("none")] == [5, 9, 13] and by[Config.of("layerwise")] == [5, 9, 13]
+    assert by[Config.of("chunkflow", 16_000, 0.0)] == [5, 9, 13]  # scaling config, also in both sweeps
+    assert by[Config.of("chunkflow", 4_000, 0.0)] == [9]  # chunk sweep at the middle value
+    assert by[Config.of("chunkflow", 16_000, 0.5)] == [5]  # residency sweep at the smallest
+    assert b.n_points() == 9 + 2 + 2
+
+
+def test_points_add_references_at_sweep_workloads_outside_the_scaling_values():
+    b = _spec(values=[5], chunk_at=13, residency_at=9)
+    by = dict(b.points())
+    assert by[Config.of("none")] == [5, 9, 13]
+    assert by[Config.of("layerwise")] == [5, 13]
+    assert by[Config.of("chunkflow", 16_000, 0.0)] == [5, 9, 13]
+
+
+def test_error_stats_and_chunk_verdict():
+    s = error_stats([0.01, -0.08, 0.03, float("nan"), None])
+    assert s.n == 3 and s.median_abs == pytest.approx(0.03) and s.worst == -0.08
+    meta = type("M", (), {"spec": _spec()})()
+    df = pd.DataFrame(dict(mode=["chunkflow"] * 3 + ["layerwise"], value=[9] * 4, residency=[0.0] * 4,
+                           chunk_bytes=[4_000, 16_000, 64_000, None], measured_step_s=[1.00, 1.04, 1.20, 0.9]))
+    v = chunk_verdict(df, meta, PlannerChoice(16_000, None, ""))
+    assert (v.best_bytes, v.chosen_bytes) == (4_000, 16_000) and v.gap == pytest.approx(0.04) and v.within
+    assert not chunk_verdict(df, meta, PlannerChoice(64_000, None, "")).within
+
+
+def test_bench_writes_csv_summary_and_plots(tmp_path):
     result = runner.invoke(app, ["bench", "--model", "tiny", "--frames", "5,9", "--residency", "0,0.5",
-                                 "--chunk-sizes", "4KB", "--steps", "1", "--out", "b"])
+                                 "--chunk-sizes", "4KB,16KB", "--steps", "1", "--out", "b"])
     assert result.exit_code == 0, result.output
     df = pd.read_csv(tmp_path / "b" / "bench.csv")
     assert list(df.columns) == COLUMNS
-    assert len(df) == 2 * (1 + 1 + 2)  # frames x (none, layerwise, chunkflow at two residencies)
-    assert set(df["mode"]) == {"none", "layerwise", "chunkflow"}
+    # scaling 2 frames x 3 modes, 16KB at the chunk sweep's workload (5), r=0.5 at the smallest (5)
+    assert len(df) == 6 + 1 + 1
+    assert not df.duplicated(["value", "mode", "chunk_bytes", "residency"]).any()
     assert (df["measured_step_s"] > 0).all() and (df["predicted_step_s"] > 0).all()
     assert df["err_step"].tolist() == pytest.approx(
         ((df["measured_step_s"] - df["predicted_step_s"]) / df["predicted_step_s"]).tolist())
+    assert df["bit_identical"].all()  # offload changes no bit of the final latents
+    assert (df["sp"] == 1).all() and (df["n_collectives"] == 0).all() and (df["collective_s"] == 0).all()
     cf = df[(df["mode"] == "chunkflow") & (df["residency"] == 0.5)]
-    assert (cf["achieved_residency"] > 0.3).all()
-    for name in ("step_time.png", "memory.png", "residency.png", "roofline.png"):
+    assert len(cf) == 1 and (cf["value"] == 5).all() and (cf["achieved_residency"] > 0.3).all()
+    none = df[df["mode"] == "none"].set_index("value")
+    assert none["compute_s"].to_dict() == pytest.approx(none["measured_step_s"].to_dict())
+    meta = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert meta["schema_version"] == 1 and meta["spec"]["chunk_sizes"] == [4000, 16000] and meta["sp"] == 1
+    summary = (tmp_path / "b" / "summary.md").read_text()
+    assert "## Chunk size" in summary and "## Residency" in summary and "median |error|" in summary
+    for name in ("step_time.png", "memory.png", "breakdown.png", "chunk_size.png", "residency.png", "accuracy.png",
+                 "roofline.png"):
         path = tmp_path / "b" / name
-        assert path.exists() and path.stat().st_size > 10_000
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.exists() and path.stat().st_size > 10_000 and path.read_bytes()[:8] == PNG
+
+    # --from-dir redraws from the files alone, to another directory
+    again = runner.invoke(app, ["bench", "--from-dir", "b", "--out", "c"])
+    assert again.exit_code == 0, again.output
+    assert (tmp_path / "c" / "summary.md").read_text() == summary
+    assert (tmp_path / "c" / "breakdown.png").read_bytes()[:8] == PNG
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "c" / "bench.csv"), df)
+
+    # a schema this version does not read is refused with a message, not a traceback
+    meta["schema_version"] = 99
+    (tmp_path / "b" / "bench.json").write_text(json.dumps(meta))
+    bad = runner.invoke(app, ["bench", "--from-dir", "b", "--out", "d"])
+    assert bad.exit_code == 2 and "schema_version 99" in bad.output and "Traceback" not in bad.output
+
+
+def test_bench_under_torchrun_runs_sequence_parallel(tmp_path):
+    pytest.importorskip("diffusers")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not found next to the Python interpreter")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "chunkflow.cli", "bench", "--model", "tiny",
+           "--frames", "5,9", "--chunk-sizes", "4KB,16KB", "--steps", "1", "--hardware", "h200-x2", "--no-plots",
+           "--out", str(tmp_path / "sp")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    df = pd.read_csv(tmp_path / "sp" / "bench.csv")
+    assert len(df) == 2 * 3 + 1 and (df["sp"] == 2).all()
+    assert (df["n_collectives"] > 0).all() and (df["collective_s"] > 0).all()  # Ulysses all-to-alls were timed
+    assert df["bit_identical"].all()  # on both ranks
+    assert json.loads((tmp_path / "sp" / "bench.json").read_text())["command"].startswith("torchrun --nproc-per-node 2")
+    # the prediction is for SP=2: half the tokens per GPU
+    from chunkflow_planner.catalog import get_hardware, get_model
+    from chunkflow.run import predict
+    w = BenchSpec(model="tiny-wan", axis="frames", values=[9], chunk_sizes=[4000], residencies=[0.0]).workload(
+        get_model("tiny"), 9)
+    row = df[(df["mode"] == "none") & (df["value"] == 9)].iloc[0]
+    assert row["predicted_step_s"] == pytest.approx(predict(get_model("tiny"), w, get_hardware("h200-x2"), "none",
+                                                            None, 1.0, sp=2).step_time_s)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny"], "exactly one of"),
+    ([], "give --model"),
     (["--model", "tiny", "--frames", "6"], "1 mod 4"),
+    (["--model", "tiny", "--frames", "5", "--chunk-at", "7"], "1 mod 4"),
     (["--model", "tiny", "--frames", "5", "--modes", "fast"], "unknown mode"),
     (["--model", "tiny", "--frames", "5", "--residency", "2"], "[0, 1]"),
     (["--model", "tiny", "--frames", "5", "--chunk-sizes", "4QB"], "unknown size unit"),
     (["--model", "nosuch", "--frames", "5"], "unknown model"),
     (["--model", "tiny", "--frames", "a,b"], "comma-separated"),
+    (["--from-dir", "nowhere"], "not found"),
 ])
 def test_bench_bad_input(args, message):
     result = runner.invoke(app, ["bench", *args])

@@ -197,3 +197,34 @@ def test_comm_aware_yields_only_where_the_transfer_fits_the_compute_windows():
     large = 1.5 * t_comp * bw  # prefetch-bound: the runtime does not yield, the prediction is the blind one
     assert block_time(t_comp, t_coll, 4, small, aware, hw)[2] < block_time(t_comp, t_coll, 4, small, blind, hw)[2]
     assert block_time(t_comp, t_coll, 4, large, aware, hw) == block_time(t_comp, t_coll, 4, large, blind, hw)
+
+
+def test_awareness_follows_the_peer_link_and_can_be_forced():
+    """Over NVLink collectives leave the host link alone: the planner plans unpaced copies; over PCIe it paces."""
+    from chunkflow_planner.policy import best_chunk, candidates
+
+    wan = get_model("wan2.2")
+    w = make_workload(wan, frames=81, height=704, width=1280)
+    nv, pcie = get_hardware("h200-x2"), get_hardware("h200-x2-pcie")
+    assert not nv.pace_collectives and pcie.pace_collectives and get_hardware("h200").pace_collectives
+    assert not any(p.cfg.comm_aware for p in candidates(Problem(wan, w, nv, 2), (16 * MB,)))
+    assert all(p.cfg.comm_aware for p in candidates(Problem(wan, w, pcie, 2), (16 * MB,)))
+    assert all(p.cfg.comm_aware for p in candidates(Problem(wan, w, nv, 2, comm_aware=True), (16 * MB,)))
+    # unpaced, every chunk size hides at 81 frames: fewer copies (less DMA start-up) is the shorter step
+    sizes = tuple(c * MB for c in (4, 16, 256))
+    assert best_chunk(Problem(wan, w, nv, 2), 0.0, sizes).cfg.chunk_bytes == 256 * MB
+    # paced, the per-collective tail grows with the chunk: the smallest chunk is the shorter step
+    assert best_chunk(Problem(wan, w, nv, 2, comm_aware=True), 0.0, sizes).cfg.chunk_bytes == 4 * MB
+
+
+def test_best_chunk_is_the_shortest_predicted_step_with_ties_to_16mb():
+    from chunkflow_planner.policy import best_chunk
+
+    wan = get_model("wan2.2")
+    w = make_workload(wan, frames=121, height=704, width=1280)
+    p = Problem(wan, w, get_hardware("h200"), 1)
+    sizes = tuple(c * MB for c in (4, 8, 16, 32, 64))
+    chosen = best_chunk(p, 0.0, sizes)
+    steps = {c: p.evaluate(OffloadConfig("chunkflow", c, 0.0)).step_time for c in sizes}
+    assert chosen.step_time == min(steps.values())
+    assert steps[chosen.cfg.chunk_bytes] == min(steps.values())

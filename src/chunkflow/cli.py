@@ -291,30 +291,58 @@ def _int_list(text: str, what: str) -> list[int]:
 
 @app.command("bench")
 def bench_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="catalog model name or alias"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog model name or alias"),
     frames: Optional[str] = typer.Option(None, help="video frame counts to sweep, e.g. 41,81,121"),
     batch: Optional[str] = typer.Option(None, help="batch sizes to sweep (image models), e.g. 1,4,8"),
     modes: str = typer.Option("none,layerwise,chunkflow", help="modes to run"),
-    residency: str = typer.Option("0", help="chunkflow residencies, e.g. 0,0.2,0.4,0.6"),
-    chunk_sizes: str = typer.Option("16MB", help="chunkflow chunk sizes, e.g. 4MB,16MB,64MB"),
+    chunk_sizes: str = typer.Option("16MB", help="chunkflow chunk sizes; the first is used across the workloads, "
+                                                  "all of them at --chunk-at, e.g. 16MB,4MB,64MB,256MB"),
+    residency: str = typer.Option("0", help="chunkflow residencies; the first is used across the workloads, all "
+                                            "of them at --residency-at, e.g. 0,0.2,0.4,0.6"),
+    chunk_at: Optional[int] = typer.Option(None, help="frames/batch of the chunk-size sweep (default: the middle one)"),
+    residency_at: Optional[int] = typer.Option(None, help="frames/batch of the residency sweep (default: the smallest)"),
     height: Optional[int] = typer.Option(None, help="height in pixels (default: the model's)"),
     width: Optional[int] = typer.Option(None, help="width in pixels (default: the model's)"),
     hardware: Optional[str] = typer.Option(None, help="catalog GPU or profile to predict with (default: saved profile, else h200)"),
-    device: Optional[str] = typer.Option(None, help="cuda (default when available) or cpu"),
+    device: Optional[str] = typer.Option(None, help="cuda (default when available) or cpu; under torchrun each rank's GPU"),
     warmup: int = typer.Option(1, help="warm-up steps per point"),
     steps: int = typer.Option(2, help="timed steps per point (median), one forward each"),
-    out: str = typer.Option("bench", "--out", "-o", help="directory for bench.csv and the PNG plots"),
+    comm_aware: str = typer.Option("auto", help="pace chunk copies around collectives (SP): on, off, or auto "
+                                                "(on unless the hardware's peer link is NVLink, as the planner does)"),
+    out: str = typer.Option("bench", "--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the plots (needs matplotlib)"),
+    from_dir: Optional[str] = typer.Option(None, "--from-dir", help="redraw plots and summary.md of an earlier bench "
+                                                                     "directory (no model is run; writes to --out)"),
 ) -> None:
-    """Sweep frames or batch, modes, residency and chunk size for a model; write bench.csv and four plots."""
+    """Sweep frames or batch, modes, chunk size and residency for a model; write CSV, summary and plots.
+
+    Under torchrun (`torchrun --nproc-per-node N -m chunkflow.cli bench ...`) every rank runs the sweep with
+    Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
+    """
+    import os
     from pathlib import Path
 
+    from chunkflow.bench import BenchError, BenchMeta, BenchSpec, load, write_outputs
+
+    if from_dir is not None:
+        try:
+            df, meta = load(Path(from_dir))
+            paths = write_outputs(df, meta, Path(out), plots)
+        except BenchError as exc:
+            _fail(str(exc))
+            return
+        console.print("Written: " + ", ".join(str(p) for p in paths))
+        return
+
+    from chunkflow.run import RunError
     from chunkflow_planner.catalog import CatalogError, get_model
     from chunkflow_planner.planner import resolve_hardware
-    from chunkflow_planner.units import UnitError, parse_size
+    from chunkflow_planner.units import UnitError
     from chunkflow_planner.workload import WorkloadError
 
     try:
+        if model is None:
+            raise UserError("give --model (or --from-dir to redraw an earlier run)")
         spec = get_model(model)
         if (frames is None) == (batch is None):
             raise UserError("give exactly one of --frames (video models) or --batch")
@@ -327,50 +355,87 @@ def bench_cmd(
         if bad or not mode_list:
             raise UserError(f"unknown mode(s) {', '.join(bad) or modes!r}; use none, layerwise, chunkflow")
         try:
-            res = sorted({float(x) for x in residency.split(",") if x.strip()})
+            res = list(dict.fromkeys(float(x) for x in residency.split(",") if x.strip()))
         except ValueError:
             raise UserError(f"--residency must be comma-separated fractions, got {residency!r}") from None
         if not res or any(not 0.0 <= r <= 1.0 for r in res):
             raise UserError(f"--residency values must be in [0, 1], got {residency!r}")
-        chunks = [parse_size(c) for c in chunk_sizes.split(",") if c.strip()]
+        chunks = list(dict.fromkeys(parse_size(c) for c in chunk_sizes.split(",") if c.strip()))
+        if not chunks or any(c < 1 for c in chunks):
+            raise UserError(f"--chunk-sizes needs positive sizes, got {chunk_sizes!r}")
         if steps < 1 or warmup < 0:
             raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
-        from chunkflow.bench import configs, workloads
-
-        workloads(spec, axis, values, height, width, 1)  # validates frames / sizes
+        if comm_aware not in ("auto", "on", "off"):
+            raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
         hw = resolve_hardware(hardware).spec
-        from chunkflow.run import RunError, resolve_device
+        aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
+        bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
+                          chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
+                          comm_aware=aware, warmup=warmup, steps=steps)
+        for v in {*values, bench.chunk_value, bench.residency_value}:
+            bench.workload(spec, v)  # validates frames / batch / sizes
+        from chunkflow.run import resolve_device
 
-        dev = resolve_device(device)
-    except (UserError, CatalogError, WorkloadError, UnitError, ValueError) as exc:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            from chunkflow_planner.planner import check_parallel
+
+            check_parallel(spec, hw, world)
+        else:
+            dev = resolve_device(device)
+    except (UserError, CatalogError, WorkloadError, UnitError, ValueError, RunError) as exc:
         _fail(str(exc))
         return
-    from chunkflow.bench import BenchError, plot_all, run_bench, subtitle
+    rank = 0
+    if world > 1:
+        from chunkflow.parallel import init_distributed
 
-    cfgs = configs(mode_list, chunks, res)
+        rank, world, dev = init_distributed()
+    from chunkflow.bench import run_bench
+    from chunkflow.run import environment
+
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    show = rank == 0
+    partial = out_dir / "bench.partial.csv"
+
+    def keep_partial(rows: list[dict]) -> None:  # what a sweep cut short (a time limit) still leaves behind
+        if show:
+            import pandas as pd
+
+            out_dir.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).to_csv(partial, index=False)
+
     with _progress() as bar:
-        task = bar.add_task(f"{spec.name}: {len(cfgs)} configs x {len(values)} workloads", total=len(cfgs) * len(values))
-        df = run_bench(spec, hw, axis, values, cfgs, height=height, width=width, device=dev, warmup=warmup,
-                       steps=steps, progress=lambda: bar.advance(task))
-    csv = out_dir / "bench.csv"
-    df.to_csv(csv, index=False)
-    console.print(f"CSV written to {csv} ({len(df)} points)")
-    if plots:
-        try:
-            paths = plot_all(df, spec, hw, axis, values, cfgs, out_dir, subtitle(dev, hw), height, width)
-        except BenchError as exc:
-            _fail(str(exc))
-            return
-        console.print("Plots: " + ", ".join(str(p) for p in paths))
-    t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name})")
-    for col in (axis, "config", "measured", "predicted", "error"):
+        task = bar.add_task(f"{spec.name}: {bench.n_points()} points, SP={world}", total=bench.n_points(),
+                            visible=show)
+        df = run_bench(spec, bench, hw, device=dev, sp=world, progress=lambda: bar.advance(task),
+                       log=(lambda s: bar.console.print(s, highlight=False)) if show else (lambda s: None),
+                       on_row=keep_partial)
+    if not show:
+        return
+    partial.unlink(missing_ok=True)
+    env = environment(dev)
+    meta = BenchMeta(spec=bench, hardware=hw.model_dump(mode="json"), sp=world, gpu=env["gpu"], date=env["date"],
+                     command=("torchrun --nproc-per-node %d -m chunkflow.cli " % world if world > 1 else "chunkflow ")
+                     + " ".join(sys.argv[1:]), torch=env["torch"], diffusers=env["diffusers"],
+                     env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES")})
+    try:
+        paths = write_outputs(df, meta, out_dir, plots)
+    except BenchError as exc:
+        _fail(str(exc))
+        return
+    console.print("Written: " + ", ".join(str(p) for p in paths))
+    t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name}, SP={world})")
+    for col in (axis, "config", "measured", "x none", "predicted", "error", "bit-identical"):
         t.add_column(col, justify="right")
+    none = {r["value"]: r["measured_step_s"] for _, r in df[df["mode"] == "none"].iterrows()}
+    from chunkflow.bench import Config
+
     for _, r in df.iterrows():
-        label = r["mode"] + (f" C={format_bytes(r['chunk_bytes'])} r={r['residency']:g}" if r["mode"] == "chunkflow" else "")
-        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), format_seconds(r["predicted_step_s"]),
-                  f"{r['err_step']:+.1%}")
+        label = Config.of(r["mode"], r["chunk_bytes"], r["residency"]).label
+        xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
+        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), xn,
+                  format_seconds(r["predicted_step_s"]), f"{r['err_step']:+.1%}", str(r["bit_identical"]))
     console.print(t)
 
 

@@ -54,6 +54,8 @@ class Predicted(BaseModel):
     pinned_host_bytes: int = 0
     regime: str = ""
     compute_s: float = 0.0
+    collective_s: float = 0.0
+    contention_stall_s: float = 0.0
     prefetch_stall_s: float = 0.0
     overhead_s: float = 0.0
 
@@ -76,6 +78,7 @@ class RunConfig(BaseModel):
     steps: int
     world_size: int = 1
     sp_degree: int = 1
+    comm_aware: bool = True
 
 
 class RunReport(BaseModel):
@@ -127,20 +130,22 @@ def plan_hardware(plan: Plan, profile: str | None = None) -> HardwareSpec:
     ))
 
 
-def planner_config(mode: str, chunk_bytes: int | None, residency: float) -> OffloadConfig:
-    return OffloadConfig(mode, chunk_bytes if mode == "chunkflow" else None, residency if mode == "chunkflow" else 0.0)  # type: ignore[arg-type]
+def planner_config(mode: str, chunk_bytes: int | None, residency: float, comm_aware: bool = True) -> OffloadConfig:
+    return OffloadConfig(mode, chunk_bytes if mode == "chunkflow" else None,  # type: ignore[arg-type]
+                         residency if mode == "chunkflow" else 0.0, comm_aware)
 
 
 def predict(spec: ModelSpec, w: Workload, hw: HardwareSpec, mode: str, chunk_bytes: int | None,
-            residency: float, sp: int = 1) -> Predicted:
+            residency: float, sp: int = 1, comm_aware: bool = True) -> Predicted:
     from chunkflow_planner.overlap import analyse
     from chunkflow_planner.policy import Problem
 
-    point = Problem(spec, w, hw, sp).evaluate(planner_config(mode, chunk_bytes, residency))
+    point = Problem(spec, w, hw, sp).evaluate(planner_config(mode, chunk_bytes, residency, comm_aware))
     regime = analyse(spec, w, hw, sp).regime
     return Predicted(
         step_time_s=point.step_time, peak_memory_bytes=point.memory.peak,
         pinned_host_bytes=int(point.memory.pinned_host), regime=regime, compute_s=point.time.compute,
+        collective_s=point.time.collective, contention_stall_s=point.time.contention_stall,
         prefetch_stall_s=point.time.prefetch_stall, overhead_s=point.time.overhead,
     )
 
@@ -348,7 +353,7 @@ def run_plan(plan: Plan, o: RunOptions, progress: Callable[[int, int], Any] | No
     try:
         model, handle = build_transformer(spec, weights=o.weights, dtype=dtype, device=device, mode=mode,
                                           chunk_size=chunk if chunk is not None else "16MB", residency=residency,
-                                          seed=o.seed)
+                                          seed=o.seed, comm_aware=plan.offload.comm_aware)
     except (OffloadError, FileNotFoundError) as exc:
         raise RunError(str(exc)) from None
     if world > 1:
@@ -366,6 +371,7 @@ def run_plan(plan: Plan, o: RunOptions, progress: Callable[[int, int], Any] | No
     if rank != 0:
         return None
     cfg = RunConfig(mode=mode, chunk_bytes=chunk, residency=residency, device=str(device), dtype=str(dtype),
-                    weights=o.weights or "random", warmup=o.warmup, steps=steps, world_size=world, sp_degree=sp)
-    pred = predict(spec, w, hw, mode, chunk, residency, sp)
+                    weights=o.weights or "random", warmup=o.warmup, steps=steps, world_size=world, sp_degree=sp,
+                    comm_aware=plan.offload.comm_aware)
+    pred = predict(spec, w, hw, mode, chunk, residency, sp, plan.offload.comm_aware)
     return make_report(environment(device), plan, cfg, hw, measured_of(timing, stats), pred, stats)

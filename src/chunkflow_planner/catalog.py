@@ -177,6 +177,12 @@ class HardwareSpec(_Strict):
                 raise ValueError(f"{what} efficiencies must be in (0, 1]")
         return self
 
+    @property
+    def pace_collectives(self) -> bool:
+        """Whether chunk copies should pause for collectives: not over NVLink, where collectives leave the host
+        link alone and pausing only adds fences (docs/results.md); elsewhere (PCIe, or unknown) they do."""
+        return self.peer_link != "nvlink"
+
     def for_model(self, model: str) -> "HardwareSpec":
         """This hardware as seen by `model`: its own measured eta_comp curve, if the profile has one."""
         curve = self.eta_comp_curves.get(model)

@@ -145,7 +145,7 @@ def make_plan(
         ),
         offload=Offload(
             mode=chosen.cfg.mode, chunk_bytes=chosen.cfg.chunk_bytes, residency=chosen.cfg.residency,
-            comm_aware=chosen.cfg.comm_aware,
+            comm_aware=hw.pace_collectives,
         ),
         prediction=PlanPrediction(
             **_prediction(chosen).model_dump(),

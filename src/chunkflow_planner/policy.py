@@ -70,6 +70,11 @@ class Problem:
     sp: int = 1
     prefetch_bytes: float | None = None
     text_len: float | None = None
+    comm_aware: bool | None = None  # pace chunk copies around collectives; None: as the hardware's link says
+
+    @property
+    def aware(self) -> bool:
+        return self.hw.pace_collectives if self.comm_aware is None else self.comm_aware
 
     def evaluate(self, cfg: OffloadConfig) -> Point:
         t = step_time(self.spec, self.workload, self.hw, cfg, self.sp, self.prefetch_bytes, self.text_len)
@@ -85,11 +90,24 @@ def residency_grid(spec: ModelSpec, chunk_bytes: int) -> list[float]:
 
 def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES) -> list[Point]:
     """Every chunkflow point of the design space (chunk size x residency)."""
+    aware = problem.aware
     return [
-        problem.evaluate(OffloadConfig("chunkflow", C, r))
+        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware))
         for C in chunk_sizes
         for r in residency_grid(problem.spec, C)
     ]
+
+
+def _chunk_tie(p: Point) -> float:
+    """Distance of a point's chunk size from the paper's 16 MB operating point (the tie-break)."""
+    return abs(math.log2((p.cfg.chunk_bytes or DEFAULT_CHUNK) / DEFAULT_CHUNK))
+
+
+def best_chunk(problem: Problem, residency: float = 0.0, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES) -> Point:
+    """The planner's chunk size at a fixed residency: shortest predicted step, ties to the one nearest 16 MB."""
+    aware = problem.aware
+    pts = [problem.evaluate(OffloadConfig("chunkflow", C, residency, comm_aware=aware)) for C in chunk_sizes]
+    return min(pts, key=lambda p: (p.step_time, p.memory.peak, _chunk_tie(p)))
 
 
 def decide(
@@ -117,8 +135,7 @@ def decide(
     feasible = [p for p in in_budget if p.step_time <= target]
     if feasible:
         # ties (compute hides every chunk size) go to the chunk size nearest the paper's 16 MB operating point
-        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak,
-                                            abs(math.log2(p.cfg.chunk_bytes / DEFAULT_CHUNK))))
+        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak, _chunk_tie(p)))
         slow = best.step_time / none.step_time
         if best.cfg.residency == 0:
             tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time]

@@ -167,14 +167,15 @@ class _SafetensorsSource:
 
 def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, device="cuda",
                       mode: str = "chunkflow", chunk_size="16MB", residency: float = 0.0, seed: int = 0,
-                      blocks=None, record_chunks: bool = False) -> tuple[nn.Module, OffloadHandle]:
+                      blocks=None, record_chunks: bool = False,
+                      comm_aware: bool = True) -> tuple[nn.Module, OffloadHandle]:
     """A catalog model (name or ModelSpec), offloaded as asked, with random weights (None or "random") or
     weights from a local diffusers-format directory. Returns (module, handle).
 
     `handle.remove()` on a built module puts block tensors on the CPU; non-block tensors stay on the device.
     """
     spec = _spec(model)
-    cfg = make_config(mode, chunk_size, residency, device)
+    cfg = make_config(mode, chunk_size, residency, device, comm_aware=comm_aware)
     if weights is not None and not (isinstance(weights, str) and weights == "random"):
         weights = Path(weights)
     module = construct_meta(spec)

@@ -1,0 +1,52 @@
+"""`chunkflow bench`: sweep workload, mode, chunk size and residency; write CSV, plots and a summary.
+
+sweep.py defines what is measured, measure.py measures it (single GPU or Ulysses SP under torchrun),
+choices.py asks the planner what it would pick, plots.py and summary.py draw and tabulate from bench.csv and
+bench.json alone, so `chunkflow bench --from-dir DIR` redraws a GPU run on any machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from chunkflow.bench.choices import PlannerChoice, planner_choice
+from chunkflow.bench.measure import COLUMNS, run_bench
+from chunkflow.bench.sweep import BenchError, BenchMeta, BenchSpec, Config
+from chunkflow_planner.catalog import HardwareSpec, get_model
+
+__all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "Config", "PlannerChoice", "planner_choice",
+           "run_bench", "write_outputs", "load"]
+
+
+def write_outputs(df, meta: BenchMeta, out: Path, plots: bool = True) -> list[Path]:
+    """bench.csv, bench.json, summary.md and (plots=True) the PNGs in `out`; returns the paths written."""
+    from chunkflow.bench.summary import summary_markdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = get_model(meta.spec.model)
+    hw = HardwareSpec.model_validate(meta.hardware)
+    choice = planner_choice(spec, meta.spec, hw, meta.sp)
+    paths = [out / "bench.csv", out / "bench.json", out / "summary.md"]
+    df.to_csv(paths[0], index=False)
+    meta.write(paths[1])
+    paths[2].write_text(summary_markdown(df, meta, choice))
+    if plots:
+        from chunkflow.bench.plots import plot_all
+
+        paths += plot_all(df, meta, spec, hw, choice, out)
+    return paths
+
+
+def load(out: Path):
+    """(DataFrame, BenchMeta) of a directory written by `chunkflow bench`."""
+    import pandas as pd
+
+    meta = BenchMeta.read(out / "bench.json")
+    csv = out / "bench.csv"
+    if not csv.exists():
+        raise BenchError(f"{csv} not found next to {out / 'bench.json'}")
+    df = pd.read_csv(csv)
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise BenchError(f"{csv} lacks columns {', '.join(missing)}; it was not written by this chunkflow bench")
+    return df, meta

@@ -1,0 +1,183 @@
+"""Measure a sweep: build the model once, offload it per configuration, run its workloads, predict each point.
+
+Per point: `warmup` + `steps` denoising steps of one forward each (the loop of `chunkflow run`); the median step
+time (CUDA events on the GPU), peak GPU memory allocated over the timed steps, and where the step went:
+  collective      timing events around every collective (a CollectiveTap installed *inside* the runtime's, so
+                  the awareness fences are not counted as collective time)
+  prefetch stall  timing events around the compute stream's waits on the copy stream (ready and fence waits)
+  compute         none's step minus none's collective time at the same workload (the step with nothing streamed)
+  overhead        the rest: step - compute - collective - prefetch stall (hooks, slot copies, launch gaps)
+The final latents are compared with none's (`torch.equal`, on every rank under torchrun): offload must not
+change a bit. Under torchrun every rank runs the same sweep with Ulysses SP = world size; rank 0's timings and
+memory are reported and the predictions are for SP = world size.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable
+
+from chunkflow.bench.sweep import BenchSpec, Config
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec
+from chunkflow_planner.workload import tokens
+
+COLUMNS = [
+    "model", "axis", "value", "frames", "batch", "height", "width", "tokens", "sp", "mode", "chunk_bytes",
+    "residency", "achieved_residency", "measured_step_s", "predicted_step_s", "err_step", "measured_peak_bytes",
+    "predicted_peak_bytes", "err_peak", "peak_reserved_bytes", "pinned_bytes", "collective_s", "prefetch_stall_s",
+    "fence_stall_s", "compute_s", "overhead_s", "n_collectives", "pred_compute_s", "pred_collective_s",
+    "pred_stall_s", "pred_overhead_s", "bit_identical", "f_block", "f_star", "i_block", "i_star", "regime",
+    "critical", "hardware", "device",
+]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps: int, timer, probe):
+    """(Timing, collective s, ready+fence stall s, fence stall s, collectives per step) of one workload."""
+    from chunkflow.models.inputs import make_inputs
+    from chunkflow.run import denoise
+
+    import torch
+
+    colls: list[float] = []
+    stalls: list[float] = []
+    fences: list[float] = []
+    counts: list[int] = []
+
+    def on_step(i: int, dt: float) -> None:
+        if i >= warmup:
+            colls.append(timer.total_ms() / 1e3)
+            counts.append(timer.count)
+            st = probe.totals()
+            stalls.append((st["ready"] + st["fence"]) / 1e3)
+            fences.append(st["fence"] / 1e3)
+        timer.reset()
+        probe.reset()
+
+    inputs = make_inputs(spec, w, torch.bfloat16, device, seed=0)
+    timer.reset()
+    probe.reset()
+    streamer = getattr(handle, "streamer", None)
+    if streamer is not None:
+        streamer.wait_probe = probe
+    try:
+        timing = denoise(model, spec, w, inputs, device, warmup, steps, on_step=on_step)
+    finally:
+        if streamer is not None:
+            streamer.wait_probe = None
+    return timing, _median(colls), _median(stalls), _median(fences), int(_median(counts))
+
+
+def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp: int = 1,
+              progress: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None,
+              on_row: Callable[[list[dict]], None] = lambda rows: None):
+    """Measure and predict every point of the sweep; a pandas DataFrame with COLUMNS (the same on every rank).
+
+    `on_row(rows)` is called after each point with the rows so far (breakdown not yet filled in), so a caller
+    can keep a partial CSV of a sweep that might be cut short.
+    """
+    import pandas as pd
+    import torch
+
+    import chunkflow
+    from chunkflow.models.build import build_transformer
+    from chunkflow.run import predict
+    from chunkflow.runtime.comm import CollectiveTap, CollectiveTimer, StallProbe
+    from chunkflow_planner.overlap import analyse
+
+    cuda = device.type == "cuda"
+    model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
+    h0.remove()  # block weights on the host, the rest on the device: each configuration offloads from here
+    if sp > 1:
+        from chunkflow.parallel import enable_sequence_parallel
+
+        enable_sequence_parallel(model, spec, sp)
+    timer = CollectiveTimer(cuda)
+    probe = StallProbe(cuda)
+    rows: list[dict] = []
+    ref: dict[int, torch.Tensor] = {}
+    for cfg, values in bench.points():
+        # the timer's tap goes in first, so the runtime's own tap (awareness fences) wraps it, not the reverse
+        tap = CollectiveTap(timer)
+        tap.install()
+        handle = chunkflow.offload(model, mode=cfg.mode, chunk_size=cfg.chunk_bytes or "16MB",
+                                   residency=cfg.residency, device=device, comm_aware=bench.comm_aware)
+        try:
+            for v in values:
+                if cuda:
+                    torch.cuda.empty_cache()
+                w = bench.workload(spec, v, bench.steps)
+                timing, coll, stall, fence, ncoll = measure_point(model, handle, spec, w, device, bench.warmup,
+                                                                  bench.steps, timer, probe)
+                if cfg.mode == "none":
+                    ref[v] = timing.latents.clone()
+                same = bool(torch.equal(timing.latents, ref[v])) if v in ref else None
+                rows.append(_row(spec, bench, hw, sp, cfg, v, w, timing, coll, stall, fence, ncoll, same,
+                                 handle.stats().as_dict(), predict, analyse, device))
+                r = rows[-1]
+                log(f"{cfg.label:>26} {bench.axis} {v}: {r['measured_step_s']:.4f} s measured, "
+                    f"{r['predicted_step_s']:.4f} s predicted")
+                on_row(rows)
+                progress()
+        finally:
+            handle.remove()
+            tap.remove()
+    del model, ref
+    if cuda:
+        torch.cuda.empty_cache()
+    _fill_breakdown(rows)
+    _all_ranks_identical(rows)
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _row(spec, bench, hw, sp, cfg: Config, v, w, timing, coll, stall, fence, ncoll, same, stats, predict, analyse,
+         device) -> dict:
+    med = statistics.median(timing.times)
+    p = predict(spec, w, hw, cfg.mode, cfg.chunk_bytes, cfg.residency, sp, bench.comm_aware)
+    a = analyse(spec, w, hw, sp)
+    peak = timing.peak_allocated
+    return dict(
+        model=spec.name, axis=bench.axis, value=v, frames=w.frames, batch=w.batch, height=w.height, width=w.width,
+        tokens=tokens(spec, w), sp=sp, mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency,
+        achieved_residency=stats["achieved_residency"], measured_step_s=med, predicted_step_s=p.step_time_s,
+        err_step=(med - p.step_time_s) / p.step_time_s, measured_peak_bytes=peak,
+        predicted_peak_bytes=p.peak_memory_bytes,
+        err_peak=(peak - p.peak_memory_bytes) / p.peak_memory_bytes if peak is not None else None,
+        peak_reserved_bytes=timing.peak_reserved, pinned_bytes=stats["pinned_bytes"], collective_s=coll,
+        prefetch_stall_s=stall, fence_stall_s=fence, compute_s=None, overhead_s=None, n_collectives=ncoll,
+        pred_compute_s=p.compute_s, pred_collective_s=p.collective_s + p.contention_stall_s,
+        pred_stall_s=p.prefetch_stall_s, pred_overhead_s=p.overhead_s, bit_identical=same,
+        f_block=a.F_block, f_star=a.F_star, i_block=a.I_block, i_star=a.I_star, regime=a.regime,
+        critical=a.critical.value, hardware=hw.name, device=str(device),
+    )
+
+
+def _fill_breakdown(rows: list[dict]) -> None:
+    """compute = none's step - none's collective time at the same workload; overhead = what is left."""
+    compute = {r["value"]: r["measured_step_s"] - r["collective_s"] for r in rows if r["mode"] == "none"}
+    for r in rows:
+        c = compute.get(r["value"])
+        if c is None:
+            r["compute_s"] = r["overhead_s"] = math.nan
+            continue
+        r["compute_s"] = c
+        r["overhead_s"] = 0.0 if r["mode"] == "none" else (
+            r["measured_step_s"] - c - r["collective_s"] - r["prefetch_stall_s"])
+
+
+def _all_ranks_identical(rows: list[dict]) -> None:
+    """Under torchrun: bit_identical is true only where every rank's output matched none's."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    flags = [r["bit_identical"] for r in rows]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, flags)
+    for i, r in enumerate(rows):
+        vals = [g[i] for g in gathered]
+        r["bit_identical"] = None if any(x is None for x in vals) else all(vals)

@@ -1,0 +1,165 @@
+"""What a bench measures: the sweep definition (`BenchSpec`), its points, and the metadata file it writes.
+
+A sweep has three parts, all on one model and one hardware profile:
+  scaling    every mode at every workload value (frames or batch), chunkflow at the first chunk size and
+             residency (paper figure 3, and the breakdown of figure 4);
+  chunk size chunkflow at every `chunk_sizes` entry, at one workload `chunk_at` (figure 5), with layerwise there;
+  residency  chunkflow at every `residencies` entry, at one workload `residency_at` (figure 6), with none there.
+Points shared by several parts are measured once: each configuration is offloaded once and run at the union of
+its workloads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from chunkflow_planner.catalog import ModelSpec, Workload
+from chunkflow_planner.units import format_bytes
+from chunkflow_planner.workload import make_workload
+
+BENCH_SCHEMA_VERSION = 1
+MODES = ("none", "layerwise", "chunkflow")
+
+
+class BenchError(ValueError):
+    """A sweep that cannot run or be read; the message says why."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One offload configuration; none keeps everything resident (r = 1), layerwise nothing (r = 0)."""
+
+    mode: str
+    chunk_bytes: int | None = None
+    residency: float = 0.0
+
+    @staticmethod
+    def of(mode: str, chunk_bytes: int | None = None, residency: float = 0.0) -> "Config":
+        if mode == "chunkflow":
+            return Config(mode, chunk_bytes, residency)
+        return Config(mode, None, 1.0 if mode == "none" else 0.0)
+
+    @property
+    def label(self) -> str:
+        if self.mode != "chunkflow":
+            return self.mode
+        return f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
+
+
+def short_bytes(n: int) -> str:
+    """16MB, 3KB: a chunk size for labels."""
+    return format_bytes(n).replace(" ", "").replace(".00", "").replace(".0", "")
+
+
+class BenchSpec(BaseModel):
+    """The sweep: model, workload axis and values, modes, and the chunk-size and residency sweeps."""
+
+    model: str
+    axis: Literal["frames", "batch"]
+    values: list[int]
+    height: int | None = None
+    width: int | None = None
+    modes: list[str] = Field(default_factory=lambda: list(MODES))
+    chunk_sizes: list[int] = Field(description="bytes; the first is the scaling chunk size")
+    residencies: list[float] = Field(description="the first is the scaling residency")
+    chunk_at: int | None = Field(None, description="workload of the chunk-size sweep (default: the middle value)")
+    residency_at: int | None = Field(None, description="workload of the residency sweep (default: the smallest)")
+    comm_aware: bool = Field(True, description="chunkflow paces chunk copies around collectives (SP only)")
+    warmup: int = 1
+    steps: int = 2
+
+    @property
+    def chunk(self) -> int:
+        return self.chunk_sizes[0]
+
+    @property
+    def residency(self) -> float:
+        return self.residencies[0]
+
+    @property
+    def chunk_value(self) -> int:
+        return self.chunk_at if self.chunk_at is not None else self.values[(len(self.values) - 1) // 2]
+
+    @property
+    def residency_value(self) -> int:
+        return self.residency_at if self.residency_at is not None else min(self.values)
+
+    @property
+    def has_chunk_sweep(self) -> bool:
+        return len(self.chunk_sizes) > 1 and "chunkflow" in self.modes
+
+    @property
+    def has_residency_sweep(self) -> bool:
+        return len(self.residencies) > 1 and "chunkflow" in self.modes
+
+    def scaling_config(self, mode: str) -> Config:
+        return Config.of(mode, self.chunk, self.residency)
+
+    def points(self) -> list[tuple[Config, list[int]]]:
+        """Each configuration once, with the workload values it runs at; none first, then layerwise, then chunkflow."""
+        plan: dict[Config, list[int]] = {}
+
+        def add(cfg: Config, v: int) -> None:
+            vals = plan.setdefault(cfg, [])
+            if v not in vals:
+                vals.append(v)
+
+        for m in self.modes:
+            for v in self.values:
+                add(self.scaling_config(m), v)
+        if self.has_chunk_sweep:
+            for m in ("none", "layerwise"):
+                if m in self.modes:
+                    add(Config.of(m), self.chunk_value)
+            for c in self.chunk_sizes:
+                add(Config.of("chunkflow", c, self.residency), self.chunk_value)
+        if self.has_residency_sweep:
+            if "none" in self.modes:
+                add(Config.of("none"), self.residency_value)
+            for r in self.residencies:
+                add(Config.of("chunkflow", self.chunk, r), self.residency_value)
+        order = {m: i for i, m in enumerate(MODES)}
+        return sorted(((c, sorted(v)) for c, v in plan.items()), key=lambda cv: order[cv[0].mode])
+
+    def n_points(self) -> int:
+        return sum(len(v) for _, v in self.points())
+
+    def workload(self, spec: ModelSpec, value: int, steps: int = 1) -> Workload:
+        kw: dict[str, Any] = dict(height=self.height, width=self.width, steps=max(1, steps), cfg_passes=1)
+        return make_workload(spec, frames=value, **kw) if self.axis == "frames" else make_workload(spec, batch=value, **kw)
+
+
+class BenchMeta(BaseModel):
+    """bench.json: the sweep, the hardware profile the predictions used, and where and how it was measured."""
+
+    schema_version: int = BENCH_SCHEMA_VERSION
+    spec: BenchSpec
+    hardware: dict = Field(description="the HardwareSpec predictions were made with (model_dump)")
+    sp: int = 1
+    gpu: str
+    date: str
+    command: str
+    torch: str = ""
+    diffusers: str = ""
+    env: dict[str, str | None] = Field(default_factory=dict, description="NCCL settings that change the numbers")
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+
+    @staticmethod
+    def read(path: Path) -> "BenchMeta":
+        if not path.exists():
+            raise BenchError(f"{path} not found: --from-dir needs a directory written by chunkflow bench")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise BenchError(f"{path} is not JSON ({exc})") from None
+        if data.get("schema_version") != BENCH_SCHEMA_VERSION:
+            raise BenchError(f"{path} has schema_version {data.get('schema_version')!r}; this chunkflow reads "
+                             f"{BENCH_SCHEMA_VERSION}. Re-run chunkflow bench.")
+        return BenchMeta.model_validate(data)
