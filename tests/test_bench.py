@@ -2,10 +2,6 @@
 SP under torchrun (gloo), and bad input."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -99,7 +95,13 @@ def test_bench_writes_csv_summary_and_plots(tmp_path):
     assert (tmp_path / "c" / "breakdown.png").read_bytes()[:8] == PNG
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "c" / "bench.csv"), df)
 
-    # a schema this version does not read is refused with a message, not a traceback
+    # an unreadable or foreign bench.json is refused with a message, not a traceback
+    good = json.dumps(meta)
+    for text, message in (("[1, 2]", "JSON object"), (json.dumps({**meta, "sp": "two"}), "understands")):
+        (tmp_path / "b" / "bench.json").write_text(text)
+        bad = runner.invoke(app, ["bench", "--from-dir", "b", "--out", "d"])
+        assert bad.exit_code == 2 and message in bad.output and "Traceback" not in bad.output
+    meta = json.loads(good)
     meta["schema_version"] = 99
     (tmp_path / "b" / "bench.json").write_text(json.dumps(meta))
     bad = runner.invoke(app, ["bench", "--from-dir", "b", "--out", "d"])
@@ -107,18 +109,11 @@ def test_bench_writes_csv_summary_and_plots(tmp_path):
 
 
 def test_bench_under_torchrun_runs_sequence_parallel(tmp_path):
-    pytest.importorskip("diffusers")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun not found next to the Python interpreter")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "chunkflow.cli", "bench", "--model", "tiny",
-           "--frames", "5,9", "--chunk-sizes", "4KB,16KB", "--steps", "1", "--hardware", "h200-x2", "--no-plots",
-           "--out", str(tmp_path / "sp")]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    from torchrun_util import run_torchrun
+
+    run_torchrun(2, ["-m", "chunkflow.cli", "bench", "--model", "tiny", "--frames", "5,9", "--chunk-sizes", "4KB,16KB",
+                     "--steps", "1", "--hardware", "h200-x2", "--no-plots", "--out", str(tmp_path / "sp")],
+                 CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
     df = pd.read_csv(tmp_path / "sp" / "bench.csv")
     assert len(df) == 2 * 3 + 1 and (df["sp"] == 2).all()
     assert (df["n_collectives"] > 0).all() and (df["collective_s"] > 0).all()  # Ulysses all-to-alls were timed
@@ -145,6 +140,7 @@ def test_bench_under_torchrun_runs_sequence_parallel(tmp_path):
     (["--model", "nosuch", "--frames", "5"], "unknown model"),
     (["--model", "tiny", "--frames", "a,b"], "comma-separated"),
     (["--from-dir", "nowhere"], "not found"),
+    (["--model", "tiny", "--frames", "5", "--comm-aware", "maybe"], "on, off or auto"),
 ])
 def test_bench_bad_input(args, message):
     result = runner.invoke(app, ["bench", *args])

@@ -19,7 +19,9 @@ import statistics
 from typing import Callable
 
 from chunkflow.bench.sweep import BenchSpec, Config
+from chunkflow.run import predict
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
+from chunkflow_planner.overlap import analyse
 from chunkflow_planner.workload import tokens
 
 COLUMNS = [
@@ -85,9 +87,7 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
 
     import chunkflow
     from chunkflow.models.build import build_transformer
-    from chunkflow.run import predict
     from chunkflow.runtime.comm import CollectiveTap, CollectiveTimer, StallProbe
-    from chunkflow_planner.overlap import analyse
 
     cuda = device.type == "cuda"
     model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
@@ -116,8 +116,8 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
                 if cfg.mode == "none":
                     ref[v] = timing.latents.clone()
                 same = bool(torch.equal(timing.latents, ref[v])) if v in ref else None
-                rows.append(_row(spec, bench, hw, sp, cfg, v, w, timing, coll, stall, fence, ncoll, same,
-                                 handle.stats().as_dict(), predict, analyse, device))
+                rows.append(_row(spec, bench, hw, sp, cfg, v, w, timing, (coll, stall, fence, ncoll), same,
+                                 handle.stats().as_dict(), device))
                 r = rows[-1]
                 log(f"{cfg.label:>26} {bench.axis} {v}: {r['measured_step_s']:.4f} s measured, "
                     f"{r['predicted_step_s']:.4f} s predicted")
@@ -134,8 +134,11 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _row(spec, bench, hw, sp, cfg: Config, v, w, timing, coll, stall, fence, ncoll, same, stats, predict, analyse,
-         device) -> dict:
+def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Config, v: int, w, timing,
+         probes: tuple[float, float, float, int], same: bool | None, stats: dict, device) -> dict:
+    """One CSV row: the point, what was measured (timing, probes = collective s, stall s, fence s, collectives
+    per step), what the planner predicts for it, and the overlap analysis of its workload."""
+    coll, stall, fence, ncoll = probes
     med = statistics.median(timing.times)
     p = predict(spec, w, hw, cfg.mode, cfg.chunk_bytes, cfg.residency, sp, bench.comm_aware)
     a = analyse(spec, w, hw, sp)

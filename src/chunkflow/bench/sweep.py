@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from chunkflow_planner.catalog import ModelSpec, Workload
 from chunkflow_planner.units import format_bytes
@@ -159,7 +159,13 @@ class BenchMeta(BaseModel):
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise BenchError(f"{path} is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise BenchError(f"{path} must hold a JSON object")
         if data.get("schema_version") != BENCH_SCHEMA_VERSION:
             raise BenchError(f"{path} has schema_version {data.get('schema_version')!r}; this chunkflow reads "
                              f"{BENCH_SCHEMA_VERSION}. Re-run chunkflow bench.")
-        return BenchMeta.model_validate(data)
+        try:
+            return BenchMeta.model_validate(data)
+        except ValidationError as exc:
+            raise BenchError(f"{path} is not a bench.json this chunkflow understands: "
+                             f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
