@@ -228,3 +228,14 @@ def test_best_chunk_is_the_shortest_predicted_step_with_ties_to_16mb():
     steps = {c: p.evaluate(OffloadConfig("chunkflow", c, 0.0)).step_time for c in sizes}
     assert chosen.step_time == min(steps.values())
     assert steps[chosen.cfg.chunk_bytes] == min(steps.values())
+
+
+def test_plans_pace_copies_only_off_nvlink():
+    from chunkflow_planner.planner import make_plan, resolve_hardware
+
+    wan = get_model("wan2.2")
+    w = make_workload(wan, frames=81, height=704, width=1280)
+    for hw, paced in (("h200-x2", False), ("h200-x2-pcie", True)):
+        plan, decision, _ = make_plan(wan, w, resolve_hardware(hw), sp=2, budget=8 * GB)
+        assert plan.offload.mode == "chunkflow" and plan.offload.comm_aware is paced
+        assert decision.chosen.cfg.comm_aware is paced  # the prediction is for the schedule the plan asks for

@@ -62,6 +62,8 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     console.print(m)
     o = plan.offload
     chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
+    if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
+        chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
     total = plan.prediction.step_time_s * w.steps
     console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)} "

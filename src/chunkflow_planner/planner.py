@@ -145,7 +145,7 @@ def make_plan(
         ),
         offload=Offload(
             mode=chosen.cfg.mode, chunk_bytes=chosen.cfg.chunk_bytes, residency=chosen.cfg.residency,
-            comm_aware=hw.pace_collectives,
+            comm_aware=problem.aware,
         ),
         prediction=PlanPrediction(
             **_prediction(chosen).model_dump(),
