@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from chunkflow.bench.choices import PlannerChoice
@@ -60,9 +61,12 @@ def plot_all(df, meta: BenchMeta, spec: ModelSpec, hw: HardwareSpec, choice: Pla
     sub = f"{where}, {meta.date[:10]}; predictions: profile '{hw.name}'"
     paths: list[Path] = []
 
+    footer = "\n".join(textwrap.wrap(f"command: {meta.command}", 180))
+
     def finish(fig, name: str, title: str) -> None:
         fig.suptitle(f"{title}\n{sub}", fontsize=9)
-        fig.tight_layout()
+        fig.text(0.01, 0.005, footer, fontsize=5.5, color="gray", va="bottom", ha="left")
+        fig.tight_layout(rect=(0, 0.03 + 0.012 * footer.count("\n"), 1, 1))
         path = out / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
