@@ -191,3 +191,14 @@ def test_refit_scales_the_reported_models_curve(tmp_path):
     new, _ = refit(hw, read_reports([path]))
     assert new.eta_comp_curves[tiny.name][0][1] < 0.5  # the tiny model's own curve moved down
     assert new.for_model(tiny.name).eta_comp_curve == new.eta_comp_curves[tiny.name]
+
+
+def test_calibrate_under_torchrun_speaks_once(tmp_path):
+    """Every rank measures; only rank 0 logs, shows progress and writes the profile."""
+    from torchrun_util import run_torchrun
+
+    out = tmp_path / "p.yaml"
+    p = run_torchrun(2, ["-m", "chunkflow.cli", "calibrate", "--cpu-smoke", "--out", str(out)],
+                     CHUNKFLOW_CONFIG_DIR=str(tmp_path / "cfg"))
+    assert p.stderr.count("H2D fit") == 1 and p.stderr.count("device cpu; base") == 1
+    assert p.stdout.count("Profile written to") == 1 and out.exists()

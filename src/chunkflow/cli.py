@@ -241,18 +241,20 @@ def calibrate_cmd(
 
         from chunkflow.calibrate import calibrate
 
+        rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank measures, rank 0 speaks
         try:
             with _progress() as bar:
                 def progress(desc, total):
-                    task = bar.add_task(desc, total=total)
+                    task = bar.add_task(desc, total=total, visible=rank0)
                     return lambda: bar.advance(task)
 
                 cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
-                                progress=progress, log=lambda s: err_console.print(s, highlight=False))
+                                progress=progress,
+                                log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
         except (CalibrationError, CatalogError) as exc:
             _fail(str(exc))
             return
-        if int(os.environ.get("RANK", "0")) != 0:
+        if not rank0:
             return
         new = cal.profile
         header = "measured by chunkflow calibrate" + (" --cpu-smoke (not a GPU: numbers mean nothing)" if cpu_smoke else "")
