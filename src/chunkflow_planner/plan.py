@@ -5,11 +5,12 @@ A versioned pydantic schema written as JSON. Readers check `schema_version` and 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+
+from chunkflow_planner.versioned import read_versioned
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -124,22 +125,5 @@ def load_plan(source: str | Path | Plan) -> Plan:
     if isinstance(source, Plan):
         return source
     path = Path(source)
-    if not path.exists():
-        raise PlanError(f"plan file {str(path)!r} does not exist; `chunkflow plan --out {path}` writes one")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"plan file {str(path)!r} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise PlanError(f"plan file {str(path)!r} must hold a JSON object")
-    version = data.get("schema_version")
-    if version != PLAN_SCHEMA_VERSION:
-        raise PlanError(
-            f"plan file {str(path)!r} has schema_version {version!r}; this chunkflow reads version "
-            f"{PLAN_SCHEMA_VERSION}. Write it again with `chunkflow plan`."
-        )
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as exc:
-        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise PlanError(f"plan file {str(path)!r} is malformed: {detail}") from None
+    return read_versioned(path, Plan, PLAN_SCHEMA_VERSION, what="plan file", error=PlanError,
+                          remedy=f"write it with `chunkflow plan --out {path}`")

@@ -41,6 +41,8 @@ def load(out: Path):
     """(DataFrame, BenchMeta) of a directory written by `chunkflow bench`."""
     import pandas as pd
 
+    if not out.is_dir():
+        raise BenchError(f"{out} not found: --from-dir needs a directory written by chunkflow bench")
     meta = BenchMeta.read(out / "bench.json")
     csv = out / "bench.csv"
     if not csv.exists():

@@ -11,15 +11,15 @@ its workloads.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from chunkflow_planner.catalog import ModelSpec, Workload
 from chunkflow_planner.units import format_bytes
+from chunkflow_planner.versioned import read_versioned
 from chunkflow_planner.workload import make_workload
 
 BENCH_SCHEMA_VERSION = 1
@@ -153,19 +153,5 @@ class BenchMeta(BaseModel):
 
     @staticmethod
     def read(path: Path) -> "BenchMeta":
-        if not path.exists():
-            raise BenchError(f"{path} not found: --from-dir needs a directory written by chunkflow bench")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise BenchError(f"{path} is not JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise BenchError(f"{path} must hold a JSON object")
-        if data.get("schema_version") != BENCH_SCHEMA_VERSION:
-            raise BenchError(f"{path} has schema_version {data.get('schema_version')!r}; this chunkflow reads "
-                             f"{BENCH_SCHEMA_VERSION}. Re-run chunkflow bench.")
-        try:
-            return BenchMeta.model_validate(data)
-        except ValidationError as exc:
-            raise BenchError(f"{path} is not a bench.json this chunkflow understands: "
-                             f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+        return read_versioned(path, BenchMeta, BENCH_SCHEMA_VERSION, what="bench file", error=BenchError,
+                              remedy="run chunkflow bench again to write it")
