@@ -12,6 +12,7 @@ summary.md uses.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from pathlib import Path
@@ -32,9 +33,10 @@ MODELS = {"wan": "Wan2.2-TI2V-5B", "flux": "FLUX.1-dev", "hunyuan": "HunyuanVide
 TOL = 1.05
 
 
+@functools.lru_cache(maxsize=None)
 def runs(link: str, key: str):
-    df, meta = load(DATA / link / key)
-    return df, meta
+    """(bench.csv, bench.json) of one run directory, read once; the tables only read them."""
+    return load(DATA / link / key)
 
 
 def _x(a: float, b: float) -> str:
@@ -141,6 +143,7 @@ def table_chunk() -> str:
     return "\n".join(out) + "\n\n" + "\n".join(f"- {v}" for v in verdicts)
 
 
+@functools.lru_cache(maxsize=None)
 def table_residency() -> str:
     out = ["| model | link | n / b | r | achieved r | step x none | predicted x none | peak GB | vs none peak |",
            "|" + "---|" * 9]
