@@ -7,19 +7,15 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.bench import COLUMNS, BenchSpec, Config
-from chunkflow.bench.summary import chunk_verdict, error_stats
+from chunkflow.bench import COLUMNS, BenchSpec
 from chunkflow.bench.choices import PlannerChoice
+from chunkflow.bench.summary import chunk_verdict, error_stats
 from chunkflow.cli import app
+from chunkflow_planner.offload import OffloadConfig
 
 runner = CliRunner()
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True)
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("workdir")
 
 
 def _spec(**kw) -> BenchSpec:
@@ -35,19 +31,19 @@ def test_points_measure_each_configuration_once_and_sweeps_at_their_workloads():
     assert len(cfgs) == len(set(cfgs))
     assert [c.mode for c in cfgs][:2] == ["none", "layerwise"]  # none first: the bit-identity reference
     by = dict(pts)
-    assert by[Config.of("none")] == [5, 9, 13] and by[Config.of("layerwise")] == [5, 9, 13]
-    assert by[Config.of("chunkflow", 16_000, 0.0)] == [5, 9, 13]  # scaling config, also in both sweeps
-    assert by[Config.of("chunkflow", 4_000, 0.0)] == [9]  # chunk sweep at the middle value
-    assert by[Config.of("chunkflow", 16_000, 0.5)] == [5]  # residency sweep at the smallest
+    assert by[OffloadConfig("none")] == [5, 9, 13] and by[OffloadConfig("layerwise")] == [5, 9, 13]
+    assert by[OffloadConfig("chunkflow", 16_000, 0.0)] == [5, 9, 13]  # scaling config, also in both sweeps
+    assert by[OffloadConfig("chunkflow", 4_000, 0.0)] == [9]  # chunk sweep at the middle value
+    assert by[OffloadConfig("chunkflow", 16_000, 0.5)] == [5]  # residency sweep at the smallest
     assert b.n_points() == 9 + 2 + 2
 
 
 def test_points_add_references_at_sweep_workloads_outside_the_scaling_values():
     b = _spec(values=[5], chunk_at=13, residency_at=9)
     by = dict(b.points())
-    assert by[Config.of("none")] == [5, 9, 13]
-    assert by[Config.of("layerwise")] == [5, 13]
-    assert by[Config.of("chunkflow", 16_000, 0.0)] == [5, 9, 13]
+    assert by[OffloadConfig("none")] == [5, 9, 13]
+    assert by[OffloadConfig("layerwise")] == [5, 13]
+    assert by[OffloadConfig("chunkflow", 16_000, 0.0)] == [5, 9, 13]
 
 
 def test_error_stats_and_chunk_verdict():
@@ -108,10 +104,9 @@ def test_bench_writes_csv_summary_and_plots(tmp_path):
     assert bad.exit_code == 2 and "schema_version 99" in bad.output and "Traceback" not in bad.output
 
 
-def test_bench_under_torchrun_runs_sequence_parallel(tmp_path):
-    from torchrun_util import run_torchrun
-
-    run_torchrun(2, ["-m", "chunkflow.cli", "bench", "--model", "tiny", "--frames", "5,9", "--chunk-sizes", "4KB,16KB",
+@pytest.mark.slow
+def test_bench_under_torchrun_runs_sequence_parallel(tmp_path, torchrun):
+    torchrun(2, ["-m", "chunkflow.cli", "bench", "--model", "tiny", "--frames", "5,9", "--chunk-sizes", "4KB,16KB",
                      "--steps", "1", "--hardware", "h200-x2", "--no-plots", "--out", str(tmp_path / "sp")],
                  CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
     df = pd.read_csv(tmp_path / "sp" / "bench.csv")
@@ -121,12 +116,13 @@ def test_bench_under_torchrun_runs_sequence_parallel(tmp_path):
     assert json.loads((tmp_path / "sp" / "bench.json").read_text())["command"].startswith("torchrun --nproc-per-node 2")
     # the prediction is for SP=2: half the tokens per GPU
     from chunkflow_planner.catalog import get_hardware, get_model
-    from chunkflow.run import predict
+    from chunkflow_planner.predict import predict
+
     w = BenchSpec(model="tiny-wan", axis="frames", values=[9], chunk_sizes=[4000], residencies=[0.0]).workload(
         get_model("tiny"), 9)
     row = df[(df["mode"] == "none") & (df["value"] == 9)].iloc[0]
-    assert row["predicted_step_s"] == pytest.approx(predict(get_model("tiny"), w, get_hardware("h200-x2"), "none",
-                                                            None, 1.0, sp=2).step_time_s)
+    assert row["predicted_step_s"] == pytest.approx(predict(get_model("tiny"), w, get_hardware("h200-x2"),
+                                                            OffloadConfig("none"), sp=2).step_time_s)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,10 +1,8 @@
 """Calibration fits on synthetic measurements, the eta curve in the planner, the CPU smoke profile, refits."""
 
 import json
-import math
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from chunkflow.calibrate import H2DFit, eta_curve, fit_h2d, make_profile, refit, summary_eta
@@ -17,10 +15,7 @@ runner = CliRunner()
 MB = 10**6
 
 
-@pytest.fixture(autouse=True)
-def config_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("workdir")
 
 
 @pytest.mark.parametrize("t0, gbps", [(2.7e-6, 55.3), (12e-6, 25.0), (0.0, 31.5)])
@@ -193,12 +188,11 @@ def test_refit_scales_the_reported_models_curve(tmp_path):
     assert new.for_model(tiny.name).eta_comp_curve == new.eta_comp_curves[tiny.name]
 
 
-def test_calibrate_under_torchrun_speaks_once(tmp_path):
+@pytest.mark.slow
+def test_calibrate_under_torchrun_speaks_once(tmp_path, torchrun):
     """Every rank measures; only rank 0 logs, shows progress and writes the profile."""
-    from torchrun_util import run_torchrun
-
     out = tmp_path / "p.yaml"
-    p = run_torchrun(2, ["-m", "chunkflow.cli", "calibrate", "--cpu-smoke", "--out", str(out)],
+    p = torchrun(2, ["-m", "chunkflow.cli", "calibrate", "--cpu-smoke", "--out", str(out)],
                      CHUNKFLOW_CONFIG_DIR=str(tmp_path / "cfg"))
     assert p.stderr.count("H2D fit") == 1 and p.stderr.count("device cpu; base") == 1
     assert p.stdout.count("Profile written to") == 1 and out.exists()

@@ -186,6 +186,7 @@ def test_block_params_rejects_unknown_arch():
         block_params("unet", get_model("tiny"))
 
 
+@pytest.mark.slow
 def test_planner_modules_do_not_import_torch():
     code = (
         "import sys, chunkflow_planner.catalog as c, chunkflow_planner.params;"

@@ -12,9 +12,7 @@ from chunkflow.cli import app
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def no_saved_profile(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))
+pytestmark = pytest.mark.usefixtures("workdir")  # no saved profile
 
 
 def plan_json(*args: str) -> dict:
@@ -142,6 +140,7 @@ def test_every_command_has_help(command):
     assert result.exit_code == 0 and "Usage" in result.output
 
 
+@pytest.mark.slow
 def test_plan_does_not_import_torch():
     code = (
         "import sys\n"

@@ -16,30 +16,8 @@ from chunkflow.models.adapters import find_blocks  # noqa: E402
 from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
 from chunkflow_planner.catalog import Workload, get_model  # noqa: E402
-
-TINY = {  # shrunken configs of the catalog's real classes
-    "FLUX.1-dev": dict(attention_head_dim=16, num_attention_heads=2, num_layers=2, num_single_layers=3,
-                       joint_attention_dim=32, pooled_projection_dim=16, in_channels=16, axes_dims_rope=(4, 6, 6)),
-    "HunyuanVideo": dict(attention_head_dim=16, num_attention_heads=2, num_layers=2, num_single_layers=3,
-                         num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=16, in_channels=4,
-                         out_channels=4, rope_axes_dim=(4, 6, 6)),
-    "Qwen-Image": dict(attention_head_dim=16, num_attention_heads=2, num_layers=3, joint_attention_dim=32,
-                       in_channels=16, out_channels=4, axes_dims_rope=(4, 6, 6)),
-    "Wan2.2-TI2V-5B": dict(attention_head_dim=16, num_attention_heads=2, num_layers=3, ffn_dim=64, freq_dim=32,
-                           text_dim=32, in_channels=8, out_channels=8),
-}
-
-
-def tiny_spec(name):
-    s = get_model(name)
-    cfg = dict(s.diffusers.config)
-    cfg.update(TINY[name])
-    return s.model_copy(update={"diffusers": s.diffusers.model_copy(update={"config": cfg}), "text_len": 8})
-
-
-def _workload(spec):
-    return Workload(batch=1, frames=5 if spec.is_video else 1, height=64, width=64, steps=1)
-
+from tiny import TINY, tiny_spec  # noqa: E402
+from tiny import tiny_workload as _workload  # noqa: E402
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_random_build_bf16_finite_and_offload_exact(name):

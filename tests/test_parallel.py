@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from torchrun_util import padded_inputs, run_workers, single_and_sp  # noqa: E402
+from tiny import padded_inputs, single_and_sp, tiny_spec, tiny_workload
 
 TOL = 1e-5
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
@@ -37,11 +36,9 @@ def _worker(out_path: str) -> None:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_models import tiny_spec
-
     from chunkflow.models.build import build_transformer
     from chunkflow.parallel import enable_sequence_parallel, init_distributed
+    from chunkflow.probes import EventLog
 
     rank, world, dev = init_distributed()
     assert init_distributed() == (rank, world, dev)  # idempotent
@@ -61,12 +58,12 @@ def _worker(out_path: str) -> None:
         r["sp_vs_single"] = (sp - ref).abs().max().item()
         r["ref_scale"] = ref.abs().max().item()
         for label, mode, aware, settings in MODES:
-            m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode=mode, chunk_size=3001, seed=1)
+            m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode=mode, chunk_size=3001, seed=1,
+                                     comm_aware=aware)
             enable_sequence_parallel(m, spec, world)
-            h.set_comm_aware(aware)
             for key, value in settings.items():
                 setattr(h.pacer, key, value)
-            log = h.set_event_log(True)
+            log = h.add_observer(EventLog())
             patched = {k: v is not originals[k] for k, v in current().items()}
             with torch.no_grad():
                 outs = [m(**kw)[0] for _ in range(3)]
@@ -95,10 +92,11 @@ def _worker(out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sp_result(tmp_path_factory):
-    return run_workers(__file__, 2, tmp_path_factory.mktemp("sp") / "result.json", timeout=180)
+def sp_result(tmp_path_factory, workers):
+    return workers(__file__, 2, tmp_path_factory.mktemp("sp") / "result.json", timeout=180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_sp_matches_single_process(sp_result, name):
     r = sp_result["models"][name]
@@ -110,6 +108,7 @@ def test_sp_matches_single_process(sp_result, name):
         assert r[label]["max_vs_single"] <= TOL, label
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_comm_aware_copies_never_inside_a_collective(sp_result, name):
     r = sp_result["models"][name]
@@ -124,6 +123,7 @@ def test_comm_aware_copies_never_inside_a_collective(sp_result, name):
     assert r["chunkflow-aware-1"]["copies_after_a_collective"] > r["chunkflow-aware-1"]["copies"] // 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_without_awareness_copies_can_overlap_collectives(sp_result, name):
     for label in ("chunkflow-not-aware", "layerwise"):
@@ -133,6 +133,7 @@ def test_without_awareness_copies_can_overlap_collectives(sp_result, name):
         assert x["stream_violations"] > 0, label  # the check can fail: here the streams allow overlap
 
 
+@pytest.mark.slow
 def test_tap_is_installed_for_the_handle_and_removed_exactly(sp_result):
     for name in MODELS:
         for label, *_ in MODES:
@@ -147,48 +148,48 @@ def test_without_distributed_nothing_is_patched():
     import torch.distributed._functional_collectives as funcol
 
     from chunkflow.models.build import build_transformer
-    from test_models import tiny_spec
+    from chunkflow.models.inputs import make_inputs
+    from chunkflow.probes import EventLog
 
     before = funcol.all_to_all_single
-    m, h = build_transformer(tiny_spec("Wan2.2-TI2V-5B"), dtype=torch.float32, device="cpu", mode="chunkflow",
-                             chunk_size=3001)
-    assert h.tap is None and h.pacer is None and not h.stats().comm_aware
-    log = h.set_event_log(True)
-    assert funcol.all_to_all_single is before
-    from chunkflow.models.inputs import make_inputs
-    from test_models import _workload
-
     spec = tiny_spec("Wan2.2-TI2V-5B")
+    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="chunkflow", chunk_size=3001)
+    assert h.tap is None and h.pacer is None and not h.stats().comm_aware
+    log = h.add_observer(EventLog())
+    assert funcol.all_to_all_single is before
     with torch.no_grad():
-        m(**make_inputs(spec, _workload(spec), torch.float32, "cpu", seed=3))
+        m(**make_inputs(spec, tiny_workload(spec), torch.float32, "cpu", seed=3))
     assert log.copies() and not log.collectives() and not log.stream_violations()
     h.remove()
 
 
 def test_stream_violation_check_on_a_hand_made_log():
-    from chunkflow.runtime.comm import EventLog
+    from chunkflow.probes import EventLog
 
     log = EventLog()
-    log.copy(1, 0, 10)  # enqueued before the collective, not fenced: may overlap it
-    s = log.collective("coll_start", "x")
-    e = log.collective("coll_end", "x")
-    log.compute_waits("fence", None)
+    log.chunk_copy(1, 0, 10, "h2d")  # enqueued before the collective, not fenced: may overlap it
+    log.collective_start("x")
+    log.collective_end("x")
+    log.compute_wait_end("fence", None)
     assert len(log.stream_violations()) == 1
     ok = EventLog()
-    ok.copy(1, 0, 10)
-    ok.compute_waits("fence", None)  # fenced before the collective starts
-    ok.collective("coll_start", "x")
-    end = ok.collective("coll_end", "x")
-    ok.copy_waits(end)  # the next copy waits for the collective's end
-    ok.copy(1, 10, 20)
-    ok.compute_waits("fence", None)
-    assert ok.stream_violations() == [] and s < e
+    ok.chunk_copy(1, 0, 10, "h2d")
+    ok.compute_wait_end("fence", None)  # fenced before the collective starts
+    ok.collective_start("x")
+    ok.collective_end("x")
+    ok.copy_stream_waits("collective")  # the next copy waits for the collective's end
+    ok.chunk_copy(1, 10, 20, "h2d")
+    ok.compute_wait_end("fence", None)
+    assert ok.stream_violations() == []
+    (s, e), = ok.collectives()
+    assert s.mark < e.mark and ok.copies()[1].after == e.mark
 
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_prefetch_bound_blocks_stop_yielding_unless_strict(sp_result, name):
     r = sp_result["models"][name]

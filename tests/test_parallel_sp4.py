@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from torchrun_util import padded_inputs, run_workers, single_and_sp  # noqa: E402
+from tiny import padded_inputs, single_and_sp, tiny_spec
 
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
 WORLD = 4
@@ -25,11 +24,9 @@ def _worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_models import tiny_spec
-
     from chunkflow.models.build import build_transformer
     from chunkflow.parallel import enable_sequence_parallel, init_distributed
+    from chunkflow.probes import EventLog
 
     rank, world, _ = init_distributed()
     res: dict = {"world": world, "models": {}}
@@ -42,7 +39,7 @@ def _worker(out_path: str) -> None:
         m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="chunkflow", chunk_size=3001, seed=1)
         enable_sequence_parallel(m, spec, world)
         h.pacer.strict = True  # always yield: the guarantee under test
-        log = h.set_event_log(True)
+        log = h.add_observer(EventLog())
         with torch.no_grad():
             outs = [m(**kw)[0] for _ in range(3)]
         res["models"][name] = dict(
@@ -58,10 +55,11 @@ def _worker(out_path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sp4(tmp_path_factory):
-    return run_workers(__file__, str(WORLD), tmp_path_factory.mktemp("sp4") / "result.json", timeout=300)
+def sp4(tmp_path_factory, workers):
+    return workers(__file__, WORLD, tmp_path_factory.mktemp("sp4") / "result.json", timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_sp4_matches_single_process_and_offload_is_exact(sp4, name):
     r = sp4["models"][name]

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_results_doc_tables_match_the_committed_data():
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_doc.py"), "--check"], capture_output=True,
                        text=True, timeout=120)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -10,16 +11,10 @@ from typer.testing import CliRunner
 
 from chunkflow.cli import app
 from chunkflow.run import RUN_REPORT_SCHEMA_VERSION, RunReport
+from chunkflow_planner.offload import OffloadConfig
 
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["plan", "--model", "tiny", "--out", "plan.json"])
-    assert result.exit_code == 0, result.output
+pytestmark = pytest.mark.usefixtures("tiny_plan")
 
 
 def _ok(*args):
@@ -33,7 +28,7 @@ def test_run_tiny_end_to_end_writes_a_valid_report(tmp_path):
     assert "Measured vs predicted" in result.output
     rep = RunReport.model_validate_json((tmp_path / "run-report.json").read_text())
     assert rep.schema_version == RUN_REPORT_SCHEMA_VERSION
-    assert rep.plan.model.name == "tiny-wan" and rep.run.mode == rep.plan.offload.mode == "none"
+    assert rep.plan.model.name == "tiny-wan" and rep.run.offload.mode == rep.plan.offload.mode == "none"
     assert rep.run.steps == min(5, rep.plan.workload.steps) and len(rep.measured.step_times_s) == rep.run.steps
     for x in rep.measured.step_times_s + [rep.measured.median_step_s, rep.predicted.step_time_s]:
         assert math.isfinite(x) and x > 0
@@ -46,18 +41,17 @@ def test_run_tiny_end_to_end_writes_a_valid_report(tmp_path):
 def test_run_chunkflow_with_residency_reports_achieved_residency(tmp_path):
     _ok("--mode", "chunkflow", "--chunk-size", "4KB", "--residency", "0.5", "--steps", "2", "--report", "r.json")
     rep = RunReport.model_validate_json((tmp_path / "r.json").read_text())
-    assert rep.run.mode == "chunkflow" and rep.run.chunk_bytes == 4000 and rep.run.residency == 0.5
+    assert rep.run.offload == OffloadConfig("chunkflow", 4000, 0.5)
     assert 0.3 < rep.measured.achieved_residency < 0.7
     assert rep.stats["mode"] == "chunkflow" and rep.stats["n_streamed_blocks"] == 2
     assert rep.stats["forwards"] >= 3  # 1 warm-up + 2 timed steps, one forward each
     assert rep.predicted.pinned_host_bytes > 0
     _ok("--mode", "layerwise", "--steps", "1", "--report", "l.json")
-    assert json.loads((tmp_path / "l.json").read_text())["run"]["mode"] == "layerwise"
+    assert json.loads((tmp_path / "l.json").read_text())["run"]["offload"]["mode"] == "layerwise"
 
 
+@pytest.mark.slow
 def test_run_as_a_subprocess(tmp_path):
-    import os
-
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-m", "chunkflow.cli", "run", "--plan", "plan.json", "--steps", "1"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
@@ -129,26 +123,13 @@ def test_help_of_every_command():
         assert result.exit_code == 0 and "Usage" in result.output
 
 
-def test_run_under_torchrun_with_sequence_parallelism(tmp_path):
+@pytest.mark.slow
+def test_run_under_torchrun_with_sequence_parallelism(tmp_path, cli, torchrun):
     """`torchrun -m chunkflow.cli run` on two gloo ranks: the SP plan's degree is used and rank 0 reports."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists() and not shutil.which("torchrun"):
-        pytest.skip("torchrun not installed")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
-    plan = subprocess.run([sys.executable, "-m", "chunkflow.cli", "plan", "--model", "tiny", "--sp", "2", "--hardware",
-                           "h200-x2", "--out", str(tmp_path / "plan.json")], env=env, capture_output=True, text=True)
-    assert plan.returncode == 0, plan.stderr
-    run = subprocess.run([str(torchrun if torchrun.exists() else shutil.which("torchrun")), "--standalone",
-                          "--nproc-per-node", "2", "-m", "chunkflow.cli", "run", "--plan", str(tmp_path / "plan.json"),
-                          "--device", "cpu", "--mode", "chunkflow", "--chunk-size", "4KB", "--steps", "1",
-                          "--report", str(tmp_path / "r.json")], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = cli("plan", "--model", "tiny", "--sp", "2", "--hardware", "h200-x2", "--out", tmp_path / "plan.json")
+    assert result.exit_code == 0, result.output
+    torchrun(2, ["-m", "chunkflow.cli", "run", "--plan", str(tmp_path / "plan.json"), "--device", "cpu", "--mode",
+                 "chunkflow", "--chunk-size", "4KB", "--steps", "1", "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["run"]["sp_degree"] == 2 and report["run"]["mode"] == "chunkflow"
+    assert report["run"]["sp_degree"] == 2 and report["run"]["offload"]["mode"] == "chunkflow"
     assert report["plan"]["parallel"]["sp_degree"] == 2

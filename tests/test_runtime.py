@@ -6,72 +6,15 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from diffusers import FluxTransformer2DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel  # noqa: E402
 
 import chunkflow  # noqa: E402
 from chunkflow import OffloadError  # noqa: E402
+from chunkflow.probes import ChunkLog  # noqa: E402
+from tiny import MODULES as MODELS  # noqa: E402
+from tiny import flux as _flux  # noqa: E402
+from tiny import wan as _wan  # noqa: E402
 
 
-def _wan(mixed: bool = False):
-    torch.manual_seed(0)
-    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=8,
-                              out_channels=8, text_dim=128, freq_dim=128, ffn_dim=256, num_layers=3,
-                              rope_max_seq_len=64).eval()
-    if mixed:  # bf16 with Wan's fp32 modules kept in fp32: blocks hold two dtypes
-        keep = m._keep_in_fp32_modules
-        for n, p in m.named_parameters():
-            if not any(k in n.split(".") for k in keep):
-                p.data = p.data.to(torch.bfloat16)
-    dt = torch.bfloat16 if mixed else torch.float32
-    g = torch.Generator().manual_seed(1)
-    kw = dict(hidden_states=torch.randn(1, 8, 3, 8, 8, generator=g).to(dt), timestep=torch.tensor([500.0]),
-              encoder_hidden_states=torch.randn(1, 7, 128, generator=g).to(dt), return_dict=False)
-    return m, [m.blocks], kw
-
-
-def _flux():
-    torch.manual_seed(0)
-    m = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
-                               num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
-                               guidance_embeds=True, axes_dims_rope=(4, 6, 6)).eval()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.zeros(4, 4, 3)
-    ids[..., 1] = torch.arange(4)[:, None]
-    ids[..., 2] = torch.arange(4)[None]
-    kw = dict(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
-              pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
-              img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(6, 3), guidance=torch.tensor([3.5]), return_dict=False)
-    return m, [m.transformer_blocks, m.single_transformer_blocks], kw
-
-
-def _hunyuan():
-    torch.manual_seed(0)
-    m = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
-                                       num_layers=2, num_single_layers=2, num_refiner_layers=1, mlp_ratio=2.0,
-                                       patch_size=2, patch_size_t=1, text_embed_dim=32, pooled_projection_dim=16,
-                                       rope_axes_dim=(4, 6, 6), guidance_embeds=True).eval()
-    g = torch.Generator().manual_seed(1)
-    kw = dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([500.0]),
-              encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
-              encoder_attention_mask=torch.ones(1, 6, dtype=torch.int64),
-              pooled_projections=torch.randn(1, 16, generator=g), guidance=torch.tensor([6000.0]), return_dict=False)
-    return m, [m.transformer_blocks, m.single_transformer_blocks], kw
-
-
-def _qwen():
-    from diffusers import QwenImageTransformer2DModel
-
-    torch.manual_seed(0)
-    m = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3, attention_head_dim=16,
-                                    num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)).eval()
-    g = torch.Generator().manual_seed(1)
-    kw = dict(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
-              encoder_hidden_states_mask=torch.ones(1, 6, dtype=torch.int64), timestep=torch.tensor([0.5]),
-              img_shapes=[[(1, 4, 4)]], return_dict=False)
-    return m, [m.transformer_blocks], kw
-
-
-MODELS = {"wan": _wan, "wan_mixed": lambda: _wan(mixed=True), "flux": _flux, "hunyuan": _hunyuan, "qwen": _qwen}
 CASES = [("none", 1, 0.0), ("layerwise", 1, 0.0), ("chunkflow", 4096, 0.0), ("chunkflow", 3001, 0.0),
          ("chunkflow", 3001, 0.3), ("chunkflow", 50_000, 0.5), ("chunkflow", 1000, 1.0), ("chunkflow", "1MB", 0.0)]
 
@@ -99,7 +42,7 @@ def test_bit_exact_and_remove_restores(model, mode, chunk, r):
     m, blocks, kw = MODELS[model]()
     ref = _run(m, kw)
     snap = _snapshot(m)
-    h = chunkflow.offload(m, mode=mode, chunk_size=chunk, residency=r, device="cpu", blocks=blocks, record_chunks=True)
+    h = chunkflow.offload(m, mode=mode, chunk_size=chunk, residency=r, device="cpu", blocks=blocks)
     for _ in range(3):
         assert torch.equal(_run(m, kw), ref)
     assert [id(p) for p in m.parameters()] == [s[1] for s in snap if s[0] in dict(m.named_parameters())]
@@ -125,14 +68,14 @@ def test_bit_exact_and_remove_restores(model, mode, chunk, r):
 def test_every_streamed_byte_copied_once_per_step(model, chunk, r):
     m, blocks, kw = MODELS[model]()
     mode = "layerwise" if chunk is None else "chunkflow"
-    h = chunkflow.offload(m, mode=mode, chunk_size=chunk or 1, residency=r, device="cpu", blocks=blocks,
-                          record_chunks=True)
+    h = chunkflow.offload(m, mode=mode, chunk_size=chunk or 1, residency=r, device="cpu", blocks=blocks)
+    log = h.add_observer(ChunkLog())
     n_streamed = sum(b.is_streamed for b in h.layouts)
     for step in range(3):
-        h.chunk_log.clear()
+        log.clear()
         _run(m, kw)
         per_block: dict[int, list] = {}
-        for c in h.chunk_log:
+        for c in log:
             if c.kind == "h2d":
                 per_block.setdefault(c.block, []).append((c.start, c.end))
         assert len(per_block) == n_streamed
@@ -150,7 +93,7 @@ def test_every_streamed_byte_copied_once_per_step(model, chunk, r):
                 assert len(ranges) == 1
         assert sum(e - s for v in per_block.values() for s, e in v) == h.stats().streamed_bytes_per_step
     # chunk copies come in issue order, one block after the other, the next block's after the current's
-    orders = [c.order for c in h.chunk_log]
+    orders = [c.order for c in log]
     assert orders == sorted(orders)
     h.remove()
 
@@ -195,21 +138,6 @@ def test_streaming_memory_is_two_slots_allocated_once():
     h.remove()
 
 
-def test_gate_is_asked_before_every_h2d_chunk():
-    m, blocks, kw = _wan()
-    asked = []
-
-    def gate(block, start, end):
-        asked.append((block, start, end))
-        return None
-
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size=5000, device="cpu", blocks=blocks, gate=gate,
-                          record_chunks=True)
-    _run(m, kw)
-    assert asked == [(c.block, c.start, c.end) for c in h.chunk_log if c.kind == "h2d"]
-    h.remove()
-
-
 def test_odd_block_count_and_single_block():
     m, blocks, kw = _wan()
     ref = _run(m, kw)
@@ -234,8 +162,8 @@ def _bad(m, **kw):
 
 def test_bad_inputs_raise_and_leave_module_untouched(tmp_path):
     m, blocks, kw = _wan()
-    assert "outside [0, 1]" in _bad(m, residency=1.5, device="cpu", blocks=blocks)
-    assert "outside [0, 1]" in _bad(m, residency=-0.1, device="cpu", blocks=blocks)
+    assert "must be in [0, 1]" in _bad(m, residency=1.5, device="cpu", blocks=blocks)
+    assert "must be in [0, 1]" in _bad(m, residency=-0.1, device="cpu", blocks=blocks)
     assert "positive" in _bad(m, chunk_size=0, device="cpu", blocks=blocks)
     assert "positive" in _bad(m, chunk_size=-5, device="cpu", blocks=blocks)
     assert "cannot be parsed" in _bad(m, chunk_size="sixteen", device="cpu", blocks=blocks)
@@ -246,7 +174,7 @@ def test_bad_inputs_raise_and_leave_module_untouched(tmp_path):
     assert "submodule" in _bad(m, device="cpu", blocks=[other[0]])
     if not torch.cuda.is_available():
         msg = _bad(m, device="cuda", blocks=blocks)
-        assert "CUDA is not available" in msg and "device='cpu'" in msg
+        assert "CUDA is not available" in msg and "device 'cpu'" in msg
     assert "does not exist" in _bad(m, plan=tmp_path / "nope.json", device="cpu", blocks=blocks)
 
 

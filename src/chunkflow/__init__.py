@@ -1,21 +1,26 @@
 """chunkflow: stream a diffusion transformer's blocks from pinned host memory in chunks, one block ahead.
 
-`chunkflow.offload(module, ...)` is the one-call API. The names below load the runtime (and torch) on
-first use, so that `chunkflow plan` and the rest of the CLI that needs no torch stay fast.
+`chunkflow.offload(module, ...)` is the one-call API; `OffloadConfig` is the offload setting it takes (also what a
+plan file holds). The runtime names load torch on first use, so that `chunkflow plan` and the rest of the CLI
+that needs no torch stay fast.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["offload", "OffloadHandle", "OffloadError", "OffloadStats"]
+from chunkflow_planner import __version__
+from chunkflow_planner.offload import OffloadConfig
+
+__all__ = ["offload", "OffloadConfig", "OffloadHandle", "OffloadError", "OffloadStats", "__version__"]
+_RUNTIME = ("offload", "OffloadHandle", "OffloadError", "OffloadStats")
 
 if TYPE_CHECKING:  # pragma: no cover
     from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, offload
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in _RUNTIME:
         from chunkflow.runtime import handle
 
         return getattr(handle, name)

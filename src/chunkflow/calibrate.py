@@ -26,19 +26,21 @@ predicted hidden. The fitting functions are pure (no torch) and tested on synthe
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import yaml
 
+from chunkflow.launch import torchrun_world
+from chunkflow.timing import time_on, timing_event
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
 from chunkflow_planner.flops import F_kind
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.predict import predict
 from chunkflow_planner.workload import tokens
 
 MB = 10**6
@@ -188,39 +190,16 @@ def _no_progress(desc: str, total: int) -> Callable[[], None]:
     return lambda: None
 
 
-class _Clock:
-    """CUDA events on the GPU, perf_counter on the CPU."""
-
-    def __init__(self, device):
-        import torch
-
-        self.torch, self.cuda = torch, device.type == "cuda"
-
-    def time(self, fn: Callable[[], Any]) -> float:
-        if self.cuda:
-            a = self.torch.cuda.Event(enable_timing=True)
-            b = self.torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-
 def measure_gemm(device, n: int, warmup: int = 3, repeats: int = 20, progress: Progress = _no_progress) -> float:
     """Median bf16 n^3 GEMM rate in TFLOP/s."""
     import torch
 
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    clock = _Clock(device)
     step = progress(f"bf16 GEMM {n}^3", warmup + repeats)
     times = []
     for i in range(warmup + repeats):
-        t = clock.time(lambda: torch.matmul(a, b))
+        _, t = time_on(device.type == "cuda", lambda: torch.matmul(a, b))
         if i >= warmup:
             times.append(t)
         step()
@@ -269,20 +248,12 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
     marks: dict[int, list] = {}
 
     def pre(mod, args, kwargs=None):
-        if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks[id(mod)] = [ev]
-        else:
-            marks[id(mod)] = [time.perf_counter()]
+        marks[id(mod)] = [timing_event(cuda)]
+        marks[id(mod)][0].record()
 
     def post(mod, args, out):
-        if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks[id(mod)].append(ev)
-        else:
-            marks[id(mod)].append(time.perf_counter())
+        marks[id(mod)].append(timing_event(cuda))
+        marks[id(mod)][1].record()
 
     hooks = [h for b in blocks for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post))]
     rows = []
@@ -294,11 +265,8 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
                 samples = []
                 for i in range(warmup + repeats):
                     model(**inputs)
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                        t = sum(marks[id(b)][0].elapsed_time(marks[id(b)][1]) / 1e3 for b in blocks)
-                    else:
-                        t = sum(marks[id(b)][1] - marks[id(b)][0] for b in blocks)
+                    marks[id(blocks[-1])][1].synchronize()
+                    t = sum(marks[id(b)][0].elapsed_time(marks[id(b)][1]) / 1e3 for b in blocks)
                     if i >= warmup:
                         samples.append(t)
                     step()
@@ -326,7 +294,6 @@ def measure_h2d(device, sizes: Sequence[int] = H2D_SIZES, total: int = H2D_TOTAL
     src = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
     src.fill_(1)
     dst = torch.empty(total, dtype=torch.uint8, device=device)
-    clock = _Clock(device)
     rows = []
     step = progress("pinned H2D copies", len(sizes) * (repeats + 1))
     for C in sizes:
@@ -338,7 +305,7 @@ def measure_h2d(device, sizes: Sequence[int] = H2D_SIZES, total: int = H2D_TOTAL
 
         samples = []
         for r in range(repeats + 1):  # the first is a warm-up
-            t = clock.time(copies)
+            _, t = time_on(cuda, copies)
             if r:
                 samples.append(t / n)
             step()
@@ -363,7 +330,6 @@ def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512
     host = torch.empty(h2d_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(h2d_bytes, dtype=torch.uint8, device=device)
     copy_stream = torch.cuda.Stream(device)
-    clock = _Clock(device)
     step = progress(f"all-to-all over {world} GPUs", 2 * (repeats + 2))
 
     def a2a():
@@ -373,7 +339,7 @@ def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512
     for i in range(repeats + 2):
         dist.barrier()
         torch.cuda.synchronize(device)
-        t = clock.time(a2a)
+        _, t = time_on(True, a2a)
         if i >= 2:
             idle.append(t)
         step()
@@ -382,7 +348,7 @@ def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512
         torch.cuda.synchronize(device)
         with torch.cuda.stream(copy_stream):
             dev.copy_(host, non_blocking=True)
-        t = clock.time(a2a)
+        _, t = time_on(True, a2a)
         torch.cuda.synchronize(device)
         if i >= 2:
             busy.append(t)
@@ -406,7 +372,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     names = [m.strip() for m in (model.split(",") if isinstance(model, str) else model) if m.strip()]
     specs = [get_model(n) for n in (["tiny-wan"] if cpu_smoke else names)]
     spec = specs[0]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = torchrun_world()
     if cpu_smoke:
         device = torch.device("cpu")
         gemm_n, sizes, total, world = 256, tuple(c * 2**10 for c in (64, 128, 256, 512, 1024)), 4 * 2**20, 1
@@ -470,33 +436,13 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
 
 
 def read_reports(paths: Sequence[str | Path]) -> list:
-    """RunReports from .json files (one report) or .jsonl files (one per line)."""
-    from pydantic import ValidationError
+    """RunReports from .json / .jsonl files (chunkflow.run.load_reports), with CalibrationError for bad input."""
+    from chunkflow.run import RunError, load_reports
 
-    from chunkflow.run import RUN_REPORT_SCHEMA_VERSION, RunReport
-
-    out = []
-    for p in paths:
-        path = Path(p)
-        if not path.exists():
-            raise CalibrationError(f"run report {str(path)!r} does not exist")
-        text = path.read_text()
-        lines = [ln for ln in text.splitlines() if ln.strip()] if path.suffix == ".jsonl" else [text]
-        for i, line in enumerate(lines):
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationError(f"run report {str(path)!r} is not JSON: {exc}") from None
-            if not isinstance(data, dict) or data.get("schema_version") != RUN_REPORT_SCHEMA_VERSION:
-                raise CalibrationError(f"{str(path)!r}{f' line {i + 1}' if len(lines) > 1 else ''} is not a run report "
-                                       f"of schema_version {RUN_REPORT_SCHEMA_VERSION} (write it with `chunkflow run`)")
-            try:
-                out.append(RunReport.model_validate(data))
-            except ValidationError as exc:
-                raise CalibrationError(f"run report {str(path)!r} is malformed: {exc.errors()[0]['msg']}") from None
-    if not out:
-        raise CalibrationError("no run reports given")
-    return out
+    try:
+        return load_reports(paths)
+    except RunError as exc:
+        raise CalibrationError(str(exc)) from None
 
 
 def _key(rep) -> tuple:
@@ -514,14 +460,13 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
     """
     from chunkflow_planner.catalog import get_model
-    from chunkflow.run import predict, workload_of
 
     notes: list[str] = []
-    none = {_key(r): r for r in reports if r.run.mode == "none"}
+    none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
     ks: dict[str, list[float]] = {}
     for r in none.values():
         spec = get_model(r.plan.model.name)
-        p = predict(spec, workload_of(r.plan), hw, "none", None, 1.0, r.run.sp_degree)
+        p = predict(spec, r.plan.workload.to_workload(), hw, OffloadConfig("none"), r.run.sp_degree)
         comp = r.measured.median_step_s - (p.step_time_s - p.compute_s)
         if comp > 0:
             ks.setdefault(spec.name, []).append(p.compute_s / comp)
@@ -549,10 +494,10 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
         notes.append("no `none` run: eta_comp unchanged")
     gaps = []
     for r in reports:
-        if r.run.mode == "none" or _key(r) not in none:
+        if r.run.offload.mode == "none" or _key(r) not in none:
             continue
         spec = get_model(r.plan.model.name)
-        p = predict(spec, workload_of(r.plan), hw, r.run.mode, r.run.chunk_bytes, r.run.residency, r.run.sp_degree)
+        p = predict(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.run.sp_degree)
         if p.prefetch_stall_s > 0.01 * p.step_time_s:
             continue  # prefetch exposed: the gap is transfer, not overhead
         n = (r.stats or {}).get("n_streamed_blocks") or spec.n_blocks

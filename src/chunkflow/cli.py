@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from chunkflow.launch import torchrun_rank, torchrun_world
+from chunkflow_planner import __version__
 from chunkflow_planner.units import format_bytes, format_seconds, parse_duration, parse_size
 
 app = typer.Typer(
     add_completion=False,
-    no_args_is_help=True,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Run large diffusion transformers with weights streamed from host memory in chunks.",
 )
 console = Console()
@@ -28,6 +31,34 @@ class UserError(Exception):
 def _fail(message: str, code: int = 2) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"chunkflow {__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback(invoke_without_command=True)
+def main_callback(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                 help="print chunkflow's version and exit"),
+) -> None:
+    """Run large diffusion transformers with weights streamed from host memory in chunks."""
+    if ctx.invoked_subcommand is None:
+        console.print(ctx.get_help(), highlight=False)
+        raise typer.Exit(0)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err_console, transient=False)
+
+
+# ------------------------------------------------------------------------------------------- catalogs
 
 
 @app.command("models")
@@ -63,6 +94,9 @@ def hardware_cmd() -> None:
     console.print(table)
     path = saved_profile_path()
     console.print(f"Calibrated profile on this machine: {path if path.exists() else 'none (run `chunkflow calibrate`)'}")
+
+
+# ----------------------------------------------------------------------------------------------- plan
 
 
 @app.command("plan")
@@ -131,11 +165,7 @@ def plan_cmd(
         console.print(f"Plan written to {out}")
 
 
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err_console, transient=False)
+# ------------------------------------------------------------------------------------------------ run
 
 
 @app.command("run")
@@ -163,16 +193,11 @@ def run_cmd(
 
     try:
         p = load_plan(plan)
-        from chunkflow.run import RunError, RunOptions, check_steps, resolve_options
+        cfg = p.offload.with_overrides(mode, chunk_size, residency)  # the flags are parsed here, once
+        from chunkflow.run import RunError, RunOptions
 
-        opts = RunOptions(mode=mode, chunk_size=chunk_size, residency=residency, device=device, weights=weights,
-                          warmup=warmup, steps=steps, profile=profile, seed=seed)
-        check_steps(warmup, steps)
-        resolve_options(p, opts)  # bad options fail before anything is built
-        if device is not None:
-            from chunkflow.run import resolve_device
-
-            resolve_device(device)
+        opts = RunOptions(device=device, weights=weights, warmup=warmup, steps=steps, profile=profile, seed=seed)
+        opts.check()  # bad options fail before anything is built
     except (PlanError, CatalogError, ValueError) as exc:
         _fail(str(exc))
         return
@@ -182,9 +207,9 @@ def run_cmd(
     try:
         with _progress() as bar:
             task = bar.add_task("denoising steps", total=None)
-            rep = run_plan(p, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
+            rep = run_plan(p, cfg, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
                            log=lambda s: err_console.print(s, highlight=False))
-    except (RunError, CatalogError) as exc:
+    except (RunError, CatalogError, PlanError) as exc:
         _fail(str(exc))
         return
     if rep is None:  # not rank 0
@@ -192,6 +217,9 @@ def run_cmd(
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}")
+
+
+# ------------------------------------------------------------------------------------------ calibrate
 
 
 @app.command("calibrate")
@@ -212,73 +240,89 @@ def calibrate_cmd(
 ) -> None:
     """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
     all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses."""
-    from chunkflow_planner.catalog import CatalogError, get_hardware
     from chunkflow_planner.planner import saved_profile_path
 
-    from chunkflow.calibrate import CalibrationError, profile_yaml, write_profile
+    from chunkflow.calibrate import write_profile
 
     if gemm_size < 1:
         _fail(f"--gemm-size must be positive, got {gemm_size}")
     if peak_tflops is not None and peak_tflops <= 0:
         _fail(f"--peak-tflops must be positive, got {peak_tflops}")
     if from_report:
-        from chunkflow.calibrate import read_reports, refit
-
-        try:
-            reports = read_reports(from_report)
-            from chunkflow_planner.catalog import HardwareSpec
-
-            hw = get_hardware(profile) if profile else HardwareSpec(**(reports[0].plan.hardware.spec or {}))
-        except (CalibrationError, CatalogError, ValueError) as exc:
-            _fail(str(exc))
-            return
-        new, notes = refit(hw, reports)
-        for n in notes:
-            console.print(f"- {n}", highlight=False)
-        header = f"refit from {', '.join(from_report)}"
+        new, header = _refit_profile(from_report, profile)
     else:
-        import os
-
-        from chunkflow.calibrate import calibrate
-
-        rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank measures, rank 0 speaks
-        try:
-            with _progress() as bar:
-                def progress(desc, total):
-                    task = bar.add_task(desc, total=total, visible=rank0)
-                    return lambda: bar.advance(task)
-
-                cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
-                                progress=progress,
-                                log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
-        except (CalibrationError, CatalogError) as exc:
-            _fail(str(exc))
+        measured = _measure_profile(model, cpu_smoke, gemm_size, peak_tflops, base, raw)
+        if measured is None:  # not rank 0
             return
-        if not rank0:
-            return
-        new = cal.profile
-        header = "measured by chunkflow calibrate" + (" --cpu-smoke (not a GPU: numbers mean nothing)" if cpu_smoke else "")
-        if raw:
-            import json
-
-            from pathlib import Path
-
-            Path(raw).write_text(json.dumps(cal.raw, indent=2, default=str) + "\n")
+        new, header = measured
     write_profile(new, out, header)
     console.print(f"Profile written to {out}")
     if save if save is not None else not cpu_smoke:
         path = write_profile(new, saved_profile_path(), header)
         console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)")
-    t = Table(title=f"Hardware profile {new.name}")
+    _print_profile(new)
+
+
+def _refit_profile(reports: list[str], profile: str | None):
+    """(refitted profile, header) from run reports; notes printed."""
+    from chunkflow_planner.catalog import CatalogError, HardwareSpec, get_hardware
+
+    from chunkflow.calibrate import CalibrationError, read_reports, refit
+
+    try:
+        reps = read_reports(reports)
+        hw = get_hardware(profile) if profile else HardwareSpec(**(reps[0].plan.hardware.spec or {}))
+    except (CalibrationError, CatalogError, ValueError) as exc:
+        _fail(str(exc))
+    new, notes = refit(hw, reps)
+    for n in notes:
+        console.print(f"- {n}", highlight=False)
+    return new, f"refit from {', '.join(reports)}"
+
+
+def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: float | None, base: str | None,
+                     raw: str | None):
+    """(measured profile, header) on rank 0; None on other ranks under torchrun (every rank measures)."""
+    import json
+
+    from chunkflow_planner.catalog import CatalogError
+
+    from chunkflow.calibrate import CalibrationError, calibrate
+
+    rank0 = torchrun_rank() == 0
+    try:
+        with _progress() as bar:
+            def progress(desc, total):
+                task = bar.add_task(desc, total=total, visible=rank0)
+                return lambda: bar.advance(task)
+
+            cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
+                            progress=progress,
+                            log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
+    except (CalibrationError, CatalogError) as exc:
+        _fail(str(exc))
+    if not rank0:
+        return None
+    if raw:
+        Path(raw).write_text(json.dumps(cal.raw, indent=2, default=str) + "\n")
+    header = "measured by chunkflow calibrate" + (" --cpu-smoke (not a GPU: numbers mean nothing)" if cpu_smoke else "")
+    return cal.profile, header
+
+
+def _print_profile(hw) -> None:
+    t = Table(title=f"Hardware profile {hw.name}")
     t.add_column("field")
     t.add_column("value", justify="right")
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us"):
-        v = getattr(new, key)
+        v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
-    if new.eta_comp_curve:
-        t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in new.eta_comp_curve))
+    if hw.eta_comp_curve:
+        t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in hw.eta_comp_curve))
     console.print(t)
+
+
+# ---------------------------------------------------------------------------------------------- bench
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -289,6 +333,67 @@ def _int_list(text: str, what: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise UserError(f"{what} needs positive values, got {text!r}")
     return sorted(set(values))
+
+
+def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at, height, width, hardware,
+                warmup, steps, comm_aware):
+    """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
+    from chunkflow.bench import BenchSpec
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import MODES
+    from chunkflow_planner.planner import resolve_hardware
+
+    if model is None:
+        raise UserError("give --model (or --from-dir to redraw an earlier run)")
+    spec = get_model(model)
+    if (frames is None) == (batch is None):
+        raise UserError("give exactly one of --frames (video models) or --batch")
+    axis = "frames" if frames is not None else "batch"
+    if axis == "frames" and not spec.is_video:
+        raise UserError(f"{spec.name} is an image model: sweep --batch")
+    values = _int_list(frames if frames is not None else batch, f"--{axis}")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in mode_list if m not in MODES]
+    if bad or not mode_list:
+        raise UserError(f"unknown mode(s) {', '.join(bad) or modes!r}; use {', '.join(MODES)}")
+    try:
+        res = list(dict.fromkeys(float(x) for x in residency.split(",") if x.strip()))
+    except ValueError:
+        raise UserError(f"--residency must be comma-separated fractions, got {residency!r}") from None
+    if not res or any(not 0.0 <= r <= 1.0 for r in res):
+        raise UserError(f"--residency values must be in [0, 1], got {residency!r}")
+    chunks = list(dict.fromkeys(parse_size(c) for c in chunk_sizes.split(",") if c.strip()))
+    if not chunks:
+        raise UserError(f"--chunk-sizes needs positive sizes, got {chunk_sizes!r}")
+    if steps < 1 or warmup < 0:
+        raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    if comm_aware not in ("auto", "on", "off"):
+        raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
+    hw = resolve_hardware(hardware).spec
+    aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
+    bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
+                      chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
+                      comm_aware=aware, warmup=warmup, steps=steps)
+    for v in {*values, bench.chunk_value, bench.residency_value}:
+        bench.workload(spec, v)  # validates frames / batch / sizes
+    for c in chunks:
+        bench.config("chunkflow", c)  # validates chunk sizes
+    return spec, bench, hw
+
+
+def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
+    from chunkflow_planner.offload import OffloadConfig
+
+    t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name}, SP={world})")
+    for col in (axis, "config", "measured", "x none", "predicted", "error", "bit-identical"):
+        t.add_column(col, justify="right")
+    none = {r["value"]: r["measured_step_s"] for _, r in df[df["mode"] == "none"].iterrows()}
+    for _, r in df.iterrows():
+        label = OffloadConfig.of_row(r["mode"], r["chunk_bytes"], r["residency"]).label
+        xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
+        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), xn,
+                  format_seconds(r["predicted_step_s"]), f"{r['err_step']:+.1%}", str(r["bit_identical"]))
+    return t
 
 
 @app.command("bench")
@@ -322,14 +427,12 @@ def bench_cmd(
     Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
     """
     import os
-    from pathlib import Path
 
-    from chunkflow.bench import BenchError, BenchMeta, BenchSpec, load, write_outputs
+    from chunkflow.bench import BenchError, BenchMeta, load, write_outputs
 
     if from_dir is not None:
         try:
-            df, meta = load(Path(from_dir))
-            paths = write_outputs(df, meta, Path(out), plots)
+            paths = write_outputs(*load(Path(from_dir)), Path(out), plots)
         except BenchError as exc:
             _fail(str(exc))
             return
@@ -337,53 +440,21 @@ def bench_cmd(
         return
 
     from chunkflow.run import RunError
-    from chunkflow_planner.catalog import CatalogError, get_model
-    from chunkflow_planner.planner import resolve_hardware
+    from chunkflow_planner.catalog import CatalogError
     from chunkflow_planner.units import UnitError
     from chunkflow_planner.workload import WorkloadError
 
+    world = torchrun_world()
     try:
-        if model is None:
-            raise UserError("give --model (or --from-dir to redraw an earlier run)")
-        spec = get_model(model)
-        if (frames is None) == (batch is None):
-            raise UserError("give exactly one of --frames (video models) or --batch")
-        axis = "frames" if frames is not None else "batch"
-        if axis == "frames" and not spec.is_video:
-            raise UserError(f"{spec.name} is an image model: sweep --batch")
-        values = _int_list(frames if frames is not None else batch, f"--{axis}")  # type: ignore[arg-type]
-        mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-        bad = [m for m in mode_list if m not in ("none", "layerwise", "chunkflow")]
-        if bad or not mode_list:
-            raise UserError(f"unknown mode(s) {', '.join(bad) or modes!r}; use none, layerwise, chunkflow")
-        try:
-            res = list(dict.fromkeys(float(x) for x in residency.split(",") if x.strip()))
-        except ValueError:
-            raise UserError(f"--residency must be comma-separated fractions, got {residency!r}") from None
-        if not res or any(not 0.0 <= r <= 1.0 for r in res):
-            raise UserError(f"--residency values must be in [0, 1], got {residency!r}")
-        chunks = list(dict.fromkeys(parse_size(c) for c in chunk_sizes.split(",") if c.strip()))
-        if not chunks or any(c < 1 for c in chunks):
-            raise UserError(f"--chunk-sizes needs positive sizes, got {chunk_sizes!r}")
-        if steps < 1 or warmup < 0:
-            raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
-        if comm_aware not in ("auto", "on", "off"):
-            raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
-        hw = resolve_hardware(hardware).spec
-        aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
-        bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
-                          chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
-                          comm_aware=aware, warmup=warmup, steps=steps)
-        for v in {*values, bench.chunk_value, bench.residency_value}:
-            bench.workload(spec, v)  # validates frames / batch / sizes
-        from chunkflow.run import resolve_device
-
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        spec, bench, hw = _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at,
+                                      height, width, hardware, warmup, steps, comm_aware)
         if world > 1:
             from chunkflow_planner.planner import check_parallel
 
             check_parallel(spec, hw, world)
         else:
+            from chunkflow.runtime.handle import resolve_device
+
             dev = resolve_device(device)
     except (UserError, CatalogError, WorkloadError, UnitError, ValueError, RunError) as exc:
         _fail(str(exc))
@@ -396,8 +467,7 @@ def bench_cmd(
     from chunkflow.bench import run_bench
     from chunkflow.run import environment
 
-    out_dir = Path(out)
-    show = rank == 0
+    out_dir, show = Path(out), rank == 0
     partial = out_dir / "bench.partial.csv"
 
     def keep_partial(rows: list[dict]) -> None:  # what a sweep cut short (a time limit) still leaves behind
@@ -417,9 +487,9 @@ def bench_cmd(
         return
     partial.unlink(missing_ok=True)
     env = environment(dev)
+    launcher = f"torchrun --nproc-per-node {world} -m chunkflow.cli " if world > 1 else "chunkflow "
     meta = BenchMeta(spec=bench, hardware=hw.model_dump(mode="json"), sp=world, gpu=env["gpu"], date=env["date"],
-                     command=("torchrun --nproc-per-node %d -m chunkflow.cli " % world if world > 1 else "chunkflow ")
-                     + " ".join(sys.argv[1:]), torch=env["torch"], diffusers=env["diffusers"],
+                     command=launcher + " ".join(sys.argv[1:]), torch=env["torch"], diffusers=env["diffusers"],
                      env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES")})
     try:
         paths = write_outputs(df, meta, out_dir, plots)
@@ -427,18 +497,7 @@ def bench_cmd(
         _fail(str(exc))
         return
     console.print("Written: " + ", ".join(str(p) for p in paths))
-    t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name}, SP={world})")
-    for col in (axis, "config", "measured", "x none", "predicted", "error", "bit-identical"):
-        t.add_column(col, justify="right")
-    none = {r["value"]: r["measured_step_s"] for _, r in df[df["mode"] == "none"].iterrows()}
-    from chunkflow.bench import Config
-
-    for _, r in df.iterrows():
-        label = Config.of(r["mode"], r["chunk_bytes"], r["residency"]).label
-        xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
-        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), xn,
-                  format_seconds(r["predicted_step_s"]), f"{r['err_step']:+.1%}", str(r["bit_identical"]))
-    console.print(t)
+    console.print(_bench_table(df, spec, hw, bench.axis, world))
 
 
 def main() -> None:

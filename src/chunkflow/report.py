@@ -78,9 +78,10 @@ def _pct(x: float | None) -> str:
 def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport (imports torch-free)
     """Measured against predicted for one `chunkflow run`, with relative errors."""
     r, m, p, e = report.run, report.measured, report.predicted, report.rel_error
+    o = r.offload
     w = report.plan.workload
     shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
-    mode = r.mode + (f", chunk {format_bytes(r.chunk_bytes)}, residency {r.residency:.0%}" if r.mode == "chunkflow" else "")
+    mode = o.mode + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
     console.print(
         f"[bold]{report.plan.model.name}[/] at {shape}, {w.cfg_passes} forward(s) per step, mode {mode}, "
         f"on {report.gpu} (SP={r.sp_degree}); {r.steps} timed step(s) after {r.warmup} warm-up",
@@ -95,8 +96,8 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run
     if m.peak_reserved_bytes is not None:
         t.add_row("peak GPU memory (reserved)", format_bytes(m.peak_reserved_bytes), "-", "-")
     t.add_row("pinned host memory", format_bytes(m.pinned_host_bytes), format_bytes(p.pinned_host_bytes), "-")
-    if m.achieved_residency is not None and r.mode == "chunkflow":
-        t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{r.residency:.1%}", "-")
+    if m.achieved_residency is not None and o.mode == "chunkflow":
+        t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{o.residency:.1%}", "-")
     console.print(t)
     console.print("step times: " + ", ".join(format_seconds(x) for x in m.step_times_s), highlight=False)
     if r.device.startswith("cpu"):

@@ -1,17 +1,33 @@
-"""How an offload configuration splits each block into resident and streamed bytes.
+"""The offload setting, in one place: `OffloadConfig`, and how it splits each block into resident and streamed bytes.
 
-Shared by the memory and step-time models so both see the same chunks: block l keeps
-R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C) and streams the rest in
-ceil((V_l - R_l) / C) copies. `layerwise` is one copy of the whole block, r = 0; `none` streams nothing.
+`OffloadConfig` is the only representation of an offload setting. CLI flags, the Python API's keywords, plan files
+and bench sweeps all construct it, and its one constructor parses user input (sizes such as "16MB"), validates it
+and normalises it: mode `none` keeps everything resident (residency 1, no chunks), `layerwise` copies whole blocks
+(residency 0, no chunk size), `chunkflow` streams chunks of `chunk_bytes` (default 16 MB) and keeps the first
+`residency` of every block resident.
+
+Block l keeps R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C), and streams
+the rest in ceil((V_l - R_l) / C) copies. The memory and step-time models and the runtime's layout all use
+`resident_bytes`, so planner and runtime see the same chunks.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from chunkflow_planner.units import UnitError, parse_size, short_bytes
 
 Mode = Literal["none", "layerwise", "chunkflow"]
+MODES: tuple[str, ...] = ("none", "layerwise", "chunkflow")
+DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
+PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
+
+
+class OffloadConfigError(ValueError):
+    """An offload setting that cannot be used; the message says what was wrong and what to give instead."""
 
 
 def resident_bytes(V: int | float, C: int | float, r: float) -> int | float:
@@ -23,28 +39,118 @@ def resident_bytes(V: int | float, C: int | float, r: float) -> int | float:
     return above if (above - r * V) <= (r * V - below) else below
 
 
-@dataclass(frozen=True)
-class OffloadConfig:
-    """One point of the design space: mode, chunk size C (bytes), residency r, communication awareness."""
+def _chunk(value: Any) -> int:
+    """Bytes of a chunk size given as bytes or a size string; positive and finite."""
+    if isinstance(value, bool):
+        raise OffloadConfigError(f"chunk size {value!r} is not a size; give bytes or a string like '16MB'")
+    if isinstance(value, (int, float)) and (not math.isfinite(value) or value <= 0):
+        raise OffloadConfigError(f"chunk size {value!r} must be positive and finite; 4MB-64MB is a good range")
+    try:
+        return parse_size(value)
+    except (UnitError, TypeError) as exc:
+        raise OffloadConfigError(f"chunk size {value!r} cannot be parsed ({exc}); give bytes or e.g. '16MB'") from None
 
-    mode: Mode
+
+def _residency(value: Any) -> float:
+    """A residency fraction: a real number in [0, 1] (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OffloadConfigError(f"residency {value!r} is not a number; give a fraction in [0, 1]")
+    r = float(value)
+    if not 0.0 <= r <= 1.0:  # NaN fails too
+        raise OffloadConfigError(f"residency {value!r} must be in [0, 1] (0 streams every byte, 1 keeps all on the device)")
+    return r
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(str(e.get("ctx", {}).get("error", e["msg"])) for e in exc.errors())
+
+
+class OffloadConfig(BaseModel):
+    """One point of the design space: mode, chunk size C (bytes), residency r, communication awareness.
+
+    `OffloadConfig("chunkflow", "16MB", 0.3)`; `chunk_bytes` takes bytes or a size string; residency None means the
+    mode's default. Invalid input raises OffloadConfigError (from the constructor) or a pydantic ValidationError
+    (from `model_validate`, e.g. a plan file), both ValueErrors.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Mode = "chunkflow"
     chunk_bytes: int | None = None
     residency: float = 0.0
     comm_aware: bool = True
 
-    def __post_init__(self) -> None:
-        if self.mode == "chunkflow" and (self.chunk_bytes is None or self.chunk_bytes <= 0):
-            raise ValueError("chunkflow needs a positive chunk size")
-        if not 0.0 <= self.residency <= 1.0:
-            raise ValueError(f"residency must be in [0, 1], got {self.residency}")
+    def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
+                 residency: float | None = None, comm_aware: bool = True) -> None:
+        try:
+            super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware)
+        except ValidationError as exc:
+            raise OffloadConfigError(_errors(exc)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse_and_normalise(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        mode = data.get("mode", "chunkflow")
+        if mode not in MODES:
+            raise OffloadConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+        residency = data.get("residency")
+        comm_aware = data.get("comm_aware", True)
+        if not isinstance(comm_aware, bool):
+            raise OffloadConfigError(f"comm_aware must be true or false, got {comm_aware!r}")
+        if mode == "none":
+            chunk, r = None, 1.0
+        elif mode == "layerwise":
+            if residency is not None and _residency(residency) != 0.0:
+                raise OffloadConfigError("layerwise mode streams whole blocks with no residency; "
+                                         "use mode chunkflow for residency")
+            chunk, r = None, 0.0
+        else:
+            given = data.get("chunk_bytes")
+            chunk = DEFAULT_CHUNK_BYTES if given is None else _chunk(given)
+            r = 0.0 if residency is None else _residency(residency)
+        return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware}
+
+    def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
+                       residency: float | None = None, comm_aware: bool | None = None) -> "OffloadConfig":
+        """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
+        plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting."""
+        new_mode = mode or self.mode
+        keep = self.mode == "chunkflow" and new_mode == "chunkflow"
+        return OffloadConfig(
+            new_mode,
+            chunk_size if chunk_size is not None else (self.chunk_bytes if keep else None),
+            residency if residency is not None else (self.residency if keep else None),
+            self.comm_aware if comm_aware is None else comm_aware,
+        )
+
+    @classmethod
+    def of_row(cls, mode: str, chunk_bytes: float | None, residency: float) -> "OffloadConfig":
+        """The setting a table row (bench.csv: NaN for no chunk size) records, whatever its mode."""
+        if mode != "chunkflow":
+            return cls(mode)
+        return cls(mode, int(chunk_bytes), float(residency))  # type: ignore[arg-type]
+
+    @property
+    def streams(self) -> bool:
+        """Whether any block bytes live in host memory (every mode but `none`)."""
+        return self.mode != "none"
+
+    @property
+    def label(self) -> str:
+        """`none`, `layerwise` or `chunkflow C=16MB r=0.3`: for tables and plots."""
+        if self.mode != "chunkflow":
+            return self.mode
+        return f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
+
+    # ---- the split of one block, for the memory and step-time models
 
     def resident_bytes(self, V: float) -> float:
         """R_l: bytes of a V-byte block kept on the GPU, in whole chunks."""
-        if self.mode == "none":
-            return V
-        if self.mode == "layerwise" or self.residency == 0.0:
-            return 0.0
-        return float(resident_bytes(V, float(self.chunk_bytes), self.residency))  # type: ignore[arg-type]
+        if self.chunk_bytes is None:  # none keeps the whole block, layerwise nothing
+            return V if self.mode == "none" else 0.0
+        return float(resident_bytes(V, float(self.chunk_bytes), self.residency))
 
     def streamed_bytes(self, V: float) -> float:
         """Bytes of a V-byte block copied host-to-device once per forward."""
@@ -55,12 +161,12 @@ class OffloadConfig:
         streamed = self.streamed_bytes(V)
         if streamed <= 0:
             return 0
-        if self.mode == "layerwise":
+        if self.chunk_bytes is None:
             return 1
-        return math.ceil(streamed / float(self.chunk_bytes))  # type: ignore[arg-type]
+        return math.ceil(streamed / float(self.chunk_bytes))
 
     def chunk_service_bytes(self, V: float) -> float:
         """Bytes of one copy: a chunk, or the whole streamed block for layerwise."""
-        if self.mode == "layerwise":
+        if self.chunk_bytes is None:
             return self.streamed_bytes(V)
-        return min(float(self.chunk_bytes or 0), self.streamed_bytes(V))
+        return min(float(self.chunk_bytes), self.streamed_bytes(V))

@@ -10,11 +10,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from chunkflow_planner.catalog import Workload
+from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.versioned import read_versioned
 
 PLAN_SCHEMA_VERSION = 1
-
-Mode = Literal["none", "layerwise", "chunkflow"]
 
 
 class PlanError(ValueError):
@@ -40,6 +40,11 @@ class PlanWorkload(_Section):
     tokens: int = Field(description="global token count S per sample")
     steps: int
     cfg_passes: int = 1
+
+    def to_workload(self) -> Workload:
+        """The planner's Workload of this section (tokens are derived, not stored)."""
+        return Workload(batch=self.batch, frames=self.frames, height=self.height, width=self.width, steps=self.steps,
+                        cfg_passes=self.cfg_passes)
 
 
 class PlanParallel(_Section):
@@ -78,13 +83,6 @@ class Analysis(_Section):
     critical: Critical
 
 
-class Offload(_Section):
-    mode: Mode
-    chunk_bytes: int | None = None
-    residency: float = 0.0
-    comm_aware: bool = True
-
-
 class Prediction(_Section):
     step_time_s: float
     peak_memory_bytes: int
@@ -107,7 +105,7 @@ class Plan(_Section):
     parallel: PlanParallel
     hardware: PlanHardware
     analysis: Analysis
-    offload: Offload
+    offload: OffloadConfig
     prediction: PlanPrediction
     memory_budget_bytes: int | None = None
     target_step_time_s: float | None = None

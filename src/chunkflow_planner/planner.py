@@ -12,7 +12,6 @@ from chunkflow_planner.plan import (
     Analysis,
     Baselines,
     Critical,
-    Offload,
     Plan,
     PlanHardware,
     PlanModel,
@@ -143,10 +142,7 @@ def make_plan(
                 nearest_valid=analysis.critical.nearest_valid, reason=analysis.critical.reason,
             ),
         ),
-        offload=Offload(
-            mode=chosen.cfg.mode, chunk_bytes=chosen.cfg.chunk_bytes, residency=chosen.cfg.residency,
-            comm_aware=problem.aware,
-        ),
+        offload=chosen.cfg.with_overrides(comm_aware=problem.aware),
         prediction=PlanPrediction(
             **_prediction(chosen).model_dump(),
             baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise)),

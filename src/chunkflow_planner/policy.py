@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.memory import MemoryEstimate, block_volumes, estimate_memory, runtime_need
-from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
 
 MB = 10**6
 CHUNK_CANDIDATES = tuple(c * MB for c in (4, 8, 16, 32, 64, 128, 256))
-DEFAULT_CHUNK = 16 * MB  # the paper's operating point (section 4.4)
 
 
 class Infeasible(Exception):
@@ -100,7 +99,7 @@ def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES
 
 def _chunk_tie(p: Point) -> float:
     """Distance of a point's chunk size from the paper's 16 MB operating point (the tie-break)."""
-    return abs(math.log2((p.cfg.chunk_bytes or DEFAULT_CHUNK) / DEFAULT_CHUNK))
+    return abs(math.log2((p.cfg.chunk_bytes or DEFAULT_CHUNK_BYTES) / DEFAULT_CHUNK_BYTES))
 
 
 def best_chunk(problem: Problem, residency: float = 0.0, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES) -> Point:

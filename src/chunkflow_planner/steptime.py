@@ -23,13 +23,12 @@ from dataclasses import dataclass, field
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes
-from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref
 from chunkflow_planner.workload import tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
 COLLECTIVE_LATENCY_S = 15e-6
-PACING_MARGIN = 0.9  # the runtime paces a block only if its transfer fits in this share of the compute windows
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE_UNITS: dict[str, int] = {
@@ -40,12 +41,16 @@ def parse_size(text: str | int | float) -> int:
                 f"cannot read size {text!r}: write a number and a unit, e.g. 24GB, 24GiB, 16MB, 512MiB"
             )
         value, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    if not math.isfinite(value):
+        raise UnitError(f"size must be finite, got {text!r}")
     if unit not in _SIZE_UNITS:
         raise UnitError(
             f"unknown size unit {unit!r} in {text!r}: use B, KB, MB, GB, TB (powers of 10) "
             "or KiB, MiB, GiB, TiB (powers of 2)"
         )
     size = value * _SIZE_UNITS[unit]
+    if not math.isfinite(size) or size >= 2**63:
+        raise UnitError(f"size {text!r} is too large")
     if size <= 0:
         raise UnitError(f"size must be positive, got {text!r}")
     if size < 1:
@@ -62,6 +67,8 @@ def parse_duration(text: str | int | float) -> float:
         if not match:
             raise UnitError(f"cannot read duration {text!r}: write e.g. 1.2s or 850ms")
         value, unit = float(match.group(1)), (match.group(2) or "s").lower()
+    if not math.isfinite(value):
+        raise UnitError(f"duration must be finite, got {text!r}")
     if unit not in _TIME_UNITS:
         raise UnitError(f"unknown time unit {unit!r} in {text!r}: use s, ms, us or min")
     seconds = value * _TIME_UNITS[unit]
@@ -79,6 +86,11 @@ def format_bytes(n: float, binary: bool = False) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= base
     raise AssertionError("unreachable")
+
+
+def short_bytes(n: float) -> str:
+    """A compact size for labels: 16MB, 3KB, 1.5GB."""
+    return format_bytes(n).replace(" ", "").replace(".00", "").replace(".0", "")
 
 
 def format_seconds(t: float) -> str:

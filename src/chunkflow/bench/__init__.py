@@ -11,10 +11,10 @@ from pathlib import Path
 
 from chunkflow.bench.choices import PlannerChoice, planner_choice
 from chunkflow.bench.measure import COLUMNS, run_bench
-from chunkflow.bench.sweep import BenchError, BenchMeta, BenchSpec, Config
+from chunkflow.bench.sweep import BenchError, BenchMeta, BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, get_model
 
-__all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "Config", "PlannerChoice", "planner_choice",
+__all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "PlannerChoice", "planner_choice",
            "run_bench", "write_outputs", "load"]
 
 

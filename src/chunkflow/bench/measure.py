@@ -2,9 +2,9 @@
 
 Per point: `warmup` + `steps` denoising steps of one forward each (the loop of `chunkflow run`); the median step
 time (CUDA events on the GPU), peak GPU memory allocated over the timed steps, and where the step went:
-  collective      timing events around every collective (a CollectiveTap installed *inside* the runtime's, so
-                  the awareness fences are not counted as collective time)
-  prefetch stall  timing events around the compute stream's waits on the copy stream (ready and fence waits)
+  collective      timing events around every collective (`probes.CollectiveTimer`; the awareness fences before a
+                  collective are not counted)
+  prefetch stall  timing events around the compute stream's waits on the copy stream (`probes.StallTimer`)
   compute         none's step minus none's collective time at the same workload (the step with nothing streamed)
   overhead        the rest: step - compute - collective - prefetch stall (hooks, slot copies, launch gaps)
 The final latents are compared with none's (`torch.equal`, on every rank under torchrun): offload must not
@@ -18,10 +18,11 @@ import math
 import statistics
 from typing import Callable
 
-from chunkflow.bench.sweep import BenchSpec, Config
-from chunkflow.run import predict
+from chunkflow.bench.sweep import BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
+from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import analyse
+from chunkflow_planner.predict import predict
 from chunkflow_planner.workload import tokens
 
 COLUMNS = [
@@ -38,39 +39,35 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps: int, timer, probe):
+def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps: int):
     """(Timing, collective s, ready+fence stall s, fence stall s, collectives per step) of one workload."""
-    from chunkflow.models.inputs import make_inputs
-    from chunkflow.run import denoise
-
     import torch
+
+    from chunkflow.models.inputs import make_inputs
+    from chunkflow.probes import CollectiveTimer, StallTimer
+    from chunkflow.run import denoise
 
     colls: list[float] = []
     stalls: list[float] = []
     fences: list[float] = []
     counts: list[int] = []
 
+    cuda = device.type == "cuda"
+    timer, stall = CollectiveTimer(cuda), StallTimer(cuda)
+
     def on_step(i: int, dt: float) -> None:
         if i >= warmup:
             colls.append(timer.total_ms() / 1e3)
             counts.append(timer.count)
-            st = probe.totals()
+            st = stall.totals()
             stalls.append((st["ready"] + st["fence"]) / 1e3)
             fences.append(st["fence"] / 1e3)
         timer.reset()
-        probe.reset()
+        stall.reset()
 
     inputs = make_inputs(spec, w, torch.bfloat16, device, seed=0)
-    timer.reset()
-    probe.reset()
-    streamer = getattr(handle, "streamer", None)
-    if streamer is not None:
-        streamer.wait_probe = probe
-    try:
+    with handle.observing(timer, stall):
         timing = denoise(model, spec, w, inputs, device, warmup, steps, on_step=on_step)
-    finally:
-        if streamer is not None:
-            streamer.wait_probe = None
     return timing, _median(colls), _median(stalls), _median(fences), int(_median(counts))
 
 
@@ -87,7 +84,6 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
 
     import chunkflow
     from chunkflow.models.build import build_transformer
-    from chunkflow.runtime.comm import CollectiveTap, CollectiveTimer, StallProbe
 
     cuda = device.type == "cuda"
     model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
@@ -96,23 +92,17 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
         from chunkflow.parallel import enable_sequence_parallel
 
         enable_sequence_parallel(model, spec, sp)
-    timer = CollectiveTimer(cuda)
-    probe = StallProbe(cuda)
     rows: list[dict] = []
     ref: dict[int, torch.Tensor] = {}
     for cfg, values in bench.points():
-        # the timer's tap goes in first, so the runtime's own tap (awareness fences) wraps it, not the reverse
-        tap = CollectiveTap(timer)
-        tap.install()
-        handle = chunkflow.offload(model, mode=cfg.mode, chunk_size=cfg.chunk_bytes or "16MB",
-                                   residency=cfg.residency, device=device, comm_aware=bench.comm_aware)
+        handle = chunkflow.offload(model, cfg, device=device)
         try:
             for v in values:
                 if cuda:
                     torch.cuda.empty_cache()
                 w = bench.workload(spec, v, bench.steps)
                 timing, coll, stall, fence, ncoll = measure_point(model, handle, spec, w, device, bench.warmup,
-                                                                  bench.steps, timer, probe)
+                                                                  bench.steps)
                 if cfg.mode == "none":
                     ref[v] = timing.latents.clone()
                 same = bool(torch.equal(timing.latents, ref[v])) if v in ref else None
@@ -125,7 +115,6 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
                 progress()
         finally:
             handle.remove()
-            tap.remove()
     del model, ref
     if cuda:
         torch.cuda.empty_cache()
@@ -134,13 +123,13 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Config, v: int, w, timing,
+def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: OffloadConfig, v: int, w, timing,
          probes: tuple[float, float, float, int], same: bool | None, stats: dict, device) -> dict:
     """One CSV row: the point, what was measured (timing, probes = collective s, stall s, fence s, collectives
     per step), what the planner predicts for it, and the overlap analysis of its workload."""
     coll, stall, fence, ncoll = probes
     med = statistics.median(timing.times)
-    p = predict(spec, w, hw, cfg.mode, cfg.chunk_bytes, cfg.residency, sp, bench.comm_aware)
+    p = predict(spec, w, hw, cfg, sp)
     a = analyse(spec, w, hw, sp)
     peak = timing.peak_allocated
     return dict(

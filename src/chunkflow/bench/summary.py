@@ -7,7 +7,9 @@ import statistics
 from dataclasses import dataclass
 
 from chunkflow.bench.choices import PlannerChoice
-from chunkflow.bench.sweep import BenchMeta, Config, short_bytes
+from chunkflow.bench.sweep import BenchMeta
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.units import short_bytes
 
 CHUNK_TOLERANCE = 0.05  # the planner's chunk size should be within 5% of the best measured (issue 6)
 
@@ -82,8 +84,7 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
         return f"{r['measured_step_s'] / n:.3f}" if n else "-"
 
     def label(r) -> str:
-        return Config.of(r["mode"], None if r["chunk_bytes"] != r["chunk_bytes"] else int(r["chunk_bytes"]),
-                         float(r["residency"])).label
+        return OffloadConfig.of_row(r["mode"], r["chunk_bytes"], r["residency"]).label
 
     out = [f"# chunkflow bench: {b.model}", "",
            f"- GPU: {meta.gpu}, SP={meta.sp}, env {meta.env}; torch {meta.torch}, diffusers {meta.diffusers}",

@@ -11,49 +11,21 @@ its workloads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from chunkflow_planner.catalog import ModelSpec, Workload
-from chunkflow_planner.units import format_bytes
+from chunkflow_planner.offload import MODES, OffloadConfig
 from chunkflow_planner.versioned import read_versioned
 from chunkflow_planner.workload import make_workload
 
 BENCH_SCHEMA_VERSION = 1
-MODES = ("none", "layerwise", "chunkflow")
 
 
 class BenchError(ValueError):
     """A sweep that cannot run or be read; the message says why."""
-
-
-@dataclass(frozen=True)
-class Config:
-    """One offload configuration; none keeps everything resident (r = 1), layerwise nothing (r = 0)."""
-
-    mode: str
-    chunk_bytes: int | None = None
-    residency: float = 0.0
-
-    @staticmethod
-    def of(mode: str, chunk_bytes: int | None = None, residency: float = 0.0) -> "Config":
-        if mode == "chunkflow":
-            return Config(mode, chunk_bytes, residency)
-        return Config(mode, None, 1.0 if mode == "none" else 0.0)
-
-    @property
-    def label(self) -> str:
-        if self.mode != "chunkflow":
-            return self.mode
-        return f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
-
-
-def short_bytes(n: int) -> str:
-    """16MB, 3KB: a chunk size for labels."""
-    return format_bytes(n).replace(" ", "").replace(".00", "").replace(".0", "")
 
 
 class BenchSpec(BaseModel):
@@ -97,32 +69,36 @@ class BenchSpec(BaseModel):
     def has_residency_sweep(self) -> bool:
         return len(self.residencies) > 1 and "chunkflow" in self.modes
 
-    def scaling_config(self, mode: str) -> Config:
-        return Config.of(mode, self.chunk, self.residency)
+    def config(self, mode: str, chunk_bytes: int | None = None, residency: float | None = None) -> OffloadConfig:
+        """A point's offload setting: chunkflow at the scaling chunk size and residency unless given."""
+        if mode != "chunkflow":
+            return OffloadConfig(mode, comm_aware=self.comm_aware)
+        return OffloadConfig(mode, chunk_bytes or self.chunk, self.residency if residency is None else residency,
+                             self.comm_aware)
 
-    def points(self) -> list[tuple[Config, list[int]]]:
+    def points(self) -> list[tuple[OffloadConfig, list[int]]]:
         """Each configuration once, with the workload values it runs at; none first, then layerwise, then chunkflow."""
-        plan: dict[Config, list[int]] = {}
+        plan: dict[OffloadConfig, list[int]] = {}
 
-        def add(cfg: Config, v: int) -> None:
+        def add(cfg: OffloadConfig, v: int) -> None:
             vals = plan.setdefault(cfg, [])
             if v not in vals:
                 vals.append(v)
 
         for m in self.modes:
             for v in self.values:
-                add(self.scaling_config(m), v)
+                add(self.config(m), v)
         if self.has_chunk_sweep:
             for m in ("none", "layerwise"):
                 if m in self.modes:
-                    add(Config.of(m), self.chunk_value)
+                    add(self.config(m), self.chunk_value)
             for c in self.chunk_sizes:
-                add(Config.of("chunkflow", c, self.residency), self.chunk_value)
+                add(self.config("chunkflow", c), self.chunk_value)
         if self.has_residency_sweep:
             if "none" in self.modes:
-                add(Config.of("none"), self.residency_value)
+                add(self.config("none"), self.residency_value)
             for r in self.residencies:
-                add(Config.of("chunkflow", self.chunk, r), self.residency_value)
+                add(self.config("chunkflow", residency=r), self.residency_value)
         order = {m: i for i, m in enumerate(MODES)}
         return sorted(((c, sorted(v)) for c, v in plan.items()), key=lambda cv: order[cv[0].mode])
 

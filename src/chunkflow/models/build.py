@@ -2,9 +2,9 @@
 diffusers-format directory (config.json + safetensors), never the whole model on the GPU or twice on the host.
 
 The class is constructed with its parameters on the meta device and its buffers real (so buffers computed at
-construction, like Wan's rope tables or Qwen's rope frequencies, are computed as usual); the block layout is
-computed from the meta shapes; block tensors are then written into the host store one at a time and non-block
-tensors straight to the device.
+construction, like Wan's rope tables or Qwen's rope frequencies, are computed as usual), in their final dtypes;
+`chunkflow.offload(..., source=...)` then lays the blocks out from the meta shapes and writes each tensor once,
+block tensors into the host store and the rest straight to the device.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from chunkflow.runtime.handle import OffloadError, OffloadHandle, make_config, resolve_blocks
-from chunkflow.runtime.layout import block_layouts, store_bytes
-from chunkflow.runtime.store import HostStore
-from chunkflow.runtime.streamer import current
+from chunkflow.runtime.handle import OffloadError, OffloadHandle, offload, resolve_device
 
 INIT_STD = 0.02
 
@@ -88,11 +85,16 @@ def _normalize(cfg: dict) -> dict:
 
 
 class _RandomSource:
-    """normal(0, 0.02) weights, zero biases, unit norm weights: finite activations in bf16."""
+    """normal(0, 0.02) weights, zero biases, unit norm weights: finite activations in bf16. Every parameter is
+    drawn (in module order, so a seed gives the same weights in every mode); buffers keep their computed values."""
 
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, module: nn.Module):
         self.gen_device = device if device.type == "cuda" else torch.device("cpu")
         self.g = torch.Generator(device=self.gen_device).manual_seed(seed)
+        self.params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+    def provides(self, name: str) -> bool:
+        return name in self.params
 
     def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None:
         if attr == "bias":
@@ -158,6 +160,9 @@ class _SafetensorsSource:
             detail = ", ".join(f"{k}: catalog {mine[k]!r} vs file {theirs[k]!r}" for k in diff)
             raise OffloadError(f"config.json in {str(path)!r} does not match catalog entry {spec.name}: {detail}")
 
+    def provides(self, name: str) -> bool:
+        return name in self.where
+
     def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None:
         out.copy_(self.where[name].get_tensor(name))  # one tensor at a time, cast on copy
 
@@ -165,86 +170,31 @@ class _SafetensorsSource:
 # --------------------------------------------------------------------------------------------- build
 
 
-def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, device="cuda",
-                      mode: str = "chunkflow", chunk_size="16MB", residency: float = 0.0, seed: int = 0,
-                      blocks=None, record_chunks: bool = False,
-                      comm_aware: bool = True) -> tuple[nn.Module, OffloadHandle]:
-    """A catalog model (name or ModelSpec), offloaded as asked, with random weights (None or "random") or
-    weights from a local diffusers-format directory. Returns (module, handle).
+def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, device="cuda", config=None, *,
+                      mode: str | None = None, chunk_size=None, residency: float | None = None,
+                      comm_aware: bool | None = None, seed: int = 0, blocks=None) -> tuple[nn.Module, OffloadHandle]:
+    """A catalog model (name or ModelSpec), offloaded as asked (`config` and the keywords as for
+    `chunkflow.offload`), with random weights (None or "random") or weights from a local diffusers-format
+    directory. Returns (module, handle).
 
     `handle.remove()` on a built module puts block tensors on the CPU; non-block tensors stay on the device.
     """
     spec = _spec(model)
-    cfg = make_config(mode, chunk_size, residency, device, comm_aware=comm_aware)
+    dev = resolve_device(device)
     if weights is not None and not (isinstance(weights, str) and weights == "random"):
         weights = Path(weights)
     module = construct_meta(spec)
-    if isinstance(weights, Path):
-        source = _SafetensorsSource(weights, spec, module)
-    else:
-        source = _RandomSource(seed, cfg.device)
-    named = resolve_blocks(module, blocks) if cfg.mode != "none" else []
-
-    # Parameters get their final dtype (still meta), so the layout is computed from shapes and dtypes alone.
+    source = _SafetensorsSource(weights, spec, module) if isinstance(weights, Path) else None
     pnames: dict[int, str] = {}
     for pname, p in module.named_parameters(remove_duplicate=False):
         pnames.setdefault(id(p), pname)
+    # Parameters get their final dtype (still meta), so the layout is computed from shapes and dtypes alone.
     _swap_params(module, lambda p: nn.Parameter(
         torch.empty(p.shape, dtype=param_dtype(module, pnames[id(p)], dtype), device="meta"), requires_grad=False))
-    layouts = block_layouts(module, named, cfg.chunk_bytes, cfg.residency)
-    entry_of = {id(current(t)): (b, t) for b in layouts for t in b.tensors}
-    meta_of: dict[int, torch.Tensor] = {}
-
-    def real_placeholder(p):
-        q = nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=False)
-        meta_of[id(q)] = p
-        if id(p) in entry_of:
-            entry_of[id(q)] = entry_of.pop(id(p))
-        return q
-
-    _swap_params(module, real_placeholder)  # meta Parameters -> real (empty) ones: `.data` can be set now
-
-    store = HostStore(store_bytes(layouts), pin=cfg.device.type == "cuda") if cfg.mode != "none" else None
-    loading = isinstance(source, _SafetensorsSource)
-    mod_names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-    done: set[int] = set()
-    moved: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
-        for m in module.modules():
-            prefix = mod_names[id(m)]
-            items = [(a, t, True) for a, t in m._parameters.items()]
-            items += [(a, t, False) for a, t in m._buffers.items()]
-            for attr, p, is_param in items:
-                if p is not None and id(p) in moved:  # a buffer shared with a module seen before
-                    m._buffers[attr] = moved[id(p)]
-                    continue
-                if p is None or id(p) in done:
-                    continue
-                done.add(id(p))
-                name = f"{prefix}.{attr}" if prefix else attr
-                if not is_param and not (loading and name in source.where):
-                    # a buffer computed at construction (e.g. rope tables): keep its value, in its final home
-                    if id(p) in entry_of:
-                        b, t = entry_of[id(p)]
-                        store.view(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape).copy_(p)
-                    else:
-                        moved[id(p)] = m._buffers[attr] = p.to(cfg.device)
-                    continue
-                if id(p) in entry_of:
-                    b, t = entry_of[id(p)]
-                    source.fill(name, m, attr, store.view(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape))
-                elif is_param:
-                    real = torch.empty(meta_of[id(p)].shape, dtype=p.dtype, device=cfg.device)
-                    source.fill(name, m, attr, real)
-                    p.data = real
-                else:
-                    real = torch.empty(p.shape, dtype=p.dtype, device=cfg.device)
-                    source.fill(name, m, attr, real)
-                    m._buffers[attr] = real
-    if cfg.device.type == "cuda":
-        torch.cuda.synchronize(cfg.device)
-    handle = OffloadHandle(module, cfg, layouts, store, record_chunks=record_chunks)
-    handle._start()
+    if source is None:
+        source = _RandomSource(seed, dev, module)
+    handle = offload(module, config, mode=mode, chunk_size=chunk_size, residency=residency, comm_aware=comm_aware,
+                     device=dev, blocks=blocks, source=source)
     return module, handle
 
 

@@ -1,1 +1,3 @@
-"""Model-agnostic runtime: host store, layout and residency, streamer (prefetch, yield point), hooks, handle."""
+"""Model-agnostic runtime: host store (store), block layout and residency (layout), copies and the ring of slots
+(streamer), per-block hooks (hooks), pacing around collectives (comm), what observers are told (observe), and the
+handle that ties them to one module (handle)."""

@@ -33,22 +33,18 @@ collective in a period the only window is the first one and the block is enqueue
 awareness. Overhead per collective: two or three event records and one or two stream waits on the host
 (a few microseconds), nothing on the GPU beyond the stalls it is designed to take.
 
-Observability (`EventLog`, off by default): every chunk copy, collective start and end, compute-stream wait on
-the copy stream (ready, fence) and slot release, in program order, with stream-ordering information: a copy's
-`after` (the latest compute-stream mark the copy stream waited on before it) and a wait's `cover` (the copies it
-waits for). `stream_violations()` finds every (copy, collective) pair the streams allow to overlap: the copy is
-not ordered after the collective's end and the collective's start is not ordered after the copy. That is the
-GPU's guarantee, whatever the timing; on CUDA the log also records timing events, and `time_violations()`
-(after `resolve()`) reports copies whose measured start fell inside a measured collective.
+What the pacer and the tap see is also told to the handle's observers (runtime/observe.py): the event log in
+`chunkflow.probes` checks from it that no copy can overlap a collective.
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from dataclasses import dataclass, field
 
 import torch
+
+from chunkflow.timing import EventPool
+from chunkflow_planner.offload import PACING_MARGIN
 
 # --------------------------------------------------------------------------------------------- interception
 
@@ -137,173 +133,6 @@ def dist_active() -> bool:
         and torch.distributed.get_world_size() > 1
 
 
-# --------------------------------------------------------------------------------------------- clocks
-
-
-class _Stamp:
-    """A CPU stand-in for a timing event: the host time when recorded (CPU copies and compute are synchronous)."""
-
-    __slots__ = ("t",)
-
-    def __init__(self):
-        self.t = None
-
-    def record(self, stream=None) -> None:
-        self.t = time.perf_counter()
-
-    def query(self) -> bool:
-        return self.t is not None
-
-    def elapsed_time(self, other: "_Stamp") -> float:
-        return (other.t - self.t) * 1e3
-
-
-def timing_event(cuda: bool):
-    return torch.cuda.Event(enable_timing=True) if cuda else _Stamp()
-
-
-class _Pool:
-    """Reusable timing events, handed out in order; `reset()` starts over (the previous ones are overwritten)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.events: list = []
-        self.n = 0
-
-    def next(self):
-        if self.n == len(self.events):
-            self.events.append(timing_event(self.cuda))
-        self.n += 1
-        return self.events[self.n - 1]
-
-    def used(self) -> list:
-        return self.events[: self.n]
-
-
-# --------------------------------------------------------------------------------------------- event log
-
-
-@dataclass
-class Event:
-    seq: int  # program order
-    kind: str  # copy | coll_start | coll_end | wait | free | ready
-    block: int = -1
-    start: int = 0
-    end: int = 0
-    name: str = ""
-    mark: int = -1  # position on the compute stream (compute-side entries)
-    after: int = -1  # copy: latest compute mark the copy stream waited on before it
-    cseq: int = -1  # copy: position on the copy stream; wait/ready: last copy covered
-    t_ms: float | None = None  # GPU time (CUDA, after resolve()), relative to the first timed entry
-    gpu: object = field(default=None, repr=False)
-
-
-class EventLog:
-    def __init__(self, cuda: bool = False):
-        self.cuda = cuda
-        self.events: list[Event] = []
-        self._mark = 0
-        self._cseq = 0
-        self._after = -1
-        self._ready_cover: dict[int, int] = {}
-
-    def _add(self, kind: str, stream=None, **kw) -> Event:
-        e = Event(len(self.events), kind, **kw)
-        if self.cuda and stream is not None:
-            e.gpu = torch.cuda.Event(enable_timing=True)
-            e.gpu.record(stream)
-        self.events.append(e)
-        return e
-
-    def _next_mark(self) -> int:
-        self._mark += 1
-        return self._mark
-
-    def clear(self) -> None:
-        self.events = []
-
-    # compute stream
-    def compute_mark(self, kind: str) -> int:
-        return self._add(kind, mark=self._next_mark()).mark
-
-    def compute_waits(self, kind: str, key) -> None:
-        cover = self._ready_cover.get(key[1], self._cseq) if key else self._cseq
-        self._add("wait", name=kind, mark=self._next_mark(), cseq=cover)
-
-    def collective(self, kind: str, name: str, stream=None) -> int:
-        return self._add(kind, stream, name=name, mark=self._next_mark()).mark
-
-    # copy stream
-    def copy_waits(self, mark: int) -> None:
-        self._after = max(self._after, mark)
-
-    def copy(self, block: int, lo: int, hi: int, stream=None) -> None:
-        self._cseq += 1
-        self._add("copy", stream, block=block, start=lo, end=hi, after=self._after, cseq=self._cseq)
-
-    def ready(self, block: int) -> None:
-        self._ready_cover[block] = self._cseq
-        self._add("ready", block=block, cseq=self._cseq)
-
-    # checks
-    def copies(self) -> list[Event]:
-        return [e for e in self.events if e.kind == "copy"]
-
-    def collectives(self) -> list[tuple[Event, Event]]:
-        out, open_ = [], None
-        for e in self.events:
-            if e.kind == "coll_start":
-                open_ = e
-            elif e.kind == "coll_end" and open_ is not None:
-                out.append((open_, e))
-                open_ = None
-        return out
-
-    def stream_violations(self) -> list[tuple[Event, Event]]:
-        """(copy, collective start) pairs that the stream order lets overlap on the GPU."""
-        waits = [e for e in self.events if e.kind == "wait"]
-        bad = []
-        for c in self.copies():
-            covered = next((w.mark for w in waits if w.cseq >= c.cseq), float("inf"))
-            for s, e in self.collectives():
-                if c.after < e.mark and covered > s.mark:
-                    bad.append((c, s))
-        return bad
-
-    def program_violations(self) -> list[Event]:
-        """Copies enqueued (program order) between a collective's start and its end."""
-        inside, bad = False, []
-        for e in self.events:
-            if e.kind == "coll_start":
-                inside = True
-            elif e.kind == "coll_end":
-                inside = False
-            elif e.kind == "copy" and inside:
-                bad.append(e)
-        return bad
-
-    def resolve(self) -> None:
-        """GPU times of the timed entries (CUDA; synchronizes the device: not for the hot path)."""
-        timed = [e for e in self.events if e.gpu is not None]
-        if not timed:
-            return
-        torch.cuda.synchronize()
-        t0 = timed[0].gpu
-        for e in timed:
-            e.t_ms = t0.elapsed_time(e.gpu)
-
-    def time_violations(self) -> list[tuple[Event, Event]]:
-        """(copy, collective start) pairs where the copy's measured GPU start fell inside the collective."""
-        bad = []
-        for c in self.copies():
-            if c.t_ms is None:
-                continue
-            for s, e in self.collectives():
-                if s.t_ms is not None and e.t_ms is not None and s.t_ms < c.t_ms < e.t_ms:
-                    bad.append((c, s))
-        return bad
-
-
 # --------------------------------------------------------------------------------------------- pacing
 
 
@@ -314,30 +143,26 @@ class _Period:
 
     def __init__(self, block: int, cuda: bool):
         self.block = block
-        self.compute = _Pool(cuda)  # T0, (E_start, E_end) per collective, T_end
-        self.copies = _Pool(cuda)  # (C0, C1) around each non-empty pump
+        self.compute = EventPool(cuda)  # T0, (E_start, E_end) per collective, T_end
+        self.copies = EventPool(cuda)  # (C0, C1) around each non-empty pump
         self.n_coll = 0
         self.closed = False
         self.nbytes = 0  # H2D bytes pumped between the (C0, C1) pairs
 
 
 class CommPacer:
-    """Listener of a CollectiveTap that paces a Streamer's chunks around collectives (see the module docstring).
+    """Paces a Streamer's chunks around collectives (see the module docstring); the handle forwards the tap's
+    collective starts and ends to it. `margin`, `window_chunks` and `strict` are the pacing policy's knobs."""
 
-    aware=False: only logs collectives (for the event log of a mode without awareness); never waits or pumps.
-    """
-
-    margin = 0.9  # fraction of a measured window a budget may fill
+    margin = PACING_MARGIN  # fraction of a measured window a budget may fill (the planner assumes the same)
     default_bw = 20e6  # bytes per ms (20 GB/s) until a copy has been measured
 
-    def __init__(self, streamer, aware: bool = True, log: EventLog | None = None):
+    def __init__(self, streamer):
         from chunkflow.runtime.streamer import CudaBackend
 
         self.s = streamer
         self.be = streamer.backend
         self.cuda = isinstance(self.be, CudaBackend)
-        self.aware = aware
-        self.log = log
         self.window_chunks: int | None = None  # fixed chunks per window (tests, ablation); None: measured
         self.fence = self.be.event()
         self.unfenced = False
@@ -346,7 +171,7 @@ class CommPacer:
         self.plan: dict[int, list[int]] = {}  # block -> chunks per window before the last collective
         self.bw = None  # measured bytes per ms
         self.end_ev = self.be.event()  # E_end of a collective outside any prefetch period
-        self.need_wait = None  # (event, mark): the latest collective's end, not yet waited on by the copy stream
+        self.need_wait = None  # the latest collective's end event, not yet waited on by the copy stream
         self.strict = False  # True: always yield, even when the compute windows cannot hold a block's prefetch
         self.eager: set[int] = set()  # blocks whose prefetch does not fit in the compute windows: not paced
 
@@ -379,11 +204,11 @@ class CommPacer:
 
     def block_end(self, l: int) -> None:
         pend = self.s.pending
-        if pend is not None and self.aware and (self.window_chunks is not None or pend.block not in self.plan):
+        if pend is not None and (self.window_chunks is not None or pend.block not in self.plan):
             self._pump(pend.left)  # not measured yet: the rest now, after this block's last collective
 
     def _pump(self, n: int) -> None:
-        if n <= 0 or self.s.pending is None or not self.aware:
+        if n <= 0 or self.s.pending is None:
             return
         p = self.period
         self.before_chunks()  # the copy stream's wait on the last collective goes before C0: not counted as copy time
@@ -399,10 +224,9 @@ class CommPacer:
     def before_chunks(self) -> None:
         """Called by the streamer before it enqueues chunks (any block): none before the last collective's end."""
         if self.need_wait is not None:
-            ev, mark = self.need_wait
-            self.be.copy_stream.wait_event(ev)
-            if self.log is not None:
-                self.log.copy_waits(mark)
+            self.be.copy_stream.wait_event(self.need_wait)
+            if self.s.obs is not None:
+                self.s.obs.copy_stream_waits("collective")
             self.need_wait = None
 
     def _bytes_of(self, k: int) -> int:
@@ -412,39 +236,31 @@ class CommPacer:
     # ---- tap side
 
     def collective_start(self, name: str) -> None:
-        cs = self.be.compute_stream()
-        if self.aware and self.unfenced:
+        if self.unfenced:
             self.fence.record(self.be.copy_stream)
             self.s.compute_wait(self.fence, "fence", None)
             self.unfenced = False
         p = self.period
         if p is not None:
-            p.compute.next().record(cs)
-        if self.log is not None:
-            self.log.collective("coll_start", name, cs)
+            p.compute.next().record(self.be.compute_stream())
 
     def collective_end(self, name: str) -> None:
         cs = self.be.compute_stream()
         p = self.period
-        ee = None
         if p is not None:
             ee = p.compute.next()
-            ee.record(cs)
             p.n_coll += 1
-        mark = self.log.collective("coll_end", name, cs) if self.log is not None else -1
-        if not self.aware:
-            return
-        if ee is None:
+        else:
             ee = self.end_ev
-            ee.record(cs)
-        self.need_wait = (ee, mark)  # the copy stream waits on it before its next chunk, whichever block
+        ee.record(cs)
+        self.need_wait = ee  # the copy stream waits on it before its next chunk, whichever block
         self._pump(self._budget(p.n_coll if p is not None else 0))
 
     # ---- budgets
 
     def _budget(self, w: int) -> int:
         pend = self.s.pending
-        if pend is None or not self.aware:
+        if pend is None:
             return 0
         if self.window_chunks is not None:
             return self.window_chunks
@@ -486,60 +302,3 @@ class CommPacer:
                 n += 1
             plan.append(n)
         self.plan[p.block] = plan
-
-
-class CollectiveTimer:
-    """Listener for benchmarks: timing events around every collective; `total_ms()` syncs (not the hot path)."""
-
-    def __init__(self, cuda: bool):
-        self.pool = _Pool(cuda)
-        self.cs = (lambda: torch.cuda.current_stream()) if cuda else (lambda: None)
-        self.count = 0
-
-    def collective_start(self, name: str) -> None:
-        self.pool.next().record(self.cs())
-        self.count += 1
-
-    def collective_end(self, name: str) -> None:
-        self.pool.next().record(self.cs())
-
-    def reset(self) -> None:
-        self.pool.n = 0
-        self.count = 0
-
-    def total_ms(self) -> float:
-        ev = self.pool.used()
-        if ev and self.pool.cuda:
-            torch.cuda.synchronize()
-        return sum(ev[i].elapsed_time(ev[i + 1]) for i in range(0, len(ev) - 1, 2))
-
-
-class StallProbe:
-    """For benchmarks: timing events around the compute stream's waits on the copy stream.
-
-    Set as `streamer.wait_probe`; `totals()` gives the milliseconds spent in `ready` waits (a block's copies not
-    done) and `fence` waits (communication awareness). Reading syncs on the events (not the hot path).
-    """
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.pool = _Pool(cuda)
-        self.kinds: list[str] = []
-
-    def __call__(self, kind: str, fn) -> None:
-        cs = torch.cuda.current_stream() if self.cuda else None
-        self.pool.next().record(cs)
-        fn()
-        self.pool.next().record(cs)
-        self.kinds.append(kind)
-
-    def reset(self) -> None:
-        self.pool.n = 0
-        self.kinds = []
-
-    def totals(self) -> dict[str, float]:
-        ev = self.pool.used()
-        out = {"ready": 0.0, "fence": 0.0}
-        for i, k in enumerate(self.kinds):
-            out[k] = out.get(k, 0.0) + ev[2 * i].elapsed_time(ev[2 * i + 1])
-        return out

@@ -7,17 +7,19 @@ block is assigning precomputed views (`p.data = view`), so a step allocates noth
 On CUDA, copies run on a dedicated copy stream; `ready[l]` (copy stream) tells compute that block l's slot is
 filled, `free[s]` (compute stream) tells the copy stream that slot s may be overwritten. Nothing in the hot path
 synchronizes the host. Without CUDA the same code runs with no-op streams and events and synchronous copies.
+
+`obs` (an Observer, or None) is told of every copy, stream wait and slot release (runtime/observe.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
-from chunkflow.runtime.layout import ALIGN, BlockLayout, TensorEntry, align_up
+from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
+from chunkflow.runtime.observe import Observer
 from chunkflow.runtime.store import HostStore
 
 
@@ -87,77 +89,6 @@ class CudaBackend:
         torch.cuda.synchronize(self.device)
 
 
-# --------------------------------------------------------------------------------------------- issuing
-
-
-@dataclass(frozen=True)
-class ChunkCopy:
-    """One copy the issuer enqueued: block-relative byte range [start, end), 'h2d' or 'd2d', issue order."""
-
-    order: int
-    block: int
-    start: int
-    end: int
-    kind: str
-
-
-# gate(block, start, end) -> an event the copy stream must wait on before this chunk, or None
-Gate = Callable[[int, int, int], object]
-
-
-def never_wait(block: int, start: int, end: int):
-    return None
-
-
-class ChunkIssuer:
-    """Enqueues one block's copies into a slot, chunk by chunk, asking `gate` before each H2D chunk.
-
-    The gate is the yield point: returning an event makes the copy stream wait on it (on the GPU, not the
-    host) before the next chunk, so a collective can pass in-flight prefetch. `bytes_h2d` counts bytes
-    always (cheap); `log` (a list, or None) records every copy for tests.
-    """
-
-    def __init__(self, backend, host: HostStore, resident: torch.Tensor, gate: Gate = never_wait,
-                 log: list[ChunkCopy] | None = None):
-        self.backend = backend
-        self.host = host
-        self.resident = resident
-        self.gate = gate
-        self.log = log
-        self.bytes_h2d = 0
-        self.bytes_d2d = 0
-        self._order = 0
-
-    def _record(self, block: int, a: int, b: int, kind: str) -> None:
-        if self.log is not None:
-            self.log.append(ChunkCopy(self._order, block, a, b, kind))
-        self._order += 1
-
-    def issue_head(self, b: BlockLayout, res_offset: int, slot: torch.Tensor) -> None:
-        """The resident part of the tensor straddling R_l, device to device into the slot head (if any)."""
-        if b.d2d_bytes:
-            A = b.slot_start
-            lo, hi = b.straddle_start, b.resident_bytes
-            slot[lo - A : hi - A].copy_(self.resident[res_offset + lo : res_offset + hi],
-                                        non_blocking=self.backend.non_blocking)
-            self.bytes_d2d += hi - lo
-            self._record(b.index, lo, hi, "d2d")
-
-    def issue_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor) -> None:
-        ev = self.gate(b.index, lo, hi)
-        if ev is not None:
-            self.backend.copy_stream.wait_event(ev)
-        A = b.slot_start
-        slot[lo - A : hi - A].copy_(self.host.view(b.host_offset + lo, hi - lo), non_blocking=self.backend.non_blocking)
-        self.bytes_h2d += hi - lo
-        self._record(b.index, lo, hi, "h2d")
-
-    def issue(self, b: BlockLayout, res_offset: int, slot: torch.Tensor) -> None:
-        self.issue_head(b, res_offset, slot)
-        for lo, hi in b.chunks:
-            self.issue_chunk(b, lo, hi, slot)
-
-
 # --------------------------------------------------------------------------------------------- streamer
 
 
@@ -200,11 +131,9 @@ class Streamer:
     finished (`finish`: the rest, then `ready[l]`). Without a pacer, `schedule` does all three at once, when the
     previous block starts. With a pacer (runtime/comm.py), the chunks are spread over the compute windows
     between collectives; the pacer is told when a prefetch period begins and ends and when a block ends.
-    `log` (an EventLog, or None) records copies and stream waits with their stream-ordering information.
     """
 
-    def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend,
-                 gate: Gate = never_wait, log: list[ChunkCopy] | None = None):
+    def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend):
         self.layouts = layouts
         self.host = host
         self.device = device
@@ -219,7 +148,6 @@ class Streamer:
         self.resident = torch.empty(off, dtype=torch.uint8, device=device)
         slot_bytes = max((b.slot_extent for b in layouts), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.issuer = ChunkIssuer(backend, host, self.resident, gate, log)
         self.ring = [b.index for b in layouts if b.is_streamed]
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         self.placeholders: dict[torch.dtype, torch.Tensor] = {}
@@ -238,11 +166,11 @@ class Streamer:
         self.bound: dict[int, int] = {}  # running blocks and their slot
         self.running: list[int] = []  # slots of running blocks
         self.forwards = 0
+        self.bytes_h2d = 0  # H2D bytes enqueued so far
+        self.bytes_d2d = 0
         self.pending: _Pending | None = None
-        self.pacer = None  # set by the handle: period_start(m), period_end(m), block_end(l)
-        self.events = None  # EventLog or None
-        self.free_mark = [-1, -1]  # compute-stream mark at which free[s] was last recorded (for the log)
-        self.wait_probe = None  # optional callable(kind, fn): wraps each compute-stream wait (stall timing)
+        self.pacer = None  # set by the handle: period_start(m), period_end(m), block_end(l), before_chunks()
+        self.obs: Observer | None = None  # set by the handle while observers are attached
 
     def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.placeholders:
@@ -264,6 +192,25 @@ class Streamer:
         if self.ring:
             self.schedule(self.ring[0], 0)
 
+    # ---- copies (on the copy stream)
+
+    def _copy_head(self, b: BlockLayout, slot: torch.Tensor) -> None:
+        """The resident part of the tensor straddling R_l, device to device into the slot head (if any)."""
+        if b.d2d_bytes:
+            A, roff = b.slot_start, self.res_offset[b.index]
+            lo, hi = b.straddle_start, b.resident_bytes
+            if self.obs is not None:
+                self.obs.chunk_copy(b.index, lo, hi, "d2d", self.backend.copy_stream)
+            slot[lo - A : hi - A].copy_(self.resident[roff + lo : roff + hi], non_blocking=self.backend.non_blocking)
+            self.bytes_d2d += hi - lo
+
+    def _copy_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor) -> None:
+        if self.obs is not None:
+            self.obs.chunk_copy(b.index, lo, hi, "h2d", self.backend.copy_stream)
+        A = b.slot_start
+        slot[lo - A : hi - A].copy_(self.host.view(b.host_offset + lo, hi - lo), non_blocking=self.backend.non_blocking)
+        self.bytes_h2d += hi - lo
+
     # ---- hot path
 
     def begin(self, l: int, s: int) -> None:
@@ -272,9 +219,9 @@ class Streamer:
         b = self.layouts[l]
         with be.on(be.copy_stream):
             be.copy_stream.wait_event(self.free[s])
-            if self.events is not None:
-                self.events.copy_waits(self.free_mark[s])
-            self.issuer.issue_head(b, self.res_offset[l], self.slots[s])
+            if self.obs is not None:
+                self.obs.copy_stream_waits("slot", s)
+            self._copy_head(b, self.slots[s])
         self.pending = _Pending(l, s, b.chunks)
         self.slot_of[l] = s
 
@@ -291,9 +238,7 @@ class Streamer:
             self.pacer.before_chunks()
         with be.on(be.copy_stream):
             for lo, hi in p.chunks[p.next : p.next + k]:
-                if self.events is not None:
-                    self.events.copy(p.block, lo, hi, be.copy_stream)
-                self.issuer.issue_chunk(b, lo, hi, slot)
+                self._copy_chunk(b, lo, hi, slot)
         p.next += k
         return k
 
@@ -303,10 +248,9 @@ class Streamer:
         if p is None:
             return
         self.pump(p.left)
-        be = self.backend
-        self.ready[p.block].record(be.copy_stream)
-        if self.events is not None:
-            self.events.ready(p.block)
+        self.ready[p.block].record(self.backend.copy_stream)
+        if self.obs is not None:
+            self.obs.block_ready(p.block)
         self.pending = None
 
     def schedule(self, l: int, s: int) -> None:
@@ -314,15 +258,13 @@ class Streamer:
         self.begin(l, s)
         self.finish()
 
-    def compute_wait(self, event, kind: str, cover=None) -> None:
-        """The compute stream waits on a copy-stream event (ready[l] or a fence)."""
-        cs = self.backend.compute_stream()
-        if self.wait_probe is not None:
-            self.wait_probe(kind, lambda: cs.wait_event(event))
-        else:
-            cs.wait_event(event)
-        if self.events is not None:
-            self.events.compute_waits(kind, cover)
+    def compute_wait(self, event, kind: str, block: int | None = None) -> None:
+        """The compute stream waits on a copy-stream event (ready[l] or a pacing fence)."""
+        if self.obs is not None:
+            self.obs.compute_wait_begin(kind)
+        self.backend.compute_stream().wait_event(event)
+        if self.obs is not None:
+            self.obs.compute_wait_end(kind, block)
 
     def before(self, l: int) -> None:
         if l == self.ring[0]:
@@ -337,7 +279,7 @@ class Streamer:
             self._evict(s)
             self.schedule(l, s)
             self.slot_of.pop(l)
-        self.compute_wait(self.ready[l], "ready", ("ready", l))
+        self.compute_wait(self.ready[l], "ready", l)
         for t, view in self.slot_views[(l, s)]:
             bind(t, view)
         self.running.append(s)
@@ -355,8 +297,8 @@ class Streamer:
         s = self.bound.pop(l)
         self.running.remove(s)
         self.free[s].record(self.backend.compute_stream())
-        if self.events is not None:
-            self.free_mark[s] = self.events.compute_mark("free")
+        if self.obs is not None:
+            self.obs.slot_freed(s)
         for t, _ in self.slot_views[(l, s)]:
             bind(t, self.placeholder(t.dtype))
         if self.pacer is not None:
@@ -376,4 +318,3 @@ class Streamer:
         self.slot_views.clear()
         self.slots = []
         self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.issuer.resident = self.resident

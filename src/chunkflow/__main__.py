@@ -1,0 +1,5 @@
+"""`python -m chunkflow ...`: the same command line as `chunkflow ...`."""
+
+from chunkflow.cli import main
+
+main()

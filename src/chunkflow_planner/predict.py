@@ -1,0 +1,63 @@
+"""The planner's prediction for one run configuration, and the hardware and workload a plan was made for.
+
+`chunkflow run`, `chunkflow bench`, `calibrate --from-report` and the bench plots all compare measurements with
+`predict(...)`; nothing outside the planner computes a prediction.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ValidationError
+
+from chunkflow_planner.catalog import CatalogError, HardwareSpec, ModelSpec, Workload, get_hardware
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.overlap import analyse
+from chunkflow_planner.plan import Plan, PlanError
+from chunkflow_planner.policy import Problem
+
+
+class Predicted(BaseModel):
+    """Step time and peak GPU memory the planner predicts for one configuration, and where the step goes."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    pinned_host_bytes: int = 0
+    regime: str = ""
+    compute_s: float = 0.0
+    collective_s: float = 0.0
+    contention_stall_s: float = 0.0
+    prefetch_stall_s: float = 0.0
+    overhead_s: float = 0.0
+
+
+def predict(spec: ModelSpec, w: Workload, hw: HardwareSpec, cfg: OffloadConfig, sp: int = 1) -> Predicted:
+    """The planner's step time, memory and step breakdown for `w` on `hw` under `cfg` with Ulysses degree `sp`."""
+    point = Problem(spec, w, hw, sp).evaluate(cfg)
+    t = point.time
+    return Predicted(
+        step_time_s=point.step_time, peak_memory_bytes=point.memory.peak,
+        pinned_host_bytes=int(point.memory.pinned_host), regime=analyse(spec, w, hw, sp).regime,
+        compute_s=t.compute, collective_s=t.collective, contention_stall_s=t.contention_stall,
+        prefetch_stall_s=t.prefetch_stall, overhead_s=t.overhead,
+    )
+
+
+def hardware_of(plan: Plan, profile: str | None = None) -> HardwareSpec:
+    """The HardwareSpec to predict a plan's runs with: `profile` (catalog name or file) if given, else the profile
+    embedded in the plan, else the catalog entry of the plan's hardware name with the plan's figures laid over it."""
+    if profile:
+        return get_hardware(profile)
+    hw = plan.hardware
+    if hw.spec:
+        try:
+            return HardwareSpec(**hw.spec)
+        except ValidationError as exc:
+            raise PlanError(f"the plan's embedded hardware profile is malformed ({exc.errors()[0]['msg']}); "
+                            "pass --profile or re-plan") from None
+    try:
+        base = get_hardware(hw.name)
+    except CatalogError:
+        base = get_hardware("h200")
+    return base.model_copy(update=dict(
+        name=hw.name, peak_tflops=hw.peak_tflops, eta_comp=hw.eta_comp, eta_pref=hw.eta_pref,
+        h2d_link_gbps=hw.h2d_gbps * base.gpus_per_host_link, eta_comp_curve=None,
+    ))
