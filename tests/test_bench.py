@@ -142,3 +142,20 @@ def test_bench_bad_input(args, message):
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_bench_measures_a_baseline_offloader_against_none(cli, workdir):
+    """diffusers' group offloading runs last, at every value, measured only (no prediction), bit-identical."""
+    result = cli("bench", "--model", "tiny", "--frames", "5,9", "--modes", "none,chunkflow", "--chunk-sizes", "4KB",
+                 "--baselines", "diffusers-group", "--steps", "1", "--no-plots", "--out", "b")
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(workdir / "b" / "bench.csv")
+    assert list(df["mode"]) == ["none", "none", "chunkflow", "chunkflow", "diffusers-group", "diffusers-group"]
+    group = df[df["mode"] == "diffusers-group"]
+    assert group["bit_identical"].all() and group["predicted_step_s"].isna().all()
+    assert (group["measured_step_s"] > 0).all() and (df["host_rss_bytes"] > 0).all()
+    summary = (workdir / "b" / "summary.md").read_text()
+    assert "| diffusers-group |" in summary
+    assert "diffusers-group" in result.output
+    bad = cli("bench", "--model", "tiny", "--frames", "5", "--baselines", "accelerate")
+    assert bad.exit_code == 2 and "unknown baseline" in bad.output

@@ -336,9 +336,10 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at, height, width, hardware,
-                warmup, steps, comm_aware):
+                warmup, steps, comm_aware, baselines=""):
     """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
     from chunkflow.bench import BenchSpec
+    from chunkflow.bench.baselines import BASELINES, check_baseline
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.offload import MODES
     from chunkflow_planner.planner import resolve_hardware
@@ -369,11 +370,16 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
         raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     if comm_aware not in ("auto", "on", "off"):
         raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
+    base = [b.strip() for b in baselines.split(",") if b.strip()]
+    if any(b not in BASELINES for b in base):
+        raise UserError(f"unknown baseline(s) in {baselines!r}; known: {', '.join(BASELINES)}")
+    for b in base:
+        check_baseline(b)
     hw = resolve_hardware(hardware).spec
     aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
     bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
                       chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
-                      comm_aware=aware, warmup=warmup, steps=steps)
+                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base)
     for v in {*values, bench.chunk_value, bench.residency_value}:
         bench.workload(spec, v)  # validates frames / batch / sizes
     for c in chunks:
@@ -382,17 +388,18 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
 
 
 def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
-    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow.bench.sweep import row_label
 
     t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name}, SP={world})")
     for col in (axis, "config", "measured", "x none", "predicted", "error", "bit-identical"):
         t.add_column(col, justify="right")
     none = {r["value"]: r["measured_step_s"] for _, r in df[df["mode"] == "none"].iterrows()}
     for _, r in df.iterrows():
-        label = OffloadConfig.of_row(r["mode"], r["chunk_bytes"], r["residency"]).label
+        label = row_label(r["mode"], r["chunk_bytes"], r["residency"])
         xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
-        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), xn,
-                  format_seconds(r["predicted_step_s"]), f"{r['err_step']:+.1%}", str(r["bit_identical"]))
+        pred = "-" if r["predicted_step_s"] != r["predicted_step_s"] else format_seconds(r["predicted_step_s"])
+        err = "-" if r["err_step"] != r["err_step"] else f"{r['err_step']:+.1%}"
+        t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), xn, pred, err, str(r["bit_identical"]))
     return t
 
 
@@ -402,6 +409,8 @@ def bench_cmd(
     frames: Optional[str] = typer.Option(None, help="video frame counts to sweep, e.g. 41,81,121"),
     batch: Optional[str] = typer.Option(None, help="batch sizes to sweep (image models), e.g. 1,4,8"),
     modes: str = typer.Option("none,layerwise,chunkflow", help="modes to run"),
+    baselines: str = typer.Option("", help="other offloaders to measure at every value, after the modes: "
+                                           "diffusers-group (diffusers' group offloading, block level, streams)"),
     chunk_sizes: str = typer.Option("16MB", help="chunkflow chunk sizes; the first is used across the workloads, "
                                                   "all of them at --chunk-at, e.g. 16MB,4MB,64MB,256MB"),
     residency: str = typer.Option("0", help="chunkflow residencies; the first is used across the workloads, all "
@@ -447,7 +456,9 @@ def bench_cmd(
     world = torchrun_world()
     try:
         spec, bench, hw = _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at,
-                                      height, width, hardware, warmup, steps, comm_aware)
+                                      height, width, hardware, warmup, steps, comm_aware, baselines)
+        if bench.baselines and world > 1:
+            raise UserError("--baselines run on one GPU; leave them out under torchrun")
         if world > 1:
             from chunkflow_planner.planner import check_parallel
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from chunkflow.bench.choices import PlannerChoice, planner_choice
-from chunkflow.bench.measure import COLUMNS, run_bench
+from chunkflow.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
 from chunkflow.bench.sweep import BenchError, BenchMeta, BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, get_model
 
@@ -48,7 +48,7 @@ def load(out: Path):
     if not csv.exists():
         raise BenchError(f"{csv} not found next to {out / 'bench.json'}")
     df = pd.read_csv(csv)
-    missing = [c for c in COLUMNS if c not in df.columns]
+    missing = [c for c in COLUMNS if c not in df.columns and c not in OPTIONAL_COLUMNS]
     if missing:
         raise BenchError(f"{csv} lacks columns {', '.join(missing)}; it was not written by this chunkflow bench")
-    return df, meta
+    return df.reindex(columns=COLUMNS), meta

@@ -18,6 +18,7 @@ import math
 import statistics
 from typing import Callable
 
+from chunkflow.bench.baselines import apply_baseline
 from chunkflow.bench.sweep import BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
 from chunkflow_planner.offload import OffloadConfig
@@ -31,8 +32,9 @@ COLUMNS = [
     "predicted_peak_bytes", "err_peak", "peak_reserved_bytes", "pinned_bytes", "collective_s", "prefetch_stall_s",
     "fence_stall_s", "compute_s", "overhead_s", "n_collectives", "pred_compute_s", "pred_collective_s",
     "pred_stall_s", "pred_overhead_s", "bit_identical", "f_block", "f_star", "i_block", "i_star", "regime",
-    "critical", "hardware", "device",
+    "critical", "hardware", "device", "host_rss_bytes",
 ]
+OPTIONAL_COLUMNS = ("host_rss_bytes",)  # absent from bench.csv files written before it was measured
 
 
 def _median(xs: list[float]) -> float:
@@ -40,7 +42,8 @@ def _median(xs: list[float]) -> float:
 
 
 def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps: int):
-    """(Timing, collective s, ready+fence stall s, fence stall s, collectives per step) of one workload."""
+    """(Timing, collective s, ready+fence stall s, fence stall s, collectives per step) of one workload. Without a
+    handle (a baseline offloader) nothing but the step is timed: the probes are NaN."""
     import torch
 
     from chunkflow.models.inputs import make_inputs
@@ -66,6 +69,9 @@ def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps:
         stall.reset()
 
     inputs = make_inputs(spec, w, torch.bfloat16, device, seed=0)
+    if handle is None:
+        timing = denoise(model, spec, w, inputs, device, warmup, steps)
+        return timing, math.nan, math.nan, math.nan, 0
     with handle.observing(timer, stall):
         timing = denoise(model, spec, w, inputs, device, warmup, steps, on_step=on_step)
     return timing, _median(colls), _median(stalls), _median(fences), int(_median(counts))
@@ -94,27 +100,35 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
         enable_sequence_parallel(model, spec, sp)
     rows: list[dict] = []
     ref: dict[int, torch.Tensor] = {}
+
+    def measure(cfg: OffloadConfig | str, handle, v: int) -> None:
+        if cuda:
+            torch.cuda.empty_cache()
+        w = bench.workload(spec, v, bench.steps)
+        timing, *probes = measure_point(model, handle, spec, w, device, bench.warmup, bench.steps)
+        if isinstance(cfg, OffloadConfig) and cfg.mode == "none":
+            ref[v] = timing.latents.clone()
+        same = bool(torch.equal(timing.latents, ref[v])) if v in ref else None
+        rows.append(_row(spec, bench, hw, sp, cfg, v, w, timing, probes, same,
+                         handle.stats().as_dict() if handle is not None else {}, device))
+        r = rows[-1]
+        pred = "not modelled" if math.isnan(r["predicted_step_s"]) else f"{r['predicted_step_s']:.4f} s predicted"
+        log(f"{r['label']:>26} {bench.axis} {v}: {r['measured_step_s']:.4f} s measured, {pred}")
+        del r["label"]
+        on_row(rows)
+        progress()
+
     for cfg, values in bench.points():
         handle = chunkflow.offload(model, cfg, device=device)
         try:
             for v in values:
-                if cuda:
-                    torch.cuda.empty_cache()
-                w = bench.workload(spec, v, bench.steps)
-                timing, coll, stall, fence, ncoll = measure_point(model, handle, spec, w, device, bench.warmup,
-                                                                  bench.steps)
-                if cfg.mode == "none":
-                    ref[v] = timing.latents.clone()
-                same = bool(torch.equal(timing.latents, ref[v])) if v in ref else None
-                rows.append(_row(spec, bench, hw, sp, cfg, v, w, timing, (coll, stall, fence, ncoll), same,
-                                 handle.stats().as_dict(), device))
-                r = rows[-1]
-                log(f"{cfg.label:>26} {bench.axis} {v}: {r['measured_step_s']:.4f} s measured, "
-                    f"{r['predicted_step_s']:.4f} s predicted")
-                on_row(rows)
-                progress()
+                measure(cfg, handle, v)
         finally:
             handle.remove()
+    for name in bench.baselines:  # last: a baseline stays applied to the model
+        apply_baseline(name, model, device)
+        for v in bench.values:
+            measure(name, None, v)
     del model, ref
     if cuda:
         torch.cuda.empty_cache()
@@ -123,28 +137,37 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: OffloadConfig, v: int, w, timing,
-         probes: tuple[float, float, float, int], same: bool | None, stats: dict, device) -> dict:
+def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: OffloadConfig | str, v: int, w, timing,
+         probes: list, same: bool | None, stats: dict, device) -> dict:
     """One CSV row: the point, what was measured (timing, probes = collective s, stall s, fence s, collectives
-    per step), what the planner predicts for it, and the overlap analysis of its workload."""
+    per step), what the planner predicts for it (nothing for a baseline: `cfg` is its name), and the overlap
+    analysis of its workload."""
+    from chunkflow.hostmem import rss_bytes
+
     coll, stall, fence, ncoll = probes
     med = statistics.median(timing.times)
-    p = predict(spec, w, hw, cfg, sp)
     a = analyse(spec, w, hw, sp)
     peak = timing.peak_allocated
+    if isinstance(cfg, OffloadConfig):
+        p = predict(spec, w, hw, cfg, sp)
+        setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label)
+        pred = dict(predicted_step_s=p.step_time_s, err_step=(med - p.step_time_s) / p.step_time_s,
+                    predicted_peak_bytes=p.peak_memory_bytes,
+                    err_peak=(peak - p.peak_memory_bytes) / p.peak_memory_bytes if peak is not None else None,
+                    pred_compute_s=p.compute_s, pred_collective_s=p.collective_s + p.contention_stall_s,
+                    pred_stall_s=p.prefetch_stall_s, pred_overhead_s=p.overhead_s)
+    else:
+        setting = dict(mode=cfg, chunk_bytes=None, residency=0.0, label=cfg)
+        pred = dict.fromkeys(("predicted_step_s", "err_step", "predicted_peak_bytes", "err_peak", "pred_compute_s",
+                              "pred_collective_s", "pred_stall_s", "pred_overhead_s"), math.nan)
     return dict(
         model=spec.name, axis=bench.axis, value=v, frames=w.frames, batch=w.batch, height=w.height, width=w.width,
-        tokens=tokens(spec, w), sp=sp, mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency,
-        achieved_residency=stats["achieved_residency"], measured_step_s=med, predicted_step_s=p.step_time_s,
-        err_step=(med - p.step_time_s) / p.step_time_s, measured_peak_bytes=peak,
-        predicted_peak_bytes=p.peak_memory_bytes,
-        err_peak=(peak - p.peak_memory_bytes) / p.peak_memory_bytes if peak is not None else None,
-        peak_reserved_bytes=timing.peak_reserved, pinned_bytes=stats["pinned_bytes"], collective_s=coll,
-        prefetch_stall_s=stall, fence_stall_s=fence, compute_s=None, overhead_s=None, n_collectives=ncoll,
-        pred_compute_s=p.compute_s, pred_collective_s=p.collective_s + p.contention_stall_s,
-        pred_stall_s=p.prefetch_stall_s, pred_overhead_s=p.overhead_s, bit_identical=same,
+        tokens=tokens(spec, w), sp=sp, **setting, achieved_residency=stats.get("achieved_residency", math.nan),
+        measured_step_s=med, measured_peak_bytes=peak, peak_reserved_bytes=timing.peak_reserved,
+        pinned_bytes=stats.get("pinned_bytes", math.nan), collective_s=coll, prefetch_stall_s=stall,
+        fence_stall_s=fence, compute_s=None, overhead_s=None, n_collectives=ncoll, bit_identical=same, **pred,
         f_block=a.F_block, f_star=a.F_star, i_block=a.I_block, i_star=a.I_star, regime=a.regime,
-        critical=a.critical.value, hardware=hw.name, device=str(device),
+        critical=a.critical.value, hardware=hw.name, device=str(device), host_rss_bytes=rss_bytes(),
     )
 
 
@@ -158,7 +181,7 @@ def _fill_breakdown(rows: list[dict]) -> None:
             continue
         r["compute_s"] = c
         r["overhead_s"] = 0.0 if r["mode"] == "none" else (
-            r["measured_step_s"] - c - r["collective_s"] - r["prefetch_stall_s"])
+            r["measured_step_s"] - c - r["collective_s"] - r["prefetch_stall_s"])  # NaN for a baseline
 
 
 def _all_ranks_identical(rows: list[dict]) -> None:

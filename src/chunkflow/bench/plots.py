@@ -22,7 +22,7 @@ from chunkflow_planner.overlap import GB, TFLOP, analyse
 from chunkflow_planner.predict import predict
 from chunkflow_planner.units import short_bytes
 
-COLORS = {"none": "black", "layerwise": "tab:red", "chunkflow": "tab:blue"}
+COLORS = {"none": "black", "layerwise": "tab:red", "chunkflow": "tab:blue", "diffusers-group": "tab:green"}
 
 
 def _plt():
@@ -111,6 +111,11 @@ class _Figures:
                 ys = rows[col].astype(float) * scale
                 if ys.notna().any():
                     ax.plot(rows["value"], ys, "o", color=COLORS[m], label=f"{cfg.label} measured")
+            for name_ in b.baselines:  # measured only: the planner does not model other offloaders
+                rows = df[df["mode"] == name_].sort_values("value")
+                ys = rows[col].astype(float) * scale
+                if ys.notna().any():
+                    ax.plot(rows["value"], ys, "s--", color=COLORS.get(name_, "tab:gray"), label=f"{name_} measured")
             if crit.value is not None and min(dense) <= crit.value <= max(dense) * 1.5:
                 ax.axvline(crit.value, color="gray", ls="--",
                            label=f"predicted critical point (F_block = F*): {crit.value:.1f} {b.axis}")

@@ -7,8 +7,7 @@ import statistics
 from dataclasses import dataclass
 
 from chunkflow.bench.choices import PlannerChoice
-from chunkflow.bench.sweep import BenchMeta
-from chunkflow_planner.offload import OffloadConfig
+from chunkflow.bench.sweep import BenchMeta, row_label
 from chunkflow_planner.units import short_bytes
 
 CHUNK_TOLERANCE = 0.05  # the planner's chunk size should be within 5% of the best measured (issue 6)
@@ -64,7 +63,7 @@ def chunk_verdict(df, meta: BenchMeta, choice: PlannerChoice) -> ChunkVerdict | 
 
 
 def _gb(x) -> str:
-    return "-" if x != x or x is None else f"{float(x) / 1e9:.2f}"
+    return "-" if x is None or x != x else f"{float(x) / 1e9:.2f}"
 
 
 def _ms(x) -> str:
@@ -84,7 +83,7 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
         return f"{r['measured_step_s'] / n:.3f}" if n else "-"
 
     def label(r) -> str:
-        return OffloadConfig.of_row(r["mode"], r["chunk_bytes"], r["residency"]).label
+        return row_label(r["mode"], r["chunk_bytes"], r["residency"])
 
     out = [f"# chunkflow bench: {b.model}", "",
            f"- GPU: {meta.gpu}, SP={meta.sp}, env {meta.env}; torch {meta.torch}, diffusers {meta.diffusers}",
@@ -95,14 +94,14 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
            ""]
     out += ["## Every point", "",
             "| " + b.axis + " | config | step ms | x none | predicted ms | error | peak GB | predicted GB | error "
-            "| compute | collective | prefetch stall | overhead | bit-identical |",
-            "|" + "---|" * 14]
+            "| compute | collective | prefetch stall | overhead | pinned GB | host RSS GB | bit-identical |",
+            "|" + "---|" * 16]
     for _, r in df.iterrows():
         out.append(f"| {r['value']} | {label(r)} | {_ms(r['measured_step_s'])} | {vs_none(r)} | "
                    f"{_ms(r['predicted_step_s'])} | {_pct(r['err_step'])} | {_gb(r['measured_peak_bytes'])} | "
                    f"{_gb(r['predicted_peak_bytes'])} | {_pct(r['err_peak'])} | {_ms(r['compute_s'])} | "
                    f"{_ms(r['collective_s'])} | {_ms(r['prefetch_stall_s'])} | {_ms(r['overhead_s'])} | "
-                   f"{r['bit_identical']} |")
+                   f"{_gb(r['pinned_bytes'])} | {_gb(r['host_rss_bytes'])} | {r['bit_identical']} |")
     out += ["", "## Planner accuracy", "",
             f"- step time: {error_stats(df['err_step']).text()}",
             f"- peak memory: {error_stats(df['err_peak']).text()}", ""]

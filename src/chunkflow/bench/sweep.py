@@ -42,6 +42,8 @@ class BenchSpec(BaseModel):
     chunk_at: int | None = Field(None, description="workload of the chunk-size sweep (default: the middle value)")
     residency_at: int | None = Field(None, description="workload of the residency sweep (default: the smallest)")
     comm_aware: bool = Field(True, description="chunkflow paces chunk copies around collectives (SP only)")
+    baselines: list[str] = Field(default_factory=list, description="other offloaders measured at every value, "
+                                 "last (chunkflow.bench.baselines)")
     warmup: int = 1
     steps: int = 2
 
@@ -103,11 +105,18 @@ class BenchSpec(BaseModel):
         return sorted(((c, sorted(v)) for c, v in plan.items()), key=lambda cv: order[cv[0].mode])
 
     def n_points(self) -> int:
-        return sum(len(v) for _, v in self.points())
+        return sum(len(v) for _, v in self.points()) + len(self.baselines) * len(self.values)
 
     def workload(self, spec: ModelSpec, value: int, steps: int = 1) -> Workload:
         kw: dict[str, Any] = dict(height=self.height, width=self.width, steps=max(1, steps), cfg_passes=1)
         return make_workload(spec, frames=value, **kw) if self.axis == "frames" else make_workload(spec, batch=value, **kw)
+
+
+def row_label(mode: str, chunk_bytes: float | None, residency: float) -> str:
+    """The label of a bench.csv row: its offload setting's, or the baseline's name."""
+    if mode not in MODES:
+        return mode
+    return OffloadConfig.of_row(mode, chunk_bytes, residency).label
 
 
 class BenchMeta(BaseModel):
