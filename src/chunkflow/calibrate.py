@@ -361,6 +361,55 @@ def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512
                 coll_gbps=coll_bandwidth_gbps(x.numel() * 2, t_idle), contention=contention_factor(t_busy, t_idle))
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """Where and how large to measure: the device, its name, the GEMM size and the H2D copy sizes."""
+
+    device: Any
+    name: str
+    gemm_n: int
+    sizes: tuple[int, ...]
+    total: int
+    world: int
+
+
+def _setup(cpu_smoke: bool, gemm_n: int) -> _Setup:
+    import torch
+
+    if cpu_smoke:
+        return _Setup(torch.device("cpu"), "cpu", 256, tuple(c * 2**10 for c in (64, 128, 256, 512, 1024)),
+                      4 * 2**20, 1)
+    if not torch.cuda.is_available():
+        raise CalibrationError("CUDA is not available on this machine: calibrate measures a GPU "
+                               "(use --cpu-smoke to exercise the code paths on the CPU)")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    return _Setup(device, torch.cuda.get_device_name(device), gemm_n, H2D_SIZES, H2D_TOTAL, torchrun_world())
+
+
+def _curves(specs: list[ModelSpec], s: _Setup, peak: float, cpu_smoke: bool, progress: Progress,
+            log: Callable[[str], None]) -> tuple[dict[str, list[tuple[float, float]]], list[dict[str, Any]]]:
+    """Each model's own eta_comp(F) curve (attention-heavy and GEMM-heavy blocks differ), and the raw rows."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    blocks: list[dict[str, Any]] = []
+    for spec in specs:
+        rows = measure_blocks(spec, s.device, default_points(spec, cpu_smoke), progress=progress)
+        blocks += [dict(r, model=spec.name) for r in rows]
+        curves[spec.name] = eta_curve([r["flops"] for r in rows], [r["time_s"] for r in rows], peak * 1e12)
+        log(f"eta_comp(F) of {spec.name}: " + ", ".join(f"{F:.2e} FLOP -> {e:.3f}" for F, e in curves[spec.name]))
+    return curves, blocks
+
+
+def _peer_link() -> str:
+    """How the GPUs of this torchrun job reach each other: pcie when NCCL is told to avoid P2P, else by probing."""
+    import torch
+
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return "pcie"
+    return "nvlink" if torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(0, 1) else "pcie"
+
+
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
               log: Callable[[str], None] = lambda s: None) -> Calibration:
@@ -371,62 +420,39 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
 
     names = [m.strip() for m in (model.split(",") if isinstance(model, str) else model) if m.strip()]
     specs = [get_model(n) for n in (["tiny-wan"] if cpu_smoke else names)]
-    spec = specs[0]
-    world = torchrun_world()
-    if cpu_smoke:
-        device = torch.device("cpu")
-        gemm_n, sizes, total, world = 256, tuple(c * 2**10 for c in (64, 128, 256, 512, 1024)), 4 * 2**20, 1
-        device_name = "cpu"
-    else:
-        if not torch.cuda.is_available():
-            raise CalibrationError("CUDA is not available on this machine: calibrate measures a GPU "
-                                   "(use --cpu-smoke to exercise the code paths on the CPU)")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        sizes, total = H2D_SIZES, H2D_TOTAL
-        device_name = torch.cuda.get_device_name(device)
-    base_hw, base_note = base_hardware(device_name, world, base)
-    log(f"device {device_name}; {base_note}")
-
-    gemm = measure_gemm(device, gemm_n, progress=progress)
-    log(f"bf16 GEMM {gemm_n}^3: {gemm:.1f} TFLOP/s")
+    s = _setup(cpu_smoke, gemm_n)
+    base_hw, base_note = base_hardware(s.name, s.world, base)
+    log(f"device {s.name}; {base_note}")
+    gemm = measure_gemm(s.device, s.gemm_n, progress=progress)
+    log(f"bf16 GEMM {s.gemm_n}^3: {gemm:.1f} TFLOP/s")
     matched = base is not None or "no catalog match" not in base_note
     peak = peak_tflops or (base_hw.peak_tflops if matched and not cpu_smoke else gemm)
-    curves: dict[str, list[tuple[float, float]]] = {}
-    blocks: list[dict[str, Any]] = []
-    for sp_ in specs:  # each model's own blocks: attention-heavy and GEMM-heavy blocks differ in efficiency
-        rows = measure_blocks(sp_, device, default_points(sp_, cpu_smoke), progress=progress)
-        blocks += [dict(r, model=sp_.name) for r in rows]
-        curves[sp_.name] = eta_curve([r["flops"] for r in rows], [r["time_s"] for r in rows], peak * 1e12)
-        log(f"eta_comp(F) of {sp_.name}: " + ", ".join(f"{F:.2e} FLOP -> {e:.3f}" for F, e in curves[sp_.name]))
-    curve = curves[spec.name]
-    h2d_rows = measure_h2d(device, sizes, total, progress=progress)
+    curves, blocks = _curves(specs, s, peak, cpu_smoke, progress, log)
+    curve = curves[specs[0].name]
+    h2d_rows = measure_h2d(s.device, s.sizes, s.total, progress=progress)
     fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows], [r["time_per_copy_s"] for r in h2d_rows])
     log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
     coll = None
-    if world > 1 and not cpu_smoke:
-        coll = measure_collectives(device, progress=progress)
+    if s.world > 1:
+        coll = measure_collectives(s.device, progress=progress)
         log(f"all-to-all {coll['local_bytes'] / 1e6:.0f} MB: {coll['t_idle_s'] * 1e3:.3f} ms "
             f"({coll['coll_gbps']:.0f} GB/s), with H2D in flight x{coll['contention']:.2f}")
-        if peer_link is None:
-            peer_link = "pcie" if os.environ.get("NCCL_P2P_DISABLE") == "1" else (
-                "nvlink" if torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(0, 1) else "pcie")
+        peer_link = peer_link or _peer_link()
     date = datetime.date.today().isoformat()
-    src = (f"chunkflow calibrate {date} on {device_name}: GEMM {gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
+    src = (f"chunkflow calibrate {date} on {s.name}: GEMM {s.gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
            f"({'datasheet of ' + base_hw.name if peak == base_hw.peak_tflops and matched else 'measured GEMM'}); "
            f"eta_comp curves from one block of {', '.join(curves)} at {len(curve)}+ sizes each; H2D t(C) = t0 + C/BW fitted over "
-           f"{len(h2d_rows)} chunk sizes ({sizes[0] / 1e6:g}-{sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries "
-           f"the size effect)" + (f"; all-to-all and contention over {world} GPUs" if coll else
+           f"{len(h2d_rows)} chunk sizes ({s.sizes[0] / 1e6:g}-{s.sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries "
+           f"the size effect)" + (f"; all-to-all and contention over {s.world} GPUs" if coll else
                                   f"; coll_gbps/contention from {base_hw.name}"))
-    mem = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else base_hw.memory_bytes
+    mem = torch.cuda.get_device_properties(s.device).total_memory if s.device.type == "cuda" else base_hw.memory_bytes
     profile = make_profile(
-        base_hw, name=("cpu-smoke" if cpu_smoke else f"calibrated-{device_name.lower().replace(' ', '-')}"),
+        base_hw, name=("cpu-smoke" if cpu_smoke else f"calibrated-{s.name.lower().replace(' ', '-')}"),
         peak_tflops=peak, gemm_tflops=gemm, curve=curve, h2d=fit, memory_bytes=mem,
-        gpus=world if world > 1 else None, coll_gbps=coll["coll_gbps"] if coll else None,
+        gpus=s.world if s.world > 1 else None, coll_gbps=coll["coll_gbps"] if coll else None,
         contention=coll["contention"] if coll else None, peer_link=peer_link, source=src,
     ).model_copy(update={"eta_comp_curves": curves})
-    raw = dict(date=date, device=device_name, torch=torch.__version__, world=world, gemm_n=gemm_n, gemm_tflops=gemm,
+    raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note)
     return Calibration(profile, raw)
@@ -450,19 +476,14 @@ def _key(rep) -> tuple:
     return (rep.plan.model.name, w.batch, w.frames, w.height, w.width, w.cfg_passes, rep.run.sp_degree)
 
 
-def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
-    """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
+def _gmean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
-    - eta_comp: each `none` report gives k = predicted compute / measured compute (measured step minus the
-      predicted non-compute part), with predictions recomputed on `hw`; the curve and scalar are scaled by the
-      geometric mean of k (capped at 1).
-    - block_overhead_us: each offload report with a `none` report of the same workload, predicted `hidden`,
-      gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
-    """
+
+def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]:
+    """eta_comp (scalar, curve, per-model curves) scaled by predicted / measured compute of the `none` runs."""
     from chunkflow_planner.catalog import get_model
 
-    notes: list[str] = []
-    none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
     ks: dict[str, list[float]] = {}
     for r in none.values():
         spec = get_model(r.plan.model.name)
@@ -470,28 +491,30 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
         comp = r.measured.median_step_s - (p.step_time_s - p.compute_s)
         if comp > 0:
             ks.setdefault(spec.name, []).append(p.compute_s / comp)
-    update: dict[str, Any] = {}
-
-    def gmean(xs: list[float]) -> float:
-        return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-    if ks:
-        k = gmean([x for xs in ks.values() for x in xs])
-        update["eta_comp"] = min(1.0, hw.eta_comp * k)
-        if hw.eta_comp_curve:
-            update["eta_comp_curve"] = [(f, min(1.0, e * k)) for f, e in hw.eta_comp_curve]
-        notes.append(f"eta_comp x{k:.3f} from {sum(map(len, ks.values()))} `none` run(s): "
-                     f"{hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
-        curves = dict(hw.eta_comp_curves)
-        for name, xs in ks.items():  # a model with its own curve is scaled by its own runs
-            if name in curves:
-                km = gmean(xs)
-                curves[name] = [(f, min(1.0, e * km)) for f, e in curves[name]]
-                notes.append(f"eta_comp curve of {name} x{km:.3f} from {len(xs)} `none` run(s)")
-        if curves != hw.eta_comp_curves:
-            update["eta_comp_curves"] = curves
-    else:
+    if not ks:
         notes.append("no `none` run: eta_comp unchanged")
+        return {}
+    k = _gmean([x for xs in ks.values() for x in xs])
+    update: dict[str, Any] = {"eta_comp": min(1.0, hw.eta_comp * k)}
+    if hw.eta_comp_curve:
+        update["eta_comp_curve"] = [(f, min(1.0, e * k)) for f, e in hw.eta_comp_curve]
+    notes.append(f"eta_comp x{k:.3f} from {sum(map(len, ks.values()))} `none` run(s): "
+                 f"{hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
+    curves = dict(hw.eta_comp_curves)
+    for name, xs in ks.items():  # a model with its own curve is scaled by its own runs
+        if name in curves:
+            km = _gmean(xs)
+            curves[name] = [(f, min(1.0, e * km)) for f, e in curves[name]]
+            notes.append(f"eta_comp curve of {name} x{km:.3f} from {len(xs)} `none` run(s)")
+    if curves != hw.eta_comp_curves:
+        update["eta_comp_curves"] = curves
+    return update
+
+
+def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str]) -> dict[str, Any]:
+    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden."""
+    from chunkflow_planner.catalog import get_model
+
     gaps = []
     for r in reports:
         if r.run.offload.mode == "none" or _key(r) not in none:
@@ -501,14 +524,28 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
         if p.prefetch_stall_s > 0.01 * p.step_time_s:
             continue  # prefetch exposed: the gap is transfer, not overhead
         n = (r.stats or {}).get("n_streamed_blocks") or spec.n_blocks
-        per = (r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * r.plan.workload.cfg_passes)
-        gaps.append(per)
-    if gaps:
-        update["block_overhead_us"] = max(0.0, statistics.median(gaps) * 1e6)
-        notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {update['block_overhead_us']:.1f} "
-                     f"from {len(gaps)} hidden-regime offload run(s)")
-    else:
+        gaps.append((r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * r.plan.workload.cfg_passes))
+    if not gaps:
         notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
+        return {}
+    overhead = max(0.0, statistics.median(gaps) * 1e6)
+    notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {overhead:.1f} from {len(gaps)} hidden-regime "
+                 "offload run(s)")
+    return {"block_overhead_us": overhead}
+
+
+def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
+    """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
+
+    - eta_comp: each `none` report gives k = predicted compute / measured compute (measured step minus the
+      predicted non-compute part), with predictions recomputed on `hw`; the curve and scalar are scaled by the
+      geometric mean of k (capped at 1).
+    - block_overhead_us: each offload report with a `none` report of the same workload, predicted `hidden`,
+      gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
+    """
+    notes: list[str] = []
+    none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
+    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes)}
     if update:
         update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
         hw = HardwareSpec(**{**hw.model_dump(), **update})

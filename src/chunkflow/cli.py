@@ -435,53 +435,64 @@ def bench_cmd(
     Under torchrun (`torchrun --nproc-per-node N -m chunkflow.cli bench ...`) every rank runs the sweep with
     Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
     """
-    import os
-
-    from chunkflow.bench import BenchError, BenchMeta, load, write_outputs
-
     if from_dir is not None:
-        try:
-            paths = write_outputs(*load(Path(from_dir)), Path(out), plots)
-        except BenchError as exc:
-            _fail(str(exc))
-            return
-        console.print("Written: " + ", ".join(str(p) for p in paths))
+        _bench_redraw(Path(from_dir), Path(out), plots)
         return
-
-    from chunkflow.run import RunError
-    from chunkflow_planner.catalog import CatalogError
-    from chunkflow_planner.units import UnitError
-    from chunkflow_planner.workload import WorkloadError
-
     world = torchrun_world()
-    try:
-        spec, bench, hw = _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at,
-                                      height, width, hardware, warmup, steps, comm_aware, baselines)
-        if bench.baselines and world > 1:
-            raise UserError("--baselines run on one GPU; leave them out under torchrun")
-        if world > 1:
-            from chunkflow_planner.planner import check_parallel
-
-            check_parallel(spec, hw, world)
-        else:
-            from chunkflow.runtime.handle import resolve_device
-
-            dev = resolve_device(device)
-    except (UserError, CatalogError, WorkloadError, UnitError, ValueError, RunError) as exc:
-        _fail(str(exc))
-        return
+    spec, bench, hw, dev = _bench_setup(world, device, model, frames, batch, modes, chunk_sizes, residency, chunk_at,
+                                        residency_at, height, width, hardware, warmup, steps, comm_aware, baselines)
     rank = 0
     if world > 1:
         from chunkflow.parallel import init_distributed
 
         rank, world, dev = init_distributed()
-    from chunkflow.bench import run_bench
-    from chunkflow.run import environment
+    df = _bench_measure(spec, bench, hw, dev, world, Path(out), show=rank == 0)
+    if rank == 0:
+        _bench_write(df, spec, bench, hw, dev, world, Path(out), plots)
 
-    out_dir, show = Path(out), rank == 0
+
+def _bench_redraw(from_dir: Path, out: Path, plots: bool) -> None:
+    """Plots and summary.md again from an earlier bench directory's files."""
+    from chunkflow.bench import BenchError, load, write_outputs
+
+    try:
+        paths = write_outputs(*load(from_dir), out, plots)
+    except BenchError as exc:
+        _fail(str(exc))
+    console.print("Written: " + ", ".join(str(p) for p in paths))
+
+
+def _bench_setup(world: int, device: str | None, *flags):
+    """(ModelSpec, BenchSpec, HardwareSpec, device) from the flags, or exit 2 with the reason."""
+    from chunkflow.run import RunError
+    from chunkflow_planner.catalog import CatalogError
+    from chunkflow_planner.units import UnitError
+    from chunkflow_planner.workload import WorkloadError
+
+    try:
+        spec, bench, hw = _bench_spec(*flags)
+        if world == 1:
+            from chunkflow.runtime.handle import resolve_device
+
+            return spec, bench, hw, resolve_device(device)
+        if bench.baselines:
+            raise UserError("--baselines run on one GPU; leave them out under torchrun")
+        from chunkflow_planner.planner import check_parallel
+
+        check_parallel(spec, hw, world)
+        return spec, bench, hw, None  # each rank's device comes from init_distributed()
+    except (UserError, CatalogError, WorkloadError, UnitError, ValueError, RunError) as exc:
+        _fail(str(exc))
+
+
+def _bench_measure(spec, bench, hw, dev, world: int, out_dir: Path, show: bool):
+    """Run the sweep with a progress bar; while it runs, rank 0 keeps bench.partial.csv (what a sweep cut short by
+    a time limit still leaves behind)."""
+    from chunkflow.bench import run_bench
+
     partial = out_dir / "bench.partial.csv"
 
-    def keep_partial(rows: list[dict]) -> None:  # what a sweep cut short (a time limit) still leaves behind
+    def keep_partial(rows: list[dict]) -> None:
         if show:
             import pandas as pd
 
@@ -494,9 +505,18 @@ def bench_cmd(
         df = run_bench(spec, bench, hw, device=dev, sp=world, progress=lambda: bar.advance(task),
                        log=(lambda s: bar.console.print(s, highlight=False)) if show else (lambda s: None),
                        on_row=keep_partial)
-    if not show:
-        return
-    partial.unlink(missing_ok=True)
+    if show:
+        partial.unlink(missing_ok=True)
+    return df
+
+
+def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: bool) -> None:
+    """bench.csv, bench.json, summary.md and plots, then the table on the console."""
+    import os
+
+    from chunkflow.bench import BenchError, BenchMeta, write_outputs
+    from chunkflow.run import environment
+
     env = environment(dev)
     launcher = f"torchrun --nproc-per-node {world} -m chunkflow.cli " if world > 1 else "chunkflow "
     meta = BenchMeta(spec=bench, hardware=hw.model_dump(mode="json"), sp=world, gpu=env["gpu"], date=env["date"],
@@ -506,7 +526,6 @@ def bench_cmd(
         paths = write_outputs(df, meta, out_dir, plots)
     except BenchError as exc:
         _fail(str(exc))
-        return
     console.print("Written: " + ", ".join(str(p) for p in paths))
     console.print(_bench_table(df, spec, hw, bench.axis, world))
 
