@@ -12,7 +12,8 @@ from rich.table import Table
 
 from chunkflow.launch import torchrun_rank, torchrun_world
 from chunkflow_planner import __version__
-from chunkflow_planner.units import format_bytes, format_seconds, parse_duration, parse_size
+from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES
+from chunkflow_planner.units import format_bytes, format_seconds, parse_duration, parse_size, short_bytes
 
 app = typer.Typer(
     add_completion=False,
@@ -411,7 +412,7 @@ def bench_cmd(
     modes: str = typer.Option("none,layerwise,chunkflow", help="modes to run"),
     baselines: str = typer.Option("", help="other offloaders to measure at every value, after the modes: "
                                            "diffusers-group (diffusers' group offloading, block level, streams)"),
-    chunk_sizes: str = typer.Option("16MB", help="chunkflow chunk sizes; the first is used across the workloads, "
+    chunk_sizes: str = typer.Option(short_bytes(DEFAULT_CHUNK_BYTES), help="chunkflow chunk sizes; the first is used across the workloads, "
                                                   "all of them at --chunk-at, e.g. 16MB,4MB,64MB,256MB"),
     residency: str = typer.Option("0", help="chunkflow residencies; the first is used across the workloads, all "
                                             "of them at --residency-at, e.g. 0,0.2,0.4,0.6"),

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chunkflow.runtime.observe import Observer
-from chunkflow.timing import EventPool
+from chunkflow.timing import EventPool, timing_event
 
 
 def _compute_stream(cuda: bool):
@@ -98,9 +98,7 @@ class EventLog(Observer):
     def _add(self, kind: str, stream=None, **kw) -> Event:
         e = Event(len(self.events), kind, **kw)
         if self.cuda and stream is not None:
-            import torch
-
-            e.gpu = torch.cuda.Event(enable_timing=True)
+            e.gpu = timing_event(True)
             e.gpu.record(stream)
         self.events.append(e)
         return e
@@ -181,7 +179,9 @@ class EventLog(Observer):
         timed = [e for e in self.events if e.gpu is not None]
         if not timed:
             return
-        timed[-1].gpu.synchronize()
+        import torch
+
+        torch.cuda.synchronize()  # events on both streams
         t0 = timed[0].gpu
         for e in timed:
             e.t_ms = t0.elapsed_time(e.gpu)
