@@ -127,3 +127,7 @@ def test_run_under_torchrun_with_sequence_parallelism(tmp_path, cli, torchrun):
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["run"]["sp_degree"] == 2 and report["run"]["offload"]["mode"] == "chunkflow"
     assert report["plan"]["parallel"]["sp_degree"] == 2
+
+
+def test_variant_needs_weights(tmp_path):
+    _bad(["--plan", "plan.json", "--variant", "fp16"], "--weights DIR")

@@ -30,8 +30,11 @@ def _snapshot(m):
 
 
 def _same(m, snap) -> bool:
+    """The same tensors (objects, devices, dtypes, values) and classes as before offload."""
     now = _snapshot(m)
-    return len(now) == len(snap) and all(
+    plain = all(type(p) is torch.nn.Parameter for p in m.parameters()) and all(
+        not type(x).__dict__.get("_chunkflow_base") for x in m.modules())
+    return plain and len(now) == len(snap) and all(
         a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[3] == b[3] and torch.equal(a[4], b[4])
         for a, b in zip(now, snap))
 
@@ -131,10 +134,13 @@ def test_streaming_memory_is_two_slots_allocated_once():
     _run(m, kw)
     assert [s.data_ptr() for s in h.streamer.slots] == slots
     assert h.stats().slot_bytes == max(b.slot_extent for b in h.layouts)
-    # between blocks, streamed tensors are placeholders; resident ones stay bound
+    # between forwards every block tensor is its view of the host store: true shape, host memory
+    store = h.store.data
+    lo, hi = store.data_ptr(), store.data_ptr() + store.numel()
     for b in h.layouts:
-        for t in b.streamed_tensors():
-            assert getattr(t.owners[0][0], t.owners[0][1]).numel() == 0
+        for t in b.tensors:
+            p = getattr(t.owners[0][0], t.owners[0][1])
+            assert tuple(p.shape) == t.shape and p.device.type == "cpu" and lo <= p.data_ptr() < hi
     h.remove()
 
 

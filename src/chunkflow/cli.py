@@ -177,6 +177,8 @@ def run_cmd(
     residency: Optional[float] = typer.Option(None, help="override the residency, a fraction in [0, 1]"),
     device: Optional[str] = typer.Option(None, help="cuda (default when available), cuda:1 or cpu"),
     weights: Optional[str] = typer.Option(None, help="local diffusers-format checkpoint directory (default: random weights)"),
+    variant: Optional[str] = typer.Option(None, help="with --weights: load that directory's variant files, e.g. fp16 "
+                                                     "(as diffusers' from_pretrained(variant=...))"),
     warmup: int = typer.Option(1, help="untimed warm-up steps"),
     steps: Optional[int] = typer.Option(None, help="timed denoising steps (default: the plan's steps, at most 5)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile or catalog GPU to predict with (default: the plan's)"),
@@ -197,7 +199,8 @@ def run_cmd(
         cfg = p.offload.with_overrides(mode, chunk_size, residency)  # the flags are parsed here, once
         from chunkflow.run import RunError, RunOptions
 
-        opts = RunOptions(device=device, weights=weights, warmup=warmup, steps=steps, profile=profile, seed=seed)
+        opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
+                          seed=seed)
         opts.check()  # bad options fail before anything is built
     except (PlanError, CatalogError, ValueError) as exc:
         _fail(str(exc))

@@ -71,6 +71,17 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
 
 
+def memory_drift(trace) -> str:
+    """How memory moved over the timed steps: first and last sample of each quantity (flat means no leak)."""
+    first, last = trace[0], trace[-1]
+    parts = []
+    for what, attr in (("allocated", "allocated_bytes"), ("reserved", "reserved_bytes"), ("host RSS", "host_rss_bytes")):
+        a, b = getattr(first, attr), getattr(last, attr)
+        if a is not None and b is not None:
+            parts.append(f"{what} {format_bytes(a)} -> {format_bytes(b)} ({b - a:+,d} B)")
+    return f"memory over {len(trace)} timed steps: " + "; ".join(parts)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
@@ -99,7 +110,12 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run
     if m.achieved_residency is not None and o.mode == "chunkflow":
         t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{o.residency:.1%}", "-")
     console.print(t)
-    console.print("step times: " + ", ".join(format_seconds(x) for x in m.step_times_s), highlight=False)
+    shown = m.step_times_s if len(m.step_times_s) <= 12 else m.step_times_s[:6] + m.step_times_s[-6:]
+    console.print("step times: " + ", ".join(format_seconds(x) for x in shown)
+                  + (f" ({len(m.step_times_s)} steps, first and last 6 shown)" if len(shown) < len(m.step_times_s) else ""),
+                  highlight=False)
+    if len(m.memory_trace) > 1:
+        console.print(memory_drift(m.memory_trace), highlight=False)
     if r.device.startswith("cpu"):
         console.print(f"note: the prediction is for the GPU profile {report.plan.hardware.name!r}; on the CPU this run "
                       "checks the pipeline end to end, not the planner's accuracy (run it on that GPU for that).",

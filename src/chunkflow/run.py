@@ -40,6 +40,15 @@ class RunError(ValueError):
 # --------------------------------------------------------------------------------------------- report
 
 
+class MemorySample(BaseModel):
+    """Memory after one timed step: torch's allocated and reserved device bytes (None on the CPU), host RSS."""
+
+    step: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    host_rss_bytes: int
+
+
 class Measured(BaseModel):
     step_times_s: list[float]
     median_step_s: float
@@ -47,6 +56,7 @@ class Measured(BaseModel):
     peak_reserved_bytes: int | None = None
     pinned_host_bytes: int = 0
     achieved_residency: float | None = None
+    memory_trace: list[MemorySample] = Field(default_factory=list, description="memory after every timed step")
 
 
 class RelErrors(BaseModel):
@@ -146,17 +156,20 @@ class Timing:
     peak_allocated: int | None
     peak_reserved: int | None
     latents: Any
+    memory: list[MemorySample]
 
 
 def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: int, steps: int,
             guidance: float = 5.0, on_step: Callable[[int, float], None] | None = None) -> Timing:
-    """`warmup` + `steps` flow-matching Euler steps of `cfg_passes` forwards each; the timed steps' times.
+    """`warmup` + `steps` flow-matching Euler steps of `cfg_passes` forwards each; the timed steps' times, and the
+    memory after each of them (allocated and reserved device bytes, host RSS: a leak shows as a slope).
 
     Peak memory statistics are reset after the warm-up, so they cover the timed steps only.
     """
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    from chunkflow.hostmem import rss_bytes
     from chunkflow.timing import time_on
 
     cuda = device.type == "cuda"
@@ -166,6 +179,7 @@ def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: i
     t_in = inputs["timestep"]
     scale = _timestep_scale(spec)
     times: list[float] = []
+    memory: list[MemorySample] = []
 
     def one_step(t):
         nonlocal latents
@@ -182,11 +196,14 @@ def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: i
             _, dt = time_on(cuda, lambda: one_step(t))  # timing only: outside the runtime's hot path
             if i >= warmup:
                 times.append(dt)
+                memory.append(MemorySample(
+                    step=i, allocated_bytes=torch.cuda.memory_allocated(device) if cuda else None,
+                    reserved_bytes=torch.cuda.memory_reserved(device) if cuda else None, host_rss_bytes=rss_bytes()))
             if on_step is not None:
                 on_step(i, dt)
     peak_a = torch.cuda.max_memory_allocated(device) if cuda else None
     peak_r = torch.cuda.max_memory_reserved(device) if cuda else None
-    return Timing(times, peak_a, peak_r, latents)
+    return Timing(times, peak_a, peak_r, latents, memory)
 
 
 def environment(device) -> dict[str, str]:
@@ -203,7 +220,7 @@ def measured_of(timing: Timing, stats: dict | None) -> Measured:
         step_times_s=timing.times, median_step_s=statistics.median(timing.times),
         peak_allocated_bytes=timing.peak_allocated, peak_reserved_bytes=timing.peak_reserved,
         pinned_host_bytes=(stats or {}).get("pinned_bytes", 0),
-        achieved_residency=(stats or {}).get("achieved_residency"),
+        achieved_residency=(stats or {}).get("achieved_residency"), memory_trace=timing.memory,
     )
 
 
@@ -223,6 +240,7 @@ class RunOptions:
 
     device: str | None = None
     weights: str | None = None
+    variant: str | None = None
     warmup: int = 1
     steps: int | None = None
     profile: str | None = None
@@ -233,6 +251,8 @@ class RunOptions:
             raise RunError(f"--steps must be at least 1, got {self.steps}")
         if self.warmup < 0:
             raise RunError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.variant is not None and self.weights is None:
+            raise RunError("--variant picks files in a weights directory; give --weights DIR with it")
 
 
 def _place(o: RunOptions, world: int, plan: Plan, log: Callable[[str], None]):
@@ -275,7 +295,8 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     try:
-        model, handle = build_transformer(spec, weights=o.weights, dtype=dtype, device=device, config=cfg, seed=o.seed)
+        model, handle = build_transformer(spec, weights=o.weights, dtype=dtype, device=device, config=cfg, seed=o.seed,
+                                          variant=o.variant)
     except (OffloadError, FileNotFoundError) as exc:
         raise RunError(str(exc)) from None
     if world > 1:

@@ -109,16 +109,102 @@ class _RandomSource:
             out.copy_(tmp)
 
 
-class _SafetensorsSource:
-    """Tensors read one at a time from a diffusers-format directory (safetensors only)."""
+_WEIGHTS_STEM = "diffusion_pytorch_model"  # diffusers' SAFETENSORS_WEIGHTS_NAME, less ".safetensors"
+_ST = ".safetensors"
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+              "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
+              "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool", "C64": "complex64"}
 
-    def __init__(self, path: Path, spec, module: nn.Module):
+
+def _add_variant(name: str, variant: str | None) -> str:
+    """diffusers' rule: the variant goes before the last suffix (`a.safetensors` -> `a.fp16.safetensors`,
+    `a.safetensors.index.json` -> `a.safetensors.index.fp16.json`)."""
+    if variant is None:
+        return name
+    head, _, tail = name.rpartition(".")
+    return f"{head}.{variant}.{tail}"
+
+
+def _unshard(name: str) -> tuple[str, bool]:
+    """A `*.safetensors` file name's stem without its shard number, and whether it had one."""
+    import re
+
+    stem, n = re.subn(r"-\d{5}-of-\d{5}(?=\.|$)", "", name[: -len(_ST)])
+    return stem, n > 0
+
+
+def _parse_weights_name(name: str) -> tuple[str, str | None, bool]:
+    """A `*.safetensors` file name as (base, variant, is_shard): `m.safetensors` -> (m, None, False),
+    `m.fp16.safetensors` -> (m, fp16, False), `m-00001-of-00002.safetensors` -> (m, None, True), and both shard forms
+    of a variant, `m.fp16-00001-of-00002.safetensors` and the legacy `m-00001-of-00002.fp16.safetensors`."""
+    stem, shard = _unshard(name)
+    base, dot, variant = stem.rpartition(".")
+    return (base, variant, shard) if dot and base else (stem, None, shard)
+
+
+def _index_variant(name: str) -> str | None:
+    """The variant of an index file name: `m.safetensors.index.fp16.json` (or legacy `m.safetensors.fp16.index.json`)
+    -> fp16; `m.safetensors.index.json` -> None."""
+    parts = name.split(_ST, 1)[1].strip(".").split(".")
+    rest = [p for p in parts if p not in {"index", "json"}]
+    return rest[0] if len(parts) == 3 and len(rest) == 1 else None
+
+
+def _re_search(pattern: str, key: str) -> bool:
+    import re
+
+    return re.search(pattern, key) is not None
+
+
+def _dtype_kind(dtype) -> str | None:
+    """'floating', 'integer', 'bool' or 'complex' for a torch dtype or a safetensors dtype code (None: unknown)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype == torch.bool:
+            return "bool"
+        return "complex" if dtype.is_complex else "floating" if dtype.is_floating_point else "integer"
+    if dtype == "BOOL":
+        return "bool"
+    if dtype.startswith(("I", "U")):
+        return "integer"
+    if dtype.startswith("C"):
+        return "complex"
+    if dtype.startswith(("F", "BF", "E")):
+        return "floating"
+    return None
+
+
+def _names(items, limit: int = 5) -> str:
+    items = list(items)
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+class _SafetensorsSource:
+    """Tensors read one at a time from a diffusers-format directory (safetensors only), chosen as
+    `ModelMixin.from_pretrained` chooses them:
+
+    1. an index for the variant (`diffusion_pytorch_model.safetensors.index[.VARIANT].json`, or the legacy
+       `...safetensors.VARIANT.index.json`; failing those, the folder's one `*.safetensors.index[.VARIANT].json`):
+       its `weight_map` alone says which shard holds each tensor;
+    2. else the single file `diffusion_pytorch_model[.VARIANT].safetensors`;
+    3. else the folder's one `*.safetensors` file that is not a shard and not a variant of another name (with a
+       variant: the one `*.VARIANT.safetensors`).
+
+    Variant files are ignored unless `variant` asks for one. Every check (missing, unexpected, misshapen tensors and
+    integer/floating mix-ups) runs here, before any tensor is filled; floating tensors are cast on copy.
+    """
+
+    def __init__(self, path: Path, spec, module: nn.Module, *, variant: str | None = None,
+                 dtype: torch.dtype | None = None):
         from safetensors import safe_open
 
         if not path.is_dir():
             raise OffloadError(f"weights {str(path)!r} is not a directory; give a diffusers-format model directory")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
+        if variant is not None and (not isinstance(variant, str) or not variant or any(c in variant for c in "./\\")):
+            raise OffloadError(f"variant {variant!r} is not a variant name; give one like 'fp16', or None")
+        files = sorted(p.name for p in path.glob("*" + _ST) if p.is_file())
+        indexes = sorted(p.name for p in path.glob("*" + _ST + ".*json") if p.is_file())
+        if not files and not indexes:
             pickles = [p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}]
             if pickles:
                 raise OffloadError(
@@ -128,22 +214,138 @@ class _SafetensorsSource:
                 )
             raise OffloadError(f"{str(path)!r} has no *.safetensors files")
         self._check_config(path, spec)
-        self._open = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+
+        index, single = self._choose(path, files, indexes, variant)
         self.where: dict[str, object] = {}
-        for f in self._open:
-            for k in f.keys():
-                self.where[k] = f
+        self.file_of: dict[str, str] = {}
+        if index is not None:
+            weight_map = self._read_index(path, index)
+            shards = sorted(set(weight_map.values()))
+            handles = {s: safe_open(str(path / s), framework="pt", device="cpu") for s in shards}
+            keys = {s: set(h.keys()) for s, h in handles.items()}
+            absent = [k for k, s in weight_map.items() if k not in keys[s]]
+            if absent:
+                raise OffloadError(
+                    f"{index} in {str(path)!r} places tensor(s) {_names(absent)} in shards that do not hold them (e.g. "
+                    f"{absent[0]!r} in {weight_map[absent[0]]}); the index does not match its shards: download or save "
+                    "the checkpoint again")
+            for k, s in weight_map.items():
+                self.where[k], self.file_of[k] = handles[s], s
+        else:
+            h = safe_open(str(path / single), framework="pt", device="cpu")
+            for k in h.keys():
+                self.where[k], self.file_of[k] = h, single
+
+        state = module.state_dict(keep_vars=True)
         expected = dict(module.named_parameters(remove_duplicate=False))
-        expected.update({n: b for n, b in module.named_buffers() if n in module.state_dict()})
+        expected.update({n: b for n, b in module.named_buffers() if n in state})
         missing = [n for n in expected if n not in self.where]
         if missing:
-            raise OffloadError(f"{str(path)!r} lacks tensor(s) {', '.join(missing[:5])}"
-                               f"{' and %d more' % (len(missing) - 5) if len(missing) > 5 else ''}")
+            raise OffloadError(f"{str(path)!r} lacks tensor(s) {_names(missing)}")
+        ignore = getattr(type(module), "_keys_to_ignore_on_load_unexpected", None) or []
+        unexpected = [k for k in self.where if k not in expected]
+        skipped = [k for k in unexpected if any(_re_search(p, k) for p in ignore)]
+        for k in skipped:  # keys the class declares harmless (diffusers drops them too, e.g. Wan's norm_added_q)
+            del self.where[k]
+        unexpected = [k for k in unexpected if k not in skipped]
+        if unexpected:
+            raise OffloadError(
+                f"{str(path)!r} holds tensor(s) the {type(module).__name__} does not have: "
+                f"{_names(sorted(unexpected))}; "
+                "the checkpoint is for another model or config: point weights= at the matching transformer directory")
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         for n, t in expected.items():
-            shape = tuple(self.where[n].get_slice(n).get_shape())
+            sl = self.where[n].get_slice(n)
+            shape = tuple(sl.get_shape())
             if shape != tuple(t.shape):
                 raise OffloadError(f"tensor {n!r} in {str(path)!r} has shape {list(shape)}, the model expects "
                                    f"{list(t.shape)}; the checkpoint does not match the config")
+            code = sl.get_dtype()
+            want = param_dtype(module, n, dtype) if (n in params and dtype is not None) else t.dtype
+            have_kind, want_kind = _dtype_kind(code), _dtype_kind(want)
+            if have_kind is not None and have_kind != want_kind:
+                raise OffloadError(
+                    f"tensor {n!r} in {self.file_of[n]} ({str(path)!r}) is {_ST_DTYPES.get(code, code)} ({have_kind}), "
+                    f"the model's {'parameter' if n in params else 'buffer'} is {str(want).removeprefix('torch.')} "
+                    f"({want_kind}); chunkflow casts only between floating dtypes: the checkpoint does not match this "
+                    "model (quantized or converted?): use an unquantized diffusers checkpoint")
+
+    @staticmethod
+    def _choose(path: Path, files: list[str], indexes: list[str], variant: str | None) -> tuple[str | None, str | None]:
+        """(index file, None) or (None, single weights file) for `variant`, by the rules in the class docstring."""
+        std_index = _add_variant(_WEIGHTS_STEM + _ST + ".index.json", variant)
+        candidates = [std_index] + ([f"{_WEIGHTS_STEM}{_ST}.{variant}.index.json"] if variant else [])
+        for c in candidates:
+            if c in indexes:
+                return c, None
+        std_file = _add_variant(_WEIGHTS_STEM + _ST, variant)
+        if std_file in files:
+            return None, std_file
+        suffixes = [f"{_ST}.index.{variant}.json", f"{_ST}.{variant}.index.json"] if variant else [f"{_ST}.index.json"]
+        other_index = [i for i in indexes if i.endswith(tuple(suffixes))]
+        if len(other_index) == 1:
+            return other_index[0], None
+
+        stems = {_unshard(f)[0] for f in files} | {i.split(_ST)[0] for i in indexes if _index_variant(i) is None}
+        parsed = {f: _parse_weights_name(f) for f in files}
+
+        def is_variant(f: str) -> bool:  # of another name: the diffusers name, or a base whose own file is here
+            base, v, _ = parsed[f]
+            return v is not None and (base == _WEIGHTS_STEM or base in stems)
+
+        present = sorted({parsed[f][1] for f in files if is_variant(f)}
+                         | {v for v in map(_index_variant, indexes) if v is not None})
+        if variant is None:
+            pool = [f for f in files if not is_variant(f)]
+        else:
+            pool = [f for f in files if parsed[f][1] == variant]
+        singles = [f for f in pool if not parsed[f][2]]
+        shards = [f for f in pool if parsed[f][2]]
+        if len(singles) == 1 and not shards and not other_index:
+            return None, singles[0]
+
+        where = f"{str(path)!r} (found: {_names(files + indexes, 12) or 'nothing'})"
+        what = f"the {variant!r} variant" if variant else "the default (non-variant) weights"
+        if len(other_index) > 1:
+            raise OffloadError(f"several index files ({_names(other_index)}) could hold {what} in {where}; keep only "
+                               "the right one")
+        if shards:
+            raise OffloadError(f"{what} in {str(path)!r} are sharded ({_names(shards, 3)}) but their index "
+                               f"({std_index}) is missing; download it again, or re-save with save_pretrained")
+        if len(singles) > 1:
+            raise OffloadError(f"several files ({_names(singles)}) could hold {what} in {where}; chunkflow reads one "
+                               f"file or the shards an index names: keep one, or name it {std_file}")
+        if variant is not None:
+            others = (f"variants present: {', '.join(repr(v) for v in present)}" if present
+                      else "it has no variants: leave variant unset for the default weights")
+            raise OffloadError(f"there is no {variant!r} variant in {where}: no {std_index} and no {std_file}; "
+                               f"{others}")
+        if present:
+            raise OffloadError(f"{where} has no {std_index} or {std_file}, only variant files; ask for one with "
+                               f"variant= one of {', '.join(repr(v) for v in present)}")
+        raise OffloadError(f"{where} has no {std_index} or {std_file}; give a diffusers-format model directory")
+
+    @staticmethod
+    def _read_index(path: Path, index: str) -> dict[str, str]:
+        """The index's weight_map, checked: well formed, shard names plain file names, every shard present."""
+        try:
+            data = json.loads((path / index).read_text())
+        except (OSError, ValueError) as exc:
+            raise OffloadError(f"index {index} in {str(path)!r} cannot be read ({exc}); download it again") from None
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise OffloadError(f"index {index} in {str(path)!r} has no weight_map of tensor name -> shard file; "
+                               "download it again or re-save the model with save_pretrained")
+        shards = sorted(set(wm.values()))
+        bad = [s for s in shards if s in {"", ".", ".."} or Path(s).name != s or "\\" in s]
+        if bad:
+            raise OffloadError(f"index {index} in {str(path)!r} names shard(s) {_names(bad)} outside the directory; "
+                               "shard names must be plain file names: the index is damaged or not to be trusted")
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise OffloadError(f"index {index} in {str(path)!r} names shard file(s) {_names(missing)} that are not in "
+                               "the directory; download the missing shard(s) again")
+        return wm
 
     @staticmethod
     def _check_config(path: Path, spec) -> None:
@@ -172,10 +374,12 @@ class _SafetensorsSource:
 
 def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, device="cuda", config=None, *,
                       mode: str | None = None, chunk_size=None, residency: float | None = None,
-                      comm_aware: bool | None = None, seed: int = 0, blocks=None) -> tuple[nn.Module, OffloadHandle]:
+                      comm_aware: bool | None = None, seed: int = 0, blocks=None,
+                      variant: str | None = None) -> tuple[nn.Module, OffloadHandle]:
     """A catalog model (name or ModelSpec), offloaded as asked (`config` and the keywords as for
     `chunkflow.offload`), with random weights (None or "random") or weights from a local diffusers-format
-    directory. Returns (module, handle).
+    directory (`variant`, e.g. "fp16", picks diffusers' variant files there, as `from_pretrained` does).
+    Returns (module, handle).
 
     `handle.remove()` on a built module puts block tensors on the CPU; non-block tensors stay on the device.
     """
@@ -183,8 +387,11 @@ def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, 
     dev = resolve_device(device)
     if weights is not None and not (isinstance(weights, str) and weights == "random"):
         weights = Path(weights)
+    if variant is not None and not isinstance(weights, Path):
+        raise OffloadError(f"variant {variant!r} picks files in a weights directory; give weights=DIR with it")
     module = construct_meta(spec)
-    source = _SafetensorsSource(weights, spec, module) if isinstance(weights, Path) else None
+    source = (_SafetensorsSource(weights, spec, module, variant=variant, dtype=dtype)
+              if isinstance(weights, Path) else None)
     pnames: dict[int, str] = {}
     for pname, p in module.named_parameters(remove_duplicate=False):
         pnames.setdefault(id(p), pname)

@@ -2,32 +2,39 @@
 
 `offload(module, config)` takes an OffloadConfig, a plan (object or file) or keywords, lays the module's blocks
 out, writes their bytes into one host store, places everything else on the device and starts the ring. Model
-builders and loaders go through the same call, with a `TensorSource` that fills tensors a module holds on the meta
+builders and loaders go through the same call, with a TensorSource that fills tensors a module holds on the meta
 device. Every check runs before the module is touched, so a bad argument leaves it exactly as it was.
+
+An offloaded module stays a normal module: block tensors are views of the host store outside their forward
+(runtime/params.py), writes are seen and carried to the device at the next forward (runtime/writes.py), a dtype
+change is applied to the store (the blocks are laid out again), and a device change is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from chunkflow.runtime.comm import CollectiveTap, CommPacer, dist_active
-from chunkflow.runtime.hooks import BlockHook
+from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.hooks import BlockHook, hook_module, unhook_module
 from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
+from chunkflow.runtime.params import bind_data, raw_data
+from chunkflow.runtime.resolve import resolve_blocks, resolve_config, resolve_device
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
-from chunkflow_planner.offload import MODES, OffloadConfig, OffloadConfigError
+from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
+from chunkflow.runtime.writes import WriteWatch
+from chunkflow_planner.offload import OffloadConfig
+
+__all__ = ["offload", "OffloadHandle", "OffloadError", "OffloadStats", "TensorSource", "resolve_device"]
 
 _MARK = "_chunkflow_handle"
-
-
-class OffloadError(ValueError):
-    """A request chunkflow cannot carry out; the message says what was wrong and what to do."""
 
 
 @dataclass(frozen=True)
@@ -51,195 +58,146 @@ class OffloadStats:
     forwards: int  # forwards seen by the ring so far
     h2d_bytes_issued: int  # H2D bytes enqueued so far
     comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
+    refreshes: int = 0  # forwards that re-copied blocks to the device after writes while offloaded
+    relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-class TensorSource(Protocol):
-    """Values for a module whose tensors are (partly) on the meta device: what loaders give `offload(source=...)`.
-
-    `provides(name)`: whether the source has a value for the tensor of that dotted name (it then overrides the
-    module's own value; a meta tensor must be provided). `fill(name, module, attr, out)` writes it into `out`,
-    a tensor of the final shape and dtype in its final home (host store or device)."""
-
-    def provides(self, name: str) -> bool: ...
-
-    def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None: ...
-
-
-# ----------------------------------------------------------------------------------------- validation
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """A torch.device to offload to; None: the current CUDA device if there is one, else the CPU."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise OffloadError(f"device {device!r} is not a torch device ({exc}); use 'cuda', 'cuda:1' or 'cpu'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise OffloadError(f"device {str(device)!r} requested but CUDA is not available on this machine; "
-                               "use device 'cpu' to run the same logic on host memory")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise OffloadError(f"device {str(device)!r} is not supported; use 'cuda' or 'cpu'")
-    return dev
-
-
-def _plan_config(plan, module: nn.Module) -> OffloadConfig:
-    """A plan's offload setting, after checking that the plan was made for this module's model."""
-    from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.plan import Plan, load_plan
-
-    try:
-        p = plan if isinstance(plan, Plan) else load_plan(plan)
-    except (ValueError, TypeError) as exc:
-        raise OffloadError(str(exc)) from None
-    try:
-        spec = get_model(p.model.name)
-    except ValueError as exc:
-        raise OffloadError(f"the plan's model {p.model.name!r} is not in the catalog: {exc}") from None
-    cls = type(module).__name__
-    if spec.diffusers.cls != cls:
-        raise OffloadError(f"the plan is for {p.model.name} ({spec.diffusers.cls}) but the module is a {cls}; "
-                           "write a plan for this model with `chunkflow plan`")
-    return p.offload
-
-
-def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, mode: str | None = None,
-                   chunk_size=None, residency: float | None = None,
-                   comm_aware: bool | None = None) -> OffloadConfig:
-    """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
-    any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
-    if config is not None and plan is not None:
-        raise OffloadError("give the offload setting once: a config or plan as the second argument, or plan=")
-    if isinstance(config, str) and config in MODES:
-        config, mode = None, mode or config
-    source = config if config is not None else plan
-    try:
-        if isinstance(source, OffloadConfig):
-            base = source
-        elif source is not None:
-            base = _plan_config(source, module)
-        else:
-            return OffloadConfig(mode or "chunkflow", chunk_size, residency,
-                                 True if comm_aware is None else comm_aware)
-        return base.with_overrides(mode, chunk_size, residency, comm_aware)
-    except OffloadConfigError as exc:
-        raise OffloadError(str(exc)) from None
-
-
-def resolve_blocks(module: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
-    """(name, block) pairs in execution order, from `blocks=` or the catalog adapter."""
-    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-    if blocks is None:
-        from chunkflow.models.adapters import find_blocks
-
-        try:
-            blocks = find_blocks(module)
-        except LookupError as exc:
-            raise OffloadError(str(exc)) from None
-    flat: list[nn.Module] = []
-    for b in blocks:
-        flat.extend(b if isinstance(b, nn.ModuleList) else [b])
-    out = []
-    seen: set[int] = set()
-    for b in flat:
-        if not isinstance(b, nn.Module):
-            raise OffloadError(f"blocks must be nn.Modules (or ModuleLists); got {type(b).__name__}")
-        if id(b) not in names or b is module:
-            raise OffloadError("every block must be a submodule of the offloaded module (and not the module itself)")
-        if id(b) in seen:
-            raise OffloadError(f"block {names[id(b)]!r} is listed twice")
-        seen.add(id(b))
-        out.append((names[id(b)], b))
-    if not out:
-        raise OffloadError("no blocks to offload; pass blocks=[...] with the transformer's block modules")
-    inner = {id(m) for _, b in out for m in list(b.modules())[1:]}
-    for n, b in out:
-        if id(b) in inner:
-            raise OffloadError(f"block {n!r} is inside another listed block; list disjoint blocks")
-    return out
-
-
-@dataclass
-class _Tensor:
-    """One distinct tensor of the module: its first dotted name, every (module, attribute) holding it, its kind and
-    the device it was on before offload."""
-
-    name: str
-    owners: list[tuple[nn.Module, str]]
-    is_param: bool
-    device: torch.device
-
-    def get(self) -> torch.Tensor:
-        m, attr = self.owners[0]
-        return m._parameters[attr] if self.is_param else m._buffers[attr]
-
-    def set_buffer(self, value: torch.Tensor) -> None:
-        for m, attr in self.owners:
-            m._buffers[attr] = value
-
-
-def _all_tensors(module: nn.Module) -> list[_Tensor]:
-    """Each distinct tensor of the module once, in module order (parameters, then buffers, of each module)."""
-    found: dict[int, _Tensor] = {}
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        for attr, p in m._parameters.items():
-            if p is not None:
-                found.setdefault(id(p), _Tensor(f"{prefix}.{attr}" if prefix else attr, [], True, p.device))
-                found[id(p)].owners.append((m, attr))
-        for attr, b in m._buffers.items():
-            if b is not None:
-                found.setdefault(id(b), _Tensor(f"{prefix}.{attr}" if prefix else attr, [], False, b.device))
-                found[id(b)].owners.append((m, attr))
-    return list(found.values())
-
-
-def _check_values(tensors: list[_Tensor], source: TensorSource | None) -> None:
-    """Every meta tensor must get its values from the source."""
-    missing = [t.name for t in tensors if t.device.type == "meta" and (source is None or not source.provides(t.name))]
-    if missing:
-        raise OffloadError(f"the module has tensors on the meta device (no values), e.g. {', '.join(missing[:3])}; "
-                           "load real weights first, or build it with chunkflow.models.build.build_transformer")
-
-
-# ----------------------------------------------------------------------------------------- the handle
-
-
 class OffloadHandle:
     """State of one offloaded module. Made by `offload()`; undo with `remove()`."""
 
-    def __init__(self, module: nn.Module, cfg: OffloadConfig, device: torch.device, layouts: list[BlockLayout],
-                 store: HostStore | None, non_block: list[_Tensor], block_devices: dict[int, torch.device]):
+    def __init__(self, module: nn.Module, cfg: OffloadConfig, device: torch.device,
+                 blocks: list[tuple[str, nn.Module]]):
         self.module = module
         self.cfg = cfg
         self.device = device
-        self.layouts = layouts
-        self.store = store
-        self._non_block = non_block
-        self._block_orig_device = block_devices
-        self.hooks: list[BlockHook] = []
+        self.blocks = blocks
+        self.layouts: list[BlockLayout] = []
+        self.store: HostStore | None = None
         self.streamer: Streamer | None = None
+        self.hooks: list[BlockHook] = []
         self.pacer: CommPacer | None = None  # paces chunks around collectives (chunkflow, comm_aware, SP)
         self.tap: CollectiveTap | None = None  # the collective wrappers this handle owns while it lives
         self.observers: list[Observer] = []
-        self._obs: Observer | None = None
+        self.writes = WriteWatch()
+        self.refreshes = 0
+        self.relayouts = 0
         self.removed = False
+        self._obs: Observer | None = None
+        self._non_block: list[ModuleTensor] = []
+        self._origin: dict[tuple[int, str], torch.device] = {}  # (id(owner), attr) -> device before offload
+        self._home: torch.device = torch.device("cpu")  # where tensors new since offload go at remove()
 
-    def _start(self) -> None:
-        if self.cfg.streams:
-            backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
-            with torch.inference_mode(False):
-                self.streamer = Streamer(self.layouts, self.store, self.device, backend)
+    # ---- attach and detach (start-up, remove, laying out again)
+
+    def _attach(self, source: TensorSource | None = None, first: bool = False) -> None:
+        """Lay the blocks out, fill a new host store and the device, start streaming and watching writes. The
+        first time, note where every tensor was (remove() puts it back there)."""
+        tensors = all_tensors(self.module)
+        check_values(tensors, source)
+        if first:
+            self._origin = {(id(t.owners[0][0]), t.owners[0][1]): home(t.device) for t in tensors}
+            self._home = home(tensors[0].device) if tensors else torch.device("cpu")
+        layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency)
+        with torch.inference_mode(False):
+            store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda") if self.cfg.streams else None
+            self._non_block = fill(layouts, store, tensors, self.device, source)
+            place(self._non_block, self.device)
+            if self.device.type == "cuda" and source is not None:
+                torch.cuda.synchronize(self.device)
+            self.layouts, self.store = layouts, store
+            if self.cfg.streams:
+                backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
+                self.streamer = Streamer(layouts, store, self.device, backend)
                 self.streamer.fill_resident_and_start()
-            self.hooks = [BlockHook(self.streamer, b.index, b.module) for b in self.layouts if b.is_streamed]
+                self.hooks = [BlockHook(self, b.index, b.module) for b in layouts]
+                self.writes.watch(layouts, self.streamer.host_views)
         self._configure()
-        setattr(self.module, _MARK, True)
+
+    def _detach(self, to_host: bool) -> HostStore | None:
+        """Stop streaming and watching. to_host: block tensors stay what they are between forwards (views of the
+        old store, which is returned and must outlive them, or whatever replaced them since); else each goes back
+        where it was before offload, with its current values, and the store is released."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.writes.unwatch()
+        if self.streamer is not None:
+            self.streamer.release()
+        self.streamer = None
+        self.pacer = None
+        if not to_host:
+            for b in self.layouts:
+                for t in b.tensors:
+                    cur = current(t)
+                    bind(t, (raw_data(cur) if t.is_param else cur).to(self._origin_of(t), copy=True))
+        store, self.store, self.layouts = self.store, None, []
+        if to_host:
+            return store
+        if store is not None:
+            store.release()
+        return None
+
+    def _origin_of(self, t) -> torch.device:
+        return self._origin.get((id(t.owners[0][0]), t.owners[0][1]), self._home)
+
+    def _relayout(self, dtypes: dict[torch.dtype, torch.dtype] | None = None) -> None:
+        """Lay the blocks out again from the module as it is now (new tensors included), with `dtypes` applied to
+        every tensor if given. Host memory holds the old store and the new one for the time of the copy."""
+        with torch.inference_mode(False), torch.no_grad():
+            old = self._detach(to_host=True)
+            if dtypes:
+                for t in all_tensors(self.module):
+                    cur = t.get()
+                    new = cur.to(dtypes.get(cur.dtype, cur.dtype))
+                    if t.is_param:
+                        bind_data(cur, new)
+                    else:
+                        t.set_buffer(new)
+            self._attach()
+            if old is not None:
+                old.release()
+        self.relayouts += 1
+
+    # ---- forwards (the block hooks call these)
+
+    def enter_block(self, l: int) -> None:
+        if l == 0:  # a forward starts: carry writes made since the last one to the device
+            self.sync()
+        self.streamer.enter(l)
+
+    def exit_block(self, l: int) -> None:
+        self.streamer.exit(l)
+
+    def sync(self) -> None:
+        """Bring the device copies up to date with writes to the blocks since the last forward (writes.py)."""
+        relayout, dirty = self.writes.collect()
+        if relayout:
+            self._relayout()
+        elif dirty:
+            self.streamer.refresh(dirty)
+            self.refreshes += 1
+
+    # ---- dtype and device changes (the root's `_apply`: .to(), .half(), .cuda(), ...)
+
+    def apply(self, fn, recurse: bool = True) -> nn.Module:
+        """A conversion of the whole module: the same device and dtypes is nothing to do; a dtype change is applied
+        to the host store (the blocks are laid out again); another device is refused before anything changes."""
+        dtypes = {t.get().dtype for t in all_tensors(self.module)}
+        mapping: dict[torch.dtype, torch.dtype] = {}
+        for dt in dtypes:
+            out = fn(torch.empty(0, dtype=dt, device=self.device))
+            if out.device != self.device:
+                raise OffloadError(
+                    f"this module is offloaded by chunkflow to {self.device}; it cannot move to {out.device} while "
+                    "offloaded (nothing was changed). Call handle.remove() first, then move it.")
+            if out.dtype != dt:
+                mapping[dt] = out.dtype
+        if mapping:
+            self._relayout(mapping)
+        return self.module
 
     # ---- communication awareness and observers (runtime/comm.py, runtime/observe.py)
 
@@ -253,7 +211,7 @@ class OffloadHandle:
         self._obs = obs
         pace = (s is not None and self.cfg.mode == "chunkflow" and self.cfg.comm_aware and bool(s.ring)
                 and dist_active())
-        if pace and self.pacer is None:
+        if pace and (self.pacer is None or self.pacer.s is not s):
             self.pacer = CommPacer(s)
         elif not pace:
             self.pacer = None
@@ -335,55 +293,38 @@ class OffloadHandle:
             forwards=s.forwards if s is not None else 0,
             h2d_bytes_issued=s.bytes_h2d if s is not None else 0,
             comm_aware=s is not None and s.pacer is not None,
+            refreshes=self.refreshes,
+            relayouts=self.relayouts,
         )
 
     # ---- undo
 
     def remove(self) -> None:
-        """Hooks off, every tensor back on its original device with its values, host and device memory freed."""
+        """Hooks off, every tensor back on its original device with its values (writes made while offloaded kept),
+        host and device memory freed, the module's own class back."""
         if self.removed:
             return
         if self.tap is not None:  # the original collective functions back, exactly
             self.tap.remove()
         self.tap = self.pacer = None
         self.observers = []
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-        if self.streamer is not None:
-            self.streamer.release()
-        for b in self.layouts:
-            for t in b.tensors:
-                dev = self._block_orig_device[id(t)]
-                src = self.store.view(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape)
-                bind(t, src.to(dev, copy=True))
-        _place(self._non_block, None)
-        if self.store is not None:
-            self.store.release()
-        self.streamer = None
-        if hasattr(self.module, _MARK):
-            delattr(self.module, _MARK)
+        self.writes.uninstall()
+        self._detach(to_host=False)
+        place(self._non_block, None)
+        for t in all_tensors(self.module):  # tensors added while offloaded (e.g. LoRA) go where the module was
+            cur = t.get()
+            if (id(t.owners[0][0]), t.owners[0][1]) not in self._origin and cur.device != self._home:
+                if t.is_param:
+                    cur.data = cur.data.to(self._home)
+                else:
+                    t.set_buffer(cur.to(self._home))
+        unhook_module(self.module)
+        self.module.__dict__.pop(_MARK, None)
         self.removed = True
 
 
-def _home(device: torch.device) -> torch.device:
-    """Where a tensor goes back to at remove(): its original device, the CPU for one that had no values (meta)."""
-    return torch.device("cpu") if device.type == "meta" else device
-
-
-def _place(tensors: list[_Tensor], device: torch.device | None) -> None:
-    """Non-block tensors to `device` (start-up), or back where each was (None: remove)."""
-    for t in tensors:
-        cur = t.get()
-        dev = _home(t.device) if device is None else device
-        if t.is_param:
-            cur.data = cur.data.to(dev)
-        else:
-            t.set_buffer(cur.to(dev))
-
-
 def check_not_offloaded(module: nn.Module) -> None:
-    if getattr(module, _MARK, False):
+    if module.__dict__.get(_MARK) is not None:
         raise OffloadError("this module is already offloaded; call handle.remove() before offloading it again")
 
 
@@ -395,46 +336,14 @@ def _unwrap(module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule" else module
 
 
-def _real_parameter(t: _Tensor) -> None:
-    """Give a meta Parameter a real (empty) one in its place, for every owner, so its data can be bound."""
-    old = t.get()
-    new = nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=old.requires_grad)
-    for m, attr in t.owners:
-        m._parameters[attr] = new
-
-
-def _fill(module: nn.Module, layouts: list[BlockLayout], store: HostStore | None, tensors: list[_Tensor],
-          device: torch.device, source: TensorSource | None) -> list[_Tensor]:
-    """Write every tensor into its home, in module order: block tensors into the host store, the rest onto the
-    device. Values come from `source` where it provides them, else from the tensor. Returns the non-block tensors."""
-    where = {id(current(e)): (b, e) for b in layouts for e in b.tensors}
-    non_block: list[_Tensor] = []
-    with torch.no_grad(), torch.inference_mode(False):
-        for t in tensors:
-            cur = t.get()
-            m0, a0 = t.owners[0]
-            from_source = source is not None and (cur.device.type == "meta" or source.provides(t.name))
-            if t.is_param and cur.device.type == "meta":
-                _real_parameter(t)
-            hit = where.get(id(cur))
-            if hit is not None:
-                b, e = hit
-                dst = store.view(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
-                if from_source:
-                    source.fill(t.name, m0, a0, dst)
-                else:
-                    dst.copy_(cur.detach())
-                bind(e, torch.empty(0, dtype=e.dtype))
-                continue
-            non_block.append(t)
-            if from_source:
-                real = torch.empty(cur.shape, dtype=cur.dtype, device=device)
-                source.fill(t.name, m0, a0, real)
-                if t.is_param:
-                    t.get().data = real
-                else:
-                    t.set_buffer(real)
-    return non_block
+def _check_parameters(blocks: list[tuple[str, nn.Module]]) -> None:
+    """Block parameters must be plain nn.Parameters (quantized or other parameter types cannot be streamed)."""
+    for name, b in blocks:
+        for pname, p in b.named_parameters(recurse=True):
+            if type(p) is not nn.Parameter:
+                raise OffloadError(f"parameter {name}.{pname} is a {type(p).__name__}, which chunkflow cannot stream "
+                                   "(only plain nn.Parameter); offload a module without quantized or custom "
+                                   "parameters")
 
 
 def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = None, chunk_size=None,
@@ -449,7 +358,8 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     torch.distributed: keep chunk copies out of the model's collectives; call `init_distributed()` first).
     Keywords override a config or plan. `blocks`: the block modules in execution order (default: from the catalog
     for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
-    `source`: values for tensors on the meta device (loaders; see TensorSource).
+    `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
+    offloaded through the module it wraps.
     """
     module = _unwrap(module)
     check_not_offloaded(module)
@@ -457,16 +367,11 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
                          comm_aware=comm_aware)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
-    tensors = _all_tensors(module)
-    _check_values(tensors, source)
-    layouts = block_layouts(module, named, cfg.chunk_bytes, cfg.residency)
-    block_devices = {id(e): _home(current(e).device) for b in layouts for e in b.tensors}
-    with torch.inference_mode(False):
-        store = HostStore(store_bytes(layouts), pin=dev.type == "cuda") if cfg.streams else None
-    non_block = _fill(module, layouts, store, tensors, dev, source)
-    _place(non_block, dev)
-    if dev.type == "cuda" and source is not None:
-        torch.cuda.synchronize(dev)
-    handle = OffloadHandle(module, cfg, dev, layouts, store, non_block, block_devices)
-    handle._start()
+    _check_parameters(named)
+    handle = OffloadHandle(module, cfg, dev, named)
+    handle._attach(source, first=True)
+    if cfg.streams:
+        hook_module(module, handle, root=True)  # .to() and copies go through the handle
+        handle.writes.install()
+    module.__dict__[_MARK] = handle
     return handle

@@ -1,8 +1,11 @@
 """Device buffers, the copy stream, events, chunked prefetch and its yield point.
 
 Device memory for streaming is two slots (double buffer) sized to the largest streamed extent, plus one
-resident buffer holding every block's resident head; all allocated once, here, at offload time. Binding a
-block is assigning precomputed views (`p.data = view`), so a step allocates nothing.
+resident buffer holding every block's resident head; all allocated once, here, at offload time. Outside its
+forward a block's tensors are bound to their views of the host store (true shape and values, runtime/params.py);
+`enter` binds them to the resident buffer and a slot, `exit` back to the host. Binding is assigning precomputed
+views, so a step allocates nothing. The host store is the truth: `refresh` copies changed blocks' bytes to the
+device again after a write.
 
 On CUDA, copies run on a dedicated copy stream; `ready[l]` (copy stream) tells compute that block l's slot is
 filled, `free[s]` (compute stream) tells the copy stream that slot s may be overwritten. Nothing in the hot path
@@ -20,6 +23,7 @@ import torch
 
 from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
 from chunkflow.runtime.observe import Observer
+from chunkflow.runtime.params import bind_data
 from chunkflow.runtime.store import HostStore
 
 
@@ -104,11 +108,16 @@ def current(t: TensorEntry) -> torch.Tensor:
 
 def bind(t: TensorEntry, data: torch.Tensor) -> None:
     """Point every owner of tensor t at `data`, keeping Parameter objects (and their identity)."""
-    for m, attr in t.owners:
-        if t.is_param:
-            m._parameters[attr].data = data
-        else:
+    if t.is_param:
+        bind_data(t.owners[0][0]._parameters[t.owners[0][1]], data)  # tied owners share the Parameter object
+    else:
+        for m, attr in t.owners:
             m._buffers[attr] = data
+
+
+def host_view(host: HostStore, b: BlockLayout, t: TensorEntry) -> torch.Tensor:
+    """Tensor t of block b as it lies in the host store: its true shape, dtype and values."""
+    return _typed_view(host.data, b.host_offset + t.offset, t)
 
 
 class _Pending:
@@ -150,8 +159,11 @@ class Streamer:
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.ring = [b.index for b in layouts if b.is_streamed]
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
-        self.placeholders: dict[torch.dtype, torch.Tensor] = {}
-        # Precomputed views per (block, slot): binding a block is a list of `p.data = view`.
+        # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
+        # resident buffer and a slot inside it.
+        self.host_views = [[(t, host_view(host, b, t)) for t in b.tensors] for b in layouts]
+        self.resident_views = [[(t, _typed_view(self.resident, roff + t.offset, t)) for t in b.resident_tensors()]
+                               for b, roff in zip(layouts, self.res_offset)]
         self.slot_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor]]] = {}
         for b in layouts:
             if not b.is_streamed:
@@ -172,25 +184,40 @@ class Streamer:
         self.pacer = None  # set by the handle: period_start(m), period_end(m), block_end(l), before_chunks()
         self.obs: Observer | None = None  # set by the handle while observers are attached
 
-    def placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self.placeholders:
-            self.placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.device)
-        return self.placeholders[dtype]
-
-    # ---- set-up (not the hot path)
+    # ---- set-up and writes (not the hot path)
 
     def fill_resident_and_start(self) -> None:
-        """Copy every block's resident head to the device, bind resident tensors, prefetch the first block."""
+        """Copy every block's resident head to the device, bind every tensor to its host view, prefetch the
+        first block."""
         for b, roff in zip(self.layouts, self.res_offset):
             if b.resident_bytes:
                 self.resident[roff : roff + b.resident_bytes].copy_(self.host.view(b.host_offset, b.resident_bytes))
-            for t in b.resident_tensors():
-                bind(t, _typed_view(self.resident, roff + t.offset, t))
-            for t in b.streamed_tensors():
-                bind(t, self.placeholder(t.dtype))
+            for t, view in self.host_views[b.index]:
+                bind(t, view)
         self.backend.synchronize()  # slots and resident buffer were produced on the compute stream
         if self.ring:
             self.schedule(self.ring[0], 0)
+
+    def refresh(self, blocks: set[int]) -> None:
+        """The host bytes of `blocks` changed (a write while offloaded): copy their resident heads to the device
+        again and redo any prefetch already made of them. Orders the copies after the compute stream's work so
+        far, and the compute stream's next work after them."""
+        be = self.backend
+        cs = be.compute_stream()
+        with be.on(be.copy_stream):
+            be.copy_stream.wait_stream(cs)  # the last forward may still read the resident buffer
+            for l in sorted(blocks):
+                b, roff = self.layouts[l], self.res_offset[l]
+                if b.resident_bytes:
+                    self.resident[roff : roff + b.resident_bytes].copy_(
+                        self.host.view(b.host_offset, b.resident_bytes), non_blocking=be.non_blocking)
+        for l in sorted(blocks):
+            s = self.slot_of.get(l)
+            if s is not None:  # prefetched before the write: copy it again, into the same slot
+                if self.pending is not None and self.pending.block == l:
+                    self.finish()
+                self.schedule(l, s)
+        cs.wait_stream(be.copy_stream)
 
     # ---- copies (on the copy stream)
 
@@ -266,6 +293,20 @@ class Streamer:
         if self.obs is not None:
             self.obs.compute_wait_end(kind, block)
 
+    def enter(self, l: int) -> None:
+        """Block l is about to run: its streamed tensors in a slot (prefetching the next), the rest resident."""
+        if self.layouts[l].is_streamed:
+            self.before(l)
+        for t, view in self.resident_views[l]:
+            bind(t, view)
+
+    def exit(self, l: int) -> None:
+        """Block l ran (or raised): release its slot, and its tensors are host views again."""
+        if l in self.bound:
+            self.after(l)
+        for t, view in self.host_views[l]:
+            bind(t, view)
+
     def before(self, l: int) -> None:
         if l == self.ring[0]:
             self.forwards += 1
@@ -299,8 +340,6 @@ class Streamer:
         self.free[s].record(self.backend.compute_stream())
         if self.obs is not None:
             self.obs.slot_freed(s)
-        for t, _ in self.slot_views[(l, s)]:
-            bind(t, self.placeholder(t.dtype))
         if self.pacer is not None:
             self.pacer.block_end(l)
 
@@ -316,5 +355,6 @@ class Streamer:
         self.pacer = None
         self.backend.synchronize()
         self.slot_views.clear()
+        self.resident_views = []
         self.slots = []
         self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)

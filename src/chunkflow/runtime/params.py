@@ -1,0 +1,81 @@
+"""Block parameters that stay normal parameters while offloaded, and notice writes.
+
+Outside a block's forward every block tensor is a view into the host store: its true shape, dtype and values, so
+`state_dict()`, `named_parameters()`, saving and peft see the real weights. Inside the forward the hooks bind it
+to device memory (a slot or the resident buffer). The host store is the truth; the device holds copies that the
+handle refreshes at the next forward when a write may have changed the host bytes.
+
+Writes are seen three ways:
+- `p.add_(...)`, `p.copy_(...)` (e.g. `load_state_dict`), writes through `p.detach()` or `state_dict()` tensors
+  bump the parameter's version counter; the handle compares versions at each forward;
+- `p.data` (peft's `base_layer.weight.data += delta`, `p.data = new`) goes through `OffloadedParameter.data`,
+  which tells the handle (`touch`); a new value of the same shape and dtype is copied into the host view (the
+  binding never leaves the store), any other is refused before anything changes;
+- new or replaced modules and parameters inside a block (LoRA injection and unloading, `load_state_dict(assign=
+  True)`) reach the handle through torch's module registration hooks; the next forward lays the blocks out again.
+
+`_DATA` is torch's own `.data` descriptor: the runtime binds with it directly, so its own binding is no write.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+_DATA = torch._C.TensorBase.data
+
+
+class WriteTracker(Protocol):
+    def touch(self, p: nn.Parameter) -> None: ...
+
+    def check_data(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None: ...
+
+
+def raw_data(p: torch.Tensor) -> torch.Tensor:
+    """The tensor's data without telling anyone (the runtime's own reads)."""
+    return _DATA.__get__(p)
+
+
+def bind_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Point a parameter at `value` without telling anyone (the runtime's own binding)."""
+    _DATA.__set__(p, value)
+
+
+class OffloadedParameter(nn.Parameter):
+    """A parameter of an offloaded block (see the module docstring). Behaves as nn.Parameter everywhere else."""
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + repr(_DATA.__get__(self))
+
+    @property
+    def data(self) -> torch.Tensor:
+        tracker = self.__dict__.get("_chunkflow_tracker")
+        if tracker is not None:
+            tracker.touch(self)
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        tracker = self.__dict__.get("_chunkflow_tracker")
+        if tracker is not None:
+            home = tracker.check_data(self, value)  # raises for another shape or dtype
+            tracker.touch(self)
+            if home is not None:  # copy into the host view it is bound to: the store stays the truth
+                home.copy_(value)
+                return
+        _DATA.__set__(self, value)
+
+
+def wrap(p: nn.Parameter, tracker: WriteTracker) -> type:
+    """Make `p` (an nn.Parameter) an OffloadedParameter watched by `tracker`; returns its class before."""
+    before = type(p)
+    p.__class__ = OffloadedParameter
+    p.__dict__["_chunkflow_tracker"] = tracker
+    return before
+
+
+def unwrap(p: nn.Parameter, before: type) -> None:
+    p.__dict__.pop("_chunkflow_tracker", None)
+    p.__class__ = before

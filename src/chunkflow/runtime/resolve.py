@@ -1,0 +1,105 @@
+"""What `offload()` is asked for, checked before the module is touched: the device, the offload setting (from a
+config, a plan or keywords), the block list."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from chunkflow.runtime.errors import OffloadError
+from chunkflow_planner.offload import MODES, OffloadConfig, OffloadConfigError
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch.device to offload to; None: the current CUDA device if there is one, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OffloadError(f"device {device!r} is not a torch device ({exc}); use 'cuda', 'cuda:1' or 'cpu'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OffloadError(f"device {str(device)!r} requested but CUDA is not available on this machine; "
+                               "use device 'cpu' to run the same logic on host memory")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise OffloadError(f"device {str(device)!r} is not supported; use 'cuda' or 'cpu'")
+    return dev
+
+
+def _plan_config(plan, module: nn.Module) -> OffloadConfig:
+    """A plan's offload setting, after checking that the plan was made for this module's model."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import Plan, load_plan
+
+    try:
+        p = plan if isinstance(plan, Plan) else load_plan(plan)
+    except (ValueError, TypeError) as exc:
+        raise OffloadError(str(exc)) from None
+    try:
+        spec = get_model(p.model.name)
+    except ValueError as exc:
+        raise OffloadError(f"the plan's model {p.model.name!r} is not in the catalog: {exc}") from None
+    cls = type(module).__name__
+    if spec.diffusers.cls != cls:
+        raise OffloadError(f"the plan is for {p.model.name} ({spec.diffusers.cls}) but the module is a {cls}; "
+                           "write a plan for this model with `chunkflow plan`")
+    return p.offload
+
+
+def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, mode: str | None = None,
+                   chunk_size=None, residency: float | None = None,
+                   comm_aware: bool | None = None) -> OffloadConfig:
+    """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
+    any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
+    if config is not None and plan is not None:
+        raise OffloadError("give the offload setting once: a config or plan as the second argument, or plan=")
+    if isinstance(config, str) and config in MODES:
+        config, mode = None, mode or config
+    source = config if config is not None else plan
+    try:
+        if isinstance(source, OffloadConfig):
+            base = source
+        elif source is not None:
+            base = _plan_config(source, module)
+        else:
+            return OffloadConfig(mode or "chunkflow", chunk_size, residency,
+                                 True if comm_aware is None else comm_aware)
+        return base.with_overrides(mode, chunk_size, residency, comm_aware)
+    except OffloadConfigError as exc:
+        raise OffloadError(str(exc)) from None
+
+
+def resolve_blocks(module: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
+    """(name, block) pairs in execution order, from `blocks=` or the catalog adapter."""
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    if blocks is None:
+        from chunkflow.models.adapters import find_blocks
+
+        try:
+            blocks = find_blocks(module)
+        except LookupError as exc:
+            raise OffloadError(str(exc)) from None
+    flat: list[nn.Module] = []
+    for b in blocks:
+        flat.extend(b if isinstance(b, nn.ModuleList) else [b])
+    out = []
+    seen: set[int] = set()
+    for b in flat:
+        if not isinstance(b, nn.Module):
+            raise OffloadError(f"blocks must be nn.Modules (or ModuleLists); got {type(b).__name__}")
+        if id(b) not in names or b is module:
+            raise OffloadError("every block must be a submodule of the offloaded module (and not the module itself)")
+        if id(b) in seen:
+            raise OffloadError(f"block {names[id(b)]!r} is listed twice")
+        seen.add(id(b))
+        out.append((names[id(b)], b))
+    if not out:
+        raise OffloadError("no blocks to offload; pass blocks=[...] with the transformer's block modules")
+    inner = {id(m) for _, b in out for m in list(b.modules())[1:]}
+    for n, b in out:
+        if id(b) in inner:
+            raise OffloadError(f"block {n!r} is inside another listed block; list disjoint blocks")
+    return out

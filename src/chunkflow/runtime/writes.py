@@ -1,0 +1,129 @@
+"""Writes to an offloaded module's blocks between forwards, and what the next forward must redo for them.
+
+The host store is the truth (runtime/params.py); the device holds copies: each block's resident head, and the
+slot of a block prefetched before the write (the first block, prefetched during the previous forward's last).
+At the start of each forward the handle asks `collect()`:
+- blocks whose tensors were written in place (a version counter moved: `p.copy_`, `load_state_dict`, writes
+  through `state_dict()` tensors) or whose `.data` was taken or set (`OffloadedParameter.data`: peft's merges
+  and unmerges) are refreshed: their device copies are made again from the host bytes;
+- a module, parameter or buffer registered inside a block (LoRA injected or unloaded, `load_state_dict(assign=
+  True)`), or a tensor replaced behind torch's back, means the blocks are laid out again, new tensors included.
+A `.data` assignment of another shape or dtype is refused before anything changes.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.layout import BlockLayout
+from chunkflow.runtime.params import OffloadedParameter, raw_data, unwrap, wrap
+from chunkflow.runtime.streamer import current
+
+
+class WriteWatch:
+    """Tracks writes to the block tensors of one handle (the WriteTracker its parameters report to)."""
+
+    def __init__(self):
+        self.touched: set[int] = set()  # blocks whose parameters' .data was read or written
+        self.changed = False  # a registration inside a block: lay out again
+        self._block_of: dict[int, int] = {}  # id(parameter) -> block index
+        self._home_of: dict[int, object] = {}  # id(parameter) -> its host view
+        self._name_of: dict[int, str] = {}
+        self._classes: list[tuple[nn.Parameter, type]] = []
+        self._entries: list[tuple[dict, str, object, int, int]] = []  # (owner dict, attr, object, version, block)
+        self._module_ids: set[int] = set()
+        self._registrations: list = []
+
+    # ---- lifetime
+
+    def install(self) -> None:
+        """Listen to torch's module, parameter and buffer registrations (removed by `uninstall`)."""
+        self._registrations = [
+            torch_module.register_module_module_registration_hook(self._registered),
+            torch_module.register_module_parameter_registration_hook(self._registered),
+            torch_module.register_module_buffer_registration_hook(self._registered),
+        ]
+
+    def uninstall(self) -> None:
+        for h in self._registrations:
+            h.remove()
+        self._registrations = []
+
+    def watch(self, layouts: list[BlockLayout], host_views: list[list]) -> None:
+        """Start watching: block parameters become OffloadedParameters; versions and identities are noted while
+        every tensor is bound to its host view."""
+        self.touched.clear()
+        self.changed = False
+        for b, views in zip(layouts, host_views):
+            self._module_ids.update(id(m) for m in b.module.modules())
+            for t, view in views:
+                obj = current(t)
+                owner, attr = t.owners[0]
+                if t.is_param:
+                    self._classes.append((obj, wrap(obj, self)))
+                    self._block_of[id(obj)] = b.index
+                    self._home_of[id(obj)] = view
+                    self._name_of[id(obj)] = f"{b.name}.{t.name}"
+                    self._entries.append((owner._parameters, attr, obj, obj._version, b.index))
+                else:
+                    self._entries.append((owner._buffers, attr, obj, obj._version, b.index))
+
+    def unwatch(self) -> None:
+        """Parameters back to their own classes; nothing watched."""
+        for p, cls in self._classes:
+            unwrap(p, cls)
+        self._classes, self._entries = [], []
+        self._block_of, self._home_of, self._name_of = {}, {}, {}
+        self._module_ids = set()
+        self.touched.clear()
+
+    # ---- what the parameters report (WriteTracker)
+
+    def touch(self, p: nn.Parameter) -> None:
+        block = self._block_of.get(id(p))
+        if block is None:
+            self.changed = True
+        else:
+            self.touched.add(block)
+
+    def check_data(self, p: nn.Parameter, value):
+        """The host view to copy a new `.data` into, None when it is the same storage; OffloadError for a value
+        that would change the parameter's shape or dtype (before anything changes)."""
+        import torch
+
+        cur = raw_data(p)
+        name = self._name_of.get(id(p), "of an offloaded block")
+        if not isinstance(value, torch.Tensor):
+            raise OffloadError(f"parameter {name}: .data must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(cur.shape) or value.dtype != cur.dtype:
+            raise OffloadError(
+                f"parameter {name} is offloaded by chunkflow as {cur.dtype} {list(cur.shape)} and cannot become "
+                f"{value.dtype} {list(value.shape)} while offloaded; call handle.remove() first, or change the "
+                "module's dtype with module.to(dtype), which chunkflow applies to its host store")
+        if value.device == cur.device and value.data_ptr() == cur.data_ptr():
+            return None
+        return self._home_of.get(id(p))
+
+    def _registered(self, module: nn.Module, name: str, value) -> None:
+        if id(module) in self._module_ids:
+            self.changed = True
+
+    # ---- at the start of a forward
+
+    def collect(self) -> tuple[bool, set[int]]:
+        """(lay out again?, blocks to refresh) since the last call; versions noted afresh."""
+        dirty, self.touched = self.touched, set()
+        relayout = self.changed
+        for i, (owner, attr, obj, version, block) in enumerate(self._entries):
+            now = owner.get(attr)
+            if now is not obj or (owner is not None and isinstance(obj, nn.Parameter)
+                                  and type(obj) is not OffloadedParameter):
+                # replaced without a registration (`m._parameters[name] = x`), or its contents swapped
+                # (`torch.utils.swap_tensors`, e.g. a LoRA hot-swap to a larger rank)
+                relayout = True
+            elif now._version != version:
+                dirty.add(block)
+                self._entries[i] = (owner, attr, obj, now._version, block)
+        return relayout, dirty
