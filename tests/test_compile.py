@@ -92,3 +92,15 @@ def test_whole_module_compile_in_either_order(fresh):
     assert _graphs() == graphs  # no graph per block: every block of the class runs the same compiled forward
     for h in (h1, h2, h3):
         h.remove()
+
+
+def test_bench_compiles_the_repeated_blocks_before_offloading(cli, workdir, fresh):
+    import pandas as pd
+
+    result = cli("bench", "--model", "tiny", "--frames", "5", "--modes", "none,chunkflow", "--chunk-sizes", "4KB",
+                 "--compile", "regional-fullgraph", "--steps", "1", "--no-plots", "--out", "b")
+    assert result.exit_code == 0, result.output
+    df = pd.read_csv(workdir / "b" / "bench.csv")
+    assert df["bit_identical"].all() and len(df) == 2  # compiled chunkflow against compiled none
+    assert "torch.compile: regional-fullgraph" in (workdir / "b" / "summary.md").read_text()
+    assert cli("bench", "--model", "tiny", "--frames", "5", "--compile", "max").exit_code == 2

@@ -340,7 +340,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at, height, width, hardware,
-                warmup, steps, comm_aware, baselines=""):
+                warmup, steps, comm_aware, baselines="", compile="off"):
     """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
     from chunkflow.bench import BenchSpec
     from chunkflow.bench.baselines import BASELINES, check_baseline
@@ -374,6 +374,8 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
         raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
     if comm_aware not in ("auto", "on", "off"):
         raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
+    if compile not in ("off", "regional", "regional-fullgraph"):
+        raise UserError(f"--compile must be off, regional or regional-fullgraph, got {compile!r}")
     base = [b.strip() for b in baselines.split(",") if b.strip()]
     if any(b not in BASELINES for b in base):
         raise UserError(f"unknown baseline(s) in {baselines!r}; known: {', '.join(BASELINES)}")
@@ -383,7 +385,7 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
     aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
     bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
                       chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
-                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base)
+                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base, compile=compile)
     for v in {*values, bench.chunk_value, bench.residency_value}:
         bench.workload(spec, v)  # validates frames / batch / sizes
     for c in chunks:
@@ -415,6 +417,9 @@ def bench_cmd(
     modes: str = typer.Option("none,layerwise,chunkflow", help="modes to run"),
     baselines: str = typer.Option("", help="other offloaders to measure at every value, after the modes: "
                                            "diffusers-group (diffusers' group offloading, block level, streams)"),
+    compile: str = typer.Option("off", "--compile", help="torch.compile the repeated blocks before offloading "
+                                "(diffusers' compile_repeated_blocks): off, regional (fullgraph=False) or "
+                                "regional-fullgraph"),
     chunk_sizes: str = typer.Option(short_bytes(DEFAULT_CHUNK_BYTES), help="chunkflow chunk sizes; the first is used across the workloads, "
                                                   "all of them at --chunk-at, e.g. 16MB,4MB,64MB,256MB"),
     residency: str = typer.Option("0", help="chunkflow residencies; the first is used across the workloads, all "
@@ -444,7 +449,8 @@ def bench_cmd(
         return
     world = torchrun_world()
     spec, bench, hw, dev = _bench_setup(world, device, model, frames, batch, modes, chunk_sizes, residency, chunk_at,
-                                        residency_at, height, width, hardware, warmup, steps, comm_aware, baselines)
+                                        residency_at, height, width, hardware, warmup, steps, comm_aware, baselines,
+                                        compile)
     rank = 0
     if world > 1:
         from chunkflow.parallel import init_distributed

@@ -94,6 +94,8 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
     cuda = device.type == "cuda"
     model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
     h0.remove()  # block weights on the host, the rest on the device: each configuration offloads from here
+    if bench.compile != "off":  # compiled once, before offload: every configuration (and none) runs compiled blocks
+        model.compile_repeated_blocks(fullgraph=bench.compile == "regional-fullgraph")
     if sp > 1:
         from chunkflow.parallel import enable_sequence_parallel
 

@@ -76,6 +76,8 @@ class _Figures:
             ", NCCL_P2P_DISABLE=1" if meta.env.get("NCCL_P2P_DISABLE") not in (None, "", "0") else "")
         if self.sp > 1:
             where += ", chunk copies " + ("paced around collectives" if self.b.comm_aware else "not paced (awareness off)")
+        if self.b.compile != "off":
+            where += f", torch.compile {self.b.compile} (predictions: eager)"
         self.sub = f"{where}, {meta.date[:10]}; predictions: profile '{hw.name}'"
         self.footer = "\n".join(textwrap.wrap(f"command: {meta.command}", 180))
         self.paths: list[Path] = []

@@ -91,6 +91,8 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
            f"- date: {meta.date}; command: `{meta.command}`",
            f"- predictions: hardware profile `{meta.hardware.get('name')}`; {b.warmup} warm-up + {b.steps} timed "
            "steps per point (median), one forward per step, random bf16 weights",
+           f"- torch.compile: {b.compile}" + (" (repeated blocks compiled before offload; the predictions are for "
+                                              "eager execution)" if b.compile != "off" else ""),
            ""]
     out += ["## Every point", "",
             "| " + b.axis + " | config | step ms | x none | predicted ms | error | peak GB | predicted GB | error "

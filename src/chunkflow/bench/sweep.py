@@ -44,6 +44,9 @@ class BenchSpec(BaseModel):
     comm_aware: bool = Field(True, description="chunkflow paces chunk copies around collectives (SP only)")
     baselines: list[str] = Field(default_factory=list, description="other offloaders measured at every value, "
                                  "last (chunkflow.bench.baselines)")
+    compile: Literal["off", "regional", "regional-fullgraph"] = Field(
+        "off", description="torch.compile the model's repeated blocks (diffusers' compile_repeated_blocks) before "
+        "any configuration is offloaded; the planner's predictions stay those of eager execution")
     warmup: int = 1
     steps: int = 2
 
