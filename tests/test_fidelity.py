@@ -230,3 +230,14 @@ def test_lora_loaded_before_offload_keeps_working():
     assert torch.equal(_run(off, kw), _run(ref, kw)) and h.stats().relayouts == 0
     h.remove()
     assert _same_state(ref, off)
+
+
+def test_a_data_tensor_kept_across_a_forward_and_written_later_is_seen():
+    ref, off, h, kw = _pair()
+    kept = off.blocks[0].attn1.to_q.weight.data  # taken now: the first block is prefetched in the next forward
+    kept_ref = ref.blocks[0].attn1.to_q.weight.data
+    assert torch.equal(_run(off, kw), _run(ref, kw))
+    kept.mul_(0.5)
+    kept_ref.mul_(0.5)
+    assert torch.equal(_run(off, kw), _run(ref, kw))
+    h.remove()

@@ -5,12 +5,14 @@ Outside a block's forward every block tensor is a view into the host store: its 
 to device memory (a slot or the resident buffer). The host store is the truth; the device holds copies that the
 handle refreshes at the next forward when a write may have changed the host bytes.
 
-Writes are seen three ways:
-- `p.add_(...)`, `p.copy_(...)` (e.g. `load_state_dict`), writes through `p.detach()` or `state_dict()` tensors
-  bump the parameter's version counter; the handle compares versions at each forward;
-- `p.data` (peft's `base_layer.weight.data += delta`, `p.data = new`) goes through `OffloadedParameter.data`,
-  which tells the handle (`touch`); a new value of the same shape and dtype is copied into the host view (the
-  binding never leaves the store), any other is refused before anything changes;
+Writes are seen three ways (writes that bypass torch, through numpy or raw storage, are not):
+- `p.add_(...)`, `p.copy_(...)` (e.g. `load_state_dict`), writes through `p.detach()`, `state_dict()` tensors or
+  `p.data` bump the parameter's version counter (`OffloadedParameter.data` is a detached view, which shares it,
+  so peft's `base_layer.weight.data += delta` counts too, as does a `.data` tensor kept and written later); the
+  handle compares versions at each forward;
+- `p.data = new` goes through `OffloadedParameter.data`'s setter, which tells the handle (`touch`): a new value of
+  the same shape and dtype is copied into the host view (the binding never leaves the store), any other is
+  refused before anything changes;
 - new or replaced modules and parameters inside a block (LoRA injection and unloading, `load_state_dict(assign=
   True)`) reach the handle through torch's module registration hooks; the next forward lays the blocks out again.
 
@@ -51,10 +53,9 @@ class OffloadedParameter(nn.Parameter):
 
     @property
     def data(self) -> torch.Tensor:
-        tracker = self.__dict__.get("_chunkflow_tracker")
-        if tracker is not None:
-            tracker.touch(self)
-        return _DATA.__get__(self)
+        # A detached view shares the parameter's version counter (a plain `.data` would get its own): writes
+        # through it, now or whenever its holder makes them, move the counter the handle watches.
+        return self.detach()
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:

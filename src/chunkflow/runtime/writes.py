@@ -4,8 +4,8 @@ The host store is the truth (runtime/params.py); the device holds copies: each b
 slot of a block prefetched before the write (the first block, prefetched during the previous forward's last).
 At the start of each forward the handle asks `collect()`:
 - blocks whose tensors were written in place (a version counter moved: `p.copy_`, `load_state_dict`, writes
-  through `state_dict()` tensors) or whose `.data` was taken or set (`OffloadedParameter.data`: peft's merges
-  and unmerges) are refreshed: their device copies are made again from the host bytes;
+  through `state_dict()` tensors or through `.data`, as peft's merges do) or whose `.data` was assigned are
+  refreshed: their device copies are made again from the host bytes;
 - a module, parameter or buffer registered inside a block (LoRA injected or unloaded, `load_state_dict(assign=
   True)`), or a tensor replaced behind torch's back, means the blocks are laid out again, new tensors included.
 A `.data` assignment of another shape or dtype is refused before anything changes.
@@ -26,7 +26,7 @@ class WriteWatch:
     """Tracks writes to the block tensors of one handle (the WriteTracker its parameters report to)."""
 
     def __init__(self):
-        self.touched: set[int] = set()  # blocks whose parameters' .data was read or written
+        self.touched: set[int] = set()  # blocks whose parameters' .data was assigned
         self.changed = False  # a registration inside a block: lay out again
         self._block_of: dict[int, int] = {}  # id(parameter) -> block index
         self._home_of: dict[int, object] = {}  # id(parameter) -> its host view
