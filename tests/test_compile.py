@@ -104,3 +104,23 @@ def test_bench_compiles_the_repeated_blocks_before_offloading(cli, workdir, fres
     assert df["bit_identical"].all() and len(df) == 2  # compiled chunkflow against compiled none
     assert "torch.compile: regional-fullgraph" in (workdir / "b" / "summary.md").read_text()
     assert cli("bench", "--model", "tiny", "--frames", "5", "--compile", "max").exit_code == 2
+
+
+@pytest.mark.parametrize("order", ["compile-then-offload", "offload-then-compile"])
+def test_a_whole_pipeline_with_a_compiled_offloaded_transformer(fresh, order):
+    pytest.importorskip("transformers")
+    from pipelines import call_kwargs, one_thread, tiny_pipeline
+
+    with one_thread():
+        ref = tiny_pipeline("wan")
+        ref.transformer.compile_repeated_blocks(fullgraph=True)
+        want = ref(**call_kwargs("wan"))[0]
+        pipe = tiny_pipeline("wan")
+        if order == "compile-then-offload":
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        h = chunkflow.offload(pipe.transformer, **CFG)
+        if order == "offload-then-compile":
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        assert torch.equal(pipe(**call_kwargs("wan"))[0], want)
+        assert torch.equal(pipe(**call_kwargs("wan"))[0], want)
+        h.remove()
