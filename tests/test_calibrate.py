@@ -111,7 +111,8 @@ def test_calibrate_without_cuda_exits_2():
 
 
 def _report(tmp_path, mode, measured, **extra):
-    """A real tiny run report with its measured step time replaced."""
+    """A real tiny run report with its measured step time replaced, made to look measured on a GPU (a refit
+    refuses CPU runs)."""
     result = runner.invoke(app, ["plan", "--model", "tiny", "--out", "plan.json"])
     assert result.exit_code == 0, result.output
     out = tmp_path / f"{mode}.json"
@@ -119,6 +120,7 @@ def _report(tmp_path, mode, measured, **extra):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     data["measured"]["median_step_s"] = measured
+    data["gpu"], data["run"]["device"] = "NVIDIA H200", "cuda:0"
     out.write_text(json.dumps(data))
     return data, out
 
@@ -196,3 +198,36 @@ def test_calibrate_under_torchrun_speaks_once(tmp_path, torchrun):
                      CHUNKFLOW_CONFIG_DIR=str(tmp_path / "cfg"))
     assert p.stderr.count("H2D fit") == 1 and p.stderr.count("device cpu; base") == 1
     assert p.stdout.count("Profile written to") == 1 and out.exists()
+
+
+def test_refit_refuses_reports_that_cannot_describe_a_gpu_and_keeps_the_saved_profile(tmp_path):
+    from chunkflow_planner.planner import saved_profile_path
+
+    result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "p.yaml", "--save"])
+    assert result.exit_code == 0, result.output
+    saved = saved_profile_path().read_text()
+    data, path = _report(tmp_path, "none", 1.0)
+    cases = [({"gpu": "cpu (x86_64)"}, "measured on the CPU"), ({"measured.median_step_s": -1.0}, "median_step_s"),
+             ({"measured.step_times_s": [float("nan")]}, "step_times_s"), ({"run.offload.mode": "turbo"}, "turbo")]
+    for change, message in cases:
+        bad = json.loads(json.dumps(data))
+        for key, value in change.items():
+            *parents, leaf = key.split(".")
+            d = bad
+            for k in parents:
+                d = d[k]
+            d[leaf] = value
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        result = runner.invoke(app, ["calibrate", "--from-report", str(tmp_path / "bad.json"), "--save"])
+        assert result.exit_code == 2 and message in result.output, (change, result.output)
+        assert saved_profile_path().read_text() == saved  # nothing replaced
+    # a good refit over the saved profile keeps the previous one and says what changed
+    result = runner.invoke(app, ["calibrate", "--from-report", str(path), "--save"])
+    assert result.exit_code == 0, result.output
+    assert "previous default profile is kept" in result.output and "eta_comp" in result.output
+    assert saved_profile_path().with_name("hardware-profile.previous.yaml").read_text() == saved
+
+
+def test_cpu_smoke_with_model_is_refused():
+    result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--model", "flux"])
+    assert result.exit_code == 2 and "--cpu-smoke" in result.output

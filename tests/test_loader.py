@@ -194,3 +194,18 @@ def test_pickle_only_and_config_checks_still_apply(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(OffloadError, match="ffn_dim"):
         _build(d)
+
+
+def test_damaged_files_are_named(tmp_path):
+    from chunkflow.models.build import build_transformer
+
+    d = tmp_path / "w"
+    WanTransformer3DModel(**get_model("tiny-wan").diffusers.config).save_pretrained(d, safe_serialization=True)
+    f = d / "diffusion_pytorch_model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])  # truncated
+    with pytest.raises(OffloadError, match="truncated"):
+        build_transformer("tiny-wan", weights=d, dtype=torch.float32, device="cpu")
+    for text in ("{not json", "[1, 2]"):
+        (d / "config.json").write_text(text)
+        with pytest.raises(OffloadError, match="config.json"):
+            build_transformer("tiny-wan", weights=d, dtype=torch.float32, device="cpu")

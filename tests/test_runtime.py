@@ -180,34 +180,55 @@ def test_bad_inputs_raise_and_leave_module_untouched(tmp_path):
     assert "submodule" in _bad(m, device="cpu", blocks=[other[0]])
     if not torch.cuda.is_available():
         msg = _bad(m, device="cuda", blocks=blocks)
-        assert "CUDA is not available" in msg and "device 'cpu'" in msg
+        assert "CUDA is not available" in msg and "device='cpu'" in msg
     assert "does not exist" in _bad(m, plan=tmp_path / "nope.json", device="cpu", blocks=blocks)
 
 
-def test_plan_for_another_model_is_refused(tmp_path):
+def _plan_for(name: str, **offload):
     from chunkflow_planner.plan import Plan
 
-    plan = Plan.model_validate({
-        "model": {"name": "FLUX.1-dev", "n_blocks": 57, "block_bytes_total": 1, "non_block_bytes": 1},
+    return Plan.model_validate({
+        "model": {"name": name, "n_blocks": 57, "block_bytes_total": 1, "non_block_bytes": 1},
         "workload": {"batch": 1, "frames": 1, "height": 1024, "width": 1024, "tokens": 4096, "steps": 28},
         "parallel": {}, "hardware": {"name": "h200", "peak_tflops": 1, "h2d_gbps": 1, "eta_comp": 1, "eta_pref": 1},
         "analysis": {"block_flops_per_gpu": 1, "prefetch_bytes_per_block": 1, "f_star": 1, "i_block": 1, "i_star": 1,
                      "t_comp_s": 1, "t_pref_s": 1, "regime": "hidden", "critical": {"axis": "batch", "value": None}},
-        "offload": {"mode": "chunkflow", "chunk_bytes": 4096, "residency": 0.25},
+        "offload": {"mode": "chunkflow", "chunk_bytes": 4096, "residency": 0.25, **offload},
         "prediction": {"step_time_s": 1, "peak_memory_bytes": 1,
                        "baselines": {"none": {"step_time_s": 1, "peak_memory_bytes": 1},
                                      "layerwise": {"step_time_s": 1, "peak_memory_bytes": 1}}},
     })
+
+
+def test_plan_for_another_model_or_another_size_is_refused(tmp_path):
+    plan = _plan_for("FLUX.1-dev")
     m, blocks, kw = _wan()
     msg = _bad(m, plan=plan, device="cpu", blocks=blocks)
     assert "FLUX.1-dev" in msg and "WanTransformer3DModel" in msg
-    # the same plan drives a Flux module: mode, chunk and residency come from it
-    f, fblocks, fkw = _flux()
-    ref = _run(f, fkw)
+    f, fblocks, fkw = _flux()  # the right class, but a tiny FLUX, not FLUX.1-dev: its architecture differs
+    msg = _bad(f, plan=plan, device="cpu")
+    assert "another size" in msg and "57 blocks" in msg and "5 blocks" in msg
+    for bad in (123, [1], str(tmp_path)):
+        assert "plan" in _bad(f, plan=bad, device="cpu")
+
+
+def test_a_plan_drives_the_module_it_was_made_for(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from chunkflow.models.inputs import make_inputs
+    from chunkflow_planner.catalog import get_model
+
+    spec = get_model("tiny-wan")
+    torch.manual_seed(0)
+    m = WanTransformer3DModel(**spec.diffusers.config).eval()
+    kw = make_inputs(spec, None, torch.float32, "cpu", seed=1)
+    ref = _run(m, kw)
+    plan = _plan_for("tiny-wan").model_dump()
+    plan["workload"] = dict(spec.default_workload.model_dump(), tokens=1)
     path = tmp_path / "plan.json"
-    plan.write(path)
-    h = chunkflow.offload(f, plan=path, device="cpu")  # blocks from the catalog adapter
-    assert h.stats().chunk_bytes == 4096 and h.stats().target_residency == 0.25
-    assert h.stats().n_blocks == 5
-    assert torch.equal(_run(f, fkw), ref)
-    h.remove()
+    path.write_text(__import__("json").dumps(plan))
+    for source in (path, str(path), plan):  # a file path, or the plan as a dict
+        h = chunkflow.offload(m, plan=source, device="cpu")  # blocks from the catalog adapter
+        assert h.stats().chunk_bytes == 4096 and h.stats().target_residency == 0.25
+        assert torch.equal(_run(m, kw), ref)
+        h.remove()

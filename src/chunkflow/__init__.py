@@ -1,7 +1,7 @@
 """chunkflow: stream a diffusion transformer's blocks from pinned host memory in chunks, one block ahead.
 
 `chunkflow.offload(module, ...)` is the one-call API; `OffloadConfig` is the offload setting it takes (also what a
-plan file holds). The runtime names load torch on first use, so that `chunkflow plan` and the rest of the CLI
+plan file holds). Every error the package raises for bad input is a `ChunkflowError` (a ValueError). The runtime names load torch on first use, so that `chunkflow plan` and the rest of the CLI
 that needs no torch stay fast.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from chunkflow_planner import __version__
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 
-__all__ = ["offload", "OffloadConfig", "OffloadHandle", "OffloadError", "OffloadStats", "__version__"]
+__all__ = ["offload", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError", "OffloadStats", "__version__"]
 _RUNTIME = ("offload", "OffloadHandle", "OffloadError", "OffloadStats")
 
 if TYPE_CHECKING:  # pragma: no cover

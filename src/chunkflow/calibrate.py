@@ -38,6 +38,7 @@ import yaml
 from chunkflow.launch import torchrun_world
 from chunkflow.timing import time_on, timing_event
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.predict import predict
@@ -48,7 +49,7 @@ H2D_SIZES = tuple(c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256))
 H2D_TOTAL = 512 * MB
 
 
-class CalibrationError(ValueError):
+class CalibrationError(ChunkflowError):
     """Calibration cannot run or its input is unusable; the message says why."""
 
 
@@ -168,10 +169,24 @@ def profile_yaml(hw: HardwareSpec, header: str = "") -> str:
 
 
 def write_profile(hw: HardwareSpec, path: str | Path, header: str = "") -> Path:
+    """The profile as YAML at `path`, written atomically (its directory is created if missing)."""
+    from chunkflow_planner.files import write_atomic
+
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile_yaml(hw, header))
-    return path
+    return write_atomic(path, profile_yaml(hw, header))
+
+
+PROFILE_FIELDS = ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref", "coll_gbps",
+                  "contention", "block_overhead_us", "memory_bytes", "peer_link")
+
+
+def profile_changes(old: HardwareSpec, new: HardwareSpec) -> list[str]:
+    """`field old -> new` for every summary field that differs, and whether the eta_comp curves changed."""
+    out = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in PROFILE_FIELDS if getattr(old, k) != getattr(new, k)]
+    if old.eta_comp_curves != new.eta_comp_curves or old.eta_comp_curve != new.eta_comp_curve:
+        out.append("eta_comp curves changed")
+    return out or ["none"]
 
 
 # --------------------------------------------------------------------------------------- measurement
@@ -459,6 +474,15 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
 
 
 # ------------------------------------------------------------------------------------------- refit
+
+
+def check_refit_reports(reports: Sequence, paths: Sequence[str]) -> None:
+    """Refuse reports that cannot describe a GPU: runs on the CPU (their times say nothing about the profile's
+    GPU). Times are finite and positive already (the report schema)."""
+    for r in reports:
+        if r.run.device.startswith("cpu") or r.gpu.startswith("cpu"):
+            raise CalibrationError(f"a run report in {', '.join(paths)} was measured on the CPU ({r.gpu}); a refit "
+                                   "needs runs on the GPU the profile describes (nothing was changed)")
 
 
 def read_reports(paths: Sequence[str | Path]) -> list:

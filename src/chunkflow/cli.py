@@ -1,7 +1,14 @@
-"""The `chunkflow` command line. Commands import torch only where they need it: `plan` never does."""
+"""The `chunkflow` command line. Commands import torch only where they need it: `plan` never does.
+
+One boundary for errors (`_command`): a ChunkflowError (bad input, an impossible request) is one line and exit
+code 2; an infeasible plan says which constraint binds, exit 2; anything else is a bug: a short message saying
+where to report it, exit 1, and the traceback only with `chunkflow --debug ...`. Every input is checked before
+any expensive work (output paths included), and every file is written atomically (chunkflow_planner.files).
+"""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,6 +19,7 @@ from rich.table import Table
 
 from chunkflow.launch import torchrun_rank, torchrun_world
 from chunkflow_planner import __version__
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES
 from chunkflow_planner.units import format_bytes, format_seconds, parse_duration, parse_size, short_bytes
 
@@ -25,13 +33,49 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)
 
 
-class UserError(Exception):
+ISSUES_URL = "https://github.com/chunkflow/chunkflow/issues"
+_debug = {"on": False}  # set by `chunkflow --debug`: unexpected errors keep their traceback
+
+
+class UserError(ChunkflowError):
     """Bad input: printed as one clear message, exit code 2, no traceback."""
 
 
 def _fail(message: str, code: int = 2) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
+
+
+def _command(name: str):
+    """Register a command behind the one error boundary (see the module docstring)."""
+    from chunkflow_planner.policy import Infeasible
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Infeasible as exc:
+                err_console.print(f"[bold red]infeasible:[/] {exc}", highlight=False)
+                raise typer.Exit(2) from None
+            except ChunkflowError as exc:
+                _fail(str(exc))
+            except KeyboardInterrupt:
+                err_console.print("interrupted", highlight=False)
+                raise typer.Exit(130) from None
+            except (typer.Exit, typer.Abort, SystemExit):
+                raise
+            except Exception as exc:  # a bug: say so briefly, keep the traceback for --debug
+                if _debug["on"]:
+                    raise
+                err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\nThis is a bug in "
+                                  f"chunkflow {__version__}; please report it at {ISSUES_URL} with the command. "
+                                  "Run `chunkflow --debug ...` for the traceback.", highlight=False)
+                raise typer.Exit(1) from None
+
+        return app.command(name)(guarded)
+
+    return decorate
 
 
 def _version(value: bool) -> None:
@@ -45,8 +89,10 @@ def main_callback(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
                                  help="print chunkflow's version and exit"),
+    debug: bool = typer.Option(False, "--debug", help="show the Python traceback of an unexpected error"),
 ) -> None:
     """Run large diffusion transformers with weights streamed from host memory in chunks."""
+    _debug["on"] = debug
     if ctx.invoked_subcommand is None:
         console.print(ctx.get_help(), highlight=False)
         raise typer.Exit(0)
@@ -62,7 +108,7 @@ def _progress():
 # ------------------------------------------------------------------------------------------- catalogs
 
 
-@app.command("models")
+@_command("models")
 def models_cmd() -> None:
     """List the model catalog (models.yaml)."""
     from chunkflow_planner.catalog import load_models
@@ -80,7 +126,7 @@ def models_cmd() -> None:
     console.print(table)
 
 
-@app.command("hardware")
+@_command("hardware")
 def hardware_cmd() -> None:
     """List the hardware catalog (hardware.yaml) and the profile saved by `chunkflow calibrate`, if any."""
     from chunkflow_planner.catalog import load_hardware
@@ -100,7 +146,7 @@ def hardware_cmd() -> None:
 # ----------------------------------------------------------------------------------------------- plan
 
 
-@app.command("plan")
+@_command("plan")
 def plan_cmd(
     model: str = typer.Option(..., "--model", "-m", help="catalog model name or alias (see `chunkflow models`)"),
     frames: Optional[int] = typer.Option(None, help="video frames (1 mod the VAE's temporal factor)"),
@@ -123,37 +169,33 @@ def plan_cmd(
     text_len: Optional[int] = typer.Option(None, help="what-if: text context length L_ctx"),
 ) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency."""
-    from chunkflow_planner.catalog import CatalogError, get_model
+    import math
+
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.files import check_output_file
     from chunkflow_planner.planner import make_plan, resolve_hardware
-    from chunkflow_planner.policy import Infeasible
-    from chunkflow_planner.units import UnitError
-    from chunkflow_planner.workload import WorkloadError, make_workload
+    from chunkflow_planner.workload import make_workload
 
-    try:
-        if max_slowdown is not None and target_step_time is not None:
-            raise UserError("give either --max-slowdown or --target-step-time, not both")
-        if max_slowdown is not None and max_slowdown < 1.0:
-            raise UserError(f"--max-slowdown is relative to no offload and must be >= 1.0, got {max_slowdown}")
-        spec = get_model(model)
-        workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
-        resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp, eta_pref=eta_pref)
-        budget = parse_size(mem_budget) if mem_budget is not None else None
-        target = parse_duration(target_step_time) if target_step_time is not None else None
-        pbytes = parse_size(prefetch_bytes) if prefetch_bytes is not None else None
-        if text_len is not None and text_len < 0:
-            raise UserError(f"--text-len must be >= 0, got {text_len}")
-        plan, decision, analysis = make_plan(
-            spec, workload, resolved, sp=sp, budget=budget,
-            max_slowdown=None if target is not None else (max_slowdown or 1.05),
-            target_step_time=target, prefetch_bytes=pbytes, text_len=text_len,
-        )
-    except Infeasible as exc:
-        err_console.print(f"[bold red]infeasible:[/] {exc}", highlight=False)
-        raise typer.Exit(2)
-    except (UserError, CatalogError, WorkloadError, UnitError, ValueError) as exc:
-        _fail(str(exc))
-        return
-
+    if max_slowdown is not None and target_step_time is not None:
+        raise UserError("give either --max-slowdown or --target-step-time, not both")
+    if max_slowdown is not None and not (math.isfinite(max_slowdown) and max_slowdown >= 1.0):
+        raise UserError(f"--max-slowdown is relative to no offload and must be a number >= 1.0, got {max_slowdown}")
+    if text_len is not None and text_len < 0:
+        raise UserError(f"--text-len must be >= 0, got {text_len}")
+    if out:
+        check_output_file(out, "--out")
+    spec = get_model(model)
+    workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
+    resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
+                                eta_pref=eta_pref)
+    budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
+    target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
+    pbytes = parse_size(prefetch_bytes, "--prefetch-bytes") if prefetch_bytes is not None else None
+    plan, decision, analysis = make_plan(
+        spec, workload, resolved, sp=sp, budget=budget,
+        max_slowdown=None if target is not None else (max_slowdown or 1.05),
+        target_step_time=target, prefetch_bytes=pbytes, text_len=text_len,
+    )
     if out:
         plan.write(out)
     if json_out:
@@ -169,7 +211,7 @@ def plan_cmd(
 # ------------------------------------------------------------------------------------------------ run
 
 
-@app.command("run")
+@_command("run")
 def run_cmd(
     plan: str = typer.Option(..., "--plan", "-p", help="plan file written by `chunkflow plan --out`"),
     mode: Optional[str] = typer.Option(None, help="override the plan's mode: none, layerwise or chunkflow"),
@@ -191,31 +233,25 @@ def run_cmd(
     step time and peak GPU memory and writes a run report. Under torchrun (WORLD_SIZE > 1) the model runs
     with Ulysses sequence parallelism over the processes; rank 0 prints and writes the report.
     """
-    from chunkflow_planner.catalog import CatalogError
-    from chunkflow_planner.plan import PlanError, load_plan
+    from chunkflow_planner.files import check_output_file
+    from chunkflow_planner.plan import load_plan
+    from chunkflow_planner.predict import hardware_of
 
-    try:
-        p = load_plan(plan)
-        cfg = p.offload.with_overrides(mode, chunk_size, residency)  # the flags are parsed here, once
-        from chunkflow.run import RunError, RunOptions
+    p = load_plan(plan)
+    cfg = p.offload.with_overrides(mode, chunk_size, residency)  # the flags are parsed here, once
+    from chunkflow.run import RunOptions, run_plan
 
-        opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
-                          seed=seed)
-        opts.check()  # bad options fail before anything is built
-    except (PlanError, CatalogError, ValueError) as exc:
-        _fail(str(exc))
-        return
+    opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
+                      seed=seed)
+    opts.check()  # bad options, paths and profiles fail before anything is built
+    hardware_of(p, profile)
+    check_output_file(report, "--report")
     from chunkflow.report import print_run
-    from chunkflow.run import run_plan
 
-    try:
-        with _progress() as bar:
-            task = bar.add_task("denoising steps", total=None)
-            rep = run_plan(p, cfg, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
-                           log=lambda s: err_console.print(s, highlight=False))
-    except (RunError, CatalogError, PlanError) as exc:
-        _fail(str(exc))
-        return
+    with _progress() as bar:
+        task = bar.add_task("denoising steps", total=None)
+        rep = run_plan(p, cfg, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
+                       log=lambda s: err_console.print(s, highlight=False))
     if rep is None:  # not rank 0
         return
     rep.write(report)
@@ -226,10 +262,11 @@ def run_cmd(
 # ------------------------------------------------------------------------------------------ calibrate
 
 
-@app.command("calibrate")
+@_command("calibrate")
 def calibrate_cmd(
-    model: str = typer.Option("wan2.2", "--model", "-m", help="catalog model(s) whose blocks set the eta_comp curves, "
-                              "comma-separated (e.g. wan2.2,flux,hunyuan); each model listed gets its own curve"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog model(s) whose blocks set the eta_comp "
+                                        "curves, comma-separated (e.g. wan2.2,flux,hunyuan; default wan2.2); each "
+                                        "model listed gets its own curve"),
     out: str = typer.Option("profile.yaml", "--out", "-o", help="write the hardware profile (YAML) here"),
     save: Optional[bool] = typer.Option(None, "--save/--no-save",
                                         help="also save it as this machine's default profile (default: yes, except --cpu-smoke)"),
@@ -243,41 +280,79 @@ def calibrate_cmd(
     raw: Optional[str] = typer.Option(None, help="also write the raw measurements as JSON here"),
 ) -> None:
     """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
-    all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses."""
-    from chunkflow_planner.planner import saved_profile_path
+    all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses.
 
-    from chunkflow.calibrate import write_profile
+    Saving over this machine's default profile keeps the previous one beside it (hardware-profile.previous.yaml)
+    and prints what changed."""
+    import math
+
+    from chunkflow_planner.files import check_output_file
 
     if gemm_size < 1:
-        _fail(f"--gemm-size must be positive, got {gemm_size}")
-    if peak_tflops is not None and peak_tflops <= 0:
-        _fail(f"--peak-tflops must be positive, got {peak_tflops}")
+        raise UserError(f"--gemm-size must be positive, got {gemm_size}")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise UserError(f"--peak-tflops must be a positive number, got {peak_tflops}")
+    if cpu_smoke and model is not None:
+        raise UserError("--cpu-smoke measures the tiny catalog model; leave --model out (it is for GPU runs)")
+    if from_report and (cpu_smoke or model is not None or raw is not None):
+        raise UserError("--from-report refits from run reports; --model, --cpu-smoke and --raw measure: use one or the other")
+    check_output_file(out, "--out")
+    if raw:
+        check_output_file(raw, "--raw")
     if from_report:
         new, header = _refit_profile(from_report, profile)
     else:
-        measured = _measure_profile(model, cpu_smoke, gemm_size, peak_tflops, base, raw)
+        measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw)
         if measured is None:  # not rank 0
             return
         new, header = measured
-    write_profile(new, out, header)
-    console.print(f"Profile written to {out}")
-    if save if save is not None else not cpu_smoke:
-        path = write_profile(new, saved_profile_path(), header)
-        console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)")
+    _save_profile(new, out, header, default=save if save is not None else not cpu_smoke)
     _print_profile(new)
 
 
+def _save_profile(new, out: str, header: str, default: bool) -> None:
+    """The profile to `out`, and as this machine's default: the one it replaces is kept, and what changed said."""
+    from chunkflow_planner.catalog import CatalogError, load_profile
+    from chunkflow_planner.planner import saved_profile_path
+
+    from chunkflow.calibrate import profile_changes, write_profile
+
+    write_profile(new, out, header)
+    console.print(f"Profile written to {out}")
+    if not default:
+        return
+    path = saved_profile_path()
+    if path.exists():
+        try:
+            old = load_profile(path)
+        except CatalogError:
+            old = None
+        from chunkflow_planner.files import write_atomic
+
+        kept = write_atomic(path.with_name("hardware-profile.previous.yaml"), path.read_bytes())
+        console.print(f"The previous default profile is kept as {kept}" + (
+            "; changes: " + "; ".join(profile_changes(old, new)) if old is not None else " (it could not be read)"),
+            highlight=False)
+    write_profile(new, path, header)
+    console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)")
+
+
 def _refit_profile(reports: list[str], profile: str | None):
-    """(refitted profile, header) from run reports; notes printed."""
-    from chunkflow_planner.catalog import CatalogError, HardwareSpec, get_hardware
+    """(refitted profile, header) from run reports; notes printed. Reports that cannot describe a GPU are refused."""
+    from chunkflow_planner.catalog import HardwareSpec, get_hardware
 
-    from chunkflow.calibrate import CalibrationError, read_reports, refit
+    from chunkflow.calibrate import CalibrationError, check_refit_reports, read_reports, refit
 
-    try:
-        reps = read_reports(reports)
-        hw = get_hardware(profile) if profile else HardwareSpec(**(reps[0].plan.hardware.spec or {}))
-    except (CalibrationError, CatalogError, ValueError) as exc:
-        _fail(str(exc))
+    reps = read_reports(reports)
+    check_refit_reports(reps, reports)
+    if profile:
+        hw = get_hardware(profile)
+    else:
+        try:
+            hw = HardwareSpec(**(reps[0].plan.hardware.spec or {}))
+        except (TypeError, ValueError) as exc:
+            raise CalibrationError(f"the first run report's plan has no usable hardware profile ({exc}); pass "
+                                   "--profile") from None
     new, notes = refit(hw, reps)
     for n in notes:
         console.print(f"- {n}", highlight=False)
@@ -289,26 +364,23 @@ def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: f
     """(measured profile, header) on rank 0; None on other ranks under torchrun (every rank measures)."""
     import json
 
-    from chunkflow_planner.catalog import CatalogError
+    from chunkflow_planner.files import write_atomic
 
-    from chunkflow.calibrate import CalibrationError, calibrate
+    from chunkflow.calibrate import calibrate
 
     rank0 = torchrun_rank() == 0
-    try:
-        with _progress() as bar:
-            def progress(desc, total):
-                task = bar.add_task(desc, total=total, visible=rank0)
-                return lambda: bar.advance(task)
+    with _progress() as bar:
+        def progress(desc, total):
+            task = bar.add_task(desc, total=total, visible=rank0)
+            return lambda: bar.advance(task)
 
-            cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
-                            progress=progress,
-                            log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
-    except (CalibrationError, CatalogError) as exc:
-        _fail(str(exc))
+        cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
+                        progress=progress,
+                        log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
     if not rank0:
         return None
     if raw:
-        Path(raw).write_text(json.dumps(cal.raw, indent=2, default=str) + "\n")
+        write_atomic(raw, json.dumps(cal.raw, indent=2, default=str) + "\n")
     header = "measured by chunkflow calibrate" + (" --cpu-smoke (not a GPU: numbers mean nothing)" if cpu_smoke else "")
     return cal.profile, header
 
@@ -409,7 +481,7 @@ def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
     return t
 
 
-@app.command("bench")
+@_command("bench")
 def bench_cmd(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog model name or alias"),
     frames: Optional[str] = typer.Option(None, help="video frame counts to sweep, e.g. 41,81,121"),
@@ -444,6 +516,9 @@ def bench_cmd(
     Under torchrun (`torchrun --nproc-per-node N -m chunkflow.cli bench ...`) every rank runs the sweep with
     Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
     """
+    from chunkflow_planner.files import check_output_dir
+
+    check_output_dir(out, "--out")
     if from_dir is not None:
         _bench_redraw(Path(from_dir), Path(out), plots)
         return
@@ -463,36 +538,25 @@ def bench_cmd(
 
 def _bench_redraw(from_dir: Path, out: Path, plots: bool) -> None:
     """Plots and summary.md again from an earlier bench directory's files."""
-    from chunkflow.bench import BenchError, load, write_outputs
+    from chunkflow.bench import load, write_outputs
 
-    try:
-        paths = write_outputs(*load(from_dir), out, plots)
-    except BenchError as exc:
-        _fail(str(exc))
+    paths = write_outputs(*load(from_dir), out, plots)
     console.print("Written: " + ", ".join(str(p) for p in paths))
 
 
 def _bench_setup(world: int, device: str | None, *flags):
-    """(ModelSpec, BenchSpec, HardwareSpec, device) from the flags, or exit 2 with the reason."""
-    from chunkflow.run import RunError
-    from chunkflow_planner.catalog import CatalogError
-    from chunkflow_planner.units import UnitError
-    from chunkflow_planner.workload import WorkloadError
+    """(ModelSpec, BenchSpec, HardwareSpec, device) from the flags, every one checked before any work."""
+    spec, bench, hw = _bench_spec(*flags)
+    if world == 1:
+        from chunkflow.runtime.resolve import resolve_device
 
-    try:
-        spec, bench, hw = _bench_spec(*flags)
-        if world == 1:
-            from chunkflow.runtime.handle import resolve_device
+        return spec, bench, hw, resolve_device(device, hint="--device cpu")
+    if bench.baselines:
+        raise UserError("--baselines run on one GPU; leave them out under torchrun")
+    from chunkflow_planner.planner import check_parallel
 
-            return spec, bench, hw, resolve_device(device)
-        if bench.baselines:
-            raise UserError("--baselines run on one GPU; leave them out under torchrun")
-        from chunkflow_planner.planner import check_parallel
-
-        check_parallel(spec, hw, world)
-        return spec, bench, hw, None  # each rank's device comes from init_distributed()
-    except (UserError, CatalogError, WorkloadError, UnitError, ValueError, RunError) as exc:
-        _fail(str(exc))
+    check_parallel(spec, hw, world)
+    return spec, bench, hw, None  # each rank's device comes from init_distributed()
 
 
 def _bench_measure(spec, bench, hw, dev, world: int, out_dir: Path, show: bool):
@@ -506,8 +570,10 @@ def _bench_measure(spec, bench, hw, dev, world: int, out_dir: Path, show: bool):
         if show:
             import pandas as pd
 
+            from chunkflow_planner.files import write_atomic
+
             out_dir.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(rows).to_csv(partial, index=False)
+            write_atomic(partial, pd.DataFrame(rows).to_csv(index=False))
 
     with _progress() as bar:
         task = bar.add_task(f"{spec.name}: {bench.n_points()} points, SP={world}", total=bench.n_points(),
@@ -524,7 +590,7 @@ def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: boo
     """bench.csv, bench.json, summary.md and plots, then the table on the console."""
     import os
 
-    from chunkflow.bench import BenchError, BenchMeta, write_outputs
+    from chunkflow.bench import BenchMeta, write_outputs
     from chunkflow.run import environment
 
     env = environment(dev)
@@ -532,10 +598,7 @@ def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: boo
     meta = BenchMeta(spec=bench, hardware=hw.model_dump(mode="json"), sp=world, gpu=env["gpu"], date=env["date"],
                      command=launcher + " ".join(sys.argv[1:]), torch=env["torch"], diffusers=env["diffusers"],
                      env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES")})
-    try:
-        paths = write_outputs(df, meta, out_dir, plots)
-    except BenchError as exc:
-        _fail(str(exc))
+    paths = write_outputs(df, meta, out_dir, plots)
     console.print("Written: " + ", ".join(str(p) for p in paths))
     console.print(_bench_table(df, spec, hw, bench.axis, world))
 

@@ -19,21 +19,24 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 from pydantic import BaseModel, Field, ValidationError
 
 from chunkflow.launch import torchrun_world
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
+from chunkflow_planner.files import FileError, read_text
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.predict import Predicted, hardware_of, predict
+from chunkflow_planner.versioned import field_errors
 
 RUN_REPORT_SCHEMA_VERSION = 2
 DEFAULT_MAX_STEPS = 5
 
 
-class RunError(ValueError):
+class RunError(ChunkflowError):
     """A run that cannot start (bad plan, model, profile or option); the message says what to fix."""
 
 
@@ -49,9 +52,12 @@ class MemorySample(BaseModel):
     host_rss_bytes: int
 
 
+PositiveTime = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
 class Measured(BaseModel):
-    step_times_s: list[float]
-    median_step_s: float
+    step_times_s: list[PositiveTime] = Field(min_length=1)
+    median_step_s: PositiveTime
     peak_allocated_bytes: int | None = Field(None, description="torch peak allocated over the timed steps (GPU)")
     peak_reserved_bytes: int | None = None
     pinned_host_bytes: int = 0
@@ -93,7 +99,9 @@ class RunReport(BaseModel):
     stats: dict[str, Any] | None = Field(None, description="OffloadHandle.stats() after the timed steps")
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+        from chunkflow_planner.files import write_atomic
+
+        write_atomic(path, self.model_dump_json(indent=2) + "\n")
 
 
 def _upgrade(data: dict) -> dict:
@@ -110,9 +118,10 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
     out = []
     for p in paths:
         path = Path(p)
-        if not path.is_file():
-            raise RunError(f"run report {str(path)!r} does not exist (or is not a file)")
-        text = path.read_text()
+        try:
+            text = read_text(path, "run report")
+        except FileError as exc:
+            raise RunError(str(exc)) from None
         lines = [ln for ln in text.splitlines() if ln.strip()] if path.suffix == ".jsonl" else [text]
         for i, line in enumerate(lines):
             where = f"{str(path)!r}{f' line {i + 1}' if len(lines) > 1 else ''}"
@@ -127,8 +136,7 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
             try:
                 out.append(RunReport.model_validate(data))
             except ValidationError as exc:
-                e = exc.errors()[0]
-                raise RunError(f"run report {where} is malformed: {'.'.join(map(str, e['loc']))}: {e['msg']}") from None
+                raise RunError(f"run report {where} is malformed: {field_errors(exc)}") from None
     if not out:
         raise RunError("no run reports given")
     return out
@@ -265,12 +273,9 @@ def _place(o: RunOptions, world: int, plan: Plan, log: Callable[[str], None]):
             log(f"note: the plan is for SP={plan.parallel.sp_degree}, this run has {world} processes; "
                 f"predicting for SP={world}")
         return rank, device
-    from chunkflow.runtime.handle import OffloadError, resolve_device
+    from chunkflow.runtime.resolve import resolve_device
 
-    try:
-        return 0, resolve_device(o.device)
-    except OffloadError as exc:
-        raise RunError(str(exc).replace("device 'cpu'", "--device cpu")) from None
+    return 0, resolve_device(o.device, hint="--device cpu")
 
 
 def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[int, int], Any] | None = None,
@@ -280,7 +285,6 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
 
     from chunkflow.models.build import build_transformer
     from chunkflow.models.inputs import make_inputs
-    from chunkflow.runtime.handle import OffloadError
 
     o.check()
     try:
@@ -294,11 +298,8 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
     rank, device = _place(o, world, plan, log)
     dtype = torch.bfloat16
     t0 = time.perf_counter()
-    try:
-        model, handle = build_transformer(spec, weights=o.weights, dtype=dtype, device=device, config=cfg, seed=o.seed,
-                                          variant=o.variant)
-    except (OffloadError, FileNotFoundError) as exc:
-        raise RunError(str(exc)) from None
+    model, handle = build_transformer(spec, weights=o.weights, dtype=dtype, device=device, config=cfg, seed=o.seed,
+                                      variant=o.variant)
     if world > 1:
         from chunkflow.parallel import enable_sequence_parallel
 

@@ -17,18 +17,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from chunkflow_planner.errors import ChunkflowError
+
 CATALOG_SCHEMA_VERSION = 1
 
 BlockKind = Literal["dit", "mmdit_double", "mmdit_single"]
 BlockArch = Literal["wan_dit", "flux_double", "flux_single", "hunyuan_double", "hunyuan_single", "qwen_double"]
 
 
-class CatalogError(ValueError):
+class CatalogError(ChunkflowError):
     """A catalog entry or profile file that cannot be used; the message says what to fix."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class BlockGroup(_Strict):
@@ -134,14 +136,14 @@ class HardwareSpec(_Strict):
     schema_version: int = CATALOG_SCHEMA_VERSION
     name: str
     description: str = ""
-    peak_tflops: float = Field(gt=0, description="peak dense BF16 TFLOP/s of one GPU (P_peak)")
-    h2d_link_gbps: float = Field(gt=0, description="pinned host-to-device GB/s of one host link")
-    gpus_per_host_link: int = Field(1, gt=0, description="GPUs sharing that host link (root complex)")
-    memory_bytes: int = Field(gt=0, description="GPU memory")
-    gpus: int = Field(1, gt=0, description="GPUs in the node")
+    peak_tflops: float = Field(gt=0, le=1e6, description="peak dense BF16 TFLOP/s of one GPU (P_peak)")
+    h2d_link_gbps: float = Field(gt=0, le=1e5, description="pinned host-to-device GB/s of one host link")
+    gpus_per_host_link: int = Field(1, gt=0, le=1024, description="GPUs sharing that host link (root complex)")
+    memory_bytes: int = Field(gt=0, le=2**60, description="GPU memory")
+    gpus: int = Field(1, gt=0, le=1024, description="GPUs in the node")
     peer_link: PeerLink = Field(description="how GPUs reach each other: nvlink, pcie (shares the host link) or none")
-    coll_gbps: float = Field(gt=0, description="effective per-GPU all-to-all bandwidth over the peer link")
-    contention: float = Field(1.0, ge=1.0, description="collective slowdown while H2D is in flight on a shared link")
+    coll_gbps: float = Field(gt=0, le=1e6, description="effective per-GPU all-to-all bandwidth over the peer link")
+    contention: float = Field(1.0, ge=1.0, le=1e3, description="collective slowdown while H2D is in flight on a shared link")
     eta_comp: float = Field(gt=0, le=1, description="achieved fraction of P_peak on DiT blocks")
     eta_pref: float = Field(gt=0, le=1, description="achieved fraction of the H2D bandwidth for large copies")
     eta_comp_curve: list[tuple[float, float]] | None = Field(
@@ -154,10 +156,10 @@ class HardwareSpec(_Strict):
         description="per-model eta_comp curves (catalog model name -> [F_block, eta] pairs), measured on that model's "
         "own blocks; a model listed here uses its curve instead of eta_comp_curve",
     )
-    gemm_tflops: float | None = Field(None, gt=0, description="measured bf16 GEMM rate (calibrate), for reference")
-    dma_startup_us: float = Field(3.0, ge=0, description="fixed cost per H2D copy (chunk-size efficiency)")
-    block_overhead_us: float = Field(30.0, ge=0, description="runtime cost per offloaded block per forward")
-    yield_overhead_us: float = Field(10.0, ge=0, description="runtime cost per collective when yielding")
+    gemm_tflops: float | None = Field(None, gt=0, le=1e6, description="measured bf16 GEMM rate (calibrate), for reference")
+    dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
+    block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
+    yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")
     source: str = Field("", description="where these numbers come from")
 
     @model_validator(mode="after")
@@ -171,7 +173,7 @@ class HardwareSpec(_Strict):
             if not curve:
                 raise ValueError(f"{what} must hold at least one [flops, eta] pair (or be left out)")
             flops = [f for f, _ in curve]
-            if any(f <= 0 for f in flops) or any(b <= a for a, b in zip(flops, flops[1:])):
+            if any(not 0 < f < 1e30 for f in flops) or any(b <= a for a, b in zip(flops, flops[1:])):
                 raise ValueError(f"{what} needs positive FLOP values in strictly increasing order")
             if any(not 0 < e <= 1 for _, e in curve):
                 raise ValueError(f"{what} efficiencies must be in (0, 1]")
@@ -289,10 +291,10 @@ def get_hardware(name: str) -> HardwareSpec:
 
 
 def load_profile(path: Path) -> HardwareSpec:
-    """A hardware profile file (what `chunkflow calibrate` writes)."""
-    if not path.exists():
-        raise CatalogError(f"hardware profile {str(path)!r} does not exist")
-    data = _read_yaml(path.read_text(), f"hardware profile {str(path)!r}")
+    """A hardware profile file (what `chunkflow calibrate` writes), validated whole; errors name the file."""
+    from chunkflow_planner.files import read_text
+
+    data = _read_yaml(read_text(path, "hardware profile"), f"hardware profile {str(path)!r}")
     version = data.get("schema_version", CATALOG_SCHEMA_VERSION)
     if version != CATALOG_SCHEMA_VERSION:
         raise CatalogError(
@@ -301,5 +303,6 @@ def load_profile(path: Path) -> HardwareSpec:
         )
     try:
         return HardwareSpec(**data)
-    except ValidationError as exc:
-        raise CatalogError(f"hardware profile {str(path)!r} is malformed: {_errors(exc)}") from None
+    except (ValidationError, TypeError) as exc:
+        detail = _errors(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise CatalogError(f"hardware profile {str(path)!r} is malformed: {detail}") from None

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from chunkflow_planner.errors import ChunkflowError
+
 from chunkflow_planner.units import UnitError, parse_size, short_bytes
 
 Mode = Literal["none", "layerwise", "chunkflow"]
@@ -26,7 +28,7 @@ DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
 
 
-class OffloadConfigError(ValueError):
+class OffloadConfigError(ChunkflowError):
     """An offload setting that cannot be used; the message says what was wrong and what to give instead."""
 
 

@@ -5,41 +5,43 @@ A versioned pydantic schema written as JSON. Readers check `schema_version` and 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chunkflow_planner.catalog import Workload
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
-from chunkflow_planner.versioned import read_versioned
+from chunkflow_planner.versioned import field_errors, read_versioned
 
 PLAN_SCHEMA_VERSION = 1
 
 
-class PlanError(ValueError):
+class PlanError(ChunkflowError):
     """A plan file that cannot be read; the message says why and what to do."""
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class PlanModel(_Section):
     name: str
-    n_blocks: int
-    block_bytes_total: int
-    non_block_bytes: int
+    n_blocks: int = Field(gt=0)
+    block_bytes_total: int = Field(gt=0)
+    non_block_bytes: int = Field(ge=0)
 
 
 class PlanWorkload(_Section):
-    batch: int
-    frames: int
-    height: int
-    width: int
-    tokens: int = Field(description="global token count S per sample")
-    steps: int
-    cfg_passes: int = 1
+    batch: int = Field(gt=0)
+    frames: int = Field(gt=0)
+    height: int = Field(gt=0)
+    width: int = Field(gt=0)
+    tokens: int = Field(gt=0, description="global token count S per sample")
+    steps: int = Field(gt=0)
+    cfg_passes: int = Field(1, ge=1, le=2)
 
     def to_workload(self) -> Workload:
         """The planner's Workload of this section (tokens are derived, not stored)."""
@@ -48,7 +50,7 @@ class PlanWorkload(_Section):
 
 
 class PlanParallel(_Section):
-    sp_degree: int = 1
+    sp_degree: int = Field(1, ge=1)
 
 
 class PlanHardware(_Section):
@@ -115,13 +117,48 @@ class Plan(_Section):
         return self.model_dump_json(indent=2)
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        from chunkflow_planner.files import write_atomic
+
+        write_atomic(path, self.to_json() + "\n")
 
 
-def load_plan(source: str | Path | Plan) -> Plan:
-    """A plan from a path (or a Plan, returned as is); a clear PlanError for anything unreadable."""
+def load_plan(source: str | os.PathLike | dict | Plan) -> Plan:
+    """A plan from a file path, a dict or a Plan, validated whole: its schema, then its model, workload and SP
+    degree against the catalog. Anything wrong is a PlanError naming the file (or "plan") and the field."""
     if isinstance(source, Plan):
-        return source
-    path = Path(source)
-    return read_versioned(path, Plan, PLAN_SCHEMA_VERSION, what="plan file", error=PlanError,
-                          remedy=f"write it with `chunkflow plan --out {path}`")
+        plan, where = source, "plan"
+    elif isinstance(source, dict):
+        if source.get("schema_version", PLAN_SCHEMA_VERSION) != PLAN_SCHEMA_VERSION:
+            raise PlanError(f"plan has schema_version {source.get('schema_version')!r}; this chunkflow reads "
+                            f"version {PLAN_SCHEMA_VERSION}")
+        try:
+            plan, where = Plan.model_validate(source), "plan"
+        except ValidationError as exc:
+            raise PlanError(f"plan is malformed: {field_errors(exc)}") from None
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        plan = read_versioned(path, Plan, PLAN_SCHEMA_VERSION, what="plan file", error=PlanError,
+                              remedy=f"write it with `chunkflow plan --out {path}`")
+        where = f"plan file {str(path)!r}"
+    else:
+        raise PlanError(f"a plan is the path of a plan file, a dict or a Plan, not {type(source).__name__}")
+    check_plan(plan, where)
+    return plan
+
+
+def check_plan(plan: Plan, where: str = "plan") -> None:
+    """The plan's model is in the catalog, its workload is one that model can run, its SP degree splits its heads."""
+    from chunkflow_planner.catalog import CatalogError, get_model
+    from chunkflow_planner.workload import WorkloadError, validate
+
+    try:
+        spec = get_model(plan.model.name)
+    except CatalogError as exc:
+        raise PlanError(f"{where}: its model {plan.model.name!r} is not in the catalog of this chunkflow ({exc})") from None
+    try:
+        validate(spec, plan.workload.to_workload())
+    except WorkloadError as exc:
+        raise PlanError(f"{where}: workload: {exc}") from None
+    if spec.heads % plan.parallel.sp_degree:
+        raise PlanError(f"{where}: parallel.sp_degree {plan.parallel.sp_degree} does not divide {spec.name}'s "
+                        f"{spec.heads} attention heads; re-plan with a valid --sp")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,12 @@ def resolve_hardware(
 
     What-if overrides replace single figures; `h2d_gbps` is the effective per-GPU BW_h2d.
     """
+    for key, value in (("peak_tflops", peak_tflops), ("h2d_gbps", h2d_gbps), ("eta_comp", eta_comp),
+                       ("eta_pref", eta_pref)):
+        eta = key.startswith("eta")
+        if value is not None and not (math.isfinite(value) and value > 0 and (value <= 1 or not eta)):
+            raise CatalogError(f"--{key.replace('_', '-')} must be {'in (0, 1]' if eta else 'a positive number'}, "
+                               f"got {value}")
     if name:
         spec = get_hardware(name)
         source = f"profile:{name}" if spec.name.lower() != name.lower() else f"catalog:{spec.name}"
@@ -70,12 +77,8 @@ def resolve_hardware(
     update: dict[str, float] = {}
     for key, value in (("peak_tflops", peak_tflops), ("eta_comp", eta_comp), ("eta_pref", eta_pref)):
         if value is not None:
-            if value <= 0 or (key.startswith("eta") and value > 1):
-                raise CatalogError(f"--{key.replace('_', '-')} must be {'in (0, 1]' if key.startswith('eta') else 'positive'}, got {value}")
             update[key] = value
     if h2d_gbps is not None:
-        if h2d_gbps <= 0:
-            raise CatalogError(f"--h2d-gbps must be positive, got {h2d_gbps}")
         update["h2d_link_gbps"] = h2d_gbps * spec.gpus_per_host_link
     if update:
         spec = spec.model_copy(update=update)

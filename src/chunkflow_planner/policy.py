@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.memory import MemoryEstimate, block_volumes, estimate_memory, runtime_need
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
@@ -21,7 +22,7 @@ MB = 10**6
 CHUNK_CANDIDATES = tuple(c * MB for c in (4, 8, 16, 32, 64, 128, 256))
 
 
-class Infeasible(Exception):
+class Infeasible(ChunkflowError):
     """No configuration meets the target inside the budget; says which constraint binds and how close we got."""
 
     def __init__(self, binding: str, message: str, min_memory: int, best_step_time: float | None) -> None:

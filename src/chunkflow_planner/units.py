@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+from chunkflow_planner.errors import ChunkflowError
+
 _SIZE_UNITS: dict[str, int] = {
     "b": 1,
     "kb": 10**3,
@@ -20,16 +22,23 @@ _TIME_UNITS: dict[str, float] = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0}
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-class UnitError(ValueError):
+class UnitError(ChunkflowError):
     """A size or duration that cannot be parsed; the message says what is accepted."""
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_size(text: str | int | float, flag: str | None = None) -> int:
     """Bytes in a size such as "24GB" (10^9), "24GiB" (2^30), "512MB" or a plain byte count.
 
     Units are case-insensitive: B, KB, MB, GB, TB (powers of ten) and KiB, MiB, GiB, TiB
-    (powers of two). The result must be a positive whole number of bytes.
+    (powers of two). The result must be a positive, finite, whole number of bytes. `flag` prefixes errors.
     """
+    try:
+        return _parse_size(text)
+    except UnitError as exc:
+        raise UnitError(f"{flag}: {exc}" if flag else str(exc)) from None
+
+
+def _parse_size(text: str | int | float) -> int:
     if isinstance(text, bool):
         raise UnitError(f"not a size: {text!r}")
     if isinstance(text, (int, float)):
@@ -58,8 +67,16 @@ def parse_size(text: str | int | float) -> int:
     return int(round(size))
 
 
-def parse_duration(text: str | int | float) -> float:
-    """Seconds in a duration such as "1.2s", "850ms" or a plain number of seconds; must be positive."""
+def parse_duration(text: str | int | float, flag: str | None = None) -> float:
+    """Seconds in a duration such as "1.2s", "850ms" or a plain number of seconds; positive and finite. `flag`
+    prefixes errors."""
+    try:
+        return _parse_duration(text)
+    except UnitError as exc:
+        raise UnitError(f"{flag}: {exc}" if flag else str(exc)) from None
+
+
+def _parse_duration(text: str | int | float) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), "s"
     else:

@@ -15,10 +15,16 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
                    error: type[Exception]) -> M:
     """`model` from the JSON file at `path`, whose `schema_version` must be `version`; anything else raises
     `error` with a message naming the file (`what`) and what to do (`remedy`)."""
-    if not path.exists():
+    from chunkflow_planner.files import FileError, read_text
+
+    if not Path(path).expanduser().exists():
         raise error(f"{what} {str(path)!r} does not exist; {remedy}")
     try:
-        data = json.loads(path.read_text())
+        text = read_text(path, what)
+    except FileError as exc:
+        raise error(str(exc)) from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{what} {str(path)!r} is not JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -30,5 +36,14 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise error(f"{what} {str(path)!r} is malformed (not one this chunkflow understands): {detail}") from None
+        raise error(f"{what} {str(path)!r} is malformed (not one this chunkflow understands): "
+                    f"{field_errors(exc)}") from None
+
+
+def field_errors(exc: ValidationError) -> str:
+    """pydantic's errors as `field.path: message; ...` (a value error's own message, without pydantic's prefix)."""
+    out = []
+    for e in exc.errors():
+        msg = str(e.get("ctx", {}).get("error", e["msg"]))
+        out.append(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {msg}")
+    return "; ".join(out)

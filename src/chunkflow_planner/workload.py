@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from chunkflow_planner.catalog import ModelSpec, Workload
+from chunkflow_planner.errors import ChunkflowError
 
 __all__ = ["Workload", "WorkloadError", "make_workload", "tokens", "tokens_per_latent_frame", "latent_frames"]
 
 
-class WorkloadError(ValueError):
+class WorkloadError(ChunkflowError):
     """A workload the model cannot run; the message names the nearest valid values."""
 
 

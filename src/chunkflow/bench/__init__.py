@@ -13,6 +13,7 @@ from chunkflow.bench.choices import PlannerChoice, planner_choice
 from chunkflow.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
 from chunkflow.bench.sweep import BenchError, BenchMeta, BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, get_model
+from chunkflow_planner.files import write_atomic
 
 __all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "PlannerChoice", "planner_choice",
            "run_bench", "write_outputs", "load"]
@@ -27,9 +28,9 @@ def write_outputs(df, meta: BenchMeta, out: Path, plots: bool = True) -> list[Pa
     hw = HardwareSpec.model_validate(meta.hardware)
     choice = planner_choice(spec, meta.spec, hw, meta.sp)
     paths = [out / "bench.csv", out / "bench.json", out / "summary.md"]
-    df.to_csv(paths[0], index=False)
+    write_atomic(paths[0], df.to_csv(index=False))
     meta.write(paths[1])
-    paths[2].write_text(summary_markdown(df, meta, choice))
+    write_atomic(paths[2], summary_markdown(df, meta, choice))
     if plots:
         from chunkflow.bench.plots import plot_all
 
@@ -45,9 +46,14 @@ def load(out: Path):
         raise BenchError(f"{out} not found: --from-dir needs a directory written by chunkflow bench")
     meta = BenchMeta.read(out / "bench.json")
     csv = out / "bench.csv"
-    if not csv.exists():
+    if not csv.is_file():
         raise BenchError(f"{csv} not found next to {out / 'bench.json'}")
-    df = pd.read_csv(csv)
+    try:
+        df = pd.read_csv(csv)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise BenchError(f"{csv} cannot be read as the bench's CSV ({exc}); run chunkflow bench again") from None
+    if df.empty:
+        raise BenchError(f"{csv} holds no measured point; run chunkflow bench again")
     missing = [c for c in COLUMNS if c not in df.columns and c not in OPTIONAL_COLUMNS]
     if missing:
         raise BenchError(f"{csv} lacks columns {', '.join(missing)}; it was not written by this chunkflow bench")

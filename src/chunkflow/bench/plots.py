@@ -89,8 +89,14 @@ class _Figures:
         fig.suptitle(f"{title}\n{self.sub}", fontsize=9)
         fig.text(0.01, 0.005, self.footer, fontsize=5.5, color="gray", va="bottom", ha="left")
         fig.tight_layout(rect=(0, 0.03 + 0.012 * self.footer.count("\n"), 1, 1))
+        import io
+
+        from chunkflow_planner.files import write_atomic
+
         path = self.out / name
-        fig.savefig(path, dpi=110)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=110, format="png")
+        write_atomic(path, buf.getvalue())
         self.plt.close(fig)
         self.paths.append(path)
 

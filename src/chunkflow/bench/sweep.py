@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from chunkflow_planner.catalog import ModelSpec, Workload
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import MODES, OffloadConfig
 from chunkflow_planner.versioned import read_versioned
 from chunkflow_planner.workload import make_workload
@@ -24,7 +25,7 @@ from chunkflow_planner.workload import make_workload
 BENCH_SCHEMA_VERSION = 1
 
 
-class BenchError(ValueError):
+class BenchError(ChunkflowError):
     """A sweep that cannot run or be read; the message says why."""
 
 
@@ -137,7 +138,9 @@ class BenchMeta(BaseModel):
     env: dict[str, str | None] = Field(default_factory=dict, description="NCCL settings that change the numbers")
 
     def write(self, path: Path) -> None:
-        path.write_text(self.model_dump_json(indent=2) + "\n")
+        from chunkflow_planner.files import write_atomic
+
+        write_atomic(path, self.model_dump_json(indent=2) + "\n")
 
     @staticmethod
     def read(path: Path) -> "BenchMeta":

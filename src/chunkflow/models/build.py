@@ -179,6 +179,17 @@ def _names(items, limit: int = 5) -> str:
     return ", ".join(items[:limit]) + more
 
 
+def _open_safetensors(file: Path):
+    """A safetensors file opened for reading one tensor at a time; a damaged or truncated one is an OffloadError."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for damaged files
+        raise OffloadError(f"{str(file)!r} is not a readable safetensors file ({exc}); it may be truncated: "
+                           "download or save it again") from None
+
+
 class _SafetensorsSource:
     """Tensors read one at a time from a diffusers-format directory (safetensors only), chosen as
     `ModelMixin.from_pretrained` chooses them:
@@ -196,8 +207,6 @@ class _SafetensorsSource:
 
     def __init__(self, path: Path, spec, module: nn.Module, *, variant: str | None = None,
                  dtype: torch.dtype | None = None):
-        from safetensors import safe_open
-
         if not path.is_dir():
             raise OffloadError(f"weights {str(path)!r} is not a directory; give a diffusers-format model directory")
         if variant is not None and (not isinstance(variant, str) or not variant or any(c in variant for c in "./\\")):
@@ -221,7 +230,7 @@ class _SafetensorsSource:
         if index is not None:
             weight_map = self._read_index(path, index)
             shards = sorted(set(weight_map.values()))
-            handles = {s: safe_open(str(path / s), framework="pt", device="cpu") for s in shards}
+            handles = {s: _open_safetensors(path / s) for s in shards}
             keys = {s: set(h.keys()) for s, h in handles.items()}
             absent = [k for k, s in weight_map.items() if k not in keys[s]]
             if absent:
@@ -232,7 +241,7 @@ class _SafetensorsSource:
             for k, s in weight_map.items():
                 self.where[k], self.file_of[k] = handles[s], s
         else:
-            h = safe_open(str(path / single), framework="pt", device="cpu")
+            h = _open_safetensors(path / single)
             for k in h.keys():
                 self.where[k], self.file_of[k] = h, single
 
@@ -352,7 +361,14 @@ class _SafetensorsSource:
         cfg_path = path / "config.json"
         if not cfg_path.exists():
             raise OffloadError(f"{str(path)!r} has no config.json; it is not a diffusers-format model directory")
-        cfg = json.loads(cfg_path.read_text())
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise OffloadError(f"config.json in {str(path)!r} cannot be read as JSON ({exc}); download or save the "
+                               "model again") from None
+        if not isinstance(cfg, dict):
+            raise OffloadError(f"config.json in {str(path)!r} must hold a JSON object (the model's constructor "
+                               f"arguments), not a {type(cfg).__name__}")
         cls = cfg.get("_class_name")
         if cls is not None and cls != spec.diffusers.cls:
             raise OffloadError(f"{str(path)!r} holds a {cls}, but {spec.name} is a {spec.diffusers.cls}")

@@ -10,8 +10,9 @@ from chunkflow.runtime.errors import OffloadError
 from chunkflow_planner.offload import MODES, OffloadConfig, OffloadConfigError
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """A torch.device to offload to; None: the current CUDA device if there is one, else the CPU."""
+def resolve_device(device: str | torch.device | None, hint: str = "device='cpu'") -> torch.device:
+    """A torch.device to offload to; None: the current CUDA device if there is one, else the CPU. `hint` is how
+    the caller spells "the CPU" (the API's device='cpu', the CLI's --device cpu)."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
@@ -21,7 +22,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise OffloadError(f"device {str(device)!r} requested but CUDA is not available on this machine; "
-                               "use device 'cpu' to run the same logic on host memory")
+                               f"use {hint} to run the same logic on host memory")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
@@ -30,23 +31,43 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def _plan_config(plan, module: nn.Module) -> OffloadConfig:
-    """A plan's offload setting, after checking that the plan was made for this module's model."""
+    """A plan's offload setting, after checking that the plan was made for this module's model: its class, and
+    its architecture (the number of blocks and their parameters; a plan for a 5B model does not fit a 1.3B one)."""
     from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.plan import Plan, load_plan
+    from chunkflow_planner.plan import load_plan
 
     try:
-        p = plan if isinstance(plan, Plan) else load_plan(plan)
+        p = load_plan(plan)
     except (ValueError, TypeError) as exc:
         raise OffloadError(str(exc)) from None
-    try:
-        spec = get_model(p.model.name)
-    except ValueError as exc:
-        raise OffloadError(f"the plan's model {p.model.name!r} is not in the catalog: {exc}") from None
+    spec = get_model(p.model.name)  # load_plan checked it is in the catalog
     cls = type(module).__name__
     if spec.diffusers.cls != cls:
         raise OffloadError(f"the plan is for {p.model.name} ({spec.diffusers.cls}) but the module is a {cls}; "
                            "write a plan for this model with `chunkflow plan`")
+    _check_architecture(spec, module)
     return p.offload
+
+
+def _block_params(block: nn.Module) -> int:
+    """A block's own parameters, adapters (peft LoRA tensors) left out."""
+    return sum(p.numel() for n, p in block.named_parameters() if "lora_" not in n)
+
+
+def _check_architecture(spec, module: nn.Module) -> None:
+    from chunkflow.models.adapters import find_blocks
+
+    try:
+        blocks = find_blocks(module)
+    except LookupError as exc:
+        raise OffloadError(str(exc)) from None
+    want = [spec.block_params(g) for g in spec.block_sequence()]
+    have = [_block_params(b) for b in blocks]
+    if have != want:
+        raise OffloadError(
+            f"the plan is for {spec.name}: {len(want)} blocks of {want[0] / 1e6:.1f}M parameters (first block), but "
+            f"this {type(module).__name__} has {len(have)} blocks" + (f" of {have[0] / 1e6:.1f}M" if have else "")
+            + "; it is another size of the model. Plan for this model (`chunkflow plan`), or offload with keywords")
 
 
 def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, mode: str | None = None,

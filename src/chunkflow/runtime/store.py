@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from chunkflow_planner.errors import ChunkflowError
 
-class HostStoreError(RuntimeError):
+
+class HostStoreError(ChunkflowError):
     pass
 
 
