@@ -13,11 +13,11 @@ from chunkflow_planner import __version__
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 
-__all__ = ["offload", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError", "OffloadStats", "__version__"]
-_RUNTIME = ("offload", "OffloadHandle", "OffloadError", "OffloadStats")
+__all__ = ["offload", "take_turns", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError", "OffloadStats", "__version__"]
+_RUNTIME = ("offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadStats")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, offload
+    from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, offload, take_turns
 
 
 def __getattr__(name: str) -> Any:

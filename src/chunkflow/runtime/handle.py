@@ -32,7 +32,7 @@ from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, c
 from chunkflow.runtime.writes import WriteWatch
 from chunkflow_planner.offload import OffloadConfig
 
-__all__ = ["offload", "OffloadHandle", "OffloadError", "OffloadStats", "TensorSource", "resolve_device"]
+__all__ = ["offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadStats", "TensorSource", "resolve_device"]
 
 _MARK = "_chunkflow_handle"
 
@@ -89,6 +89,9 @@ class OffloadHandle:
         self._non_block: list[ModuleTensor] = []
         self._origin: dict[tuple[int, str], torch.device] = {}  # (id(owner), attr) -> device before offload
         self._home: torch.device = torch.device("cpu")  # where tensors new since offload go at remove()
+        self._resume: torch.utils.hooks.RemovableHandle | None = None  # while parked: the forward pre-hook
+        self._park_store: HostStore | None = None  # host homes of the non-block tensors while parked
+        self._park_versions: list[tuple[int, int]] | None = None  # (version, data_ptr) at the last unpark
 
     # ---- attach and detach (start-up, remove, laying out again)
 
@@ -104,6 +107,7 @@ class OffloadHandle:
         with torch.inference_mode(False):
             store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda") if self.cfg.streams else None
             self._non_block = fill(layouts, store, tensors, self.device, source)
+            self._park_versions = None
             place(self._non_block, self.device)
             if self.device.type == "cuda" and source is not None:
                 torch.cuda.synchronize(self.device)
@@ -185,6 +189,7 @@ class OffloadHandle:
     def apply(self, fn, recurse: bool = True) -> nn.Module:
         """A conversion of the whole module: the same device and dtypes is nothing to do; a dtype change is applied
         to the host store (the blocks are laid out again); another device is refused before anything changes."""
+        self.unpark()
         dtypes = {t.get().dtype for t in all_tensors(self.module)}
         mapping: dict[torch.dtype, torch.dtype] = {}
         for dt in dtypes:
@@ -264,6 +269,77 @@ class OffloadHandle:
             for o in observers:
                 self.remove_observer(o)
 
+    # ---- parking: models that take turns on the device (e.g. the two experts of Wan2.2-A14B)
+
+    @property
+    def parked(self) -> bool:
+        return self._resume is not None
+
+    def park(self) -> None:
+        """Free this module's device memory until its next forward: the resident buffer and slots are given back
+        and the non-block tensors move to host memory (one pinned allocation on CUDA, kept for the next park; a
+        tensor not written since the last unpark is not copied again); the block tensors stay in the host store.
+        The next forward takes everything back first (`unpark`), writes made in between included. Nothing to do
+        when parked already or removed."""
+        if self.removed or self.parked:
+            return
+        if self.streamer is not None and self.streamer.bound:
+            raise OffloadError("park() was called inside a forward of the offloaded module; park between forwards")
+        if self.streamer is not None:
+            self.streamer.release_device()
+        views = self._park_views()
+        with torch.no_grad(), torch.inference_mode(False):
+            for t, host, version in zip(self._non_block, views, self._park_versions or [None] * len(views)):
+                cur = t.get()
+                if version is None or (cur._version, cur.data_ptr()) != version or cur.device == host.device:
+                    host.copy_(cur.detach())
+                if t.is_param:
+                    cur.data = host
+                else:
+                    t.set_buffer(host)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._resume = self.module.register_forward_pre_hook(_unpark_before_forward)
+
+    def _park_views(self) -> list[torch.Tensor]:
+        """Host homes of the non-block tensors while parked: views of one host allocation (pinned on CUDA)."""
+        sizes = [t.get().numel() * t.get().element_size() for t in self._non_block]
+        offsets, total = [], 0
+        for n in sizes:
+            total = -(-total // 256) * 256
+            offsets.append(total)
+            total += n
+        if self._park_store is None or self._park_store.nbytes != total:
+            if self._park_store is not None:
+                self._park_store.release()
+            self._park_store = HostStore(total, pin=self.device.type == "cuda")
+            self._park_versions = None
+        out = []
+        for t, off, n in zip(self._non_block, offsets, sizes):
+            cur = t.get()
+            out.append(self._park_store.view(off, n).view(cur.dtype).view(cur.shape))
+        return out
+
+    def unpark(self) -> None:
+        """Take the device memory back after `park()` (the next forward does this by itself)."""
+        if self._resume is None:
+            return
+        self._resume.remove()
+        self._resume = None
+        versions = []
+        with torch.no_grad(), torch.inference_mode(False):
+            for t in self._non_block:
+                cur = t.get()
+                dev = cur.detach().to(self.device, non_blocking=self.device.type == "cuda", copy=True)
+                if t.is_param:
+                    cur.data = dev
+                else:
+                    t.set_buffer(dev)
+                versions.append((t.get()._version, t.get().data_ptr()))
+        self._park_versions = versions
+        if self.streamer is not None:
+            self.streamer.acquire_device()
+
     # ---- reporting
 
     def stats(self) -> OffloadStats:
@@ -304,6 +380,7 @@ class OffloadHandle:
         host and device memory freed, the module's own class back."""
         if self.removed:
             return
+        self.unpark()
         if self.tap is not None:  # the original collective functions back, exactly
             self.tap.remove()
         self.tap = self.pacer = None
@@ -311,6 +388,9 @@ class OffloadHandle:
         self.writes.uninstall()
         self._detach(to_host=False)
         place(self._non_block, None)
+        if self._park_store is not None:
+            self._park_store.release()
+            self._park_store = None
         for t in all_tensors(self.module):  # tensors added while offloaded (e.g. LoRA) go where the module was
             cur = t.get()
             if (id(t.owners[0][0]), t.owners[0][1]) not in self._origin and cur.device != self._home:
@@ -321,6 +401,40 @@ class OffloadHandle:
         unhook_module(self.module)
         self.module.__dict__.pop(_MARK, None)
         self.removed = True
+
+
+@torch.compiler.disable
+def _unpark_before_forward(module: nn.Module, args) -> None:
+    module.__dict__[_MARK].unpark()
+
+
+def take_turns(*handles: OffloadHandle) -> "TurnTaking":
+    """Let offloaded modules take turns on the device: before one runs a forward, the others are parked, so the
+    device holds one of them at a time (its resident bytes, slots and non-block tensors) while host memory holds
+    all. For models used one after the other, such as Wan2.2-A14B's two experts. `.remove()` ends it."""
+    return TurnTaking(list(handles))
+
+
+class TurnTaking:
+    """The forward pre-hooks of `take_turns`."""
+
+    def __init__(self, handles: list[OffloadHandle]):
+        self.handles = handles
+        self.hooks = [h.module.register_forward_pre_hook(self._before(h), prepend=True) for h in handles]
+
+    def _before(self, mine: OffloadHandle):
+        @torch.compiler.disable
+        def park_others(module, args) -> None:
+            for h in self.handles:
+                if h is not mine:
+                    h.park()
+
+        return park_others
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
 
 
 def check_not_offloaded(module: nn.Module) -> None:

@@ -154,24 +154,18 @@ class Streamer:
             off = align_up(off)
             self.res_offset.append(off)
             off += b.resident_bytes
-        self.resident = torch.empty(off, dtype=torch.uint8, device=device)
-        slot_bytes = max((b.slot_extent for b in layouts), default=0)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.resident_total = off
+        self.slot_bytes = max((b.slot_extent for b in layouts), default=0)
         self.ring = [b.index for b in layouts if b.is_streamed]
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
         # resident buffer and a slot inside it.
         self.host_views = [[(t, host_view(host, b, t)) for t in b.tensors] for b in layouts]
-        self.resident_views = [[(t, _typed_view(self.resident, roff + t.offset, t)) for t in b.resident_tensors()]
-                               for b, roff in zip(layouts, self.res_offset)]
+        self.resident = torch.empty(0, dtype=torch.uint8, device=device)
+        self.slots: list[torch.Tensor] = []
+        self.resident_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
         self.slot_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor]]] = {}
-        for b in layouts:
-            if not b.is_streamed:
-                continue
-            for s, buf in enumerate(self.slots):
-                self.slot_views[(b.index, s)] = [
-                    (t, _typed_view(buf, t.offset - b.slot_start, t)) for t in b.streamed_tensors()
-                ]
+        self._alloc_device()
         self.ready = {l: backend.event() for l in self.ring}
         self.free = [backend.event(), backend.event()]
         self.slot_of: dict[int, int] = {}  # prefetched blocks not yet running, and their slot
@@ -185,6 +179,39 @@ class Streamer:
         self.obs: Observer | None = None  # set by the handle while observers are attached
 
     # ---- set-up and writes (not the hot path)
+
+    def _alloc_device(self) -> None:
+        """The resident buffer, both slots and their precomputed views (at start-up, and again after a park)."""
+        self.resident = torch.empty(self.resident_total, dtype=torch.uint8, device=self.device)
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.resident_views = [[(t, _typed_view(self.resident, roff + t.offset, t)) for t in b.resident_tensors()]
+                               for b, roff in zip(self.layouts, self.res_offset)]
+        self.slot_views = {}
+        for b in self.layouts:
+            if not b.is_streamed:
+                continue
+            for s, buf in enumerate(self.slots):
+                self.slot_views[(b.index, s)] = [
+                    (t, _typed_view(buf, t.offset - b.slot_start, t)) for t in b.streamed_tensors()
+                ]
+
+    def release_device(self) -> None:
+        """Give the device buffers back (a park): copies finish first; tensors stay bound to their host views."""
+        self.backend.synchronize()
+        self.pending = None
+        self.slot_of = {}
+        self.bound = {}
+        self.running = []
+        self.slot_views = {}
+        self.resident_views = []
+        self.slots = []
+        self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def acquire_device(self) -> None:
+        """Device buffers again after a park: resident heads copied from the host store, the first block
+        prefetched."""
+        self._alloc_device()
+        self.fill_resident_and_start()
 
     def fill_resident_and_start(self) -> None:
         """Copy every block's resident head to the device, bind every tensor to its host view, prefetch the
