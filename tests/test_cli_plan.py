@@ -40,7 +40,8 @@ def test_paper_appendix_c_through_the_cli(args, axis, expected):
 
 def test_plan_as_written_in_the_issue(tmp_path):
     out = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", "--model", "wan2.2", "--frames", "81", "--mem-budget", "24GB", "--out", str(out)])
+    result = runner.invoke(app, ["plan", "--model", "wan2.2", "--frames", "81", "--mem-budget", "24GB", "--out", str(out),
+                                 "--host-mem-budget", "128GB"])
     assert result.exit_code == 0, result.output
     assert "Overlap analysis" in result.output and "why:" in result.output
     assert "default:h200" in result.output  # says which hardware it assumed
@@ -59,23 +60,37 @@ def test_plan_as_written_in_the_issue(tmp_path):
     assert set(plan["prediction"]) >= {"step_time_s", "peak_memory_bytes"}
     for mode in ("none", "layerwise"):
         assert set(plan["prediction"]["baselines"][mode]) >= {"step_time_s", "peak_memory_bytes"}
-    # a 10 GB model fits in 24 GB: offload would only cost time
-    assert plan["offload"]["mode"] == "none"
+    # the whole pipeline, phase by phase, inside both budgets
+    phases = plan["prediction"]["phases"]
+    assert set(phases) == {"encode", "denoise", "decode"}
+    assert all(p["peak_memory_bytes"] <= 24e9 for p in phases.values())
+    assert plan["prediction"]["generation_time_s"] == pytest.approx(sum(p["time_s"] for p in phases.values()))
+    assert plan["prediction"]["host_memory_bytes"] <= 128e9 == plan["host_memory_budget_bytes"]
+    kinds = [c["kind"] for c in plan["pipeline"]["components"]]
+    assert kinds == ["text_encoder", "transformer", "vae"]
+
+
+def test_transformer_only_keeps_the_papers_rule():
+    plan = plan_json("--model", "wan2.2", "--frames", "81", "--mem-budget", "24GB", "--transformer-only")
+    assert plan["pipeline"] is None and plan["prediction"]["phases"] is None
+    assert plan["offload"]["mode"] == "none"  # a 10 GB model fits in 24 GB: offload would only cost time
 
 
 def test_small_budget_chooses_chunkflow_and_what_if_overrides_apply():
-    plan = plan_json("--model", "wan2.2", "--frames", "41", "--mem-budget", "6GB", "--hardware", "rtx-4090")
+    plan = plan_json("--model", "wan2.2", "--frames", "41", "--mem-budget", "6GB", "--hardware", "rtx-4090",
+                     "--transformer-only")
     assert plan["offload"]["mode"] == "chunkflow"
     assert plan["prediction"]["peak_memory_bytes"] < 6e9
     slow_link = plan_json("--model", "wan2.2", "--frames", "41", "--mem-budget", "6GB", "--hardware", "rtx-4090",
-                          "--h2d-gbps", "2", "--max-slowdown", "3")
+                          "--h2d-gbps", "2", "--max-slowdown", "5", "--transformer-only")
     assert slow_link["hardware"]["h2d_gbps"] == pytest.approx(2.0)
     assert slow_link["analysis"]["f_star"] > plan["analysis"]["f_star"]
     assert "overrides" in slow_link["hardware"]["source"]
 
 
 def test_target_step_time_flag():
-    plan = plan_json("--model", "wan2.2", "--frames", "41", "--mem-budget", "6GB", "--target-step-time", "30s")
+    plan = plan_json("--model", "wan2.2", "--frames", "41", "--mem-budget", "6GB", "--target-step-time", "30s",
+                     "--transformer-only")
     assert plan["target_step_time_s"] == pytest.approx(30.0)
 
 

@@ -425,9 +425,64 @@ def _peer_link() -> str:
     return "nvlink" if torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(0, 1) else "pcie"
 
 
+def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: HardwareSpec, progress, log):
+    """The operator model's tables (GEMM and attention efficiency by shape, memory bandwidth), its memory-pass scale
+    fitted to the blocks just timed, the device memory torch does not count, the CPU's matmul rate and this
+    process's host memory: profile fields, and the raw rows."""
+    from chunkflow.calibrate_ops import (fit_mem_ops_scale, measure_attention_grid, measure_context_bytes,
+                                         measure_cpu_tflops, measure_gemm_grid, measure_hbm)
+    from chunkflow.hostmem import rss_bytes
+
+    small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
+    gemm = measure_gemm_grid(s.device, peak, progress=progress, **small)
+    attn = measure_attention_grid(s.device, peak, progress=progress,
+                                  **(dict(lens=(16, 64), heads=2, head_dim=16) if cpu_smoke else {}))
+    hbm = measure_hbm(s.device, 2**24 if cpu_smoke else 2 * 2**30)
+    update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, hbm_gbps=hbm)
+    scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
+    update.update(mem_ops_scale=scale, context_bytes=measure_context_bytes(s.device),
+                  cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024), process_host_bytes=rss_bytes())
+    log(f"operator model: GEMM eta {min(r[3] for r in gemm):.2f}-{max(r[3] for r in gemm):.2f} over {len(gemm)} shapes, "
+        f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f}, memory {hbm:.0f} GB/s, memory passes "
+        f"x{scale:.2f}; context {update['context_bytes'] / 2**20:.0f} MiB, CPU {update['cpu_tflops']:.2f} TFLOP/s, "
+        f"process {update['process_host_bytes'] / 1e9:.2f} GB host")
+    return update, dict(gemm=gemm, attention=attn, hbm_gbps=hbm, mem_ops_scale=scale)
+
+
+def _vae_fits(s, cpu_smoke: bool, progress, log):
+    """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted."""
+    from chunkflow.calibrate_ops import fit_vae, measure_vae, vae_points
+    from chunkflow_planner.catalog import load_models
+
+    owners: dict[str, ModelSpec] = {}
+    for spec in load_models().values():
+        if spec.pipeline is not None and spec.pipeline.vae.name not in owners:
+            owners[spec.pipeline.vae.name] = spec
+    if cpu_smoke:
+        owners = {n: sp for n, sp in owners.items() if n == "tiny-wan-vae"}
+    date = datetime.date.today().isoformat()
+    fits, raw = {}, []
+    step = progress("VAE decodes", len(owners))
+    for name, spec in owners.items():
+        plain, tiled = vae_points(spec, cpu_smoke)
+        rows = measure_vae(spec, s.device, plain, tiled=False)
+        src = f"chunkflow calibrate {date} on {s.name}: {len(plain)} decodes"
+        fit = fit_vae(rows, spec.is_video, src)
+        if tiled:
+            trows = measure_vae(spec, s.device, tiled, tiled=True, warmup=False)
+            fit["tiled"] = fit_vae(trows, False, src + " (tiled)")
+            rows += trows
+        fits[name] = fit
+        raw += rows
+        log(f"VAE {name}: decode peak {fit['mem_const'] / 1e9:.2f} GB + {fit['mem_per_px']:.0f} B/px + "
+            f"{fit['mem_per_voxel']:.1f} B/voxel, {fit['time_per_voxel'] * 1e9:.2f} ns/voxel")
+        step()
+    return fits, raw
+
+
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
-              log: Callable[[str], None] = lambda s: None) -> Calibration:
+              log: Callable[[str], None] = lambda s: None, vaes: bool = True) -> Calibration:
     """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke)."""
     import torch
 
@@ -447,6 +502,8 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     h2d_rows = measure_h2d(s.device, s.sizes, s.total, progress=progress)
     fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows], [r["time_per_copy_s"] for r in h2d_rows])
     log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
+    extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
+    vae_fits, vae_raw = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [])
     coll = None
     if s.world > 1:
         coll = measure_collectives(s.device, progress=progress)
@@ -466,10 +523,12 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
         peak_tflops=peak, gemm_tflops=gemm, curve=curve, h2d=fit, memory_bytes=mem,
         gpus=s.world if s.world > 1 else None, coll_gbps=coll["coll_gbps"] if coll else None,
         contention=coll["contention"] if coll else None, peer_link=peer_link, source=src,
-    ).model_copy(update={"eta_comp_curves": curves})
+    )
+    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
-               h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note)
+               h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
+               operators=ops_raw, vae=vae_raw)
     return Calibration(profile, raw)
 
 

@@ -157,8 +157,15 @@ def plan_cmd(
     sp: int = typer.Option(1, "--sp", help="Ulysses sequence-parallel degree"),
     hardware: Optional[str] = typer.Option(None, help="catalog GPU (see `chunkflow hardware`) or a calibrated profile file"),
     mem_budget: Optional[str] = typer.Option(None, help="GPU memory available, e.g. 24GB or 22GiB (default: the GPU's memory)"),
-    max_slowdown: Optional[float] = typer.Option(None, help="latency target relative to no offload (default 1.05)"),
+    max_slowdown: Optional[float] = typer.Option(None, help="latency target relative to no offload: per step for the "
+                                                 "transformer (default 1.05) and, when given, for the whole generation"),
     target_step_time: Optional[str] = typer.Option(None, help="absolute latency target per step, e.g. 1.2s"),
+    target_time: Optional[str] = typer.Option(None, help="latency target of the whole generation, e.g. 5min or 90s "
+                                              "(default: none, or --max-slowdown x everything on the GPU if given)"),
+    host_mem_budget: Optional[str] = typer.Option(None, help="host memory available, e.g. 64GB (default: what this "
+                                                  "machine has available now)"),
+    transformer_only: bool = typer.Option(False, "--transformer-only", help="plan the transformer alone (no text "
+                                          "encoder, VAE or host memory), as the ChunkFlow paper does"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="write the plan JSON here"),
     json_out: bool = typer.Option(False, "--json", help="print the plan JSON on stdout instead of tables"),
     peak_tflops: Optional[float] = typer.Option(None, help="what-if: peak dense BF16 TFLOP/s"),
@@ -190,11 +197,17 @@ def plan_cmd(
                                 eta_pref=eta_pref)
     budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
     target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
+    gen_target = parse_duration(target_time, "--target-time") if target_time is not None else None
+    host_budget = parse_size(host_mem_budget, "--host-mem-budget") if host_mem_budget is not None else None
     pbytes = parse_size(prefetch_bytes, "--prefetch-bytes") if prefetch_bytes is not None else None
+    if transformer_only and (gen_target is not None or host_budget is not None):
+        raise UserError("--target-time and --host-mem-budget plan the whole pipeline; leave them out with "
+                        "--transformer-only")
     plan, decision, analysis = make_plan(
         spec, workload, resolved, sp=sp, budget=budget,
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
-        target_step_time=target, prefetch_bytes=pbytes, text_len=text_len,
+        target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
+        host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown,
     )
     if out:
         plan.write(out)
@@ -225,14 +238,30 @@ def run_cmd(
     steps: Optional[int] = typer.Option(None, help="timed denoising steps (default: the plan's steps, at most 5)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile or catalog GPU to predict with (default: the plan's)"),
     report: str = typer.Option("run-report.json", help="where to write the JSON run report"),
-    seed: int = typer.Option(0, help="seed for random weights and inputs"),
+    seed: int = typer.Option(0, help="seed for random weights and inputs; with --prompt also the generator's, as "
+                                     "diffusers' torch.Generator(device).manual_seed(seed)"),
+    prompt: Optional[str] = typer.Option(None, help="generate from this prompt with the whole pipeline (text "
+                                                    "encoders, transformer, VAE) placed as the plan says"),
+    negative_prompt: Optional[str] = typer.Option(None, help="with --prompt: what to steer away from (CFG models)"),
+    guidance: Optional[float] = typer.Option(None, help="with --prompt: guidance scale (default: the model's)"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="with --prompt: write the result here, .mp4 (video) "
+                                                               "or .png (image)"),
+    latents: Optional[str] = typer.Option(None, help="with --prompt: also save the final latents (safetensors)"),
 ) -> None:
-    """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler.
+    """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
+    --prompt, generate a video or image with the whole diffusers pipeline.
 
     Each step is cfg_passes transformer forwards plus one scheduler step. Prints measured against predicted
     step time and peak GPU memory and writes a run report. Under torchrun (WORLD_SIZE > 1) the model runs
     with Ulysses sequence parallelism over the processes; rank 0 prints and writes the report.
+
+    With --prompt, --weights takes a diffusers pipeline folder (model_index.json) or a Hub id found in the local
+    Hugging Face cache (never downloaded); without --weights every component has random weights. Each phase
+    (encode, denoise, decode) is measured against the plan; --steps then counts every step of the generation.
     """
+    import math
+    import os
+
     from chunkflow_planner.files import check_output_file
     from chunkflow_planner.plan import load_plan
     from chunkflow_planner.predict import hardware_of
@@ -243,10 +272,42 @@ def run_cmd(
 
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
                       seed=seed)
-    opts.check()  # bad options, paths and profiles fail before anything is built
+    generating = prompt is not None
+    if not generating and any(v is not None for v in (negative_prompt, guidance, out, latents)):
+        raise UserError("--negative-prompt, --guidance, --out and --latents go with --prompt (a generation)")
+    if generating:
+        if variant is not None:
+            raise UserError("--variant picks transformer files for the synthetic run; with --prompt, --weights is a "
+                            "whole pipeline folder")
+        if guidance is not None and not (math.isfinite(guidance) and guidance > 0):
+            raise UserError(f"--guidance must be a positive number, got {guidance}")
+        if torchrun_world() > 1:
+            raise UserError("--prompt runs on one GPU; leave torchrun out (sequence-parallel generation is not "
+                            "supported yet)")
+        if steps is not None and steps < 1:
+            raise UserError(f"--steps must be at least 1, got {steps}")
+        if out is not None:
+            from chunkflow.media import check_media_path
+
+            check_media_path(out)
+        if latents is not None:
+            check_output_file(latents, "--latents")
+        if weights is not None:
+            from chunkflow.weights import resolve_weights
+
+            resolve_weights(weights)  # a missing folder or uncached Hub id fails before anything is built
+    else:
+        opts.check()  # bad options, paths and profiles fail before anything is built
     hardware_of(p, profile)
     check_output_file(report, "--report")
+    # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
+    # allocates (the planner's reserve_fraction). Set before torch starts CUDA; a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from chunkflow.report import print_run
+
+    if generating:
+        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report)
+        return
 
     with _progress() as bar:
         task = bar.add_task("denoising steps", total=None)
@@ -256,6 +317,24 @@ def run_cmd(
         return
     rep.write(report)
     print_run(console, rep)
+    console.print(f"Run report written to {report}")
+
+
+def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report) -> None:
+    """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps."""
+    from chunkflow.report import print_generation
+    from chunkflow.run_generate import GenerateOptions, run_generation
+
+    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents)
+    with _progress() as bar:
+        task = bar.add_task("encode, denoise, decode", total=None)
+        rep = run_generation(p, cfg, opts, g, progress=lambda what, i, n: bar.update(task, completed=i, total=n,
+                                                                                    description=what),
+                             log=lambda s: err_console.print(s, highlight=False))
+    rep.write(report)
+    print_generation(console, rep)
+    if out:
+        console.print(f"Written: {out}")
     console.print(f"Run report written to {report}")
 
 
@@ -390,11 +469,18 @@ def _print_profile(hw) -> None:
     t.add_column("field")
     t.add_column("value", justify="right")
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
-                "coll_gbps", "contention", "block_overhead_us"):
+                "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "mem_ops_scale", "cpu_tflops"):
         v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
+    t.add_row("context_bytes", format_bytes(hw.context_bytes))
+    t.add_row("process_host_bytes", format_bytes(hw.process_host_bytes))
     if hw.eta_comp_curve:
         t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in hw.eta_comp_curve))
+    if hw.gemm_eta:
+        t.add_row("GEMM / attention shapes", f"{len(hw.gemm_eta)} / {len(hw.attn_eta or [])} measured")
+    for name, fit in hw.vae_decode.items():
+        t.add_row(f"VAE {name}", f"{fit.mem_const / 1e9:.2f} GB + {fit.mem_per_px:.0f} B/px + {fit.mem_per_voxel:.1f} B/voxel; "
+                  f"{fit.time_per_voxel * 1e9:.2f} ns/voxel" + (" (+tiled)" if fit.tiled else ""))
     console.print(t)
 
 

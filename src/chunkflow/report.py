@@ -69,6 +69,74 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)} "
                   f"per step; {w.steps} steps take about {format_seconds(total)}", highlight=False)
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
+    if plan.pipeline is not None:
+        print_pipeline(console, plan)
+
+
+def print_pipeline(console: Console, plan: Plan) -> None:
+    """Where each component runs, each phase's time and peak GPU memory, host memory against its budget."""
+    pp = plan.prediction
+    c = Table(title="Components (the whole pipeline)")
+    for col in ("component", "kind", "weights", "placement"):
+        c.add_column(col, justify="right" if col == "weights" else "left")
+    what = {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
+            "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU"}
+    for comp in plan.pipeline.components:
+        where = what[comp.placement]
+        if comp.kind == "transformer" and comp.placement == "stream":
+            where += f" ({plan.offload.label})"
+        if comp.kind == "vae" and plan.pipeline.vae_tiling:
+            where += ", tiled decode"
+        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where)
+    console.print(c)
+    t = Table(title="Predicted generation, phase by phase (peak GPU memory = allocation + allocator reserve + CUDA context)")
+    for col in ("phase", "time", "peak GPU memory"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for name in ("encode", "denoise", "decode"):
+        ph = getattr(pp.phases, name)
+        t.add_row(name, format_seconds(ph.time_s), format_bytes(ph.peak_memory_bytes))
+    t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0), "")
+    console.print(t)
+    host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
+    console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
+                  f"{format_bytes(plan.host_memory_budget_bytes or 0)} available", highlight=False)
+
+
+def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport
+    """A generation's phases measured (and, on a GPU, against the plan)."""
+    g = report.generation
+    w = report.plan.workload
+    shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
+    console.print(f"[bold]{report.plan.model.name}[/] at {shape}, {g.steps} steps, on {report.gpu}: "
+                  f"{escape(repr(g.prompt))}", highlight=False)
+    console.print("placements: " + ", ".join(f"{k} {v}" for k, v in g.components.items())
+                  + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
+    gpu = not report.run.device.startswith("cpu")
+    t = Table(title="Generation, phase by phase" + (" (measured vs predicted)" if gpu else " (measured)"))
+    cols = ["phase", "time"] + (["predicted", "error", "peak GPU memory", "predicted", "error"] if gpu else [])
+    for col in cols:
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for name, ph in g.phases.items():
+        row = [name, format_seconds(ph.measured_time_s)]
+        if gpu:
+            row += [format_seconds(ph.predicted_time_s) if ph.predicted_time_s is not None else "-", _pct(ph.time_error),
+                    format_bytes(ph.measured_peak_memory_bytes) if ph.measured_peak_memory_bytes is not None else "-",
+                    format_bytes(ph.predicted_peak_memory_bytes) if ph.predicted_peak_memory_bytes is not None else "-",
+                    _pct(ph.memory_error)]
+        t.add_row(*row)
+    total = ["[bold]generation[/]", format_seconds(g.generation_time_s)]
+    if gpu:
+        pred = g.predicted_generation_time_s
+        total += [format_seconds(pred) if pred is not None else "-", _pct(g.generation_time_error), "", "", ""]
+    t.add_row(*total)
+    console.print(t)
+    line = f"peak host memory: {format_bytes(g.host_peak_bytes)}"
+    if gpu and g.predicted_host_memory_bytes is not None:
+        line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"
+    console.print(line, highlight=False)
+    if not gpu:
+        console.print("note: measured on the CPU; the plan's predictions are for a GPU, so they are not compared here.",
+                      highlight=False)
 
 
 def memory_drift(trace) -> str:

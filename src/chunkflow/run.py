@@ -24,6 +24,7 @@ from typing import Annotated, Any, Callable, Sequence
 from pydantic import BaseModel, Field, ValidationError
 
 from chunkflow.launch import torchrun_world
+from chunkflow.run_generate import GenerationResult
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
 from chunkflow_planner.files import FileError, read_text
 from chunkflow_planner.errors import ChunkflowError
@@ -32,7 +33,7 @@ from chunkflow_planner.plan import Plan
 from chunkflow_planner.predict import Predicted, hardware_of, predict
 from chunkflow_planner.versioned import field_errors
 
-RUN_REPORT_SCHEMA_VERSION = 2
+RUN_REPORT_SCHEMA_VERSION = 3
 DEFAULT_MAX_STEPS = 5
 
 
@@ -97,6 +98,8 @@ class RunReport(BaseModel):
     predicted: Predicted
     rel_error: RelErrors
     stats: dict[str, Any] | None = Field(None, description="OffloadHandle.stats() after the timed steps")
+    generation: GenerationResult | None = Field(None, description="`run --prompt`: the whole generation, phase by "
+                                                "phase, measured against the plan")
 
     def write(self, path: str | Path) -> None:
         from chunkflow_planner.files import write_atomic
@@ -105,11 +108,14 @@ class RunReport(BaseModel):
 
 
 def _upgrade(data: dict) -> dict:
-    """A version-1 report (offload setting as flat fields of `run`) in today's layout."""
+    """An older report in today's layout: version 1 held the offload setting as flat fields of `run`; version 2
+    had no `generation` section."""
     if data.get("schema_version") == 1 and isinstance(data.get("run"), dict):
         run = dict(data["run"])
         fields = {k: run.pop(k) for k in ("mode", "chunk_bytes", "residency", "comm_aware") if k in run}
-        data = {**data, "schema_version": RUN_REPORT_SCHEMA_VERSION, "run": {**run, "offload": fields}}
+        data = {**data, "schema_version": 2, "run": {**run, "offload": fields}}
+    if data.get("schema_version") == 2:
+        data = {**data, "schema_version": RUN_REPORT_SCHEMA_VERSION}
     return data
 
 

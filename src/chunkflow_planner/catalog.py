@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from chunkflow_planner.components import PipelineSpec, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
 
 CATALOG_SCHEMA_VERSION = 1
@@ -91,10 +92,17 @@ class ModelSpec(_Strict):
     default_workload: Workload
     activation: ActivationModel = ActivationModel()
     diffusers: DiffusersSpec
+    pipeline: PipelineSpec | None = Field(None, description="the rest of the diffusers pipeline (text encoders, VAE)")
 
     @property
     def is_video(self) -> bool:
         return self.vae_temporal is not None
+
+    @property
+    def per_token_timestep(self) -> bool:
+        """Whether its pipeline gives every token its own timestep (Wan2.2-TI2V's expand_timesteps): the time
+        embedding and each block's modulation are then per token."""
+        return self.pipeline is not None and bool(self.pipeline.config.get("expand_timesteps", False))
 
     @property
     def n_blocks(self) -> int:
@@ -130,6 +138,20 @@ class ModelSpec(_Strict):
 PeerLink = Literal["nvlink", "pcie", "none"]
 
 
+class VaeDecodeFit(_Strict):
+    """A VAE decode measured at a few sizes and fitted linearly in the output size: peak allocated bytes
+    mem_const + mem_per_px * (H W) + mem_per_voxel * (B F H W), time time_const + time_per_voxel * (B F H W);
+    F = 1 for images. `tiled` is the same with VAE tiling on. Where and when it was measured in `source`."""
+
+    mem_const: float = Field(ge=-1e12, le=1e13)
+    mem_per_px: float = Field(0.0, ge=0, le=1e9)
+    mem_per_voxel: float = Field(ge=0, le=1e9)
+    time_const: float = Field(ge=-10, le=1e4)
+    time_per_voxel: float = Field(gt=0, le=1)
+    tiled: "VaeDecodeFit | None" = None
+    source: str = ""
+
+
 class HardwareSpec(_Strict):
     """One GPU type in a node: rates, links and the planner's efficiency factors."""
 
@@ -157,6 +179,27 @@ class HardwareSpec(_Strict):
         "own blocks; a model listed here uses its curve instead of eta_comp_curve",
     )
     gemm_tflops: float | None = Field(None, gt=0, le=1e6, description="measured bf16 GEMM rate (calibrate), for reference")
+    gemm_eta: list[tuple[float, float, float, float]] | None = Field(
+        None, description="measured bf16 GEMM efficiencies by shape: [M, N, K, fraction of P_peak] on a grid "
+        "(calibrate); the operator model (ops.py) interpolates them in log M, log N, log K")
+    attn_eta: list[tuple[float, float, float]] | None = Field(
+        None, description="measured attention efficiencies by shape: [query tokens, key tokens, fraction of P_peak] "
+        "(bf16 SDPA, head dim 128; calibrate)")
+    hbm_gbps: float = Field(3000.0, gt=0, le=1e6, description="achieved device-memory bandwidth for memory-bound "
+                            "operators (norms, activations, residuals)")
+    mem_ops_scale: float = Field(1.0, gt=0, le=100, description="measured block time beyond GEMMs and attention, as "
+                                 "a multiple of the memory-bound operators' modelled time (calibrate fits it)")
+    context_bytes: int = Field(768 * 2**20, ge=0, le=2**40, description="device memory in use that torch does not "
+                               "count: CUDA context, cuBLAS and cuDNN workspaces (calibrate measures it)")
+    reserve_fraction: float = Field(0.05, ge=0, le=1, description="allocator reserve beyond torch's peak allocation, "
+                                    "as a fraction of it (expandable segments keep it small)")
+    process_host_bytes: int = Field(3 * 10**9, ge=0, le=2**44, description="host memory a chunkflow process holds "
+                                    "besides the weights: Python, torch, the CUDA libraries (calibrate measures it)")
+    cpu_tflops: float = Field(1.0, gt=0, le=1e4, description="the host CPU's achieved bf16/fp32 matmul rate, for "
+                              "components placed on the CPU (calibrate measures it)")
+    vae_decode: dict[str, "VaeDecodeFit"] = Field(
+        default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
+        "catalog's for this GPU")
     dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")
@@ -185,9 +228,13 @@ class HardwareSpec(_Strict):
         link alone and pausing only adds fences (docs/results.md); elsewhere (PCIe, or unknown) they do."""
         return self.peer_link != "nvlink"
 
-    def for_model(self, model: str) -> "HardwareSpec":
-        """This hardware as seen by `model`: its own measured eta_comp curve, if the profile has one."""
-        curve = self.eta_comp_curves.get(model)
+    def for_model(self, model: "str | ModelSpec") -> "HardwareSpec":
+        """This hardware as seen by `model`: its own measured eta_comp curve if the profile has one; else, for a
+        ModelSpec on a profile with efficiency tables by shape, the curve of its operators (ops.py); else as is."""
+        name = model if isinstance(model, str) else model.name
+        curve = self.eta_comp_curves.get(name)
+        if curve is None and not isinstance(model, str) and self.gemm_eta:
+            curve = _operator_curve(model, self)
         if curve is None or curve == self.eta_comp_curve:
             return self
         return self.model_copy(update={"eta_comp_curve": curve})
@@ -211,6 +258,23 @@ class HardwareSpec(_Strict):
     def h2d_gbps(self) -> float:
         """Effective per-GPU host-to-device bandwidth BW_h2d (the link shared out among its GPUs)."""
         return self.h2d_link_gbps / self.gpus_per_host_link
+
+
+_OP_CURVES: dict[tuple[int, str], tuple[HardwareSpec, list[tuple[float, float]]]] = {}
+
+
+def _operator_curve(spec: ModelSpec, hw: HardwareSpec) -> list[tuple[float, float]]:
+    """ops.model_eta_curve, kept per (profile, model) for the life of the profile object."""
+    from chunkflow_planner.ops import model_eta_curve
+
+    key = (id(hw), spec.name)
+    hit = _OP_CURVES.get(key)
+    if hit is None or hit[0] is not hw:
+        if len(_OP_CURVES) > 256:
+            _OP_CURVES.clear()
+        hit = (hw, model_eta_curve(spec, hw))
+        _OP_CURVES[key] = hit
+    return hit[1]
 
 
 def _catalog_text(filename: str) -> str:

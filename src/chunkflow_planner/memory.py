@@ -8,7 +8,8 @@ Assumptions (stated so they can be checked against `chunkflow run`):
   tokens a GPU holds (S / SP for DiT; (S + L) / SP for MM-DiT, which concatenates the text). c_f = 2 counts
   the MLP's up-projection and activation output; c_d = 4 the residual stream, its normed copy and the
   attention's q, k, v / output (Ulysses gathers full-sequence q, k, v of 1/SP of the heads: the same bytes).
-  Flash-style attention keeps no S x S matrix. Per-model coefficients live in models.yaml.
+  Flash-style attention keeps no S x S matrix. Per-model coefficients live in models.yaml. A pipeline that
+  gives every token its own timestep (Wan2.2-TI2V) adds 38 bytes per token and hidden unit (PER_TOKEN_TIMESTEP_BYTES).
 - Prediction = torch's peak allocated bytes. The budget check adds a runtime margin: 5% for allocator
   fragmentation plus 768 MiB for the CUDA context and libraries, which torch does not count.
 """
@@ -22,6 +23,9 @@ from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.workload import tokens
 
 MARGIN_FRACTION = 0.05
+# per token and hidden unit, with per-token timesteps (Wan2.2-TI2V): the (6, d) modulation projection in bf16 held
+# for the whole forward (12 bytes), each block's fp32 copy of it plus its table (24) and the bf16 time embedding (2)
+PER_TOKEN_TIMESTEP_BYTES = 38
 CUDA_CONTEXT_BYTES = 768 * 2**20
 
 
@@ -56,7 +60,10 @@ def activation_bytes(spec: ModelSpec, w: Workload, sp: int = 1) -> float:
     mmdit = any(g.kind != "dit" for g in spec.blocks)
     T_local = (S + spec.text_len if mmdit else S) / sp
     per_token = spec.activation.c_f * spec.f + spec.activation.c_d * spec.d
-    return spec.dtype_bytes * w.batch * T_local * per_token
+    act = spec.dtype_bytes * w.batch * T_local * per_token
+    if spec.per_token_timestep:
+        act += w.batch * T_local * spec.d * PER_TOKEN_TIMESTEP_BYTES
+    return act
 
 
 def block_volumes(spec: ModelSpec) -> list[int]:

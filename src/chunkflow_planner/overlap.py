@@ -145,7 +145,7 @@ def analyse(
     is the root of T_comp(F) = T_pref; the critical point then solves F_block(x) = F_star, which is the same as
     T_comp(F_block(x)) = T_pref since T_comp increases with F. Tokens are the workload's S; batch and frames enter through F_block.
     """
-    hw = hw.for_model(spec.name)
+    hw = hw.for_model(spec)
     from chunkflow_planner.workload import tokens
 
     P = hw.peak_tflops * TFLOP

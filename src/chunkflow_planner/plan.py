@@ -98,6 +98,37 @@ class Baselines(_Section):
 
 class PlanPrediction(Prediction):
     baselines: Baselines
+    phases: PhasesPrediction | None = Field(None, description="the whole generation, phase by phase")
+    generation_time_s: float | None = Field(None, ge=0)
+    host_memory_bytes: int | None = Field(None, ge=0)
+    host_memory: dict[str, int] | None = Field(None, description="host bytes by what holds them")
+
+
+class PlanComponent(_Section):
+    """One component of the pipeline and where it runs (chunkflow_planner/pipeline.py)."""
+
+    name: str = Field(description="the pipeline attribute: text_encoder, transformer, transformer_2, vae, ...")
+    kind: Literal["text_encoder", "transformer", "vae"]
+    bytes: int = Field(ge=0, description="parameter bytes")
+    placement: Literal["gpu", "phase", "stream", "cpu"]
+
+
+class PlanPipeline(_Section):
+    components: list[PlanComponent] = Field(min_length=1)
+    vae_tiling: bool = False
+
+
+class PhasePrediction(_Section):
+    time_s: float = Field(ge=0)
+    peak_memory_bytes: int = Field(ge=0, description="device memory in use at the peak: allocation, allocator "
+                                   "reserve and CUDA context")
+    allocated_bytes: int = Field(0, ge=0, description="torch's peak allocation in the phase")
+
+
+class PhasesPrediction(_Section):
+    encode: PhasePrediction
+    denoise: PhasePrediction
+    decode: PhasePrediction
 
 
 class Plan(_Section):
@@ -109,8 +140,12 @@ class Plan(_Section):
     analysis: Analysis
     offload: OffloadConfig
     prediction: PlanPrediction
+    pipeline: PlanPipeline | None = Field(None, description="placements of the whole pipeline (absent: the "
+                                          "transformer was planned alone)")
     memory_budget_bytes: int | None = None
+    host_memory_budget_bytes: int | None = None
     target_step_time_s: float | None = None
+    target_time_s: float | None = Field(None, description="latency target of the whole generation")
     reason: str = ""
 
     def to_json(self) -> str:

@@ -112,14 +112,34 @@ def make_plan(
     target_step_time: float | None = None,
     prefetch_bytes: float | None = None,
     text_len: float | None = None,
+    pipeline: bool = True,
+    host_budget: int | None = None,
+    target_time: float | None = None,
+    generation_slowdown: float | None = None,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
-    """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits."""
+    """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
+
+    With `pipeline` (and a catalog pipeline for the model, SP 1) the whole generation is planned: placements of the
+    text encoders, transformer and VAE under the GPU budget in every phase and `host_budget` (default: the memory
+    available on this machine), against `target_time` or `generation_slowdown` x everything on the GPU if given.
+    Otherwise the transformer alone, as the ChunkFlow paper does."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
     analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len)
     problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len)
-    decision = decide(problem, budget, max_slowdown, target_step_time)
+    whole = None
+    if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
+        from chunkflow_planner.hostinfo import available_host_memory
+        from chunkflow_planner.pipeline import decide_pipeline
+
+        host_budget = available_host_memory() if host_budget is None else host_budget
+        whole = decide_pipeline(spec, workload, hw, problem, budget, host_budget, max_slowdown, target_step_time,
+                                target_time, generation_slowdown)
+        base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target
+        decision = Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, budget, whole.reason)
+    else:
+        decision = decide(problem, budget, max_slowdown, target_step_time)
     chosen = decision.chosen
     plan = Plan(
         model=PlanModel(
@@ -138,7 +158,7 @@ def make_plan(
         analysis=Analysis(
             block_flops_per_gpu=analysis.F_block, prefetch_bytes_per_block=analysis.B_pref, f_star=analysis.F_star,
             i_block=analysis.I_block, i_star=analysis.I_star, t_comp_s=analysis.T_comp, t_pref_s=analysis.T_pref,
-            eta_comp_used=hw.for_model(spec.name).eta_comp_at(analysis.F_block),
+            eta_comp_used=hw.for_model(spec).eta_comp_at(analysis.F_block),
             regime=analysis.regime,
             critical=Critical(
                 axis=analysis.critical.axis, value=analysis.critical.value,
@@ -154,4 +174,32 @@ def make_plan(
         target_step_time_s=decision.target_s,
         reason=decision.reason,
     )
+    if whole is not None:
+        plan = _with_pipeline(plan, spec, whole)
     return plan, decision, analysis
+
+
+def _with_pipeline(plan: Plan, spec: ModelSpec, whole) -> Plan:
+    """The plan with the whole pipeline's placements and phase predictions."""
+    from chunkflow_planner.pipeline import PHASES
+    from chunkflow_planner.plan import PhasePrediction, PhasesPrediction, PlanComponent, PlanPipeline
+
+    e = whole.chosen
+    pl = e.placements
+    pipe = spec.pipeline
+    comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p)
+             for te, p in zip(pipe.text_encoders, pl.text_encoders)]
+    t_bytes = spec.total_params * spec.dtype_bytes
+    comps += [PlanComponent(name="transformer" if k == 0 else f"transformer_{k + 1}", kind="transformer", bytes=t_bytes,
+                            placement=pl.transformer) for k in range(pipe.experts)]
+    comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
+    phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, peak_memory_bytes=e.peak_memory(ph),
+                                                     allocated_bytes=int(e.phases[ph].allocated_bytes))
+                                 for ph in PHASES})
+    pred = plan.prediction.model_copy(update=dict(
+        phases=phases, generation_time_s=e.generation_time, host_memory_bytes=e.host_memory,
+        host_memory={k: int(v) for k, v in e.host_bytes.items()}))
+    return plan.model_copy(update=dict(
+        pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,
+        host_memory_budget_bytes=whole.host_budget,
+        target_time_s=whole.target_s if math.isfinite(whole.target_s) else None))

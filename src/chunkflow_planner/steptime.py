@@ -108,7 +108,7 @@ def step_time(
     text_len: float | None = None,
 ) -> StepTime:
     """Predicted step time of `w` on `hw` under `cfg` (per GPU; all GPUs of an SP group run in lockstep)."""
-    hw = hw.for_model(spec.name)
+    hw = hw.for_model(spec)
     L = spec.text_len if text_len is None else text_len
     S = tokens(spec, w)
     groups = spec.block_sequence()

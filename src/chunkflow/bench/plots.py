@@ -268,7 +268,7 @@ class _Figures:
         b, hw, spec = self.b, self.hw, self.spec
         P, BW = hw.peak_tflops * TFLOP, hw.h2d_gbps * GB
         a0 = analyse(spec, self.w0, hw, self.sp)
-        eta = hw.for_model(spec.name).eta_comp_at(a0.F_star)
+        eta = hw.for_model(spec).eta_comp_at(a0.F_star)
         i_vals = [analyse(spec, b.workload(spec, v), hw, self.sp).I_block for v in b.values]
         lo, hi = min(i_vals + [a0.I_star]) / 10, max(i_vals + [a0.I_star]) * 10
         grid = [lo * (hi / lo) ** (k / 200) for k in range(201)]

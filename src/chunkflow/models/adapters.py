@@ -1,7 +1,8 @@
-"""Catalog-driven block discovery: a diffusers class name -> its ordered block lists, read from models.yaml.
+"""Catalog-driven block discovery: a class name -> its ordered block lists, read from models.yaml.
 
 No per-model code: every catalog entry whose `diffusers.cls` is the module's class contributes its
-`blocks[*].diffusers_list` attributes, in order.
+`blocks[*].diffusers_list` attributes, in order; a text encoder class (`pipeline.text_encoders[*].cls`) its
+`block_list` (a dotted path, e.g. encoder.block).
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ def block_list_names(cls_name: str, specs=None) -> list[str]:
             for g in spec.blocks:
                 if g.diffusers_list not in names:
                     names.append(g.diffusers_list)
+        for te in (spec.pipeline.text_encoders if spec.pipeline is not None else []):
+            if te.cls == cls_name and te.block_list not in names:  # a text encoder's layers (dotted path)
+                names.append(te.block_list)
     return names
+
+
+def _attr(module: nn.Module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
 
 
 def find_blocks(module: nn.Module, specs=None) -> list[nn.Module]:
@@ -38,7 +50,7 @@ def find_blocks(module: nn.Module, specs=None) -> list[nn.Module]:
         )
     out: list[nn.Module] = []
     for n in names:
-        lst = getattr(module, n, None)
+        lst = _attr(module, n)
         if not isinstance(lst, nn.ModuleList):
             raise LookupError(f"{cls} has no ModuleList attribute {n!r} named by the catalog; pass blocks=[...]")
         out.extend(lst)

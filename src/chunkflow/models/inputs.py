@@ -27,10 +27,13 @@ def _randn(shape, dtype, device, g):
 def _wan(spec, w, dtype, device, g):
     cfg = spec.diffusers.config
     s = spec.vae_spatial
+    frames = _latent_frames(spec, w.frames)
+    _, ph, pw = spec.patch
+    # Wan2.2-TI2V's pipeline gives every token its own timestep (expand_timesteps): (B, tokens) as WanPipeline does
+    t_shape = (w.batch, frames * (w.height // s // ph) * (w.width // s // pw)) if spec.per_token_timestep else (w.batch,)
     return dict(
-        hidden_states=_randn((w.batch, cfg["in_channels"], _latent_frames(spec, w.frames), w.height // s, w.width // s),
-                             dtype, device, g),
-        timestep=torch.full((w.batch,), 500.0, device=device),
+        hidden_states=_randn((w.batch, cfg["in_channels"], frames, w.height // s, w.width // s), dtype, device, g),
+        timestep=torch.full(t_shape, 500.0, device=device),
         encoder_hidden_states=_randn((w.batch, spec.text_len, cfg["text_dim"]), dtype, device, g),
         return_dict=False,
     )

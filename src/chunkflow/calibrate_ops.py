@@ -1,0 +1,226 @@
+"""What `chunkflow calibrate` measures for the operator model (chunkflow_planner/ops.py) and the whole pipeline:
+bf16 GEMM and attention efficiencies on a grid of shapes, device-memory bandwidth, the device memory torch does
+not count (CUDA context and libraries), the host CPU's matmul rate, and the scale of the memory-bound operators
+fitted to the real blocks calibrate timed.
+
+Every function takes the device and returns plain numbers; nothing here writes files.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+GEMM_M = (128, 512, 2048, 8192, 32768)
+GEMM_NK = (1024, 3072, 5120, 12288, 24576)
+ATTN_LENS = (256, 1024, 4096, 16384, 65536)
+ATTN_HEADS, ATTN_HEAD_DIM = 24, 128
+
+Progress = Callable[[str, int], Callable[[], None]]
+
+
+def _no_progress(desc: str, total: int) -> Callable[[], None]:
+    return lambda: None
+
+
+def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 5) -> float:
+    """Median seconds of fn() (CUDA events on the GPU, perf_counter on the CPU)."""
+    from chunkflow.timing import time_on
+
+    for _ in range(warmup):
+        fn()
+    return statistics.median(time_on(cuda, fn)[1] for _ in range(repeats))
+
+
+def measure_gemm_grid(device, peak_tflops: float, ms: Sequence[int] = GEMM_M, nks: Sequence[int] = GEMM_NK,
+                      progress: Progress = _no_progress) -> list[tuple[float, float, float, float]]:
+    """[M, N, K, eta] for every M in `ms` and N, K in `nks`: bf16 (M x K) @ (K x N) against P_peak."""
+    import torch
+
+    cuda = device.type == "cuda"
+    dt = torch.bfloat16
+    rows = []
+    step = progress("GEMM efficiency by shape", len(ms) * len(nks) ** 2)
+    big_a = torch.randn(max(ms), max(nks), device=device, dtype=dt)
+    big_b = torch.randn(max(nks), max(nks), device=device, dtype=dt)
+    for m in ms:
+        for n in nks:
+            for k in nks:
+                a, b = big_a[:m, :k], big_b[:k, :n]
+                t = _time(lambda: torch.mm(a, b), cuda)
+                rows.append((float(m), float(n), float(k), min(1.0, 2.0 * m * n * k / (t * peak_tflops * 1e12))))
+                step()
+    del big_a, big_b
+    return rows
+
+
+def measure_attention_grid(device, peak_tflops: float, lens: Sequence[int] = ATTN_LENS,
+                           heads: int = ATTN_HEADS, head_dim: int = ATTN_HEAD_DIM,
+                           progress: Progress = _no_progress) -> list[tuple[float, float, float]]:
+    """[query tokens, key tokens, eta] for every pair of `lens`: bf16 scaled_dot_product_attention, batch 1."""
+    import torch
+    import torch.nn.functional as F
+
+    cuda = device.type == "cuda"
+    rows = []
+    step = progress("attention efficiency by shape", len(lens) ** 2)
+    for q_len in lens:
+        q = torch.randn(1, heads, q_len, head_dim, device=device, dtype=torch.bfloat16)
+        for kv_len in lens:
+            k = torch.randn(1, heads, kv_len, head_dim, device=device, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            t = _time(lambda: F.scaled_dot_product_attention(q, k, v), cuda)
+            flops = 4.0 * heads * q_len * kv_len * head_dim
+            rows.append((float(q_len), float(kv_len), min(1.0, flops / (t * peak_tflops * 1e12))))
+            step()
+    return rows
+
+
+def measure_hbm(device, nbytes: int = 2 * 2**30) -> float:
+    """Achieved device-memory bandwidth in GB/s: a device-to-device copy reads and writes `nbytes`."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), device.type == "cuda")
+    return 2 * nbytes / t / 1e9
+
+
+def measure_context_bytes(device) -> int:
+    """Device memory in use beyond what torch's allocator reserved: the CUDA context, cuBLAS/cuDNN workspaces and
+    kernels loaded so far (measure after the other measurements, so the libraries are loaded)."""
+    import torch
+
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free - torch.cuda.memory_reserved(device))
+
+
+def measure_cpu_tflops(n: int = 1024) -> float:
+    """The host CPU's bf16 matmul rate (all threads), for text encoders placed on the CPU."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    t = _time(lambda: torch.mm(a, b), False, warmup=1, repeats=3)
+    return 2.0 * n**3 / t / 1e12
+
+
+def fit_mem_ops_scale(rows: Sequence[dict], hw) -> float:
+    """mem_ops_scale that makes the operator model fit the measured blocks best (least squares on the part
+    beyond GEMMs and attention): rows carry `model`, `tokens`, `batch` and `time_s` of one block of each block
+    list, as calibrate measures them."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.ops import block_ops, split
+
+    unit = hw.model_copy(update={"mem_ops_scale": 1.0})
+    num = den = 0.0
+    for r in rows:
+        spec = get_model(r["model"])
+        t_flops = t_mem = 0.0
+        for g in spec.blocks:
+            a, b = split(block_ops(spec, g, r.get("batch", 1), r["tokens"], spec.text_len), unit)
+            t_flops += a
+            t_mem += b
+        num += (r["time_s"] - t_flops) * t_mem
+        den += t_mem * t_mem
+    return max(0.05, min(100.0, num / den)) if den > 0 else 1.0
+
+
+# ---------------------------------------------------------------------------------------------- VAEs
+
+
+def vae_points(spec, cpu: bool = False) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
+    """(untiled, tiled) decode sizes (batch, frames, height, width) for the VAE of catalog model `spec`: enough to
+    separate the fit's terms (per pixel of a frame, per output voxel, constant), above the VAE's tile size for the
+    tiled ones."""
+    if cpu:
+        pts = [(1, 5, 64, 64), (1, 5, 128, 128), (1, 9, 128, 128)] if spec.is_video else [(1, 1, 64, 64), (1, 1, 128, 128)]
+        return pts, pts[1:]
+    if spec.is_video:
+        return ([(1, 5, 256, 448), (1, 5, 480, 832), (1, 13, 480, 832)],
+                [(1, 5, 480, 832), (1, 13, 480, 832)])
+    return [(1, 1, 512, 512), (1, 1, 1024, 1024)], [(1, 1, 1536, 1536), (1, 1, 2048, 2048)]
+
+
+def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[dict]:
+    """Decode random latents at each point with the catalog model's VAE (random weights, its dtype): seconds and
+    the peak allocation above what was allocated before (weights and latents), per point."""
+    import time
+
+    import torch
+
+    from chunkflow.models.pipeline_build import DTYPES, _meta_vae, _random_source
+    from chunkflow.runtime.handle import offload
+
+    vae_spec = spec.pipeline.vae
+    dtype = DTYPES[vae_spec.dtype]
+    vae = _meta_vae(vae_spec, dtype)
+    handle = offload(vae, "none", device=device, source=_random_source(0, device, vae))
+    if tiled:
+        vae.enable_tiling()
+    cuda = device.type == "cuda"
+    s = spec.vae_spatial
+    image_2d = vae_spec.cls == "AutoencoderKL"
+
+    def latents(b, f, h, w):
+        lf = (f - 1) // (spec.vae_temporal or 1) + 1
+        shape = (b, spec.latent_channels, h // s, w // s) if image_2d else (b, spec.latent_channels, lf, h // s, w // s)
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    rows = []
+    try:
+        with torch.no_grad():
+            if warmup:
+                vae.decode(latents(*points[0]), return_dict=False)
+            for b, f, h, w in points:
+                z = latents(b, f, h, w)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.empty_cache()
+                    base = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                vae.decode(z, return_dict=False)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                peak = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+                rows.append(dict(vae=vae_spec.name, batch=b, frames=f, height=h, width=w, tiled=tiled, time_s=dt,
+                                 peak_bytes=int(peak)))
+                del z
+    finally:
+        handle.remove()
+        del vae
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _lstsq(rows: list[dict], basis: Callable[[dict], list[float]], key: str) -> list[float]:
+    """Least-squares coefficients of `key` on `basis` (numpy)."""
+    import numpy as np
+
+    A = np.array([basis(r) for r in rows], dtype=float)
+    y = np.array([r[key] for r in rows], dtype=float)
+    return [float(c) for c in np.linalg.lstsq(A, y, rcond=None)[0]]
+
+
+def fit_vae(rows: list[dict], video: bool, source: str) -> dict:
+    """A VaeDecodeFit (as a dict) from measured decodes: memory on [1, H W, voxels] (video) or [1, voxels] (image),
+    time on [1, voxels]; a negative slope is dropped and the rest refitted."""
+    px = lambda r: r["height"] * r["width"]  # noqa: E731
+    vox = lambda r: r["batch"] * r["frames"] * px(r)  # noqa: E731
+    if video and len({px(r) for r in rows}) > 1:
+        c0, c_px, c_vox = _lstsq(rows, lambda r: [1.0, px(r), vox(r)], "peak_bytes")
+        if c_px < 0 or c_vox < 0:
+            (c0, c_vox), c_px = _lstsq(rows, lambda r: [1.0, vox(r)], "peak_bytes"), 0.0
+    else:
+        (c0, c_vox), c_px = _lstsq(rows, lambda r: [1.0, vox(r)], "peak_bytes"), 0.0
+    t0, t_vox = _lstsq(rows, lambda r: [1.0, vox(r)], "time_s")
+    if t_vox <= 0:  # noise at tiny sizes: the mean rate through the origin
+        t0, t_vox = 0.0, sum(r["time_s"] for r in rows) / sum(vox(r) for r in rows)
+    return dict(mem_const=c0, mem_per_px=max(0.0, c_px), mem_per_voxel=max(0.0, c_vox), time_const=t0,
+                time_per_voxel=t_vox, source=source)

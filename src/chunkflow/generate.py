@@ -1,0 +1,192 @@
+"""One generation through the diffusers pipeline, phase by phase: encode (text encoders), denoise (the transformer),
+decode (the VAE), each measured (time, peak GPU memory as what runs out: the allocator's reserved bytes plus the
+memory torch does not count) while the components take their turns on the device.
+
+The pipeline's own `__call__` runs unchanged, so its latents are the ones diffusers makes with the same generator.
+The phases are told apart by the pipeline's calls: denoising begins at the first transformer forward, decoding at
+`vae.decode`. At each boundary the components of the phase that ended are parked and the allocator's cache is
+emptied, so a phase's peak is its own. The execution device is fixed for the call (components may be parked in
+host memory, where diffusers would otherwise look for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from chunkflow.models.pipeline_build import BuiltPipeline
+
+PHASES = ("encode", "denoise", "decode")
+
+
+@dataclass
+class PhaseMeasurement:
+    time_s: float = 0.0
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    context_bytes: int | None = None  # device memory in use beyond torch's reserve at the phase's end
+    host_rss_bytes: int = 0
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """What runs out: reserved plus context (None on the CPU)."""
+        if self.peak_reserved_bytes is None:
+            return None
+        return self.peak_reserved_bytes + (self.context_bytes or 0)
+
+
+@dataclass
+class Generation:
+    output: Any  # frames (video: F x H x W x 3) or images (B x H x W x 3), floats in [0, 1]
+    latents: torch.Tensor | None
+    phases: dict[str, PhaseMeasurement]
+    step_times_s: list[float]
+    host_peak_bytes: int
+    seconds: float
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class _Clock:
+    """Phase boundaries: time, the allocator's peaks since the last boundary, the context, host RSS."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.phases: dict[str, PhaseMeasurement] = {}
+        self.current: str | None = None
+        self.t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def start(self, name: str) -> None:
+        self._sync()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.current, self.t0 = name, time.perf_counter()
+
+    def stop(self) -> None:
+        from chunkflow.hostmem import rss_bytes
+
+        self._sync()
+        m = PhaseMeasurement(time_s=time.perf_counter() - self.t0, host_rss_bytes=rss_bytes())
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            m.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
+            m.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+            m.context_bytes = int(total - free - torch.cuda.memory_reserved(self.device))
+        self.phases[self.current] = m
+        self.current = None
+
+
+@contextlib.contextmanager
+def execution_device(pipe, device: torch.device):
+    """Within: the pipeline computes on `device` whatever its components' devices are (parked components sit in
+    host memory). The instance's class is swapped for a subclass with a fixed `_execution_device`, then restored."""
+    cls = type(pipe)
+    pipe.__class__ = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: device),
+                                                 "__module__": cls.__module__})
+    try:
+        yield pipe
+    finally:
+        pipe.__class__ = cls
+
+
+def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | None, steps: int,
+                generator: torch.Generator) -> dict[str, Any]:
+    """The pipeline call for workload `w` (the catalog adapter says which arguments the pipeline takes)."""
+    pipe = spec.pipeline
+    g = pipe.guidance if guidance is None else guidance
+    kw: dict[str, Any] = dict(prompt=prompt, height=w.height, width=w.width, num_inference_steps=steps,
+                              generator=generator, output_type="np")
+    if pipe.adapter == "wan":
+        kw.update(negative_prompt=negative, num_frames=w.frames, guidance_scale=g,
+                  max_sequence_length=pipe.text_encoders[0].tokens)
+        if pipe.guidance_2 is not None:
+            kw["guidance_scale_2"] = pipe.guidance_2 if guidance is None else guidance
+    elif pipe.adapter == "flux":
+        kw.update(guidance_scale=g, num_images_per_prompt=w.batch, max_sequence_length=pipe.text_encoders[-1].tokens)
+    elif pipe.adapter == "qwen_image":
+        kw.update(negative_prompt=negative if negative is not None else " ", true_cfg_scale=g,
+                  num_images_per_prompt=w.batch)
+    elif pipe.adapter == "hunyuan_video":
+        kw.update(num_frames=w.frames, guidance_scale=g)
+    return kw
+
+
+def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = None, guidance: float | None = None,
+             steps: int | None = None, seed: int = 0, on_step: Callable[[int, int], None] | None = None) -> Generation:
+    """One generation of workload `w` from `prompt`, phase by phase (module docstring)."""
+    from chunkflow.hostmem import peak_rss_bytes
+
+    device = built.device
+    pipe = built.pipe
+    spec = built.spec
+    steps = steps or w.steps
+    clock = _Clock(device)
+    cuda = device.type == "cuda"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    kwargs = call_kwargs(spec, w, prompt, negative, guidance, steps, generator)
+    state: dict[str, Any] = {"latents": None, "t_step": None, "steps": []}
+    hooks = []
+
+    def to_denoise(module, args):
+        if clock.current == "encode":
+            clock.stop()
+            built.park("text_encoder")
+            clock.start("denoise")
+            state["t_step"] = time.perf_counter()
+
+    for name in built.names("transformer"):
+        hooks.append(getattr(pipe, name).register_forward_pre_hook(to_denoise, prepend=True))
+
+    vae = getattr(pipe, spec.pipeline.vae.component)
+    decode = vae.decode
+
+    def decode_phase(*args, **kw):
+        if clock.current == "denoise":
+            clock.stop()
+            built.park("transformer")
+            clock.start("decode")
+            built.unpark("vae")
+        return decode(*args, **kw)
+
+    def on_step_end(p, i, t, cb_kwargs):
+        if cuda:
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        state["steps"].append(now - state["t_step"])
+        state["t_step"] = now
+        state["latents"] = cb_kwargs.get("latents")
+        if on_step is not None:
+            on_step(i + 1, steps)
+        return cb_kwargs
+
+    kwargs["callback_on_step_end"] = on_step_end
+    kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+    vae.decode = decode_phase
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), execution_device(pipe, device):
+            clock.start("encode")
+            out = pipe(**kwargs)
+            clock.stop()
+    finally:
+        del vae.decode  # the instance attribute goes; the class's method is back
+        for h in hooks:
+            h.remove()
+        built.park("vae")
+        built.park("transformer")
+        built.park("text_encoder")
+    seconds = time.perf_counter() - t0
+    frames = out.frames[0] if hasattr(out, "frames") else out.images
+    latents = state["latents"]
+    return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases, state["steps"],
+                      peak_rss_bytes(), seconds, {k: v for k, v in kwargs.items() if k not in ("generator",
+                                                                                            "callback_on_step_end")})

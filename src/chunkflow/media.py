@@ -1,0 +1,254 @@
+"""Write what a generation produced: a video to .mp4 (H.264 through imageio-ffmpeg) or an image to .png, both
+atomically, and read them back. `check_media_path` checks where the output goes before any work."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.files import FileError, check_output_file, write_atomic
+
+__all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uint8_frames", "write_media"]
+
+KINDS = {".mp4": "video", ".png": "image"}
+CRF = 18  # libx264 constant rate factor: visually lossless for ordinary viewing, files stay small
+_VIDEO_INSTALL = "pip install 'chunkflow[video]'"
+# RGB <-> YUV with exact rounding and chroma interpolated (not replicated) when converting back to RGB
+_SWS = "bicubic+accurate_rnd+full_chroma_int"
+# RGB -> BT.709 limited-range YUV, and the file says so (stream and frame tags), so that players convert back
+# with the matrix it was written with
+_TO_YUV = (f"scale=out_color_matrix=bt709:out_range=tv:flags={_SWS},"
+           "setparams=range=tv:colorspace=bt709:color_primaries=bt709:color_trc=bt709")
+_BT709_TAGS = ("-colorspace", "bt709", "-color_primaries", "bt709", "-color_trc", "bt709")
+
+
+class MediaError(ChunkflowError):
+    """An output path, or frames, that cannot be written as a video or an image."""
+
+
+def _kind(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in KINDS:
+        got = f"suffix {suffix!r}" if suffix else "no suffix"
+        raise MediaError(f"--out {str(path)!r} has {got}; give a .mp4 file (video) or a .png file (image)")
+    return KINDS[suffix]
+
+
+def _imageio_ffmpeg() -> Any:
+    """imageio_ffmpeg, checked to be installed with a working ffmpeg binary."""
+    try:
+        import imageio  # noqa: F401  (the [video] extra installs both; imageio_ffmpeg does the work)
+        import imageio_ffmpeg
+    except ImportError as exc:
+        raise MediaError(f"writing .mp4 needs imageio and imageio-ffmpeg ({exc.name} is missing): "
+                         f"{_VIDEO_INSTALL}") from None
+    try:
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except (RuntimeError, OSError) as exc:  # RuntimeError when neither the bundled binary nor IMAGEIO_FFMPEG_EXE is found
+        raise MediaError(f"imageio-ffmpeg finds no ffmpeg binary ({exc}); reinstall it: {_VIDEO_INSTALL}, "
+                         "or set IMAGEIO_FFMPEG_EXE to an ffmpeg with libx264") from None
+    return imageio_ffmpeg
+
+
+def check_media_path(path: str) -> str:
+    """Check where a generation's output goes, before any work: a .mp4 or .png suffix (any case), a writable
+    directory, not a directory itself, and for .mp4 a working imageio-ffmpeg. Returns "video" or "image"."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise FileError(f"--out {str(p)!r} is a directory; give a file name in it, e.g. {str(p / 'out.mp4')!r}")
+    kind = _kind(path)
+    check_output_file(p, "--out")
+    if kind == "video":
+        _imageio_ffmpeg()
+    return kind
+
+
+def to_uint8_frames(frames: Any) -> np.ndarray:
+    """`frames` as a uint8 array (F, H, W, 3); an image (H, W, 3) becomes one frame.
+
+    Accepts what diffusers returns with output_type="np" (floats in [0, 1]), a torch tensor of that layout, a
+    uint8 array, or a list of PIL images or of (H, W, 3) arrays. A batch of one video (1, F, H, W, 3), as
+    `pipe(...).frames` holds, is taken as that video. Floats are clipped to [0, 1] and converted exactly as
+    diffusers' `numpy_to_pil` does: (x * 255).round().astype("uint8").
+    """
+    if isinstance(frames, (list, tuple)):
+        if not frames:
+            raise MediaError("no frames to write (an empty list)")
+        arrays = []
+        for i, f in enumerate(frames):
+            a = np.asarray(f.convert("RGB")) if _is_pil(f) else _as_numpy(f)
+            if a.ndim != 3 or a.shape[-1] != 3:
+                raise MediaError(f"frame {i} has shape {tuple(a.shape)}; each frame must be (H, W, 3)")
+            arrays.append(_to_uint8(a))
+        shapes = sorted({a.shape for a in arrays})
+        if len(shapes) > 1:
+            raise MediaError(f"frames differ in size ({shapes}); every frame must have the same size")
+        return np.stack(arrays)
+    array = _as_numpy(frames)
+    if array.ndim == 5 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim == 3:
+        array = array[None]
+    if array.ndim != 4 or array.shape[-1] != 3:
+        hint = ""
+        if array.ndim == 5:
+            hint = f" (a batch of {array.shape[0]} videos: write one at a time, e.g. frames[0])"
+        elif array.ndim in (3, 4) and array.shape[-3] == 3:
+            hint = " (channels first? pass output_type='np' to the pipeline, or move channels last)"
+        raise MediaError(f"frames have shape {tuple(array.shape)}; expected (F, H, W, 3) for a video or "
+                         f"(H, W, 3) for an image{hint}")
+    if 0 in array.shape:
+        raise MediaError(f"frames have shape {tuple(array.shape)}: nothing to write")
+    return _to_uint8(array)
+
+
+def _to_uint8(array: np.ndarray) -> np.ndarray:
+    if array.dtype == np.uint8:
+        return np.ascontiguousarray(array)
+    if not np.issubdtype(array.dtype, np.floating):
+        raise MediaError(f"frames have dtype {array.dtype}; give floats in [0, 1] (output_type='np') or uint8")
+    if not np.isfinite(array).all():
+        bad = int((~np.isfinite(array)).sum())
+        raise MediaError(f"frames hold {bad} NaN or infinite values: the generation failed numerically "
+                         "(float16 overflow? try bfloat16 or float32)")
+    return (np.clip(array, 0.0, 1.0) * 255).round().astype("uint8")
+
+
+def _is_pil(x: Any) -> bool:
+    return type(x).__module__.startswith("PIL.") and hasattr(x, "convert")
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            x = x.detach().to("cpu")
+            if x.dtype in (torch.bfloat16, torch.float16):
+                x = x.float()
+            return x.numpy()
+    return np.asarray(x)
+
+
+def write_media(path: str | Path, frames: Any, fps: int | None = None) -> Path:
+    """Write `frames` (see `to_uint8_frames`) to `path`, whole or not at all (a temporary file beside it, then a
+    rename), and return the path.
+
+    .mp4: every frame at `fps` frames per second (required, > 0; 16 for Wan, 24 for HunyuanVideo), an image being
+    a one-frame video. H.264 (libx264, CRF 18: visually lossless) in yuv420p, tagged BT.709, the index at the
+    front (+faststart): the format every ordinary player, browser and editor plays. yuv420p stores colour at
+    half resolution, so libx264 refuses odd widths and heights; rather than rescale the frames (which resamples
+    every pixel, as imageio's default macro_block_size=16 does) or use yuv444p (which many players cannot play),
+    an odd height or width is padded by one row at the bottom or one column at the right, a copy of the edge:
+    a 33x47 video is stored, and read back, as 34x48, every original pixel in place.
+    .png: exactly one image, lossless; several frames are refused (write a video to .mp4).
+    """
+    kind = check_media_path(str(path))
+    p = Path(path).expanduser()
+    if kind == "video":
+        if fps is None or isinstance(fps, bool) or not isinstance(fps, (int, float, np.integer, np.floating)):
+            raise MediaError(f"writing video {str(p)!r} needs the frame rate: pass fps= (e.g. 16 for Wan, "
+                             "24 for HunyuanVideo)")
+        if not fps > 0 or not np.isfinite(fps):
+            raise MediaError(f"fps must be a positive number of frames per second, got {fps!r}")
+        _write_mp4(p, to_uint8_frames(frames), fps)
+        return p
+    array = to_uint8_frames(frames)
+    if array.shape[0] != 1:
+        raise MediaError(f"--out {str(p)!r} is an image (.png) but the frames are a video of {array.shape[0]} "
+                         f"frames; write it to a .mp4 file (or pick one frame)")
+    try:
+        from PIL import Image
+    except ImportError:
+        raise MediaError("writing .png needs Pillow: pip install pillow") from None
+    buf = io.BytesIO()
+    Image.fromarray(array[0]).save(buf, format="PNG")
+    write_atomic(p, buf.getvalue())
+    return p
+
+
+def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
+    ffmpeg = _imageio_ffmpeg()
+    _, h, w, _ = array.shape
+    pad_h, pad_w = h % 2, w % 2
+    if pad_h or pad_w:
+        array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    h, w = h + pad_h, w + pad_w
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp.mp4", dir=p.parent if str(p.parent) else ".")
+    os.close(fd)
+    try:
+        writer = ffmpeg.write_frames(
+            tmp, (w, h), pix_fmt_in="rgb24", pix_fmt_out="yuv420p", fps=fps, codec="libx264", quality=None,
+            macro_block_size=1, ffmpeg_log_level="error",
+            output_params=["-crf", str(CRF), "-vf", _TO_YUV, *_BT709_TAGS, "-movflags", "+faststart", "-f", "mp4"])
+        try:
+            writer.send(None)  # starts ffmpeg
+            try:
+                for frame in array:
+                    writer.send(frame.tobytes())
+            finally:
+                writer.close()  # waits for ffmpeg to finish the file
+        except (OSError, RuntimeError) as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            raise MediaError(f"ffmpeg could not write {str(p)!r} ({lines[-1] if lines else type(exc).__name__}); "
+                             "is there space on the disk, and does IMAGEIO_FFMPEG_EXE (if set) have libx264?") from None
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _existing_file(path: str | Path, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileError(f"{what} {str(p)!r} does not exist")
+    if p.is_dir():
+        raise FileError(f"{what} {str(p)!r} is a directory; give the path of the file")
+    return p
+
+
+def read_video(path: str | Path) -> np.ndarray:
+    """Every frame of the video at `path`, as uint8 RGB (F, H, W, 3) (an odd-sized video written by
+    `write_media` comes back padded to even size)."""
+    p = _existing_file(path, "video")
+    exe = _imageio_ffmpeg().get_ffmpeg_exe()
+    # each frame as a binary PPM ("P6\n<w> <h>\n255\n" + RGB bytes), the size coming with every frame
+    cmd = [exe, "-nostdin", "-v", "error", "-i", str(p), "-map", "0:v:0", "-sws_flags", _SWS,
+           "-f", "image2pipe", "-c:v", "ppm", "-pix_fmt", "rgb24", "-"]
+    run = subprocess.run(cmd, capture_output=True, check=False)
+    lines = [ln for ln in run.stderr.decode(errors="replace").splitlines() if ln.strip()]
+    if run.returncode != 0 or not run.stdout:
+        why = lines[-1] if lines else "no frames"
+        raise MediaError(f"video {str(p)!r} cannot be read ({why}); is it a complete video file?")
+    frames, data, pos = [], run.stdout, 0
+    while pos < len(data):
+        header = re.match(rb"P6\s+(\d+)\s+(\d+)\s+255\s", data[pos:pos + 64])
+        if header is None:
+            raise MediaError(f"video {str(p)!r}: ffmpeg returned a frame that is not RGB24 PPM")
+        w, h = int(header.group(1)), int(header.group(2))
+        start = pos + header.end()
+        frames.append(np.frombuffer(data, np.uint8, count=h * w * 3, offset=start).reshape(h, w, 3))
+        pos = start + h * w * 3
+    return np.stack(frames)
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """The image at `path` as uint8 RGB (H, W, 3)."""
+    p = _existing_file(path, "image")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(p) as im:
+            return np.asarray(im.convert("RGB")).copy()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise MediaError(f"image {str(p)!r} cannot be read ({exc})") from None

@@ -1,0 +1,184 @@
+"""`chunkflow run --prompt`: build the plan's whole pipeline with its placements, generate, write the video or image,
+and report each phase measured against the plan.
+
+The run report (`run.RunReport`) gains a `generation` section: per phase the measured time and peak GPU memory
+(reserved plus context: what runs out) against the plan's prediction, the process's peak host memory against the
+predicted host memory, the whole generation's time. Its `measured` section holds the denoising steps, compared with
+the transformer's predicted step time, as for a synthetic run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, Field
+
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.plan import Plan
+
+
+class PhaseResult(BaseModel):
+    measured_time_s: float
+    measured_peak_memory_bytes: int | None = Field(None, description="reserved + context at the phase's peak (GPU)")
+    measured_peak_allocated_bytes: int | None = None
+    measured_host_rss_bytes: int = 0
+    predicted_time_s: float | None = None
+    predicted_peak_memory_bytes: int | None = None
+    time_error: float | None = None
+    memory_error: float | None = None
+
+
+class GenerationResult(BaseModel):
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int
+    guidance: float | None = None
+    steps: int
+    out: str | None = None
+    components: dict[str, str] = Field(description="component -> placement, as run")
+    vae_tiling: bool = False
+    phases: dict[str, PhaseResult]
+    generation_time_s: float
+    predicted_generation_time_s: float | None = None
+    generation_time_error: float | None = None
+    host_peak_bytes: int = Field(description="the process's peak resident memory (VmHWM), loading included")
+    predicted_host_memory_bytes: int | None = None
+    host_memory_error: float | None = None
+    gpu_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
+
+
+@dataclass
+class GenerateOptions:
+    prompt: str
+    negative_prompt: str | None = None
+    guidance: float | None = None
+    out: str | None = None
+    latents: str | None = None
+
+
+def placements_of(plan: Plan) -> tuple[dict[str, str], bool]:
+    """component -> placement from the plan's pipeline section (a plan made with --transformer-only: the transformer
+    as planned, everything else for its phase only)."""
+    if plan.pipeline is not None:
+        return {c.name: c.placement for c in plan.pipeline.components}, plan.pipeline.vae_tiling
+    where = "gpu" if plan.offload.mode == "none" else "stream"
+    return {"transformer": where, "transformer_2": where}, False
+
+
+def _err(measured, predicted):
+    from chunkflow.run import rel_error
+
+    return rel_error(measured, predicted)
+
+
+def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
+                   progress: Callable[[str, int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
+    """Build, generate, write, report (a RunReport with its `generation` section)."""
+    import torch
+
+    from chunkflow.generate import generate
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow.run import (Measured, MemorySample, RunConfig, RunError, _place, environment, make_report,
+                               statistics)
+    from chunkflow.weights import resolve_weights
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.predict import hardware_of, predict
+
+    o.check()
+    spec = get_model(plan.model.name)
+    if spec.pipeline is None:
+        raise RunError(f"{spec.name} has no pipeline in the catalog; run without --prompt for the synthetic benchmark")
+    hw = hardware_of(plan, o.profile)
+    w = plan.workload.to_workload()
+    steps = o.steps if o.steps is not None else w.steps
+    w = w.model_copy(update={"steps": steps})
+    _, device = _place(o, 1, plan, log)
+    folder = resolve_weights(o.weights) if o.weights is not None else None
+    placements, tiling = placements_of(plan)
+    t0 = time.perf_counter()
+    built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling, log=log)
+    log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
+        f"{time.perf_counter() - t0:.1f} s on {device}")
+    try:
+        cb = (lambda i, n: progress("denoising", i, n)) if progress is not None else None
+        gen = generate(built, w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps, seed=o.seed,
+                       on_step=cb)
+        stats = built.handles["transformer"].stats().as_dict()
+    finally:
+        built.remove()
+    if g.out:
+        _write_output(g.out, gen.output, spec, built.random_weights, log)
+    if g.latents and gen.latents is not None:
+        from safetensors.torch import save_file
+
+        from chunkflow_planner.files import write_atomic
+
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            f = Path(tmp) / "latents.safetensors"
+            save_file({"latents": gen.latents.contiguous()}, str(f))
+            write_atomic(g.latents, f.read_bytes())
+
+    cuda = device.type == "cuda"
+    dn = gen.phases["denoise"]
+    times = gen.step_times_s or [gen.phases["denoise"].time_s]
+    measured = Measured(step_times_s=times, median_step_s=statistics.median(times),
+                        peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
+                        pinned_host_bytes=stats.get("pinned_bytes", 0), achieved_residency=stats.get("achieved_residency"),
+                        memory_trace=[MemorySample(step=steps, allocated_bytes=dn.peak_allocated_bytes,
+                                                   reserved_bytes=dn.peak_reserved_bytes,
+                                                   host_rss_bytes=dn.host_rss_bytes)])
+    pred = predict(spec, w, hw, cfg, 1)
+    run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(folder or "random"),
+                    warmup=0, steps=steps)
+    report = make_report(environment(device), plan, run, hw.name, measured, pred, stats)
+    pp = plan.prediction.phases
+    phases = {}
+    for name, m in gen.phases.items():
+        p = getattr(pp, name) if pp is not None else None
+        phases[name] = PhaseResult(
+            measured_time_s=m.time_s, measured_peak_memory_bytes=m.peak_memory_bytes,
+            measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
+            predicted_time_s=p.time_s if p and cuda else None,
+            predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
+            time_error=_err(m.time_s, p.time_s) if p and cuda and steps == plan.workload.steps else None,
+            memory_error=_err(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
+    gen_time = sum(m.time_s for m in gen.phases.values())
+    pred_time = plan.prediction.generation_time_s if steps == plan.workload.steps else None
+    pred_host = plan.prediction.host_memory_bytes
+    report.generation = GenerationResult(
+        prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
+        components=placements, vae_tiling=tiling, phases=phases, generation_time_s=gen_time,
+        predicted_generation_time_s=pred_time if cuda else None,
+        generation_time_error=_err(gen_time, pred_time) if cuda else None,
+        host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if cuda else None,
+        host_memory_error=_err(gen.host_peak_bytes, pred_host) if cuda else None,
+        gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes)
+    return report
+
+
+def _write_output(out: str, frames, spec, random_weights: bool, log) -> None:
+    import numpy as np
+
+    from chunkflow.media import write_media
+
+    arr = frames.float().cpu().numpy() if hasattr(frames, "cpu") else np.asarray(frames, dtype=np.float32)
+    if random_weights and not np.isfinite(arr).all():
+        log("note: the random weights produced non-finite pixels; they are written as 0")
+        arr = np.nan_to_num(arr, nan=0.0, posinf=1.0, neginf=0.0)
+    if spec.is_video:
+        write_media(out, arr, fps=spec.pipeline.fps or 16)
+        return
+    if arr.ndim == 4 and arr.shape[0] > 1:
+        stem, suffix = os.path.splitext(out)
+        for i, img in enumerate(arr):
+            write_media(f"{stem}-{i}{suffix}", img)
+        log(f"{arr.shape[0]} images written as {stem}-0{suffix} ... {stem}-{arr.shape[0] - 1}{suffix}")
+        return
+    write_media(out, arr)

@@ -1,0 +1,190 @@
+"""The rest of a diffusion pipeline, as the planner needs it: text encoders, the VAE, the scheduler and the
+pipeline's own defaults (models.yaml, `pipeline:` of each model).
+
+A text encoder's parameters are derived from its config (`encoder_params`, one function per architecture, listed in
+the order the transformers classes build their submodules) and checked by the tests against the class instantiated
+on the meta device, as the transformer blocks are (params.py). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TextEncoderArch = Literal["t5_encoder", "clip_text", "llama", "qwen2_5_vl"]
+TokenizerKind = Literal["t5", "clip", "llama3", "qwen2"]
+PipelineAdapter = Literal["wan", "flux", "hunyuan_video", "qwen_image"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _c(config: dict, *keys: str, default: Any = None) -> Any:
+    """The first of `keys` present in `config` (transformers renamed a few between versions)."""
+    for k in keys:
+        if k in config and config[k] is not None:
+            return config[k]
+    if default is None:
+        raise KeyError(f"config lacks {' / '.join(keys)}")
+    return default
+
+
+# ---------------------------------------------------------------------------------------- parameters
+
+
+def t5_encoder_params(c: dict, per_layer_bias: bool) -> tuple[int, int]:
+    """(total, one layer) of T5EncoderModel / UMT5EncoderModel: shared embedding, layers of self-attention
+    (q, k, v, o without bias; UMT5: a relative-position bias in every layer, T5: in the first), a gated or plain
+    FFN, two RMS norms; a final norm."""
+    d, ff, H, dkv, n = c["d_model"], c["d_ff"], c["num_heads"], c["d_kv"], c["num_layers"]
+    gated = str(c.get("feed_forward_proj", "relu")).startswith("gated")
+    bias = c.get("relative_attention_num_buckets", 32) * H
+    layer = 4 * d * H * dkv + (3 if gated else 2) * d * ff + 2 * d + (bias if per_layer_bias else 0)
+    return c["vocab_size"] * d + n * layer + (0 if per_layer_bias else bias) + d, layer
+
+
+def clip_text_params(c: dict) -> tuple[int, int]:
+    """(total, one layer) of CLIPTextModel: token and position embeddings, layers of attention (q, k, v, out with
+    bias), two layer norms and an MLP (fc1, fc2); a final layer norm."""
+    h, ff, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    layer = 4 * (h * h + h) + 2 * 2 * h + (h * ff + ff) + (ff * h + h)
+    return c["vocab_size"] * h + c.get("max_position_embeddings", 77) * h + n * layer + 2 * h, layer
+
+
+def _decoder_layer(h: int, ff: int, heads: int, kv: int, hd: int, qkv_bias: bool) -> int:
+    """One Llama / Qwen2 decoder layer: q, k, v (bias for Qwen2), o; gated MLP; two RMS norms."""
+    return (h * heads * hd + 2 * h * kv * hd + (heads * hd + 2 * kv * hd if qkv_bias else 0) + heads * hd * h
+            + 3 * h * ff + 2 * h)
+
+
+def llama_params(c: dict) -> tuple[int, int]:
+    """(total, one layer) of LlamaModel (no LM head): embeddings, decoder layers, final norm."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or h // heads
+    layer = _decoder_layer(h, c["intermediate_size"], heads, kv, hd, bool(c.get("attention_bias", False)))
+    return c["vocab_size"] * h + c["num_hidden_layers"] * layer + h, layer
+
+
+def qwen2_5_vl_params(c: dict) -> tuple[int, int]:
+    """(total, one text layer) of Qwen2_5_VLForConditionalGeneration: the language model (embeddings, decoder
+    layers with q/k/v bias, final norm), the LM head (unless tied) and the vision tower (patch embedding, blocks of
+    attention and gated MLP with biases, the patch merger)."""
+    t = c.get("text_config") or c
+    h, heads = t["hidden_size"], t["num_attention_heads"]
+    kv = t.get("num_key_value_heads") or heads
+    hd = h // heads
+    vocab = t.get("vocab_size") or c["vocab_size"]
+    layer = _decoder_layer(h, t["intermediate_size"], heads, kv, hd, True)
+    text = vocab * h + t["num_hidden_layers"] * layer + h
+    tied = c.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    head = 0 if tied else vocab * h
+    v = c["vision_config"]
+    vh, vff, depth = v["hidden_size"], v["intermediate_size"], v["depth"]
+    patch = v.get("in_channels", v.get("in_chans", 3)) * v.get("temporal_patch_size", 2) * v["patch_size"] ** 2 * vh
+    block = 2 * vh + (vh * 3 * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vff + vff) + (vff * vh + vh)
+    merged = vh * v.get("spatial_merge_size", 2) ** 2
+    merger = vh + (merged * merged + merged) + (merged * v["out_hidden_size"] + v["out_hidden_size"])
+    return text + head + patch + depth * block + merger, layer
+
+
+def encoder_params(arch: str, config: dict) -> tuple[int, int]:
+    """(total parameters, parameters of one repeated layer) of a text encoder of `arch` with `config`."""
+    if arch == "t5_encoder":
+        return t5_encoder_params(config, per_layer_bias=False)
+    if arch == "umt5_encoder":
+        return t5_encoder_params(config, per_layer_bias=True)
+    if arch == "clip_text":
+        return clip_text_params(config)
+    if arch == "llama":
+        return llama_params(config)
+    if arch == "qwen2_5_vl":
+        return qwen2_5_vl_params(config)
+    raise ValueError(f"unknown text encoder arch {arch!r}")
+
+
+# ------------------------------------------------------------------------------------------------ specs
+
+
+class TextEncoderSpec(_Strict):
+    """One text encoder of a pipeline and the tokenizer that feeds it."""
+
+    component: str = Field(description="the pipeline's attribute, e.g. text_encoder or text_encoder_2")
+    tokenizer: str = Field(description="the pipeline's tokenizer attribute, e.g. tokenizer")
+    cls: str = Field(description="transformers class, e.g. UMT5EncoderModel")
+    arch: Literal["t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"]
+    tokenizer_kind: TokenizerKind = Field(description="which local tokenizer a random-weight pipeline builds")
+    config: dict[str, Any] = Field(description="the checkpoint's config.json (keys starting with _ dropped)")
+    total_params: int = Field(gt=0, description="every parameter, as the meta-device instantiation counts them")
+    tokens: int = Field(gt=0, description="tokens per prompt the pipeline feeds it (padded length, or template + prompt)")
+    block_list: str = Field(description="dotted attribute path of its repeated layers (what chunkflow can stream)")
+    dtype_bytes: int = Field(2, gt=0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.total_params * self.dtype_bytes
+
+    @property
+    def layer_params(self) -> int:
+        return encoder_params(self.arch, self.config)[1]
+
+    def shape(self) -> dict[str, Any]:
+        """d, ff, heads, head_dim, kv_heads, layers, gated, eager_attention: what the operator model needs."""
+        c = self.config
+        if self.arch in ("t5_encoder", "umt5_encoder"):
+            return dict(d=c["d_model"], ff=c["d_ff"], heads=c["num_heads"], head_dim=c["d_kv"], kv_heads=c["num_heads"],
+                        layers=c["num_layers"], gated=str(c.get("feed_forward_proj", "")).startswith("gated"),
+                        eager_attention=True)  # T5's relative-position bias: attention scores are materialised
+        t = c.get("text_config") or c
+        heads = t["num_attention_heads"]
+        return dict(d=t["hidden_size"], ff=t["intermediate_size"], heads=heads,
+                    head_dim=t.get("head_dim") or t["hidden_size"] // heads,
+                    kv_heads=t.get("num_key_value_heads") or heads,
+                    layers=t["num_hidden_layers"], gated=self.arch != "clip_text", eager_attention=False)
+
+
+class VaeSpec(_Strict):
+    """The pipeline's VAE: its diffusers class and config, and how its decode was measured."""
+
+    name: str = Field(description="the VAE's name, shared by models that use the same one (e.g. wan2.1-vae); "
+                      "measured decode fits are kept by it")
+    component: str = "vae"
+    cls: str = Field(description="diffusers class, e.g. AutoencoderKLWan")
+    config: dict[str, Any]
+    total_params: int = Field(gt=0)
+    decoder_params: int = Field(gt=0, description="parameters decode runs (post-quant conv and decoder)")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="the dtype the pipeline runs it in")
+    decode: dict[str, Any] | None = Field(None, description="a VaeDecodeFit measured on a GPU (catalog.VaeDecodeFit)")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.total_params * self.dtype_bytes
+
+
+class SchedulerSpec(_Strict):
+    cls: str
+    config: dict[str, Any] = {}
+
+
+class PipelineSpec(_Strict):
+    """A whole diffusers pipeline around the catalog transformer."""
+
+    cls: str = Field(description="diffusers pipeline class, e.g. WanPipeline")
+    adapter: PipelineAdapter = Field(description="how chunkflow calls its phases (models/pipeline_adapters.py)")
+    text_encoders: list[TextEncoderSpec] = Field(min_length=1)
+    vae: VaeSpec
+    scheduler: SchedulerSpec
+    guidance: float = Field(gt=0, description="the pipeline's default guidance scale")
+    guidance_2: float | None = Field(None, gt=0, description="guidance of the second expert (Wan2.2-A14B)")
+    experts: int = Field(1, ge=1, le=2, description="transformers of the same architecture taking turns (A14B: 2)")
+    boundary_ratio: float | None = Field(None, gt=0, lt=1, description="A14B: the high-noise expert runs for "
+                                         "timesteps >= boundary_ratio * num_train_timesteps")
+    fps: int | None = Field(None, gt=0, description="frame rate of the videos it makes")
+    config: dict[str, Any] = Field(default_factory=dict, description="extra pipeline constructor arguments")
+    source: str = ""

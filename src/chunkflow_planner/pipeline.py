@@ -1,0 +1,374 @@
+"""The whole generation: encode (text encoders), denoise (the transformer plan), decode (the VAE), with a placement
+for every component, GPU memory per phase, host memory, and the policy that picks the placements.
+
+Placements:
+- `gpu`: on the GPU for the whole generation;
+- `phase`: in (pinned) host memory, on the GPU for its own phase only (chunkflow parks it outside);
+- `stream`: chunkflow streams its layers from pinned host memory (the transformer as the plan says; a text
+  encoder layer by layer), parked outside its phase;
+- `cpu`: runs on the CPU (text encoders).
+The VAE may decode tiled.
+
+Per phase the prediction is its time and its peak GPU memory, where peak memory is what runs out: the allocator's
+reserve over torch's peak allocation (`reserve_fraction`, small with expandable segments, which `chunkflow run`
+turns on) plus the device memory torch does not count (`context_bytes`). Host memory is every host copy (pinned
+stores of streamed and parked components, CPU components) plus what the process holds besides weights
+(`process_host_bytes`). Times come from the operator model (ops.py) for text encoders, the transformer's step
+model (steptime.py) for denoising, and the VAE's measured decode fit (catalog.VaeDecodeFit) for decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit, Workload
+from chunkflow_planner.components import TextEncoderSpec
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
+from chunkflow_planner.overlap import GB
+from chunkflow_planner.policy import Infeasible, Point, Problem, candidates
+from chunkflow_planner.units import format_bytes
+
+PHASES = ("encode", "denoise", "decode")
+TEXT_PLACEMENTS = ("gpu", "phase", "stream", "cpu")
+TRANSFORMER_PLACEMENTS = ("gpu", "phase", "stream")
+VAE_PLACEMENTS = ("gpu", "phase")
+TEXT_STREAM_CHUNK = 16 * 10**6
+
+
+class PipelineError(ChunkflowError):
+    """A model without a pipeline in the catalog, or a VAE without a decode measurement."""
+
+
+@dataclass(frozen=True)
+class Placements:
+    text_encoders: tuple[str, ...]
+    transformer: str
+    vae: str
+    vae_tiling: bool
+
+
+@dataclass
+class Phase:
+    """One phase's predicted time and peak allocation (torch's bytes); `peak_memory` adds reserve and context."""
+
+    time_s: float = 0.0
+    allocated_bytes: float = 0.0
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PipelineEstimate:
+    placements: Placements
+    transformer: Point
+    phases: dict[str, Phase]
+    host_bytes: dict[str, float]
+    hw: HardwareSpec
+
+    def peak_memory(self, phase: str) -> int:
+        """Device memory in use at the phase's peak: allocation plus allocator reserve plus context."""
+        return device_need(self.phases[phase].allocated_bytes, self.hw)
+
+    @property
+    def gpu_need(self) -> int:
+        return max(self.peak_memory(p) for p in PHASES)
+
+    @property
+    def binding_phase(self) -> str:
+        return max(PHASES, key=self.peak_memory)
+
+    @property
+    def generation_time(self) -> float:
+        return sum(p.time_s for p in self.phases.values())
+
+    @property
+    def host_memory(self) -> int:
+        return int(sum(self.host_bytes.values()))
+
+
+def device_need(allocated: float, hw: HardwareSpec) -> int:
+    """Device bytes in use for a peak allocation: allocation x (1 + reserve_fraction) + context_bytes."""
+    return int(allocated * (1 + hw.reserve_fraction) + hw.context_bytes)
+
+
+def vae_fit(spec: ModelSpec, hw: HardwareSpec) -> VaeDecodeFit:
+    """The VAE's decode fit measured on this GPU (profile), else the catalog's (measured on the GPU it names)."""
+    vae = spec.pipeline.vae
+    if vae.name in hw.vae_decode:
+        return hw.vae_decode[vae.name]
+    if vae.decode is None:
+        raise PipelineError(f"{spec.name}'s VAE {vae.name} has no decode measurement; run `chunkflow calibrate` on a "
+                            "GPU to measure it")
+    return VaeDecodeFit(**vae.decode)
+
+
+def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> tuple[float, float]:
+    """(seconds, peak activation bytes) of decoding `w`'s output, from the VAE's fit (tiled or not)."""
+    fit = vae_fit(spec, hw)
+    if tiled:
+        if fit.tiled is None:
+            raise PipelineError(f"the decode fit of {spec.pipeline.vae.name} has no tiled measurement")
+        fit = fit.tiled
+    px = w.height * w.width
+    voxels = w.batch * w.frames * px
+    mem = fit.mem_const + fit.mem_per_px * px + fit.mem_per_voxel * voxels
+    return max(0.0, fit.time_const + fit.time_per_voxel * voxels), max(0.0, mem)
+
+
+# -------------------------------------------------------------------------------------------- pieces
+
+
+def _text_act(te: TextEncoderSpec) -> float:
+    """Peak activation bytes of one text-encoder forward (hidden states, MLP, materialised attention scores)."""
+    a = te.shape()
+    n = te.tokens
+    act = n * (6 * a["d"] + 2 * a["ff"]) * te.dtype_bytes
+    if a["eager_attention"]:
+        act += 2 * a["heads"] * n * n * 4
+    return act
+
+
+def _text_cost(te: TextEncoderSpec, placement: str, passes: int, hw: HardwareSpec) -> tuple[float, float, float]:
+    """(seconds, device bytes while it runs, host bytes) of one text encoder in its placement."""
+    ops = text_encoder_ops(te, 1, te.tokens)
+    bw = hw.h2d_gbps * GB
+    if placement == "cpu":
+        return passes * ops_time_cpu(ops, hw), 0.0, float(te.nbytes)
+    t_fwd = ops_time(ops, hw)
+    act = _text_act(te)
+    if placement == "gpu":
+        return passes * t_fwd, te.nbytes + act, 0.0
+    if placement == "phase":
+        return passes * t_fwd + te.nbytes / bw, te.nbytes + act, float(te.nbytes)
+    # stream: each layer waits for the longer of its compute and its transfer; non-layer tensors come back once
+    layers = te.shape()["layers"]
+    layer_bytes = te.layer_params * te.dtype_bytes
+    rest = te.nbytes - layers * layer_bytes
+    t_layer = t_fwd / layers
+    per_fwd = layers * max(t_layer, layer_bytes / bw + math.ceil(layer_bytes / TEXT_STREAM_CHUNK) * hw.dma_startup_us * 1e-6)
+    return passes * per_fwd + rest / bw, rest + 2 * layer_bytes + act, float(te.nbytes)
+
+
+def _transformer_host(spec: ModelSpec, placement: str) -> float:
+    total = spec.total_params * spec.dtype_bytes * spec.pipeline.experts
+    return 0.0 if placement == "gpu" else float(total)
+
+
+def _unpark_bytes(spec: ModelSpec, point: Point) -> float:
+    """Bytes one expert copies to the device when it takes its turn: non-block tensors and resident chunks."""
+    m = point.memory
+    return m.non_block_weights + m.resident_block_weights
+
+
+@dataclass(frozen=True)
+class _Transformer:
+    """The transformer's candidates, evaluated once for every placement combination."""
+
+    none: Point
+    points: list[Point]
+    target_step: float
+
+
+def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
+    none = problem.evaluate(OffloadConfig("none"))
+    target = target_step_time if target_step_time is not None else none.step_time * (max_slowdown or 1.05)
+    return _Transformer(none, candidates(problem), target)
+
+
+def _pick_stream(cands: _Transformer, room: float) -> Point | None:
+    """The plan's rule for a streamed transformer in `room` allocated bytes: the smallest residency that meets the
+    step target (then the shortest step), else the fastest that fits."""
+    fits = [p for p in cands.points if p.memory.peak <= room]
+    if not fits:
+        return None
+    meet = [p for p in fits if p.step_time <= cands.target_step]
+    if meet:
+        return min(meet, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak))
+    return min(fits, key=lambda p: (p.step_time, p.memory.peak))
+
+
+TextCosts = dict[tuple[int, str], tuple[float, float, float]]
+
+
+def text_costs(spec: ModelSpec, w: Workload, hw: HardwareSpec) -> TextCosts:
+    """(seconds, device bytes, host bytes) of every text encoder in every placement: (index, placement) -> cost."""
+    return {(i, p): _text_cost(te, p, w.cfg_passes, hw)
+            for i, te in enumerate(spec.pipeline.text_encoders) for p in TEXT_PLACEMENTS}
+
+
+def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point,
+             costs: TextCosts | None = None) -> PipelineEstimate:
+    """Phases, times and memory of one placement with the transformer at `point` (`costs`: text_costs(), to
+    evaluate many placements quickly)."""
+    pipe = spec.pipeline
+    costs = costs if costs is not None else text_costs(spec, w, hw)
+    bw = hw.h2d_gbps * GB
+    vae_bytes = pipe.vae.nbytes
+    t_model = spec.total_params * spec.dtype_bytes
+    always = 0.0  # bytes on the GPU in every phase
+    host: dict[str, float] = {"process": float(hw.process_host_bytes)}
+    text = [costs[(i, p)] for i, p in enumerate(pl.text_encoders)]
+    for te, p, (_, dev, h) in zip(pipe.text_encoders, pl.text_encoders, text):
+        host[te.component] = h
+        if p == "gpu":
+            always += te.nbytes
+    if pl.transformer == "gpu":
+        always += t_model
+    if pl.vae == "gpu":
+        always += vae_bytes
+    host["transformer"] = _transformer_host(spec, pl.transformer)
+    host["vae"] = 0.0 if pl.vae == "gpu" else float(vae_bytes)
+
+    # encode: the encoders one after another (those placed `phase` or `stream` take turns on the device)
+    enc = Phase()
+    turn = 0.0
+    for te, p, (t, dev, _) in zip(pipe.text_encoders, pl.text_encoders, text):
+        enc.time_s += t
+        enc.detail[te.component] = t
+        if p in ("phase", "stream"):
+            turn = max(turn, dev)
+        elif p == "gpu":
+            turn = max(turn, dev - te.nbytes)  # its weights are in `always`; its activations are not
+    enc.allocated_bytes = always + turn
+
+    # denoise: the transformer's plan (one expert at a time); parked outside, so it copies its device part back
+    den = Phase()
+    steps = w.steps
+    den.time_s = steps * point.step_time
+    if pl.transformer == "phase":
+        den.time_s += pipe.experts * t_model / bw
+    elif pl.transformer == "stream":
+        den.time_s += pipe.experts * _unpark_bytes(spec, point) / bw
+    den.detail["steps"] = steps * point.step_time
+    den.allocated_bytes = (always - (t_model if pl.transformer == "gpu" else 0.0)) + point.memory.peak
+
+    # decode: the VAE's measured fit
+    dec = Phase()
+    t_dec, act = decode_cost(spec, w, hw, pl.vae_tiling)
+    dec.time_s = t_dec + (vae_bytes / bw if pl.vae == "phase" else 0.0)
+    dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
+    return PipelineEstimate(pl, point, {"encode": enc, "denoise": den, "decode": dec}, host, hw)
+
+
+def _placements(spec: ModelSpec, hw: HardwareSpec) -> list[Placements]:
+    pipe = spec.pipeline
+    tilings = (False, True) if vae_fit(spec, hw).tiled is not None else (False,)
+    out = []
+    for tes in itertools.product(TEXT_PLACEMENTS, repeat=len(pipe.text_encoders)):
+        for tr in TRANSFORMER_PLACEMENTS:
+            for vae in VAE_PLACEMENTS:
+                for tiling in tilings:
+                    out.append(Placements(tuple(tes), tr, vae, tiling))
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    chosen: PipelineEstimate
+    baseline: PipelineEstimate  # everything on the GPU, no offload, no tiling: what the target is relative to
+    target_s: float
+    gpu_budget: int
+    host_budget: int
+    reason: str
+
+
+def _room(est_without_transformer_alloc: float, budget: int, hw: HardwareSpec) -> float:
+    """Allocated bytes the transformer may use in the denoise phase inside `budget`."""
+    return (budget - hw.context_bytes) / (1 + hw.reserve_fraction) - est_without_transformer_alloc
+
+
+def decide_pipeline(
+    spec: ModelSpec,
+    w: Workload,
+    hw: HardwareSpec,
+    problem: Problem,
+    gpu_budget: int,
+    host_budget: int,
+    max_slowdown: float | None = 1.05,
+    target_step_time: float | None = None,
+    target_time: float | None = None,
+    generation_slowdown: float | None = None,
+) -> PipelineDecision:
+    """The fastest placement that fits the GPU budget in every phase and the host budget, and meets the latency
+    target for the whole generation if one is set (`target_time`, or `generation_slowdown` x everything on the GPU
+    without offload); the transformer streamed by the plan's rule (the smallest residency meeting max_slowdown x
+    no offload per step, else the fastest that fits). Raises Infeasible naming the binding constraint."""
+    if spec.pipeline is None:
+        raise PipelineError(f"{spec.name} has no pipeline in the catalog; plan the transformer alone "
+                            "(--transformer-only)")
+    cands = transformer_candidates(problem, max_slowdown, target_step_time)
+    n_te = len(spec.pipeline.text_encoders)
+    costs = text_costs(spec, w, hw)
+    base = estimate(spec, w, hw, Placements(("gpu",) * n_te, "gpu", "gpu", False), cands.none, costs)
+    target = (target_time if target_time is not None
+              else base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf)
+    seen: list[PipelineEstimate] = []
+    for pl in _placements(spec, hw):
+        if pl.transformer in ("gpu", "phase"):
+            est = estimate(spec, w, hw, pl, cands.none, costs)
+        else:
+            probe = estimate(spec, w, hw, pl, cands.none, costs)
+            other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
+            point = _pick_stream(cands, _room(other, gpu_budget, hw))
+            if point is None:
+                point = min(cands.points, key=lambda p: p.memory.peak)
+            est = estimate(spec, w, hw, pl, point, costs)
+        seen.append(est)
+    fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
+    fits = [e for e in fits_gpu if e.host_memory <= host_budget]
+    if fits:
+        best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
+        if best.generation_time <= target:
+            return PipelineDecision(best, base, target, gpu_budget, host_budget, _why(best, base, target))
+        raise Infeasible(
+            "latency",
+            f"latency is the binding constraint: the fastest generation inside {format_bytes(gpu_budget)} of GPU and "
+            f"{format_bytes(host_budget)} of host memory takes {best.generation_time:.1f} s ({_describe(best)}), above "
+            f"the target {target:.1f} s. Raise --mem-budget, or relax --max-slowdown / --target-time.",
+            best.gpu_need, best.generation_time)
+    if fits_gpu:
+        least = min(fits_gpu, key=lambda e: e.host_memory)
+        h = least.host_bytes
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.items() if v > 0)
+        raise Infeasible(
+            "host memory",
+            f"host memory is the binding constraint: the placement needing the least host memory inside "
+            f"{format_bytes(gpu_budget)} of GPU memory ({_describe(least)}) needs {format_bytes(least.host_memory)} "
+            f"({parts}) and --host-mem-budget is {format_bytes(host_budget)}. Use a machine with more RAM, or raise "
+            f"--mem-budget so more stays on the GPU.",
+            least.gpu_need, None)
+    least = min(seen, key=lambda e: e.gpu_need)
+    phase = least.binding_phase
+    relief = {
+        "decode": "decode fewer frames or a smaller size (the VAE's activations scale with the output)",
+        "encode": "the text encoder cannot be made smaller than one streamed layer",
+        "denoise": "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp",
+    }[phase]
+    raise Infeasible(
+        "memory",
+        f"GPU memory is the binding constraint: even the smallest placement ({_describe(least)}) needs "
+        f"{format_bytes(least.gpu_need)} in its {phase} phase and --mem-budget is {format_bytes(gpu_budget)}. Raise "
+        f"--mem-budget, or {relief}.",
+        least.gpu_need, None)
+
+
+def _describe(e: PipelineEstimate) -> str:
+    pl = e.placements
+    te = "/".join(pl.text_encoders)
+    cfg = e.transformer.cfg
+    tr = pl.transformer if pl.transformer != "stream" else cfg.label
+    return f"text encoder {te}, transformer {tr}, VAE {pl.vae}{' tiled' if pl.vae_tiling else ''}"
+
+
+def _why(best: PipelineEstimate, base: PipelineEstimate, target: float) -> str:
+    slow = best.generation_time / base.generation_time
+    goal = f", target {target:.1f} s" if math.isfinite(target) else ""
+    return (f"the fastest placement inside the budgets: {_describe(best)}; {best.generation_time:.1f} s per "
+            f"generation, {slow:.3f}x everything on the GPU{goal}; its peak is the {best.binding_phase} phase")
+
+
+__all__ = ["PHASES", "Placements", "PipelineEstimate", "PipelineDecision", "decide_pipeline", "estimate", "device_need",
+           "decode_cost", "vae_fit", "PipelineError"]

@@ -1,0 +1,86 @@
+"""The catalog's pipelines: every text encoder's and VAE's parameter count, derived from its config, equals the real
+class instantiated on the meta device; block lists resolve; local tokenizers fit the encoders' vocabularies."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from chunkflow_planner.catalog import load_models
+from chunkflow_planner.components import encoder_params
+
+PIPELINES = [(s.name, s) for s in load_models().values() if s.pipeline is not None]
+TEXT_ENCODERS = [(f"{n}:{te.component}", s, te) for n, s in PIPELINES for te in s.pipeline.text_encoders]
+
+
+def _meta_text_encoder(te):
+    import transformers
+
+    cls = getattr(transformers, te.cls)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return cls(cls.config_class(**te.config))
+
+
+def _attr(module, dotted):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def test_every_catalog_model_has_a_pipeline():
+    assert {n for n, _ in PIPELINES} == set(load_models())
+
+
+@pytest.mark.parametrize("key, spec, te", TEXT_ENCODERS, ids=[k for k, _, _ in TEXT_ENCODERS])
+def test_text_encoder_parameters_derived_from_config_match_the_class(key, spec, te):
+    m = _meta_text_encoder(te)
+    real = sum(p.numel() for p in m.parameters())
+    derived, layer = encoder_params(te.arch, te.config)
+    assert derived == real == te.total_params
+    layers = _attr(m, te.block_list)
+    assert isinstance(layers, torch.nn.ModuleList) and len(layers) == te.shape()["layers"]
+    assert sum(p.numel() for p in layers[-1].parameters()) == layer  # T5's first layer also holds the position bias
+
+
+@pytest.mark.parametrize("name, spec", PIPELINES, ids=[n for n, _ in PIPELINES])
+def test_vae_parameters_match_the_class(name, spec):
+    import diffusers
+
+    vae = spec.pipeline.vae
+    with torch.device("meta"):
+        m = getattr(diffusers, vae.cls)(**vae.config)
+    assert sum(p.numel() for p in m.parameters()) == vae.total_params
+    post = getattr(m, "post_quant_conv", None)
+    dec = sum(p.numel() for p in m.decoder.parameters()) + (sum(p.numel() for p in post.parameters()) if post else 0)
+    assert dec == vae.decoder_params
+    latent = m.config.get("z_dim", m.config.get("latent_channels"))
+    packed = spec.diffusers.inputs in ("flux", "qwen_image")  # 2x2 latent patches packed into channels
+    assert latent * (4 if packed else 1) == spec.diffusers.config["in_channels"]
+
+
+@pytest.mark.parametrize("key, spec, te", TEXT_ENCODERS, ids=[k for k, _, _ in TEXT_ENCODERS])
+def test_local_tokenizer_fits_the_encoder(key, spec, te):
+    from chunkflow.models.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(te.tokenizer_kind, te.tokens)
+    vocab = (te.config.get("text_config") or te.config)["vocab_size"]
+    assert len(tok) <= vocab
+
+
+def test_wan22_ti2v_tokens_have_their_own_timestep():
+    from chunkflow.models.inputs import make_inputs
+    from chunkflow_planner.catalog import Workload, get_model
+    from chunkflow_planner.memory import activation_bytes
+    from chunkflow_planner.workload import tokens
+
+    ti2v, wan21 = get_model("wan2.2"), get_model("wan2.1-14b")
+    assert ti2v.per_token_timestep and not wan21.per_token_timestep
+    w = Workload(frames=5, height=64, width=64, steps=1)
+    kw = make_inputs(ti2v.model_copy(update={"text_len": 4}), w, torch.float32, "meta")
+    assert tuple(kw["timestep"].shape) == (1, tokens(ti2v, w))
+    plain = ti2v.model_copy(update={"pipeline": None})
+    extra = activation_bytes(ti2v, w) - activation_bytes(plain, w)
+    assert extra == tokens(ti2v, w) * ti2v.d * 38

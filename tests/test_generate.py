@@ -1,0 +1,170 @@
+"""`chunkflow run --prompt`: whole tiny pipelines (Wan and FLUX) saved with save_pretrained, generated through the CLI
+with every placement, give the latents diffusers' own pipeline gives with the same seed; videos and images are
+written and readable; a Hub id resolves from a local Hugging Face cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines import one_thread
+
+pytest.importorskip("imageio_ffmpeg")
+
+PROMPTS = {"tiny": ("a cat walks on the grass", "blurry, low quality"), "tiny-flux": ("a red fox in the snow", None)}
+
+
+def _save_pipeline(name: str, folder: Path, seed: int = 3) -> Path:
+    """The catalog's tiny pipeline with random weights, saved as a diffusers pipeline folder."""
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+
+    spec = get_model(name)
+    everything = {n: "gpu" for n in ("text_encoder", "text_encoder_2", "transformer", "vae")}
+    built = build_pipeline(spec, everything, OffloadConfig("none"), torch.device("cpu"), seed=seed)
+    pipe = built.pipe
+    built.remove()
+    pipe.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipelines")
+    with one_thread():
+        return {n: _save_pipeline(n, root / n) for n in PROMPTS}
+
+
+def _reference_latents(name: str, folder: Path, seed: int, steps: int) -> torch.Tensor:
+    """diffusers alone: from_pretrained in the dtypes chunkflow runs (bf16; the Wan VAE in fp32), the same call."""
+    import diffusers
+
+    from chunkflow_planner.catalog import get_model
+
+    spec = get_model(name)
+    cls = getattr(diffusers, spec.pipeline.cls)
+    dtypes = {"default": torch.bfloat16, "vae": getattr(torch, spec.pipeline.vae.dtype)}
+    pipe = cls.from_pretrained(folder, torch_dtype=dtypes)
+    pipe.set_progress_bar_config(disable=True)
+    prompt, negative = PROMPTS[name]
+    w = spec.default_workload
+    kw = dict(prompt=prompt, height=w.height, width=w.width, num_inference_steps=steps,
+              generator=torch.Generator("cpu").manual_seed(seed), output_type="latent")
+    if spec.pipeline.adapter == "wan":
+        kw.update(negative_prompt=negative, num_frames=w.frames, guidance_scale=spec.pipeline.guidance,
+                  max_sequence_length=spec.pipeline.text_encoders[0].tokens)
+    else:
+        kw.update(guidance_scale=spec.pipeline.guidance, max_sequence_length=spec.pipeline.text_encoders[-1].tokens)
+    with torch.no_grad(), one_thread():
+        out = pipe(**kw)
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+def _plan(cli, name: str, placements: dict[str, str] | None = None) -> Path:
+    result = cli("plan", "--model", name, "--hardware", "cpu", "--host-mem-budget", "8GB", "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    path = Path("plan.json")
+    if placements:
+        plan = json.loads(path.read_text())
+        for c in plan["pipeline"]["components"]:
+            c["placement"] = placements.get(c["kind"], c["placement"])
+        path.write_text(json.dumps(plan))
+    return path
+
+
+PLACEMENTS = [  # (text encoders, transformer, run flags for the transformer)
+    ("gpu", "gpu", []),
+    ("phase", "stream", ["--mode", "chunkflow", "--chunk-size", "16KB", "--residency", "0.3"]),
+    ("stream", "phase", []),
+    ("cpu", "stream", ["--mode", "layerwise"]),
+]
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+@pytest.mark.parametrize("text, transformer, flags", PLACEMENTS, ids=[f"te-{t}-tr-{r}" for t, r, _ in PLACEMENTS])
+def test_latents_identical_to_diffusers(cli, workdir, saved, name, text, transformer, flags):
+    from safetensors.torch import load_file
+
+    plan = _plan(cli, name, {"text_encoder": text, "transformer": transformer})
+    prompt, negative = PROMPTS[name]
+    args = ["run", "--plan", plan, "--weights", saved[name], "--prompt", prompt, "--seed", "11", "--latents",
+            "latents.safetensors", "--report", "report.json", *flags]
+    if negative:
+        args += ["--negative-prompt", negative]
+    with one_thread():
+        result = cli(*args)
+    assert result.exit_code == 0, result.output
+    ours = load_file("latents.safetensors")["latents"]
+    ref = _reference_latents(name, saved[name], 11, 2)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+    rep = json.loads(Path("report.json").read_text())
+    gen = rep["generation"]
+    assert set(gen["phases"]) == {"encode", "denoise", "decode"}
+    assert all(p["measured_time_s"] > 0 for p in gen["phases"].values())
+    placed = gen["components"]
+    assert placed["transformer"] == transformer and placed["text_encoder"] == text
+    assert rep["measured"]["step_times_s"] and len(rep["measured"]["step_times_s"]) == 2
+    assert gen["host_peak_bytes"] > 0 and gen["predicted_host_memory_bytes"] is None  # CPU: measured only
+
+
+def test_video_and_image_are_written_and_readable(cli, workdir, saved):
+    from chunkflow.media import read_image, read_video
+    from chunkflow_planner.catalog import get_model
+
+    wan, flux = get_model("tiny"), get_model("tiny-flux")
+    plan = _plan(cli, "tiny")
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", saved["tiny"], "--prompt", "a cat", "--out", "cat.mp4")
+    assert result.exit_code == 0, result.output
+    video = read_video("cat.mp4")
+    w = wan.default_workload
+    assert video.shape == (w.frames, w.height, w.width, 3)
+    plan = _plan(cli, "tiny-flux")
+    with one_thread():
+        result = cli("run", "--plan", plan, "--prompt", "a red fox", "--out", "fox.png")  # random weights
+    assert result.exit_code == 0, result.output
+    w = flux.default_workload
+    assert read_image("fox.png").shape == (w.height, w.width, 3)
+    assert "encode" in result.output and "decode" in result.output
+
+
+def test_hub_id_resolves_from_the_local_cache(cli, workdir, saved, monkeypatch):
+    cache = workdir / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--someone--tiny-wan"
+    shutil.copytree(saved["tiny"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    plan = _plan(cli, "tiny")
+    with one_thread():
+        ok = cli("run", "--plan", plan, "--weights", "someone/tiny-wan", "--prompt", "a cat", "--latents", "a.safetensors")
+    assert ok.exit_code == 0, ok.output
+    missing = cli("run", "--plan", plan, "--weights", "someone/not-here", "--prompt", "a cat")
+    assert missing.exit_code == 2
+    assert "not in the local" in missing.output and str(cache) in missing.output.replace("\n", "")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "x.gif"], ".mp4"),
+    (["--out", "missing/x.mp4"], "does not exist"),
+    (["--guidance", "nan"], "--guidance"),
+    (["--weights", "/no/such/folder"], "/no/such/folder"),
+])
+def test_bad_generation_flags_fail_before_any_work(cli, workdir, args, message):
+    plan = _plan(cli, "tiny")
+    result = cli("run", "--plan", plan, "--prompt", "a cat", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output.replace("\n", "")
+
+
+def test_generation_flags_need_a_prompt(cli, workdir):
+    plan = _plan(cli, "tiny")
+    result = cli("run", "--plan", plan, "--out", "x.mp4")
+    assert result.exit_code == 2 and "--prompt" in result.output

@@ -1,0 +1,215 @@
+"""chunkflow.media: videos to .mp4 and images to .png, written atomically, read back, and every bad input refused
+with the package's error before any work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from chunkflow.media import MediaError, check_media_path, read_image, read_video, to_uint8_frames, write_media
+from chunkflow_planner.errors import ChunkflowError
+
+pytest.importorskip("imageio_ffmpeg")
+
+# H.264 is lossy. Measured on these smooth 32x48 / 33x47 gradients at CRF 18 (yuv420p, BT.709): mean absolute
+# error 1.5-1.6 levels of 255 (of which about 0.5 is the RGB -> 4:2:0 YUV -> RGB round trip itself, measured at
+# CRF 0), largest single error about 16. A real fault costs far more: decoding with the wrong colour matrix gives
+# 5-6, a neighbouring frame's content about 10 or more. So 3.0 leaves room for other ffmpeg builds and still
+# catches those.
+MP4_MEAN_ABS_TOL = 3.0
+
+
+def gradient(frames: int, height: int, width: int) -> np.ndarray:
+    """A smooth float32 video in [0, 1], (F, H, W, 3): red across, green down, blue a slow wave moving in time."""
+    t = np.arange(frames)[:, None, None]
+    y = np.arange(height)[None, :, None] / height
+    x = np.arange(width)[None, None, :] / width
+    r = 0.15 + 0.7 * x + 0 * t
+    g = 0.15 + 0.7 * y + 0 * t
+    b = 0.5 + 0.21 * np.sin(np.pi * (x + y) + 0.3 * t)
+    return np.stack(np.broadcast_arrays(r, g, b), axis=-1).astype(np.float32)
+
+
+def expected_uint8(x: np.ndarray) -> np.ndarray:
+    return (np.clip(x, 0, 1) * 255).round().astype("uint8")
+
+
+def no_temp_files(directory) -> bool:
+    return not [p for p in directory.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("height,width", [(32, 48), (33, 47)])
+def test_mp4_round_trip_keeps_frames_size_and_pixels(tmp_path, height, width):
+    frames = gradient(5, height, width)
+    out = write_media(tmp_path / "clip.mp4", frames, fps=8)
+    assert out == tmp_path / "clip.mp4" and no_temp_files(tmp_path)
+    video = read_video(out)
+    # odd sizes are padded by one row / column (yuv420p needs even sizes), never rescaled
+    assert video.shape == (5, height + height % 2, width + width % 2, 3) and video.dtype == np.uint8
+    ref = expected_uint8(frames).astype(int)
+    got = video[:, :height, :width].astype(int)
+    errors = np.abs(got - ref).mean(axis=(1, 2, 3))
+    assert errors.max() < MP4_MEAN_ABS_TOL, errors
+    for i in range(5):  # each frame is closest to its own input: order kept, none dropped or repeated
+        others = [np.abs(got[i] - ref[j]).mean() for j in range(5) if j != i]
+        assert errors[i] < min(others)
+    if height % 2:  # the padding row repeats the last one
+        assert np.abs(video[:, height].astype(int) - video[:, height - 1].astype(int)).mean() < MP4_MEAN_ABS_TOL
+    if width % 2:
+        assert np.abs(video[:, :, width].astype(int) - video[:, :, width - 1].astype(int)).mean() < MP4_MEAN_ABS_TOL
+
+
+def test_mp4_accepts_torch_tensor_pil_list_batch_of_one_and_upper_case_suffix(tmp_path):
+    torch = pytest.importorskip("torch")
+    from PIL import Image
+
+    frames = gradient(3, 32, 48)
+    ref = read_video(write_media(tmp_path / "np.mp4", frames, fps=8))
+    inputs = {
+        "tensor.mp4": torch.from_numpy(frames),
+        "bf16.mp4": torch.from_numpy(frames).to(torch.bfloat16),
+        "pil.mp4": [Image.fromarray(f) for f in expected_uint8(frames)],
+        "batch.MP4": frames[None],  # pipe(...).frames with one prompt: (1, F, H, W, 3)
+        "list.mp4": list(frames),
+    }
+    for name, value in inputs.items():
+        got = read_video(write_media(tmp_path / name, value, fps=8))
+        assert got.shape == ref.shape
+        tol = 0.5 if name != "bf16.mp4" else MP4_MEAN_ABS_TOL  # bfloat16 rounds the input itself
+        assert np.abs(got.astype(int) - ref.astype(int)).mean() < tol, name
+
+
+def test_mp4_replaces_an_existing_file_and_leaves_it_whole_when_ffmpeg_fails(tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
+    out = tmp_path / "clip.mp4"
+    write_media(out, gradient(2, 16, 16), fps=4)
+    write_media(out, gradient(4, 16, 16), fps=4)
+    assert read_video(out).shape[0] == 4
+    before = out.read_bytes()
+
+    def broken(*args, **kwargs):
+        yield
+        raise OSError("[Errno 28] No space left on device")
+
+    monkeypatch.setattr(imageio_ffmpeg, "write_frames", broken)
+    with pytest.raises(MediaError, match="ffmpeg could not write"):
+        write_media(out, gradient(3, 16, 16), fps=4)
+    assert out.read_bytes() == before and no_temp_files(tmp_path)
+
+
+def test_png_round_trip_is_exact_and_matches_diffusers(tmp_path):
+    rng = np.random.default_rng(0)
+    image = rng.uniform(-0.2, 1.2, size=(33, 47, 3)).astype(np.float32)  # out-of-range values are clipped
+    for name, value in {"a.png": image, "b.PNG": image[None]}.items():
+        out = write_media(tmp_path / name, value)
+        np.testing.assert_array_equal(read_image(out), expected_uint8(image))
+    assert no_temp_files(tmp_path)
+    diffusers = pytest.importorskip("diffusers")
+    pil = diffusers.image_processor.VaeImageProcessor.numpy_to_pil(np.clip(image, 0, 1)[None])[0]
+    np.testing.assert_array_equal(read_image(tmp_path / "a.png"), np.asarray(pil))
+
+
+def test_check_media_path_returns_the_kind(tmp_path):
+    assert check_media_path(str(tmp_path / "a.mp4")) == "video"
+    assert check_media_path(str(tmp_path / "a.Mp4")) == "video"
+    assert check_media_path(str(tmp_path / "a.png")) == "image"
+
+
+@pytest.mark.parametrize("name", ["a.gif", "a.avi", "a", "a.mp4.tmp", "a.jpg"])
+def test_bad_suffix(tmp_path, name):
+    with pytest.raises(MediaError, match=r"\.mp4.*\.png"):
+        check_media_path(str(tmp_path / name))
+    with pytest.raises(MediaError):
+        write_media(tmp_path / name, gradient(1, 8, 8), fps=1)
+    assert not list(tmp_path.iterdir())
+
+
+def test_missing_directory_and_directory_as_out(tmp_path):
+    with pytest.raises(ChunkflowError, match="does not exist"):
+        check_media_path(str(tmp_path / "nope" / "a.mp4"))
+    with pytest.raises(ChunkflowError, match="does not exist"):
+        write_media(tmp_path / "nope" / "a.png", gradient(1, 8, 8))
+    (tmp_path / "dir.mp4").mkdir()
+    for d in (tmp_path, tmp_path / "dir.mp4"):
+        with pytest.raises(ChunkflowError, match="is a directory"):
+            check_media_path(str(d))
+        with pytest.raises(ChunkflowError, match="is a directory"):
+            write_media(d, gradient(2, 8, 8), fps=4)
+
+
+@pytest.mark.parametrize("fps", [None, 0, -8, float("nan"), "16"])
+def test_fps_missing_or_not_positive(tmp_path, fps):
+    with pytest.raises(MediaError, match="fps"):
+        write_media(tmp_path / "a.mp4", gradient(3, 8, 8), fps=fps)
+    assert not list(tmp_path.iterdir())
+
+
+def test_video_to_png_is_refused(tmp_path):
+    with pytest.raises(MediaError, match=r"video of 3 frames.*\.mp4"):
+        write_media(tmp_path / "a.png", gradient(3, 8, 8))
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("frames,match", [
+    (np.zeros((3, 3, 8, 8), np.float32), "channels first"),
+    (np.zeros((2, 3, 8, 8, 3), np.float32), "batch of 2 videos"),
+    (np.zeros((8, 8), np.float32), "expected"),
+    (np.zeros((0, 8, 8, 3), np.float32), "nothing to write"),
+    (np.full((2, 8, 8, 3), np.nan, np.float32), "NaN"),
+    (np.zeros((2, 8, 8, 3), np.int64), "dtype"),
+    ([], "empty"),
+    ([np.zeros((8, 8, 3)), np.zeros((8, 9, 3))], "same size"),
+])
+def test_bad_frames(tmp_path, frames, match):
+    with pytest.raises(MediaError, match=match):
+        write_media(tmp_path / "a.mp4", frames, fps=4)
+    assert not list(tmp_path.iterdir())
+
+
+def test_uint8_frames_pass_through_and_floats_convert_like_diffusers():
+    u8 = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+    assert np.array_equal(to_uint8_frames(u8), u8)
+    x = np.array([[[0.0, 0.5 / 255, 1.5 / 255], [0.998, 1.0, 2.0]]], np.float32)
+    np.testing.assert_array_equal(to_uint8_frames(x)[0], (np.clip(x, 0, 1) * 255).round().astype("uint8"))
+
+
+def test_missing_video_extra_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import fails as if not installed
+    with pytest.raises(MediaError, match=r"pip install 'chunkflow\[video\]'"):
+        check_media_path(str(tmp_path / "a.mp4"))
+    assert check_media_path(str(tmp_path / "a.png")) == "image"  # images need no ffmpeg
+
+
+def test_missing_ffmpeg_binary(tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
+    def no_binary():
+        raise RuntimeError("No ffmpeg exe could be found")
+
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", no_binary)
+    with pytest.raises(MediaError, match=r"no ffmpeg binary.*chunkflow\[video\]"):
+        check_media_path(str(tmp_path / "a.mp4"))
+
+
+def test_reading_missing_or_broken_files(tmp_path):
+    with pytest.raises(ChunkflowError, match="does not exist"):
+        read_video(tmp_path / "none.mp4")
+    with pytest.raises(ChunkflowError, match="does not exist"):
+        read_image(tmp_path / "none.png")
+    (tmp_path / "junk.mp4").write_bytes(b"not a video at all")
+    (tmp_path / "junk.png").write_bytes(b"not an image at all")
+    with pytest.raises(MediaError, match="cannot be read"):
+        read_video(tmp_path / "junk.mp4")
+    with pytest.raises(MediaError, match="cannot be read"):
+        read_image(tmp_path / "junk.png")
+
+
+@pytest.mark.slow
+def test_importing_media_does_not_import_torch():
+    code = "import sys, chunkflow.media; assert 'torch' not in sys.modules, 'torch imported'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stderr
