@@ -179,6 +179,7 @@ def test_uint8_frames_pass_through_and_floats_convert_like_diffusers():
 
 def test_missing_video_extra_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "cv2", None)  # nor OpenCV, the fallback
     with pytest.raises(MediaError, match=r"pip install 'chunkflow\[video\]'"):
         check_media_path(str(tmp_path / "a.mp4"))
     assert check_media_path(str(tmp_path / "a.png")) == "image"  # images need no ffmpeg
@@ -191,6 +192,7 @@ def test_missing_ffmpeg_binary(tmp_path, monkeypatch):
         raise RuntimeError("No ffmpeg exe could be found")
 
     monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", no_binary)
+    monkeypatch.setitem(sys.modules, "cv2", None)
     with pytest.raises(MediaError, match=r"no ffmpeg binary.*chunkflow\[video\]"):
         check_media_path(str(tmp_path / "a.mp4"))
 
@@ -213,3 +215,13 @@ def test_importing_media_does_not_import_torch():
     code = "import sys, chunkflow.media; assert 'torch' not in sys.modules, 'torch imported'"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert p.returncode == 0, p.stderr
+
+
+def test_opencv_writes_the_video_without_imageio_ffmpeg(tmp_path, monkeypatch):
+    cv2 = pytest.importorskip("cv2")
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    frames = np.linspace(0, 1, 5 * 32 * 48 * 3, dtype=np.float32).reshape(5, 32, 48, 3)
+    write_media(tmp_path / "v.mp4", frames, fps=16)
+    cap = cv2.VideoCapture(str(tmp_path / "v.mp4"))
+    assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 5
+    assert (int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))) == (48, 32)

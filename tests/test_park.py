@@ -77,3 +77,18 @@ def test_take_turns_keeps_one_module_on_the_device():
     assert not ha.parked  # no turn-taking any more: b's forward leaves a alone
     ha.remove()
     hb.remove()
+
+
+def test_discard_frees_without_copying_back_and_leaves_the_module_unusable():
+    from chunkflow.runtime.handle import discard
+
+    m, blocks, kw = wan()
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.5, device="cpu", blocks=blocks)
+    _forward(m, kw)
+    h.park()
+    discard(h)
+    assert h.removed and h.store is None
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert type(m).__name__ == "WanTransformer3DModel" and not m._forward_pre_hooks
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _forward(m, kw)

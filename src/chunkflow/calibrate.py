@@ -429,10 +429,8 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     """The operator model's tables (GEMM and attention efficiency by shape, memory bandwidth), its memory-pass scale
     fitted to the blocks just timed, the device memory torch does not count, the CPU's matmul rate and this
     process's host memory: profile fields, and the raw rows."""
-    from chunkflow.calibrate_ops import (fit_mem_ops_scale, measure_attention_grid, measure_context_bytes,
-                                         measure_cpu_tflops, measure_gemm_grid, measure_hbm)
-    from chunkflow.hostmem import rss_bytes
-
+    from chunkflow.calibrate_ops import (fit_mem_ops_scale, measure_attention_grid, measure_cpu_tflops,
+                                         measure_gemm_grid, measure_hbm)
     small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
     gemm = measure_gemm_grid(s.device, peak, progress=progress, **small)
     attn = measure_attention_grid(s.device, peak, progress=progress,
@@ -440,13 +438,22 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     hbm = measure_hbm(s.device, 2**24 if cpu_smoke else 2 * 2**30)
     update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, hbm_gbps=hbm)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
-    update.update(mem_ops_scale=scale, context_bytes=measure_context_bytes(s.device),
-                  cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024), process_host_bytes=rss_bytes())
+    update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024))
     log(f"operator model: GEMM eta {min(r[3] for r in gemm):.2f}-{max(r[3] for r in gemm):.2f} over {len(gemm)} shapes, "
         f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f}, memory {hbm:.0f} GB/s, memory passes "
-        f"x{scale:.2f}; context {update['context_bytes'] / 2**20:.0f} MiB, CPU {update['cpu_tflops']:.2f} TFLOP/s, "
-        f"process {update['process_host_bytes'] / 1e9:.2f} GB host")
+        f"x{scale:.2f}; CPU {update['cpu_tflops']:.2f} TFLOP/s")
     return update, dict(gemm=gemm, attention=attn, hbm_gbps=hbm, mem_ops_scale=scale)
+
+
+def _process_rss() -> int:
+    """Host memory of a process that has started CUDA and loaded torch, diffusers and transformers but holds no
+    weights: what a generation holds besides its components (`process_host_bytes`)."""
+    import diffusers  # noqa: F401
+    import transformers  # noqa: F401
+
+    from chunkflow.hostmem import rss_bytes
+
+    return rss_bytes()
 
 
 def _vae_fits(s, cpu_smoke: bool, progress, log):
@@ -495,6 +502,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     log(f"device {s.name}; {base_note}")
     gemm = measure_gemm(s.device, s.gemm_n, progress=progress)
     log(f"bf16 GEMM {s.gemm_n}^3: {gemm:.1f} TFLOP/s")
+    process_rss = _process_rss()
     matched = base is not None or "no catalog match" not in base_note
     peak = peak_tflops or (base_hw.peak_tflops if matched and not cpu_smoke else gemm)
     curves, blocks = _curves(specs, s, peak, cpu_smoke, progress, log)
@@ -503,7 +511,12 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows], [r["time_per_copy_s"] for r in h2d_rows])
     log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
+    extra["process_host_bytes"] = process_rss
     vae_fits, vae_raw = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [])
+    from chunkflow.calibrate_ops import measure_context_bytes
+
+    extra["context_bytes"] = measure_context_bytes(s.device)  # last: cuBLAS, cuDNN and their kernels are loaded
+    log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
     coll = None
     if s.world > 1:
         coll = measure_collectives(s.device, progress=progress)

@@ -369,6 +369,9 @@ def calibrate_cmd(
 
     if gemm_size < 1:
         raise UserError(f"--gemm-size must be positive, got {gemm_size}")
+    import os
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `run` measures
     if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
         raise UserError(f"--peak-tflops must be a positive number, got {peak_tflops}")
     if cpu_smoke and model is not None:

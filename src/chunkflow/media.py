@@ -67,8 +67,22 @@ def check_media_path(path: str) -> str:
     kind = _kind(path)
     check_output_file(p, "--out")
     if kind == "video":
-        _imageio_ffmpeg()
+        _video_backend()
     return kind
+
+
+def _video_backend() -> str:
+    """"ffmpeg" (imageio-ffmpeg: H.264), else "cv2" where only OpenCV is installed (MPEG-4 part 2, what OpenCV's
+    own writer has), else the error that says what to install."""
+    try:
+        _imageio_ffmpeg()
+        return "ffmpeg"
+    except MediaError as missing:
+        try:
+            import cv2  # noqa: F401
+        except ImportError:
+            raise missing from None
+        return "cv2"
 
 
 def to_uint8_frames(frames: Any) -> np.ndarray:
@@ -175,7 +189,30 @@ def write_media(path: str | Path, frames: Any, fps: int | None = None) -> Path:
     return p
 
 
+def _write_mp4_cv2(p: Path, array: np.ndarray, fps: float) -> None:
+    """The fallback without imageio-ffmpeg: OpenCV's MPEG-4 part 2 writer, to a temporary file, then renamed."""
+    import cv2
+
+    _, h, w, _ = array.shape
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp.mp4", dir=p.parent if str(p.parent) else ".")
+    os.close(fd)
+    try:
+        writer = cv2.VideoWriter(tmp, cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (w, h))
+        if not writer.isOpened():
+            raise MediaError(f"OpenCV cannot write {str(p)!r}; install the video extra: {_VIDEO_INSTALL}")
+        for frame in array:
+            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+        writer.release()
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
+    if _video_backend() == "cv2":
+        _write_mp4_cv2(p, array, fps)
+        return
     ffmpeg = _imageio_ffmpeg()
     _, h, w, _ = array.shape
     pad_h, pad_w = h % 2, w % 2

@@ -110,7 +110,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                        on_step=cb)
         stats = built.handles["transformer"].stats().as_dict()
     finally:
-        built.remove()
+        built.discard()  # the run is done with it: free, do not copy the weights back
     if g.out:
         _write_output(g.out, gen.output, spec, built.random_weights, log)
     if g.latents and gen.latents is not None:

@@ -29,7 +29,7 @@ from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
 from chunkflow_planner.overlap import GB
-from chunkflow_planner.policy import Infeasible, Point, Problem, candidates
+from chunkflow_planner.policy import Infeasible, Point, Problem, chunk_tie, candidates
 from chunkflow_planner.units import format_bytes
 
 PHASES = ("encode", "denoise", "decode")
@@ -185,9 +185,9 @@ def _pick_stream(cands: _Transformer, room: float) -> Point | None:
     if not fits:
         return None
     meet = [p for p in fits if p.step_time <= cands.target_step]
-    if meet:
-        return min(meet, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak))
-    return min(fits, key=lambda p: (p.step_time, p.memory.peak))
+    if meet:  # ties (compute hides every chunk size) go to the chunk size nearest 16 MB, as the plan's policy does
+        return min(meet, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak, chunk_tie(p)))
+    return min(fits, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
 
 
 TextCosts = dict[tuple[int, str], tuple[float, float, float]]

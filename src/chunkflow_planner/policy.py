@@ -98,7 +98,7 @@ def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES
     ]
 
 
-def _chunk_tie(p: Point) -> float:
+def chunk_tie(p: Point) -> float:
     """Distance of a point's chunk size from the paper's 16 MB operating point (the tie-break)."""
     return abs(math.log2((p.cfg.chunk_bytes or DEFAULT_CHUNK_BYTES) / DEFAULT_CHUNK_BYTES))
 
@@ -107,7 +107,7 @@ def best_chunk(problem: Problem, residency: float = 0.0, chunk_sizes: tuple[int,
     """The planner's chunk size at a fixed residency: shortest predicted step, ties to the one nearest 16 MB."""
     aware = problem.aware
     pts = [problem.evaluate(OffloadConfig("chunkflow", C, residency, comm_aware=aware)) for C in chunk_sizes]
-    return min(pts, key=lambda p: (p.step_time, p.memory.peak, _chunk_tie(p)))
+    return min(pts, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
 
 
 def decide(
@@ -135,7 +135,7 @@ def decide(
     feasible = [p for p in in_budget if p.step_time <= target]
     if feasible:
         # ties (compute hides every chunk size) go to the chunk size nearest the paper's 16 MB operating point
-        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak, _chunk_tie(p)))
+        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak, chunk_tie(p)))
         slow = best.step_time / none.step_time
         if best.cfg.residency == 0:
             tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time]

@@ -69,6 +69,18 @@ class BuiltPipeline:
             h.remove()
         self.handles = {}
 
+    def discard(self) -> None:
+        """Every hook and handle off and every host and device buffer freed, nothing put back (no copy of the
+        weights): for a run that is done with the pipeline. Its modules are left on the meta device."""
+        from chunkflow.runtime.handle import discard
+
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for h in self.handles.values():
+            discard(h)
+        self.handles = {}
+
 
 # ------------------------------------------------------------------------------------------- helpers
 

@@ -176,7 +176,7 @@ def llama_tokenizer(template: str):
 def build_tokenizer(kind: str, max_length: int = 512, template: str | None = None):
     """A local tokenizer of `kind` (t5, clip, qwen2, llama3); `template`: the pipeline's prompt template."""
     if kind == "t5":
-        return t5_tokenizer(max_length)
+        return t5_tokenizer(max(max_length, 512))  # the pipeline pads and truncates to its own length
     if kind == "clip":
         return clip_tokenizer()
     if kind == "qwen2":

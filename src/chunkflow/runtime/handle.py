@@ -437,6 +437,46 @@ class TurnTaking:
         self.hooks = []
 
 
+def discard(handle: OffloadHandle) -> None:
+    """End a handle whose module is no longer needed, without putting anything back: hooks off, host stores
+    released (no copy of the weights is made, unlike `remove()`), and every tensor of the module left on the meta
+    device, so that using it fails loudly. For a program that built the module itself and is done with it."""
+    if handle.removed:
+        return
+    if handle.tap is not None:
+        handle.tap.remove()
+    handle.tap = handle.pacer = None
+    handle.writes.uninstall()
+    handle.writes.unwatch()
+    if handle._resume is not None:
+        handle._resume.remove()
+        handle._resume = None
+    for h in handle.hooks:
+        h.remove()
+    handle.hooks = []
+    if handle.streamer is not None:
+        handle.streamer.release()
+        handle.streamer = None
+    with torch.no_grad(), torch.inference_mode(False):
+        for t in all_tensors(handle.module):
+            cur = t.get()
+            gone = torch.empty(cur.shape, dtype=cur.dtype, device="meta")
+            if t.is_param:
+                new = nn.Parameter(gone, requires_grad=False)
+                for m, attr in t.owners:
+                    m._parameters[attr] = new
+            else:
+                t.set_buffer(gone)
+    for store in (handle.store, handle._park_store):
+        if store is not None:
+            store.release()
+    handle.store = handle._park_store = None
+    handle.layouts = []
+    unhook_module(handle.module)
+    handle.module.__dict__.pop(_MARK, None)
+    handle.removed = True
+
+
 def check_not_offloaded(module: nn.Module) -> None:
     if module.__dict__.get(_MARK) is not None:
         raise OffloadError("this module is already offloaded; call handle.remove() before offloading it again")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 14's evidence on one H200, through the product: `chunkflow calibrate` (GEMM and attention efficiencies by
+# shape, every catalog VAE's decode), then for each whole pipeline (random weights in the real architectures)
+# `chunkflow plan` under its GPU budget and `chunkflow run --prompt`, which reports every phase measured against
+# the plan. docs/pipeline-h200.md is written from what it leaves.
+#
+#   bash scripts/gpu_h200_pipeline.sh OUT_DIR          # one GPU; about 8 minutes on an H200
+#   QUICK=1 bash scripts/gpu_h200_pipeline.sh OUT_DIR  # the tiny pipelines on the CPU: a dry run of every step
+#
+# Plans, reports and logs land in WORK/pipeline and are packed into OUT_DIR/pipeline.tgz after every step (so a
+# run cut short still leaves what it did); the videos and images, noise with random weights, go to WORK/media and
+# are only listed.
+set -uo pipefail
+dest=${1:-${OUT:-out}}
+work=${WORK:-/tmp/chunkflow-evidence}
+out=$work/pipeline
+media=$work/media
+mkdir -p "$out" "$media" "$dest"
+pack() { ls -la "$media" > "$out/media.log"; tar czf "$dest/pipeline.tgz" -C "$work" pipeline; }
+cf=${CHUNKFLOW:-python3 -m chunkflow}
+run() {  # run NAME DEADLINE_S ARGS...: one product command, its output kept in NAME.log
+  local name=$1 deadline=$2; shift 2
+  echo "[$(date +%T)] $cf $*" | tee "$out/$name.log"
+  timeout "$deadline" $cf "$@" 2>&1 | tee -a "$out/$name.log"
+  echo "[$(date +%T)] $name exit ${PIPESTATUS[0]}" | tee -a "$out/$name.log"
+  pack
+}
+generate() {  # generate NAME DEADLINE_S SUFFIX PLAN_ARGS...: plan it under the profile, then generate from a prompt
+  local name=$1 deadline=$2 suffix=$3; shift 3
+  run "$name-plan" 30 plan "$@" --hardware "$out/profile.yaml" --out "$out/$name-plan.json"
+  [ -f "$out/$name-plan.json" ] || return
+  run "$name" "$deadline" run --plan "$out/$name-plan.json" --prompt "a red fox walks through fresh snow at dawn" \
+      --seed 0 --out "$media/$name.$suffix" --report "$out/$name-report.json"
+}
+if [ -n "${QUICK:-}" ]; then
+  run calibrate 120 calibrate --cpu-smoke --out "$out/profile.yaml" --raw "$out/calibration.json" --no-save
+  generate tiny-wan 120 mp4 --model tiny --mem-budget 3MB
+  generate tiny-flux 120 png --model tiny-flux --mem-budget 3MB
+else
+  run calibrate 200 calibrate --model wan2.2,flux --out "$out/profile.yaml" --raw "$out/calibration.json" --no-save
+  generate flux-1024 90 png --model flux --batch 1 --height 1024 --width 1024 --steps 8 --mem-budget 12GB
+  generate wan21-14b-81 120 mp4 --model wan2.1-14b --frames 81 --height 480 --width 832 --steps 3 --mem-budget 16GB
+  generate wan22-5b-81 120 mp4 --model wan2.2 --frames 81 --height 704 --width 1280 --steps 4 --mem-budget 24GB
+  generate wan22-a14b-81 150 mp4 --model a14b --frames 81 --height 480 --width 832 --steps 3 --mem-budget 24GB
+  generate wan22-5b-121 150 mp4 --model wan2.2 --frames 121 --height 704 --width 1280 --steps 4 --mem-budget 24GB
+fi
+pack && cat "$out/media.log" && echo "packed $dest/pipeline.tgz"

@@ -1,0 +1,154 @@
+"""The whole-pipeline planner: phases, placements, host memory, the binding constraint, and the operator model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chunkflow_planner.catalog import get_hardware, get_model
+from chunkflow_planner.flops import F_kind
+from chunkflow_planner.ops import block_ops, eta_gemm, flops, model_eta_curve, ops_time, text_encoder_ops
+from chunkflow_planner.pipeline import PHASES, Placements, decide_pipeline, device_need, estimate
+from chunkflow_planner.planner import make_plan, resolve_hardware
+from chunkflow_planner.policy import Infeasible, Problem
+from chunkflow_planner.workload import make_workload, tokens
+
+H200 = get_hardware("h200")
+
+
+def _decide(model, gpu, host, **w):
+    spec = get_model(model)
+    work = make_workload(spec, **w)
+    return spec, work, decide_pipeline(spec, work, H200, Problem(spec, work, H200), int(gpu), int(host))
+
+
+def test_phases_are_consistent_and_inside_both_budgets():
+    spec, w, d = _decide("wan2.1-14b", 16e9, 100e9, frames=81, height=480, width=832, steps=3)
+    e = d.chosen
+    assert e.generation_time == pytest.approx(sum(e.phases[p].time_s for p in PHASES))
+    assert all(e.peak_memory(p) <= 16e9 for p in PHASES)
+    assert e.host_memory <= 100e9
+    # the peak of a phase is what runs out: allocation, reserve, context
+    for p in PHASES:
+        assert e.peak_memory(p) == int(e.phases[p].allocated_bytes * (1 + H200.reserve_fraction) + H200.context_bytes)
+    # host memory holds what is not on the GPU throughout
+    pl = e.placements
+    assert e.host_bytes["transformer"] == (0 if pl.transformer == "gpu" else spec.total_params * 2)
+    te = spec.pipeline.text_encoders[0]
+    assert e.host_bytes["text_encoder"] == (0 if pl.text_encoders[0] == "gpu" else te.nbytes)
+
+
+def test_wan22_a14b_plans_the_gpu_for_one_expert_and_the_host_for_both():
+    a14, w, _ = _decide("a14b", 24e9, 200e9, frames=81, height=480, width=832, steps=3)
+    wan21 = get_model("wan2.1-14b")
+    pl = Placements(("phase",), "stream", "phase", False)
+    problem = Problem(a14, w, H200)
+    from chunkflow_planner.pipeline import transformer_candidates
+
+    point = transformer_candidates(problem, 1.05, None).points[0]
+    e_a14 = estimate(a14, w, H200, pl, point)
+    e_21 = estimate(wan21, w, H200, pl, point)
+    assert e_a14.phases["denoise"].allocated_bytes == e_21.phases["denoise"].allocated_bytes
+    assert e_a14.host_bytes["transformer"] == 2 * e_21.host_bytes["transformer"] == 2 * a14.total_params * 2
+    assert e_a14.phases["denoise"].time_s > e_21.phases["denoise"].time_s  # the second expert's turn costs a copy
+
+
+def test_host_memory_binds_first_for_a14b_on_a_64gb_machine(cli, workdir):
+    result = cli("plan", "--model", "a14b", "--frames", "81", "--height", "480", "--width", "832", "--mem-budget", "24GB",
+                 "--host-mem-budget", "48GB", "--hardware", "h200")
+    assert result.exit_code == 2
+    text = result.output.replace("\n", " ")
+    assert "host memory is the binding constraint" in text and "transformer 57.15 GB" in text and "48.00 GB" in text
+
+
+def test_gpu_memory_names_the_phase_that_binds():
+    with pytest.raises(Infeasible) as exc:
+        _decide("wan2.2", 3e9, 200e9, frames=121, height=704, width=1280)
+    assert exc.value.binding == "memory"
+    assert "phase" in str(exc.value) and "--mem-budget" in str(exc.value)
+
+
+def test_vae_tiling_when_the_decode_would_not_fit():
+    spec = get_model("wan2.2")
+    w = make_workload(spec, frames=121, height=704, width=1280, steps=4)
+    problem = Problem(spec, w, H200)
+    from chunkflow_planner.pipeline import transformer_candidates
+
+    point = transformer_candidates(problem, 1.05, None).points[0]
+    plain = estimate(spec, w, H200, Placements(("phase",), "stream", "phase", False), point)
+    tiled = estimate(spec, w, H200, Placements(("phase",), "stream", "phase", True), point)
+    assert tiled.peak_memory("decode") < plain.peak_memory("decode")
+    budget = (tiled.gpu_need + plain.gpu_need) // 2
+    _, _, d = _decide("wan2.2", budget, 200e9, frames=121, height=704, width=1280, steps=4)
+    assert d.chosen.placements.vae_tiling
+
+
+def test_generation_target_is_enforced_only_when_asked(cli, workdir):
+    args = ["plan", "--model", "flux", "--mem-budget", "12GB", "--host-mem-budget", "100GB", "--hardware", "h200"]
+    ok = cli(*args, "--json")
+    assert ok.exit_code == 0, ok.output
+    plan = json.loads(ok.stdout)
+    assert plan["target_time_s"] is None
+    tight = cli(*args, "--target-time", "0.5s")
+    assert tight.exit_code == 2 and "latency is the binding constraint" in tight.output.replace("\n", " ")
+
+
+@pytest.mark.parametrize("model", ["wan2.2", "flux", "hunyuan", "qwen", "wan2.1-14b"])
+@pytest.mark.parametrize("sp", [1, 2])
+def test_block_operators_add_up_to_f_block(model, sp):
+    spec = get_model(model)
+    w = spec.default_workload
+    S, L = tokens(spec, w), spec.text_len
+    for g in spec.blocks:
+        assert flops(block_ops(spec, g, w.batch, S, L, sp)) == pytest.approx(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp)
+
+
+def test_text_encoder_operators_count_two_flops_per_layer_parameter_and_token():
+    te = get_model("wan2.2").pipeline.text_encoders[0]
+    ops = text_encoder_ops(te, 1, te.tokens)
+    a = te.shape()
+    attention = 4 * a["heads"] * te.tokens**2 * a["head_dim"] * a["layers"]
+    linear = 2 * te.tokens * (te.layer_params - 2 * a["d"] - 32 * a["heads"]) * a["layers"]  # norms, bias tables
+    assert flops(ops) == pytest.approx(attention + linear)
+
+
+def test_efficiency_tables_interpolate_and_fall_back():
+    assert eta_gemm(H200, 4096, 4096, 4096) == H200.eta_comp  # no table: the scalar
+    table = [(m, n, k, 0.2 if m == 256 else 0.8) for m in (256, 4096) for n in (1024, 8192) for k in (1024, 8192)]
+    hw = H200.model_copy(update={"gemm_eta": table, "attn_eta": [(q, kv, 0.5) for q in (256, 8192) for kv in (256, 8192)]})
+    assert eta_gemm(hw, 4096, 1024, 8192) == pytest.approx(0.8)
+    assert eta_gemm(hw, 1024, 2048, 2048) == pytest.approx(0.5)  # halfway in log M
+    assert eta_gemm(hw, 10, 10, 10) == pytest.approx(0.2)  # clamped at the grid's edge
+    spec = get_model("wan2.1-14b")
+    curve = model_eta_curve(spec, hw)
+    assert [f for f, _ in curve] == sorted(f for f, _ in curve)
+    # a model with its own measured curve keeps it; one without gets its operators' curve
+    own = hw.model_copy(update={"eta_comp_curves": {spec.name: [(1e12, 0.3), (1e14, 0.6)]}})
+    assert own.for_model(spec).eta_comp_curve == [(1e12, 0.3), (1e14, 0.6)]
+    assert hw.for_model(spec).eta_comp_curve == curve
+    g = spec.blocks[0]
+    assert ops_time(block_ops(spec, g, 1, 32760, 512), hw) > 0
+
+
+def test_plan_file_carries_the_pipeline(cli, workdir):
+    result = cli("plan", "--model", "flux", "--mem-budget", "12GB", "--host-mem-budget", "100GB", "--out", "p.json",
+                 "--hardware", "h200")
+    assert result.exit_code == 0, result.output
+    plan = json.loads((workdir / "p.json").read_text())
+    comps = {c["name"]: c for c in plan["pipeline"]["components"]}
+    assert set(comps) == {"text_encoder", "text_encoder_2", "transformer", "vae"}
+    spec = get_model("flux")
+    assert comps["text_encoder_2"]["bytes"] == spec.pipeline.text_encoders[1].nbytes
+    assert plan["host_memory_budget_bytes"] == 100e9
+    assert plan["prediction"]["host_memory_bytes"] == sum(plan["prediction"]["host_memory"].values())
+    assert "Components (the whole pipeline)" in result.output and "decode" in result.output
+
+
+def test_make_plan_api_defaults_to_this_machines_memory():
+    spec = get_model("tiny")
+    plan, _, _ = make_plan(spec, spec.default_workload, resolve_hardware("cpu"))
+    from chunkflow_planner.hostinfo import available_host_memory
+
+    assert plan.host_memory_budget_bytes == pytest.approx(available_host_memory(), rel=0.2)
+    assert device_need(0, H200) == H200.context_bytes
