@@ -200,3 +200,20 @@ def test_plans_given_to_the_api(tiny_plan_json, data):
         assert "_chunkflow_handle" not in m.__dict__
         return
     h.remove()
+
+
+def test_files_written_atomically_get_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    from chunkflow_planner.files import write_atomic
+
+    umask = os.umask(0o022)
+    try:
+        p = write_atomic(tmp_path / "plan.json", "{}")
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644
+        os.chmod(p, 0o600)
+        write_atomic(p, "{}")  # an existing file keeps its permissions
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    finally:
+        os.umask(umask)

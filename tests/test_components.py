@@ -25,9 +25,11 @@ def _meta_text_encoder(te):
 
 
 def _attr(module, dotted):
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
+    from chunkflow.models.adapters import _attr as find
+
+    found = find(module, dotted)
+    assert found is not None, f"no {dotted} in {type(module).__name__}"
+    return found
 
 
 def test_every_catalog_model_has_a_pipeline():

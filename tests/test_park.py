@@ -92,3 +92,20 @@ def test_discard_frees_without_copying_back_and_leaves_the_module_unusable():
     assert type(m).__name__ == "WanTransformer3DModel" and not m._forward_pre_hooks
     with pytest.raises((NotImplementedError, RuntimeError)):
         _forward(m, kw)
+
+
+def test_a_parked_module_tells_diffusers_where_its_inputs_go():
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    m, blocks, kw = wan()
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", device="cpu", blocks=blocks)
+    h.park()
+    # the weights sit in host memory while parked; inputs must still go to the offload device (diffusers moves
+    # token ids there before the forward that unparks)
+    assert m._hf_hook.execution_device == h.device
+    assert get_module_execution_device(m) == h.device
+    _forward(m, kw)
+    assert "_hf_hook" not in m.__dict__
+    h.park()
+    h.remove()
+    assert "_hf_hook" not in m.__dict__

@@ -152,3 +152,29 @@ def test_make_plan_api_defaults_to_this_machines_memory():
 
     assert plan.host_memory_budget_bytes == pytest.approx(available_host_memory(), rel=0.2)
     assert device_need(0, H200) == H200.context_bytes
+
+
+@pytest.mark.parametrize("f, lo, hi, root", [
+    (lambda x: x**3 - 2, 0.0, 2.0, 2 ** (1 / 3)),
+    (lambda x: x - 1e-3, 0.0, 1e6, 1e-3),
+    (lambda x: 1 - x, -5.0, 3.0, 1.0),
+])
+def test_brent_finds_the_root_like_brentq(f, lo, hi, root):
+    from chunkflow_planner.overlap import brent
+
+    assert brent(f, lo, hi) == pytest.approx(root, rel=1e-10, abs=1e-12)
+    with pytest.raises(ValueError):
+        brent(lambda x: x * x + 1, -1.0, 1.0)
+
+
+@pytest.mark.slow
+def test_plan_cli_imports_no_torch_and_no_scipy():
+    import subprocess
+    import sys
+
+    code = ("import sys; from chunkflow.cli import app; from typer.testing import CliRunner; "
+            "r = CliRunner().invoke(app, ['plan', '--model', 'qwen', '--mem-budget', '24GB', '--host-mem-budget', "
+            "'64GB', '--json']); assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in ('torch', 'scipy', 'diffusers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.files import FileError, check_output_file, write_atomic
+from chunkflow_planner.files import FileError, check_output_file, file_mode, write_atomic
 
 __all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uint8_frames", "write_media"]
 
@@ -203,6 +203,7 @@ def _write_mp4_cv2(p: Path, array: np.ndarray, fps: float) -> None:
         for frame in array:
             writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
         writer.release()
+        os.chmod(tmp, file_mode(p))
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -239,6 +240,7 @@ def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
                              "is there space on the disk, and does IMAGEIO_FFMPEG_EXE (if set) have libx264?") from None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, file_mode(p))
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -57,8 +57,20 @@ def check_output_dir(path: str | Path, what: str) -> Path:
     return p
 
 
+def file_mode(path: Path) -> int:
+    """The permissions a file written at `path` should get: the existing file's, else what open() would give
+    (0666 less the umask), not the 0600 of a temporary file."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it."""
+    """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it (with
+    the permissions an ordinary write would give)."""
     p = Path(path).expanduser()
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
     try:
@@ -66,6 +78,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, file_mode(p))
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -66,9 +66,18 @@ def activation_bytes(spec: ModelSpec, w: Workload, sp: int = 1) -> float:
     return act
 
 
+_VOLUMES: dict[int, tuple[ModelSpec, list[int]]] = {}
+
+
 def block_volumes(spec: ModelSpec) -> list[int]:
-    """V_l: parameter bytes of each block in execution order."""
-    return [spec.block_bytes(g) for g in spec.block_sequence()]
+    """V_l: parameter bytes of each block in execution order (kept per spec object: the policy asks often)."""
+    hit = _VOLUMES.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(_VOLUMES) > 256:
+            _VOLUMES.clear()
+        hit = (spec, [spec.block_bytes(g) for g in spec.block_sequence()])
+        _VOLUMES[id(spec)] = hit
+    return list(hit[1])
 
 
 def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1) -> MemoryEstimate:

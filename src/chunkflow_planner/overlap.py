@@ -11,14 +11,58 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from scipy.optimize import brentq
-
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_block_per_gpu
 from chunkflow_planner.workload import latent_frames, nearest_valid_frames, tokens_per_latent_frame
 
 GB = 1e9
 TFLOP = 1e12
+
+
+def brent(f, a: float, b: float, xtol: float = 1e-12, rtol: float = 1e-12, maxiter: int = 200) -> float:
+    """A root of f in [a, b], f(a) and f(b) of opposite signs: Brent's method (inverse quadratic interpolation,
+    secant, bisection), as scipy.optimize.brentq does it; pure Python, so the planner starts fast."""
+    fa, fb = f(a), f(b)
+    if fa == 0:
+        return a
+    if fb == 0:
+        return b
+    if (fa > 0) == (fb > 0):
+        raise ValueError("brent: f(a) and f(b) must have opposite signs")
+    c, fc = a, fa
+    d = e = b - a
+    for _ in range(maxiter):
+        if (fb > 0) == (fc > 0):
+            c, fc = a, fa
+            d = e = b - a
+        if abs(fc) < abs(fb):
+            a, b, c = b, c, b
+            fa, fb, fc = fb, fc, fb
+        tol = 2 * rtol * abs(b) + 0.5 * xtol
+        m = 0.5 * (c - b)
+        if abs(m) <= tol or fb == 0:
+            return b
+        if abs(e) >= tol and abs(fa) > abs(fb):
+            s = fb / fa
+            if a == c:  # secant
+                p, q = 2 * m * s, 1 - s
+            else:  # inverse quadratic interpolation
+                q, r = fa / fc, fb / fc
+                p = s * (2 * m * q * (q - r) - (b - a) * (r - 1))
+                q = (q - 1) * (r - 1) * (s - 1)
+            if p > 0:
+                q = -q
+            p = abs(p)
+            if 2 * p < min(3 * m * q - abs(tol * q), abs(e * q)):
+                e, d = d, p / q
+            else:
+                d = e = m
+        else:
+            d = e = m
+        a, fa = b, fb
+        b += d if abs(d) > tol else (tol if m > 0 else -tol)
+        fb = f(b)
+    return b
 
 
 def T_comp(F_block: float, P_peak: float, eta_comp: float) -> float:
@@ -55,7 +99,7 @@ def F_star_hw(hw: HardwareSpec, B_pref: float) -> float:
     """Eq. 4 on `hw`: the F_block at which T_comp(F) = T_pref(B_pref).
 
     With a scalar eta_comp this is the closed form; with a measured eta_comp(F) curve the efficiency depends on
-    F itself, so the root of T_comp(F) - T_pref is found by brentq in log F (T_comp grows with F).
+    F itself, so the root of T_comp(F) - T_pref is found by Brent's method in log F (T_comp grows with F).
     """
     P, BW = hw.peak_tflops * TFLOP, hw.h2d_gbps * GB
     if not hw.eta_comp_curve:
@@ -63,7 +107,7 @@ def F_star_hw(hw: HardwareSpec, B_pref: float) -> float:
     tp = T_pref(B_pref, BW, hw.eta_pref)
     g = lambda logF: T_comp_hw(math.exp(logF), hw) - tp  # noqa: E731
     lo, hi = math.log(1.0), math.log(1e24)
-    return math.exp(brentq(g, lo, hi, xtol=1e-12, rtol=1e-12))
+    return math.exp(brent(g, lo, hi, xtol=1e-12, rtol=1e-12))
 
 
 @dataclass(frozen=True)
@@ -106,7 +150,7 @@ def _block_flops_along_axis(spec: ModelSpec, w: Workload, sp: int, L: float | No
 def critical_point(
     spec: ModelSpec, w: Workload, f_star: float, sp: int = 1, L: float | None = None, max_frames: int = 100_000
 ) -> CriticalPoint:
-    """The continuous frames or batch at which F_block per GPU equals F_star (brentq), and the nearest valid one."""
+    """The continuous frames or batch at which F_block per GPU equals F_star (Brent's method), and the nearest valid one."""
     axis, flops = _block_flops_along_axis(spec, w, sp, L)
     lo = 1.0
     if flops(lo) >= f_star:
@@ -121,7 +165,7 @@ def critical_point(
             f"never: even at {max_frames} frames the per-GPU block compute stays below F* "
             f"(SP degree {sp} divides it); only partial residency can hide the prefetch",
         )
-    x = float(brentq(lambda v: flops(v) - f_star, lo, hi, xtol=1e-9, rtol=1e-12))
+    x = float(brent(lambda v: flops(v) - f_star, lo, hi, xtol=1e-9, rtol=1e-12))
     if axis == "frames":
         low, high = nearest_valid_frames(spec, x)
         nearest = low if (x - low) <= (high - x) else high

@@ -94,6 +94,18 @@ def device_need(allocated: float, hw: HardwareSpec) -> int:
     return int(allocated * (1 + hw.reserve_fraction) + hw.context_bytes)
 
 
+# The decoded frames in host memory at the end of a generation, as float32 RGB: diffusers' postprocessing holds
+# two copies (the tensor brought to the CPU and the stacked numpy array) and writing the file a third (its
+# conversion). Checked on one H200 (docs/pipeline-h200.md): with it the predicted host peak of Wan2.2-5B at 81 and
+# 121 frames is within 2% of the measured one.
+OUTPUT_HOST_COPIES = 3
+
+
+def output_host_bytes(w: Workload) -> float:
+    """Host bytes of the decoded output at the end of a generation (OUTPUT_HOST_COPIES float32 RGB copies)."""
+    return OUTPUT_HOST_COPIES * w.batch * w.frames * w.height * w.width * 3 * 4
+
+
 def vae_fit(spec: ModelSpec, hw: HardwareSpec) -> VaeDecodeFit:
     """The VAE's decode fit measured on this GPU (profile), else the catalog's (measured on the GPU it names)."""
     vae = spec.pipeline.vae
@@ -221,6 +233,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         always += vae_bytes
     host["transformer"] = _transformer_host(spec, pl.transformer)
     host["vae"] = 0.0 if pl.vae == "gpu" else float(vae_bytes)
+    host["output"] = output_host_bytes(w)
 
     # encode: the encoders one after another (those placed `phase` or `stream` take turns on the device)
     enc = Phase()
@@ -371,4 +384,4 @@ def _why(best: PipelineEstimate, base: PipelineEstimate, target: float) -> str:
 
 
 __all__ = ["PHASES", "Placements", "PipelineEstimate", "PipelineDecision", "decide_pipeline", "estimate", "device_need",
-           "decode_cost", "vae_fit", "PipelineError"]
+           "decode_cost", "vae_fit", "output_host_bytes", "PipelineError"]

@@ -32,11 +32,17 @@ def block_list_names(cls_name: str, specs=None) -> list[str]:
 
 
 def _attr(module: nn.Module, dotted: str):
-    for part in dotted.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
+    """The submodule at a dotted path; `a.b|c.d` tries each path in turn (the layouts of different transformers
+    versions, e.g. CLIP's `encoder.layers` in transformers 5, `text_model.encoder.layers` before)."""
+    for path in dotted.split("|"):
+        found = module
+        for part in path.split("."):
+            found = getattr(found, part, None)
+            if found is None:
+                break
+        if found is not None:
+            return found
+    return None
 
 
 def find_blocks(module: nn.Module, specs=None) -> list[nn.Module]:

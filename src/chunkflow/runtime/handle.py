@@ -300,6 +300,8 @@ class OffloadHandle:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._resume = self.module.register_forward_pre_hook(_unpark_before_forward)
+        if "_hf_hook" not in self.module.__dict__:  # tell diffusers where this module's inputs go while parked
+            self.module.__dict__["_hf_hook"] = ExecutionDevice(self.device)
 
     def _park_views(self) -> list[torch.Tensor]:
         """Host homes of the non-block tensors while parked: views of one host allocation (pinned on CUDA)."""
@@ -326,6 +328,8 @@ class OffloadHandle:
             return
         self._resume.remove()
         self._resume = None
+        if isinstance(self.module.__dict__.get("_hf_hook"), ExecutionDevice):
+            del self.module.__dict__["_hf_hook"]
         versions = []
         with torch.no_grad(), torch.inference_mode(False):
             for t in self._non_block:
@@ -403,6 +407,22 @@ class OffloadHandle:
         self.removed = True
 
 
+class ExecutionDevice:
+    """Where a parked module's inputs must go, said the way diffusers asks (`get_module_execution_device` and a
+    pipeline's `_execution_device` read `module._hf_hook.execution_device`, the attribute accelerate's offloading
+    hooks carry): its weights sit in host memory until its forward takes them back. A plain marker: `detach_hook`
+    lets accelerate's `remove_hook_from_module` take it off."""
+
+    def __init__(self, device: torch.device):
+        self.execution_device = device
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+
 @torch.compiler.disable
 def _unpark_before_forward(module: nn.Module, args) -> None:
     module.__dict__[_MARK].unpark()
@@ -451,6 +471,8 @@ def discard(handle: OffloadHandle) -> None:
     if handle._resume is not None:
         handle._resume.remove()
         handle._resume = None
+    if isinstance(handle.module.__dict__.get("_hf_hook"), ExecutionDevice):
+        del handle.module.__dict__["_hf_hook"]
     for h in handle.hooks:
         h.remove()
     handle.hooks = []
