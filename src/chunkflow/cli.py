@@ -327,10 +327,12 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
 
     g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents)
     with _progress() as bar:
-        task = bar.add_task("encode, denoise, decode", total=None)
-        rep = run_generation(p, cfg, opts, g, progress=lambda what, i, n: bar.update(task, completed=i, total=n,
-                                                                                    description=what),
-                             log=lambda s: err_console.print(s, highlight=False))
+        task = bar.add_task("build", total=None)
+
+        def progress(phase: str, i: int | None, n: int | None) -> None:  # the phase, and the steps of denoise
+            bar.update(task, description=phase, completed=i or 0, total=n)
+
+        rep = run_generation(p, cfg, opts, g, progress=progress, log=lambda s: err_console.print(s, highlight=False))
     rep.write(report)
     print_generation(console, rep)
     if out:

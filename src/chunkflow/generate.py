@@ -121,8 +121,11 @@ def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | No
 
 
 def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = None, guidance: float | None = None,
-             steps: int | None = None, seed: int = 0, on_step: Callable[[int, int], None] | None = None) -> Generation:
-    """One generation of workload `w` from `prompt`, phase by phase (module docstring)."""
+             steps: int | None = None, seed: int = 0, on_step: Callable[[int, int], None] | None = None,
+             on_phase: Callable[[str], None] | None = None) -> Generation:
+    """One generation of workload `w` from `prompt`, phase by phase (module docstring). `on_step(i, n)` hears of
+    every denoising step, `on_phase(name)` of every phase as it begins."""
+    tell = on_phase or (lambda name: None)
     from chunkflow.hostmem import peak_rss_bytes
 
     device = built.device
@@ -140,6 +143,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
         if clock.current == "encode":
             clock.stop()
             built.park("text_encoder")
+            tell("denoise")
             clock.start("denoise")
             state["t_step"] = time.perf_counter()
 
@@ -153,6 +157,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
         if clock.current == "denoise":
             clock.stop()
             built.park("transformer")
+            tell("decode")
             clock.start("decode")
             built.unpark("vae")
         return decode(*args, **kw)
@@ -174,6 +179,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), execution_device(pipe, device):
+            tell("encode")
             clock.start("encode")
             out = pipe(**kwargs)
             clock.stop()

@@ -98,8 +98,10 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0), "")
     console.print(t)
     host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
+    where = plan.host_memory_budget_source or "budget"
+    hint = "; --host-mem-budget plans for another machine" if where.startswith("available") else ""
     console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
-                  f"{format_bytes(plan.host_memory_budget_bytes or 0)} available", highlight=False)
+                  f"{format_bytes(plan.host_memory_budget_bytes or 0)} ({where}{hint})", highlight=False)
 
 
 def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport

@@ -77,7 +77,8 @@ def _err(measured, predicted):
 
 
 def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
-                   progress: Callable[[str, int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
+                   progress: Callable[[str, int | None, int | None], None] | None = None,
+                   log: Callable[[str], None] = lambda s: None):
     """Build, generate, write, report (a RunReport with its `generation` section)."""
     import torch
 
@@ -105,9 +106,11 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
         f"{time.perf_counter() - t0:.1f} s on {device}")
     try:
-        cb = (lambda i, n: progress("denoising", i, n)) if progress is not None else None
+        cb = (lambda i, n: progress("denoise", i, n)) if progress is not None else None
+        done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
+        phase = (lambda name: progress(name, done[name], steps)) if progress is not None else None
         gen = generate(built, w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps, seed=o.seed,
-                       on_step=cb)
+                       on_step=cb, on_phase=phase)
         stats = built.handles["transformer"].stats().as_dict()
     finally:
         built.discard()  # the run is done with it: free, do not copy the weights back

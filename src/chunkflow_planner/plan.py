@@ -144,6 +144,8 @@ class Plan(_Section):
                                           "transformer was planned alone)")
     memory_budget_bytes: int | None = None
     host_memory_budget_bytes: int | None = None
+    host_memory_budget_source: str | None = Field(None, description="where the host budget came from: --host-mem-budget "
+                                                  "or this machine's available memory when planned")
     target_step_time_s: float | None = None
     target_time_s: float | None = Field(None, description="latency target of the whole generation")
     reason: str = ""

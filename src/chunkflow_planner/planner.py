@@ -133,6 +133,7 @@ def make_plan(
         from chunkflow_planner.hostinfo import available_host_memory
         from chunkflow_planner.pipeline import decide_pipeline
 
+        host_source = "--host-mem-budget" if host_budget is not None else "available on this machine when planned"
         host_budget = available_host_memory() if host_budget is None else host_budget
         whole = decide_pipeline(spec, workload, hw, problem, budget, host_budget, max_slowdown, target_step_time,
                                 target_time, generation_slowdown)
@@ -175,7 +176,7 @@ def make_plan(
         reason=decision.reason,
     )
     if whole is not None:
-        plan = _with_pipeline(plan, spec, whole)
+        plan = _with_pipeline(plan, spec, whole).model_copy(update={"host_memory_budget_source": host_source})
     return plan, decision, analysis
 
 
