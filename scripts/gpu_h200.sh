@@ -10,12 +10,7 @@ set -uo pipefail
 out=${1:-${OUT:-out}}/h200
 mkdir -p "$out"
 cf=${CHUNKFLOW:-python3 -m chunkflow}
-run() {  # run NAME DEADLINE_S ARGS...: one product command, its output kept in NAME.log
-  local name=$1 deadline=$2; shift 2
-  echo "[$(date +%T)] $cf $*" | tee "$out/$name.log"
-  timeout "$deadline" $cf "$@" 2>&1 | tee -a "$out/$name.log"
-  echo "[$(date +%T)] $name exit ${PIPESTATUS[0]}" | tee -a "$out/$name.log"
-}
+source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
 if [ -n "${QUICK:-}" ]; then
   run calibrate 120 calibrate --cpu-smoke --out "$out/profile.yaml" --raw "$out/calibration.json" --no-save
   run wan 120 bench --model tiny --frames 5,9 --baselines diffusers-group --hardware "$out/profile.yaml" --out "$out/wan"

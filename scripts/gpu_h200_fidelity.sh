@@ -15,12 +15,7 @@ out=${1:-${OUT:-out}}/fidelity
 mkdir -p "$out"
 cf=${CHUNKFLOW:-python3 -m chunkflow}
 profile=${PROFILE:-profiles/h200-calibrated.yaml}
-run() {  # run NAME DEADLINE_S ARGS...: one product command, its output kept in NAME.log
-  local name=$1 deadline=$2; shift 2
-  echo "[$(date +%T)] $cf $*" | tee "$out/$name.log"
-  timeout "$deadline" $cf "$@" 2>&1 | tee -a "$out/$name.log"
-  echo "[$(date +%T)] $name exit ${PIPESTATUS[0]}" | tee -a "$out/$name.log"
-}
+source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
 if [ -n "${QUICK:-}" ]; then
   model=(--model tiny); big=(--frames 5,9); small=(--frames 5); steps=20; profile=h200
 else

@@ -18,13 +18,8 @@ media=$work/media
 mkdir -p "$out" "$media" "$dest"
 pack() { ls -la "$media" > "$out/media.log"; tar czf "$dest/pipeline.tgz" -C "$work" pipeline; }
 cf=${CHUNKFLOW:-python3 -m chunkflow}
-run() {  # run NAME DEADLINE_S ARGS...: one product command, its output kept in NAME.log
-  local name=$1 deadline=$2; shift 2
-  echo "[$(date +%T)] $cf $*" | tee "$out/$name.log"
-  timeout "$deadline" $cf "$@" 2>&1 | tee -a "$out/$name.log"
-  echo "[$(date +%T)] $name exit ${PIPESTATUS[0]}" | tee -a "$out/$name.log"
-  pack
-}
+source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
+after_run() { pack; }
 generate() {  # generate NAME DEADLINE_S SUFFIX PLAN_ARGS...: plan it under the profile, then generate from a prompt
   local name=$1 deadline=$2 suffix=$3; shift 3
   run "$name-plan" 30 plan "$@" --hardware "$out/profile.yaml" --out "$out/$name-plan.json"

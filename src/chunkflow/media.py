@@ -4,17 +4,15 @@ atomically, and read them back. `check_media_path` checks where the output goes 
 from __future__ import annotations
 
 import io
-import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.files import FileError, check_output_file, file_mode, write_atomic
+from chunkflow_planner.files import FileError, atomic_path, check_output_file, write_atomic
 
 __all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uint8_frames", "write_media"]
 
@@ -194,20 +192,13 @@ def _write_mp4_cv2(p: Path, array: np.ndarray, fps: float) -> None:
     import cv2
 
     _, h, w, _ = array.shape
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp.mp4", dir=p.parent if str(p.parent) else ".")
-    os.close(fd)
-    try:
+    with atomic_path(p, ".tmp.mp4") as tmp:
         writer = cv2.VideoWriter(tmp, cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (w, h))
         if not writer.isOpened():
             raise MediaError(f"OpenCV cannot write {str(p)!r}; install the video extra: {_VIDEO_INSTALL}")
         for frame in array:
             writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
         writer.release()
-        os.chmod(tmp, file_mode(p))
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
@@ -220,9 +211,7 @@ def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
     if pad_h or pad_w:
         array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
     h, w = h + pad_h, w + pad_w
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp.mp4", dir=p.parent if str(p.parent) else ".")
-    os.close(fd)
-    try:
+    with atomic_path(p, ".tmp.mp4") as tmp:
         writer = ffmpeg.write_frames(
             tmp, (w, h), pix_fmt_in="rgb24", pix_fmt_out="yuv420p", fps=fps, codec="libx264", quality=None,
             macro_block_size=1, ffmpeg_log_level="error",
@@ -238,13 +227,6 @@ def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
             lines = [ln for ln in str(exc).splitlines() if ln.strip()]
             raise MediaError(f"ffmpeg could not write {str(p)!r} ({lines[-1] if lines else type(exc).__name__}); "
                              "is there space on the disk, and does IMAGEIO_FFMPEG_EXE (if set) have libx264?") from None
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, file_mode(p))
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _existing_file(path: str | Path, what: str) -> Path:

@@ -4,9 +4,11 @@ goes before any work."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from chunkflow_planner.errors import ChunkflowError
 
@@ -68,19 +70,27 @@ def file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` to `path` whole or not at all: a temporary file beside it, flushed, then renamed over it (with
-    the permissions an ordinary write would give)."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[str]:
+    """Within: the name of an empty temporary file beside `path` for the caller to write. On a normal exit it is
+    flushed to disk, given the permissions an ordinary write would give and renamed over `path`; on an error it is
+    removed and `path` is untouched. `suffix` lets a tool that goes by it (ffmpeg, OpenCV) see the format."""
     p = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent if str(p.parent) else ".")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, file_mode(p))
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return p
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` to `path` whole or not at all (`atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path).expanduser()
