@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -47,7 +47,6 @@ class Generation:
     step_times_s: list[float]
     host_peak_bytes: int
     seconds: float
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class _Clock:
@@ -194,5 +193,4 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     frames = out.frames[0] if hasattr(out, "frames") else out.images
     latents = state["latents"]
     return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases, state["steps"],
-                      peak_rss_bytes(), seconds, {k: v for k, v in kwargs.items() if k not in ("generator",
-                                                                                            "callback_on_step_end")})
+                      peak_rss_bytes(), seconds)
