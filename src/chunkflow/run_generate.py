@@ -10,9 +10,9 @@ the transformer's predicted step time, as for a synthetic run.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from pydantic import BaseModel, Field
@@ -70,12 +70,6 @@ def placements_of(plan: Plan) -> tuple[dict[str, str], bool]:
     return {"transformer": where, "transformer_2": where}, False
 
 
-def _err(measured, predicted):
-    from chunkflow.run import rel_error
-
-    return rel_error(measured, predicted)
-
-
 def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                    progress: Callable[[str, int | None, int | None], None] | None = None,
                    log: Callable[[str], None] = lambda s: None):
@@ -85,7 +79,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     from chunkflow.generate import generate
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow.run import (Measured, MemorySample, RunConfig, RunError, _place, environment, make_report,
-                               statistics)
+                               rel_error)
     from chunkflow.weights import resolve_weights
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.predict import hardware_of, predict
@@ -119,14 +113,10 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     if g.latents and gen.latents is not None:
         from safetensors.torch import save_file
 
-        from chunkflow_planner.files import write_atomic
+        from chunkflow_planner.files import atomic_path
 
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            f = Path(tmp) / "latents.safetensors"
-            save_file({"latents": gen.latents.contiguous()}, str(f))
-            write_atomic(g.latents, f.read_bytes())
+        with atomic_path(g.latents, ".safetensors") as tmp:
+            save_file({"latents": gen.latents.contiguous()}, tmp)
 
     cuda = device.type == "cuda"
     dn = gen.phases["denoise"]
@@ -150,8 +140,8 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=p.time_s if p and cuda else None,
             predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
-            time_error=_err(m.time_s, p.time_s) if p and cuda and steps == plan.workload.steps else None,
-            memory_error=_err(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
+            time_error=rel_error(m.time_s, p.time_s) if p and cuda and steps == plan.workload.steps else None,
+            memory_error=rel_error(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
     gen_time = sum(m.time_s for m in gen.phases.values())
     pred_time = plan.prediction.generation_time_s if steps == plan.workload.steps else None
     pred_host = plan.prediction.host_memory_bytes
@@ -159,9 +149,9 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
         components=placements, vae_tiling=tiling, phases=phases, generation_time_s=gen_time,
         predicted_generation_time_s=pred_time if cuda else None,
-        generation_time_error=_err(gen_time, pred_time) if cuda else None,
+        generation_time_error=rel_error(gen_time, pred_time) if cuda else None,
         host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if cuda else None,
-        host_memory_error=_err(gen.host_peak_bytes, pred_host) if cuda else None,
+        host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if cuda else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes)
     return report
 
