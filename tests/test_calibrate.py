@@ -147,7 +147,7 @@ def test_refit_from_report_moves_eta_comp_the_right_way(tmp_path):
 def test_refit_block_overhead_from_offload_vs_none(tmp_path):
     from chunkflow.calibrate import read_reports
 
-    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-6})  # tiny block: compute dominates, hidden
+    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})  # tiny block: compute dominates, hidden
     none, p_none = _report(tmp_path, "none", 1.0)
     lw, p_lw = _report(tmp_path, "layerwise", 1.0 + 2 * 100e-6)  # 2 streamed blocks, 1 forward: 100 us each
     new, notes = refit(hw, read_reports([p_none, p_lw]))
@@ -207,7 +207,10 @@ def test_refit_refuses_reports_that_cannot_describe_a_gpu_and_keeps_the_saved_pr
     assert result.exit_code == 0, result.output
     saved = saved_profile_path().read_text()
     data, path = _report(tmp_path, "none", 1.0)
-    cases = [({"gpu": "cpu (x86_64)"}, "measured on the CPU"), ({"measured.median_step_s": -1.0}, "median_step_s"),
+    data["measured"]["median_step_s"] = 2 * data["predicted"]["step_time_s"]  # a plausible GPU measurement
+    path.write_text(json.dumps(data))
+    cases = [({"measured.median_step_s": 1e6}, "were these runs"), ({"gpu": "cpu (x86_64)"}, "measured on the CPU"),
+             ({"measured.median_step_s": -1.0}, "median_step_s"),
              ({"measured.step_times_s": [float("nan")]}, "step_times_s"), ({"run.offload.mode": "turbo"}, "turbo")]
     for change, message in cases:
         bad = json.loads(json.dumps(data))

@@ -124,6 +124,9 @@ def test_saved_profile_is_the_default(tmp_path, monkeypatch):
         (["--model", "wan2.2", "--max-slowdown", "0.5"], ">= 1.0"),
         (["--model", "flux", "--frames", "5"], "image model"),
         (["--model", "wan2.2", "--steps", "0"], "at least 1"),
+        (["--model", "flux", "--h2d-gbps", "1e-300"], "--h2d-gbps must be between"),
+        (["--model", "tiny", "--eta-pref", "1e-300"], "--eta-pref must be between"),
+        (["--model", "tiny", "--peak-tflops", "1e7"], "--peak-tflops must be between"),
     ],
 )
 def test_bad_input_is_one_clear_error(args, message):

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import yaml
+from pydantic import ValidationError
 
 from chunkflow.launch import torchrun_world
 from chunkflow.timing import time_on, timing_event
-from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
+from chunkflow_planner.catalog import EFFICIENCY_RANGE, HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.offload import OffloadConfig
@@ -591,6 +592,12 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
         notes.append("no `none` run: eta_comp unchanged")
         return {}
     k = _gmean([x for xs in ks.values() for x in xs])
+    lowest = min([hw.eta_comp] + [e for _, e in hw.eta_comp_curve or []]) * k
+    if lowest < EFFICIENCY_RANGE[0]:
+        raise CalibrationError(
+            f"the `none` runs measured compute {1 / k:.3g}x slower than profile {hw.name!r} predicts, which puts "
+            f"eta_comp at {lowest:.2g}, below the {EFFICIENCY_RANGE[0]:g} a GPU plausibly reaches: were these "
+            "runs measured on this GPU? Refit from reports of this machine, or run `chunkflow calibrate`.")
     update: dict[str, Any] = {"eta_comp": min(1.0, hw.eta_comp * k)}
     if hw.eta_comp_curve:
         update["eta_comp_curve"] = [(f, min(1.0, e * k)) for f, e in hw.eta_comp_curve]
@@ -644,5 +651,10 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
     update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes)}
     if update:
         update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
-        hw = HardwareSpec(**{**hw.model_dump(), **update})
+        try:
+            hw = HardwareSpec(**{**hw.model_dump(), **update})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise CalibrationError(f"the refit gives {'.'.join(map(str, err['loc']))} outside its range "
+                                   f"({err['msg']}); these runs do not fit profile {hw.name!r}") from None
     return hw, notes

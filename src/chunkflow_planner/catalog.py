@@ -22,6 +22,12 @@ from chunkflow_planner.errors import ChunkflowError
 
 CATALOG_SCHEMA_VERSION = 1
 
+# Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
+# (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
+PEAK_TFLOPS_RANGE = (1e-3, 1e6)  # 1 GFLOP/s .. 1 EFLOP/s
+H2D_GBPS_RANGE = (1e-3, 1e5)  # 1 MB/s .. 100 TB/s
+EFFICIENCY_RANGE = (1e-3, 1.0)  # an achieved fraction below 0.1% is a failed measurement
+
 BlockKind = Literal["dit", "mmdit_double", "mmdit_single"]
 BlockArch = Literal["wan_dit", "flux_double", "flux_single", "hunyuan_double", "hunyuan_single", "qwen_double"]
 
@@ -158,16 +164,16 @@ class HardwareSpec(_Strict):
     schema_version: int = CATALOG_SCHEMA_VERSION
     name: str
     description: str = ""
-    peak_tflops: float = Field(gt=0, le=1e6, description="peak dense BF16 TFLOP/s of one GPU (P_peak)")
-    h2d_link_gbps: float = Field(gt=0, le=1e5, description="pinned host-to-device GB/s of one host link")
+    peak_tflops: float = Field(ge=PEAK_TFLOPS_RANGE[0], le=PEAK_TFLOPS_RANGE[1], description="peak dense BF16 TFLOP/s of one GPU (P_peak)")
+    h2d_link_gbps: float = Field(ge=H2D_GBPS_RANGE[0], le=H2D_GBPS_RANGE[1], description="pinned host-to-device GB/s of one host link")
     gpus_per_host_link: int = Field(1, gt=0, le=1024, description="GPUs sharing that host link (root complex)")
     memory_bytes: int = Field(gt=0, le=2**60, description="GPU memory")
     gpus: int = Field(1, gt=0, le=1024, description="GPUs in the node")
     peer_link: PeerLink = Field(description="how GPUs reach each other: nvlink, pcie (shares the host link) or none")
     coll_gbps: float = Field(gt=0, le=1e6, description="effective per-GPU all-to-all bandwidth over the peer link")
     contention: float = Field(1.0, ge=1.0, le=1e3, description="collective slowdown while H2D is in flight on a shared link")
-    eta_comp: float = Field(gt=0, le=1, description="achieved fraction of P_peak on DiT blocks")
-    eta_pref: float = Field(gt=0, le=1, description="achieved fraction of the H2D bandwidth for large copies")
+    eta_comp: float = Field(ge=EFFICIENCY_RANGE[0], le=EFFICIENCY_RANGE[1], description="achieved fraction of P_peak on DiT blocks")
+    eta_pref: float = Field(ge=EFFICIENCY_RANGE[0], le=EFFICIENCY_RANGE[1], description="achieved fraction of the H2D bandwidth for large copies")
     eta_comp_curve: list[tuple[float, float]] | None = Field(
         None,
         description="measured [F_block, eta_comp] pairs (FLOP, fraction of P_peak), increasing in F; the planner "
@@ -218,8 +224,9 @@ class HardwareSpec(_Strict):
             flops = [f for f, _ in curve]
             if any(not 0 < f < 1e30 for f in flops) or any(b <= a for a, b in zip(flops, flops[1:])):
                 raise ValueError(f"{what} needs positive FLOP values in strictly increasing order")
-            if any(not 0 < e <= 1 for _, e in curve):
-                raise ValueError(f"{what} efficiencies must be in (0, 1]")
+            lo, hi = EFFICIENCY_RANGE
+            if any(not lo <= e <= hi for _, e in curve):
+                raise ValueError(f"{what} efficiencies must be in [{lo:g}, {hi:g}]")
         return self
 
     @property

@@ -106,7 +106,11 @@ def F_star_hw(hw: HardwareSpec, B_pref: float) -> float:
         return F_star(P, hw.eta_comp, B_pref, BW, hw.eta_pref)
     tp = T_pref(B_pref, BW, hw.eta_pref)
     g = lambda logF: T_comp_hw(math.exp(logF), hw) - tp  # noqa: E731
-    lo, hi = math.log(1.0), math.log(1e24)
+    lo, hi = math.log(1.0), math.log(1e30)
+    if g(lo) >= 0:
+        return 1.0
+    if g(hi) < 0:  # only with figures at the edge of their ranges: F* beyond any block
+        return math.inf
     return math.exp(brent(g, lo, hi, xtol=1e-12, rtol=1e-12))
 
 

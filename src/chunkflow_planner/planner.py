@@ -7,7 +7,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from chunkflow_planner.catalog import CatalogError, HardwareSpec, ModelSpec, Workload, get_hardware, load_profile
+from pydantic import ValidationError
+
+from chunkflow_planner.catalog import (
+    EFFICIENCY_RANGE,
+    H2D_GBPS_RANGE,
+    PEAK_TFLOPS_RANGE,
+    CatalogError,
+    HardwareSpec,
+    ModelSpec,
+    Workload,
+    get_hardware,
+    load_profile,
+)
 from chunkflow_planner.overlap import OverlapAnalysis, analyse
 from chunkflow_planner.plan import (
     Analysis,
@@ -59,12 +71,13 @@ def resolve_hardware(
 
     What-if overrides replace single figures; `h2d_gbps` is the effective per-GPU BW_h2d.
     """
+    ranges = {"peak_tflops": PEAK_TFLOPS_RANGE, "h2d_gbps": H2D_GBPS_RANGE, "eta_comp": EFFICIENCY_RANGE,
+              "eta_pref": EFFICIENCY_RANGE}
     for key, value in (("peak_tflops", peak_tflops), ("h2d_gbps", h2d_gbps), ("eta_comp", eta_comp),
                        ("eta_pref", eta_pref)):
-        eta = key.startswith("eta")
-        if value is not None and not (math.isfinite(value) and value > 0 and (value <= 1 or not eta)):
-            raise CatalogError(f"--{key.replace('_', '-')} must be {'in (0, 1]' if eta else 'a positive number'}, "
-                               f"got {value}")
+        lo, hi = ranges[key]
+        if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+            raise CatalogError(f"--{key.replace('_', '-')} must be between {lo:g} and {hi:g}, got {value}")
     if name:
         spec = get_hardware(name)
         source = f"profile:{name}" if spec.name.lower() != name.lower() else f"catalog:{spec.name}"
@@ -81,7 +94,10 @@ def resolve_hardware(
     if h2d_gbps is not None:
         update["h2d_link_gbps"] = h2d_gbps * spec.gpus_per_host_link
     if update:
-        spec = spec.model_copy(update=update)
+        try:  # validated like a profile, so an override cannot carry the spec out of its ranges
+            spec = HardwareSpec.model_validate({**spec.model_dump(), **update})
+        except ValidationError as e:
+            raise CatalogError(f"the overrides give an invalid hardware profile: {e.errors()[0]['msg']}") from None
         source += " with overrides " + ", ".join(f"{k}={v:g}" for k, v in update.items())
     return ResolvedHardware(spec, source)
 
