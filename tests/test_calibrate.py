@@ -149,7 +149,7 @@ def test_refit_block_overhead_from_offload_vs_none(tmp_path):
 
     hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})  # tiny block: compute dominates, hidden
     none, p_none = _report(tmp_path, "none", 1.0)
-    lw, p_lw = _report(tmp_path, "layerwise", 1.0 + 2 * 100e-6)  # 2 streamed blocks, 1 forward: 100 us each
+    lw, p_lw = _report(tmp_path, "layerwise", 1.0 + 2 * 2 * 100e-6)  # 2 streamed blocks, 2 forwards: 100 us each
     new, notes = refit(hw, read_reports([p_none, p_lw]))
     assert new.block_overhead_us == pytest.approx(100.0, rel=1e-6)
 

@@ -168,3 +168,23 @@ def test_generation_flags_need_a_prompt(cli, workdir):
     plan = _plan(cli, "tiny")
     result = cli("run", "--plan", plan, "--out", "x.mp4")
     assert result.exit_code == 2 and "--prompt" in result.output
+
+
+def test_batched_cfg_generation_matches_diffusers_within_tolerance(cli, workdir, saved):
+    """`run --prompt --cfg-batched`: both guidance passes in one forward a step; the latents match diffusers' own
+    (unbatched) pipeline within the tolerance docs/levers.md states for bf16."""
+    from safetensors.torch import load_file
+
+    plan = _plan(cli, "tiny", {"transformer": "stream"})
+    prompt, negative = PROMPTS["tiny"]
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", saved["tiny"], "--prompt", prompt, "--negative-prompt",
+                     negative, "--seed", "11", "--latents", "latents.safetensors", "--report", "report.json",
+                     "--mode", "chunkflow", "--chunk-size", "16KB", "--cfg-batched")
+    assert result.exit_code == 0, result.output
+    ours = load_file("latents.safetensors")["latents"].float()
+    ref = _reference_latents("tiny", saved["tiny"], 11, 2).float()
+    rep = json.loads(Path("report.json").read_text())
+    assert rep["run"]["offload"]["cfg_batched"] is True
+    assert rep["stats"]["forwards"] == 2  # two steps, one forward each
+    assert (ours - ref).abs().max() <= 2e-2 * ref.abs().max()

@@ -86,6 +86,18 @@ def measure_hbm(device, nbytes: int = 2 * 2**30) -> float:
     return 2 * nbytes / t / 1e9
 
 
+def measure_fp8_cast(device, nbytes: int = 2**30) -> float:
+    """bf16 GB/s of the fp8 storage cast: float8_e4m3fn weights copied into a bf16 buffer (what the runtime does
+    before each block with fp8 storage), for `nbytes` of bf16 output."""
+    import torch
+
+    n = nbytes // 2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    dst = torch.empty(n, device=device, dtype=torch.bfloat16)
+    t = _time(lambda: dst.copy_(src), device.type == "cuda")
+    return nbytes / t / 1e9
+
+
 def measure_context_bytes(device) -> int:
     """Device memory in use beyond what torch's allocator reserved: the CUDA context, cuBLAS/cuDNN workspaces and
     kernels loaded so far (measure after the other measurements, so the libraries are loaded)."""

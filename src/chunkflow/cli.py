@@ -166,6 +166,11 @@ def plan_cmd(
                                                   "machine has available now)"),
     transformer_only: bool = typer.Option(False, "--transformer-only", help="plan the transformer alone (no text "
                                           "encoder, VAE or host memory), as the ChunkFlow paper does"),
+    cfg_batching: str = typer.Option("auto", help="run a step's two guidance passes as one batched forward, so each "
+                                     "block is streamed once a step: auto (the planner decides), on, off"),
+    weight_dtype: str = typer.Option("auto", help="storage of the streamed weights: auto (bf16, or fp8_e4m3 where it "
+                                     "pays if --allow-fp8), bf16, fp8_e4m3 (lossy: half the host and H2D bytes)"),
+    allow_fp8: bool = typer.Option(False, "--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="write the plan JSON here"),
     json_out: bool = typer.Option(False, "--json", help="print the plan JSON on stdout instead of tables"),
     peak_tflops: Optional[float] = typer.Option(None, help="what-if: peak dense BF16 TFLOP/s"),
@@ -181,6 +186,7 @@ def plan_cmd(
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.files import check_output_file
     from chunkflow_planner.planner import make_plan, resolve_hardware
+    from chunkflow_planner.policy import Levers
     from chunkflow_planner.workload import make_workload
 
     if max_slowdown is not None and target_step_time is not None:
@@ -193,6 +199,7 @@ def plan_cmd(
         check_output_file(out, "--out")
     spec = get_model(model)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
+    levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
     resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
                                 eta_pref=eta_pref)
     budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
@@ -207,7 +214,7 @@ def plan_cmd(
         spec, workload, resolved, sp=sp, budget=budget,
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
         target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
-        host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown,
+        host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
     )
     if out:
         plan.write(out)
@@ -230,6 +237,10 @@ def run_cmd(
     mode: Optional[str] = typer.Option(None, help="override the plan's mode: none, layerwise or chunkflow"),
     chunk_size: Optional[str] = typer.Option(None, help="override the chunk size, e.g. 16MB or 4KB"),
     residency: Optional[float] = typer.Option(None, help="override the residency, a fraction in [0, 1]"),
+    cfg_batched: Optional[bool] = typer.Option(None, "--cfg-batched/--no-cfg-batched", help="override the plan: "
+                                               "both guidance passes of a step in one forward, or one forward each"),
+    weight_dtype: Optional[str] = typer.Option(None, help="override the plan's weight storage: bf16 or fp8_e4m3 "
+                                               "(lossy)"),
     device: Optional[str] = typer.Option(None, help="cuda (default when available), cuda:1 or cpu"),
     weights: Optional[str] = typer.Option(None, help="local diffusers-format checkpoint directory (default: random weights)"),
     variant: Optional[str] = typer.Option(None, help="with --weights: load that directory's variant files, e.g. fp16 "
@@ -267,7 +278,8 @@ def run_cmd(
     from chunkflow_planner.predict import hardware_of
 
     p = load_plan(plan)
-    cfg = p.offload.with_overrides(mode, chunk_size, residency)  # the flags are parsed here, once
+    cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
+                                   weight_dtype=weight_dtype)  # the flags are parsed here, once
     from chunkflow.run import RunOptions, run_plan
 
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
@@ -474,7 +486,7 @@ def _print_profile(hw) -> None:
     t.add_column("field")
     t.add_column("value", justify="right")
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
-                "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "mem_ops_scale", "cpu_tflops"):
+                "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops"):
         v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
@@ -503,7 +515,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at, height, width, hardware,
-                warmup, steps, comm_aware, baselines="", compile="off"):
+                warmup, steps, comm_aware, baselines="", compile="off", weight_dtype="bf16"):
     """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
     from chunkflow.bench import BenchSpec
     from chunkflow.bench.baselines import BASELINES, check_baseline
@@ -539,6 +551,8 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
         raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
     if compile not in ("off", "regional", "regional-fullgraph"):
         raise UserError(f"--compile must be off, regional or regional-fullgraph, got {compile!r}")
+    if weight_dtype not in ("bf16", "fp8_e4m3"):
+        raise UserError(f"--weight-dtype must be bf16 or fp8_e4m3, got {weight_dtype!r}")
     base = [b.strip() for b in baselines.split(",") if b.strip()]
     if any(b not in BASELINES for b in base):
         raise UserError(f"unknown baseline(s) in {baselines!r}; known: {', '.join(BASELINES)}")
@@ -548,7 +562,8 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
     aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
     bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
                       chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
-                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base, compile=compile)
+                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base, compile=compile,
+                      weight_dtype=weight_dtype)
     for v in {*values, bench.chunk_value, bench.residency_value}:
         bench.workload(spec, v)  # validates frames / batch / sizes
     for c in chunks:
@@ -564,7 +579,7 @@ def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
         t.add_column(col, justify="right")
     none = {r["value"]: r["measured_step_s"] for _, r in df[df["mode"] == "none"].iterrows()}
     for _, r in df.iterrows():
-        label = row_label(r["mode"], r["chunk_bytes"], r["residency"])
+        label = row_label(r["mode"], r["chunk_bytes"], r["residency"], r.get("weight_dtype", "bf16"))
         xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
         pred = "-" if r["predicted_step_s"] != r["predicted_step_s"] else format_seconds(r["predicted_step_s"])
         err = "-" if r["err_step"] != r["err_step"] else f"{r['err_step']:+.1%}"
@@ -597,6 +612,8 @@ def bench_cmd(
     steps: int = typer.Option(2, help="timed steps per point (median), one forward each"),
     comm_aware: str = typer.Option("auto", help="pace chunk copies around collectives (SP): on, off, or auto "
                                                 "(on unless the hardware's peer link is NVLink, as the planner does)"),
+    weight_dtype: str = typer.Option("bf16", help="storage of the streamed weights in layerwise and chunkflow: bf16 "
+                                     "or fp8_e4m3 (lossy: half the H2D bytes; none runs the model as it is)"),
     out: str = typer.Option("bench", "--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the plots (needs matplotlib)"),
     from_dir: Optional[str] = typer.Option(None, "--from-dir", help="redraw plots and summary.md of an earlier bench "
@@ -616,7 +633,7 @@ def bench_cmd(
     world = torchrun_world()
     spec, bench, hw, dev = _bench_setup(world, device, model, frames, batch, modes, chunk_sizes, residency, chunk_at,
                                         residency_at, height, width, hardware, warmup, steps, comm_aware, baselines,
-                                        compile)
+                                        compile, weight_dtype)
     rank = 0
     if world > 1:
         from chunkflow.parallel import init_distributed

@@ -47,6 +47,7 @@ class Generation:
     step_times_s: list[float]
     host_peak_bytes: int
     seconds: float
+    cfg_batched_forwards: int = 0  # forwards that evaluated both guidance passes (batched CFG)
 
 
 class _Clock:
@@ -121,9 +122,10 @@ def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | No
 
 def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = None, guidance: float | None = None,
              steps: int | None = None, seed: int = 0, on_step: Callable[[int, int], None] | None = None,
-             on_phase: Callable[[str], None] | None = None) -> Generation:
+             on_phase: Callable[[str], None] | None = None, cfg_batched: bool = False) -> Generation:
     """One generation of workload `w` from `prompt`, phase by phase (module docstring). `on_step(i, n)` hears of
-    every denoising step, `on_phase(name)` of every phase as it begins."""
+    every denoising step, `on_phase(name)` of every phase as it begins. `cfg_batched`: both guidance passes of a
+    step in one transformer forward (chunkflow.cfg.batch_cfg)."""
     tell = on_phase or (lambda name: None)
     from chunkflow.hostmem import peak_rss_bytes
 
@@ -175,6 +177,11 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     kwargs["callback_on_step_end"] = on_step_end
     kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
     vae.decode = decode_phase
+    batching = None
+    if cfg_batched:
+        from chunkflow.cfg import batch_cfg
+
+        batching = batch_cfg(pipe)
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), execution_device(pipe, device):
@@ -184,6 +191,8 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
             clock.stop()
     finally:
         del vae.decode  # the instance attribute goes; the class's method is back
+        if batching is not None:
+            batching.remove()
         for h in hooks:
             h.remove()
         built.park("vae")
@@ -193,4 +202,4 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     frames = out.frames[0] if hasattr(out, "frames") else out.images
     latents = state["latents"]
     return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases, state["steps"],
-                      peak_rss_bytes(), seconds)
+                      peak_rss_bytes(), seconds, batching.stats.batched_forwards if batching is not None else 0)

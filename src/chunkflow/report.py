@@ -45,11 +45,13 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         m.add_column(col, justify="right" if col not in ("mode",) else "left")
     base = plan.prediction.baselines.none.step_time_s
     rows = [("none", None, None, plan.prediction.baselines.none), ("layerwise", None, 0.0, plan.prediction.baselines.layerwise)]
-    if plan.offload.mode == "chunkflow":
-        rows.append(("chunkflow (chosen)", plan.offload.chunk_bytes, plan.offload.residency, plan.prediction))
+    o = plan.offload
+    levers = (" cfg-batched" if o.cfg_batched else "") + (" fp8" if o.weight_dtype != "bf16" else "")
+    if o.mode == "chunkflow":
+        rows.append(("chunkflow" + levers + " (chosen)", o.chunk_bytes, o.residency, plan.prediction))
     for name, chunk, res, p in rows:
-        if name == plan.offload.mode:
-            name += " (chosen)"
+        if name == o.mode:
+            name += levers + " (chosen)"
         m.add_row(
             name,
             format_bytes(chunk) if chunk else "-",
@@ -60,8 +62,11 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
             format_bytes(p.pinned_host_bytes) if p.pinned_host_bytes else "-",
         )
     console.print(m)
-    o = plan.offload
     chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
+    if plan.workload.cfg_passes > 1:
+        chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
+    if o.mode != "none":
+        chosen += f", weights stored {o.weight_dtype}"
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"

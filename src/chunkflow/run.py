@@ -174,8 +174,10 @@ class Timing:
 
 
 def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: int, steps: int,
-            guidance: float = 5.0, on_step: Callable[[int, float], None] | None = None) -> Timing:
-    """`warmup` + `steps` flow-matching Euler steps of `cfg_passes` forwards each; the timed steps' times, and the
+            guidance: float = 5.0, on_step: Callable[[int, float], None] | None = None,
+            cfg_batched: bool = False) -> Timing:
+    """`warmup` + `steps` flow-matching Euler steps of `cfg_passes` forwards each (with `cfg_batched`, one forward of
+    the passes stacked along the batch, chunkflow.cfg); the timed steps' times, and the
     memory after each of them (allocated and reserved device bytes, host RSS: a leak shows as a slope).
 
     Peak memory statistics are reset after the warm-up, so they cover the timed steps only.
@@ -183,6 +185,7 @@ def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: i
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    from chunkflow.cfg import split_passes, stack_passes
     from chunkflow.hostmem import rss_bytes
     from chunkflow.timing import time_on
 
@@ -198,7 +201,11 @@ def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: i
     def one_step(t):
         nonlocal latents
         kwargs = dict(inputs, hidden_states=latents, timestep=torch.full_like(t_in, float(t) * scale))
-        preds = [model(**kwargs)[0] for _ in range(w.cfg_passes)]
+        if cfg_batched and w.cfg_passes > 1:
+            preds = [out[0] for out in split_passes(model(**stack_passes([kwargs] * w.cfg_passes, w.batch)),
+                                                    w.cfg_passes)]
+        else:
+            preds = [model(**kwargs)[0] for _ in range(w.cfg_passes)]
         pred = preds[0] if len(preds) == 1 else preds[1] + guidance * (preds[0] - preds[1])
         latents = scheduler.step(pred, t, latents, return_dict=False)[0]
 
@@ -316,7 +323,7 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
     total = o.warmup + steps
     cb = (lambda i, dt: progress(i + 1, total)) if progress is not None else None
     try:
-        timing = denoise(model, spec, w, inputs, device, o.warmup, steps, on_step=cb)
+        timing = denoise(model, spec, w, inputs, device, o.warmup, steps, on_step=cb, cfg_batched=cfg.cfg_batched)
         stats = handle.stats().as_dict()
     finally:
         handle.remove()

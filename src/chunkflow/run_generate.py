@@ -104,7 +104,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
         phase = (lambda name: progress(name, done[name], steps)) if progress is not None else None
         gen = generate(built, w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps, seed=o.seed,
-                       on_step=cb, on_phase=phase)
+                       on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
         stats = built.handles["transformer"].stats().as_dict()
     finally:
         built.discard()  # the run is done with it: free, do not copy the weights back

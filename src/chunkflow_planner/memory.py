@@ -10,6 +10,8 @@ Assumptions (stated so they can be checked against `chunkflow run`):
   attention's q, k, v / output (Ulysses gathers full-sequence q, k, v of 1/SP of the heads: the same bytes).
   Flash-style attention keeps no S x S matrix. Per-model coefficients live in models.yaml. A pipeline that
   gives every token its own timestep (Wan2.2-TI2V) adds 38 bytes per token and hidden unit (PER_TOKEN_TIMESTEP_BYTES).
+- Batched CFG: the activations of one forward of cfg_passes times the batch. fp8 weight storage: the resident
+  heads, slots and pinned store hold 1 byte per weight, plus one block's weights in bf16 (the cast's target).
 - Prediction = torch's peak allocated bytes. The budget check adds a runtime margin: 5% for allocator
   fragmentation plus 768 MiB for the CUDA context and libraries, which torch does not count.
 """
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from chunkflow_planner.catalog import ModelSpec, Workload
 from chunkflow_planner.offload import OffloadConfig
-from chunkflow_planner.workload import tokens
+from chunkflow_planner.workload import per_forward, tokens
 
 MARGIN_FRACTION = 0.05
 # per token and hidden unit, with per-token timesteps (Wan2.2-TI2V): the (6, d) modulation projection in bf16 held
@@ -38,10 +40,12 @@ class MemoryEstimate:
     streaming_buffers: float
     activations: float
     pinned_host: float
+    cast_buffer: float = 0.0  # fp8 storage: one block's weights in bf16, the cast's target
 
     @property
     def peak(self) -> int:
-        return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations)
+        return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations
+                   + self.cast_buffer)
 
     @property
     def with_margin(self) -> int:
@@ -83,9 +87,11 @@ def block_volumes(spec: ModelSpec) -> list[int]:
 def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1) -> MemoryEstimate:
     """Peak GPU memory and pinned host bytes of running `w` under `cfg` (per GPU)."""
     V = block_volumes(spec)
-    act = activation_bytes(spec, w, sp)
+    act = activation_bytes(spec, per_forward(w, cfg.cfg_batched)[0], sp)
     if cfg.mode == "none":
         return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0)
+    cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(V))
+    V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
     resident = [cfg.resident_bytes(v) for v in V]
     slot = max(v - r for v, r in zip(V, resident))
-    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, float(sum(V)))
+    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, float(sum(V)), cast)

@@ -6,6 +6,11 @@ and normalises it: mode `none` keeps everything resident (residency 1, no chunks
 (residency 0, no chunk size), `chunkflow` streams chunks of `chunk_bytes` (default 16 MB) and keeps the first
 `residency` of every block resident.
 
+Two levers cut the bytes streamed per unit of compute below the critical point (issue 15): `cfg_batched` runs the
+guidance passes of a step as one forward of the doubled batch, so each block is streamed once a step, not once a
+pass; `weight_dtype` "fp8_e4m3" keeps the streamed blocks' linear weights in float8 (diffusers' layerwise casting
+arithmetic: a plain cast, no scale), halving their host, H2D and slot bytes, cast back on the GPU before use.
+
 Block l keeps R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C), and streams
 the rest in ceil((V_l - R_l) / C) copies. The memory and step-time models and the runtime's layout all use
 `resident_bytes`, so planner and runtime see the same chunks.
@@ -24,6 +29,9 @@ from chunkflow_planner.units import UnitError, parse_size, short_bytes
 
 Mode = Literal["none", "layerwise", "chunkflow"]
 MODES: tuple[str, ...] = ("none", "layerwise", "chunkflow")
+WeightDtype = Literal["bf16", "fp8_e4m3"]
+WEIGHT_DTYPES: tuple[str, ...] = ("bf16", "fp8_e4m3")  # bf16: the weights as the model holds them
+FP8_BYTES_PER_PARAM = 1
 DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
 
@@ -81,11 +89,15 @@ class OffloadConfig(BaseModel):
     chunk_bytes: int | None = None
     residency: float = 0.0
     comm_aware: bool = True
+    cfg_batched: bool = False
+    weight_dtype: WeightDtype = "bf16"
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
-                 residency: float | None = None, comm_aware: bool = True) -> None:
+                 residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
+                 weight_dtype: str = "bf16") -> None:
         try:
-            super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware)
+            super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
+                             cfg_batched=cfg_batched, weight_dtype=weight_dtype)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -101,6 +113,15 @@ class OffloadConfig(BaseModel):
         comm_aware = data.get("comm_aware", True)
         if not isinstance(comm_aware, bool):
             raise OffloadConfigError(f"comm_aware must be true or false, got {comm_aware!r}")
+        cfg_batched = data.get("cfg_batched", False)
+        if not isinstance(cfg_batched, bool):
+            raise OffloadConfigError(f"cfg_batched must be true or false, got {cfg_batched!r}")
+        weight_dtype = data.get("weight_dtype", "bf16")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise OffloadConfigError(f"unknown weight_dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
+        if weight_dtype != "bf16" and mode == "none":
+            raise OffloadConfigError(f"weight_dtype {weight_dtype} stores streamed weights; mode none streams nothing. "
+                                     "Use mode chunkflow (residency 1 keeps every block on the device, in fp8)")
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -112,19 +133,25 @@ class OffloadConfig(BaseModel):
             given = data.get("chunk_bytes")
             chunk = DEFAULT_CHUNK_BYTES if given is None else _chunk(given)
             r = 0.0 if residency is None else _residency(residency)
-        return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware}
+        return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
+                "cfg_batched": cfg_batched, "weight_dtype": weight_dtype}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
-                       residency: float | None = None, comm_aware: bool | None = None) -> "OffloadConfig":
+                       residency: float | None = None, comm_aware: bool | None = None, *,
+                       cfg_batched: bool | None = None, weight_dtype: str | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
-        plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting."""
+        plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
+        storage only to a mode that streams."""
         new_mode = mode or self.mode
         keep = self.mode == "chunkflow" and new_mode == "chunkflow"
+        dtype = weight_dtype or (self.weight_dtype if new_mode != "none" else "bf16")
         return OffloadConfig(
             new_mode,
             chunk_size if chunk_size is not None else (self.chunk_bytes if keep else None),
             residency if residency is not None else (self.residency if keep else None),
             self.comm_aware if comm_aware is None else comm_aware,
+            cfg_batched=self.cfg_batched if cfg_batched is None else cfg_batched,
+            weight_dtype=dtype,
         )
 
     @classmethod
@@ -141,10 +168,17 @@ class OffloadConfig(BaseModel):
 
     @property
     def label(self) -> str:
-        """`none`, `layerwise` or `chunkflow C=16MB r=0.3`: for tables and plots."""
-        if self.mode != "chunkflow":
-            return self.mode
-        return f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
+        """`none`, `layerwise` or `chunkflow C=16MB r=0.3`, with ` cfg-batched` and ` fp8` where set: for tables."""
+        base = self.mode if self.mode != "chunkflow" else \
+            f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
+        return base + (" cfg-batched" if self.cfg_batched else "") + (" fp8" if self.weight_dtype != "bf16" else "")
+
+    def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
+        """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.
+        The blocks' norm weights stay in their dtype; they are a fraction of a percent of a DiT block."""
+        if self.weight_dtype == "bf16":
+            return V
+        return V * FP8_BYTES_PER_PARAM / dtype_bytes
 
     # ---- the split of one block, for the memory and step-time models
 

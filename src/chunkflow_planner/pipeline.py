@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit, Workload
 from chunkflow_planner.components import TextEncoderSpec
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
 from chunkflow_planner.overlap import GB
-from chunkflow_planner.policy import Infeasible, Point, Problem, chunk_tie, candidates
+from chunkflow_planner.policy import Infeasible, Point, Problem, candidates, chunk_tie, lever_reason, preference
 from chunkflow_planner.units import format_bytes
 
 PHASES = ("encode", "denoise", "decode")
@@ -164,9 +163,14 @@ def _text_cost(te: TextEncoderSpec, placement: str, passes: int, hw: HardwareSpe
     return passes * per_fwd + rest / bw, rest + 2 * layer_bytes + act, float(te.nbytes)
 
 
-def _transformer_host(spec: ModelSpec, placement: str) -> float:
-    total = spec.total_params * spec.dtype_bytes * spec.pipeline.experts
-    return 0.0 if placement == "gpu" else float(total)
+def _transformer_host(spec: ModelSpec, placement: str, point: Point) -> float:
+    """Host bytes of the transformer(s): none on the GPU, a full copy when moved per phase, the pinned store
+    (halved by fp8 storage) plus the non-block tensors when streamed."""
+    if placement == "gpu":
+        return 0.0
+    if placement == "stream":
+        return float((spec.non_block_bytes + point.memory.pinned_host) * spec.pipeline.experts)
+    return float(spec.total_params * spec.dtype_bytes * spec.pipeline.experts)
 
 
 def _unpark_bytes(spec: ModelSpec, point: Point) -> float:
@@ -181,13 +185,14 @@ class _Transformer:
 
     none: Point
     points: list[Point]
-    target_step: float
+    targets: dict[bool, float]  # the step target by CFG evaluation (batched or not)
+
+    def meets(self, p: Point) -> bool:
+        return p.step_time <= self.targets[p.cfg.cfg_batched]
 
 
 def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
-    none = problem.evaluate(OffloadConfig("none"))
-    target = target_step_time if target_step_time is not None else none.step_time * (max_slowdown or 1.05)
-    return _Transformer(none, candidates(problem), target)
+    return _Transformer(problem.none(), candidates(problem), problem.targets(max_slowdown, target_step_time))
 
 
 def _pick_stream(cands: _Transformer, room: float) -> Point | None:
@@ -196,9 +201,9 @@ def _pick_stream(cands: _Transformer, room: float) -> Point | None:
     fits = [p for p in cands.points if p.memory.peak <= room]
     if not fits:
         return None
-    meet = [p for p in fits if p.step_time <= cands.target_step]
-    if meet:  # ties (compute hides every chunk size) go to the chunk size nearest 16 MB, as the plan's policy does
-        return min(meet, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak, chunk_tie(p)))
+    meet = [p for p in fits if cands.meets(p)]
+    if meet:  # the plan's policy order: smallest residency, bf16 before fp8, shortest step, chunk nearest 16 MB
+        return min(meet, key=preference)
     return min(fits, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
 
 
@@ -231,7 +236,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         always += t_model
     if pl.vae == "gpu":
         always += vae_bytes
-    host["transformer"] = _transformer_host(spec, pl.transformer)
+    host["transformer"] = _transformer_host(spec, pl.transformer, point)
     host["vae"] = 0.0 if pl.vae == "gpu" else float(vae_bytes)
     host["output"] = output_host_bytes(w)
 
@@ -335,7 +340,10 @@ def decide_pipeline(
     if fits:
         best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
         if best.generation_time <= target:
-            return PipelineDecision(best, base, target, gpu_budget, host_budget, _why(best, base, target))
+            why = _why(best, base, target)
+            if best.placements.transformer == "stream":
+                why += lever_reason(best.transformer, [p for p in cands.points if cands.meets(p)], problem.levers)
+            return PipelineDecision(best, base, target, gpu_budget, host_budget, why)
         raise Infeasible(
             "latency",
             f"latency is the binding constraint: the fastest generation inside {format_bytes(gpu_budget)} of GPU and "

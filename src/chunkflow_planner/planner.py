@@ -33,7 +33,7 @@ from chunkflow_planner.plan import (
     PlanWorkload,
     Prediction,
 )
-from chunkflow_planner.policy import Decision, Point, Problem, decide
+from chunkflow_planner.policy import Decision, Levers, Point, Problem, decide
 from chunkflow_planner.workload import WorkloadError, tokens
 
 DEFAULT_HARDWARE = "h200"
@@ -132,18 +132,24 @@ def make_plan(
     host_budget: int | None = None,
     target_time: float | None = None,
     generation_slowdown: float | None = None,
+    levers: Levers | None = None,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
     With `pipeline` (and a catalog pipeline for the model, SP 1) the whole generation is planned: placements of the
     text encoders, transformer and VAE under the GPU budget in every phase and `host_budget` (default: the memory
     available on this machine), against `target_time` or `generation_slowdown` x everything on the GPU if given.
-    Otherwise the transformer alone, as the ChunkFlow paper does."""
+    Otherwise the transformer alone, as the ChunkFlow paper does. `levers`: batched CFG and fp8 storage the policy
+    may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights)."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
     analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len)
-    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len)
+    if not math.isfinite(analysis.F_star):
+        raise CatalogError(f"hardware {hw.name!r} ({hardware.source}) gives no finite critical workload F*: its "
+                           "compute rate is too low for any block to hide a prefetch. Check the profile's figures.")
+    levers = Levers.of(workload.cfg_passes) if levers is None else levers
+    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
     whole = None
     if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
         from chunkflow_planner.hostinfo import available_host_memory

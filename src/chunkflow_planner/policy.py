@@ -5,6 +5,12 @@ Candidates are chunk sizes from 4 MB to 256 MB and, for each, residencies in chu
 and whose predicted peak memory (plus the runtime margin) fits the budget, the policy takes the smallest
 residency, then the shortest step time, then the smallest memory. If the model fits without offload,
 offload would only cost time: the plan is `none`.
+
+Two levers widen the space below the critical point (`Levers`): batched CFG (the guidance passes of a step as one
+forward, each block streamed once a step) where the model has two passes, and fp8 weight storage where the user
+allows lossy storage. Each point is held to the target of no offload run the same way (batched or not); among the
+feasible ones the policy still takes the smallest residency first, and of equal residency bf16 before fp8 (exact
+before lossy), then the shortest step.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.memory import MemoryEstimate, block_volumes, estimate_memory, runtime_need
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
+
+CfgBatching = str  # "auto" | "on" | "off"
 
 MB = 10**6
 CHUNK_CANDIDATES = tuple(c * MB for c in (4, 8, 16, 32, 64, 128, 256))
@@ -61,6 +69,36 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class Levers:
+    """Which CFG evaluations and weight storage dtypes the policy may choose among."""
+
+    cfg_batched: tuple[bool, ...] = (False,)
+    weight_dtypes: tuple[str, ...] = ("bf16",)
+
+    @classmethod
+    def of(cls, cfg_passes: int, cfg_batching: str = "auto", weight_dtype: str = "bf16",
+           allow_fp8: bool = False) -> "Levers":
+        """From the CLI's choices: `cfg_batching` auto|on|off (auto considers both where there are two passes);
+        `weight_dtype` auto|bf16|fp8_e4m3 (auto considers fp8 only with `allow_fp8`)."""
+        if cfg_batching not in ("auto", "on", "off"):
+            raise ChunkflowError(f"--cfg-batching must be auto, on or off, got {cfg_batching!r}")
+        if weight_dtype not in ("auto", "bf16", "fp8_e4m3"):
+            raise ChunkflowError(f"--weight-dtype must be auto, bf16 or fp8_e4m3, got {weight_dtype!r}")
+        if cfg_passes < 2 or cfg_batching == "off":
+            batched: tuple[bool, ...] = (False,)
+        else:
+            batched = (True,) if cfg_batching == "on" else (False, True)
+        if weight_dtype == "auto":
+            dtypes: tuple[str, ...] = ("bf16", "fp8_e4m3") if allow_fp8 else ("bf16",)
+        else:
+            dtypes = (weight_dtype,)
+        return cls(batched, dtypes)
+
+    def combos(self) -> list[tuple[bool, str]]:
+        return [(b, d) for b in self.cfg_batched for d in self.weight_dtypes]
+
+
+@dataclass(frozen=True)
 class Problem:
     """Everything the prediction depends on, evaluated point by point."""
 
@@ -71,6 +109,7 @@ class Problem:
     prefetch_bytes: float | None = None
     text_len: float | None = None
     comm_aware: bool | None = None  # pace chunk copies around collectives; None: as the hardware's link says
+    levers: Levers = Levers()
 
     @property
     def aware(self) -> bool:
@@ -81,6 +120,22 @@ class Problem:
         m = estimate_memory(self.spec, self.workload, cfg, self.sp)
         return Point(cfg, t, m)
 
+    def none(self, cfg_batched: bool = False) -> Point:
+        """No offload, with the guidance passes run as `cfg_batched` says."""
+        return self.evaluate(OffloadConfig("none", cfg_batched=cfg_batched))
+
+    def targets(self, max_slowdown: float | None, target_step_time: float | None) -> dict[bool, float]:
+        """The step target of a point by its CFG evaluation: `target_step_time`, else max_slowdown x no offload
+        run the same way."""
+        return {b: target_step_time if target_step_time is not None
+                else self.none(b).step_time * (max_slowdown or 1.05) for b in self.levers.cfg_batched}
+
+
+def preference(p: Point) -> tuple:
+    """The order among feasible points: smallest residency, exact before lossy storage, shortest step, smallest
+    memory, chunk size nearest 16 MB."""
+    return (p.cfg.residency, p.cfg.weight_dtype != "bf16", p.step_time, p.memory.peak, chunk_tie(p))
+
 
 def residency_grid(spec: ModelSpec, chunk_bytes: int) -> list[float]:
     """Residencies in chunk-sized steps: k / n for k = 0..n, n = chunks in the largest block."""
@@ -89,10 +144,11 @@ def residency_grid(spec: ModelSpec, chunk_bytes: int) -> list[float]:
 
 
 def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES) -> list[Point]:
-    """Every chunkflow point of the design space (chunk size x residency)."""
+    """Every chunkflow point of the design space (chunk size x residency x the levers allowed)."""
     aware = problem.aware
     return [
-        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware))
+        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt))
+        for b, dt in problem.levers.combos()
         for C in chunk_sizes
         for r in residency_grid(problem.spec, C)
     ]
@@ -118,46 +174,53 @@ def decide(
     chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES,
 ) -> Decision:
     """Choose the plan for `problem` under a memory budget (bytes) and a latency target; raise Infeasible if none."""
-    none = problem.evaluate(OffloadConfig("none"))
+    none = problem.none()
     layerwise = problem.evaluate(OffloadConfig("layerwise"))
-    target = target_step_time if target_step_time is not None else none.step_time * (max_slowdown or 1.05)
+    targets = problem.targets(max_slowdown, target_step_time)
+    target = targets.get(False, next(iter(targets.values())))
     target_text = f"{target:.3f} s" + (f" ({max_slowdown:.2f}x no offload)" if target_step_time is None else "")
 
-    if none.need <= budget:
+    nones = [problem.none(b) for b in problem.levers.cfg_batched]
+    fit = [p for p in nones if p.need <= budget]
+    if fit:
+        chosen = min(fit, key=lambda p: (p.step_time, p.cfg.cfg_batched))
         return Decision(
-            none, none, layerwise, target, budget,
-            f"the model fits without offload (needs {none.need / 1e9:.1f} GB of {budget / 1e9:.1f} GB): "
-            f"offload would only cost time (layerwise {layerwise.step_time / none.step_time:.2f}x)",
+            chosen, none, layerwise, target, budget,
+            f"the model fits without offload (needs {chosen.need / 1e9:.1f} GB of {budget / 1e9:.1f} GB): "
+            f"offload would only cost time (layerwise {layerwise.step_time / none.step_time:.2f}x)"
+            + ("; the guidance passes run as one batched forward" if chosen.cfg.cfg_batched else ""),
         )
 
     points = candidates(problem, chunk_sizes)
     in_budget = [p for p in points if p.need <= budget]
-    feasible = [p for p in in_budget if p.step_time <= target]
+    feasible = [p for p in in_budget if p.step_time <= targets[p.cfg.cfg_batched]]
     if feasible:
-        # ties (compute hides every chunk size) go to the chunk size nearest the paper's 16 MB operating point
-        best = min(feasible, key=lambda p: (p.cfg.residency, p.step_time, p.memory.peak, chunk_tie(p)))
-        slow = best.step_time / none.step_time
+        best = min(feasible, key=preference)
+        slow = best.step_time / problem.none(best.cfg.cfg_batched).step_time
+        way = " run the same way" if best.cfg.cfg_batched else ""
         if best.cfg.residency == 0:
-            tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time]
+            tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time
+                    and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype]
             why = (
-                f"full offload already meets the target ({slow:.3f}x no offload, target {target_text}); "
+                f"full offload already meets the target ({slow:.3f}x no offload{way}, target {target_text}); "
                 + (f"every chunk size hides, so {best.cfg.chunk_bytes // 10**6} MB (the paper's operating point)"
                    if len(tied) > 1 else f"{best.cfg.chunk_bytes // 10**6} MB chunks give the shortest step")
             )
         else:
             why = (
                 f"the smallest residency that meets {target_text} inside {budget / 1e9:.1f} GB: "
-                f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload"
+                f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload{way}"
             )
-        return Decision(best, none, layerwise, target, budget, why)
+        return Decision(best, none, layerwise, target, budget, why + lever_reason(best, feasible, problem.levers))
 
     min_need = min(p.need for p in points)
+    hint = _lever_hint(problem, budget, max_slowdown, target_step_time, chunk_sizes)
     if not in_budget:
         raise Infeasible(
             "memory",
             f"memory is the binding constraint: even full offload needs {min_need / 1e9:.2f} GB "
             f"(peak plus runtime margin) and the budget is {budget / 1e9:.2f} GB. Raise --mem-budget, or "
-            "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp.",
+            "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint,
             min_need, None,
         )
     best_in_budget = min(in_budget, key=lambda p: p.step_time)
@@ -167,6 +230,66 @@ def decide(
         f"{best_in_budget.step_time:.3f} s per step "
         f"(residency {best_in_budget.cfg.residency:.0%}, {best_in_budget.cfg.chunk_bytes // 10**6} MB chunks), "
         f"above the target {target_text}. The smallest memory any plan needs is {min_need / 1e9:.2f} GB. "
-        "Raise --mem-budget or relax --max-slowdown / --target-step-time.",
+        "Raise --mem-budget or relax --max-slowdown / --target-step-time." + hint,
         min_need, best_in_budget.step_time,
     )
+
+
+def lever_reason(best: Point, feasible: list[Point], levers: Levers) -> str:
+    """Why the plan batches CFG or not and stores fp8 or not, against the best feasible point without that choice."""
+    parts = []
+
+    def alternative(pred) -> Point | None:
+        alt = [p for p in feasible if pred(p)]
+        return min(alt, key=preference) if alt else None
+
+    if len(levers.cfg_batched) > 1:
+        other = alternative(lambda p: p.cfg.cfg_batched != best.cfg.cfg_batched)
+        if best.cfg.cfg_batched:
+            parts.append("batched CFG (each block streamed once a step for both guidance passes): "
+                         + (f"unbatched would need residency {other.cfg.residency:.0%}" if other is not None
+                            and other.cfg.residency > best.cfg.residency else
+                            "unbatched meets no target in this budget" if other is None else
+                            f"{other.step_time / best.step_time:.2f}x the step time unbatched"))
+        else:
+            parts.append("unbatched CFG: batching would not lower residency or the step time"
+                         + (" (and its doubled activations do not fit)" if other is None else ""))
+    elif True in levers.cfg_batched:
+        parts.append("batched CFG as asked")
+    if len(levers.weight_dtypes) > 1:
+        if best.cfg.weight_dtype != "bf16":
+            other = alternative(lambda p: p.cfg.weight_dtype == "bf16")
+            parts.append("fp8 weight storage (allowed, lossy): "
+                         + ("bf16 meets no target in this budget" if other is None else
+                            f"bf16 would need residency {other.cfg.residency:.0%}"))
+        else:
+            parts.append("bf16 weights: fp8 storage would not lower residency, so the exact weights are kept")
+    elif levers.weight_dtypes == ("fp8_e4m3",):
+        parts.append("fp8 weight storage as asked")
+    return "".join(f"; {p}" for p in parts)
+
+
+def _lever_hint(problem: Problem, budget: int, max_slowdown: float | None, target_step_time: float | None,
+                chunk_sizes: tuple[int, ...]) -> str:
+    """What a lever the user did not allow would do: fp8 storage (--allow-fp8), batched CFG (--cfg-batching)."""
+    from dataclasses import replace
+
+    hints = []
+    options = [("fp8_e4m3", " Lossy fp8 weight storage would make it feasible (--allow-fp8).")]
+    for dtype, text in options:
+        if dtype in problem.levers.weight_dtypes:
+            continue
+        wider = replace(problem, levers=Levers(problem.levers.cfg_batched, problem.levers.weight_dtypes + (dtype,)))
+        try:
+            decide(wider, budget, max_slowdown, target_step_time, chunk_sizes)
+            hints.append(text)
+        except Infeasible:
+            pass
+    if problem.workload.cfg_passes > 1 and True not in problem.levers.cfg_batched:
+        wider = replace(problem, levers=Levers((False, True), problem.levers.weight_dtypes))
+        try:
+            decide(wider, budget, max_slowdown, target_step_time, chunk_sizes)
+            hints.append(" Batched CFG would make it feasible (--cfg-batching auto).")
+        except Infeasible:
+            pass
+    return "".join(hints)

@@ -13,7 +13,9 @@ calibrated profile BW_h2d is the asymptotic rate, the DMA term carries the whole
   prefetch progresses only in compute windows; each collective waits on average for half of the chunk in
   flight (bounded by one chunk's service time, section 3.2), and pays a small yield overhead. Where the
   compute windows cannot hold a block's transfer the runtime does not yield: the better schedule applies.
-Step time = cfg_passes * sum over blocks. Non-block layers (embeddings, final projection) are not modelled.
+Step time = cfg_passes * sum over blocks, or one forward of cfg_passes times the batch with batched CFG (each block
+streamed once a step). With fp8 weight storage the streamed bytes halve and each block pays, on the compute path,
+a cast of its weights to bf16 (bf16 bytes / the profile's cast rate). Non-block layers are not modelled.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref
-from chunkflow_planner.workload import tokens
+from chunkflow_planner.workload import per_forward, tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
 COLLECTIVE_LATENCY_S = 15e-6
@@ -110,12 +112,16 @@ def step_time(
     """Predicted step time of `w` on `hw` under `cfg` (per GPU; all GPUs of an SP group run in lockstep)."""
     hw = hw.for_model(spec)
     L = spec.text_len if text_len is None else text_len
+    w, passes = per_forward(w, cfg.cfg_batched)
     S = tokens(spec, w)
     groups = spec.block_sequence()
     V = block_volumes(spec) if prefetch_bytes is None else [float(prefetch_bytes)] * len(groups)
+    cast = [0.0] * len(groups) if cfg.weight_dtype == "bf16" else [v / (hw.cast_gbps * GB) for v in V]
+    V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
     out = StepTime()
     for l, g in enumerate(groups):
         tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw)  # eta_comp(F) of this block
+        tc += cast[l]
         n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
         tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
         wall, stall, cont, over = block_time(tc, tcoll, n_coll, V[(l + 1) % len(groups)], cfg, hw)
@@ -125,7 +131,6 @@ def step_time(
         out.contention_stall += cont
         out.overhead += over
         out.per_block.append(wall)
-    passes = w.cfg_passes  # one transformer forward per guidance pass
     for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead"):
         setattr(out, name, getattr(out, name) * passes)
     return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 from chunkflow_planner.catalog import ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
 
-__all__ = ["Workload", "WorkloadError", "make_workload", "tokens", "tokens_per_latent_frame", "latent_frames"]
+__all__ = ["Workload", "WorkloadError", "make_workload", "tokens", "tokens_per_latent_frame", "latent_frames",
+           "per_forward"]
 
 
 class WorkloadError(ChunkflowError):
@@ -28,6 +29,14 @@ def latent_frames(spec: ModelSpec, frames: float) -> float:
 def tokens(spec: ModelSpec, w: Workload) -> int:
     """Global sequence length S of one sample (facts.md: S = (H/(s p)) (W/(s p)) ((n-1)/t + 1))."""
     return int(round(tokens_per_latent_frame(spec, w.height, w.width) * latent_frames(spec, w.frames)))
+
+
+def per_forward(w: Workload, cfg_batched: bool) -> tuple[Workload, int]:
+    """One transformer forward of a step and how many run: the guidance passes as `cfg_passes` forwards of the
+    batch, or (batched CFG) one forward of `cfg_passes` times the batch."""
+    if cfg_batched and w.cfg_passes > 1:
+        return w.model_copy(update={"batch": w.batch * w.cfg_passes, "cfg_passes": 1}), 1
+    return w, w.cfg_passes
 
 
 def nearest_valid_frames(spec: ModelSpec, frames: float) -> tuple[int, int]:

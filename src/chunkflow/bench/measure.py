@@ -32,9 +32,9 @@ COLUMNS = [
     "predicted_peak_bytes", "err_peak", "peak_reserved_bytes", "pinned_bytes", "collective_s", "prefetch_stall_s",
     "fence_stall_s", "compute_s", "overhead_s", "n_collectives", "pred_compute_s", "pred_collective_s",
     "pred_stall_s", "pred_overhead_s", "bit_identical", "f_block", "f_star", "i_block", "i_star", "regime",
-    "critical", "hardware", "device", "host_rss_bytes",
+    "critical", "hardware", "device", "host_rss_bytes", "weight_dtype",
 ]
-OPTIONAL_COLUMNS = ("host_rss_bytes",)  # absent from bench.csv files written before it was measured
+OPTIONAL_COLUMNS = ("host_rss_bytes", "weight_dtype")  # absent from bench.csv files written before they were kept
 
 
 def _median(xs: list[float]) -> float:
@@ -73,7 +73,8 @@ def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps:
         timing = denoise(model, spec, w, inputs, device, warmup, steps)
         return timing, math.nan, math.nan, math.nan, 0
     with handle.observing(timer, stall):
-        timing = denoise(model, spec, w, inputs, device, warmup, steps, on_step=on_step)
+        timing = denoise(model, spec, w, inputs, device, warmup, steps, on_step=on_step,
+                         cfg_batched=handle.cfg.cfg_batched)
     return timing, _median(colls), _median(stalls), _median(fences), int(_median(counts))
 
 
@@ -152,14 +153,15 @@ def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Offl
     peak = timing.peak_allocated
     if isinstance(cfg, OffloadConfig):
         p = predict(spec, w, hw, cfg, sp)
-        setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label)
+        setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label,
+                       weight_dtype=cfg.weight_dtype)
         pred = dict(predicted_step_s=p.step_time_s, err_step=(med - p.step_time_s) / p.step_time_s,
                     predicted_peak_bytes=p.peak_memory_bytes,
                     err_peak=(peak - p.peak_memory_bytes) / p.peak_memory_bytes if peak is not None else None,
                     pred_compute_s=p.compute_s, pred_collective_s=p.collective_s + p.contention_stall_s,
                     pred_stall_s=p.prefetch_stall_s, pred_overhead_s=p.overhead_s)
     else:
-        setting = dict(mode=cfg, chunk_bytes=None, residency=0.0, label=cfg)
+        setting = dict(mode=cfg, chunk_bytes=None, residency=0.0, label=cfg, weight_dtype="bf16")
         pred = dict.fromkeys(("predicted_step_s", "err_step", "predicted_peak_bytes", "err_peak", "pred_compute_s",
                               "pred_collective_s", "pred_stall_s", "pred_overhead_s"), math.nan)
     return dict(

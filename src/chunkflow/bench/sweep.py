@@ -48,6 +48,8 @@ class BenchSpec(BaseModel):
     compile: Literal["off", "regional", "regional-fullgraph"] = Field(
         "off", description="torch.compile the model's repeated blocks (diffusers' compile_repeated_blocks) before "
         "any configuration is offloaded; the planner's predictions stay those of eager execution")
+    weight_dtype: Literal["bf16", "fp8_e4m3"] = Field("bf16", description="storage of the streamed weights in the "
+                                                      "offload modes (none keeps the model as it is)")
     warmup: int = 1
     steps: int = 2
 
@@ -77,10 +79,11 @@ class BenchSpec(BaseModel):
 
     def config(self, mode: str, chunk_bytes: int | None = None, residency: float | None = None) -> OffloadConfig:
         """A point's offload setting: chunkflow at the scaling chunk size and residency unless given."""
+        dtype = "bf16" if mode == "none" else self.weight_dtype
         if mode != "chunkflow":
-            return OffloadConfig(mode, comm_aware=self.comm_aware)
+            return OffloadConfig(mode, comm_aware=self.comm_aware, weight_dtype=dtype)
         return OffloadConfig(mode, chunk_bytes or self.chunk, self.residency if residency is None else residency,
-                             self.comm_aware)
+                             self.comm_aware, weight_dtype=dtype)
 
     def points(self) -> list[tuple[OffloadConfig, list[int]]]:
         """Each configuration once, with the workload values it runs at; none first, then layerwise, then chunkflow."""
@@ -116,11 +119,11 @@ class BenchSpec(BaseModel):
         return make_workload(spec, frames=value, **kw) if self.axis == "frames" else make_workload(spec, batch=value, **kw)
 
 
-def row_label(mode: str, chunk_bytes: float | None, residency: float) -> str:
+def row_label(mode: str, chunk_bytes: float | None, residency: float, weight_dtype: str = "bf16") -> str:
     """The label of a bench.csv row: its offload setting's, or the baseline's name."""
     if mode not in MODES:
         return mode
-    return OffloadConfig.of_row(mode, chunk_bytes, residency).label
+    return OffloadConfig.of_row(mode, chunk_bytes, residency).label + (" fp8" if weight_dtype == "fp8_e4m3" else "")
 
 
 class BenchMeta(BaseModel):

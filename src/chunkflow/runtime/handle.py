@@ -26,6 +26,7 @@ from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.resolve import resolve_blocks, resolve_config, resolve_device
+from chunkflow.runtime.storage import cast_tensors, check_fits, storage_dtype
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
@@ -60,6 +61,9 @@ class OffloadStats:
     comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
     refreshes: int = 0  # forwards that re-copied blocks to the device after writes while offloaded
     relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change)
+    weight_dtype: str = "bf16"  # storage of the blocks' weights: bf16 (as the model holds them) or fp8_e4m3
+    fp8_tensors: int = 0  # block tensors stored in fp8 (cast to their compute dtype at each block's forward)
+    cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into (one block's worth)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,7 +107,13 @@ class OffloadHandle:
         if first:
             self._origin = {(id(t.owners[0][0]), t.owners[0][1]): home(t.device) for t in tensors}
             self._home = home(tensors[0].device) if tensors else torch.device("cpu")
-        layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency)
+        cast = cast_tensors(self.module, self.blocks, storage_dtype(self.cfg.weight_dtype))
+        if first:  # refuse weights fp8 cannot hold before anything is written (loaders' values are checked in fill)
+            for t in tensors:
+                cur = t.get()
+                if id(cur) in cast and cur.device.type != "meta" and (source is None or not source.provides(t.name)):
+                    check_fits(t.name, cur, cast[id(cur)])
+        layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast)
         with torch.inference_mode(False):
             store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda") if self.cfg.streams else None
             self._non_block = fill(layouts, store, tensors, self.device, source)
@@ -136,7 +146,8 @@ class OffloadHandle:
             for b in self.layouts:
                 for t in b.tensors:
                     cur = current(t)
-                    bind(t, (raw_data(cur) if t.is_param else cur).to(self._origin_of(t), copy=True))
+                    bind(t, (raw_data(cur) if t.is_param else cur).to(self._origin_of(t), dtype=t.compute_dtype
+                                                                       or t.dtype, copy=True))
         store, self.store, self.layouts = self.store, None, []
         if to_host:
             return store
@@ -150,12 +161,15 @@ class OffloadHandle:
     def _relayout(self, dtypes: dict[torch.dtype, torch.dtype] | None = None) -> None:
         """Lay the blocks out again from the module as it is now (new tensors included), with `dtypes` applied to
         every tensor if given. Host memory holds the old store and the new one for the time of the copy."""
+        compute = {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
         with torch.inference_mode(False), torch.no_grad():
             old = self._detach(to_host=True)
-            if dtypes:
+            if dtypes or compute:  # fp8-stored tensors become their compute dtype again (then stored anew)
+                dtypes = dtypes or {}
                 for t in all_tensors(self.module):
                     cur = t.get()
-                    new = cur.to(dtypes.get(cur.dtype, cur.dtype))
+                    own = compute.get(id(cur), cur.dtype)
+                    new = cur.to(dtypes.get(own, own))
                     if t.is_param:
                         bind_data(cur, new)
                     else:
@@ -190,7 +204,8 @@ class OffloadHandle:
         """A conversion of the whole module: the same device and dtypes is nothing to do; a dtype change is applied
         to the host store (the blocks are laid out again); another device is refused before anything changes."""
         self.unpark()
-        dtypes = {t.get().dtype for t in all_tensors(self.module)}
+        compute = {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
+        dtypes = {compute.get(id(t.get()), t.get().dtype) for t in all_tensors(self.module)}
         mapping: dict[torch.dtype, torch.dtype] = {}
         for dt in dtypes:
             out = fn(torch.empty(0, dtype=dt, device=self.device))
@@ -369,12 +384,15 @@ class OffloadHandle:
             target_residency=self.cfg.residency,
             achieved_residency=(R / V) if V else 1.0,
             slot_bytes=slot,
-            device_buffer_bytes=(s.resident.numel() + 2 * slot) if s is not None else 0,
+            device_buffer_bytes=(s.resident.numel() + 2 * slot + s.cast_buffer.numel()) if s is not None else 0,
             forwards=s.forwards if s is not None else 0,
             h2d_bytes_issued=s.bytes_h2d if s is not None else 0,
             comm_aware=s is not None and s.pacer is not None,
             refreshes=self.refreshes,
             relayouts=self.relayouts,
+            weight_dtype=self.cfg.weight_dtype,
+            fp8_tensors=sum(len(b.cast_tensors()) for b in L),
+            cast_buffer_bytes=s.cast_buffer.numel() if s is not None else 0,
         )
 
     # ---- undo
@@ -385,6 +403,12 @@ class OffloadHandle:
         if self.removed:
             return
         self.unpark()
+        if any(b.cast_tensors() for b in self.layouts):
+            import warnings
+
+            warnings.warn("chunkflow: the blocks' weights were stored in fp8 while offloaded; remove() gives them back "
+                          "in their own dtype with the fp8-rounded values (the originals were not kept). Load the "
+                          "checkpoint again for the exact weights.", stacklevel=2)
         if self.tap is not None:  # the original collective functions back, exactly
             self.tap.remove()
         self.tap = self.pacer = None
@@ -523,7 +547,7 @@ def _check_parameters(blocks: list[tuple[str, nn.Module]]) -> None:
 
 
 def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = None, chunk_size=None,
-            residency: float | None = None, comm_aware: bool | None = None,
+            residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
             device: str | torch.device | None = "cuda", blocks=None,
             source: TensorSource | None = None) -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
@@ -531,7 +555,10 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     The setting: `config` (an OffloadConfig, a plan object or `plan.json` path, or a mode name) or `plan=`, and/or
     the keywords `mode` ('none' keeps all on the device, 'layerwise' copies whole blocks, 'chunkflow' copies
     chunks of `chunk_size` and keeps the first `residency` of each block resident), `comm_aware` (chunkflow under
-    torch.distributed: keep chunk copies out of the model's collectives; call `init_distributed()` first).
+    torch.distributed: keep chunk copies out of the model's collectives; call `init_distributed()` first),
+    `weight_dtype` ('bf16', the default: the weights as they are; 'fp8_e4m3': the blocks' linear weights stored in
+    float8 and cast back on the device before each block runs, as diffusers' `enable_layerwise_casting` does; lossy,
+    halves host memory and copied bytes).
     Keywords override a config or plan. `blocks`: the block modules in execution order (default: from the catalog
     for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
     `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
@@ -540,7 +567,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     module = _unwrap(module)
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, mode=mode, chunk_size=chunk_size, residency=residency,
-                         comm_aware=comm_aware)
+                         comm_aware=comm_aware, weight_dtype=weight_dtype)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     _check_parameters(named)

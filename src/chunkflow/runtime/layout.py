@@ -39,12 +39,23 @@ class TensorEntry:
     is_param: bool
     offset: int  # byte offset inside the block's range, ALIGN-aligned
     nbytes: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # as stored (host store, resident buffer, slots)
     shape: tuple[int, ...]
+    compute_dtype: torch.dtype | None = None  # fp8 storage: the dtype it is cast to on the device for the forward
 
     @property
     def end(self) -> int:
         return self.offset + self.nbytes
+
+    @property
+    def compute_nbytes(self) -> int:
+        """Bytes of its compute-dtype copy (0 when it is used as stored)."""
+        if self.compute_dtype is None:
+            return 0
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty(0, dtype=self.compute_dtype).element_size()
 
 
 @dataclass
@@ -79,6 +90,18 @@ class BlockLayout:
     @property
     def is_streamed(self) -> bool:
         return self.streamed_bytes > 0
+
+    def cast_tensors(self) -> list[TensorEntry]:
+        """Tensors stored in fp8 and cast to their compute dtype before the block runs."""
+        return [t for t in self.tensors if t.compute_dtype is not None]
+
+    @property
+    def cast_extent(self) -> int:
+        """Bytes of the cast buffer this block needs: its fp8 tensors in their compute dtype, ALIGN-aligned."""
+        off = 0
+        for t in self.cast_tensors():
+            off = align_up(off) + t.compute_nbytes
+        return off
 
     def resident_tensors(self) -> list[TensorEntry]:
         return [t for t in self.tensors if t.end <= self.resident_bytes]
@@ -127,26 +150,31 @@ def owned_tensors(root: nn.Module, blocks: list[nn.Module]) -> list[list[tuple[s
     return out
 
 
-def pack_block(index: int, name: str, module: nn.Module, entries) -> BlockLayout:
-    """Pack a block's tensors, grouped by dtype (order of first appearance), at ALIGN-aligned offsets."""
+def pack_block(index: int, name: str, module: nn.Module, entries,
+               cast: dict[int, torch.dtype] | None = None) -> BlockLayout:
+    """Pack a block's tensors, grouped by stored dtype (order of first appearance), at ALIGN-aligned offsets.
+    `cast`: id(tensor) -> storage dtype for tensors stored in another dtype than their own (fp8 storage)."""
+    cast = cast or {}
     by_tensor: dict[int, TensorEntry] = {}
     order: list[torch.Tensor] = []
     for ename, m, attr, t, is_param in entries:
         if id(t) in by_tensor:  # tied inside the block: one copy, several owners
             by_tensor[id(t)].owners.append((m, attr))
             continue
-        by_tensor[id(t)] = TensorEntry(ename, [(m, attr)], is_param, 0, t.numel() * t.element_size(), t.dtype,
-                                       tuple(t.shape))
+        stored = cast.get(id(t), t.dtype)
+        size = torch.empty(0, dtype=stored).element_size()
+        by_tensor[id(t)] = TensorEntry(ename, [(m, attr)], is_param, 0, t.numel() * size, stored, tuple(t.shape),
+                                       t.dtype if stored != t.dtype else None)
         order.append(t)
     dtypes: list[torch.dtype] = []
     for t in order:
-        if t.dtype not in dtypes:
-            dtypes.append(t.dtype)
+        if by_tensor[id(t)].dtype not in dtypes:
+            dtypes.append(by_tensor[id(t)].dtype)
     tensors: list[TensorEntry] = []
     off = 0
     for dt in dtypes:
         for t in order:
-            if t.dtype is dt:
+            if by_tensor[id(t)].dtype is dt:
                 e = by_tensor[id(t)]
                 off = align_up(off)
                 e.offset = off
@@ -173,13 +201,14 @@ def split_residency(b: BlockLayout, chunk_bytes: int | None, residency: float) -
 
 
 def block_layouts(root: nn.Module, blocks: list[tuple[str, nn.Module]], chunk_bytes: int | None,
-                  residency: float) -> list[BlockLayout]:
-    """The layouts of all blocks, with host offsets in one store (each block's range ALIGN-aligned)."""
+                  residency: float, cast: dict[int, torch.dtype] | None = None) -> list[BlockLayout]:
+    """The layouts of all blocks, with host offsets in one store (each block's range ALIGN-aligned); `cast` as in
+    pack_block."""
     owned = owned_tensors(root, [m for _, m in blocks])
     layouts = []
     host = 0
     for i, ((name, m), entries) in enumerate(zip(blocks, owned)):
-        b = pack_block(i, name, m, entries)
+        b = pack_block(i, name, m, entries, cast)
         split_residency(b, chunk_bytes, residency)
         host = align_up(host)
         b.host_offset = host

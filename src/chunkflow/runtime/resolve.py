@@ -72,7 +72,7 @@ def _check_architecture(spec, module: nn.Module) -> None:
 
 def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, mode: str | None = None,
                    chunk_size=None, residency: float | None = None,
-                   comm_aware: bool | None = None) -> OffloadConfig:
+                   comm_aware: bool | None = None, weight_dtype: str | None = None) -> OffloadConfig:
     """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
     any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
     if config is not None and plan is not None:
@@ -86,9 +86,11 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, m
         elif source is not None:
             base = _plan_config(source, module)
         else:
+            if weight_dtype is not None and not isinstance(weight_dtype, str):
+                raise OffloadConfigError(f"weight_dtype must be 'bf16' or 'fp8_e4m3', got {weight_dtype!r}")
             return OffloadConfig(mode or "chunkflow", chunk_size, residency,
-                                 True if comm_aware is None else comm_aware)
-        return base.with_overrides(mode, chunk_size, residency, comm_aware)
+                                 True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16")
+        return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype)
     except OffloadConfigError as exc:
         raise OffloadError(str(exc)) from None
 

@@ -11,6 +11,10 @@ On CUDA, copies run on a dedicated copy stream; `ready[l]` (copy stream) tells c
 filled, `free[s]` (compute stream) tells the copy stream that slot s may be overwritten. Nothing in the hot path
 synchronizes the host. Without CUDA the same code runs with no-op streams and events and synchronous copies.
 
+With fp8 storage the host store, resident buffer and slots hold the fp8 bytes; `enter` casts a block's fp8 tensors
+into one cast buffer (their compute dtype, on the compute stream, after the block's copies are ready) and binds
+them there, as diffusers' layerwise casting does at each layer's forward.
+
 `obs` (an Observer, or None) is told of every copy, stream wait and slot release (runtime/observe.py).
 """
 
@@ -23,7 +27,7 @@ import torch
 
 from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
 from chunkflow.runtime.observe import Observer
-from chunkflow.runtime.params import bind_data
+from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.store import HostStore
 
 
@@ -156,6 +160,7 @@ class Streamer:
             off += b.resident_bytes
         self.resident_total = off
         self.slot_bytes = max((b.slot_extent for b in layouts), default=0)
+        self.cast_bytes = max((b.cast_extent for b in layouts), default=0)
         self.ring = [b.index for b in layouts if b.is_streamed]
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
@@ -165,6 +170,9 @@ class Streamer:
         self.slots: list[torch.Tensor] = []
         self.resident_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
         self.slot_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor]]] = {}
+        self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=device)
+        self.cast_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
+        self.casting: int | None = None  # the block whose fp8 tensors occupy the cast buffer now
         self._alloc_device()
         self.ready = {l: backend.event() for l in self.ring}
         self.free = [backend.event(), backend.event()]
@@ -187,6 +195,16 @@ class Streamer:
         self.resident_views = [[(t, _typed_view(self.resident, roff + t.offset, t)) for t in b.resident_tensors()]
                                for b, roff in zip(self.layouts, self.res_offset)]
         self.slot_views = {}
+        self.cast_buffer = torch.empty(self.cast_bytes, dtype=torch.uint8, device=self.device)
+        self.cast_views = []
+        for b in self.layouts:
+            views, off = [], 0
+            for t in b.cast_tensors():
+                off = align_up(off)
+                views.append((t, self.cast_buffer[off : off + t.compute_nbytes].view(t.compute_dtype).view(t.shape)))
+                off += t.compute_nbytes
+            self.cast_views.append(views)
+        self.casting = None
         for b in self.layouts:
             if not b.is_streamed:
                 continue
@@ -206,6 +224,9 @@ class Streamer:
         self.resident_views = []
         self.slots = []
         self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.cast_views = []
+        self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.casting = None
 
     def acquire_device(self) -> None:
         """Device buffers again after a park: resident heads copied from the host store, the first block
@@ -321,16 +342,34 @@ class Streamer:
             self.obs.compute_wait_end(kind, block)
 
     def enter(self, l: int) -> None:
-        """Block l is about to run: its streamed tensors in a slot (prefetching the next), the rest resident."""
+        """Block l is about to run: its streamed tensors in a slot (prefetching the next), the rest resident, and
+        its fp8 tensors cast into the cast buffer."""
         if self.layouts[l].is_streamed:
             self.before(l)
         for t, view in self.resident_views[l]:
             bind(t, view)
+        if self.cast_views[l]:
+            self._cast(l)
+
+    def _cast(self, l: int) -> None:
+        """fp8 -> compute dtype on the compute stream (after `ready[l]`, which `before` waited for); a block entered
+        while another one's casts occupy the buffer (nested blocks) gets its own tensors."""
+        busy = self.casting is not None
+        for t, view in self.cast_views[l]:
+            stored = current(t)
+            src = raw_data(stored) if t.is_param else stored
+            dst = torch.empty(t.shape, dtype=t.compute_dtype, device=self.device) if busy else view
+            dst.copy_(src)
+            bind(t, dst)
+        if not busy:
+            self.casting = l
 
     def exit(self, l: int) -> None:
         """Block l ran (or raised): release its slot, and its tensors are host views again."""
         if l in self.bound:
             self.after(l)
+        if self.casting == l:
+            self.casting = None
         for t, view in self.host_views[l]:
             bind(t, view)
 
@@ -385,3 +424,5 @@ class Streamer:
         self.resident_views = []
         self.slots = []
         self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.cast_views = []
+        self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)

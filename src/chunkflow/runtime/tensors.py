@@ -12,6 +12,7 @@ from torch import nn
 
 from chunkflow.runtime.errors import OffloadError
 from chunkflow.runtime.layout import BlockLayout
+from chunkflow.runtime.storage import check_fits
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import bind, current
 
@@ -112,7 +113,14 @@ def fill(layouts: list[BlockLayout], store: HostStore | None, tensors: list[Modu
             if hit is not None:
                 b, e = hit
                 dst = store.view(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
-                if from_source:
+                if e.compute_dtype is not None:  # fp8 storage: the value in its own dtype, checked, then cast
+                    value = cur.detach()
+                    if from_source:
+                        value = torch.empty(e.shape, dtype=e.compute_dtype)
+                        source.fill(t.name, m0, a0, value)
+                    check_fits(t.name, value, e.dtype)
+                    dst.copy_(value)
+                elif from_source:
                     source.fill(t.name, m0, a0, dst)
                 else:
                     dst.copy_(cur.detach())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 15's evidence on one H200, through the product: below the critical point, batched CFG and fp8 weight
+# storage against no offload, full offload and the residency the planner picked before the levers existed.
+#
+#   bash scripts/gpu_h200_levers.sh OUT_DIR          # one GPU; about 15 minutes on an H200
+#   QUICK=1 bash scripts/gpu_h200_levers.sh OUT_DIR  # the tiny model on the CPU: a dry run of every step
+#
+# 1. `chunkflow calibrate` (the fp8 cast rate is part of the profile).
+# 2. Wan2.2-TI2V-5B at 480x832, 41 and 81 frames, 2 guidance passes a step, 8 GB budget: the plan without the
+#    levers (--cfg-batching off --weight-dtype bf16) and the plan with them (--allow-fp8), then `chunkflow run` of
+#    no offload (unbatched and batched), chunkflow r=0, the levers-off plan's residency, batched r=0, fp8 r=0 and
+#    the levers-on plan; every report has the planner's prediction next to the measurement.
+# 3. The crossover: `chunkflow bench` over frames with bf16 and with fp8 storage (one pass a step, r=0).
+# 4. Qwen-Image at 1328x1328 in 24 GB: planned at --max-slowdown 1.10 (batched CFG makes it feasible) and run,
+#    with no offload unbatched and batched for reference.
+# Plans, reports, bench output and logs are packed into OUT_DIR/levers.tgz after every step.
+set -uo pipefail
+dest=${1:-${OUT:-out}}
+work=${WORK:-/tmp/chunkflow-evidence}
+out=$work/levers
+mkdir -p "$out" "$dest"
+cf=${CHUNKFLOW:-python3 -m chunkflow}
+source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
+after_run() { tar czf "$dest/levers.tgz" -C "$work" levers; }
+measure() {  # measure NAME DEADLINE_S PLAN RUN_FLAGS...: one `chunkflow run` of a plan, its report kept
+  local name=$1 deadline=$2 plan=$3; shift 3
+  [ -f "$plan" ] || { echo "no plan $plan: $name skipped" | tee "$out/$name.log"; return; }
+  run "$name" "$deadline" run --plan "$plan" --warmup "$warmup" --steps "$steps" --report "$out/$name.json" "$@"
+}
+if [ -n "${QUICK:-}" ]; then
+  model=tiny; size=(--height 64 --width 64); frames=(5 9); budget=2GB; sweep=5,9,13; warmup=0; steps=2
+  run calibrate 120 calibrate --cpu-smoke --out "$out/profile.yaml" --raw "$out/calibration.json" --no-save
+  dev=(--device cpu)
+else
+  model=wan2.2; size=(--height 480 --width 832); frames=(41 81); budget=8GB; sweep=9,17,25,33,41,61,81
+  warmup=1; steps=3; dev=()
+  run calibrate 200 calibrate --model wan2.2,qwen-image --out "$out/profile.yaml" --raw "$out/calibration.json" \
+      --no-save
+fi
+hw=(--hardware "$out/profile.yaml")
+for f in "${frames[@]}"; do
+  run "wan-$f-plan-off" 30 plan --model "$model" --frames "$f" "${size[@]}" --mem-budget "$budget" --transformer-only \
+      --cfg-batching off --weight-dtype bf16 "${hw[@]}" --out "$out/wan-$f-off.json"
+  run "wan-$f-plan-on" 30 plan --model "$model" --frames "$f" "${size[@]}" --mem-budget "$budget" --transformer-only \
+      --allow-fp8 "${hw[@]}" --out "$out/wan-$f-on.json"
+  p=$out/wan-$f-off.json
+  measure "wan-$f-none" 120 "$p" "${dev[@]}" --mode none --no-cfg-batched
+  measure "wan-$f-none-batched" 120 "$p" "${dev[@]}" --mode none --cfg-batched
+  measure "wan-$f-r0" 120 "$p" "${dev[@]}" --mode chunkflow --residency 0 --no-cfg-batched
+  measure "wan-$f-planner-off" 120 "$p" "${dev[@]}"
+  measure "wan-$f-r0-batched" 120 "$p" "${dev[@]}" --mode chunkflow --residency 0 --cfg-batched
+  measure "wan-$f-r0-fp8" 120 "$p" "${dev[@]}" --mode chunkflow --residency 0 --no-cfg-batched --weight-dtype fp8_e4m3
+  measure "wan-$f-planner-on" 120 "$out/wan-$f-on.json" "${dev[@]}"
+done
+for dt in bf16 fp8_e4m3; do
+  run "crossover-$dt" 240 bench --model "$model" --frames "$sweep" "${size[@]}" --modes none,chunkflow \
+      --weight-dtype "$dt" --warmup "$warmup" --steps "$steps" "${hw[@]}" "${dev[@]}" --no-plots \
+      --out "$out/crossover-$dt"
+done
+if [ -z "${QUICK:-}" ]; then
+  run qwen-plan-off 30 plan --model qwen-image --mem-budget 24GB --max-slowdown 1.10 --transformer-only \
+      --cfg-batching off "${hw[@]}" --out "$out/qwen-off.json"
+  run qwen-plan 30 plan --model qwen-image --mem-budget 24GB --max-slowdown 1.10 --transformer-only "${hw[@]}" \
+      --out "$out/qwen.json"
+  measure qwen-planned 180 "$out/qwen.json"
+  measure qwen-none 180 "$out/qwen.json" --mode none --no-cfg-batched
+  measure qwen-none-batched 180 "$out/qwen.json" --mode none --cfg-batched
+fi
+after_run && echo "packed $dest/levers.tgz"

@@ -1,0 +1,257 @@
+"""Batched classifier-free guidance: a step's conditional and unconditional transformer forwards as one forward of
+the doubled batch, so an offloaded transformer streams each block once a step instead of once per guidance pass.
+
+Two ways in:
+- `stack_passes` / `split_passes`: for code that builds the passes' inputs itself (`chunkflow run`'s synthetic
+  steps): the per-pass keyword arguments concatenated along the batch, the output split back.
+- `batch_cfg(pipe)`: for a diffusers pipeline that calls its transformer once per guidance pass (WanPipeline,
+  QwenImagePipeline, ...). It records the text embeddings the pipeline's `encode_prompt` returns (the positive and
+  the negative prompt); when the transformer is called with one of them, it runs both passes in one forward (the
+  other prompt's embeddings in place of this one's; texts of different lengths are zero-padded and masked, for
+  models that take `encoder_hidden_states_mask`) and keeps the other half. The other pass's call gets that half
+  only if its arguments are exactly the ones it was computed with (tensors compared by value); any other call runs
+  normally. So a pipeline that does something else between its passes is slower, never wrong.
+
+Batched kernels may round differently from batch-1 kernels in the last bits; padded text goes through masked
+attention. docs/levers.md states the measured difference; the tests hold tiny pipelines to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from chunkflow_planner.errors import ChunkflowError
+
+TEXT_KEYS = ("encoder_hidden_states", "encoder_hidden_states_mask")
+
+
+class CfgBatchingError(ChunkflowError):
+    """A pipeline or call batched CFG cannot serve; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------- kwargs
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Values equal: tensors by identity, else shape, dtype, device and elements; containers element-wise."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable ==: unequal unless identical
+        return False
+
+
+def stack_passes(passes: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """The keyword arguments of one forward that evaluates every pass: tensors whose first dimension is the batch
+    (and lists of one entry per sample) concatenated in pass order; everything else must be equal across passes."""
+    out: dict[str, Any] = {}
+    for key in passes[0]:
+        values = [p[key] for p in passes]
+        first = values[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] == batch:
+            if any(not isinstance(v, torch.Tensor) or v.shape[1:] != first.shape[1:] for v in values):
+                raise CfgBatchingError(f"{key} differs in shape between the guidance passes; cannot batch them")
+            out[key] = torch.cat(values, dim=0)
+        elif isinstance(first, list) and len(first) == batch and batch > 0:
+            out[key] = [x for v in values for x in v]
+        else:
+            if any(not _equal(v, first) for v in values[1:]):
+                raise CfgBatchingError(f"{key} differs between the guidance passes and has no batch dimension")
+            out[key] = first
+    return out
+
+
+def split_passes(output: Any, n: int) -> list[Any]:
+    """A batched forward's output as n per-pass outputs: the sample (a tuple's first item, or `.sample`) split along
+    the batch; other items kept as they are."""
+    if isinstance(output, torch.Tensor):
+        return list(output.chunk(n, dim=0))
+    if isinstance(output, tuple):
+        return [(part, *output[1:]) for part in output[0].chunk(n, dim=0)]
+    if dataclasses.is_dataclass(output) and hasattr(output, "sample"):
+        return [dataclasses.replace(output, sample=part) for part in output.sample.chunk(n, dim=0)]
+    raise CfgBatchingError(f"cannot split a transformer output of type {type(output).__name__} by guidance pass")
+
+
+def _pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None]) -> tuple[list, list]:
+    """Texts of different lengths zero-padded at the end to the longest, with masks marking the real tokens."""
+    longest = max(e.shape[1] for e in embeds)
+    out_e, out_m = [], []
+    for e, m in zip(embeds, masks):
+        n = e.shape[1]
+        mask = m if m is not None else torch.ones(e.shape[:2], dtype=torch.long, device=e.device)
+        if n < longest:
+            e = torch.cat([e, e.new_zeros(e.shape[0], longest - n, *e.shape[2:])], dim=1)
+            mask = torch.cat([mask, mask.new_zeros(mask.shape[0], longest - n)], dim=1)
+        out_e.append(e)
+        out_m.append(mask)
+    return out_e, out_m
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+
+
+@dataclass
+class _Text:
+    embeds: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _Pending:
+    kwargs: dict[str, Any]  # the call its half answers
+    output: Any
+
+
+@dataclass
+class CfgStats:
+    batched_forwards: int = 0  # forwards that evaluated both passes
+    served: int = 0  # calls answered with the other half of a batched forward
+    unbatched: int = 0  # calls that ran as they were (no known partner, or arguments that did not match)
+    discarded: int = 0  # halves computed but not asked for as computed
+
+
+@dataclass
+class CfgBatching:
+    """`batch_cfg(pipe)`'s state; `remove()` puts the pipeline's transformer(s) and `encode_prompt` back."""
+
+    pipe: Any
+    modules: list[nn.Module]
+    texts: list[_Text] = field(default_factory=list)
+    stats: CfgStats = field(default_factory=CfgStats)
+    _pending: _Pending | None = None
+    _since_encode: bool = False  # a transformer forward ran since the last encode_prompt (a new generation next)
+    _removed: bool = False
+
+    # ---- encode_prompt: the two prompts' embeddings
+
+    def _record(self, result: Any) -> None:
+        items = list(result) if isinstance(result, (tuple, list)) else [result]
+        tensors = [t for t in items if isinstance(t, torch.Tensor)]
+        if self._since_encode:
+            self.texts, self._pending, self._since_encode = [], None, False
+        embeds = [t for t in tensors if t.is_floating_point() and t.dim() == 3]
+        masks = [t for t in tensors if not t.is_floating_point() and t.dim() == 2]
+        if len(embeds) == 1 and len(masks) <= 1:  # one prompt and its mask (QwenImagePipeline calls twice)
+            self.texts.append(_Text(embeds[0], masks[0] if masks else None))
+        else:  # both prompts at once (WanPipeline: positive, negative)
+            self.texts.extend(_Text(e, None) for e in embeds)
+
+    def _partner(self, embeds: torch.Tensor | None) -> tuple[_Text, _Text] | None:
+        """(this call's text, the other prompt's) if the call's embeddings are one of two recorded prompts."""
+        if embeds is None or len(self.texts) != 2:
+            return None
+        for i, t in enumerate(self.texts):
+            e = t.embeds
+            if e is embeds or (e.shape == embeds.shape and bool(torch.equal(e.to(embeds.device, embeds.dtype), embeds))):
+                return t, self.texts[1 - i]
+        return None
+
+    # ---- the transformer's forward
+
+    def forward(self, module: nn.Module, original, args: tuple, kwargs: dict[str, Any]) -> Any:
+        self._since_encode = True
+        if args or self._removed:
+            self.stats.unbatched += 1
+            return original(*args, **kwargs)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if _equal(pending.kwargs, kwargs):
+                self.stats.served += 1
+                return pending.output
+            self.stats.discarded += 1
+        pair = self._partner(kwargs.get("encoder_hidden_states"))
+        hidden = kwargs.get("hidden_states")
+        if pair is None or not isinstance(hidden, torch.Tensor):
+            self.stats.unbatched += 1
+            return original(**kwargs)
+        mine, other = pair
+        embeds = kwargs["encoder_hidden_states"]
+        other_embeds = other.embeds.to(embeds.device, embeds.dtype)
+        other_kwargs = dict(kwargs, encoder_hidden_states=other_embeds)
+        takes_mask = "encoder_hidden_states_mask" in inspect.signature(original).parameters
+        if takes_mask and (other.mask is not None or kwargs.get("encoder_hidden_states_mask") is not None):
+            other_kwargs["encoder_hidden_states_mask"] = (other.mask.to(embeds.device) if other.mask is not None
+                                                         else None)
+        batched_in = [dict(kwargs), dict(other_kwargs)]
+        if embeds.shape[1] != other_embeds.shape[1] or (takes_mask and any(
+                k.get("encoder_hidden_states_mask") is not None for k in batched_in)):
+            if not takes_mask:
+                self.stats.unbatched += 1
+                return original(**kwargs)
+            e, m = _pad_text([k["encoder_hidden_states"] for k in batched_in],
+                             [k.get("encoder_hidden_states_mask") for k in batched_in])
+            for k, ei, mi in zip(batched_in, e, m):
+                k["encoder_hidden_states"], k["encoder_hidden_states_mask"] = ei, mi
+        try:
+            stacked = stack_passes(batched_in, hidden.shape[0])
+        except CfgBatchingError:
+            self.stats.unbatched += 1
+            return original(**kwargs)
+        mine_out, other_out = split_passes(original(**stacked), 2)
+        self.stats.batched_forwards += 1
+        self._pending = _Pending(other_kwargs, other_out)
+        return mine_out
+
+    def remove(self) -> None:
+        """The pipeline as it was: its transformers' forwards and its encode_prompt."""
+        if self._removed:
+            return
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        self.pipe.__dict__.pop("encode_prompt", None)
+        self.texts, self._pending, self._removed = [], None, True
+
+    def __enter__(self) -> "CfgBatching":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def batch_cfg(pipe: Any) -> CfgBatching:
+    """Make `pipe(...)` evaluate both guidance passes of each step in one transformer forward (see the module
+    docstring). Works on the catalog's CFG pipelines (Wan, Wan2.2-A14B's two experts, Qwen-Image) and any diffusers
+    pipeline that encodes its prompts with `encode_prompt` and calls its transformer once per pass with keyword
+    arguments. Undo with `.remove()`, or use it as a context manager."""
+    encode = getattr(pipe, "encode_prompt", None)
+    if not callable(encode):
+        raise CfgBatchingError(f"{type(pipe).__name__} has no encode_prompt; batch_cfg needs a diffusers pipeline "
+                               "that encodes its prompts with it")
+    modules = [m for name in ("transformer", "transformer_2") if isinstance(m := getattr(pipe, name, None), nn.Module)]
+    if not modules:
+        raise CfgBatchingError(f"{type(pipe).__name__} has no transformer to batch")
+    for m in modules:
+        if "forward" in m.__dict__:
+            raise CfgBatchingError(f"{type(m).__name__}.forward is already replaced on this instance (batch_cfg "
+                                   "applied twice?); call .remove() on the earlier one first")
+    state = CfgBatching(pipe, modules)
+
+    def recording_encode(*args, **kwargs):
+        result = encode(*args, **kwargs)
+        state._record(result)
+        return result
+
+    pipe.__dict__["encode_prompt"] = recording_encode
+    for m in modules:
+        original = m.forward
+
+        def forward(*args, _m=m, _orig=original, **kwargs):
+            return state.forward(_m, _orig, args, kwargs)
+
+        m.__dict__["forward"] = forward
+    return state
