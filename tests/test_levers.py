@@ -349,3 +349,39 @@ def test_plan_cli_flags(cli, workdir):
     assert result.exit_code == 2 and "--weight-dtype" in result.output
     result = cli("plan", "--model", "wan2.2", "--cfg-batching", "maybe")
     assert result.exit_code == 2 and "--cfg-batching" in result.output
+
+
+def test_fp8_with_lora_loaded_before_offload_and_refused_after():
+    """A LoRA loaded before offload runs with fp8 base weights as under diffusers' layerwise casting (adapter layers
+    kept in their dtype); loading one while the blocks are stored in fp8 is refused and changes nothing."""
+    pytest.importorskip("peft")
+    from test_pipelines import _clone, _lora_state_dict
+
+    with one_thread():
+        pipe = tiny_pipeline("wan")
+        sd = _lora_state_dict(pipe, 5)
+        pipe.load_lora_weights(_clone(sd), adapter_name="a")
+        t = pipe.transformer
+        ref = _layerwise_reference(t, [t.blocks])
+        kw = dict(hidden_states=torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0)),
+                  timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, 16, 32), return_dict=False)
+        with torch.no_grad():
+            expected = ref(**kw)[0]
+        h = chunkflow.offload(t, mode="chunkflow", chunk_size=3001, residency=0.3, weight_dtype="fp8_e4m3",
+                              device="cpu")
+        with torch.no_grad():
+            assert torch.equal(t(**kw)[0], expected)
+        lora_dtypes = {p.dtype for n, p in t.named_parameters() if "lora_" in n}
+        assert lora_dtypes == {torch.float32}
+        fresh = tiny_pipeline("qwen")
+        sd2 = _lora_state_dict(fresh, 6)
+        h2 = chunkflow.offload(fresh.transformer, mode="layerwise", weight_dtype="fp8_e4m3", device="cpu")
+        before = _result(fresh, "qwen")
+        with pytest.raises(chunkflow.ChunkflowError, match="fp8"):
+            fresh.load_lora_weights(_clone(sd2), adapter_name="b")
+        assert not any("lora_" in n for n, _ in fresh.transformer.named_parameters())
+        assert torch.equal(_result(fresh, "qwen"), before)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            h.remove()
+            h2.remove()

@@ -1,6 +1,7 @@
 """chunkflow: stream a diffusion transformer's blocks from pinned host memory in chunks, one block ahead.
 
-`chunkflow.offload(module, ...)` is the one-call API; `OffloadConfig` is the offload setting it takes (also what a
+`chunkflow.offload(module, ...)` is the one-call API (and `chunkflow.batch_cfg(pipe)` runs a pipeline's two
+guidance passes as one forward); `OffloadConfig` is the offload setting it takes (also what a
 plan file holds). Every error the package raises for bad input is a `ChunkflowError` (a ValueError). The runtime names load torch on first use, so that `chunkflow plan` and the rest of the CLI
 that needs no torch stay fast.
 """
@@ -13,10 +14,12 @@ from chunkflow_planner import __version__
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 
-__all__ = ["offload", "take_turns", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError", "OffloadStats", "__version__"]
+__all__ = ["offload", "take_turns", "batch_cfg", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError",
+           "OffloadStats", "__version__"]
 _RUNTIME = ("offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadStats")
 
 if TYPE_CHECKING:  # pragma: no cover
+    from chunkflow.cfg import batch_cfg
     from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, offload, take_turns
 
 
@@ -25,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from chunkflow.runtime import handle
 
         return getattr(handle, name)
+    if name == "batch_cfg":
+        from chunkflow.cfg import batch_cfg
+
+        return batch_cfg
     raise AttributeError(f"module 'chunkflow' has no attribute {name!r}")

@@ -10,7 +10,8 @@ Two ways in:
   other prompt's embeddings in place of this one's; texts of different lengths are zero-padded and masked, for
   models that take `encoder_hidden_states_mask`) and keeps the other half. The other pass's call gets that half
   only if its arguments are exactly the ones it was computed with (tensors compared by value); any other call runs
-  normally. So a pipeline that does something else between its passes is slower, never wrong.
+  normally. So a pipeline that does something else between its passes is slower, never wrong. A transformer with
+diffusers' caching enabled (`enable_cache`: its state is kept per pass) is not batched.
 
 Batched kernels may round differently from batch-1 kernels in the last bits; padded text goes through masked
 attention. docs/levers.md states the measured difference; the tests hold tiny pipelines to it.
@@ -165,7 +166,9 @@ class CfgBatching:
 
     def forward(self, module: nn.Module, original, args: tuple, kwargs: dict[str, Any]) -> Any:
         self._since_encode = True
-        if args or self._removed:
+        if args or self._removed or getattr(module, "is_cache_enabled", False):
+            # positional calls, and models with diffusers' caching (its state is kept per guidance pass) run as they
+            # are
             self.stats.unbatched += 1
             return original(*args, **kwargs)
         pending, self._pending = self._pending, None

@@ -36,6 +36,10 @@ from chunkflow_planner.offload import OffloadConfig
 __all__ = ["offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadStats", "TensorSource", "resolve_device"]
 
 _MARK = "_chunkflow_handle"
+FP8_NO_NEW_MODULES = (
+    "cannot add or replace {name!r} inside a block while chunkflow stores the blocks' weights in fp8 (peft would "
+    "create LoRA layers in fp8, silently losing precision, and diffusers' layerwise casting cannot run them either); "
+    "nothing was changed. Load (and fuse) LoRAs before offloading, or offload with weight_dtype bf16.")
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class OffloadHandle:
                 self.streamer.fill_resident_and_start()
                 self.hooks = [BlockHook(self, b.index, b.module) for b in layouts]
                 self.writes.watch(layouts, self.streamer.host_views)
+                self.writes.refuse_new = None if not cast else FP8_NO_NEW_MODULES
         self._configure()
 
     def _detach(self, to_host: bool) -> HostStore | None:

@@ -35,6 +35,7 @@ class WriteWatch:
         self._entries: list[tuple[dict, str, object, int, int]] = []  # (owner dict, attr, object, version, block)
         self._module_ids: set[int] = set()
         self._registrations: list = []
+        self.refuse_new: str | None = None  # when set: registrations inside a block are refused with this message
 
     # ---- lifetime
 
@@ -108,6 +109,8 @@ class WriteWatch:
 
     def _registered(self, module: nn.Module, name: str, value) -> None:
         if id(module) in self._module_ids:
+            if self.refuse_new is not None:  # torch calls this before the assignment: nothing has changed yet
+                raise OffloadError(self.refuse_new.format(name=name))
             self.changed = True
 
     # ---- at the start of a forward
