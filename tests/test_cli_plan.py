@@ -31,7 +31,7 @@ def plan_json(*args: str) -> dict:
     ],
 )
 def test_paper_appendix_c_through_the_cli(args, axis, expected):
-    plan = plan_json(*args, "--hardware", "h100-pcie-x2-paper", "--sp", "2")
+    plan = plan_json(*args, "--hardware", "h100-pcie-x2-paper", "--sp", "2", "--cfg-batching", "off")
     crit = plan["analysis"]["critical"]
     assert crit["axis"] == axis
     assert crit["value"] == pytest.approx(expected, rel=0.01)

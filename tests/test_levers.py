@@ -385,3 +385,20 @@ def test_fp8_with_lora_loaded_before_offload_and_refused_after():
             warnings.simplefilter("ignore")
             h.remove()
             h2.remove()
+
+
+def test_the_analysis_of_each_lever():
+    """Batched CFG doubles F_block (the critical frame count about halves); fp8 halves B_pref and F*."""
+    from chunkflow_planner.catalog import get_hardware, get_model
+    from chunkflow_planner.overlap import analyse
+    from chunkflow_planner.workload import make_workload
+
+    spec, hw = get_model("wan2.2"), get_hardware("h100-pcie-x2-paper")  # a scalar eta: F* is eq. 4's closed form
+    w = make_workload(spec, frames=81, height=704, width=1280, cfg_passes=2)
+    base = analyse(spec, w, hw)
+    batched = analyse(spec, w, hw, cfg=OffloadConfig("chunkflow", cfg_batched=True))
+    fp8 = analyse(spec, w, hw, cfg=OffloadConfig("chunkflow", weight_dtype="fp8_e4m3"))
+    assert batched.F_block == pytest.approx(2 * base.F_block) and batched.F_star == base.F_star
+    assert 0.4 < batched.critical.value / base.critical.value < 0.6
+    assert fp8.B_pref == pytest.approx(base.B_pref / 2) and fp8.F_star == pytest.approx(base.F_star / 2)
+    assert 0.4 < fp8.critical.value / base.critical.value < 0.6

@@ -25,7 +25,10 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     )
     console.print(escape(f"hardware: {hw.name} [{hw.source}]"), highlight=False)
 
-    t = Table(title="Overlap analysis (per GPU, per block; paper section 3.1)")
+    levers = [x for x, on in (("both guidance passes in one forward", plan.offload.cfg_batched),
+                              ("fp8 weights", plan.offload.weight_dtype != "bf16")) if on]
+    t = Table(title="Overlap analysis (per GPU, per block; paper section 3.1)"
+              + (f"\nof the plan's setting: {', '.join(levers)}" if levers else ""))
     t.add_column("quantity")
     t.add_column("value", justify="right")
     t.add_column("meaning")

@@ -7,6 +7,8 @@ where the per-GPU F_block crosses F_star, by root finding on the continuous work
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -17,6 +19,10 @@ from chunkflow_planner.workload import latent_frames, nearest_valid_frames, toke
 
 GB = 1e9
 TFLOP = 1e12
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from chunkflow_planner.offload import OffloadConfig
 
 
 def brent(f, a: float, b: float, xtol: float = 1e-12, rtol: float = 1e-12, maxiter: int = 200) -> float:
@@ -185,8 +191,13 @@ def analyse(
     sp: int = 1,
     prefetch_bytes: float | None = None,
     text_len: float | None = None,
+    cfg: "OffloadConfig | None" = None,
 ) -> OverlapAnalysis:
     """The overlap analysis of workload `w` on `hw`: per-GPU F_block, B_pref, F_star, regime, critical point.
+
+    `cfg` brings the two levers in: batched CFG analyses one forward of cfg_passes times the batch (F_block
+    doubles), fp8 storage halves B_pref (so F_star halves). The cast fp8 storage adds on the GPU is left to the
+    step-time model, as the other costs beyond eqs. 1-6 are.
 
     B_pref is the mean per-block parameter bytes (Appendix B) unless `prefetch_bytes` overrides it (the
     paper profiles it). With a calibrated eta_comp(F) curve, T_comp uses the efficiency at this F_block and F_star
@@ -198,7 +209,12 @@ def analyse(
 
     P = hw.peak_tflops * TFLOP
     BW = hw.h2d_gbps * GB
+    from chunkflow_planner.workload import per_forward
+
     B_pref = spec.mean_block_bytes if prefetch_bytes is None else float(prefetch_bytes)
+    if cfg is not None:
+        w = per_forward(w, cfg.cfg_batched)[0]
+        B_pref = cfg.stored_bytes(B_pref, spec.dtype_bytes)
     F = F_block_per_gpu(spec, w.batch, tokens(spec, w), sp, text_len)
     fs = F_star_hw(hw, B_pref)
     return OverlapAnalysis(

@@ -164,6 +164,8 @@ def make_plan(
     else:
         decision = decide(problem, budget, max_slowdown, target_step_time)
     chosen = decision.chosen
+    if chosen.cfg.cfg_batched or chosen.cfg.weight_dtype != "bf16":  # the analysis of what will run
+        analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)
     plan = Plan(
         model=PlanModel(
             name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes

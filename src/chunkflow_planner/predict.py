@@ -35,7 +35,7 @@ def predict(spec: ModelSpec, w: Workload, hw: HardwareSpec, cfg: OffloadConfig, 
     t = point.time
     return Predicted(
         step_time_s=point.step_time, peak_memory_bytes=point.memory.peak,
-        pinned_host_bytes=int(point.memory.pinned_host), regime=analyse(spec, w, hw, sp).regime,
+        pinned_host_bytes=int(point.memory.pinned_host), regime=analyse(spec, w, hw, sp, cfg=cfg).regime,
         compute_s=t.compute, collective_s=t.collective, contention_stall_s=t.contention_stall,
         prefetch_stall_s=t.prefetch_stall, overhead_s=t.overhead,
     )

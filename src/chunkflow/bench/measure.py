@@ -149,7 +149,7 @@ def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Offl
 
     coll, stall, fence, ncoll = probes
     med = statistics.median(timing.times)
-    a = analyse(spec, w, hw, sp)
+    a = analyse(spec, w, hw, sp, cfg=cfg if isinstance(cfg, OffloadConfig) else None)
     peak = timing.peak_allocated
     if isinstance(cfg, OffloadConfig):
         p = predict(spec, w, hw, cfg, sp)
