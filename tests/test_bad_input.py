@@ -80,7 +80,7 @@ def tiny_plan_json(tmp_path_factory) -> dict:
 
 PLAN_FLAGS = ["--frames", "--batch", "--height", "--width", "--steps", "--sp", "--mem-budget", "--max-slowdown",
               "--target-step-time", "--peak-tflops", "--h2d-gbps", "--eta-comp", "--eta-pref", "--prefetch-bytes",
-              "--text-len", "--hardware", "--model"]
+              "--text-len", "--hardware", "--model", "--weight-dtype", "--cfg-batching"]
 
 
 @SETTINGS

@@ -402,3 +402,40 @@ def test_the_analysis_of_each_lever():
     assert 0.4 < batched.critical.value / base.critical.value < 0.6
     assert fp8.B_pref == pytest.approx(base.B_pref / 2) and fp8.F_star == pytest.approx(base.F_star / 2)
     assert 0.4 < fp8.critical.value / base.critical.value < 0.6
+
+
+def test_batched_cfg_with_two_experts():
+    """Wan2.2-A14B's pipeline: two transformers switched at a boundary timestep, each pass batched."""
+    from diffusers import WanPipeline
+
+    with one_thread():
+        p = tiny_pipeline("wan")
+        t2 = copy.deepcopy(p.transformer)
+        with torch.no_grad():
+            for q in t2.parameters():
+                q.add_(0.01)
+        pipe = WanPipeline(tokenizer=p.tokenizer, text_encoder=p.text_encoder, vae=p.vae, scheduler=p.scheduler,
+                           transformer=p.transformer, transformer_2=t2, boundary_ratio=0.5)
+        pipe.set_progress_bar_config(disable=True)
+        ref = pipe(**call_kwargs("wan", num_inference_steps=4, guidance_scale_2=3.0)).frames
+        with chunkflow.batch_cfg(pipe) as b:
+            ours = pipe(**call_kwargs("wan", num_inference_steps=4, guidance_scale_2=3.0)).frames
+    assert b.stats.batched_forwards == 4 and b.stats.served == 4
+    assert (ours - ref).abs().max() <= CFG_RTOL * ref.abs().max()
+    assert "forward" not in t2.__dict__
+
+
+def test_whole_pipeline_plan_takes_the_levers(cli, workdir):
+    """The whole-pipeline planner streams the transformer with batched CFG where that avoids residency, and says so;
+    with --cfg-batching off it keeps residency instead."""
+    args = ["plan", "--model", "wan2.2", "--frames", "41", "--height", "480", "--width", "832", "--mem-budget",
+            "12GB", "--host-mem-budget", "64GB", "--hardware", "h200", "--json"]
+    on = json.loads(cli(*args).stdout)
+    off = json.loads(cli(*args, "--cfg-batching", "off").stdout)
+    placed = {c["kind"]: c["placement"] for c in on["pipeline"]["components"]}
+    assert placed["transformer"] == "stream" and on["offload"]["cfg_batched"] is True
+    assert on["offload"]["residency"] == 0 and "batched CFG" in on["reason"]
+    assert off["offload"]["cfg_batched"] is False and off["offload"]["residency"] > 0
+    # batched: the denoise phase holds the doubled activations, not the resident heads
+    assert on["prediction"]["phases"]["denoise"]["peak_memory_bytes"] < off["prediction"]["phases"]["denoise"][
+        "peak_memory_bytes"]

@@ -183,16 +183,18 @@ def _unpark_bytes(spec: ModelSpec, point: Point) -> float:
 class _Transformer:
     """The transformer's candidates, evaluated once for every placement combination."""
 
-    none: Point
+    none: Point  # no offload, the guidance passes unbatched: the reference
     points: list[Point]
     targets: dict[bool, float]  # the step target by CFG evaluation (batched or not)
+    nones: tuple[Point, ...] = ()  # no offload in every CFG evaluation the levers allow
 
     def meets(self, p: Point) -> bool:
         return p.step_time <= self.targets[p.cfg.cfg_batched]
 
 
 def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
-    return _Transformer(problem.none(), candidates(problem), problem.targets(max_slowdown, target_step_time))
+    return _Transformer(problem.none(), candidates(problem), problem.targets(max_slowdown, target_step_time),
+                        tuple(problem.none(b) for b in problem.levers.cfg_batched))
 
 
 def _pick_stream(cands: _Transformer, room: float) -> Point | None:
@@ -325,16 +327,15 @@ def decide_pipeline(
               else base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf)
     seen: list[PipelineEstimate] = []
     for pl in _placements(spec, hw):
-        if pl.transformer in ("gpu", "phase"):
-            est = estimate(spec, w, hw, pl, cands.none, costs)
-        else:
-            probe = estimate(spec, w, hw, pl, cands.none, costs)
-            other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
-            point = _pick_stream(cands, _room(other, gpu_budget, hw))
-            if point is None:
-                point = min(cands.points, key=lambda p: p.memory.peak)
-            est = estimate(spec, w, hw, pl, point, costs)
-        seen.append(est)
+        if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
+            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones or (cands.none,))
+            continue
+        probe = estimate(spec, w, hw, pl, cands.none, costs)
+        other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
+        point = _pick_stream(cands, _room(other, gpu_budget, hw))
+        if point is None:
+            point = min(cands.points, key=lambda p: p.memory.peak)
+        seen.append(estimate(spec, w, hw, pl, point, costs))
     fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
     fits = [e for e in fits_gpu if e.host_memory <= host_budget]
     if fits:
@@ -343,6 +344,8 @@ def decide_pipeline(
             why = _why(best, base, target)
             if best.placements.transformer == "stream":
                 why += lever_reason(best.transformer, [p for p in cands.points if cands.meets(p)], problem.levers)
+            elif best.transformer.cfg.cfg_batched:
+                why += "; the guidance passes run as one batched forward (faster at this size)"
             return PipelineDecision(best, base, target, gpu_budget, host_budget, why)
         raise Infeasible(
             "latency",
