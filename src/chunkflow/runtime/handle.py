@@ -26,7 +26,7 @@ from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.resolve import resolve_blocks, resolve_config, resolve_device
-from chunkflow.runtime.storage import cast_tensors, check_fits, storage_dtype
+from chunkflow.runtime.storage import ResidentCasting, cast_layers, cast_tensors, check_fits, storage_dtype
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
@@ -100,6 +100,7 @@ class OffloadHandle:
         self._resume: torch.utils.hooks.RemovableHandle | None = None  # while parked: the forward pre-hook
         self._park_store: HostStore | None = None  # host homes of the non-block tensors while parked
         self._park_versions: list[tuple[int, int]] | None = None  # (version, data_ptr) at the last unpark
+        self._resident_cast: ResidentCasting | None = None  # fp8 storage of the layers outside the blocks
 
     # ---- attach and detach (start-up, remove, laying out again)
 
@@ -111,18 +112,27 @@ class OffloadHandle:
         if first:
             self._origin = {(id(t.owners[0][0]), t.owners[0][1]): home(t.device) for t in tensors}
             self._home = home(tensors[0].device) if tensors else torch.device("cpu")
-        cast = cast_tensors(self.module, self.blocks, storage_dtype(self.cfg.weight_dtype))
-        if first:  # refuse weights fp8 cannot hold before anything is written (loaders' values are checked in fill)
+        fp8 = storage_dtype(self.cfg.weight_dtype)
+        cast = cast_tensors(self.module, self.blocks, fp8)
+        inside = {id(m) for _, b in self.blocks for m in b.modules()}
+        outside = [m for m in cast_layers(self.module) if id(m) not in inside] if fp8 is not None else []
+        if first and fp8 is not None:  # refuse weights fp8 cannot hold before anything is written (loaders' values
+            every = {**cast, **{id(t): fp8 for m in outside for _, t in ResidentCasting.tensors(m)}}  # in fill)
             for t in tensors:
                 cur = t.get()
-                if id(cur) in cast and cur.device.type != "meta" and (source is None or not source.provides(t.name)):
-                    check_fits(t.name, cur, cast[id(cur)])
+                if id(cur) in every and cur.device.type != "meta" and (source is None or not source.provides(t.name)):
+                    check_fits(t.name, cur, every[id(cur)])
         layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast)
         with torch.inference_mode(False):
             store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda") if self.cfg.streams else None
             self._non_block = fill(layouts, store, tensors, self.device, source)
             self._park_versions = None
             place(self._non_block, self.device)
+            if outside:
+                for m in outside:
+                    for name, t in ResidentCasting.tensors(m):
+                        check_fits(f"{type(m).__name__}.{name}", t, fp8)
+                self._resident_cast = ResidentCasting(outside, fp8)
             if self.device.type == "cuda" and source is not None:
                 torch.cuda.synchronize(self.device)
             self.layouts, self.store = layouts, store
@@ -139,6 +149,9 @@ class OffloadHandle:
         """Stop streaming and watching. to_host: block tensors stay what they are between forwards (views of the
         old store, which is returned and must outlive them, or whatever replaced them since); else each goes back
         where it was before offload, with its current values, and the store is released."""
+        if self._resident_cast is not None:  # the layers outside the blocks get their own dtype back first
+            self._resident_cast.undo()
+            self._resident_cast = None
         for h in self.hooks:
             h.remove()
         self.hooks = []
@@ -210,6 +223,7 @@ class OffloadHandle:
         to the host store (the blocks are laid out again); another device is refused before anything changes."""
         self.unpark()
         compute = {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
+        compute.update(self._resident_cast.compute if self._resident_cast is not None else {})
         dtypes = {compute.get(id(t.get()), t.get().dtype) for t in all_tensors(self.module)}
         mapping: dict[torch.dtype, torch.dtype] = {}
         for dt in dtypes:
@@ -396,7 +410,8 @@ class OffloadHandle:
             refreshes=self.refreshes,
             relayouts=self.relayouts,
             weight_dtype=self.cfg.weight_dtype,
-            fp8_tensors=sum(len(b.cast_tensors()) for b in L),
+            fp8_tensors=sum(len(b.cast_tensors()) for b in L) + (len(self._resident_cast.own)
+                                                                 if self._resident_cast is not None else 0),
             cast_buffer_bytes=s.cast_buffer.numel() if s is not None else 0,
         )
 
@@ -408,7 +423,7 @@ class OffloadHandle:
         if self.removed:
             return
         self.unpark()
-        if any(b.cast_tensors() for b in self.layouts):
+        if any(b.cast_tensors() for b in self.layouts) or self._resident_cast is not None:
             import warnings
 
             warnings.warn("chunkflow: the blocks' weights were stored in fp8 while offloaded; remove() gives them back "
@@ -500,6 +515,9 @@ def discard(handle: OffloadHandle) -> None:
     if handle._resume is not None:
         handle._resume.remove()
         handle._resume = None
+    if handle._resident_cast is not None:
+        handle._resident_cast.undo()
+        handle._resident_cast = None
     if isinstance(handle.module.__dict__.get("_hf_hook"), ExecutionDevice):
         del handle.module.__dict__["_hf_hook"]
     for h in handle.hooks:

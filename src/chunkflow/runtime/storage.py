@@ -1,7 +1,8 @@
 """Which block tensors are stored in fp8, and the checks on their values.
 
 fp8 storage follows diffusers' layerwise casting (`ModelMixin.enable_layerwise_casting(storage_dtype=
-torch.float8_e4m3fn, compute_dtype=...)`) exactly, restricted to the offloaded blocks: the floating-point tensors of
+torch.float8_e4m3fn, compute_dtype=...)`) exactly, in the offloaded blocks (streamed in fp8) and in the layers
+outside them (kept on the device in fp8, `ResidentCasting`): the floating-point tensors of
 every Conv, ConvTranspose, Linear and Embedding leaf whose dotted name (from the model's root) matches none of the
 skip patterns (diffusers' defaults, the class's `_skip_layerwise_casting_patterns` and `_keep_in_fp32_modules`, and
 peft's adapter layers) are stored as `tensor.to(float8_e4m3fn)` and used as `stored.to(compute_dtype)`: a plain
@@ -39,28 +40,105 @@ def skip_patterns(root: nn.Module) -> tuple[str, ...]:
     return tuple(dict.fromkeys(patterns + list(PEFT_ADAPTER_LAYERS)))
 
 
-def cast_tensors(root: nn.Module, blocks: list[tuple[str, nn.Module]], dtype: torch.dtype | None) -> dict[int, torch.dtype]:
-    """id(tensor) -> storage dtype for the block tensors layerwise casting would store in `dtype` (none if None)."""
-    if dtype is None:
-        return {}
+def cast_layers(root: nn.Module) -> list[nn.Module]:
+    """The leaf layers `enable_layerwise_casting` would cast, in module order."""
     patterns = skip_patterns(root)
-    inside = {id(m) for _, b in blocks for m in b.modules()}
-    out: dict[int, torch.dtype] = {}
+    out: list[nn.Module] = []
 
     def walk(module: nn.Module, name: str) -> None:
         if name and any(re.search(p, name) for p in patterns):
             return
         if isinstance(module, CAST_LAYERS):
-            if id(module) in inside:
-                for t in list(module._parameters.values()) + list(module._buffers.values()):
-                    if t is not None and t.is_floating_point():
-                        out[id(t)] = dtype
+            out.append(module)
             return
         for child_name, child in module.named_children():
             walk(child, f"{name}.{child_name}" if name else child_name)
 
     walk(root, "")
     return out
+
+
+def _floating(m: nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None and t.is_floating_point()]
+
+
+def cast_tensors(root: nn.Module, blocks: list[tuple[str, nn.Module]], dtype: torch.dtype | None) -> dict[int, torch.dtype]:
+    """id(tensor) -> storage dtype for the block tensors layerwise casting would store in `dtype` (none if None)."""
+    if dtype is None:
+        return {}
+    inside = {id(m) for _, b in blocks for m in b.modules()}
+    return {id(t): dtype for m in cast_layers(root) if id(m) in inside for t in _floating(m)}
+
+
+class ResidentCasting:
+    """fp8 storage of the layers outside the blocks (they stay on the device): each tensor stored as
+    `t.to(dtype)`, and bound to `stored.to(its dtype)` for its layer's forward only, as diffusers'
+    LayerwiseCastingHook does. `undo()` gives each its own dtype back (with the fp8-rounded values)."""
+
+    def __init__(self, layers: list[nn.Module], dtype: torch.dtype):
+        self.dtype = dtype
+        self.layers = layers
+        self.own: dict[tuple[int, str], torch.dtype] = {}  # (id(layer), attribute) -> the tensor's own dtype
+        self._held: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for m in layers:
+            for attr, t in self.tensors(m):
+                self.own[(id(m), attr)] = t.dtype
+                _set(m, attr, t.detach().to(dtype))
+        self.hooks = [h for m in layers for h in (m.register_forward_pre_hook(self._before),
+                                                  m.register_forward_hook(self._after, always_call=True))]
+
+    @staticmethod
+    def tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The floating-point tensors of a layer: what layerwise casting casts."""
+        return [(a, t) for a, t in list(m._parameters.items()) + list(m._buffers.items())
+                if t is not None and t.is_floating_point()]
+
+    @property
+    def compute(self) -> dict[int, torch.dtype]:
+        """id(tensor) -> its own dtype, for the tensors stored in fp8 now."""
+        return {id(t): self.own[(id(m), a)] for m in self.layers for a, t in self.tensors(m) if (id(m), a) in self.own}
+
+    def _before(self, m: nn.Module, args) -> None:
+        held = []
+        for attr, t in self.tensors(m):
+            own = self.own.get((id(m), attr))
+            if own is not None:
+                stored = _get(m, attr)
+                held.append((attr, stored))
+                _set(m, attr, stored.to(own))
+        self._held[id(m)] = held
+
+    def _after(self, m: nn.Module, args, output) -> None:
+        for attr, stored in self._held.pop(id(m), []):
+            _set(m, attr, stored)
+
+    def undo(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for m in self.layers:
+            for attr, _ in self.tensors(m):
+                own = self.own.get((id(m), attr))
+                if own is not None:
+                    _set(m, attr, _get(m, attr).to(own))
+        self.own = {}
+
+
+def _get(m: nn.Module, attr: str) -> torch.Tensor:
+    """A layer's tensor as stored (a parameter's data, without telling the write tracker)."""
+    from chunkflow.runtime.params import raw_data
+
+    return raw_data(m._parameters[attr]) if attr in m._parameters else m._buffers[attr]
+
+
+def _set(m: nn.Module, attr: str, value: torch.Tensor) -> None:
+    """Bind a layer's tensor to `value`, keeping the Parameter object."""
+    from chunkflow.runtime.params import bind_data
+
+    if attr in m._parameters:
+        bind_data(m._parameters[attr], value)
+    else:
+        m._buffers[attr] = value
 
 
 def check_fits(name: str, value: torch.Tensor, dtype: torch.dtype) -> None:
