@@ -13,7 +13,8 @@
 # 3. The crossover: `chunkflow bench` over frames with bf16 and with fp8 storage (one pass a step, r=0).
 # 4. Qwen-Image at 1328x1328 in 24 GB: planned at --max-slowdown 1.10 (batched CFG makes it feasible) and run,
 #    with no offload unbatched and batched for reference.
-# Plans, reports, bench output and logs are packed into OUT_DIR/levers.tgz after every step.
+# Plans, reports (with the final latents of each run, to measure batched against unbatched), bench output and logs
+# are packed into OUT_DIR/levers.tgz after every step; `python3 scripts/levers_doc.py DIR` tabulates them.
 set -uo pipefail
 dest=${1:-${OUT:-out}}
 work=${WORK:-/tmp/chunkflow-evidence}
@@ -25,7 +26,8 @@ after_run() { tar czf "$dest/levers.tgz" -C "$work" levers; }
 measure() {  # measure NAME DEADLINE_S PLAN RUN_FLAGS...: one `chunkflow run` of a plan, its report kept
   local name=$1 deadline=$2 plan=$3; shift 3
   [ -f "$plan" ] || { echo "no plan $plan: $name skipped" | tee "$out/$name.log"; return; }
-  run "$name" "$deadline" run --plan "$plan" --warmup "$warmup" --steps "$steps" --report "$out/$name.json" "$@"
+  run "$name" "$deadline" run --plan "$plan" --warmup "$warmup" --steps "$steps" --report "$out/$name.json" \
+      --latents "$out/$name.safetensors" "$@"
 }
 if [ -n "${QUICK:-}" ]; then
   model=tiny; size=(--height 64 --width 64); frames=(5 9); budget=2GB; sweep=5,9,13; warmup=0; steps=2

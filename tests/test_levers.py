@@ -229,12 +229,18 @@ def test_synthetic_run_with_batched_cfg(cli, workdir):
     for flag in ("--cfg-batched", "--no-cfg-batched"):
         out = f"r{flag}.json"
         result = cli("run", "--plan", "plan.json", "--device", "cpu", "--steps", "2", "--warmup", "0",
-                     "--mode", "chunkflow", "--chunk-size", "4KB", flag, "--report", out)
+                     "--mode", "chunkflow", "--chunk-size", "4KB", flag, "--report", out,
+                     "--latents", f"z{flag}.safetensors")
         assert result.exit_code == 0, result.output
         reports[flag] = json.loads(open(out).read())
     on, off = reports["--cfg-batched"], reports["--no-cfg-batched"]
     assert on["run"]["offload"]["cfg_batched"] is True and off["run"]["offload"]["cfg_batched"] is False
     assert on["stats"]["forwards"] == 2 and off["stats"]["forwards"] == 4
+    from safetensors.torch import load_file
+
+    z_on = load_file("z--cfg-batched.safetensors")["latents"].float()
+    z_off = load_file("z--no-cfg-batched.safetensors")["latents"].float()
+    assert (z_on - z_off).abs().max() <= 2e-2 * z_off.abs().max()  # bf16: the stated tolerance
     per_forward = on["stats"]["streamed_bytes_per_step"]
     assert off["stats"]["h2d_bytes_issued"] - on["stats"]["h2d_bytes_issued"] == 2 * per_forward > 0
 

@@ -257,7 +257,8 @@ def run_cmd(
     guidance: Optional[float] = typer.Option(None, help="with --prompt: guidance scale (default: the model's)"),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="with --prompt: write the result here, .mp4 (video) "
                                                                "or .png (image)"),
-    latents: Optional[str] = typer.Option(None, help="with --prompt: also save the final latents (safetensors)"),
+    latents: Optional[str] = typer.Option(None, help="also save the final latents (safetensors): of the generation "
+                                          "with --prompt, else of the timed steps (to compare settings)"),
 ) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
@@ -285,8 +286,8 @@ def run_cmd(
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
                       seed=seed)
     generating = prompt is not None
-    if not generating and any(v is not None for v in (negative_prompt, guidance, out, latents)):
-        raise UserError("--negative-prompt, --guidance, --out and --latents go with --prompt (a generation)")
+    if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
+        raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
     if generating:
         if variant is not None:
             raise UserError("--variant picks transformer files for the synthetic run; with --prompt, --weights is a "
@@ -310,6 +311,9 @@ def run_cmd(
             resolve_weights(weights)  # a missing folder or uncached Hub id fails before anything is built
     else:
         opts.check()  # bad options, paths and profiles fail before anything is built
+        if latents is not None:
+            check_output_file(latents, "--latents")
+            opts.latents = latents
     hardware_of(p, profile)
     check_output_file(report, "--report")
     # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch

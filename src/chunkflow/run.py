@@ -266,6 +266,7 @@ class RunOptions:
     steps: int | None = None
     profile: str | None = None
     seed: int = 0
+    latents: str | None = None  # save the final latents here (safetensors)
 
     def check(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -329,6 +330,13 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
         handle.remove()
     if rank != 0:
         return None
+    if o.latents:
+        from safetensors.torch import save_file
+
+        from chunkflow_planner.files import atomic_path
+
+        with atomic_path(o.latents, ".safetensors") as tmp:
+            save_file({"latents": timing.latents.detach().to("cpu").contiguous()}, tmp)
     run = RunConfig(offload=cfg, device=str(device), dtype=str(dtype), weights=o.weights or "random",
                     warmup=o.warmup, steps=steps, world_size=world, sp_degree=world)
     pred = predict(spec, w, hw, cfg, world)
