@@ -91,8 +91,9 @@ def crossover(d: Path) -> list[str]:
         crit = cf["critical"].dropna()
         pred = f"{crit.iloc[0]:.1f}" if len(crit) else "-"
         pairs = ", ".join(f"{int(v)}: {r:.3f}x" for v, r in ratio.items())
-        out.append(f"- {dtype}: chunkflow r=0 / no offload by frames: {pairs}; within 1.05x from "
-                   (f"{hidden[0]} frames on" if hidden else "at none of them") + f"; predicted critical frames {pred}")
+        within = f"from {hidden[0]} frames on" if hidden else "at none of them"
+        out.append(f"- {dtype}: chunkflow r=0 / no offload by frames: {pairs}; within 1.05x {within}; predicted "
+                   f"critical frames {pred}")
     return out
 
 
