@@ -41,7 +41,6 @@ from chunkflow.timing import time_on, timing_event
 from chunkflow_planner.catalog import EFFICIENCY_RANGE, HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.predict import predict
 from chunkflow_planner.workload import tokens
 
@@ -571,7 +570,8 @@ def read_reports(paths: Sequence[str | Path]) -> list:
 
 def _key(rep) -> tuple:
     w = rep.plan.workload
-    return (rep.plan.model.name, w.batch, w.frames, w.height, w.width, w.cfg_passes, rep.run.sp_degree)
+    return (rep.plan.model.name, w.batch, w.frames, w.height, w.width, w.cfg_passes, rep.run.sp_degree,
+            rep.run.offload.cfg_batched)
 
 
 def _gmean(xs: list[float]) -> float:
@@ -585,7 +585,7 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
     ks: dict[str, list[float]] = {}
     for r in none.values():
         spec = get_model(r.plan.model.name)
-        p = predict(spec, r.plan.workload.to_workload(), hw, OffloadConfig("none"), r.run.sp_degree)
+        p = predict(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.run.sp_degree)  # none, as it ran
         comp = r.measured.median_step_s - (p.step_time_s - p.compute_s)
         if comp > 0:
             ks.setdefault(spec.name, []).append(p.compute_s / comp)
@@ -628,7 +628,8 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
         if p.prefetch_stall_s > 0.01 * p.step_time_s:
             continue  # prefetch exposed: the gap is transfer, not overhead
         n = (r.stats or {}).get("n_streamed_blocks") or spec.n_blocks
-        gaps.append((r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * r.plan.workload.cfg_passes))
+        forwards = 1 if r.run.offload.cfg_batched else r.plan.workload.cfg_passes
+        gaps.append((r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * forwards))
     if not gaps:
         notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
         return {}
