@@ -62,6 +62,7 @@ def test_fp8_storage_equals_diffusers_layerwise_casting(build, cfg):
     assert any("blocks" not in n for n in fp8) or build is not flux  # FLUX's embedders are cast too
     assert stats.fp8_tensors == len(fp8) > 0 and stats.weight_dtype == "fp8_e4m3"
     assert stats.cast_buffer_bytes > 0
+    assert m.dtype == ref.dtype  # the compute dtype, as diffusers reports it under layerwise casting
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         h.remove()
@@ -273,7 +274,8 @@ def test_batched_cfg_is_not_chosen_where_it_does_not_pay():
 
     # hidden regime (81 frames at 704x1280): both stream at r = 0 within the target; batching only costs memory
     hidden = _decide("wan2.2", 16 * 10**9, Levers.of(2), frames=121, height=704, width=1280, cfg_passes=2)
-    assert hidden.chosen.cfg.residency == 0
+    assert hidden.chosen.cfg.residency == 0 and not hidden.chosen.cfg.cfg_batched
+    assert "unbatched CFG" in hidden.reason
     # one guidance pass (FLUX): nothing to batch
     assert Levers.of(1, "on").cfg_batched == (False,)
     flux_plan = _decide_slow("flux", 16 * 10**9, Levers.of(1, "on"), 1.5)
@@ -405,6 +407,10 @@ def test_the_analysis_of_each_lever():
     assert 0.4 < batched.critical.value / base.critical.value < 0.6
     assert fp8.B_pref == pytest.approx(base.B_pref / 2) and fp8.F_star == pytest.approx(base.F_star / 2)
     assert 0.4 < fp8.critical.value / base.critical.value < 0.6
+    qwen = get_model("qwen-image")  # the batch axis: the user's batch, two samples each per batched forward
+    wq = make_workload(qwen, cfg_passes=2)
+    q0, q1 = analyse(qwen, wq, hw), analyse(qwen, wq, hw, cfg=OffloadConfig("chunkflow", cfg_batched=True))
+    assert q1.critical.value == pytest.approx(q0.critical.value / 2)
 
 
 def test_batched_cfg_with_two_experts():
@@ -459,3 +465,81 @@ def test_fp8_park_and_unpark_keep_the_arithmetic():
         warnings.simplefilter("ignore")
         h.remove()
     assert m.x_embedder.weight.dtype == torch.float32
+
+
+def test_batched_cfg_cache_is_per_module_and_sees_changes_in_place():
+    """The other half is served only to the same transformer, with inputs unchanged since (also in place)."""
+    from chunkflow.cfg import batch_cfg
+    from diffusers import WanPipeline
+
+    with one_thread():
+        p = tiny_pipeline("wan")
+        t = p.transformer
+        t2 = copy.deepcopy(t)
+        with torch.no_grad():
+            for q in t2.parameters():
+                q.add_(0.05)
+        pipe = WanPipeline(tokenizer=p.tokenizer, text_encoder=p.text_encoder, vae=p.vae, scheduler=p.scheduler,
+                           transformer=t, transformer_2=t2, boundary_ratio=0.5)
+        pos, neg = pipe.encode_prompt("a cat walks on the grass", "blurry, low quality", max_sequence_length=16)
+        x = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+        step = torch.tensor([500.0])
+
+        def call(m, latents, text):
+            return m(hidden_states=latents, timestep=step, encoder_hidden_states=text, return_dict=False)[0]
+
+        b = batch_cfg(pipe)
+        pipe.encode_prompt("a cat walks on the grass", "blurry, low quality", max_sequence_length=16)
+        call(t, x, pos)
+        other_expert = call(t2, x, neg)  # the other half was computed by t, not t2
+        xx = x.clone()
+        call(t, xx, pos)
+        xx.add_(1.0)  # in place, between the passes
+        changed = call(t, xx, neg)
+        b.remove()
+        want_expert, want_changed = call(t2, x, neg), call(t, xx, neg)
+    assert b.stats.served == 0
+    assert (other_expert - want_expert).abs().max() <= CFG_RTOL * want_expert.abs().max()
+    assert (changed - want_changed).abs().max() <= CFG_RTOL * want_changed.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["flux", "hunyuan"])
+def test_batched_true_cfg_swaps_every_prompt_tensor(kind):
+    """Pipelines whose passes differ in pooled embeddings and masks too (true CFG in FLUX, HunyuanVideo): each
+    batched forward serves the other pass."""
+    from chunkflow.cfg import batch_cfg
+
+    kw = dict(negative_prompt="blurry, low quality", true_cfg_scale=4.0)
+    with one_thread():
+        pipe = tiny_pipeline(kind)
+        ref = _result_kw(pipe, kind, kw)
+        with batch_cfg(pipe) as b:
+            ours = _result_kw(pipe, kind, kw)
+    assert b.stats.batched_forwards == 2 and b.stats.served == 2 and b.stats.discarded == 0
+    assert (ours - ref).abs().max() <= CFG_RTOL * ref.abs().max()
+
+
+def _result_kw(pipe, kind, extra):
+    out = pipe(**call_kwargs(kind, **extra))
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+def test_a_plan_with_batched_cfg_warns_the_api_user(tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkflow.cli import app
+
+    path = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "cpu", "--transformer-only",
+                                      "--cfg-batching", "on", "--mem-budget", "10GB", "--out", str(path)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(path.read_text())
+    plan["offload"] = dict(plan["offload"], mode="chunkflow", chunk_bytes=4096, residency=0.0, cfg_batched=True)
+    path.write_text(json.dumps(plan))
+    from chunkflow_planner.catalog import get_model
+    from diffusers import WanTransformer3DModel
+
+    m = WanTransformer3DModel(**get_model("tiny-wan").diffusers.config)
+    with pytest.warns(UserWarning, match="batch_cfg"):
+        h = chunkflow.offload(m, plan=str(path), device="cpu")
+    h.remove()

@@ -5,12 +5,13 @@ Two ways in:
 - `stack_passes` / `split_passes`: for code that builds the passes' inputs itself (`chunkflow run`'s synthetic
   steps): the per-pass keyword arguments concatenated along the batch, the output split back.
 - `batch_cfg(pipe)`: for a diffusers pipeline that calls its transformer once per guidance pass (WanPipeline,
-  QwenImagePipeline, ...). It records the text embeddings the pipeline's `encode_prompt` returns (the positive and
-  the negative prompt); when the transformer is called with one of them, it runs both passes in one forward (the
-  other prompt's embeddings in place of this one's; texts of different lengths are zero-padded and masked, for
-  models that take `encoder_hidden_states_mask`) and keeps the other half. The other pass's call gets that half
-  only if its arguments are exactly the ones it was computed with (tensors compared by value); any other call runs
-  normally. So a pipeline that does something else between its passes is slower, never wrong. A transformer with
+  QwenImagePipeline, ...). It records the tensors the pipeline's `encode_prompt` returns for the positive and the
+  negative prompt (embeddings, and pooled embeddings, masks or ids where the pipeline has them); when the
+  transformer is called with one prompt's, it runs both passes in one forward (each of this prompt's tensors
+  replaced by the other prompt's; texts of different lengths are zero-padded and masked, for models that take
+  `encoder_hidden_states_mask`) and keeps the other half. The other pass's call gets that half only if it goes to
+  the same transformer with exactly the arguments it was computed with (tensors compared by value, and unchanged
+  in place since); any other call runs normally. So a pipeline that does something else between its passes is slower, never wrong. A transformer with
 diffusers' caching enabled (`enable_cache`: its state is kept per pass) is not batched.
 
 Batched kernels may round differently from batch-1 kernels in the last bits; padded text goes through masked
@@ -40,7 +41,8 @@ class CfgBatchingError(ChunkflowError):
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """Values equal: tensors by identity, else shape, dtype, device and elements; containers element-wise."""
+    """Values equal: tensors by identity (a change in place is the snapshot's to see), else shape, dtype, device
+    and elements; containers element-wise."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -106,16 +108,45 @@ def _pad_text(embeds: list[torch.Tensor], masks: list[torch.Tensor | None]) -> t
 # ---------------------------------------------------------------------------------------------- pipelines
 
 
-@dataclass
-class _Text:
-    embeds: torch.Tensor
-    mask: torch.Tensor | None
+def _tensors_in(value: Any):
+    """Every tensor inside a keyword value (tensors, lists, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+
+
+class _Snapshot:
+    """The state of a call's tensors when a half was computed for it: version counters (a clone for inference
+    tensors, which have none), so that a change made in place since then is seen even on the very same object."""
+
+    def __init__(self, kwargs: dict[str, Any]):
+        self.items = [(t, t.detach().clone() if t.is_inference() else t._version)
+                      for v in kwargs.values() for t in _tensors_in(v)]
+
+    def unchanged(self) -> bool:
+        for t, seen in self.items:
+            if isinstance(seen, torch.Tensor):
+                if not (t.shape == seen.shape and bool(torch.equal(t, seen))):
+                    return False
+            elif t._version != seen:
+                return False
+        return True
 
 
 @dataclass
 class _Pending:
+    module: nn.Module  # the transformer that computed it (Wan2.2-A14B has two)
     kwargs: dict[str, Any]  # the call its half answers
+    snapshot: _Snapshot
     output: Any
+
+    def answers(self, module: nn.Module, kwargs: dict[str, Any]) -> bool:
+        return module is self.module and self.snapshot.unchanged() and _equal(self.kwargs, kwargs)
 
 
 @dataclass
@@ -126,40 +157,64 @@ class CfgStats:
     discarded: int = 0  # halves computed but not asked for as computed
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    return a.shape == b.shape and bool(torch.equal(a.to(b.device, b.dtype), b))
+
+
 @dataclass
 class CfgBatching:
     """`batch_cfg(pipe)`'s state; `remove()` puts the pipeline's transformer(s) and `encode_prompt` back."""
 
     pipe: Any
     modules: list[nn.Module]
-    texts: list[_Text] = field(default_factory=list)
+    prompts: list[list[torch.Tensor]] = field(default_factory=list)  # per prompt: the tensors encode_prompt gave
     stats: CfgStats = field(default_factory=CfgStats)
+    wrappers: dict[int, Any] = field(default_factory=dict)  # id(module) -> the forward batch_cfg installed
+    encode: Any = None  # the encode_prompt batch_cfg installed
     _pending: _Pending | None = None
     _since_encode: bool = False  # a transformer forward ran since the last encode_prompt (a new generation next)
     _removed: bool = False
+    _takes: dict[int, set[str]] = field(default_factory=dict)
 
-    # ---- encode_prompt: the two prompts' embeddings
+    # ---- encode_prompt: the two prompts' tensors
 
     def _record(self, result: Any) -> None:
+        """One encode_prompt call: either both prompts' embeddings at once (WanPipeline: positive, negative) or one
+        prompt's tensors (embeddings, pooled embeddings, mask, ids: FluxPipeline, QwenImagePipeline, ...)."""
         items = list(result) if isinstance(result, (tuple, list)) else [result]
         tensors = [t for t in items if isinstance(t, torch.Tensor)]
         if self._since_encode:
-            self.texts, self._pending, self._since_encode = [], None, False
+            self.prompts, self._pending, self._since_encode = [], None, False
         embeds = [t for t in tensors if t.is_floating_point() and t.dim() == 3]
-        masks = [t for t in tensors if not t.is_floating_point() and t.dim() == 2]
-        if len(embeds) == 1 and len(masks) <= 1:  # one prompt and its mask (QwenImagePipeline calls twice)
-            self.texts.append(_Text(embeds[0], masks[0] if masks else None))
-        else:  # both prompts at once (WanPipeline: positive, negative)
-            self.texts.extend(_Text(e, None) for e in embeds)
+        if len(embeds) > 1:
+            self.prompts.extend([e] for e in embeds)
+        elif embeds:
+            self.prompts.append(tensors)
 
-    def _partner(self, embeds: torch.Tensor | None) -> tuple[_Text, _Text] | None:
-        """(this call's text, the other prompt's) if the call's embeddings are one of two recorded prompts."""
-        if embeds is None or len(self.texts) != 2:
+    def _pair(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(this call's kwargs, the other prompt's kwargs) when the call's text embeddings are one of two recorded
+        prompts: every keyword equal to one of this prompt's tensors takes the other prompt's tensor in its place."""
+        embeds = kwargs.get("encoder_hidden_states")
+        if not isinstance(embeds, torch.Tensor) or len(self.prompts) != 2:
             return None
-        for i, t in enumerate(self.texts):
-            e = t.embeds
-            if e is embeds or (e.shape == embeds.shape and bool(torch.equal(e.to(embeds.device, embeds.dtype), embeds))):
-                return t, self.texts[1 - i]
+        for i, mine in enumerate(self.prompts):
+            if not any(_same(t, embeds) for t in mine if t.shape == embeds.shape):
+                continue
+            theirs = self.prompts[1 - i]
+            if len(theirs) != len(mine):
+                return None
+            other = dict(kwargs)
+            for key, value in kwargs.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                hit = next((j for j, t in enumerate(mine) if t is value), None)
+                if hit is None:
+                    hit = next((j for j, t in enumerate(mine) if _same(t, value)), None)
+                if hit is not None:
+                    other[key] = theirs[hit].to(value.device, value.dtype if value.is_floating_point() else None)
+            return kwargs, other
         return None
 
     # ---- the transformer's forward
@@ -173,31 +228,25 @@ class CfgBatching:
             return original(*args, **kwargs)
         pending, self._pending = self._pending, None
         if pending is not None:
-            if _equal(pending.kwargs, kwargs):
+            if pending.answers(module, kwargs):
                 self.stats.served += 1
                 return pending.output
             self.stats.discarded += 1
-        pair = self._partner(kwargs.get("encoder_hidden_states"))
+        pair = self._pair(kwargs)
         hidden = kwargs.get("hidden_states")
         if pair is None or not isinstance(hidden, torch.Tensor):
             self.stats.unbatched += 1
             return original(**kwargs)
         mine, other = pair
-        embeds = kwargs["encoder_hidden_states"]
-        other_embeds = other.embeds.to(embeds.device, embeds.dtype)
-        other_kwargs = dict(kwargs, encoder_hidden_states=other_embeds)
-        takes_mask = "encoder_hidden_states_mask" in inspect.signature(original).parameters
-        if takes_mask and (other.mask is not None or kwargs.get("encoder_hidden_states_mask") is not None):
-            other_kwargs["encoder_hidden_states_mask"] = (other.mask.to(embeds.device) if other.mask is not None
-                                                         else None)
-        batched_in = [dict(kwargs), dict(other_kwargs)]
-        if embeds.shape[1] != other_embeds.shape[1] or (takes_mask and any(
-                k.get("encoder_hidden_states_mask") is not None for k in batched_in)):
-            if not takes_mask:
+        takes = self._takes.setdefault(id(module), set(inspect.signature(original).parameters))
+        batched_in = [dict(mine), dict(other)]
+        lengths = {k["encoder_hidden_states"].shape[1] for k in batched_in}
+        masks = [k.get("encoder_hidden_states_mask") for k in batched_in]
+        if len(lengths) > 1 or (any(m is not None for m in masks) and any(m is None for m in masks)):
+            if "encoder_hidden_states_mask" not in takes:  # texts of other lengths need a mask to be batched
                 self.stats.unbatched += 1
                 return original(**kwargs)
-            e, m = _pad_text([k["encoder_hidden_states"] for k in batched_in],
-                             [k.get("encoder_hidden_states_mask") for k in batched_in])
+            e, m = _pad_text([k["encoder_hidden_states"] for k in batched_in], masks)
             for k, ei, mi in zip(batched_in, e, m):
                 k["encoder_hidden_states"], k["encoder_hidden_states_mask"] = ei, mi
         try:
@@ -205,19 +254,23 @@ class CfgBatching:
         except CfgBatchingError:
             self.stats.unbatched += 1
             return original(**kwargs)
+        snapshot = _Snapshot(other)
         mine_out, other_out = split_passes(original(**stacked), 2)
         self.stats.batched_forwards += 1
-        self._pending = _Pending(other_kwargs, other_out)
+        self._pending = _Pending(module, other, snapshot, other_out)
         return mine_out
 
     def remove(self) -> None:
-        """The pipeline as it was: its transformers' forwards and its encode_prompt."""
+        """The pipeline as it was: its transformers' forwards and its encode_prompt (each only if it is still the
+        one batch_cfg installed)."""
         if self._removed:
             return
         for m in self.modules:
-            m.__dict__.pop("forward", None)
-        self.pipe.__dict__.pop("encode_prompt", None)
-        self.texts, self._pending, self._removed = [], None, True
+            if m.__dict__.get("forward") is self.wrappers.get(id(m)):
+                del m.__dict__["forward"]
+        if self.pipe.__dict__.get("encode_prompt") is self.encode:
+            del self.pipe.__dict__["encode_prompt"]
+        self.prompts, self._pending, self._removed = [], None, True
 
     def __enter__(self) -> "CfgBatching":
         return self
@@ -249,12 +302,12 @@ def batch_cfg(pipe: Any) -> CfgBatching:
         state._record(result)
         return result
 
-    pipe.__dict__["encode_prompt"] = recording_encode
+    pipe.__dict__["encode_prompt"] = state.encode = recording_encode
     for m in modules:
         original = m.forward
 
         def forward(*args, _m=m, _orig=original, **kwargs):
             return state.forward(_m, _orig, args, kwargs)
 
-        m.__dict__["forward"] = forward
+        m.__dict__["forward"] = state.wrappers[id(m)] = forward
     return state

@@ -178,12 +178,12 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
     vae.decode = decode_phase
     batching = None
-    if cfg_batched:
-        from chunkflow.cfg import batch_cfg
-
-        batching = batch_cfg(pipe)
     t0 = time.perf_counter()
     try:
+        if cfg_batched:
+            from chunkflow.cfg import batch_cfg
+
+            batching = batch_cfg(pipe)
         with torch.no_grad(), execution_device(pipe, device):
             tell("encode")
             clock.start("encode")

@@ -148,20 +148,24 @@ class OverlapAnalysis:
         return "hidden" if self.F_block >= self.F_star else "exposed"
 
 
-def _block_flops_along_axis(spec: ModelSpec, w: Workload, sp: int, L: float | None):
-    """F_block per GPU as a function of the continuous frames (video) or batch (image)."""
+def _block_flops_along_axis(spec: ModelSpec, w: Workload, sp: int, L: float | None, per_forward: int = 1):
+    """F_block per GPU as a function of the continuous frames (video) or the user's batch (image); `per_forward`
+    samples of it in one forward (batched CFG: the guidance passes)."""
     per_frame = tokens_per_latent_frame(spec, w.height, w.width)
     if spec.is_video:
-        return "frames", lambda n: F_block_per_gpu(spec, w.batch, per_frame * latent_frames(spec, n), sp, L)
+        return "frames", lambda n: F_block_per_gpu(spec, w.batch * per_forward, per_frame * latent_frames(spec, n),
+                                                   sp, L)
     S = per_frame * latent_frames(spec, 1)
-    return "batch", lambda b: F_block_per_gpu(spec, b, S, sp, L)
+    return "batch", lambda b: F_block_per_gpu(spec, b * per_forward, S, sp, L)
 
 
 def critical_point(
-    spec: ModelSpec, w: Workload, f_star: float, sp: int = 1, L: float | None = None, max_frames: int = 100_000
+    spec: ModelSpec, w: Workload, f_star: float, sp: int = 1, L: float | None = None, max_frames: int = 100_000,
+    per_forward: int = 1,
 ) -> CriticalPoint:
-    """The continuous frames or batch at which F_block per GPU equals F_star (Brent's method), and the nearest valid one."""
-    axis, flops = _block_flops_along_axis(spec, w, sp, L)
+    """The continuous frames or batch at which F_block per GPU equals F_star (Brent's method), and the nearest valid
+    one; `per_forward`: samples per forward for each of the user's (batched CFG)."""
+    axis, flops = _block_flops_along_axis(spec, w, sp, L, per_forward)
     lo = 1.0
     if flops(lo) >= f_star:
         return CriticalPoint(axis, None, 1, f"prefetch hides behind compute already at {axis} = 1")
@@ -212,10 +216,11 @@ def analyse(
     from chunkflow_planner.workload import per_forward
 
     B_pref = spec.mean_block_bytes if prefetch_bytes is None else float(prefetch_bytes)
+    samples = 1  # samples per forward for each of the user's
     if cfg is not None:
-        w = per_forward(w, cfg.cfg_batched)[0]
+        samples = per_forward(w, cfg.cfg_batched)[0].batch // w.batch
         B_pref = cfg.stored_bytes(B_pref, spec.dtype_bytes)
-    F = F_block_per_gpu(spec, w.batch, tokens(spec, w), sp, text_len)
+    F = F_block_per_gpu(spec, w.batch * samples, tokens(spec, w), sp, text_len)
     fs = F_star_hw(hw, B_pref)
     return OverlapAnalysis(
         F_block=F,
@@ -225,5 +230,5 @@ def analyse(
         I_star=I_star(P, hw.eta_comp_at(fs), BW, hw.eta_pref),  # = F_star / B_pref, also with a curve
         T_comp=T_comp_hw(F, hw),
         T_pref=T_pref(B_pref, BW, hw.eta_pref),
-        critical=critical_point(spec, w, fs, sp, text_len),
+        critical=critical_point(spec, w, fs, sp, text_len, per_forward=samples),
     )

@@ -28,7 +28,16 @@ from chunkflow_planner.components import TextEncoderSpec
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
 from chunkflow_planner.overlap import GB
-from chunkflow_planner.policy import Infeasible, Point, Problem, candidates, chunk_tie, lever_reason, preference
+from chunkflow_planner.policy import (
+    BATCHING_GAIN,
+    Infeasible,
+    Point,
+    Problem,
+    best_of,
+    candidates,
+    chunk_tie,
+    lever_reason,
+)
 from chunkflow_planner.units import format_bytes
 
 PHASES = ("encode", "denoise", "decode")
@@ -205,7 +214,7 @@ def _pick_stream(cands: _Transformer, room: float) -> Point | None:
         return None
     meet = [p for p in fits if cands.meets(p)]
     if meet:  # the plan's policy order: smallest residency, bf16 before fp8, shortest step, chunk nearest 16 MB
-        return min(meet, key=preference)
+        return best_of(meet)
     return min(fits, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
 
 
@@ -340,6 +349,10 @@ def decide_pipeline(
     fits = [e for e in fits_gpu if e.host_memory <= host_budget]
     if fits:
         best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
+        if best.transformer.cfg.cfg_batched and best.placements.transformer in ("gpu", "phase"):
+            plain = [e for e in fits if e.placements == best.placements and not e.transformer.cfg.cfg_batched]
+            if plain and plain[0].generation_time <= best.generation_time * (1 + BATCHING_GAIN):
+                best = plain[0]  # batching doubles the activations: only for a real gain
         if best.generation_time <= target:
             why = _why(best, base, target)
             if best.placements.transformer == "stream":

@@ -37,9 +37,10 @@ __all__ = ["offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadSta
 
 _MARK = "_chunkflow_handle"
 FP8_NO_NEW_MODULES = (
-    "cannot add or replace {name!r} inside a block while chunkflow stores the blocks' weights in fp8 (peft would "
-    "create LoRA layers in fp8, silently losing precision, and diffusers' layerwise casting cannot run them either); "
-    "nothing was changed. Load (and fuse) LoRAs before offloading, or offload with weight_dtype bf16.")
+    "cannot add, replace or remove {name!r} while chunkflow stores this module's weights in fp8: a LoRA would be "
+    "created in fp8 (peft gives adapters the dtype of the layer they wrap), silently losing precision, and other "
+    "module surgery is not supported on fp8 storage; nothing was changed. Load and fuse LoRAs (or make such changes) "
+    "before offloading, or offload with weight_dtype bf16.")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,9 @@ class OffloadHandle:
                 self.streamer.fill_resident_and_start()
                 self.hooks = [BlockHook(self, b.index, b.module) for b in layouts]
                 self.writes.watch(layouts, self.streamer.host_views)
-                self.writes.refuse_new = None if not cast else FP8_NO_NEW_MODULES
+                fp8_anywhere = bool(cast) or bool(outside)
+                self.writes.refuse_new = FP8_NO_NEW_MODULES if fp8_anywhere else None
+                self.writes.refuse_in = {id(m) for m in self.module.modules()} if fp8_anywhere else set()
         self._configure()
 
     def _detach(self, to_host: bool) -> HostStore | None:
@@ -379,6 +382,15 @@ class OffloadHandle:
             self.streamer.acquire_device()
 
     # ---- reporting
+
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype fp8-stored weights are cast to for the forward (None without fp8 storage)."""
+        for b in self.layouts:
+            for t in b.cast_tensors():
+                return t.compute_dtype
+        if self._resident_cast is not None and self._resident_cast.own:
+            return next(iter(self._resident_cast.own.values()))
+        return None
 
     def stats(self) -> OffloadStats:
         L = self.layouts

@@ -71,11 +71,23 @@ def _root_apply(self, fn, recurse: bool = True):
     return handle.apply(fn, recurse)
 
 
+def _root_dtype(self):
+    """A diffusers model's `dtype`: the compute dtype while its weights are stored in fp8 (as diffusers reports it
+    under layerwise casting), else the model's own answer."""
+    handle = self.__dict__.get(_HOOK)
+    dt = handle.compute_dtype() if handle is not None else None
+    return dt if dt is not None else type(self)._chunkflow_base.dtype.__get__(self)
+
+
 @functools.cache
 def hooked_root_class(cls: type) -> type:
-    """`cls` whose `_apply` goes through the handle."""
-    return type(cls.__name__, (cls,), {"_apply": _root_apply, "_chunkflow_base": cls, "__module__": cls.__module__,
-                                       "__deepcopy__": _copy_refused, "__reduce_ex__": _copy_refused})
+    """`cls` whose `_apply` goes through the handle (and whose `dtype`, for a diffusers model, says the compute
+    dtype under fp8 storage)."""
+    attrs = {"_apply": _root_apply, "_chunkflow_base": cls, "__module__": cls.__module__,
+             "__deepcopy__": _copy_refused, "__reduce_ex__": _copy_refused}
+    if isinstance(getattr(cls, "dtype", None), property):
+        attrs["dtype"] = property(_root_dtype)
+    return type(cls.__name__, (cls,), attrs)
 
 
 def hook_module(module: nn.Module, hook, root: bool = False) -> None:

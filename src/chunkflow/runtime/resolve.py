@@ -85,6 +85,14 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, m
             base = source
         elif source is not None:
             base = _plan_config(source, module)
+            if base.cfg_batched:
+                import warnings
+
+                warnings.warn(
+                    "this plan assumes the two guidance passes of a step run as one batched forward (cfg_batched): "
+                    "offload() streams the blocks either way, but the plan's step time holds only if the pipeline "
+                    "is called inside chunkflow.batch_cfg(pipe) (as `chunkflow run` does); otherwise plan with "
+                    "--cfg-batching off.", stacklevel=3)
         else:
             if weight_dtype is not None and not isinstance(weight_dtype, str):
                 raise OffloadConfigError(f"weight_dtype must be 'bf16' or 'fp8_e4m3', got {weight_dtype!r}")

@@ -71,19 +71,29 @@ def cast_tensors(root: nn.Module, blocks: list[tuple[str, nn.Module]], dtype: to
 
 
 class ResidentCasting:
-    """fp8 storage of the layers outside the blocks (they stay on the device): each tensor stored as
-    `t.to(dtype)`, and bound to `stored.to(its dtype)` for its layer's forward only, as diffusers'
-    LayerwiseCastingHook does. `undo()` gives each its own dtype back (with the fp8-rounded values)."""
+    """fp8 storage of the layers outside the blocks (they stay on the device): each distinct tensor stored once as
+    `t.to(dtype)` (a weight shared by several layers too), and bound to `stored.to(its dtype)` for a layer's forward
+    only, as diffusers' LayerwiseCastingHook does. `undo()` gives each its own dtype back (with the fp8-rounded
+    values)."""
 
     def __init__(self, layers: list[nn.Module], dtype: torch.dtype):
         self.dtype = dtype
         self.layers = layers
         self.own: dict[tuple[int, str], torch.dtype] = {}  # (id(layer), attribute) -> the tensor's own dtype
         self._held: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for m in layers:
-            for attr, t in self.tensors(m):
-                self.own[(id(m), attr)] = t.dtype
-                _set(m, attr, t.detach().to(dtype))
+        seen: dict[int, torch.dtype] = {}
+        owners = [(m, attr, t) for m in layers for attr, t in self.tensors(m)]
+        for m, attr, t in owners:  # every dtype before any cast: shared tensors are seen from each owner
+            self.own[(id(m), attr)] = seen.setdefault(id(t), t.dtype)
+        done: set[int] = set()
+        for m, attr, t in owners:
+            if id(t) in done:
+                continue
+            done.add(id(t))
+            stored = t.detach().to(dtype)
+            for m2, attr2, t2 in owners:  # a buffer held by several layers is set in each
+                if t2 is t:
+                    _set(m2, attr2, stored)
         self.hooks = [h for m in layers for h in (m.register_forward_pre_hook(self._before),
                                                   m.register_forward_hook(self._after, always_call=True))]
 
@@ -100,10 +110,10 @@ class ResidentCasting:
 
     def _before(self, m: nn.Module, args) -> None:
         held = []
-        for attr, t in self.tensors(m):
+        for attr, _ in self.tensors(m):
             own = self.own.get((id(m), attr))
-            if own is not None:
-                stored = _get(m, attr)
+            stored = _get(m, attr)
+            if own is not None and stored.dtype == self.dtype:  # not already cast by a layer sharing it
                 held.append((attr, stored))
                 _set(m, attr, stored.to(own))
         self._held[id(m)] = held
@@ -119,8 +129,9 @@ class ResidentCasting:
         for m in self.layers:
             for attr, _ in self.tensors(m):
                 own = self.own.get((id(m), attr))
-                if own is not None:
-                    _set(m, attr, _get(m, attr).to(own))
+                cur = _get(m, attr)
+                if own is not None and cur.dtype == self.dtype:
+                    _set(m, attr, cur.to(own))
         self.own = {}
 
 

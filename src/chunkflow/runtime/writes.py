@@ -35,7 +35,8 @@ class WriteWatch:
         self._entries: list[tuple[dict, str, object, int, int]] = []  # (owner dict, attr, object, version, block)
         self._module_ids: set[int] = set()
         self._registrations: list = []
-        self.refuse_new: str | None = None  # when set: registrations inside a block are refused with this message
+        self.refuse_new: str | None = None  # when set: registrations in `refuse_in` are refused with this message
+        self.refuse_in: set[int] = set()  # ids of the modules where they are (all of the offloaded module's)
 
     # ---- lifetime
 
@@ -108,9 +109,9 @@ class WriteWatch:
         return self._home_of.get(id(p))
 
     def _registered(self, module: nn.Module, name: str, value) -> None:
+        if self.refuse_new is not None and id(module) in self.refuse_in:
+            raise OffloadError(self.refuse_new.format(name=name))  # torch asks before assigning: nothing changed
         if id(module) in self._module_ids:
-            if self.refuse_new is not None:  # torch calls this before the assignment: nothing has changed yet
-                raise OffloadError(self.refuse_new.format(name=name))
             self.changed = True
 
     # ---- at the start of a forward
