@@ -543,3 +543,46 @@ def test_a_plan_with_batched_cfg_warns_the_api_user(tmp_path):
     with pytest.warns(UserWarning, match="batch_cfg"):
         h = chunkflow.offload(m, plan=str(path), device="cpu")
     h.remove()
+
+
+def test_batched_cfg_leaves_stateful_diffusers_hooks_and_changed_weights_alone():
+    """A cache hook applied straight with diffusers.hooks (its state advances per call) turns batching off; a weight
+    changed between the passes is not answered from the half computed before."""
+    from diffusers.hooks import PyramidAttentionBroadcastConfig, apply_pyramid_attention_broadcast
+
+    from chunkflow.cfg import batch_cfg
+
+    with one_thread():
+        pipe = tiny_pipeline("wan")
+        apply_pyramid_attention_broadcast(pipe.transformer, PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: pipe.current_timestep))
+        ref = _result_kw(pipe, "wan", dict(num_inference_steps=4))
+        with batch_cfg(pipe) as b:
+            ours = _result_kw(pipe, "wan", dict(num_inference_steps=4))
+        assert b.stats.batched_forwards == 0 and torch.equal(ours, ref)
+
+        pipe = tiny_pipeline("wan")
+        t = pipe.transformer
+        pos, neg = pipe.encode_prompt("a cat walks on the grass", "blurry, low quality", max_sequence_length=16)
+        x = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+        kw = dict(hidden_states=x, timestep=torch.tensor([500.0]), return_dict=False)
+        b = batch_cfg(pipe)
+        pipe.encode_prompt("a cat walks on the grass", "blurry, low quality", max_sequence_length=16)
+        t(encoder_hidden_states=pos, **kw)
+        with torch.no_grad():
+            t.proj_out.weight.mul_(2)
+        after = t(encoder_hidden_states=neg, **kw)[0]
+        b.remove()
+        want = t(encoder_hidden_states=neg, **kw)[0]
+    assert b.stats.served == 0
+    assert (after - want).abs().max() <= CFG_RTOL * want.abs().max()
+
+
+def test_a_model_under_diffusers_layerwise_casting_is_refused():
+    m, blocks, kw = flux()
+    m.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    for dtype in ("fp8_e4m3", "bf16"):
+        with pytest.raises(chunkflow.ChunkflowError, match="layerwise casting"):
+            chunkflow.offload(m, mode="layerwise", weight_dtype=dtype, device="cpu")
+        assert "_chunkflow_handle" not in m.__dict__

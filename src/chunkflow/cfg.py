@@ -12,7 +12,7 @@ Two ways in:
   `encoder_hidden_states_mask`) and keeps the other half. The other pass's call gets that half only if it goes to
   the same transformer with exactly the arguments it was computed with (tensors compared by value, and unchanged
   in place since); any other call runs normally. So a pipeline that does something else between its passes is slower, never wrong. A transformer with
-diffusers' caching enabled (`enable_cache`: its state is kept per pass) is not batched.
+a diffusers hook that keeps state (caching, with `enable_cache` or `diffusers.hooks.apply_*`) is not batched.
 
 Batched kernels may round differently from batch-1 kernels in the last bits; padded text goes through masked
 attention. docs/levers.md states the measured difference; the tests hold tiny pipelines to it.
@@ -121,12 +121,22 @@ def _tensors_in(value: Any):
 
 
 class _Snapshot:
-    """The state of a call's tensors when a half was computed for it: version counters (a clone for inference
-    tensors, which have none), so that a change made in place since then is seen even on the very same object."""
+    """The state of a call's tensors, and of the model's weights, when a half was computed for it: version counters
+    (a clone for inference-mode inputs, which have none) and storage, so that a change made in place since then is
+    seen even on the very same object."""
 
-    def __init__(self, kwargs: dict[str, Any]):
+    def __init__(self, kwargs: dict[str, Any], module: nn.Module):
         self.items = [(t, t.detach().clone() if t.is_inference() else t._version)
                       for v in kwargs.values() for t in _tensors_in(v)]
+        self.weights = self._weights(module)
+        self.module = module
+
+    @staticmethod
+    def _weights(module: nn.Module) -> list[tuple[int, int, int]]:
+        out = []
+        for t in list(module.parameters()) + list(module.buffers()):
+            out.append((id(t), -1 if t.is_inference() else t._version, t.data_ptr()))
+        return out
 
     def unchanged(self) -> bool:
         for t, seen in self.items:
@@ -135,7 +145,7 @@ class _Snapshot:
                     return False
             elif t._version != seen:
                 return False
-        return True
+        return self._weights(self.module) == self.weights
 
 
 @dataclass
@@ -155,6 +165,20 @@ class CfgStats:
     served: int = 0  # calls answered with the other half of a batched forward
     unbatched: int = 0  # calls that ran as they were (no known partner, or arguments that did not match)
     discarded: int = 0  # halves computed but not asked for as computed
+
+
+def _stateful_hooks(module: nn.Module) -> bool:
+    """Whether diffusers' caching is on, or any diffusers hook that keeps state sits on the model (applied with
+    `enable_cache` or straight with `diffusers.hooks.apply_*`): its state advances per call, so a batched forward
+    would change what it computes."""
+    if getattr(module, "is_cache_enabled", False):
+        return True
+    for m in module.modules():
+        registry = m.__dict__.get("_diffusers_hook")
+        hooks = getattr(registry, "hooks", None)
+        if hooks and any(getattr(h, "_is_stateful", True) for h in hooks.values()):
+            return True
+    return False
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -192,6 +216,7 @@ class CfgBatching:
             self.prompts.extend([e] for e in embeds)
         elif embeds:
             self.prompts.append(tensors)
+        self.prompts = self.prompts[-2:]  # the pipeline's own last calls (a caller may have encoded others before)
 
     def _pair(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(this call's kwargs, the other prompt's kwargs) when the call's text embeddings are one of two recorded
@@ -221,9 +246,9 @@ class CfgBatching:
 
     def forward(self, module: nn.Module, original, args: tuple, kwargs: dict[str, Any]) -> Any:
         self._since_encode = True
-        if args or self._removed or getattr(module, "is_cache_enabled", False):
-            # positional calls, and models with diffusers' caching (its state is kept per guidance pass) run as they
-            # are
+        if args or self._removed or _stateful_hooks(module):
+            # positional calls, and models with a diffusers hook that keeps state (caches: per guidance pass) run as
+            # they are
             self.stats.unbatched += 1
             return original(*args, **kwargs)
         pending, self._pending = self._pending, None
@@ -254,7 +279,7 @@ class CfgBatching:
         except CfgBatchingError:
             self.stats.unbatched += 1
             return original(**kwargs)
-        snapshot = _Snapshot(other)
+        snapshot = _Snapshot(other, module)
         mine_out, other_out = split_passes(original(**stacked), 2)
         self.stats.batched_forwards += 1
         self._pending = _Pending(module, other, snapshot, other_out)

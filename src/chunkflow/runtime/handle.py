@@ -26,7 +26,14 @@ from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.resolve import resolve_blocks, resolve_config, resolve_device
-from chunkflow.runtime.storage import ResidentCasting, cast_layers, cast_tensors, check_fits, storage_dtype
+from chunkflow.runtime.storage import (
+    ResidentCasting,
+    cast_layers,
+    cast_tensors,
+    check_fits,
+    check_no_layerwise_casting,
+    storage_dtype,
+)
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
@@ -606,6 +613,8 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     _check_parameters(named)
+    if cfg.streams:
+        check_no_layerwise_casting(module)
     handle = OffloadHandle(module, cfg, dev, named)
     handle._attach(source, first=True)
     if cfg.streams:

@@ -27,6 +27,19 @@ CAST_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTrans
                nn.Linear, nn.Embedding)
 
 
+def check_no_layerwise_casting(module: nn.Module) -> None:
+    """diffusers' layerwise casting changes parameter dtypes around every layer's forward, which an offloaded module
+    cannot allow (and weight_dtype fp8_e4m3 does the same job): refuse it before anything changes."""
+    for name, m in module.named_modules():
+        registry = m.__dict__.get("_diffusers_hook")
+        hooks = getattr(registry, "hooks", None) or {}
+        if "layerwise_casting" in hooks:
+            raise OffloadError(
+                f"{type(module).__name__} has diffusers' layerwise casting (on {name or 'the model'}); chunkflow cannot "
+                "stream a module whose parameters change dtype at every forward. Load the model without "
+                "enable_layerwise_casting and offload with weight_dtype='fp8_e4m3', which gives the same arithmetic.")
+
+
 def storage_dtype(weight_dtype: str) -> torch.dtype | None:
     """The torch dtype of a `weight_dtype` setting; None: tensors keep their own dtype."""
     return STORAGE_DTYPES[weight_dtype]
@@ -155,7 +168,7 @@ def _set(m: nn.Module, attr: str, value: torch.Tensor) -> None:
 def check_fits(name: str, value: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuse a tensor whose values the cast to `dtype` would clip or turn into NaN (before anything is written)."""
     limit = torch.finfo(dtype).max
-    if value.numel() == 0:
+    if value.numel() == 0 or value.dtype == dtype:  # already stored so: nothing to clip
         return
     worst = float(value.detach().abs().amax().float())
     if not worst <= limit:  # NaN fails too
