@@ -17,6 +17,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Sequence
@@ -26,8 +27,8 @@ from pydantic import BaseModel, Field, ValidationError
 from chunkflow.launch import torchrun_world
 from chunkflow.run_generate import GenerationResult
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
-from chunkflow_planner.files import FileError, read_text
 from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.files import FileError, read_text
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.predict import Predicted, hardware_of, predict
@@ -327,7 +328,9 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
         timing = denoise(model, spec, w, inputs, device, o.warmup, steps, on_step=cb, cfg_batched=cfg.cfg_batched)
         stats = handle.stats().as_dict()
     finally:
-        handle.remove()
+        with warnings.catch_warnings():  # the run is done with the weights: their fp8 rounding is no news
+            warnings.filterwarnings("ignore", message="chunkflow: the blocks' weights were stored in fp8")
+            handle.remove()
     if rank != 0:
         return None
     if o.latents:
