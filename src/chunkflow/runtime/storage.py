@@ -139,12 +139,13 @@ class ResidentCasting:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        back: dict[int, torch.Tensor] = {}  # one tensor back per stored one: shared ones stay shared
         for m in self.layers:
             for attr, _ in self.tensors(m):
                 own = self.own.get((id(m), attr))
                 cur = _get(m, attr)
                 if own is not None and cur.dtype == self.dtype:
-                    _set(m, attr, cur.to(own))
+                    _set(m, attr, back.setdefault(id(cur), cur.to(own)))
         self.own = {}
 
 
