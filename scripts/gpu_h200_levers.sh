@@ -36,10 +36,11 @@ if [ -n "${QUICK:-}" ]; then
 else
   model=wan2.2; size=(--height 480 --width 832); frames=(41 81); budget=8GB; sweep=9,17,25,33,41,61,81
   warmup=1; steps=3; dev=()
-  run calibrate 200 calibrate --model wan2.2,qwen-image --out "$out/profile.yaml" --raw "$out/calibration.json" \
+  run calibrate 300 calibrate --model wan2.2,qwen-image --out "$out/profile.yaml" --raw "$out/calibration.json" \
       --no-save
 fi
 hw=(--hardware "$out/profile.yaml")
+[ -f "$out/profile.yaml" ] || { echo "no calibrated profile: planning with the catalog's h200" | tee "$out/profile.log"; hw=(--hardware h200); }
 for f in "${frames[@]}"; do
   run "wan-$f-plan-off" 30 plan --model "$model" --frames "$f" "${size[@]}" --mem-budget "$budget" --transformer-only \
       --cfg-batching off --weight-dtype bf16 "${hw[@]}" --out "$out/wan-$f-off.json"
