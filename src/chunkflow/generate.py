@@ -47,7 +47,6 @@ class Generation:
     step_times_s: list[float]
     host_peak_bytes: int
     seconds: float
-    cfg_batched_forwards: int = 0  # forwards that evaluated both guidance passes (batched CFG)
 
 
 class _Clock:
@@ -202,4 +201,4 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     frames = out.frames[0] if hasattr(out, "frames") else out.images
     latents = state["latents"]
     return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases, state["steps"],
-                      peak_rss_bytes(), seconds, batching.stats.batched_forwards if batching is not None else 0)
+                      peak_rss_bytes(), seconds)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.files import FileError, atomic_path, check_output_file, write_atomic
+from chunkflow_planner.files import FileError, atomic_path, check_output_file, existing_file, write_atomic
 
 __all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uint8_frames", "write_media"]
 
@@ -229,19 +229,10 @@ def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
                              "is there space on the disk, and does IMAGEIO_FFMPEG_EXE (if set) have libx264?") from None
 
 
-def _existing_file(path: str | Path, what: str) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileError(f"{what} {str(p)!r} does not exist")
-    if p.is_dir():
-        raise FileError(f"{what} {str(p)!r} is a directory; give the path of the file")
-    return p
-
-
 def read_video(path: str | Path) -> np.ndarray:
     """Every frame of the video at `path`, as uint8 RGB (F, H, W, 3) (an odd-sized video written by
     `write_media` comes back padded to even size)."""
-    p = _existing_file(path, "video")
+    p = existing_file(path, "video")
     exe = _imageio_ffmpeg().get_ffmpeg_exe()
     # each frame as a binary PPM ("P6\n<w> <h>\n255\n" + RGB bytes), the size coming with every frame
     cmd = [exe, "-nostdin", "-v", "error", "-i", str(p), "-map", "0:v:0", "-sws_flags", _SWS,
@@ -265,7 +256,7 @@ def read_video(path: str | Path) -> np.ndarray:
 
 def read_image(path: str | Path) -> np.ndarray:
     """The image at `path` as uint8 RGB (H, W, 3)."""
-    p = _existing_file(path, "image")
+    p = existing_file(path, "image")
     from PIL import Image, UnidentifiedImageError
 
     try:

@@ -300,6 +300,7 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
 
     from chunkflow.models.build import build_transformer
     from chunkflow.models.inputs import make_inputs
+    from chunkflow.runtime.storage import Fp8RoundedWeightsWarning
 
     o.check()
     try:
@@ -329,7 +330,7 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
         stats = handle.stats().as_dict()
     finally:
         with warnings.catch_warnings():  # the run is done with the weights: their fp8 rounding is no news
-            warnings.filterwarnings("ignore", message="chunkflow: the blocks' weights were stored in fp8")
+            warnings.simplefilter("ignore", Fp8RoundedWeightsWarning)
             handle.remove()
     if rank != 0:
         return None

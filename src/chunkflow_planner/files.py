@@ -17,13 +17,19 @@ class FileError(ChunkflowError):
     """A file that cannot be read or written where it was asked to be."""
 
 
-def read_text(path: str | Path, what: str) -> str:
-    """The UTF-8 text of the file at `path` ("what" names it in errors: "plan file", "hardware profile")."""
+def existing_file(path: str | Path, what: str) -> Path:
+    """`path` as a Path, checked to be a file that exists ("what" names it in errors: "plan file", "video")."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileError(f"{what} {str(p)!r} does not exist")
     if p.is_dir():
         raise FileError(f"{what} {str(p)!r} is a directory; give the path of the file")
+    return p
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the file at `path` ("what" names it in errors: "plan file", "hardware profile")."""
+    p = existing_file(path, what)
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

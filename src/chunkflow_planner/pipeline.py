@@ -195,7 +195,7 @@ class _Transformer:
     none: Point  # no offload, the guidance passes unbatched: the reference
     points: list[Point]
     targets: dict[bool, float]  # the step target by CFG evaluation (batched or not)
-    nones: tuple[Point, ...] = ()  # no offload in every CFG evaluation the levers allow
+    nones: tuple[Point, ...]  # no offload in every CFG evaluation the levers allow
 
     def meets(self, p: Point) -> bool:
         return p.step_time <= self.targets[p.cfg.cfg_batched]
@@ -337,7 +337,7 @@ def decide_pipeline(
     seen: list[PipelineEstimate] = []
     for pl in _placements(spec, hw):
         if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
-            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones or (cands.none,))
+            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
             continue
         probe = estimate(spec, w, hw, pl, cands.none, costs)
         other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak

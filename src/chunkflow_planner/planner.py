@@ -144,10 +144,6 @@ def make_plan(
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
-    analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len)
-    if not math.isfinite(analysis.F_star):
-        raise CatalogError(f"hardware {hw.name!r} ({hardware.source}) gives no finite critical workload F*: its "
-                           "compute rate is too low for any block to hide a prefetch. Check the profile's figures.")
     levers = Levers.of(workload.cfg_passes) if levers is None else levers
     problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
     whole = None
@@ -164,8 +160,10 @@ def make_plan(
     else:
         decision = decide(problem, budget, max_slowdown, target_step_time)
     chosen = decision.chosen
-    if chosen.cfg.cfg_batched or chosen.cfg.weight_dtype != "bf16":  # the analysis of what will run
-        analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)
+    analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)  # of what will run
+    if not math.isfinite(analysis.F_star):
+        raise CatalogError(f"hardware {hw.name!r} ({hardware.source}) gives no finite critical workload F*: its "
+                           "compute rate is too low for any block to hide a prefetch. Check the profile's figures.")
     plan = Plan(
         model=PlanModel(
             name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes

@@ -296,25 +296,22 @@ def lever_reason(best: Point, feasible: list[Point], levers: Levers) -> str:
 
 def _lever_hint(problem: Problem, budget: int, max_slowdown: float | None, target_step_time: float | None,
                 chunk_sizes: tuple[int, ...]) -> str:
-    """What a lever the user did not allow would do: fp8 storage (--allow-fp8), batched CFG (--cfg-batching)."""
+    """What a lever the user did not allow would do: fp8 storage (--allow-fp8), batched CFG (--cfg-batching). Only
+    the points of the lever not tried yet are evaluated."""
     from dataclasses import replace
 
+    lv = problem.levers
+    options = [(Levers(lv.cfg_batched, ("fp8_e4m3",)), "fp8_e4m3" not in lv.weight_dtypes,
+                " Lossy fp8 weight storage would make it feasible (--weight-dtype auto --allow-fp8)."),
+               (Levers((True,), lv.weight_dtypes), problem.workload.cfg_passes > 1 and True not in lv.cfg_batched,
+                " Batched CFG would make it feasible (--cfg-batching auto).")]
     hints = []
-    options = [("fp8_e4m3", " Lossy fp8 weight storage would make it feasible (--weight-dtype auto --allow-fp8).")]
-    for dtype, text in options:
-        if dtype in problem.levers.weight_dtypes:
+    for levers, untried, text in options:
+        if not untried:
             continue
-        wider = replace(problem, levers=Levers(problem.levers.cfg_batched, problem.levers.weight_dtypes + (dtype,)))
-        try:
-            decide(wider, budget, max_slowdown, target_step_time, chunk_sizes)
+        other = replace(problem, levers=levers)
+        targets = other.targets(max_slowdown, target_step_time)
+        if any(p.need <= budget and p.step_time <= targets[p.cfg.cfg_batched]
+               for p in candidates(other, chunk_sizes)):
             hints.append(text)
-        except Infeasible:
-            pass
-    if problem.workload.cfg_passes > 1 and True not in problem.levers.cfg_batched:
-        wider = replace(problem, levers=Levers((False, True), problem.levers.weight_dtypes))
-        try:
-            decide(wider, budget, max_slowdown, target_step_time, chunk_sizes)
-            hints.append(" Batched CFG would make it feasible (--cfg-batching auto).")
-        except Infeasible:
-            pass
     return "".join(hints)

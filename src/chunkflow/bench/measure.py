@@ -92,6 +92,7 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
 
     import chunkflow
     from chunkflow.models.build import build_transformer
+    from chunkflow.runtime.storage import Fp8RoundedWeightsWarning
 
     cuda = device.type == "cuda"
     model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
@@ -129,7 +130,7 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
                 measure(cfg, handle, v)
         finally:
             with warnings.catch_warnings():  # timing only: the fp8-rounded weights are no news here
-                warnings.filterwarnings("ignore", message="chunkflow: the blocks' weights were stored in fp8")
+                warnings.simplefilter("ignore", Fp8RoundedWeightsWarning)
                 handle.remove()
     for name in bench.baselines:  # last: a baseline stays applied to the model
         apply_baseline(name, model, device)

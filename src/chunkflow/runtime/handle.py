@@ -27,6 +27,7 @@ from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.resolve import resolve_blocks, resolve_config, resolve_device
 from chunkflow.runtime.storage import (
+    Fp8RoundedWeightsWarning,
     ResidentCasting,
     cast_layers,
     cast_tensors,
@@ -392,6 +393,8 @@ class OffloadHandle:
 
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype fp8-stored weights are cast to for the forward (None without fp8 storage)."""
+        if self.cfg.weight_dtype == "bf16":
+            return None
         for b in self.layouts:
             for t in b.cast_tensors():
                 return t.compute_dtype
@@ -445,9 +448,9 @@ class OffloadHandle:
         if any(b.cast_tensors() for b in self.layouts) or self._resident_cast is not None:
             import warnings
 
-            warnings.warn("chunkflow: the blocks' weights were stored in fp8 while offloaded; remove() gives them back "
-                          "in their own dtype with the fp8-rounded values (the originals were not kept). Load the "
-                          "checkpoint again for the exact weights.", stacklevel=2)
+            warnings.warn("chunkflow: the weights were stored in fp8 while offloaded; remove() gives them back in "
+                          "their own dtype with the fp8-rounded values (the originals were not kept). Load the "
+                          "checkpoint again for the exact weights.", Fp8RoundedWeightsWarning, stacklevel=2)
         if self.tap is not None:  # the original collective functions back, exactly
             self.tap.remove()
         self.tap = self.pacer = None

@@ -12,6 +12,7 @@ device-to-device from the resident buffer, bytes [R_l, V_l) host-to-device in ch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -52,10 +53,7 @@ class TensorEntry:
         """Bytes of its compute-dtype copy (0 when it is used as stored)."""
         if self.compute_dtype is None:
             return 0
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty(0, dtype=self.compute_dtype).element_size()
+        return math.prod(self.shape) * self.compute_dtype.itemsize
 
 
 @dataclass
@@ -162,8 +160,8 @@ def pack_block(index: int, name: str, module: nn.Module, entries,
             by_tensor[id(t)].owners.append((m, attr))
             continue
         stored = cast.get(id(t), t.dtype)
-        size = torch.empty(0, dtype=stored).element_size()
-        by_tensor[id(t)] = TensorEntry(ename, [(m, attr)], is_param, 0, t.numel() * size, stored, tuple(t.shape),
+        by_tensor[id(t)] = TensorEntry(ename, [(m, attr)], is_param, 0, t.numel() * stored.itemsize, stored,
+                                       tuple(t.shape),
                                        t.dtype if stored != t.dtype else None)
         order.append(t)
     dtypes: list[torch.dtype] = []

@@ -27,6 +27,10 @@ CAST_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTrans
                nn.Linear, nn.Embedding)
 
 
+class Fp8RoundedWeightsWarning(UserWarning):
+    """remove() after fp8 storage: the weights come back with fp8-rounded values (the originals were not kept)."""
+
+
 def check_no_layerwise_casting(module: nn.Module) -> None:
     """diffusers' layerwise casting changes parameter dtypes around every layer's forward, which an offloaded module
     cannot allow (and weight_dtype fp8_e4m3 does the same job): refuse it before anything changes."""
