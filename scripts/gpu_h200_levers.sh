@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_h200_levers.sh OUT_DIR          # one GPU; about 15 minutes on an H200
 #   QUICK=1 bash scripts/gpu_h200_levers.sh OUT_DIR  # the tiny model on the CPU: a dry run of every step
+#   PROFILE=p.yaml PARTS="41 81 crossover qwen" bash scripts/gpu_h200_levers.sh OUT_DIR
+#       # a calibrated profile instead of calibrating, and only the parts named (to split the work in parts)
 #
 # 1. `chunkflow calibrate` (the fp8 cast rate is part of the profile).
 # 2. Wan2.2-TI2V-5B at 480x832, 41 and 81 frames, 2 guidance passes a step, 8 GB budget: the plan without the
@@ -36,12 +38,15 @@ if [ -n "${QUICK:-}" ]; then
 else
   model=wan2.2; size=(--height 480 --width 832); frames=(41 81); budget=8GB; sweep=9,17,25,33,41,61,81
   warmup=1; steps=3; dev=()
-  run calibrate 300 calibrate --model wan2.2,qwen-image --out "$out/profile.yaml" --raw "$out/calibration.json" \
-      --no-save
+  [ -n "${PROFILE:-}" ] && cp "$PROFILE" "$out/profile.yaml"
+  [ -f "$out/profile.yaml" ] || run calibrate 300 calibrate --model wan2.2,qwen-image --out "$out/profile.yaml" \
+      --raw "$out/calibration.json" --no-save
 fi
+wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 hw=(--hardware "$out/profile.yaml")
 [ -f "$out/profile.yaml" ] || { echo "no calibrated profile: planning with the catalog's h200" | tee "$out/profile.log"; hw=(--hardware h200); }
 for f in "${frames[@]}"; do
+  wanted "$f" || [ -n "${QUICK:-}" ] || continue
   run "wan-$f-plan-off" 30 plan --model "$model" --frames "$f" "${size[@]}" --mem-budget "$budget" --transformer-only \
       --cfg-batching off --weight-dtype bf16 "${hw[@]}" --out "$out/wan-$f-off.json"
   run "wan-$f-plan-on" 30 plan --model "$model" --frames "$f" "${size[@]}" --mem-budget "$budget" --transformer-only \
@@ -56,11 +61,12 @@ for f in "${frames[@]}"; do
   measure "wan-$f-planner-on" 120 "$out/wan-$f-on.json" "${dev[@]}"
 done
 for dt in bf16 fp8_e4m3; do
+  wanted crossover || continue
   run "crossover-$dt" 240 bench --model "$model" --frames "$sweep" "${size[@]}" --modes none,chunkflow \
       --weight-dtype "$dt" --warmup "$warmup" --steps "$steps" "${hw[@]}" "${dev[@]}" --no-plots \
       --out "$out/crossover-$dt"
 done
-if [ -z "${QUICK:-}" ]; then
+if [ -z "${QUICK:-}" ] && wanted qwen; then
   run qwen-plan-off 30 plan --model qwen-image --mem-budget 24GB --max-slowdown 1.10 --transformer-only \
       --cfg-batching off "${hw[@]}" --out "$out/qwen-off.json"
   run qwen-plan 30 plan --model qwen-image --mem-budget 24GB --max-slowdown 1.10 --transformer-only "${hw[@]}" \

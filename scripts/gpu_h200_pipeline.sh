@@ -4,8 +4,13 @@
 # `chunkflow plan` under its GPU budget and `chunkflow run --prompt`, which reports every phase measured against
 # the plan. docs/pipeline-h200.md is written from what it leaves.
 #
-#   bash scripts/gpu_h200_pipeline.sh OUT_DIR          # one GPU; about 8 minutes on an H200
+#   bash scripts/gpu_h200_pipeline.sh OUT_DIR          # one GPU; about 11 minutes on an H200
 #   QUICK=1 bash scripts/gpu_h200_pipeline.sh OUT_DIR  # the tiny pipelines on the CPU: a dry run of every step
+#   PROFILE=p.yaml ONLY="wan21-14b-81 wan22-a14b-81" bash scripts/gpu_h200_pipeline.sh OUT_DIR
+#       # a calibrated profile instead of calibrating, and only the pipelines named (to split the work in parts)
+#
+# Every generation runs twice in its process (`--warmup 1`): the report compares the second with the plan less its
+# start-up and keeps the first one's phases; `chunkflow calibrate --from-report` then measures the start-up.
 #
 # Plans, reports and logs land in WORK/pipeline and are packed into OUT_DIR/pipeline.tgz after every step (so a
 # run cut short still leaves what it did); the videos and images, noise with random weights, go to WORK/media and
@@ -27,18 +32,27 @@ generate() {  # generate NAME DEADLINE_S SUFFIX PLAN_ARGS...: plan it under the 
   run "$name-plan" 30 plan "$@" --hardware "$prof" --out "$out/$name-plan.json"
   [ -f "$out/$name-plan.json" ] || return
   run "$name" "$deadline" run --plan "$out/$name-plan.json" --prompt "a red fox walks through fresh snow at dawn" \
-      --seed 0 --out "$media/$name.$suffix" --report "$out/$name-report.json"
+      --seed 0 --warmup 1 --out "$media/$name.$suffix" --report "$out/$name-report.json"
 }
+wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+[ -n "${PROFILE:-}" ] && cp "$PROFILE" "$out/profile.yaml"
 if [ -n "${QUICK:-}" ]; then
   run calibrate 120 calibrate --cpu-smoke --out "$out/profile.yaml" --raw "$out/calibration.json" --no-save
-  generate tiny-wan 120 mp4 --model tiny --mem-budget 3MB
-  generate tiny-flux 120 png --model tiny-flux --mem-budget 3MB
+  wanted tiny-wan && generate tiny-wan 120 mp4 --model tiny --mem-budget 3MB
+  wanted tiny-flux && generate tiny-flux 120 png --model tiny-flux --mem-budget 3MB
 else
-  run calibrate 300 calibrate --model wan2.2,flux --out "$out/profile.yaml" --raw "$out/calibration.json" --no-save
-  generate flux-1024 90 png --model flux --batch 1 --height 1024 --width 1024 --steps 8 --mem-budget 12GB
-  generate wan21-14b-81 120 mp4 --model wan2.1-14b --frames 81 --height 480 --width 832 --steps 3 --mem-budget 16GB
-  generate wan22-5b-81 120 mp4 --model wan2.2 --frames 81 --height 704 --width 1280 --steps 4 --mem-budget 24GB
-  generate wan22-a14b-81 150 mp4 --model a14b --frames 81 --height 480 --width 832 --steps 3 --mem-budget 24GB
-  generate wan22-5b-121 150 mp4 --model wan2.2 --frames 121 --height 704 --width 1280 --steps 4 --mem-budget 24GB
+  # the levers script (issue 15) plans with the same profile: qwen-image's curve is measured here too
+  [ -f "$out/profile.yaml" ] || run calibrate 300 calibrate --model wan2.2,flux,qwen-image --out "$out/profile.yaml" \
+      --raw "$out/calibration.json" --no-save
+  wanted flux-1024 && generate flux-1024 150 png --model flux --batch 1 --height 1024 --width 1024 --steps 8 \
+      --mem-budget 12GB
+  wanted wan22-5b-81 && generate wan22-5b-81 150 mp4 --model wan2.2 --frames 81 --height 704 --width 1280 --steps 4 \
+      --mem-budget 24GB
+  wanted wan22-5b-121 && generate wan22-5b-121 200 mp4 --model wan2.2 --frames 121 --height 704 --width 1280 \
+      --steps 4 --mem-budget 24GB
+  wanted wan21-14b-81 && generate wan21-14b-81 240 mp4 --model wan2.1-14b --frames 81 --height 480 --width 832 \
+      --steps 3 --mem-budget 16GB
+  wanted wan22-a14b-81 && generate wan22-a14b-81 300 mp4 --model a14b --frames 81 --height 480 --width 832 \
+      --steps 3 --mem-budget 24GB
 fi
 pack && cat "$out/media.log" && echo "packed $dest/pipeline.tgz"

@@ -188,3 +188,38 @@ def test_batched_cfg_generation_matches_diffusers_within_tolerance(cli, workdir,
     assert rep["run"]["offload"]["cfg_batched"] is True
     assert rep["stats"]["forwards"] == 2  # two steps, one forward each
     assert (ours - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, workdir, saved):
+    """`--warmup 1` runs a whole generation first: the measured one gives the same latents, the report keeps the
+    first one's phase times, and `calibrate --from-report` turns first-less-later into the profile's start-up."""
+    from safetensors.torch import load_file
+
+    from chunkflow.calibrate import read_reports, refit
+    from chunkflow_planner.catalog import get_hardware
+
+    plan = _plan(cli, "tiny")
+    prompt, negative = PROMPTS["tiny"]
+    base = ["run", "--plan", plan, "--weights", saved["tiny"], "--prompt", prompt, "--negative-prompt", negative,
+            "--seed", "5"]
+    with one_thread():
+        cold = cli(*base, "--latents", "cold.safetensors", "--report", "cold.json")
+        warm = cli(*base, "--warmup", "1", "--latents", "warm.safetensors", "--report", "warm.json")
+    assert cold.exit_code == 0 and warm.exit_code == 0, cold.output + warm.output
+    assert torch.equal(load_file("cold.safetensors")["latents"], load_file("warm.safetensors")["latents"])
+    g_cold = json.loads(Path("cold.json").read_text())["generation"]
+    data = json.loads(Path("warm.json").read_text())
+    g = data["generation"]
+    assert g_cold["warmup_generations"] == 0 and g_cold["first_phase_times_s"] is None
+    assert g["warmup_generations"] == 1 and data["run"]["warmup"] == 1
+    assert set(g["first_phase_times_s"]) == {"encode", "denoise", "decode"}
+    assert "first generation:" in warm.output and "warm-up generation(s)" in " ".join(warm.output.split())
+    # made to look measured on a GPU with known gaps: the refit finds them (median over reports, never negative)
+    data["gpu"], data["run"]["device"] = "NVIDIA H200", "cuda:0"
+    gaps = {"encode": 0.42, "denoise": 0.3, "decode": -0.1}
+    for name, gap in gaps.items():
+        g["first_phase_times_s"][name] = g["phases"][name]["measured_time_s"] + gap
+    Path("warm.json").write_text(json.dumps(data))
+    new, notes = refit(get_hardware("cpu"), read_reports(["warm.json"]))  # the profile the plan was made with
+    assert new.startup_s == pytest.approx({"encode": 0.42, "denoise": 0.3, "decode": 0.0})
+    assert any("start-up" in n for n in notes)

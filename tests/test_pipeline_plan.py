@@ -178,3 +178,31 @@ def test_plan_cli_imports_no_torch_and_no_scipy():
             "print(sorted(m for m in ('torch', 'scipy', 'diffusers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_startup_is_paid_once_per_phase_and_recorded_in_the_plan(cli, workdir):
+    """A profile's measured start-up adds to each phase of the first generation, and the plan says how much."""
+    spec = get_model("wan2.1-14b")
+    w = make_workload(spec, frames=81, height=480, width=832, steps=3)
+    startup = {"encode": 0.4, "denoise": 0.3, "decode": 0.2}
+    warm = H200.model_copy(update={"startup_s": startup})
+    pl = Placements(("gpu",), "stream", "gpu", True)
+    point = Problem(spec, w, H200).none()
+    cold_free, cold = estimate(spec, w, H200, pl, point), estimate(spec, w, warm, pl, point)
+    for p in PHASES:
+        assert cold.phases[p].time_s == pytest.approx(cold_free.phases[p].time_s + startup[p])
+        assert cold.phases[p].startup_s == startup[p]
+        assert cold.peak_memory(p) == cold_free.peak_memory(p)
+    assert cold.generation_time == pytest.approx(cold_free.generation_time + 0.9)
+    workdir.joinpath("hw.yaml").write_text(__import__("yaml").safe_dump(
+        {**H200.model_dump(mode="json"), "name": "h200-startup", "startup_s": startup}))
+    result = cli("plan", "--model", "wan2.1-14b", "--frames", "81", "--height", "480", "--width", "832", "--steps",
+                 "3", "--mem-budget", "16GB", "--host-mem-budget", "100GB", "--hardware", "hw.yaml", "--out", "p.json")
+    assert result.exit_code == 0, result.output
+    assert "900.0 ms of it is one-time start-up" in " ".join(result.output.split())
+    phases = json.loads(workdir.joinpath("p.json").read_text())["prediction"]["phases"]
+    assert {p: phases[p]["startup_s"] for p in PHASES} == startup
+    bad = {**H200.model_dump(mode="json"), "name": "bad", "startup_s": {"encode": -1.0}}
+    workdir.joinpath("bad.yaml").write_text(__import__("yaml").safe_dump(bad))
+    result = cli("plan", "--model", "wan2.1-14b", "--hardware", "bad.yaml")
+    assert result.exit_code == 2 and "startup_s" in result.output and "Traceback" not in result.output

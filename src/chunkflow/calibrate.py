@@ -19,8 +19,8 @@ What is measured, and how each number enters the planner:
   H2D copy is in flight on another stream (`contention`). With one process these keep the base entry's values.
 
 `refit` adjusts a profile from `chunkflow run` reports: eta_comp (curve and scalar) by the ratio of predicted
-to measured compute in `none` runs, and `block_overhead_us` from offload-vs-none gaps where the prefetch is
-predicted hidden. The fitting functions are pure (no torch) and tested on synthetic measurements.
+to measured compute in `none` runs, `block_overhead_us` from offload-vs-none gaps where the prefetch is
+predicted hidden, and `startup_s` from generations run with --warmup (the first less a later one). The fitting functions are pure (no torch) and tested on synthetic measurements.
 """
 
 from __future__ import annotations
@@ -639,6 +639,26 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
     return {"block_overhead_us": overhead}
 
 
+def _refit_startup(reports: Sequence, notes: list[str]) -> dict[str, Any]:
+    """startup_s per phase: the first generation of a process less a later one of the same process (generation
+    reports run with --warmup), the median over reports, at least 0."""
+    gaps: dict[str, list[float]] = {}
+    for r in reports:
+        g = r.generation
+        if g is None or not g.first_phase_times_s:
+            continue
+        for phase, first in g.first_phase_times_s.items():
+            if phase in g.phases:
+                gaps.setdefault(phase, []).append(max(0.0, first - g.phases[phase].measured_time_s))
+    if not gaps:
+        return {}
+    startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}
+    n = max(map(len, gaps.values()))
+    notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
+                 + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
+    return {"startup_s": startup}
+
+
 def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
     """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
 
@@ -647,10 +667,13 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       geometric mean of k (capped at 1).
     - block_overhead_us: each offload report with a `none` report of the same workload, predicted `hidden`,
       gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
+    - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
+      measured one's; the median, at least 0.
     """
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
-    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes)}
+    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
+              **_refit_startup(reports, notes)}
     if update:
         update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
         try:

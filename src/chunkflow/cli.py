@@ -245,7 +245,9 @@ def run_cmd(
     weights: Optional[str] = typer.Option(None, help="local diffusers-format checkpoint directory (default: random weights)"),
     variant: Optional[str] = typer.Option(None, help="with --weights: load that directory's variant files, e.g. fp16 "
                                                      "(as diffusers' from_pretrained(variant=...))"),
-    warmup: int = typer.Option(1, help="untimed warm-up steps"),
+    warmup: Optional[int] = typer.Option(None, help="untimed warm-up steps (default 1); with --prompt, whole "
+                                         "generations before the measured one (default 0: the process's first, "
+                                         "start-up included, as the plan predicts)"),
     steps: Optional[int] = typer.Option(None, help="timed denoising steps (default: the plan's steps, at most 5)"),
     profile: Optional[str] = typer.Option(None, help="hardware profile or catalog GPU to predict with (default: the plan's)"),
     report: str = typer.Option("run-report.json", help="where to write the JSON run report"),
@@ -283,9 +285,11 @@ def run_cmd(
                                    weight_dtype=weight_dtype)  # the flags are parsed here, once
     from chunkflow.run import RunOptions, run_plan
 
+    generating = prompt is not None
+    if warmup is None:
+        warmup = 0 if generating else 1
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
                       seed=seed)
-    generating = prompt is not None
     if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
         raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
     if generating:

@@ -105,6 +105,10 @@ def print_pipeline(console: Console, plan: Plan) -> None:
         t.add_row(name, format_seconds(ph.time_s), format_bytes(ph.peak_memory_bytes))
     t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0), "")
     console.print(t)
+    startup = sum(getattr(pp.phases, n).startup_s for n in ("encode", "denoise", "decode"))
+    if startup > 0:
+        console.print(f"times are a process's first generation: {format_seconds(startup)} of it is one-time start-up "
+                      "(a later generation in the same process is that much faster)", highlight=False)
     host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
     where = plan.host_memory_budget_source or "budget"
     hint = "; --host-mem-budget plans for another machine" if where.startswith("available") else ""
@@ -122,7 +126,9 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     console.print("placements: " + ", ".join(f"{k} {v}" for k, v in g.components.items())
                   + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
     gpu = not report.run.device.startswith("cpu")
-    t = Table(title="Generation, phase by phase" + (" (measured vs predicted)" if gpu else " (measured)"))
+    which = (f", after {g.warmup_generations} warm-up generation(s): start-up excluded" if g.warmup_generations
+             else ", the process's first: start-up included")
+    t = Table(title="Generation, phase by phase" + (" (measured vs predicted" if gpu else " (measured") + which + ")")
     cols = ["phase", "time"] + (["predicted", "error", "peak GPU memory", "predicted", "error"] if gpu else [])
     for col in cols:
         t.add_column(col, justify="left" if col == "phase" else "right")
@@ -140,6 +146,9 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
         total += [format_seconds(pred) if pred is not None else "-", _pct(g.generation_time_error), "", "", ""]
     t.add_row(*total)
     console.print(t)
+    if g.first_phase_times_s:
+        console.print("first generation: " + ", ".join(f"{k} {format_seconds(v)}" for k, v in g.first_phase_times_s.items())
+                      + f", {format_seconds(sum(g.first_phase_times_s.values()))} in all", highlight=False)
     line = f"peak host memory: {format_bytes(g.host_peak_bytes)}"
     if gpu and g.predicted_host_memory_bytes is not None:
         line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"

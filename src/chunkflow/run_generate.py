@@ -5,6 +5,11 @@ The run report (`run.RunReport`) gains a `generation` section: per phase the mea
 (reserved plus context: what runs out) against the plan's prediction, the process's peak host memory against the
 predicted host memory, the whole generation's time. Its `measured` section holds the denoising steps, compared with
 the transformer's predicted step time, as for a synthetic run.
+
+The plan predicts a process's first generation, its one-time start-up included (`PhasePrediction.startup_s`). With
+`--warmup N` the measured generation comes after N others: it is compared with the prediction less the start-up, and
+the first generation's phase times are kept too (`first_phase_times_s`), from which `chunkflow calibrate
+--from-report` measures the start-up.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class GenerationResult(BaseModel):
     host_memory_error: float | None = None
     gpu_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
+    warmup_generations: int = Field(0, ge=0, description="whole generations run before the measured one (--warmup)")
+    first_phase_times_s: dict[str, float] | None = Field(
+        None, description="with --warmup: the process's first generation, phase by phase (start-up included)")
 
 
 @dataclass
@@ -100,11 +108,18 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
         f"{time.perf_counter() - t0:.1f} s on {device}")
     try:
-        cb = (lambda i, n: progress("denoise", i, n)) if progress is not None else None
-        done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
-        phase = (lambda name: progress(name, done[name], steps)) if progress is not None else None
-        gen = generate(built, w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps, seed=o.seed,
-                       on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
+        first: dict[str, float] | None = None
+        for i in range(o.warmup + 1):
+            tag = f"warm-up {i + 1}/{o.warmup}: " if i < o.warmup else ""
+            cb = (lambda i, n, tag=tag: progress(tag + "denoise", i, n)) if progress is not None else None
+            done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
+            phase = (lambda name, tag=tag: progress(tag + name, done[name], steps)) if progress is not None else None
+            gen = generate(built, w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps,
+                           seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
+            if i == 0 and o.warmup:
+                first = {name: m.time_s for name, m in gen.phases.items()}
+                log("first generation (start-up included): "
+                    + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
         stats = built.handles["transformer"].stats().as_dict()
     finally:
         built.discard()  # the run is done with it: free, do not copy the weights back
@@ -129,21 +144,26 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                                                    host_rss_bytes=dn.host_rss_bytes)])
     pred = predict(spec, w, hw, cfg, 1)
     run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(folder or "random"),
-                    warmup=0, steps=steps)
+                    warmup=o.warmup, steps=steps)
     report = make_report(environment(device), plan, run, hw.name, measured, pred, stats)
     pp = plan.prediction.phases
     phases = {}
+    same_steps = steps == plan.workload.steps
     for name, m in gen.phases.items():
         p = getattr(pp, name) if pp is not None else None
+        t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
             measured_time_s=m.time_s, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
-            predicted_time_s=p.time_s if p and cuda else None,
+            predicted_time_s=t_pred,
             predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
-            time_error=rel_error(m.time_s, p.time_s) if p and cuda and steps == plan.workload.steps else None,
+            time_error=rel_error(m.time_s, t_pred) if t_pred is not None and same_steps else None,
             memory_error=rel_error(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
     gen_time = sum(m.time_s for m in gen.phases.values())
-    pred_time = plan.prediction.generation_time_s if steps == plan.workload.steps else None
+    pred_time = None
+    if same_steps and plan.prediction.generation_time_s is not None:
+        pred_time = plan.prediction.generation_time_s - (
+            sum(getattr(pp, n).startup_s for n in ("encode", "denoise", "decode")) if pp and o.warmup else 0.0)
     pred_host = plan.prediction.host_memory_bytes
     report.generation = GenerationResult(
         prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
@@ -152,8 +172,15 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         generation_time_error=rel_error(gen_time, pred_time) if cuda else None,
         host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if cuda else None,
         host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if cuda else None,
-        gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes)
+        gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
+        warmup_generations=o.warmup, first_phase_times_s=first)
     return report
+
+
+def expected_time(p, warmup: int) -> float:
+    """The plan's time for a phase (PhasePrediction) of the measured generation: the first of the process pays the
+    start-up, one after `warmup` others does not."""
+    return p.time_s - (p.startup_s if warmup else 0.0)
 
 
 def _write_output(out: str, frames, spec, random_weights: bool, log) -> None:

@@ -12,7 +12,7 @@ import math
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -209,6 +209,10 @@ class HardwareSpec(_Strict):
     vae_decode: dict[str, "VaeDecodeFit"] = Field(
         default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
         "catalog's for this GPU")
+    startup_s: dict[Literal["encode", "denoise", "decode"], Annotated[float, Field(ge=0, le=600)]] = Field(
+        default_factory=dict, description="one-time seconds a phase adds to the first generation of a process (CUDA "
+        "kernels loaded on first use, library handles, the allocator's first growth); `chunkflow calibrate "
+        "--from-report` measures them from generations run with --warmup")
     dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")

@@ -14,7 +14,9 @@ reserve over torch's peak allocation (`reserve_fraction`, small with expandable 
 turns on) plus the device memory torch does not count (`context_bytes`). Host memory is every host copy (pinned
 stores of streamed and parked components, CPU components) plus what the process holds besides weights
 (`process_host_bytes`). Times come from the operator model (ops.py) for text encoders, the transformer's step
-model (steptime.py) for denoising, and the VAE's measured decode fit (catalog.VaeDecodeFit) for decoding.
+model (steptime.py) for denoising, and the VAE's measured decode fit (catalog.VaeDecodeFit) for decoding; each phase
+adds its measured one-time start-up cost (HardwareSpec.startup_s): the times are those of a process's first
+generation, and a later one is faster by the start-up.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Phase:
     time_s: float = 0.0
     allocated_bytes: float = 0.0
     detail: dict[str, float] = field(default_factory=dict)
+    startup_s: float = 0.0  # part of time_s paid only by a process's first generation (HardwareSpec.startup_s)
 
 
 @dataclass
@@ -262,6 +265,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         elif p == "gpu":
             turn = max(turn, dev - te.nbytes)  # its weights are in `always`; its activations are not
     enc.allocated_bytes = always + turn
+    _add_startup(enc, "encode", hw)
 
     # denoise: the transformer's plan (one expert at a time); parked outside, so it copies its device part back
     den = Phase()
@@ -273,13 +277,22 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         den.time_s += pipe.experts * _unpark_bytes(spec, point) / bw
     den.detail["steps"] = steps * point.step_time
     den.allocated_bytes = (always - (t_model if pl.transformer == "gpu" else 0.0)) + point.memory.peak
+    _add_startup(den, "denoise", hw)
 
     # decode: the VAE's measured fit
     dec = Phase()
     t_dec, act = decode_cost(spec, w, hw, pl.vae_tiling)
     dec.time_s = t_dec + (vae_bytes / bw if pl.vae == "phase" else 0.0)
     dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
+    _add_startup(dec, "decode", hw)
     return PipelineEstimate(pl, point, {"encode": enc, "denoise": den, "decode": dec}, host, hw)
+
+
+def _add_startup(phase: Phase, name: str, hw: HardwareSpec) -> None:
+    """The phase's one-time cost in a process's first generation (measured; 0 where the profile has none)."""
+    phase.startup_s = hw.startup_s.get(name, 0.0)
+    phase.time_s += phase.startup_s
+    phase.detail["startup"] = phase.startup_s
 
 
 def _placements(spec: ModelSpec, hw: HardwareSpec) -> list[Placements]:

@@ -119,7 +119,8 @@ class PlanPipeline(_Section):
 
 
 class PhasePrediction(_Section):
-    time_s: float = Field(ge=0)
+    time_s: float = Field(ge=0, description="the phase in a process's first generation, start-up included")
+    startup_s: float = Field(0.0, ge=0, description="the part of time_s only a process's first generation pays")
     peak_memory_bytes: int = Field(ge=0, description="device memory in use at the peak: allocation, allocator "
                                    "reserve and CUDA context")
     allocated_bytes: int = Field(0, ge=0, description="torch's peak allocation in the phase")

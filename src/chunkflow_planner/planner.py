@@ -216,7 +216,8 @@ def _with_pipeline(plan: Plan, spec: ModelSpec, whole) -> Plan:
     comps += [PlanComponent(name="transformer" if k == 0 else f"transformer_{k + 1}", kind="transformer", bytes=t_bytes,
                             placement=pl.transformer) for k in range(pipe.experts)]
     comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
-    phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, peak_memory_bytes=e.peak_memory(ph),
+    phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, startup_s=e.phases[ph].startup_s,
+                                                     peak_memory_bytes=e.peak_memory(ph),
                                                      allocated_bytes=int(e.phases[ph].allocated_bytes))
                                  for ph in PHASES})
     pred = plan.prediction.model_copy(update=dict(
