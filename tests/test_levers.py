@@ -40,7 +40,11 @@ SETTINGS = [OffloadConfig("layerwise", weight_dtype="fp8_e4m3"),
             OffloadConfig("chunkflow", 1000, 0.0, weight_dtype="fp8_e4m3"),
             OffloadConfig("chunkflow", 3001, 0.3, weight_dtype="fp8_e4m3"),
             OffloadConfig("chunkflow", 50000, 0.5, weight_dtype="fp8_e4m3"),
-            OffloadConfig("chunkflow", 4096, 1.0, weight_dtype="fp8_e4m3")]
+            OffloadConfig("chunkflow", 4096, 1.0, weight_dtype="fp8_e4m3"),
+            # the cast on the copy stream, into a cast buffer per slot (fp8_cast="copy")
+            OffloadConfig("layerwise", weight_dtype="fp8_e4m3", fp8_cast="copy"),
+            OffloadConfig("chunkflow", 1000, 0.0, weight_dtype="fp8_e4m3", fp8_cast="copy"),
+            OffloadConfig("chunkflow", 3001, 0.3, weight_dtype="fp8_e4m3", fp8_cast="copy")]
 
 
 @pytest.mark.parametrize("build", [wan, lambda: wan(mixed=True), flux], ids=["wan", "wan-bf16-mixed", "flux"])
@@ -450,6 +454,38 @@ def test_whole_pipeline_plan_takes_the_levers(cli, workdir):
         "peak_memory_bytes"]
 
 
+def test_fp8_cast_on_the_copy_stream_follows_writes_parks_and_dtype_changes():
+    """fp8_cast="copy": a block is cast when its copies finish, into its slot's cast buffer; a write to the weights
+    while offloaded, a park and a dtype change are seen by the next forward as with the cast on the compute stream."""
+    outs = {}
+    for where in ("compute", "copy"):
+        m, blocks, kw = flux()
+        h = chunkflow.offload(m, mode="chunkflow", chunk_size=2000, residency=0.3, weight_dtype="fp8_e4m3",
+                              fp8_cast=where, device="cpu")
+        assert h.cfg.fp8_cast == where and h.stats().cast_buffer_bytes > 0
+        with torch.no_grad():
+            first = m(**kw)[0]
+            w = m.transformer_blocks[0].ff.net[2].weight  # a write into fp8-stored weights between forwards
+            w.copy_((w.float() * 0.5).to(w.dtype))
+            second = m(**kw)[0]
+            h.park()
+            third = m(**kw)[0]
+        m.to(torch.bfloat16)
+        kw16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()}
+        with torch.no_grad():
+            fourth = m(**kw16)[0]
+        assert not torch.equal(first, second) and torch.equal(second, third)
+        outs[where] = (first, second, fourth)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            h.remove()
+    assert all(torch.equal(a, b) for a, b in zip(outs["compute"], outs["copy"]))
+    copy_cfg = OffloadConfig("chunkflow", weight_dtype="fp8_e4m3", fp8_cast="copy")
+    assert copy_cfg.label.endswith("fp8 cast-on-copy") and OffloadConfig(fp8_cast="copy").fp8_cast == "compute"
+    with pytest.raises(ValueError, match="fp8_cast"):
+        OffloadConfig("chunkflow", weight_dtype="fp8_e4m3", fp8_cast="stream")
+
+
 def test_fp8_park_and_unpark_keep_the_arithmetic():
     m, blocks, kw = flux()
     ref = _layerwise_reference(m, blocks)
@@ -586,3 +622,41 @@ def test_a_model_under_diffusers_layerwise_casting_is_refused():
         with pytest.raises(chunkflow.ChunkflowError, match="layerwise casting"):
             chunkflow.offload(m, mode="layerwise", weight_dtype=dtype, device="cpu")
         assert "_chunkflow_handle" not in m.__dict__
+
+
+def test_planner_prices_the_cast_on_the_copy_stream():
+    """fp8_cast="copy" takes the cast off the compute path (a shorter step where the copies hide behind compute)
+    and holds a second cast buffer; where the copies are exposed the cast lengthens them instead."""
+    from chunkflow_planner.catalog import get_hardware, get_model
+    from chunkflow_planner.policy import Problem
+    from chunkflow_planner.workload import make_workload
+
+    spec, hw = get_model("wan2.2"), get_hardware("h200")
+    for frames, hidden in ((121, True), (9, False)):
+        prob = Problem(spec, make_workload(spec, frames=frames, height=480, width=832), hw)
+        on = {c: prob.evaluate(OffloadConfig("chunkflow", "16MB", 0.0, weight_dtype="fp8_e4m3", fp8_cast=c))
+              for c in ("compute", "copy")}
+        assert on["copy"].memory.cast_buffer == 2 * on["compute"].memory.cast_buffer > 0
+        if hidden:
+            assert on["copy"].step_time < on["compute"].step_time
+            assert on["copy"].time.compute < on["compute"].time.compute
+        else:
+            assert on["copy"].time.prefetch_stall > on["compute"].time.prefetch_stall
+    full = Problem(spec, make_workload(spec, frames=41, height=480, width=832), hw)
+    r1 = {c: full.evaluate(OffloadConfig("chunkflow", "16MB", 1.0, weight_dtype="fp8_e4m3", fp8_cast=c))
+          for c in ("compute", "copy")}  # nothing streams: the runtime casts on the compute stream either way
+    assert r1["copy"].step_time == r1["compute"].step_time and r1["copy"].memory.peak == r1["compute"].memory.peak
+
+
+def test_bench_records_where_fp8_is_cast(cli, workdir):
+    result = cli("bench", "--model", "tiny", "--frames", "5", "--modes", "chunkflow", "--weight-dtype", "fp8_e4m3",
+                 "--fp8-cast", "copy", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-plots",
+                 "--out", "b")
+    assert result.exit_code == 0, result.output
+    import csv
+
+    rows = list(csv.DictReader(open(workdir / "b" / "bench.csv")))
+    assert rows and all(r["fp8_cast"] == "copy" and r["weight_dtype"] == "fp8_e4m3" for r in rows)
+    assert "fp8 cast-on-copy" in (workdir / "b" / "summary.md").read_text()
+    bad = cli("bench", "--model", "tiny", "--frames", "5", "--fp8-cast", "stream", "--device", "cpu")
+    assert bad.exit_code == 2 and "--fp8-cast" in bad.output

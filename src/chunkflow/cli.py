@@ -239,6 +239,8 @@ def run_cmd(
     residency: Optional[float] = typer.Option(None, help="override the residency, a fraction in [0, 1]"),
     cfg_batched: Optional[bool] = typer.Option(None, "--cfg-batched/--no-cfg-batched", help="override the plan: "
                                                "both guidance passes of a step in one forward, or one forward each"),
+    fp8_cast: Optional[str] = typer.Option(None, help="override the plan's fp8 cast: compute (the compute stream, "
+                                           "before each block) or copy (the copy stream, after its copies)"),
     weight_dtype: Optional[str] = typer.Option(None, help="override the plan's weight storage: bf16 or fp8_e4m3 "
                                                "(lossy)"),
     device: Optional[str] = typer.Option(None, help="cuda (default when available), cuda:1 or cpu"),
@@ -282,7 +284,7 @@ def run_cmd(
 
     p = load_plan(plan)
     cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
-                                   weight_dtype=weight_dtype)  # the flags are parsed here, once
+                                   weight_dtype=weight_dtype, fp8_cast=fp8_cast)  # the flags are parsed here, once
     from chunkflow.run import RunOptions, run_plan
 
     generating = prompt is not None
@@ -523,7 +525,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at, height, width, hardware,
-                warmup, steps, comm_aware, baselines="", compile="off", weight_dtype="bf16"):
+                warmup, steps, comm_aware, baselines="", compile="off", weight_dtype="bf16", fp8_cast="compute"):
     """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
     from chunkflow.bench import BenchSpec
     from chunkflow.bench.baselines import BASELINES, check_baseline
@@ -561,6 +563,8 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
         raise UserError(f"--compile must be off, regional or regional-fullgraph, got {compile!r}")
     if weight_dtype not in ("bf16", "fp8_e4m3"):
         raise UserError(f"--weight-dtype must be bf16 or fp8_e4m3, got {weight_dtype!r}")
+    if fp8_cast not in ("compute", "copy"):
+        raise UserError(f"--fp8-cast must be compute or copy, got {fp8_cast!r}")
     base = [b.strip() for b in baselines.split(",") if b.strip()]
     if any(b not in BASELINES for b in base):
         raise UserError(f"unknown baseline(s) in {baselines!r}; known: {', '.join(BASELINES)}")
@@ -571,7 +575,7 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
     bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
                       chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
                       comm_aware=aware, warmup=warmup, steps=steps, baselines=base, compile=compile,
-                      weight_dtype=weight_dtype)
+                      weight_dtype=weight_dtype, fp8_cast=fp8_cast)
     for v in {*values, bench.chunk_value, bench.residency_value}:
         bench.workload(spec, v)  # validates frames / batch / sizes
     for c in chunks:
@@ -587,7 +591,8 @@ def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
         t.add_column(col, justify="right")
     none = {r["value"]: r["measured_step_s"] for _, r in df[df["mode"] == "none"].iterrows()}
     for _, r in df.iterrows():
-        label = row_label(r["mode"], r["chunk_bytes"], r["residency"], r.get("weight_dtype", "bf16"))
+        label = row_label(r["mode"], r["chunk_bytes"], r["residency"], r.get("weight_dtype", "bf16"),
+                          r.get("fp8_cast", "compute"))
         xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
         pred = "-" if r["predicted_step_s"] != r["predicted_step_s"] else format_seconds(r["predicted_step_s"])
         err = "-" if r["err_step"] != r["err_step"] else f"{r['err_step']:+.1%}"
@@ -622,6 +627,8 @@ def bench_cmd(
                                                 "(on unless the hardware's peer link is NVLink, as the planner does)"),
     weight_dtype: str = typer.Option("bf16", help="storage of the streamed weights in layerwise and chunkflow: bf16 "
                                      "or fp8_e4m3 (lossy: half the H2D bytes; none runs the model as it is)"),
+    fp8_cast: str = typer.Option("compute", help="with fp8_e4m3: cast each streamed block on the compute stream "
+                                 "before it runs, or on the copy stream after its copies (copy)"),
     out: str = typer.Option("bench", "--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the plots (needs matplotlib)"),
     from_dir: Optional[str] = typer.Option(None, "--from-dir", help="redraw plots and summary.md of an earlier bench "
@@ -641,7 +648,7 @@ def bench_cmd(
     world = torchrun_world()
     spec, bench, hw, dev = _bench_setup(world, device, model, frames, batch, modes, chunk_sizes, residency, chunk_at,
                                         residency_at, height, width, hardware, warmup, steps, comm_aware, baselines,
-                                        compile, weight_dtype)
+                                        compile, weight_dtype, fp8_cast)
     rank = 0
     if world > 1:
         from chunkflow.parallel import init_distributed

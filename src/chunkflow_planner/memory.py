@@ -40,7 +40,7 @@ class MemoryEstimate:
     streaming_buffers: float
     activations: float
     pinned_host: float
-    cast_buffer: float = 0.0  # fp8 storage: one block's weights in bf16, the cast's target
+    cast_buffer: float = 0.0  # fp8 storage: one block's weights in bf16, the cast's target (two: cast on copy)
 
     @property
     def peak(self) -> int:
@@ -94,4 +94,6 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
     V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
     resident = [cfg.resident_bytes(v) for v in V]
     slot = max(v - r for v, r in zip(V, resident))
+    if cfg.fp8_cast == "copy" and slot > 0:
+        cast *= 2  # a cast buffer per slot
     return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, float(sum(V)), cast)

@@ -31,6 +31,8 @@ Mode = Literal["none", "layerwise", "chunkflow"]
 MODES: tuple[str, ...] = ("none", "layerwise", "chunkflow")
 WeightDtype = Literal["bf16", "fp8_e4m3"]
 WEIGHT_DTYPES: tuple[str, ...] = ("bf16", "fp8_e4m3")  # bf16: the weights as the model holds them
+Fp8Cast = Literal["compute", "copy"]
+FP8_CASTS: tuple[str, ...] = ("compute", "copy")  # where a streamed block's fp8 weights become its compute dtype
 FP8_BYTES_PER_PARAM = 1
 DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
@@ -91,13 +93,15 @@ class OffloadConfig(BaseModel):
     comm_aware: bool = True
     cfg_batched: bool = False
     weight_dtype: WeightDtype = "bf16"
+    fp8_cast: Fp8Cast = "compute"  # fp8 storage: cast on the compute stream before the block runs, or on the copy
+    # stream right after the block's copies (off the compute path, at the cost of a second cast buffer)
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
-                 weight_dtype: str = "bf16") -> None:
+                 weight_dtype: str = "bf16", fp8_cast: str = "compute") -> None:
         try:
             super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
-                             cfg_batched=cfg_batched, weight_dtype=weight_dtype)
+                             cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -122,6 +126,11 @@ class OffloadConfig(BaseModel):
         if weight_dtype != "bf16" and mode == "none":
             raise OffloadConfigError(f"weight_dtype {weight_dtype} stores streamed weights; mode none streams nothing. "
                                      "Use mode chunkflow (residency 1 keeps every block on the device, in fp8)")
+        fp8_cast = data.get("fp8_cast", "compute")
+        if fp8_cast not in FP8_CASTS:
+            raise OffloadConfigError(f"unknown fp8_cast {fp8_cast!r}; use one of {', '.join(FP8_CASTS)}")
+        if weight_dtype == "bf16":
+            fp8_cast = "compute"  # nothing to cast
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -134,11 +143,12 @@ class OffloadConfig(BaseModel):
             chunk = DEFAULT_CHUNK_BYTES if given is None else _chunk(given)
             r = 0.0 if residency is None else _residency(residency)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
-                "cfg_batched": cfg_batched, "weight_dtype": weight_dtype}
+                "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
                        residency: float | None = None, comm_aware: bool | None = None, *,
-                       cfg_batched: bool | None = None, weight_dtype: str | None = None) -> "OffloadConfig":
+                       cfg_batched: bool | None = None, weight_dtype: str | None = None,
+                       fp8_cast: str | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
         storage only to a mode that streams."""
@@ -152,6 +162,7 @@ class OffloadConfig(BaseModel):
             self.comm_aware if comm_aware is None else comm_aware,
             cfg_batched=self.cfg_batched if cfg_batched is None else cfg_batched,
             weight_dtype=dtype,
+            fp8_cast=fp8_cast or self.fp8_cast,
         )
 
     @classmethod
@@ -171,7 +182,8 @@ class OffloadConfig(BaseModel):
         """`none`, `layerwise` or `chunkflow C=16MB r=0.3`, with ` cfg-batched` and ` fp8` where set: for tables."""
         base = self.mode if self.mode != "chunkflow" else \
             f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
-        return base + (" cfg-batched" if self.cfg_batched else "") + (" fp8" if self.weight_dtype != "bf16" else "")
+        fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
+        return base + (" cfg-batched" if self.cfg_batched else "") + fp8
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.

@@ -96,12 +96,20 @@ def I_star(P_peak: float, eta_comp: float, BW_h2d: float, eta_pref: float) -> fl
     return eta_comp * P_peak / (eta_pref * BW_h2d)
 
 
-def T_comp_hw(F_block: float, hw: HardwareSpec) -> float:
-    """Eq. 1 with the hardware's efficiency at this block size: F / (eta_comp(F) * P_peak)."""
-    return T_comp(F_block, hw.peak_tflops * TFLOP, hw.eta_comp_at(F_block))
+def eta_samples(spec: ModelSpec, batch: int) -> int:
+    """Samples of one forward that the efficiency curve does not see as a bigger block: a video model's curve is
+    measured along frames at batch 1, so a forward of `batch` videos (batched CFG included) runs the kernels of one
+    video `batch` times over and has one video's efficiency; an image model's curve is measured along the batch."""
+    return batch if spec.is_video else 1
 
 
-def F_star_hw(hw: HardwareSpec, B_pref: float) -> float:
+def T_comp_hw(F_block: float, hw: HardwareSpec, samples: int = 1) -> float:
+    """Eq. 1 with the hardware's efficiency at this block size: F / (eta_comp(F / samples) * P_peak), `samples`
+    from eta_samples."""
+    return T_comp(F_block, hw.peak_tflops * TFLOP, hw.eta_comp_at(F_block / samples))
+
+
+def F_star_hw(hw: HardwareSpec, B_pref: float, samples: int = 1) -> float:
     """Eq. 4 on `hw`: the F_block at which T_comp(F) = T_pref(B_pref).
 
     With a scalar eta_comp this is the closed form; with a measured eta_comp(F) curve the efficiency depends on
@@ -111,7 +119,7 @@ def F_star_hw(hw: HardwareSpec, B_pref: float) -> float:
     if not hw.eta_comp_curve:
         return F_star(P, hw.eta_comp, B_pref, BW, hw.eta_pref)
     tp = T_pref(B_pref, BW, hw.eta_pref)
-    g = lambda logF: T_comp_hw(math.exp(logF), hw) - tp  # noqa: E731
+    g = lambda logF: T_comp_hw(math.exp(logF), hw, samples) - tp  # noqa: E731
     lo, hi = math.log(1.0), math.log(1e30)
     if g(lo) >= 0:
         return 1.0
@@ -221,14 +229,15 @@ def analyse(
         samples = per_forward(w, cfg.cfg_batched)[0].batch // w.batch
         B_pref = cfg.stored_bytes(B_pref, spec.dtype_bytes)
     F = F_block_per_gpu(spec, w.batch * samples, tokens(spec, w), sp, text_len)
-    fs = F_star_hw(hw, B_pref)
+    same = eta_samples(spec, w.batch * samples)
+    fs = F_star_hw(hw, B_pref, same)
     return OverlapAnalysis(
         F_block=F,
         B_pref=B_pref,
         F_star=fs,
         I_block=I_block(F, B_pref),
-        I_star=I_star(P, hw.eta_comp_at(fs), BW, hw.eta_pref),  # = F_star / B_pref, also with a curve
-        T_comp=T_comp_hw(F, hw),
+        I_star=I_star(P, hw.eta_comp_at(fs / same), BW, hw.eta_pref),  # = F_star / B_pref, also with a curve
+        T_comp=T_comp_hw(F, hw, same),
         T_pref=T_pref(B_pref, BW, hw.eta_pref),
         critical=critical_point(spec, w, fs, sp, text_len, per_forward=samples),
     )

@@ -181,7 +181,7 @@ def make_plan(
         analysis=Analysis(
             block_flops_per_gpu=analysis.F_block, prefetch_bytes_per_block=analysis.B_pref, f_star=analysis.F_star,
             i_block=analysis.I_block, i_star=analysis.I_star, t_comp_s=analysis.T_comp, t_pref_s=analysis.T_pref,
-            eta_comp_used=hw.for_model(spec).eta_comp_at(analysis.F_block),
+            eta_comp_used=analysis.F_block / (analysis.T_comp * hw.peak_tflops * 1e12),  # eq. 1 solved for eta
             regime=analysis.regime,
             critical=Critical(
                 axis=analysis.critical.axis, value=analysis.critical.value,

@@ -99,8 +99,10 @@ class Levers:
             dtypes = (weight_dtype,)
         return cls(batched, dtypes)
 
-    def combos(self) -> list[tuple[bool, str]]:
-        return [(b, d) for b in self.cfg_batched for d in self.weight_dtypes]
+    def combos(self) -> list[tuple[bool, str, str]]:
+        """(cfg_batched, weight_dtype, fp8_cast): fp8 with its cast on the compute stream and on the copy stream."""
+        return [(b, d, c) for b in self.cfg_batched for d in self.weight_dtypes
+                for c in (("compute", "copy") if d != "bf16" else ("compute",))]
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,9 @@ def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES
     """Every chunkflow point of the design space (chunk size x residency x the levers allowed)."""
     aware = problem.aware
     return [
-        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt))
-        for b, dt in problem.levers.combos()
+        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt,
+                                       fp8_cast=cast))
+        for b, dt, cast in problem.levers.combos()
         for C in chunk_sizes
         for r in residency_grid(problem.spec, C)
     ]

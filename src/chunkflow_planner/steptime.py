@@ -26,7 +26,7 @@ from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workl
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
-from chunkflow_planner.overlap import GB, T_comp_hw, T_pref
+from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
 from chunkflow_planner.workload import per_forward, tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
@@ -59,9 +59,11 @@ def t_all_to_all(spec: ModelSpec, group: BlockGroup, w: Workload, hw: HardwareSp
 
 
 def block_time(
-    t_comp: float, t_coll: float, n_coll: int, V_next: float, cfg: OffloadConfig, hw: HardwareSpec
+    t_comp: float, t_coll: float, n_coll: int, V_next: float, cfg: OffloadConfig, hw: HardwareSpec,
+    t_cast_next: float = 0.0,
 ) -> tuple[float, float, float, float]:
-    """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block.
+    """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block;
+    `t_cast_next`: the next block's fp8 cast when it runs on the copy stream after its copies (fp8_cast "copy").
 
     With communication awareness the runtime yields only where the compute windows can hold the transfer
     (runtime/comm.py: the block's bytes fit in PACING_MARGIN of its compute time); a prefetch-bound block is
@@ -75,7 +77,7 @@ def block_time(
         return window, 0.0, 0.0, 0.0
     BW = hw.h2d_gbps * GB
     dma = hw.dma_startup_us * 1e-6
-    pref = T_pref(streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma
+    pref = T_pref(streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma + t_cast_next
     overhead = hw.block_overhead_us * 1e-6
 
     def finish(contention: float, link_busy: float, extra: float) -> tuple[float, float, float, float]:
@@ -114,17 +116,23 @@ def step_time(
     L = spec.text_len if text_len is None else text_len
     w, passes = per_forward(w, cfg.cfg_batched)
     S = tokens(spec, w)
+    same = eta_samples(spec, w.batch)
     groups = spec.block_sequence()
     V = block_volumes(spec) if prefetch_bytes is None else [float(prefetch_bytes)] * len(groups)
     cast = [0.0] * len(groups) if cfg.weight_dtype == "bf16" else [v / (hw.cast_gbps * GB) for v in V]
     V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
+    # fp8_cast "copy": a streamed block is cast on the copy stream after its copies (the runtime casts a block
+    # that does not stream on the compute stream)
+    on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
     out = StepTime()
     for l, g in enumerate(groups):
-        tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw)  # eta_comp(F) of this block
-        tc += cast[l]
+        tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
+        nxt = (l + 1) % len(groups)
+        tc += 0.0 if on_copy[l] else cast[l]
         n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
         tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
-        wall, stall, cont, over = block_time(tc, tcoll, n_coll, V[(l + 1) % len(groups)], cfg, hw)
+        wall, stall, cont, over = block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
+                                             cast[nxt] if on_copy[nxt] else 0.0)
         out.compute += tc
         out.collective += tcoll
         out.prefetch_stall += stall

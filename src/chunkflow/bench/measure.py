@@ -33,9 +33,9 @@ COLUMNS = [
     "predicted_peak_bytes", "err_peak", "peak_reserved_bytes", "pinned_bytes", "collective_s", "prefetch_stall_s",
     "fence_stall_s", "compute_s", "overhead_s", "n_collectives", "pred_compute_s", "pred_collective_s",
     "pred_stall_s", "pred_overhead_s", "bit_identical", "f_block", "f_star", "i_block", "i_star", "regime",
-    "critical", "hardware", "device", "host_rss_bytes", "weight_dtype",
+    "critical", "hardware", "device", "host_rss_bytes", "weight_dtype", "fp8_cast",
 ]
-OPTIONAL_COLUMNS = ("host_rss_bytes", "weight_dtype")  # absent from bench.csv files written before they were kept
+OPTIONAL_COLUMNS = ("host_rss_bytes", "weight_dtype", "fp8_cast")  # absent from bench.csv files written before they were kept
 
 
 def _median(xs: list[float]) -> float:
@@ -158,14 +158,14 @@ def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Offl
     if isinstance(cfg, OffloadConfig):
         p = predict(spec, w, hw, cfg, sp)
         setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label,
-                       weight_dtype=cfg.weight_dtype)
+                       weight_dtype=cfg.weight_dtype, fp8_cast=cfg.fp8_cast)
         pred = dict(predicted_step_s=p.step_time_s, err_step=(med - p.step_time_s) / p.step_time_s,
                     predicted_peak_bytes=p.peak_memory_bytes,
                     err_peak=(peak - p.peak_memory_bytes) / p.peak_memory_bytes if peak is not None else None,
                     pred_compute_s=p.compute_s, pred_collective_s=p.collective_s + p.contention_stall_s,
                     pred_stall_s=p.prefetch_stall_s, pred_overhead_s=p.overhead_s)
     else:
-        setting = dict(mode=cfg, chunk_bytes=None, residency=0.0, label=cfg, weight_dtype="bf16")
+        setting = dict(mode=cfg, chunk_bytes=None, residency=0.0, label=cfg, weight_dtype="bf16", fp8_cast="compute")
         pred = dict.fromkeys(("predicted_step_s", "err_step", "predicted_peak_bytes", "err_peak", "pred_compute_s",
                               "pred_collective_s", "pred_stall_s", "pred_overhead_s"), math.nan)
     return dict(

@@ -83,8 +83,9 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
         return f"{r['measured_step_s'] / n:.3f}" if n else "-"
 
     def label(r) -> str:
-        dtype = r.get("weight_dtype", "bf16")
-        return row_label(r["mode"], r["chunk_bytes"], r["residency"], dtype if isinstance(dtype, str) else "bf16")
+        dtype, cast = r.get("weight_dtype", "bf16"), r.get("fp8_cast", "compute")
+        return row_label(r["mode"], r["chunk_bytes"], r["residency"], dtype if isinstance(dtype, str) else "bf16",
+                         cast if isinstance(cast, str) else "compute")
 
     out = [f"# chunkflow bench: {b.model}", "",
            f"- GPU: {meta.gpu}, SP={meta.sp}, env {meta.env}; torch {meta.torch}, diffusers {meta.diffusers}",

@@ -50,6 +50,8 @@ class BenchSpec(BaseModel):
         "any configuration is offloaded; the planner's predictions stay those of eager execution")
     weight_dtype: Literal["bf16", "fp8_e4m3"] = Field("bf16", description="storage of the streamed weights in the "
                                                       "offload modes (none keeps the model as it is)")
+    fp8_cast: Literal["compute", "copy"] = Field("compute", description="with fp8: where a streamed block is cast "
+                                                 "to its compute dtype (the compute or the copy stream)")
     warmup: int = 1
     steps: int = 2
 
@@ -81,9 +83,9 @@ class BenchSpec(BaseModel):
         """A point's offload setting: chunkflow at the scaling chunk size and residency unless given."""
         dtype = "bf16" if mode == "none" else self.weight_dtype
         if mode != "chunkflow":
-            return OffloadConfig(mode, comm_aware=self.comm_aware, weight_dtype=dtype)
+            return OffloadConfig(mode, comm_aware=self.comm_aware, weight_dtype=dtype, fp8_cast=self.fp8_cast)
         return OffloadConfig(mode, chunk_bytes or self.chunk, self.residency if residency is None else residency,
-                             self.comm_aware, weight_dtype=dtype)
+                             self.comm_aware, weight_dtype=dtype, fp8_cast=self.fp8_cast)
 
     def points(self) -> list[tuple[OffloadConfig, list[int]]]:
         """Each configuration once, with the workload values it runs at; none first, then layerwise, then chunkflow."""
@@ -119,11 +121,13 @@ class BenchSpec(BaseModel):
         return make_workload(spec, frames=value, **kw) if self.axis == "frames" else make_workload(spec, batch=value, **kw)
 
 
-def row_label(mode: str, chunk_bytes: float | None, residency: float, weight_dtype: str = "bf16") -> str:
+def row_label(mode: str, chunk_bytes: float | None, residency: float, weight_dtype: str = "bf16",
+              fp8_cast: str = "compute") -> str:
     """The label of a bench.csv row: its offload setting's, or the baseline's name."""
     if mode not in MODES:
         return mode
-    return OffloadConfig.of_row(mode, chunk_bytes, residency).label + (" fp8" if weight_dtype == "fp8_e4m3" else "")
+    fp8 = " fp8" + (" cast-on-copy" if fp8_cast == "copy" else "")
+    return OffloadConfig.of_row(mode, chunk_bytes, residency).label + (fp8 if weight_dtype == "fp8_e4m3" else "")
 
 
 class BenchMeta(BaseModel):

@@ -76,7 +76,8 @@ class OffloadStats:
     relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change)
     weight_dtype: str = "bf16"  # storage of the blocks' weights: bf16 (as the model holds them) or fp8_e4m3
     fp8_tensors: int = 0  # block tensors stored in fp8 (cast to their compute dtype at each block's forward)
-    cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into (one block's worth)
+    cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into (one block's worth; two
+    # with fp8_cast "copy", one per slot)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +148,8 @@ class OffloadHandle:
             self.layouts, self.store = layouts, store
             if self.cfg.streams:
                 backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
-                self.streamer = Streamer(layouts, store, self.device, backend)
+                self.streamer = Streamer(layouts, store, self.device, backend,
+                                         cast_on_copy=self.cfg.fp8_cast == "copy")
                 self.streamer.fill_resident_and_start()
                 self.hooks = [BlockHook(self, b.index, b.module) for b in layouts]
                 self.writes.watch(layouts, self.streamer.host_views)
@@ -409,6 +411,7 @@ class OffloadHandle:
         s = self.streamer
         slot = s.slots[0].numel() if s is not None and s.slots else 0
         nb = sum(t.get().numel() * t.get().element_size() for t in self._non_block)
+        cast_bytes = (s.cast_buffer.numel() + sum(b.numel() for b in s.slot_casts)) if s is not None else 0
         return OffloadStats(
             mode=self.cfg.mode,
             device=str(self.device),
@@ -425,7 +428,7 @@ class OffloadHandle:
             target_residency=self.cfg.residency,
             achieved_residency=(R / V) if V else 1.0,
             slot_bytes=slot,
-            device_buffer_bytes=(s.resident.numel() + 2 * slot + s.cast_buffer.numel()) if s is not None else 0,
+            device_buffer_bytes=(s.resident.numel() + 2 * slot + cast_bytes) if s is not None else 0,
             forwards=s.forwards if s is not None else 0,
             h2d_bytes_issued=s.bytes_h2d if s is not None else 0,
             comm_aware=s is not None and s.pacer is not None,
@@ -434,7 +437,7 @@ class OffloadHandle:
             weight_dtype=self.cfg.weight_dtype,
             fp8_tensors=sum(len(b.cast_tensors()) for b in L) + (len(self._resident_cast.own)
                                                                  if self._resident_cast is not None else 0),
-            cast_buffer_bytes=s.cast_buffer.numel() if s is not None else 0,
+            cast_buffer_bytes=cast_bytes,
         )
 
     # ---- undo
@@ -593,7 +596,7 @@ def _check_parameters(blocks: list[tuple[str, nn.Module]]) -> None:
 
 def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = None, chunk_size=None,
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
-            device: str | torch.device | None = "cuda", blocks=None,
+            fp8_cast: str | None = None, device: str | torch.device | None = "cuda", blocks=None,
             source: TensorSource | None = None) -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
@@ -603,7 +606,9 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     torch.distributed: keep chunk copies out of the model's collectives; call `init_distributed()` first),
     `weight_dtype` ('bf16', the default: the weights as they are; 'fp8_e4m3': the blocks' linear weights stored in
     float8 and cast back on the device before each block runs, as diffusers' `enable_layerwise_casting` does; lossy,
-    halves host memory and copied bytes).
+    halves host memory and copied bytes), `fp8_cast` (with fp8: 'compute', the default, casts each block on the
+    compute stream before it runs; 'copy' casts it on the copy stream right after its copies, off the compute
+    path, with a second block-sized cast buffer).
     Keywords override a config or plan. `blocks`: the block modules in execution order (default: from the catalog
     for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
     `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
@@ -612,7 +617,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     module = _unwrap(module)
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, mode=mode, chunk_size=chunk_size, residency=residency,
-                         comm_aware=comm_aware, weight_dtype=weight_dtype)
+                         comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     _check_parameters(named)

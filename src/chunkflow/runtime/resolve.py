@@ -72,7 +72,8 @@ def _check_architecture(spec, module: nn.Module) -> None:
 
 def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, mode: str | None = None,
                    chunk_size=None, residency: float | None = None,
-                   comm_aware: bool | None = None, weight_dtype: str | None = None) -> OffloadConfig:
+                   comm_aware: bool | None = None, weight_dtype: str | None = None,
+                   fp8_cast: str | None = None) -> OffloadConfig:
     """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
     any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
     if config is not None and plan is not None:
@@ -96,9 +97,13 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, m
         else:
             if weight_dtype is not None and not isinstance(weight_dtype, str):
                 raise OffloadConfigError(f"weight_dtype must be 'bf16' or 'fp8_e4m3', got {weight_dtype!r}")
+            if fp8_cast is not None and not isinstance(fp8_cast, str):
+                raise OffloadConfigError(f"fp8_cast must be 'compute' or 'copy', got {fp8_cast!r}")
             return OffloadConfig(mode or "chunkflow", chunk_size, residency,
-                                 True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16")
-        return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype)
+                                 True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16",
+                                 fp8_cast=fp8_cast or "compute")
+        return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype,
+                                   fp8_cast=fp8_cast)
     except OffloadConfigError as exc:
         raise OffloadError(str(exc)) from None
 

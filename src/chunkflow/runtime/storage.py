@@ -143,13 +143,15 @@ class ResidentCasting:
         for h in self.hooks:
             h.remove()
         self.hooks = []
-        back: dict[int, torch.Tensor] = {}  # one tensor back per stored one: shared ones stay shared
+        # one tensor back per stored one, so shared ones stay shared: keyed by the Parameter or buffer object the
+        # layers hold (alive throughout), never by `_get`'s data, a new object each call whose id can come again
+        back: dict[int, torch.Tensor] = {}
         for m in self.layers:
-            for attr, _ in self.tensors(m):
+            for attr, held in self.tensors(m):
                 own = self.own.get((id(m), attr))
                 cur = _get(m, attr)
                 if own is not None and cur.dtype == self.dtype:
-                    _set(m, attr, back.setdefault(id(cur), cur.to(own)))
+                    _set(m, attr, back.setdefault(id(held), cur.to(own)))
         self.own = {}
 
 

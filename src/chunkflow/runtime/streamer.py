@@ -13,7 +13,9 @@ synchronizes the host. Without CUDA the same code runs with no-op streams and ev
 
 With fp8 storage the host store, resident buffer and slots hold the fp8 bytes; `enter` casts a block's fp8 tensors
 into one cast buffer (their compute dtype, on the compute stream, after the block's copies are ready) and binds
-them there, as diffusers' layerwise casting does at each layer's forward.
+them there, as diffusers' layerwise casting does at each layer's forward. With `cast_on_copy` a streamed block is
+cast on the copy stream instead, right after its copies and before `ready[l]`, into a cast buffer that belongs to
+its slot (two in all, released with the slot): the cast leaves the compute stream's path.
 
 `obs` (an Observer, or None) is told of every copy, stream wait and slot release (runtime/observe.py).
 """
@@ -146,8 +148,10 @@ class Streamer:
     between collectives; the pacer is told when a prefetch period begins and ends and when a block ends.
     """
 
-    def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend):
+    def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend,
+                 cast_on_copy: bool = False):
         self.layouts = layouts
+        self.cast_on_copy = cast_on_copy
         self.host = host
         self.device = device
         self.backend = backend
@@ -160,7 +164,9 @@ class Streamer:
             off += b.resident_bytes
         self.resident_total = off
         self.slot_bytes = max((b.slot_extent for b in layouts), default=0)
-        self.cast_bytes = max((b.cast_extent for b in layouts), default=0)
+        on_copy = [b for b in layouts if cast_on_copy and b.is_streamed]
+        self.cast_bytes = max((b.cast_extent for b in layouts if b not in on_copy), default=0)
+        self.slot_cast_bytes = max((b.cast_extent for b in on_copy), default=0)
         self.ring = [b.index for b in layouts if b.is_streamed]
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
@@ -173,6 +179,8 @@ class Streamer:
         self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=device)
         self.cast_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
         self.casting: int | None = None  # the block whose fp8 tensors occupy the cast buffer now
+        self.slot_casts: list[torch.Tensor] = []  # cast_on_copy: one cast buffer per slot
+        self.slot_cast_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor, torch.Tensor]]] = {}
         self._alloc_device()
         self.ready = {l: backend.event() for l in self.ring}
         self.free = [backend.event(), backend.event()]
@@ -199,7 +207,7 @@ class Streamer:
         self.cast_views = []
         for b in self.layouts:
             views, off = [], 0
-            for t in b.cast_tensors():
+            for t in ([] if self.cast_on_copy and b.is_streamed else b.cast_tensors()):  # those: _alloc_slot_casts
                 off = align_up(off)
                 views.append((t, self.cast_buffer[off : off + t.compute_nbytes].view(t.compute_dtype).view(t.shape)))
                 off += t.compute_nbytes
@@ -212,6 +220,26 @@ class Streamer:
                 self.slot_views[(b.index, s)] = [
                     (t, _typed_view(buf, t.offset - b.slot_start, t)) for t in b.streamed_tensors()
                 ]
+        self._alloc_slot_casts()
+
+    def _alloc_slot_casts(self) -> None:
+        """cast_on_copy: a cast buffer per slot and, per (streamed block, slot), each fp8 tensor's source (its slot
+        or resident view) and target (in that slot's cast buffer)."""
+        self.slot_casts = [torch.empty(self.slot_cast_bytes, dtype=torch.uint8, device=self.device)
+                           for _ in range(2 if self.slot_cast_bytes else 0)]
+        self.slot_cast_views = {}
+        for b in self.layouts:
+            cast = b.cast_tensors()
+            if not (self.slot_casts and b.is_streamed and cast):
+                continue
+            for s, buf in enumerate(self.slot_casts):
+                src = {id(t): v for t, v in self.slot_views[(b.index, s)] + self.resident_views[b.index]}
+                views, off = [], 0
+                for t in cast:
+                    off = align_up(off)
+                    views.append((t, src[id(t)], buf[off : off + t.compute_nbytes].view(t.compute_dtype).view(t.shape)))
+                    off += t.compute_nbytes
+                self.slot_cast_views[(b.index, s)] = views
 
     def release_device(self) -> None:
         """Give the device buffers back (a park): copies finish first; tensors stay bound to their host views."""
@@ -227,6 +255,8 @@ class Streamer:
         self.cast_views = []
         self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.casting = None
+        self.slot_casts = []
+        self.slot_cast_views = {}
 
     def acquire_device(self) -> None:
         """Device buffers again after a park: resident heads copied from the host store, the first block
@@ -323,6 +353,11 @@ class Streamer:
         if p is None:
             return
         self.pump(p.left)
+        casts = self.slot_cast_views.get((p.block, p.slot))
+        if casts:  # cast_on_copy: fp8 -> compute dtype on the copy stream, before the block is marked ready
+            with self.backend.on(self.backend.copy_stream):
+                for _, src, dst in casts:
+                    dst.copy_(src)
         self.ready[p.block].record(self.backend.copy_stream)
         if self.obs is not None:
             self.obs.block_ready(p.block)
@@ -348,7 +383,11 @@ class Streamer:
             self.before(l)
         for t, view in self.resident_views[l]:
             bind(t, view)
-        if self.cast_views[l]:
+        casts = self.slot_cast_views.get((l, self.bound[l])) if l in self.bound else None
+        if casts:  # cast on the copy stream already (finish), into the cast buffer of the block's slot
+            for t, _, dst in casts:
+                bind(t, dst)
+        elif self.cast_views[l]:
             self._cast(l)
 
     def _cast(self, l: int) -> None:
@@ -426,3 +465,5 @@ class Streamer:
         self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.cast_views = []
         self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.slot_casts = []
+        self.slot_cast_views = {}
