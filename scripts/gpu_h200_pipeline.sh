@@ -54,5 +54,11 @@ else
       --steps 3 --mem-budget 16GB
   wanted wan22-a14b-81 && generate wan22-a14b-81 300 mp4 --model a14b --frames 81 --height 480 --width 832 \
       --steps 3 --mem-budget 24GB
+  # held out: pipelines and sizes none of the above measured, to check a profile refit from their reports
+  # (`chunkflow calibrate --from-report ...`, given as PROFILE)
+  wanted qwen-1328 && generate qwen-1328 300 png --model qwen-image --height 1328 --width 1328 --steps 4 \
+      --mem-budget 24GB
+  wanted wan22-5b-480-121 && generate wan22-5b-480-121 200 mp4 --model wan2.2 --frames 121 --height 480 \
+      --width 832 --steps 4 --mem-budget 16GB
 fi
 pack && cat "$out/media.log" && echo "packed $dest/pipeline.tgz"

@@ -223,3 +223,42 @@ def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, 
     new, notes = refit(get_hardware("cpu"), read_reports(["warm.json"]))  # the profile the plan was made with
     assert new.startup_s == pytest.approx({"encode": 0.42, "denoise": 0.3, "decode": 0.0})
     assert any("start-up" in n for n in notes)
+
+
+def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir):
+    """Generation reports made to look measured on a GPU with known host time in encode, a known postprocessing
+    rate in decode and a known allocator slack: `calibrate --from-report` finds all three, and a plan with the
+    refit profile predicts those reports' phases."""
+    from chunkflow.calibrate import _generation_estimate, read_reports, refit
+    from chunkflow_planner.catalog import get_hardware
+    from chunkflow_planner.pipeline import output_bytes
+
+    plan = _plan(cli, "tiny")
+    with one_thread():
+        result = cli("run", "--plan", plan, "--prompt", "a cat", "--report", "r.json")
+    assert result.exit_code == 0, result.output
+    hw = get_hardware("cpu")
+    data = json.loads(Path("r.json").read_text())
+    data["gpu"], data["run"]["device"] = "NVIDIA H200", "cuda:0"
+    Path("r.json").write_text(json.dumps(data))
+    base = hw.model_copy(update={"postprocess_gbps": 1e4, "encode_host_s": 0.0, "alloc_slack": 0.0})
+    e, w = _generation_estimate(read_reports(["r.json"])[0], base)
+    truth = {"encode_host_s": 0.04, "postprocess_gbps": 0.5, "alloc_slack": 0.3}
+    for name, ph in data["generation"]["phases"].items():
+        t = e.phases[name].time_s
+        t += truth["encode_host_s"] if name == "encode" else 0.0
+        t += output_bytes(w) / 0.5e9 - output_bytes(w) / 1e13 if name == "decode" else 0.0
+        ph["measured_time_s"] = t
+        ph["measured_peak_allocated_bytes"] = int(e.phases[name].allocated_bytes)
+        ph["measured_peak_memory_bytes"] = int(e.phases[name].allocated_bytes + hw.context_bytes
+                                               + truth["alloc_slack"] * e.phases[name].activation_bytes)
+    Path("r.json").write_text(json.dumps(data))
+    new, notes = refit(hw, read_reports(["r.json"]))
+    for k, v in truth.items():
+        assert getattr(new, k) == pytest.approx(v, rel=1e-3), k
+    e2, _ = _generation_estimate(read_reports(["r.json"])[0], new)  # (denoise: eta_comp is refit from this run too)
+    for name in ("encode", "decode"):
+        assert e2.phases[name].time_s == pytest.approx(data["generation"]["phases"][name]["measured_time_s"], rel=1e-6)
+        ph = data["generation"]["phases"][name]
+        assert new.reserve_fraction == 0  # the slack replaces the flat reserve
+        assert e2.peak_memory(name) == pytest.approx(ph["measured_peak_memory_bytes"], abs=16)  # whole bytes

@@ -209,6 +209,14 @@ class HardwareSpec(_Strict):
     vae_decode: dict[str, "VaeDecodeFit"] = Field(
         default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
         "catalog's for this GPU")
+    postprocess_gbps: float = Field(1.0, gt=0, le=1e4, description="GB/s of float32 output (frames x H x W x 3) "
+                                    "the pipeline's postprocessing turns into the result on the host after the VAE "
+                                    "decode (device to host, numpy); `chunkflow calibrate --from-report` measures it")
+    encode_host_s: float = Field(0.0, ge=0, le=60, description="host seconds of the encode phase beyond the text "
+                                 "encoders' compute (tokenizers, prompt cleaning, padding); measured from reports")
+    alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
+                               "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
+                               "measured from reports")
     startup_s: dict[Literal["encode", "denoise", "decode"], Annotated[float, Field(ge=0, le=600)]] = Field(
         default_factory=dict, description="one-time seconds a phase adds to the first generation of a process (CUDA "
         "kernels loaded on first use, library handles, the allocator's first growth); `chunkflow calibrate "

@@ -69,6 +69,7 @@ class Phase:
     allocated_bytes: float = 0.0
     detail: dict[str, float] = field(default_factory=dict)
     startup_s: float = 0.0  # part of time_s paid only by a process's first generation (HardwareSpec.startup_s)
+    activation_bytes: float = 0.0  # of allocated_bytes, the activations (the allocator's slack scales with them)
 
 
 @dataclass
@@ -80,8 +81,10 @@ class PipelineEstimate:
     hw: HardwareSpec
 
     def peak_memory(self, phase: str) -> int:
-        """Device memory in use at the phase's peak: allocation plus allocator reserve plus context."""
-        return device_need(self.phases[phase].allocated_bytes, self.hw)
+        """Device memory in use at the phase's peak: allocation, the allocator's slack over the activations (what
+        it keeps mapped of freed ones, `alloc_slack`), its reserve and the context."""
+        ph = self.phases[phase]
+        return device_need(ph.allocated_bytes + self.hw.alloc_slack * ph.activation_bytes, self.hw)
 
     @property
     def gpu_need(self) -> int:
@@ -128,8 +131,14 @@ def vae_fit(spec: ModelSpec, hw: HardwareSpec) -> VaeDecodeFit:
     return VaeDecodeFit(**vae.decode)
 
 
+def output_bytes(w: Workload) -> float:
+    """The decoded output as float32 RGB: what the pipeline's postprocessing turns into the result."""
+    return w.batch * w.frames * w.height * w.width * 3 * 4
+
+
 def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> tuple[float, float]:
-    """(seconds, peak activation bytes) of decoding `w`'s output, from the VAE's fit (tiled or not)."""
+    """(seconds, peak activation bytes) of decoding `w`'s output, from the VAE's fit (tiled or not), and of the
+    pipeline's postprocessing of it (output_bytes at postprocess_gbps)."""
     fit = vae_fit(spec, hw)
     if tiled:
         if fit.tiled is None:
@@ -138,7 +147,8 @@ def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> 
     px = w.height * w.width
     voxels = w.batch * w.frames * px
     mem = fit.mem_const + fit.mem_per_px * px + fit.mem_per_voxel * voxels
-    return max(0.0, fit.time_const + fit.time_per_voxel * voxels), max(0.0, mem)
+    post = output_bytes(w) / (hw.postprocess_gbps * GB)
+    return max(0.0, fit.time_const + fit.time_per_voxel * voxels) + post, max(0.0, mem)
 
 
 # -------------------------------------------------------------------------------------------- pieces
@@ -264,6 +274,10 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
             turn = max(turn, dev)
         elif p == "gpu":
             turn = max(turn, dev - te.nbytes)  # its weights are in `always`; its activations are not
+        if p != "cpu":
+            enc.activation_bytes = max(enc.activation_bytes, _text_act(te))
+    enc.time_s += hw.encode_host_s
+    enc.detail["host"] = hw.encode_host_s
     enc.allocated_bytes = always + turn
     _add_startup(enc, "encode", hw)
 
@@ -277,6 +291,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         den.time_s += pipe.experts * _unpark_bytes(spec, point) / bw
     den.detail["steps"] = steps * point.step_time
     den.allocated_bytes = (always - (t_model if pl.transformer == "gpu" else 0.0)) + point.memory.peak
+    den.activation_bytes = point.memory.activations
     _add_startup(den, "denoise", hw)
 
     # decode: the VAE's measured fit
@@ -284,6 +299,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     t_dec, act = decode_cost(spec, w, hw, pl.vae_tiling)
     dec.time_s = t_dec + (vae_bytes / bw if pl.vae == "phase" else 0.0)
     dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
+    dec.activation_bytes = act
     _add_startup(dec, "decode", hw)
     return PipelineEstimate(pl, point, {"encode": enc, "denoise": den, "decode": dec}, host, hw)
 
@@ -317,9 +333,11 @@ class PipelineDecision:
     reason: str
 
 
-def _room(est_without_transformer_alloc: float, budget: int, hw: HardwareSpec) -> float:
-    """Allocated bytes the transformer may use in the denoise phase inside `budget`."""
-    return (budget - hw.context_bytes) / (1 + hw.reserve_fraction) - est_without_transformer_alloc
+def _room(est_without_transformer_alloc: float, budget: int, hw: HardwareSpec, point: Point) -> float:
+    """Allocated bytes the transformer may use in the denoise phase inside `budget` (with `point`'s activations'
+    allocator slack: the slack of every candidate is about the same, its activations barely depend on the offload)."""
+    return ((budget - hw.context_bytes) / (1 + hw.reserve_fraction) - est_without_transformer_alloc
+            - hw.alloc_slack * point.memory.activations)
 
 
 def decide_pipeline(
@@ -354,7 +372,7 @@ def decide_pipeline(
             continue
         probe = estimate(spec, w, hw, pl, cands.none, costs)
         other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
-        point = _pick_stream(cands, _room(other, gpu_budget, hw))
+        point = _pick_stream(cands, _room(other, gpu_budget, hw, cands.none))
         if point is None:
             point = min(cands.points, key=lambda p: p.memory.peak)
         seen.append(estimate(spec, w, hw, pl, point, costs))
