@@ -97,7 +97,8 @@ def print_pipeline(console: Console, plan: Plan) -> None:
             where += ", tiled decode"
         c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where)
     console.print(c)
-    t = Table(title="Predicted generation, phase by phase (peak GPU memory = allocation + allocator reserve + CUDA context)")
+    t = Table(title="Predicted generation, phase by phase (peak GPU memory = allocation + what the allocator holds "
+              "beyond it + CUDA context)")
     for col in ("phase", "time", "peak GPU memory"):
         t.add_column(col, justify="left" if col == "phase" else "right")
     for name in ("encode", "denoise", "decode"):
