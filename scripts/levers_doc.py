@@ -32,7 +32,7 @@ def _row(what: str, rep: dict, base: float | None) -> str:
     setting = (f"{o['mode']} r={o['residency']:.2f}" + (" batched" if o.get("cfg_batched") else "")
                + (" fp8" if o.get("weight_dtype", "bf16") != "bf16" else ""))
     vs = f"{step / base:.3f}x" if base else "-"
-    mem = m.get("peak_reserved_bytes") or m.get("peak_allocated_bytes")
+    mem = m.get("peak_allocated_bytes")  # the quantity the step model predicts (allocated, not reserved)
     return (f"| {what} | {setting} | {step * 1e3:.1f} ms | {pred * 1e3:.1f} ms | {(step - pred) / pred:+.1%} | {vs} | "
             f"{_gb(mem)} | {_gb(p['peak_memory_bytes'])} | {_gb(m.get('pinned_host_bytes'))} |")
 
@@ -50,7 +50,7 @@ def runs_table(d: Path, frames: str) -> list[str]:
         return [f"(no runs at {frames} frames)"]
     none = {False: reports.get("none"), True: reports.get("none-batched")}
     out = ["| run | setting | step measured | predicted | error | vs no offload run the same way | "
-           "peak reserved | predicted peak | pinned |", "|---|---|---|---|---|---|---|---|---|"]
+           "peak allocated | predicted | pinned |", "|---|---|---|---|---|---|---|---|---|"]
     for key, what in RUNS:
         rep = reports.get(key)
         if rep is None:
@@ -110,7 +110,7 @@ def main(d: Path) -> None:
             base = json.loads((d / "qwen-none-batched.json").read_text())["measured"]["median_step_s"] \
                 if (d / "qwen-none-batched.json").exists() else None
             lines += [f"### {what}", "", "| run | setting | step measured | predicted | error | vs no offload | "
-                      "peak reserved | predicted peak | pinned |", "|---|---|---|---|---|---|---|---|---|",
+                      "peak allocated | predicted | pinned |", "|---|---|---|---|---|---|---|---|---|",
                       _row("planned", rep, base), ""]
     sys.stdout.write("\n".join(lines) + "\n")
 
