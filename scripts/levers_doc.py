@@ -2,7 +2,7 @@
 final latents, plans and two bench sweeps): every measured point with the planner's prediction next to it, the
 batched-CFG difference against the unbatched run, and the measured crossover frame count in bf16 and fp8.
 
-    python3 scripts/levers_doc.py docs/data/h200-levers > tables.md
+    python3 scripts/levers_doc.py docs/data/h200-levers [MORE_DIRS_WITH_CROSSOVER_SWEEPS ...] > tables.md
 """
 
 from __future__ import annotations
@@ -73,47 +73,58 @@ def batched_difference(d: Path, frames: str) -> list[str]:
     return lines
 
 
-def crossover(d: Path) -> list[str]:
+def crossover(dirs: list[Path]) -> list[str]:
+    """Every `crossover-*` bench sweep in `dirs`: chunkflow r=0 against no offload by frames, where that ratio stays
+    within 1.05x, and where the measured prefetch stall stays under 2% of the step (the copies hide: the crossover
+    the planner predicts; fp8's cast is compute, not stall)."""
     import pandas as pd
 
     out = []
-    for dtype in ("bf16", "fp8_e4m3"):
-        csv = d / f"crossover-{dtype}" / "bench.csv"
-        if not csv.exists():
-            out.append(f"- {dtype}: no sweep")
-            continue
+    for csv in sorted(p for d in dirs for p in d.glob("crossover-*/bench.csv")):
         df = pd.read_csv(csv)
         none = df[df["mode"] == "none"].set_index("value")["measured_step_s"]
         cf = df[df["mode"] == "chunkflow"].set_index("value")
         ratio = (cf["measured_step_s"] / none).dropna()
+        stall = (cf["prefetch_stall_s"] / cf["measured_step_s"]).dropna()
         values = sorted(ratio.index)
-        hidden = [int(v) for i, v in enumerate(values) if all(ratio[u] <= 1.05 for u in values[i:])]
+
+        def first_from(ok) -> str:
+            good = [int(v) for i, v in enumerate(values) if all(ok(u) for u in values[i:])]
+            return f"from {good[0]} frames on" if good else "at none of them"
+
         crit = cf["critical"].dropna()
         pred = f"{crit.iloc[0]:.1f}" if len(crit) else "-"
         pairs = ", ".join(f"{int(v)}: {r:.3f}x" for v, r in ratio.items())
-        within = f"from {hidden[0]} frames on" if hidden else "at none of them"
-        out.append(f"- {dtype}: chunkflow r=0 / no offload by frames: {pairs}; within 1.05x {within}; predicted "
-                   f"critical frames {pred}")
+        stalls = ", ".join(f"{int(v)}: {x:.0%}" for v, x in stall.items())
+        out.append(f"- {csv.parent.name}: chunkflow r=0 / no offload by frames: {pairs}; within 1.05x "
+                   f"{first_from(lambda u: ratio[u] <= 1.05)}. Prefetch stall / step: {stalls}; under 2% "
+                   f"{first_from(lambda u: stall[u] < 0.02)}; predicted critical frames {pred}")
     return out
 
 
-def main(d: Path) -> None:
+def main(d: Path, more: list[Path]) -> None:
     lines: list[str] = []
     for frames in sorted({p.name.split("-")[1] for p in d.glob("wan-*-none.json")}, key=int):
         lines += [f"### Wan2.2-TI2V-5B, 480x832, {frames} frames", ""] + runs_table(d, frames) + [""]
         lines += batched_difference(d, frames) + [""]
-    lines += ["### Crossover (one pass a step, r = 0)", ""] + crossover(d) + [""]
+    lines += ["### Crossover (one pass a step, r = 0)", ""] + crossover([d, *more]) + [""]
     for name, what in (("qwen-planned", "Qwen-Image 1328x1328, planned at 1.10x in 24 GB"),):
         f = d / f"{name}.json"
         if f.exists():
             rep = json.loads(f.read_text())
-            base = json.loads((d / "qwen-none-batched.json").read_text())["measured"]["median_step_s"] \
-                if (d / "qwen-none-batched.json").exists() else None
-            lines += [f"### {what}", "", "| run | setting | step measured | predicted | error | vs no offload | "
-                      "peak allocated | predicted | pinned |", "|---|---|---|---|---|---|---|---|---|",
-                      _row("planned", rep, base), ""]
+            lines += [f"### {what}", "", "| run | setting | step measured | predicted | error | vs no offload run the "
+                      "same way | peak allocated | predicted | pinned |", "|---|---|---|---|---|---|---|---|---|"]
+            for ref in ("qwen-none", "qwen-none-batched"):
+                if (d / f"{ref}.json").exists():
+                    r = json.loads((d / f"{ref}.json").read_text())
+                    lines.append(_row(f"no offload{', batched CFG' if 'batched' in ref else ''}", r,
+                                      r["measured"]["median_step_s"]))
+            batched = bool(rep["run"]["offload"].get("cfg_batched"))
+            base = d / ("qwen-none-batched.json" if batched else "qwen-none.json")
+            ref_step = json.loads(base.read_text())["measured"]["median_step_s"] if base.exists() else None
+            lines += [_row("planned", rep, ref_step), ""]
     sys.stdout.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])
