@@ -125,14 +125,18 @@ def step_time(
     # that does not stream on the compute stream)
     on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
     out = StepTime()
+    seen: dict[tuple, tuple[float, float, float, float, float, float]] = {}  # blocks alike are computed once
     for l, g in enumerate(groups):
-        tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
         nxt = (l + 1) % len(groups)
-        tc += 0.0 if on_copy[l] else cast[l]
-        n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
-        tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
-        wall, stall, cont, over = block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
-                                             cast[nxt] if on_copy[nxt] else 0.0)
+        key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt])
+        if key not in seen:
+            tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
+            tc += 0.0 if on_copy[l] else cast[l]
+            n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
+            tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
+            seen[key] = (tc, tcoll, *block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
+                                                  cast[nxt] if on_copy[nxt] else 0.0))
+        tc, tcoll, wall, stall, cont, over = seen[key]
         out.compute += tc
         out.collective += tcoll
         out.prefetch_stall += stall
