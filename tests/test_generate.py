@@ -252,6 +252,16 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
         ph["measured_peak_allocated_bytes"] = int(e.phases[name].allocated_bytes)
         ph["measured_peak_memory_bytes"] = int(e.phases[name].allocated_bytes + hw.context_bytes
                                                + truth["alloc_slack"] * e.phases[name].activation_bytes)
+    # a process's first generation with no start-up known: its times hold the start-up, so they are not used
+    Path("r.json").write_text(json.dumps(data))
+    cold, notes = refit(hw, read_reports(["r.json"]))
+    assert cold.encode_host_s == hw.encode_host_s and cold.postprocess_gbps == hw.postprocess_gbps
+    assert cold.alloc_slack == pytest.approx(truth["alloc_slack"], rel=1e-3)
+    assert any("without --warmup" in n for n in notes)
+    # run with a warm-up generation (its first generation no slower here): all three are measured
+    g = data["generation"]
+    g["warmup_generations"] = 1
+    g["first_phase_times_s"] = {name: ph["measured_time_s"] for name, ph in g["phases"].items()}
     Path("r.json").write_text(json.dumps(data))
     new, notes = refit(hw, read_reports(["r.json"]))
     for k, v in truth.items():

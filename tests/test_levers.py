@@ -481,9 +481,13 @@ def test_fp8_cast_on_the_copy_stream_follows_writes_parks_and_dtype_changes():
             h.remove()
     assert all(torch.equal(a, b) for a, b in zip(outs["compute"], outs["copy"]))
     copy_cfg = OffloadConfig("chunkflow", weight_dtype="fp8_e4m3", fp8_cast="copy")
-    assert copy_cfg.label.endswith("fp8 cast-on-copy") and OffloadConfig(fp8_cast="copy").fp8_cast == "compute"
-    with pytest.raises(ValueError, match="fp8_cast"):
-        OffloadConfig("chunkflow", weight_dtype="fp8_e4m3", fp8_cast="stream")
+    assert copy_cfg.label.endswith("fp8 cast-on-copy")
+    for bad in (dict(fp8_cast="copy"), dict(weight_dtype="fp8_e4m3", fp8_cast="stream"),
+                dict(weight_dtype="fp8_e4m3", fp8_cast="")):
+        with pytest.raises(ValueError, match="fp8_cast"):  # nothing to cast in bf16; unknown places
+            OffloadConfig("chunkflow", **bad)
+    assert copy_cfg.with_overrides(weight_dtype="bf16").fp8_cast == "compute"  # back to bf16: nothing to cast
+    assert copy_cfg.with_overrides(mode="layerwise").fp8_cast == "copy"
 
 
 def test_fp8_park_and_unpark_keep_the_arithmetic():
@@ -660,3 +664,83 @@ def test_bench_records_where_fp8_is_cast(cli, workdir):
     assert "fp8 cast-on-copy" in (workdir / "b" / "summary.md").read_text()
     bad = cli("bench", "--model", "tiny", "--frames", "5", "--fp8-cast", "stream", "--device", "cpu")
     assert bad.exit_code == 2 and "--fp8-cast" in bad.output
+
+
+@pytest.mark.parametrize("dtype, cast", [("bf16", "compute"), ("fp8_e4m3", "compute"), ("fp8_e4m3", "copy")])
+@pytest.mark.parametrize("outer, inner", [(0, 1), (1, 2), (0, 2), (2, 1)])
+def test_a_block_called_inside_another_leaves_both_right(dtype, cast, outer, inner):
+    """A block run from inside the one before it must not have its slot (or its slot's cast buffer) refilled
+    while it still runs: the prefetch waits until the outer block is done."""
+    m, blocks, kw = wan()
+    with torch.no_grad():
+        for b in m.blocks:  # blocks that differ in every tensor, norms included
+            for n, p in b.named_parameters():
+                if "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.1)
+    ref = copy.deepcopy(m)
+    if dtype != "bf16":
+        ref.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=m.dtype)
+    args = {}
+    hooks = [b.register_forward_pre_hook(lambda mod, a, k, i=i: args.setdefault(i, (a, k)), with_kwargs=True)
+             for i, b in enumerate(ref.blocks)]
+    with torch.no_grad():
+        ref(**kw)
+    for h in hooks:
+        h.remove()
+
+    def nested(model):
+        h = model.blocks[outer].attn1.register_forward_hook(lambda *_: model.blocks[inner](*args[inner][0],
+                                                                                          **args[inner][1]))
+        with torch.no_grad():
+            out = model(**kw)[0]
+        h.remove()
+        return out
+
+    want = nested(ref)
+    handle = chunkflow.offload(m, mode="chunkflow", chunk_size=3001, residency=0.0, weight_dtype=dtype,
+                               fp8_cast=cast, device="cpu")
+    assert torch.equal(nested(m), want)
+    with torch.no_grad():
+        assert torch.equal(m(**kw)[0], ref(**kw)[0])  # and the next plain forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle.remove()
+
+
+def test_a_forward_under_inference_mode_after_park_leaves_later_forwards_working():
+    m, blocks, kw = wan()
+    with torch.no_grad():
+        want = m(**kw)[0]
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=3001, residency=0.3, device="cpu")
+    h.park()
+    with torch.inference_mode():
+        assert torch.equal(m(**kw)[0], want)
+    with torch.no_grad():
+        assert torch.equal(m(**kw)[0], want)
+    h.remove()
+
+
+def test_cast_buffers_with_some_blocks_streamed_and_others_resident():
+    """fp8_cast="copy" with blocks that stream and blocks wholly resident: a cast buffer per slot for the first, the
+    compute stream's one for the others; the planner counts the same three."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.memory import block_volumes, estimate_memory
+
+    m, blocks, kw = flux()
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=50000, residency=0.5, weight_dtype="fp8_e4m3",
+                          fp8_cast="copy", device="cpu")
+    streamed = [b.cast_extent for b in h.layouts if b.is_streamed]
+    resident = [b.cast_extent for b in h.layouts if not b.is_streamed]
+    assert streamed and resident  # the setting gives both kinds
+    assert h.stats().cast_buffer_bytes == 2 * max(streamed) + max(resident)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.remove()
+    spec = get_model("flux")
+    full = block_volumes(spec)
+    cfg = OffloadConfig("chunkflow", "8MB", 0.988, weight_dtype="fp8_e4m3", fp8_cast="copy")
+    stored = [cfg.stored_bytes(v) for v in full]
+    streams = [v - cfg.resident_bytes(v) > 0 for v in stored]
+    assert any(streams) and not all(streams)
+    expected = 2 * max(f for f, s in zip(full, streams) if s) + max(f for f, s in zip(full, streams) if not s)
+    assert estimate_memory(spec, spec.default_workload, cfg).cast_buffer == expected

@@ -155,7 +155,7 @@ def test_make_plan_api_defaults_to_this_machines_memory():
     from chunkflow_planner.hostinfo import available_host_memory
 
     assert plan.host_memory_budget_bytes == pytest.approx(available_host_memory(), rel=0.2)
-    assert device_need(0, H200) == H200.context_bytes
+    assert device_need(0, 0, H200) == H200.context_bytes
 
 
 @pytest.mark.parametrize("f, lo, hi, root", [
@@ -211,3 +211,16 @@ def test_startup_is_paid_once_per_phase_and_recorded_in_the_plan(cli, workdir):
     workdir.joinpath("bad.yaml").write_text(__import__("yaml").safe_dump(bad))
     result = cli("plan", "--model", "wan2.1-14b", "--hardware", "bad.yaml")
     assert result.exit_code == 2 and "startup_s" in result.output and "Traceback" not in result.output
+
+
+def test_a_pipeline_plan_that_misses_the_step_target_says_so(cli, workdir):
+    """When no streamed setting inside the budget meets --max-slowdown, the whole-pipeline plan takes the fastest
+    that fits and its explanation says the target is missed (it does not credit a lever with meeting it)."""
+    result = cli("plan", "--model", "qwen-image", "--mem-budget", "10GB", "--host-mem-budget", "512GB",
+                 "--hardware", "h200", "--out", "p.json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads((workdir / "p.json").read_text())
+    assert plan["prediction"]["step_time_s"] > plan["target_step_time_s"]
+    why = " ".join(plan["reason"].split())
+    assert "no streamed setting inside the budget meets the step target" in why
+    assert "would need residency" not in why

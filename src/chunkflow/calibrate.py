@@ -178,7 +178,8 @@ def write_profile(hw: HardwareSpec, path: str | Path, header: str = "") -> Path:
 
 
 PROFILE_FIELDS = ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref", "coll_gbps",
-                  "contention", "block_overhead_us", "memory_bytes", "peer_link")
+                  "contention", "block_overhead_us", "memory_bytes", "peer_link", "startup_s", "encode_host_s",
+                  "postprocess_gbps", "alloc_slack", "reserve_fraction")
 
 
 def profile_changes(old: HardwareSpec, new: HardwareSpec) -> list[str]:
@@ -692,13 +693,18 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     base = hw.model_copy(update={"encode_host_s": 0.0, "postprocess_gbps": 1e4, "alloc_slack": 0.0,
                                  "startup_s": {}})
     enc, post, slack = [], [], []
+    cold = 0  # reports of a process's first generation with no start-up known to take out
     for r in gens:
         e, w = _generation_estimate(r, base)
         g = r.generation
-        start = {k: v for k, v in hw.startup_s.items()} if not g.warmup_generations else {}
+        start = dict(hw.startup_s) if not g.warmup_generations else {}
+        unknown = not g.warmup_generations and not hw.startup_s
+        cold += unknown
         for name, m in g.phases.items():
             t = m.measured_time_s - start.get(name, 0.0)
-            if name == "encode":
+            if unknown and name in ("encode", "decode"):
+                pass  # its time holds the start-up too: not a measure of the host work
+            elif name == "encode":
                 enc.append(max(0.0, t - e.phases["encode"].time_s))
             elif name == "decode":
                 extra = t - e.phases["decode"].time_s + output_bytes(w) / (base.postprocess_gbps * 1e9)
@@ -709,10 +715,17 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
                 over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
                 slack.append(max(0.0, over / act))
     update: dict[str, Any] = {}
+    if cold:
+        notes.append(f"{cold} generation report(s) without --warmup and no start-up in the profile: their encode and "
+                     "decode times were not used (they hold the start-up); run with --warmup 1")
     if enc:
         update["encode_host_s"] = statistics.median(enc)
+    else:
+        notes.append("encode_host_s unchanged: no encode phase to measure it from")
     if post:
         update["postprocess_gbps"] = statistics.median(post)
+    else:
+        notes.append("postprocess_gbps unchanged: no decode longer than the VAE's predicted decode")
     if slack:
         update["alloc_slack"] = statistics.median(slack)
         update["reserve_fraction"] = 0.0

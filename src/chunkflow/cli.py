@@ -496,11 +496,14 @@ def _print_profile(hw) -> None:
     t.add_column("field")
     t.add_column("value", justify="right")
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
-                "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops"):
+                "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
+                "encode_host_s", "postprocess_gbps", "alloc_slack", "reserve_fraction"):
         v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
     t.add_row("process_host_bytes", format_bytes(hw.process_host_bytes))
+    if hw.startup_s:
+        t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.startup_s.items()))
     if hw.eta_comp_curve:
         t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in hw.eta_comp_curve))
     if hw.gemm_eta:
@@ -565,6 +568,8 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
         raise UserError(f"--weight-dtype must be bf16 or fp8_e4m3, got {weight_dtype!r}")
     if fp8_cast not in ("compute", "copy"):
         raise UserError(f"--fp8-cast must be compute or copy, got {fp8_cast!r}")
+    if fp8_cast != "compute" and weight_dtype == "bf16":
+        raise UserError("--fp8-cast says where fp8-stored weights are cast; add --weight-dtype fp8_e4m3")
     base = [b.strip() for b in baselines.split(",") if b.strip()]
     if any(b not in BASELINES for b in base):
         raise UserError(f"unknown baseline(s) in {baselines!r}; known: {', '.join(BASELINES)}")

@@ -47,14 +47,15 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     for col in ("mode", "chunk", "residency", "step time", "vs none", "peak memory", "pinned host"):
         m.add_column(col, justify="right" if col not in ("mode",) else "left")
     base = plan.prediction.baselines.none.step_time_s
-    rows = [("none", None, None, plan.prediction.baselines.none), ("layerwise", None, 0.0, plan.prediction.baselines.layerwise)]
+    bl = plan.prediction.baselines
+    rows = [("none" + (" cfg-batched" if bl.none_cfg_batched else ""), None, None, bl.none),
+            ("layerwise", None, 0.0, bl.layerwise)]
     o = plan.offload
-    levers = (" cfg-batched" if o.cfg_batched else "") + (" fp8" if o.weight_dtype != "bf16" else "")
-    if o.mode == "chunkflow":
-        rows.append(("chunkflow" + levers + " (chosen)", o.chunk_bytes, o.residency, plan.prediction))
+    levers = (" cfg-batched" if o.cfg_batched else "") + (
+        " fp8" + (" cast-on-copy" if o.fp8_cast == "copy" else "") if o.weight_dtype != "bf16" else "")
+    rows.append((o.mode + levers + " (chosen)", o.chunk_bytes if o.mode == "chunkflow" else None,
+                 o.residency if o.mode != "none" else None, plan.prediction))
     for name, chunk, res, p in rows:
-        if name == o.mode:
-            name += levers + " (chosen)"
         m.add_row(
             name,
             format_bytes(chunk) if chunk else "-",
@@ -69,7 +70,8 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
     if o.mode != "none":
-        chosen += f", weights stored {o.weight_dtype}"
+        chosen += f", weights stored {o.weight_dtype}" + (
+            " (cast on the copy stream)" if o.weight_dtype != "bf16" and o.fp8_cast == "copy" else "")
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"

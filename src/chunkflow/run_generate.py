@@ -109,7 +109,12 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         f"{time.perf_counter() - t0:.1f} s on {device}")
     try:
         first: dict[str, float] | None = None
+        gen = None
+        stats_before: dict = {}
         for i in range(o.warmup + 1):
+            gen = None  # a warm-up's output must not sit in host memory while the measured generation runs
+            if i == o.warmup:  # the handle's counters of the measured generation alone
+                stats_before = built.handles["transformer"].stats().as_dict()
             tag = f"warm-up {i + 1}/{o.warmup}: " if i < o.warmup else ""
             cb = (lambda i, n, tag=tag: progress(tag + "denoise", i, n)) if progress is not None else None
             done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
@@ -121,6 +126,9 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                 log("first generation (start-up included): "
                     + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
         stats = built.handles["transformer"].stats().as_dict()
+        for k in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
+            if isinstance(stats.get(k), int) and isinstance(stats_before.get(k), int):
+                stats[k] -= stats_before[k]
     finally:
         built.discard()  # the run is done with it: free, do not copy the weights back
     if g.out:

@@ -319,7 +319,8 @@ def _read_yaml(text: str, what: str) -> dict[str, Any]:
 
 
 def _errors(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'] if str(p) not in ('', '[key]'))}: {e['msg']}"
+                     for e in exc.errors())
 
 
 @lru_cache(maxsize=None)

@@ -12,23 +12,22 @@ Assumptions (stated so they can be checked against `chunkflow run`):
   gives every token its own timestep (Wan2.2-TI2V) adds 38 bytes per token and hidden unit (PER_TOKEN_TIMESTEP_BYTES).
 - Batched CFG: the activations of one forward of cfg_passes times the batch. fp8 weight storage: the resident
   heads, slots and pinned store hold 1 byte per weight, plus one block's weights in bf16 (the cast's target).
-- Prediction = torch's peak allocated bytes. The budget check adds a runtime margin: 5% for allocator
-  fragmentation plus 768 MiB for the CUDA context and libraries, which torch does not count.
+- Prediction = torch's peak allocated bytes. The budget check (`device_need`) adds what the allocator holds of freed
+  activations (the hardware's alloc_slack, measured: about a third of the activations on an H200), its reserve
+  (reserve_fraction) and the device memory torch does not count (context_bytes: CUDA context and libraries).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkflow_planner.catalog import ModelSpec, Workload
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.workload import per_forward, tokens
 
-MARGIN_FRACTION = 0.05
 # per token and hidden unit, with per-token timesteps (Wan2.2-TI2V): the (6, d) modulation projection in bf16 held
 # for the whole forward (12 bytes), each block's fp32 copy of it plus its table (24) and the bf16 time embedding (2)
 PER_TOKEN_TIMESTEP_BYTES = 38
-CUDA_CONTEXT_BYTES = 768 * 2**20
 
 
 @dataclass(frozen=True)
@@ -47,15 +46,12 @@ class MemoryEstimate:
         return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations
                    + self.cast_buffer)
 
-    @property
-    def with_margin(self) -> int:
-        """What the GPU must have free: the peak plus the runtime margin."""
-        return runtime_need(self.peak)
 
-
-def runtime_need(peak: float) -> int:
-    """Bytes a GPU must have for a predicted peak allocation: peak * 1.05 + CUDA context."""
-    return int(peak * (1 + MARGIN_FRACTION) + CUDA_CONTEXT_BYTES)
+def device_need(allocated: float, activations: float, hw: HardwareSpec) -> int:
+    """Device bytes in use at a peak allocation on `hw`: the allocation, what the allocator holds of freed
+    activations (alloc_slack x activations), its reserve (reserve_fraction) and the memory torch does not count
+    (context_bytes). The one memory model of the plan's budget checks, transformer-only and whole-pipeline."""
+    return int((allocated + hw.alloc_slack * activations) * (1 + hw.reserve_fraction) + hw.context_bytes)
 
 
 def activation_bytes(spec: ModelSpec, w: Workload, sp: int = 1) -> float:
@@ -90,10 +86,14 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
     act = activation_bytes(spec, per_forward(w, cfg.cfg_batched)[0], sp)
     if cfg.mode == "none":
         return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0)
-    cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(V))
+    full = V
     V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
     resident = [cfg.resident_bytes(v) for v in V]
     slot = max(v - r for v, r in zip(V, resident))
-    if cfg.fp8_cast == "copy" and slot > 0:
-        cast *= 2  # a cast buffer per slot
+    cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(full))  # the cast's target: one block in bf16
+    if cfg.weight_dtype != "bf16" and cfg.fp8_cast == "copy":
+        # a cast buffer per slot for the blocks that stream, and the compute stream's one for those that do not
+        streams = [v - r > 0 for v, r in zip(V, resident)]
+        cast = (2.0 * max((f for f, s in zip(full, streams) if s), default=0.0)
+                + max((f for f, s in zip(full, streams) if not s), default=0.0))
     return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, float(sum(V)), cast)

@@ -129,8 +129,10 @@ class OffloadConfig(BaseModel):
         fp8_cast = data.get("fp8_cast", "compute")
         if fp8_cast not in FP8_CASTS:
             raise OffloadConfigError(f"unknown fp8_cast {fp8_cast!r}; use one of {', '.join(FP8_CASTS)}")
-        if weight_dtype == "bf16":
-            fp8_cast = "compute"  # nothing to cast
+        if weight_dtype == "bf16" and fp8_cast != "compute":
+            raise OffloadConfigError(f"fp8_cast {fp8_cast!r} says where fp8-stored weights are cast; with weight_dtype "
+                                     "bf16 nothing is cast. Store the weights in fp8 too (weight_dtype fp8_e4m3, "
+                                     "--weight-dtype fp8_e4m3), or leave fp8_cast out")
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -162,7 +164,7 @@ class OffloadConfig(BaseModel):
             self.comm_aware if comm_aware is None else comm_aware,
             cfg_batched=self.cfg_batched if cfg_batched is None else cfg_batched,
             weight_dtype=dtype,
-            fp8_cast=fp8_cast or self.fp8_cast,
+            fp8_cast=fp8_cast if fp8_cast is not None else (self.fp8_cast if dtype != "bf16" else "compute"),
         )
 
     @classmethod

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit, Workload
 from chunkflow_planner.components import TextEncoderSpec
+from chunkflow_planner.memory import device_need
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
 from chunkflow_planner.overlap import GB
@@ -84,7 +85,7 @@ class PipelineEstimate:
         """Device memory in use at the phase's peak: allocation, the allocator's slack over the activations (what
         it keeps mapped of freed ones, `alloc_slack`), its reserve and the context."""
         ph = self.phases[phase]
-        return device_need(ph.allocated_bytes + self.hw.alloc_slack * ph.activation_bytes, self.hw)
+        return device_need(ph.allocated_bytes, ph.activation_bytes, self.hw)
 
     @property
     def gpu_need(self) -> int:
@@ -101,11 +102,6 @@ class PipelineEstimate:
     @property
     def host_memory(self) -> int:
         return int(sum(self.host_bytes.values()))
-
-
-def device_need(allocated: float, hw: HardwareSpec) -> int:
-    """Device bytes in use for a peak allocation: allocation x (1 + reserve_fraction) + context_bytes."""
-    return int(allocated * (1 + hw.reserve_fraction) + hw.context_bytes)
 
 
 # The decoded frames in host memory at the end of a generation, as float32 RGB: diffusers' postprocessing holds
@@ -205,7 +201,7 @@ def _unpark_bytes(spec: ModelSpec, point: Point) -> float:
 class _Transformer:
     """The transformer's candidates, evaluated once for every placement combination."""
 
-    none: Point  # no offload, the guidance passes unbatched: the reference
+    none: Point  # no offload, the guidance passes as is fastest: the reference
     points: list[Point]
     targets: dict[bool, float]  # the step target by CFG evaluation (batched or not)
     nones: tuple[Point, ...]  # no offload in every CFG evaluation the levers allow
@@ -215,7 +211,7 @@ class _Transformer:
 
 
 def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
-    return _Transformer(problem.none(), candidates(problem), problem.targets(max_slowdown, target_step_time),
+    return _Transformer(problem.fastest_none(), candidates(problem), problem.targets(max_slowdown, target_step_time),
                         tuple(problem.none(b) for b in problem.levers.cfg_batched))
 
 
@@ -366,13 +362,15 @@ def decide_pipeline(
     target = (target_time if target_time is not None
               else base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf)
     seen: list[PipelineEstimate] = []
+    rooms: dict[Placements, float] = {}  # streamed placements: allocated bytes the transformer may use
     for pl in _placements(spec, hw):
         if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
             seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
             continue
         probe = estimate(spec, w, hw, pl, cands.none, costs)
         other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
-        point = _pick_stream(cands, _room(other, gpu_budget, hw, cands.none))
+        rooms[pl] = _room(other, gpu_budget, hw, cands.none)
+        point = _pick_stream(cands, rooms[pl])
         if point is None:
             point = min(cands.points, key=lambda p: p.memory.peak)
         seen.append(estimate(spec, w, hw, pl, point, costs))
@@ -386,8 +384,15 @@ def decide_pipeline(
                 best = plain[0]  # batching doubles the activations: only for a real gain
         if best.generation_time <= target:
             why = _why(best, base, target)
-            if best.placements.transformer == "stream":
-                why += lever_reason(best.transformer, [p for p in cands.points if cands.meets(p)], problem.levers)
+            if best.placements.transformer == "stream" and not cands.meets(best.transformer):
+                t = best.transformer
+                why += (f"; no streamed setting inside the budget meets the step target "
+                        f"{cands.targets[t.cfg.cfg_batched]:.3f} s (--max-slowdown x no offload): the fastest that "
+                        f"fits takes {t.step_time:.3f} s a step, {t.step_time / cands.none.step_time:.3f}x")
+            elif best.placements.transformer == "stream":
+                room = rooms[best.placements]
+                why += lever_reason(best.transformer, [p for p in cands.points if cands.meets(p)
+                                                       and p.memory.peak <= room], problem.levers)
             elif best.transformer.cfg.cfg_batched:
                 why += "; the guidance passes run as one batched forward (faster at this size)"
             return PipelineDecision(best, base, target, gpu_budget, host_budget, why)

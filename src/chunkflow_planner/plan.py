@@ -92,8 +92,10 @@ class Prediction(_Section):
 
 
 class Baselines(_Section):
-    none: Prediction
+    none: Prediction = Field(description="no offload, the guidance passes as is fastest (what --max-slowdown is "
+                             "relative to)")
     layerwise: Prediction
+    none_cfg_batched: bool = Field(False, description="whether that fastest no-offload run batches the guidance passes")
 
 
 class PlanPrediction(Prediction):

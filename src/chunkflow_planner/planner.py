@@ -191,7 +191,8 @@ def make_plan(
         offload=chosen.cfg.with_overrides(comm_aware=problem.aware),
         prediction=PlanPrediction(
             **_prediction(chosen).model_dump(),
-            baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise)),
+            baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise),
+                                none_cfg_batched=decision.none.cfg.cfg_batched),
         ),
         memory_budget_bytes=budget,
         target_step_time_s=decision.target_s,

@@ -2,7 +2,8 @@
 
 Candidates are chunk sizes from 4 MB to 256 MB and, for each, residencies in chunk-sized steps
 (k / n, n = chunks of the largest block). Among the points whose predicted step time meets the target
-and whose predicted peak memory (plus the runtime margin) fits the budget, the policy takes the smallest
+and whose predicted device memory (the peak allocation plus what the allocator holds and the CUDA context,
+memory.device_need) fits the budget, the policy takes the smallest
 residency, then the shortest step time, then the smallest memory. If the model fits without offload,
 offload would only cost time: the plan is `none`.
 
@@ -24,7 +25,7 @@ from chunkflow_planner.memory import (
     MemoryEstimate,
     block_volumes,
     estimate_memory,
-    runtime_need,
+    device_need,
 )
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
@@ -52,15 +53,11 @@ class Point:
     cfg: OffloadConfig
     time: StepTime
     memory: MemoryEstimate
+    need: int  # device memory the GPU must have: memory.device_need of the peak on the problem's hardware
 
     @property
     def step_time(self) -> float:
         return self.time.total
-
-    @property
-    def need(self) -> int:
-        """Memory the GPU must have (peak plus runtime margin)."""
-        return runtime_need(self.memory.peak)
 
 
 @dataclass(frozen=True)
@@ -125,7 +122,7 @@ class Problem:
     def evaluate(self, cfg: OffloadConfig) -> Point:
         t = step_time(self.spec, self.workload, self.hw, cfg, self.sp, self.prefetch_bytes, self.text_len)
         m = estimate_memory(self.spec, self.workload, cfg, self.sp)
-        return Point(cfg, t, m)
+        return Point(cfg, t, m, device_need(m.peak, m.activations, self.hw))
 
     def none(self, cfg_batched: bool = False) -> Point:
         """No offload, with the guidance passes run as `cfg_batched` says."""
@@ -205,7 +202,7 @@ def decide(
     chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES,
 ) -> Decision:
     """Choose the plan for `problem` under a memory budget (bytes) and a latency target; raise Infeasible if none."""
-    none = problem.none()
+    none = problem.fastest_none()  # the reference of --max-slowdown and of the plan's `none` baseline
     layerwise = problem.evaluate(OffloadConfig("layerwise"))
     targets = problem.targets(max_slowdown, target_step_time)
     target = targets.get(False, next(iter(targets.values())))
@@ -252,7 +249,7 @@ def decide(
         raise Infeasible(
             "memory",
             f"memory is the binding constraint: even full offload needs {min_need / 1e9:.2f} GB "
-            f"(peak plus runtime margin) and the budget is {budget / 1e9:.2f} GB. Raise --mem-budget, or "
+            f"(peak allocation, allocator slack and CUDA context) and the budget is {budget / 1e9:.2f} GB. Raise --mem-budget, or "
             "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint,
             min_need, None,
         )

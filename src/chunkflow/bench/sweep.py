@@ -82,10 +82,11 @@ class BenchSpec(BaseModel):
     def config(self, mode: str, chunk_bytes: int | None = None, residency: float | None = None) -> OffloadConfig:
         """A point's offload setting: chunkflow at the scaling chunk size and residency unless given."""
         dtype = "bf16" if mode == "none" else self.weight_dtype
+        cast = self.fp8_cast if dtype != "bf16" else "compute"
         if mode != "chunkflow":
-            return OffloadConfig(mode, comm_aware=self.comm_aware, weight_dtype=dtype, fp8_cast=self.fp8_cast)
+            return OffloadConfig(mode, comm_aware=self.comm_aware, weight_dtype=dtype, fp8_cast=cast)
         return OffloadConfig(mode, chunk_bytes or self.chunk, self.residency if residency is None else residency,
-                             self.comm_aware, weight_dtype=dtype, fp8_cast=self.fp8_cast)
+                             self.comm_aware, weight_dtype=dtype, fp8_cast=cast)
 
     def points(self) -> list[tuple[OffloadConfig, list[int]]]:
         """Each configuration once, with the workload values it runs at; none first, then layerwise, then chunkflow."""

@@ -76,8 +76,8 @@ class OffloadStats:
     relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change)
     weight_dtype: str = "bf16"  # storage of the blocks' weights: bf16 (as the model holds them) or fp8_e4m3
     fp8_tensors: int = 0  # block tensors stored in fp8 (cast to their compute dtype at each block's forward)
-    cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into (one block's worth; two
-    # with fp8_cast "copy", one per slot)
+    cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into: one block's worth; with
+    # fp8_cast "copy" one per slot, and one more where some blocks do not stream (they are cast on the compute stream)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -389,7 +389,8 @@ class OffloadHandle:
                 versions.append((t.get()._version, t.get().data_ptr()))
         self._park_versions = versions
         if self.streamer is not None:
-            self.streamer.acquire_device()
+            with torch.inference_mode(False):  # a forward under inference_mode may unpark: normal tensors still
+                self.streamer.acquire_device()
 
     # ---- reporting
 

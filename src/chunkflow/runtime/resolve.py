@@ -101,7 +101,7 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, m
                 raise OffloadConfigError(f"fp8_cast must be 'compute' or 'copy', got {fp8_cast!r}")
             return OffloadConfig(mode or "chunkflow", chunk_size, residency,
                                  True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16",
-                                 fp8_cast=fp8_cast or "compute")
+                                 fp8_cast="compute" if fp8_cast is None else fp8_cast)
         return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype,
                                    fp8_cast=fp8_cast)
     except OffloadConfigError as exc:

@@ -421,6 +421,11 @@ class Streamer:
             self.finish()
         s = self.slot_of.pop(l, None)
         if s is None:  # not prefetched (blocks ran out of the declared order): load it now
+            if len(set(self.running)) == 2:
+                raise RuntimeError(
+                    f"chunkflow: block {l} was called while two other blocks were still running (blocks nested three "
+                    "deep); the two device slots are both in use. Offload the outer module's blocks only "
+                    "(blocks=[...]) or use residency 1 for them.")
             s = 1 - self.running[-1] if self.running else 0
             self._evict(s)
             self.schedule(l, s)
@@ -431,6 +436,8 @@ class Streamer:
         self.running.append(s)
         self.bound[l] = s
         other = 1 - s
+        if other in self.running:  # called inside the block in the other slot: that slot is not free to refill
+            return
         self._evict(other)
         nxt = self.next_of[l]  # the last block prefetches the first, for the next forward
         if self.pacer is None:
