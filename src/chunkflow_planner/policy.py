@@ -3,15 +3,15 @@
 Candidates are chunk sizes from 4 MB to 256 MB and, for each, residencies in chunk-sized steps
 (k / n, n = chunks of the largest block). Among the points whose predicted step time meets the target
 and whose predicted device memory (the peak allocation plus what the allocator holds and the CUDA context,
-memory.device_need) fits the budget, the policy takes the smallest
-residency, then the shortest step time, then the smallest memory. If the model fits without offload,
+memory.device_need) fits the budget, the policy takes the smallest residency, then the shortest step time, then
+the smallest memory. If the model fits without offload,
 offload would only cost time: the plan is `none`.
 
 Two levers widen the space below the critical point (`Levers`): batched CFG (the guidance passes of a step as one
 forward, each block streamed once a step) where the model has two passes, and fp8 weight storage where the user
 allows lossy storage. Every point is held to the same target, max_slowdown x the fastest way to run without offload
-(batched or not, whichever is faster); among the feasible ones the policy still takes the smallest residency first, and of equal residency bf16 before fp8 (exact
-before lossy), then the shortest step.
+(batched or not, whichever is faster); among the feasible ones the policy still takes the smallest residency
+first, and of equal residency bf16 before fp8 (exact before lossy), then the shortest step.
 """
 
 from __future__ import annotations
@@ -227,19 +227,18 @@ def decide(
     if feasible:
         best = best_of(feasible)
         slow = best.step_time / problem.fastest_none().step_time
-        way = ""
         if best.cfg.residency == 0:
             tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time
                     and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype]
             why = (
-                f"full offload already meets the target ({slow:.3f}x no offload{way}, target {target_text}); "
+                f"full offload already meets the target ({slow:.3f}x no offload, target {target_text}); "
                 + (f"every chunk size hides, so {best.cfg.chunk_bytes // 10**6} MB (the paper's operating point)"
                    if len(tied) > 1 else f"{best.cfg.chunk_bytes // 10**6} MB chunks give the shortest step")
             )
         else:
             why = (
                 f"the smallest residency that meets {target_text} inside {budget / 1e9:.1f} GB: "
-                f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload{way}"
+                f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload"
             )
         return Decision(best, none, layerwise, target, budget, why + lever_reason(best, feasible, problem.levers))
 
