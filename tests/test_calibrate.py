@@ -235,3 +235,25 @@ def test_refit_refuses_reports_that_cannot_describe_a_gpu_and_keeps_the_saved_pr
 def test_cpu_smoke_with_model_is_refused():
     result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--model", "flux"])
     assert result.exit_code == 2 and "--cpu-smoke" in result.output
+
+
+def test_refit_takes_a_quoted_pattern_and_names_the_report_it_refuses(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data, path = _report(tmp_path, "none", 1.0)
+    data["measured"]["median_step_s"] = data["predicted"]["step_time_s"]
+    (tmp_path / "a-report.json").write_text(json.dumps(data))
+    (tmp_path / "b-report.json").write_text(json.dumps(data))
+    result = runner.invoke(app, ["calibrate", "--from-report", str(tmp_path / "*-report.json"), "--profile", "h200",
+                                 "--out", "refit.yaml", "--no-save"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "refit.yaml").exists()
+    cpu = dict(data, gpu="cpu")
+    cpu["run"] = dict(data["run"], device="cpu")
+    (tmp_path / "c-report.json").write_text(json.dumps(cpu))
+    result = runner.invoke(app, ["calibrate", "--from-report", str(tmp_path / "*-report.json"), "--profile", "h200",
+                                 "--out", "refit2.yaml", "--no-save"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "c-report.json" in out and "a-report.json" not in out
+    assert not (tmp_path / "refit2.yaml").exists()
+    result = runner.invoke(app, ["calibrate", "--from-report", str(tmp_path / "none-*.json"), "--profile", "h200"])
+    assert result.exit_code == 2 and "matches no file" in result.output

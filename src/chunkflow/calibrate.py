@@ -557,7 +557,7 @@ def check_refit_reports(reports: Sequence, paths: Sequence[str]) -> None:
     GPU). Times are finite and positive already (the report schema)."""
     for r in reports:
         if r.run.device.startswith("cpu") or r.gpu.startswith("cpu"):
-            raise CalibrationError(f"a run report in {', '.join(paths)} was measured on the CPU ({r.gpu}); a refit "
+            raise CalibrationError(f"the run report in {', '.join(paths)} was measured on the CPU ({r.gpu}); a refit "
                                    "needs runs on the GPU the profile describes (nothing was changed)")
 
 

@@ -375,7 +375,9 @@ def calibrate_cmd(
                                         help="also save it as this machine's default profile (default: yes, except --cpu-smoke)"),
     cpu_smoke: bool = typer.Option(False, "--cpu-smoke", help="run every measurement tiny on the CPU (tests); the numbers mean nothing"),
     from_report: Optional[list[str]] = typer.Option(None, "--from-report",
-                                                    help="refit instead of measuring: run report(s) (.json, or .jsonl with one per line)"),
+                                                    help="refit instead of measuring: run report(s) (.json, or .jsonl "
+                                                         "with one per line); repeat the flag, or quote a pattern: "
+                                                         "'out/*-report.json'"),
     profile: Optional[str] = typer.Option(None, help="with --from-report: the profile to refit (default: each report's own)"),
     gemm_size: int = typer.Option(8192, help="n of the n^3 bf16 GEMM"),
     peak_tflops: Optional[float] = typer.Option(None, help="P_peak to express eta against (default: the catalog GPU's datasheet peak)"),
@@ -449,8 +451,23 @@ def _refit_profile(reports: list[str], profile: str | None):
 
     from chunkflow.calibrate import CalibrationError, check_refit_reports, read_reports, refit
 
-    reps = read_reports(reports)
-    check_refit_reports(reps, reports)
+    import glob
+
+    paths = []
+    for given in reports:  # a quoted pattern (`--from-report 'out/*-report.json'`) is expanded here
+        if any(c in given for c in "*?["):
+            found = sorted(glob.glob(given))
+            if not found:
+                raise CalibrationError(f"--from-report {given!r} matches no file")
+            paths += found
+        else:
+            paths.append(given)
+    reps = []
+    for path in paths:  # one at a time, so a refused report is named
+        these = read_reports([path])
+        check_refit_reports(these, [path])
+        reps += these
+    reports = paths
     if profile:
         hw = get_hardware(profile)
     else:
