@@ -207,6 +207,16 @@ def test_startup_is_paid_once_per_phase_and_recorded_in_the_plan(cli, workdir):
     assert "900.0 ms of it is one-time start-up" in " ".join(result.output.split())
     phases = json.loads(workdir.joinpath("p.json").read_text())["prediction"]["phases"]
     assert {p: phases[p]["startup_s"] for p in PHASES} == startup
+    # a start-up measured with this pipeline's own text encoders takes precedence over the phase's
+    own = H200.model_copy(update={"startup_s": {**startup, "encode:umt5_encoder": 1.5, "encode:qwen2_5_vl": 9.0}})
+    assert estimate(spec, w, own, pl, point).phases["encode"].startup_s == 1.5
+    flux = get_model("flux")
+    wf = make_workload(flux)
+    fpl = Placements(("gpu", "gpu"), "gpu", "gpu", False)
+    assert estimate(flux, wf, own, fpl, Problem(flux, wf, H200).none()).phases["encode"].startup_s == 0.4
+    for key in ("warmup", "encode:", "encode:Qwen", "denoise:umt5_encoder"):
+        with pytest.raises(ValueError):
+            H200.model_validate({**H200.model_dump(), "startup_s": {key: 1.0}})
     bad = {**H200.model_dump(mode="json"), "name": "bad", "startup_s": {"encode": -1.0}}
     workdir.joinpath("bad.yaml").write_text(__import__("yaml").safe_dump(bad))
     result = cli("plan", "--model", "wan2.1-14b", "--hardware", "bad.yaml")

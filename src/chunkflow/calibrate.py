@@ -644,7 +644,10 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
 
 def _refit_startup(reports: Sequence, notes: list[str]) -> dict[str, Any]:
     """startup_s per phase: the first generation of a process less a later one of the same process (generation
-    reports run with --warmup), the median over reports, at least 0."""
+    reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
+    (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's)."""
+    from chunkflow_planner.catalog import encode_startup_key, get_model
+
     gaps: dict[str, list[float]] = {}
     for r in reports:
         g = r.generation
@@ -652,7 +655,12 @@ def _refit_startup(reports: Sequence, notes: list[str]) -> dict[str, Any]:
             continue
         for phase, first in g.first_phase_times_s.items():
             if phase in g.phases:
-                gaps.setdefault(phase, []).append(max(0.0, first - g.phases[phase].measured_time_s))
+                gap = max(0.0, first - g.phases[phase].measured_time_s)
+                gaps.setdefault(phase, []).append(gap)
+                spec = get_model(r.plan.model.name)
+                if phase == "encode" and spec.pipeline is not None:
+                    key = encode_startup_key([te.arch for te in spec.pipeline.text_encoders])
+                    gaps.setdefault(key, []).append(gap)
     if not gaps:
         return {}
     startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from chunkflow_planner.components import PipelineSpec, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
@@ -158,6 +158,14 @@ class VaeDecodeFit(_Strict):
     source: str = ""
 
 
+STARTUP_KEY = r"^(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # HardwareSpec.startup_s keys
+
+
+def encode_startup_key(archs: "list[str] | tuple[str, ...]") -> str:
+    """startup_s's key for the encode phase of a pipeline with these text encoder archs (in pipeline order)."""
+    return "encode:" + "+".join(archs)
+
+
 class HardwareSpec(_Strict):
     """One GPU type in a node: rates, links and the planner's efficiency factors."""
 
@@ -217,10 +225,12 @@ class HardwareSpec(_Strict):
     alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
                                "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
                                "measured from reports")
-    startup_s: dict[Literal["encode", "denoise", "decode"], Annotated[float, Field(ge=0, le=600)]] = Field(
-        default_factory=dict, description="one-time seconds a phase adds to the first generation of a process (CUDA "
-        "kernels loaded on first use, library handles, the allocator's first growth); `chunkflow calibrate "
-        "--from-report` measures them from generations run with --warmup")
+    startup_s: dict[Annotated[str, StringConstraints(pattern=STARTUP_KEY)], Annotated[float, Field(ge=0, le=600)]] = \
+        Field(default_factory=dict, description="one-time seconds a phase (encode, denoise, decode) adds to the first "
+              "generation of a process (CUDA kernels loaded on first use, library handles, the allocator's first "
+              "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
+              "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
+              "with --warmup")
     dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")

@@ -25,7 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit, Workload
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit, Workload, encode_startup_key
 from chunkflow_planner.components import TextEncoderSpec
 from chunkflow_planner.memory import device_need
 from chunkflow_planner.errors import ChunkflowError
@@ -275,7 +275,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     enc.time_s += hw.encode_host_s
     enc.detail["host"] = hw.encode_host_s
     enc.allocated_bytes = always + turn
-    _add_startup(enc, "encode", hw)
+    _add_startup(enc, "encode", hw, spec)
 
     # denoise: the transformer's plan (one expert at a time); parked outside, so it copies its device part back
     den = Phase()
@@ -300,9 +300,11 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     return PipelineEstimate(pl, point, {"encode": enc, "denoise": den, "decode": dec}, host, hw)
 
 
-def _add_startup(phase: Phase, name: str, hw: HardwareSpec) -> None:
-    """The phase's one-time cost in a process's first generation (measured; 0 where the profile has none)."""
-    phase.startup_s = hw.startup_s.get(name, 0.0)
+def _add_startup(phase: Phase, name: str, hw: HardwareSpec, spec: ModelSpec | None = None) -> None:
+    """The phase's one-time cost in a process's first generation (measured; 0 where the profile has none); for
+    encode, the one measured with these text encoders if the profile has it."""
+    own = encode_startup_key([te.arch for te in spec.pipeline.text_encoders]) if spec is not None else None
+    phase.startup_s = hw.startup_s.get(own, hw.startup_s.get(name, 0.0)) if own else hw.startup_s.get(name, 0.0)
     phase.time_s += phase.startup_s
     phase.detail["startup"] = phase.startup_s
 
