@@ -223,6 +223,9 @@ def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, 
     new, notes = refit(get_hardware("cpu"), read_reports(["warm.json"]))  # the profile the plan was made with
     assert new.startup_s == pytest.approx({"encode": 0.42, "denoise": 0.3, "decode": 0.0,
                                            "encode:umt5_encoder": 0.42})  # and per set of text encoders
+    kept = get_hardware("cpu").model_copy(update={"startup_s": {"encode:qwen2_5_vl": 2.0, "encode": 9.0}})
+    merged, _ = refit(kept, read_reports(["warm.json"]))  # what these reports do not measure stays
+    assert merged.startup_s["encode:qwen2_5_vl"] == 2.0 and merged.startup_s["encode"] == pytest.approx(0.42)
     assert any("start-up" in n for n in notes)
 
 

@@ -642,10 +642,11 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
     return {"block_overhead_us": overhead}
 
 
-def _refit_startup(reports: Sequence, notes: list[str]) -> dict[str, Any]:
+def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
     """startup_s per phase: the first generation of a process less a later one of the same process (generation
     reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
-    (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's)."""
+    (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
+    not measure keep the profile's value."""
     from chunkflow_planner.catalog import encode_startup_key, get_model
 
     gaps: dict[str, list[float]] = {}
@@ -667,7 +668,7 @@ def _refit_startup(reports: Sequence, notes: list[str]) -> dict[str, Any]:
     n = max(map(len, gaps.values()))
     notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
                  + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
-    return {"startup_s": startup}
+    return {"startup_s": {**hw.startup_s, **startup}}
 
 
 def _generation_estimate(r, hw: HardwareSpec):
@@ -757,7 +758,7 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
     update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
-              **_refit_startup(reports, notes)}
+              **_refit_startup(hw, reports, notes)}
     update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
     if update:
         update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
