@@ -27,14 +27,16 @@ def _gb(x: float | None) -> str:
 
 def _predictions(rep, profile):
     """phase -> (time of a later generation, time of the first, peak memory) and the host memory prediction."""
+    from chunkflow.run_generate import expected_time
+
     if profile is None:
         pp = rep.plan.prediction.phases
-        out = {ph: (getattr(pp, ph).time_s - getattr(pp, ph).startup_s, getattr(pp, ph).time_s,
-                    getattr(pp, ph).peak_memory_bytes) for ph in PHASES}
+        out = {ph: (expected_time(getattr(pp, ph), warmup=1), getattr(pp, ph).time_s, getattr(pp, ph).peak_memory_bytes)
+               for ph in PHASES}
         return out, rep.plan.prediction.host_memory_bytes
-    from chunkflow.calibrate import _generation_estimate
+    from chunkflow.calibrate import generation_estimate
 
-    e, _ = _generation_estimate(rep, profile)
+    e, _ = generation_estimate(rep, profile)
     out = {ph: (e.phases[ph].time_s - e.phases[ph].startup_s, e.phases[ph].time_s, e.peak_memory(ph)) for ph in PHASES}
     return out, e.host_memory
 

@@ -233,7 +233,7 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     """Generation reports made to look measured on a GPU with known host time in encode, a known postprocessing
     rate in decode and a known allocator slack: `calibrate --from-report` finds all three, and a plan with the
     refit profile predicts those reports' phases."""
-    from chunkflow.calibrate import _generation_estimate, read_reports, refit
+    from chunkflow.calibrate import generation_estimate, read_reports, refit
     from chunkflow_planner.catalog import get_hardware
     from chunkflow_planner.pipeline import output_bytes
 
@@ -246,7 +246,7 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     data["gpu"], data["run"]["device"] = "NVIDIA H200", "cuda:0"
     Path("r.json").write_text(json.dumps(data))
     base = hw.model_copy(update={"postprocess_gbps": 1e4, "encode_host_s": 0.0, "alloc_slack": 0.0})
-    e, w = _generation_estimate(read_reports(["r.json"])[0], base)
+    e, w = generation_estimate(read_reports(["r.json"])[0], base)
     truth = {"encode_host_s": 0.04, "postprocess_gbps": 0.5, "alloc_slack": 0.3}
     for name, ph in data["generation"]["phases"].items():
         t = e.phases[name].time_s
@@ -270,7 +270,7 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     new, notes = refit(hw, read_reports(["r.json"]))
     for k, v in truth.items():
         assert getattr(new, k) == pytest.approx(v, rel=1e-3), k
-    e2, _ = _generation_estimate(read_reports(["r.json"])[0], new)  # (denoise: eta_comp is refit from this run too)
+    e2, _ = generation_estimate(read_reports(["r.json"])[0], new)  # (denoise: eta_comp is refit from this run too)
     for name in ("encode", "decode"):
         assert e2.phases[name].time_s == pytest.approx(data["generation"]["phases"][name]["measured_time_s"], rel=1e-6)
         ph = data["generation"]["phases"][name]

@@ -9,7 +9,8 @@ import pytest
 from chunkflow_planner.catalog import get_hardware, get_model
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.ops import block_ops, eta_gemm, flops, model_eta_curve, ops_time, text_encoder_ops
-from chunkflow_planner.pipeline import PHASES, Placements, decide_pipeline, device_need, estimate
+from chunkflow_planner.memory import device_need
+from chunkflow_planner.pipeline import PHASES, Placements, decide_pipeline, estimate
 from chunkflow_planner.planner import make_plan, resolve_hardware
 from chunkflow_planner.policy import Infeasible, Problem
 from chunkflow_planner.workload import make_workload, tokens

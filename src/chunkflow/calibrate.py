@@ -671,7 +671,7 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dic
     return {"startup_s": {**hw.startup_s, **startup}}
 
 
-def _generation_estimate(r, hw: HardwareSpec):
+def generation_estimate(r, hw: HardwareSpec):
     """The pipeline estimate of a generation report's plan as it ran (its placements, its offload), on `hw`."""
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.pipeline import Placements, estimate
@@ -694,7 +694,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
       (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md).
     Each measured phase is compared without its start-up where the report ran a warm-up generation."""
-    from chunkflow_planner.pipeline import output_bytes
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.pipeline import output_bytes, startup_of
 
     gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
     if not gens:
@@ -704,13 +705,14 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     enc, post, slack = [], [], []
     cold = 0  # reports of a process's first generation with no start-up known to take out
     for r in gens:
-        e, w = _generation_estimate(r, base)
+        e, w = generation_estimate(r, base)
         g = r.generation
-        start = dict(hw.startup_s) if not g.warmup_generations else {}
-        unknown = not g.warmup_generations and not hw.startup_s
+        spec = get_model(r.plan.model.name)
+        start = {} if g.warmup_generations else {name: startup_of(spec, name, hw) for name in g.phases}
+        unknown = any(start.get(name, 0.0) is None for name in ("encode", "decode"))
         cold += unknown
         for name, m in g.phases.items():
-            t = m.measured_time_s - start.get(name, 0.0)
+            t = m.measured_time_s - (start.get(name) or 0.0)
             if unknown and name in ("encode", "decode"):
                 pass  # its time holds the start-up too: not a measure of the host work
             elif name == "encode":

@@ -51,9 +51,7 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     rows = [("none" + (" cfg-batched" if bl.none_cfg_batched else ""), None, None, bl.none),
             ("layerwise", None, 0.0, bl.layerwise)]
     o = plan.offload
-    levers = (" cfg-batched" if o.cfg_batched else "") + (
-        " fp8" + (" cast-on-copy" if o.fp8_cast == "copy" else "") if o.weight_dtype != "bf16" else "")
-    rows.append((o.mode + levers + " (chosen)", o.chunk_bytes if o.mode == "chunkflow" else None,
+    rows.append((o.mode + o.levers_label + " (chosen)", o.chunk_bytes if o.mode == "chunkflow" else None,
                  o.residency if o.mode != "none" else None, plan.prediction))
     for name, chunk, res, p in rows:
         m.add_row(

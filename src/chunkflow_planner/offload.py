@@ -184,8 +184,13 @@ class OffloadConfig(BaseModel):
         """`none`, `layerwise` or `chunkflow C=16MB r=0.3`, with ` cfg-batched` and ` fp8` where set: for tables."""
         base = self.mode if self.mode != "chunkflow" else \
             f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
+        return base + self.levers_label
+
+    @property
+    def levers_label(self) -> str:
+        """` cfg-batched`, ` fp8` and ` cast-on-copy` where set (empty without levers): the tail of `label`."""
         fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
-        return base + (" cfg-batched" if self.cfg_batched else "") + fp8
+        return (" cfg-batched" if self.cfg_batched else "") + fp8
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.

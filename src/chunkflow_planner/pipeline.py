@@ -203,15 +203,15 @@ class _Transformer:
 
     none: Point  # no offload, the guidance passes as is fastest: the reference
     points: list[Point]
-    targets: dict[bool, float]  # the step target by CFG evaluation (batched or not)
+    target: float  # the step target of every point (Problem.target)
     nones: tuple[Point, ...]  # no offload in every CFG evaluation the levers allow
 
     def meets(self, p: Point) -> bool:
-        return p.step_time <= self.targets[p.cfg.cfg_batched]
+        return p.step_time <= self.target
 
 
 def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
-    return _Transformer(problem.fastest_none(), candidates(problem), problem.targets(max_slowdown, target_step_time),
+    return _Transformer(problem.fastest_none(), candidates(problem), problem.target(max_slowdown, target_step_time),
                         tuple(problem.none(b) for b in problem.levers.cfg_batched))
 
 
@@ -288,7 +288,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     den.detail["steps"] = steps * point.step_time
     den.allocated_bytes = (always - (t_model if pl.transformer == "gpu" else 0.0)) + point.memory.peak
     den.activation_bytes = point.memory.activations
-    _add_startup(den, "denoise", hw)
+    _add_startup(den, "denoise", hw, spec)
 
     # decode: the VAE's measured fit
     dec = Phase()
@@ -296,15 +296,23 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     dec.time_s = t_dec + (vae_bytes / bw if pl.vae == "phase" else 0.0)
     dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
     dec.activation_bytes = act
-    _add_startup(dec, "decode", hw)
+    _add_startup(dec, "decode", hw, spec)
     return PipelineEstimate(pl, point, {"encode": enc, "denoise": den, "decode": dec}, host, hw)
 
 
-def _add_startup(phase: Phase, name: str, hw: HardwareSpec, spec: ModelSpec | None = None) -> None:
-    """The phase's one-time cost in a process's first generation (measured; 0 where the profile has none); for
-    encode, the one measured with these text encoders if the profile has it."""
-    own = encode_startup_key([te.arch for te in spec.pipeline.text_encoders]) if spec is not None else None
-    phase.startup_s = hw.startup_s.get(own, hw.startup_s.get(name, 0.0)) if own else hw.startup_s.get(name, 0.0)
+def startup_of(spec: ModelSpec, phase: str, hw: HardwareSpec) -> float | None:
+    """The phase's measured one-time cost in a process's first generation (None where the profile has none); for
+    encode, the one measured with this pipeline's text encoders if the profile has it."""
+    if phase == "encode" and spec.pipeline is not None:
+        own = encode_startup_key([te.arch for te in spec.pipeline.text_encoders])
+        if own in hw.startup_s:
+            return hw.startup_s[own]
+    return hw.startup_s.get(phase)
+
+
+def _add_startup(phase: Phase, name: str, hw: HardwareSpec, spec: ModelSpec) -> None:
+    """Add the phase's one-time cost in a process's first generation (startup_of; 0 where unmeasured)."""
+    phase.startup_s = startup_of(spec, name, hw) or 0.0
     phase.time_s += phase.startup_s
     phase.detail["startup"] = phase.startup_s
 
@@ -389,7 +397,7 @@ def decide_pipeline(
             if best.placements.transformer == "stream" and not cands.meets(best.transformer):
                 t = best.transformer
                 why += (f"; no streamed setting inside the budget meets the step target "
-                        f"{cands.targets[t.cfg.cfg_batched]:.3f} s (--max-slowdown x no offload): the fastest that "
+                        f"{cands.target:.3f} s (--max-slowdown x no offload): the fastest that "
                         f"fits takes {t.step_time:.3f} s a step, {t.step_time / cands.none.step_time:.3f}x")
             elif best.placements.transformer == "stream":
                 room = rooms[best.placements]
@@ -445,5 +453,5 @@ def _why(best: PipelineEstimate, base: PipelineEstimate, target: float) -> str:
             f"generation, {slow:.3f}x everything on the GPU{goal}; its peak is the {best.binding_phase} phase")
 
 
-__all__ = ["PHASES", "Placements", "PipelineEstimate", "PipelineDecision", "decide_pipeline", "estimate", "device_need",
+__all__ = ["PHASES", "Placements", "PipelineEstimate", "PipelineDecision", "decide_pipeline", "estimate",
            "decode_cost", "vae_fit", "output_host_bytes", "PipelineError"]

@@ -132,13 +132,13 @@ class Problem:
         """No offload in the fastest CFG evaluation the levers allow: what --max-slowdown is relative to."""
         return min((self.none(b) for b in self.levers.cfg_batched), key=lambda p: p.step_time)
 
-    def targets(self, max_slowdown: float | None, target_step_time: float | None) -> dict[bool, float]:
-        """The step target of a point by its CFG evaluation: `target_step_time`, else max_slowdown x the fastest
-        way to run without offload (the same for both evaluations: batching is held to what the user could have
-        without offload, not to a batched run that may itself be slower, as Qwen-Image's is on an H200)."""
-        t = target_step_time if target_step_time is not None else \
-            self.fastest_none().step_time * (max_slowdown or 1.05)
-        return {b: t for b in self.levers.cfg_batched}
+    def target(self, max_slowdown: float | None, target_step_time: float | None) -> float:
+        """The step target of every point: `target_step_time`, else max_slowdown x the fastest way to run without
+        offload (batched CFG is held to what the user could have without offload, not to a batched run that may
+        itself be slower, as Qwen-Image's is on an H200)."""
+        if target_step_time is not None:
+            return target_step_time
+        return self.fastest_none().step_time * (max_slowdown or 1.05)
 
 
 BATCHING_GAIN = 0.02  # batched CFG doubles the activations: taken for a shorter step only if it saves 2% or more
@@ -204,8 +204,7 @@ def decide(
     """Choose the plan for `problem` under a memory budget (bytes) and a latency target; raise Infeasible if none."""
     none = problem.fastest_none()  # the reference of --max-slowdown and of the plan's `none` baseline
     layerwise = problem.evaluate(OffloadConfig("layerwise"))
-    targets = problem.targets(max_slowdown, target_step_time)
-    target = targets.get(False, next(iter(targets.values())))
+    target = target_step_time if target_step_time is not None else none.step_time * (max_slowdown or 1.05)
     target_text = f"{target:.3f} s" + (f" ({max_slowdown:.2f}x no offload)" if target_step_time is None else "")
 
     nones = [problem.none(b) for b in problem.levers.cfg_batched]
@@ -223,10 +222,10 @@ def decide(
 
     points = candidates(problem, chunk_sizes)
     in_budget = [p for p in points if p.need <= budget]
-    feasible = [p for p in in_budget if p.step_time <= targets[p.cfg.cfg_batched]]
+    feasible = [p for p in in_budget if p.step_time <= target]
     if feasible:
         best = best_of(feasible)
-        slow = best.step_time / problem.fastest_none().step_time
+        slow = best.step_time / none.step_time
         if best.cfg.residency == 0:
             tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time
                     and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype]
@@ -315,8 +314,9 @@ def _lever_hint(problem: Problem, budget: int, max_slowdown: float | None, targe
         if not untried:
             continue
         other = replace(problem, levers=levers)
-        targets = other.targets(max_slowdown, target_step_time)
-        if any(p.need <= budget and p.step_time <= targets[p.cfg.cfg_batched]
-               for p in candidates(other, chunk_sizes)):
+        # held to the fastest no-offload run among the CFG evaluations the user's choice and the lever allow
+        both = replace(problem, levers=Levers(tuple({*lv.cfg_batched, *levers.cfg_batched}), levers.weight_dtypes))
+        target = both.target(max_slowdown, target_step_time)
+        if any(p.need <= budget and p.step_time <= target for p in candidates(other, chunk_sizes)):
             hints.append(text)
     return "".join(hints)

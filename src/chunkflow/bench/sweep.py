@@ -127,8 +127,10 @@ def row_label(mode: str, chunk_bytes: float | None, residency: float, weight_dty
     """The label of a bench.csv row: its offload setting's, or the baseline's name."""
     if mode not in MODES:
         return mode
-    fp8 = " fp8" + (" cast-on-copy" if fp8_cast == "copy" else "")
-    return OffloadConfig.of_row(mode, chunk_bytes, residency).label + (fp8 if weight_dtype == "fp8_e4m3" else "")
+    cfg = OffloadConfig.of_row(mode, chunk_bytes, residency)
+    if weight_dtype != "bf16" and cfg.streams:
+        cfg = cfg.with_overrides(weight_dtype=weight_dtype, fp8_cast=fp8_cast)
+    return cfg.label
 
 
 class BenchMeta(BaseModel):
