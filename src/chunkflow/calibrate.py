@@ -654,14 +654,13 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dic
         g = r.generation
         if g is None or not g.first_phase_times_s:
             continue
+        own = encode_startup_key(get_model(r.plan.model.name))
         for phase, first in g.first_phase_times_s.items():
             if phase in g.phases:
                 gap = max(0.0, first - g.phases[phase].measured_time_s)
                 gaps.setdefault(phase, []).append(gap)
-                spec = get_model(r.plan.model.name)
-                if phase == "encode" and spec.pipeline is not None:
-                    key = encode_startup_key([te.arch for te in spec.pipeline.text_encoders])
-                    gaps.setdefault(key, []).append(gap)
+                if phase == "encode" and own is not None:
+                    gaps.setdefault(own, []).append(gap)
     if not gaps:
         return {}
     startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}

@@ -174,6 +174,16 @@ class Timing:
     memory: list[MemorySample]
 
 
+def save_latents(path: str, latents) -> None:
+    """Final latents as safetensors ({"latents": ...}, on the CPU), written whole or not at all."""
+    from safetensors.torch import save_file
+
+    from chunkflow_planner.files import atomic_path
+
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({"latents": latents.detach().to("cpu").contiguous()}, tmp)
+
+
 def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: int, steps: int,
             guidance: float = 5.0, on_step: Callable[[int, float], None] | None = None,
             cfg_batched: bool = False) -> Timing:
@@ -335,12 +345,7 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
     if rank != 0:
         return None
     if o.latents:
-        from safetensors.torch import save_file
-
-        from chunkflow_planner.files import atomic_path
-
-        with atomic_path(o.latents, ".safetensors") as tmp:
-            save_file({"latents": timing.latents.detach().to("cpu").contiguous()}, tmp)
+        save_latents(o.latents, timing.latents)
     run = RunConfig(offload=cfg, device=str(device), dtype=str(dtype), weights=o.weights or "random",
                     warmup=o.warmup, steps=steps, world_size=world, sp_degree=world)
     pred = predict(spec, w, hw, cfg, world)

@@ -87,7 +87,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     from chunkflow.generate import generate
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow.run import (Measured, MemorySample, RunConfig, RunError, _place, environment, make_report,
-                               rel_error)
+                               rel_error, save_latents)
     from chunkflow.weights import resolve_weights
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.predict import hardware_of, predict
@@ -134,12 +134,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     if g.out:
         _write_output(g.out, gen.output, spec, built.random_weights, log)
     if g.latents and gen.latents is not None:
-        from safetensors.torch import save_file
-
-        from chunkflow_planner.files import atomic_path
-
-        with atomic_path(g.latents, ".safetensors") as tmp:
-            save_file({"latents": gen.latents.contiguous()}, tmp)
+        save_latents(g.latents, gen.latents)
 
     cuda = device.type == "cuda"
     dn = gen.phases["denoise"]

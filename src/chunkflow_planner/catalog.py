@@ -161,9 +161,11 @@ class VaeDecodeFit(_Strict):
 STARTUP_KEY = r"^(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # HardwareSpec.startup_s keys
 
 
-def encode_startup_key(archs: "list[str] | tuple[str, ...]") -> str:
-    """startup_s's key for the encode phase of a pipeline with these text encoder archs (in pipeline order)."""
-    return "encode:" + "+".join(archs)
+def encode_startup_key(spec: "ModelSpec") -> str | None:
+    """startup_s's key for the encode phase of `spec`'s pipeline: its text encoders' archs in pipeline order."""
+    if spec.pipeline is None:
+        return None
+    return "encode:" + "+".join(te.arch for te in spec.pipeline.text_encoders)
 
 
 class HardwareSpec(_Strict):

@@ -303,10 +303,9 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
 def startup_of(spec: ModelSpec, phase: str, hw: HardwareSpec) -> float | None:
     """The phase's measured one-time cost in a process's first generation (None where the profile has none); for
     encode, the one measured with this pipeline's text encoders if the profile has it."""
-    if phase == "encode" and spec.pipeline is not None:
-        own = encode_startup_key([te.arch for te in spec.pipeline.text_encoders])
-        if own in hw.startup_s:
-            return hw.startup_s[own]
+    own = encode_startup_key(spec) if phase == "encode" else None
+    if own in hw.startup_s:
+        return hw.startup_s[own]
     return hw.startup_s.get(phase)
 
 

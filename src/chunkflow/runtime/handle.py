@@ -138,10 +138,7 @@ class OffloadHandle:
             self._non_block = fill(layouts, store, tensors, self.device, source)
             self._park_versions = None
             place(self._non_block, self.device)
-            if outside:
-                for m in outside:
-                    for name, t in ResidentCasting.tensors(m):
-                        check_fits(f"{type(m).__name__}.{name}", t, fp8)
+            if outside:  # their values were checked above (first) or come from fp8 (a re-layout)
                 self._resident_cast = ResidentCasting(outside, fp8)
             if self.device.type == "cuda" and source is not None:
                 torch.cuda.synchronize(self.device)
@@ -189,10 +186,14 @@ class OffloadHandle:
     def _origin_of(self, t) -> torch.device:
         return self._origin.get((id(t.owners[0][0]), t.owners[0][1]), self._home)
 
+    def _block_compute_dtypes(self) -> dict[int, torch.dtype]:
+        """id(tensor) -> compute dtype, for the block tensors stored in fp8 now."""
+        return {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
+
     def _relayout(self, dtypes: dict[torch.dtype, torch.dtype] | None = None) -> None:
         """Lay the blocks out again from the module as it is now (new tensors included), with `dtypes` applied to
         every tensor if given. Host memory holds the old store and the new one for the time of the copy."""
-        compute = {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
+        compute = self._block_compute_dtypes()
         with torch.inference_mode(False), torch.no_grad():
             old = self._detach(to_host=True)
             if dtypes or compute:  # fp8-stored tensors become their compute dtype again (then stored anew)
@@ -235,7 +236,7 @@ class OffloadHandle:
         """A conversion of the whole module: the same device and dtypes is nothing to do; a dtype change is applied
         to the host store (the blocks are laid out again); another device is refused before anything changes."""
         self.unpark()
-        compute = {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
+        compute = self._block_compute_dtypes()
         compute.update(self._resident_cast.compute if self._resident_cast is not None else {})
         dtypes = {compute.get(id(t.get()), t.get().dtype) for t in all_tensors(self.module)}
         mapping: dict[torch.dtype, torch.dtype] = {}

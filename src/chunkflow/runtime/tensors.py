@@ -113,12 +113,12 @@ def fill(layouts: list[BlockLayout], store: HostStore | None, tensors: list[Modu
             if hit is not None:
                 b, e = hit
                 dst = store.view(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
-                if e.compute_dtype is not None:  # fp8 storage: the value in its own dtype, checked, then cast
+                if e.compute_dtype is not None:  # fp8 storage: the value in its own dtype, then cast
                     value = cur.detach()
-                    if from_source:
+                    if from_source:  # a loader's value, seen only now (the module's own were checked at offload())
                         value = torch.empty(e.shape, dtype=e.compute_dtype)
                         source.fill(t.name, m0, a0, value)
-                    check_fits(t.name, value, e.dtype)
+                        check_fits(t.name, value, e.dtype)
                     dst.copy_(value)
                 elif from_source:
                     source.fill(t.name, m0, a0, dst)
