@@ -75,16 +75,12 @@ def cast_layers(root: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _floating(m: nn.Module) -> list[torch.Tensor]:
-    return [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None and t.is_floating_point()]
-
-
 def cast_tensors(root: nn.Module, blocks: list[tuple[str, nn.Module]], dtype: torch.dtype | None) -> dict[int, torch.dtype]:
     """id(tensor) -> storage dtype for the block tensors layerwise casting would store in `dtype` (none if None)."""
     if dtype is None:
         return {}
     inside = {id(m) for _, b in blocks for m in b.modules()}
-    return {id(t): dtype for m in cast_layers(root) if id(m) in inside for t in _floating(m)}
+    return {id(t): dtype for m in cast_layers(root) if id(m) in inside for _, t in ResidentCasting.tensors(m)}
 
 
 class ResidentCasting:
