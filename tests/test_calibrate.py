@@ -257,3 +257,28 @@ def test_refit_takes_a_quoted_pattern_and_names_the_report_it_refuses(tmp_path, 
     assert not (tmp_path / "refit2.yaml").exists()
     result = runner.invoke(app, ["calibrate", "--from-report", str(tmp_path / "none-*.json"), "--profile", "h200"])
     assert result.exit_code == 2 and "matches no file" in result.output
+
+
+def test_tiled_vae_fit_is_per_decoder_call():
+    """Tiled decodes are fitted on their decoder calls (the catalog's tiling counts them): decodes timed at a fixed
+    cost per call give back that cost and the constant, and the fit predicts a size it never saw; without a count,
+    the fit stays per voxel."""
+    from chunkflow.calibrate_ops import fit_vae
+    from chunkflow_planner.catalog import VaeDecodeFit, Workload, get_model
+    from chunkflow_planner.pipeline import decode_calls
+
+    spec = get_model("wan2.2")
+    calls = lambda r: decode_calls(spec, Workload(batch=1, frames=r["frames"], height=r["height"],  # noqa: E731
+                                                  width=r["width"], steps=1))
+    rows = [dict(batch=1, frames=f, height=h, width=w, peak_bytes=1e9 + 30 * f * h * w)
+            for f, h, w in ((21, 480, 832), (21, 704, 1280), (61, 704, 1280))]
+    for r in rows:
+        r["time_s"] = 0.05 + 0.022 * calls(r)
+    fit = fit_vae(rows, False, "test", calls)
+    assert fit["time_per_call"] == pytest.approx(0.022) and fit["time_const"] == pytest.approx(0.05, abs=1e-9)
+    assert fit["time_per_voxel"] == 0.0
+    VaeDecodeFit(**fit)  # a valid catalog fit
+    unseen = dict(batch=1, frames=121, height=544, width=960)
+    assert fit["time_const"] + fit["time_per_call"] * calls(unseen) == pytest.approx(0.05 + 0.022 * calls(unseen))
+    per_voxel = fit_vae(rows, False, "test")
+    assert per_voxel["time_per_voxel"] > 0 and "time_per_call" not in per_voxel

@@ -86,3 +86,77 @@ def test_wan22_ti2v_tokens_have_their_own_timestep():
     plain = ti2v.model_copy(update={"pipeline": None})
     extra = activation_bytes(ti2v, w) - activation_bytes(plain, w)
     assert extra == tokens(ti2v, w) * ti2v.d * 38
+
+
+def _class_tiling(m, spatial: int) -> dict:
+    """The tiling an instance of a diffusers VAE class uses after `enable_tiling()` (its own defaults)."""
+    if hasattr(m, "tile_sample_min_size"):  # AutoencoderKL: square tiles, an overlap factor in latent units
+        latent = m.tile_latent_min_size
+        return dict(tile_px=latent * spatial, stride_px=int(latent * (1 - m.tile_overlap_factor)) * spatial,
+                    frames="none")
+    out = dict(tile_px=m.tile_sample_min_height, stride_px=m.tile_sample_stride_height)
+    assert (m.tile_sample_min_width, m.tile_sample_stride_width) == (out["tile_px"], out["stride_px"])
+    if hasattr(m, "tile_sample_min_num_frames"):
+        return dict(out, frames="chunks", tile_frames=m.tile_sample_min_num_frames,
+                    stride_frames=m.tile_sample_stride_num_frames)
+    return dict(out, frames="per_frame")
+
+
+@pytest.mark.parametrize("name, spec", PIPELINES, ids=[n for n, _ in PIPELINES])
+def test_vae_tiling_is_the_class_default(name, spec):
+    """models.yaml's tiling of each VAE is what its diffusers class tiles by, so the planner counts its calls."""
+    import diffusers
+
+    vae = spec.pipeline.vae
+    with torch.device("meta"):
+        m = getattr(diffusers, vae.cls)(**vae.config)
+    assert vae.tiling is not None
+    assert vae.tiling.model_dump(exclude_none=True) == _class_tiling(m, spec.vae_spatial)
+
+
+_TINY_VAES = {
+    "AutoencoderKLWan": dict(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                             temperal_downsample=[False, True, True]),
+    "AutoencoderKLQwenImage": dict(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                   latents_std=[1.0] * 4),
+    "AutoencoderKLHunyuanVideo": dict(block_out_channels=[8, 8, 8, 8], layers_per_block=1, norm_num_groups=4,
+                                      latent_channels=4),
+    "AutoencoderKL": dict(block_out_channels=[8, 8, 8, 8], layers_per_block=1, norm_num_groups=4, latent_channels=4,
+                          sample_size=32, down_block_types=["DownEncoderBlock2D"] * 4,
+                          up_block_types=["UpDecoderBlock2D"] * 4),
+}
+_SIZES = {  # (frames, height, width): inside one tile, across tiles with edge tiles, chunked in time or not
+    "AutoencoderKLWan": [(5, 128, 128), (5, 320, 576), (9, 264, 200)],
+    "AutoencoderKLQwenImage": [(1, 320, 576), (1, 128, 264)],
+    "AutoencoderKLHunyuanVideo": [(9, 320, 448), (21, 264, 264), (21, 128, 128)],
+    "AutoencoderKL": [(1, 32, 32), (1, 64, 96), (1, 88, 40)],
+}
+
+
+@pytest.mark.parametrize("cls", sorted(_TINY_VAES))
+def test_tiled_decode_calls_counted_as_diffusers_makes_them(cls):
+    """The planner's count of decoder calls in a tiled decode (VaeTiling.decoder_calls) equals the calls diffusers'
+    tiled decode makes, counted with a hook on tiny VAEs of each class at sizes with edge tiles and time chunks."""
+    import diffusers
+
+    from chunkflow_planner.components import VaeTiling
+
+    torch.manual_seed(0)
+    m = getattr(diffusers, cls)(**_TINY_VAES[cls]).eval()
+    m.enable_tiling()
+    image = cls in ("AutoencoderKL", "AutoencoderKLQwenImage")
+    spatial, temporal = 8, (None if image else 4)
+    tiling = VaeTiling(**_class_tiling(m, spatial))
+    calls = []
+    hook = m.decoder.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for frames, h, w in _SIZES[cls]:
+            lf = 1 if image else (frames - 1) // 4 + 1
+            shape = (1, 4, h // 8, w // 8) if cls == "AutoencoderKL" else (1, 4, lf, h // 8, w // 8)
+            calls.clear()
+            with torch.no_grad():
+                m.decode(torch.randn(shape), return_dict=False)
+            assert len(calls) == tiling.decoder_calls(h, w, lf, spatial, temporal), (frames, h, w)
+    finally:
+        hook.remove()

@@ -461,7 +461,8 @@ def _process_rss() -> int:
 def _vae_fits(s, cpu_smoke: bool, progress, log):
     """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted."""
     from chunkflow.calibrate_ops import fit_vae, measure_vae, vae_points
-    from chunkflow_planner.catalog import load_models
+    from chunkflow_planner.catalog import Workload, load_models
+    from chunkflow_planner.pipeline import decode_calls
 
     owners: dict[str, ModelSpec] = {}
     for spec in load_models().values():
@@ -480,13 +481,24 @@ def _vae_fits(s, cpu_smoke: bool, progress, log):
         src = f"chunkflow calibrate {date} on {s.name}: {len(plain)} decodes"
         fit = fit_vae(rows, spec.is_video, src)
         if tiled:
-            trows = measure_vae(spec, s.device, tiled, tiled=True, warmup=False)
-            fit["tiled"] = fit_vae(trows, False, src + " (tiled)")
+            trows = measure_vae(spec, s.device, tiled, tiled=True)
+            calls = None
+            if spec.pipeline.vae.tiling is not None:
+                calls = lambda r, spec=spec: decode_calls(spec, Workload(  # noqa: E731
+                    batch=r["batch"], frames=r["frames"], height=r["height"], width=r["width"], steps=1))
+                for r in trows:
+                    r["decoder_calls"] = calls(r)
+            fit["tiled"] = fit_vae(trows, False, src + " (tiled)", calls)
             rows += trows
         fits[name] = fit
         raw += rows
+        tiled_rate = ""
+        if fit.get("tiled"):
+            t = fit["tiled"]
+            tiled_rate = (f"; tiled {t['time_per_call'] * 1e3:.1f} ms/decoder call" if t.get("time_per_call")
+                          else f"; tiled {t['time_per_voxel'] * 1e9:.2f} ns/voxel")
         log(f"VAE {name}: decode peak {fit['mem_const'] / 1e9:.2f} GB + {fit['mem_per_px']:.0f} B/px + "
-            f"{fit['mem_per_voxel']:.1f} B/voxel, {fit['time_per_voxel'] * 1e9:.2f} ns/voxel")
+            f"{fit['mem_per_voxel']:.1f} B/voxel, {fit['time_per_voxel'] * 1e9:.2f} ns/voxel{tiled_rate}")
         step()
     return fits, raw
 

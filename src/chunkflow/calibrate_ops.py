@@ -151,17 +151,19 @@ def vae_points(spec, cpu: bool = False) -> tuple[list[tuple[int, int, int, int]]
     if cpu:
         pts = [(1, 5, 64, 64), (1, 5, 128, 128), (1, 9, 128, 128)] if spec.is_video else [(1, 1, 64, 64), (1, 1, 128, 128)]
         return pts, pts[1:]
-    if spec.is_video:  # up to sizes people generate: a decode's bytes and seconds per output voxel grow with the
-        # frame count, so fits from short clips fall short on long ones (measured on an H200: a 480x832 tiled fit
-        # 51% short in time at 704x1280x81; 5-13 frame untiled fits 25% over in memory at 81 frames)
+    if spec.is_video:  # up to sizes people generate: a decode's bytes per output voxel grow with the frame count,
+        # so fits from short clips fall short on long ones (5-13 frame untiled fits were 25% over in memory at 81
+        # frames on an H200); tiled decodes at two resolutions, so the time per decoder call averages edge tiles
+        # of both (a fit per voxel from one resolution was 23% short at 480x832 x121)
         return ([(1, 5, 256, 448), (1, 13, 480, 832), (1, 41, 480, 832)],
-                [(1, 5, 480, 832), (1, 21, 704, 1280), (1, 61, 704, 1280)])
+                [(1, 21, 480, 832), (1, 21, 704, 1280), (1, 61, 704, 1280)])
     return [(1, 1, 512, 512), (1, 1, 1024, 1024)], [(1, 1, 1536, 1536), (1, 1, 2048, 2048)]
 
 
 def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[dict]:
     """Decode random latents at each point with the catalog model's VAE (random weights, its dtype): seconds and
-    the peak allocation above what was allocated before (weights and latents), per point."""
+    the peak allocation above what was allocated before (weights and latents), per point. The warm-up decodes the
+    first point's size at its fewest frames (5: one latent frame and one more), so every tile shape has run once."""
     import time
 
     import torch
@@ -188,7 +190,8 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
     try:
         with torch.no_grad():
             if warmup:
-                vae.decode(latents(*points[0]), return_dict=False)
+                b, f, h, w = points[0]
+                vae.decode(latents(b, min(f, 1 + 4 * (spec.vae_temporal is not None)), h, w), return_dict=False)
             for b, f, h, w in points:
                 z = latents(b, f, h, w)
                 if cuda:
@@ -222,9 +225,10 @@ def _lstsq(rows: list[dict], basis: Callable[[dict], list[float]], key: str) -> 
     return [float(c) for c in np.linalg.lstsq(A, y, rcond=None)[0]]
 
 
-def fit_vae(rows: list[dict], video: bool, source: str) -> dict:
+def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], int] | None = None) -> dict:
     """A VaeDecodeFit (as a dict) from measured decodes: memory on [1, H W, voxels] (video) or [1, voxels] (image),
-    time on [1, voxels]; a negative slope is dropped and the rest refitted."""
+    time on [1, voxels], or on [1, decoder calls] where `calls` counts them (tiled decodes); a negative slope is
+    dropped and the rest refitted."""
     px = lambda r: r["height"] * r["width"]  # noqa: E731
     vox = lambda r: r["batch"] * r["frames"] * px(r)  # noqa: E731
     if video and len({px(r) for r in rows}) > 1:
@@ -233,8 +237,10 @@ def fit_vae(rows: list[dict], video: bool, source: str) -> dict:
             (c0, c_vox), c_px = _lstsq(rows, lambda r: [1.0, vox(r)], "peak_bytes"), 0.0
     else:
         (c0, c_vox), c_px = _lstsq(rows, lambda r: [1.0, vox(r)], "peak_bytes"), 0.0
-    t0, t_vox = _lstsq(rows, lambda r: [1.0, vox(r)], "time_s")
-    if t_vox <= 0:  # noise at tiny sizes: the mean rate through the origin
-        t0, t_vox = 0.0, sum(r["time_s"] for r in rows) / sum(vox(r) for r in rows)
-    return dict(mem_const=c0, mem_per_px=max(0.0, c_px), mem_per_voxel=max(0.0, c_vox), time_const=t0,
-                time_per_voxel=t_vox, source=source)
+    size = calls or vox
+    t0, rate = _lstsq(rows, lambda r: [1.0, float(size(r))], "time_s")
+    if rate <= 0:  # noise at tiny sizes: the mean rate through the origin
+        t0, rate = 0.0, sum(r["time_s"] for r in rows) / sum(size(r) for r in rows)
+    timing = dict(time_per_call=rate, time_per_voxel=0.0) if calls else dict(time_per_voxel=rate)
+    return dict(mem_const=c0, mem_per_px=max(0.0, c_px), mem_per_voxel=max(0.0, c_vox), time_const=t0, **timing,
+                source=source)

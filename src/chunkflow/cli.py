@@ -527,7 +527,9 @@ def _print_profile(hw) -> None:
         t.add_row("GEMM / attention shapes", f"{len(hw.gemm_eta)} / {len(hw.attn_eta or [])} measured")
     for name, fit in hw.vae_decode.items():
         t.add_row(f"VAE {name}", f"{fit.mem_const / 1e9:.2f} GB + {fit.mem_per_px:.0f} B/px + {fit.mem_per_voxel:.1f} B/voxel; "
-                  f"{fit.time_per_voxel * 1e9:.2f} ns/voxel" + (" (+tiled)" if fit.tiled else ""))
+                  f"{fit.time_per_voxel * 1e9:.2f} ns/voxel" + (
+                      "" if not fit.tiled else f"; tiled {fit.tiled.time_per_call * 1e3:.1f} ms/decoder call"
+                      if fit.tiled.time_per_call else " (+tiled)"))
     console.print(t)
 
 

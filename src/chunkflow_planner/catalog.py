@@ -145,17 +145,26 @@ PeerLink = Literal["nvlink", "pcie", "none"]
 
 
 class VaeDecodeFit(_Strict):
-    """A VAE decode measured at a few sizes and fitted linearly in the output size: peak allocated bytes
-    mem_const + mem_per_px * (H W) + mem_per_voxel * (B F H W), time time_const + time_per_voxel * (B F H W);
-    F = 1 for images. `tiled` is the same with VAE tiling on. Where and when it was measured in `source`."""
+    """A VAE decode measured at a few sizes and fitted linearly: peak allocated bytes mem_const + mem_per_px * (H W)
+    + mem_per_voxel * (B F H W), time time_const + time_per_voxel * (B F H W) + time_per_call * (B x decoder calls);
+    F = 1 for images. `tiled` is the same with VAE tiling on, its time fitted per decoder call (the VAE's
+    `tiling` counts them: components.VaeTiling) where the catalog knows the VAE's tiling. Where and when it was
+    measured in `source`."""
 
     mem_const: float = Field(ge=-1e12, le=1e13)
     mem_per_px: float = Field(0.0, ge=0, le=1e9)
     mem_per_voxel: float = Field(ge=0, le=1e9)
     time_const: float = Field(ge=-10, le=1e4)
-    time_per_voxel: float = Field(gt=0, le=1)
+    time_per_voxel: float = Field(0.0, ge=0, le=1)
+    time_per_call: float = Field(0.0, ge=0, le=100)
     tiled: "VaeDecodeFit | None" = None
     source: str = ""
+
+    @model_validator(mode="after")
+    def _has_a_rate(self) -> "VaeDecodeFit":
+        if self.time_per_voxel <= 0 and self.time_per_call <= 0:
+            raise ValueError("a decode fit needs time_per_voxel or time_per_call above 0")
+        return self
 
 
 STARTUP_KEY = r"^(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # HardwareSpec.startup_s keys

@@ -145,6 +145,34 @@ class TextEncoderSpec(_Strict):
                     layers=t["num_hidden_layers"], gated=self.arch != "clip_text", eager_attention=False)
 
 
+class VaeTiling(_Strict):
+    """How diffusers' tiled decode of this VAE splits the latents (the class's `enable_tiling()` defaults, checked
+    against the class by the tests): square spatial tiles of `tile_px` output pixels every `stride_px`, and along
+    time one decoder call per latent frame (`per_frame`: Wan, Qwen-Image), per chunk of `tile_frames` output frames
+    every `stride_frames` (`chunks`: HunyuanVideo), or none (`none`: images). A tiled decode costs about the same
+    per decoder call whatever the tile's share of the image (edge tiles are not cheaper; measured on an H200), so
+    its time is fitted per call (catalog.VaeDecodeFit.time_per_call)."""
+
+    tile_px: int = Field(gt=0)
+    stride_px: int = Field(gt=0)
+    frames: Literal["per_frame", "chunks", "none"] = "none"
+    tile_frames: int | None = Field(None, gt=0)
+    stride_frames: int | None = Field(None, gt=0)
+
+    def decoder_calls(self, height: int, width: int, latent_frames: int, spatial: int, temporal: int | None) -> int:
+        """Decoder calls of one tiled decode of a (latent_frames x height/spatial x width/spatial) latent, as
+        diffusers' tiled_decode loops (a size within one tile is not tiled: one call per frame or chunk)."""
+        lh, lw, lmin, lstride = height // spatial, width // spatial, self.tile_px // spatial, self.stride_px // spatial
+        tiles = -(-lh // lstride) * -(-lw // lstride) if (lh > lmin or lw > lmin) else 1
+        if self.frames == "per_frame":
+            return tiles * latent_frames
+        if self.frames == "chunks":
+            vt = temporal or 1
+            tmin, tstride = (self.tile_frames or 1) // vt, (self.stride_frames or 1) // vt
+            return tiles * (-(-latent_frames // tstride) if latent_frames > tmin else 1)
+        return tiles
+
+
 class VaeSpec(_Strict):
     """The pipeline's VAE: its diffusers class and config, and how its decode was measured."""
 
@@ -157,6 +185,7 @@ class VaeSpec(_Strict):
     decoder_params: int = Field(gt=0, description="parameters decode runs (post-quant conv and decoder)")
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="the dtype the pipeline runs it in")
     decode: dict[str, Any] | None = Field(None, description="a VaeDecodeFit measured on a GPU (catalog.VaeDecodeFit)")
+    tiling: VaeTiling | None = Field(None, description="how its tiled decode splits the latents")
 
     @property
     def dtype_bytes(self) -> int:

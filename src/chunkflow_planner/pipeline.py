@@ -9,9 +9,9 @@ Placements:
 - `cpu`: runs on the CPU (text encoders).
 The VAE may decode tiled.
 
-Per phase the prediction is its time and its peak GPU memory, where peak memory is what runs out: the allocator's
-reserve over torch's peak allocation (`reserve_fraction`, small with expandable segments, which `chunkflow run`
-turns on) plus the device memory torch does not count (`context_bytes`). Host memory is every host copy (pinned
+Per phase the prediction is its time and its peak GPU memory, where peak memory is what runs out: torch's peak
+allocation, what the allocator keeps of freed activations (`alloc_slack`; memory.device_need) and the device memory
+torch does not count (`context_bytes`). Host memory is every host copy (pinned
 stores of streamed and parked components, CPU components) plus what the process holds besides weights
 (`process_host_bytes`). Times come from the operator model (ops.py) for text encoders, the transformer's step
 model (steptime.py) for denoising, and the VAE's measured decode fit (catalog.VaeDecodeFit) for decoding; each phase
@@ -132,6 +132,17 @@ def output_bytes(w: Workload) -> float:
     return w.batch * w.frames * w.height * w.width * 3 * 4
 
 
+def decode_calls(spec: ModelSpec, w: Workload) -> int:
+    """Decoder calls of a tiled decode of `w`'s output, batch included (0 where the catalog has no tiling for the
+    VAE)."""
+    tiling = spec.pipeline.vae.tiling
+    if tiling is None:
+        return 0
+    vt = spec.vae_temporal
+    lf = (w.frames - 1) // vt + 1 if vt else 1
+    return w.batch * tiling.decoder_calls(w.height, w.width, lf, spec.vae_spatial, vt)
+
+
 def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> tuple[float, float]:
     """(seconds, peak activation bytes) of decoding `w`'s output, from the VAE's fit (tiled or not), and of the
     pipeline's postprocessing of it (output_bytes at postprocess_gbps)."""
@@ -140,11 +151,16 @@ def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> 
         if fit.tiled is None:
             raise PipelineError(f"the decode fit of {spec.pipeline.vae.name} has no tiled measurement")
         fit = fit.tiled
+    calls = decode_calls(spec, w) if fit.time_per_call > 0 else 0
+    if fit.time_per_call > 0 and not calls:
+        raise PipelineError(f"the decode fit of {spec.pipeline.vae.name} is per decoder call, but the catalog has "
+                            "no tiling for it to count them (models.yaml: pipeline.vae.tiling)")
     px = w.height * w.width
     voxels = w.batch * w.frames * px
     mem = fit.mem_const + fit.mem_per_px * px + fit.mem_per_voxel * voxels
     post = output_bytes(w) / (hw.postprocess_gbps * GB)
-    return max(0.0, fit.time_const + fit.time_per_voxel * voxels) + post, max(0.0, mem)
+    seconds = fit.time_const + fit.time_per_voxel * voxels + fit.time_per_call * calls
+    return max(0.0, seconds) + post, max(0.0, mem)
 
 
 # -------------------------------------------------------------------------------------------- pieces
