@@ -60,5 +60,11 @@ else
       --mem-budget 24GB
   wanted wan22-5b-480-121 && generate wan22-5b-480-121 200 mp4 --model wan2.2 --frames 121 --height 480 \
       --width 832 --steps 4 --mem-budget 16GB
+  # held out of the fourth session's model: a resolution no decode was measured at, the text encoder streamed
+  wanted wan22-5b-544-121 && generate wan22-5b-544-121 200 mp4 --model wan2.2 --frames 121 --height 544 \
+      --width 960 --steps 4 --mem-budget 12GB
+  # the issue's own question: Wan2.1-14B, 81 frames at 720p on a 24 GB card with 64 GB of host memory
+  wanted wan21-14b-720-81 && generate wan21-14b-720-81 420 mp4 --model wan2.1-14b --frames 81 --height 720 \
+      --width 1280 --steps 2 --mem-budget 24GB --host-mem-budget 64GB
 fi
 pack && cat "$out/media.log" && echo "packed $dest/pipeline.tgz"
