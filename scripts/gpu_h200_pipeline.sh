@@ -66,5 +66,8 @@ else
   # the issue's own question: Wan2.1-14B, 81 frames at 720p on a 24 GB card with 64 GB of host memory
   wanted wan21-14b-720-81 && generate wan21-14b-720-81 420 mp4 --model wan2.1-14b --frames 81 --height 720 \
       --width 1280 --steps 2 --mem-budget 24GB --host-mem-budget 64GB
+  # a model, text encoder (Llama 3 8B and CLIP) and VAE (tiled in time and space) no generation measured before
+  wanted hunyuan-544-61 && generate hunyuan-544-61 300 mp4 --model hunyuan --frames 61 --height 544 --width 960 \
+      --steps 4 --mem-budget 24GB
 fi
 pack && cat "$out/media.log" && echo "packed $dest/pipeline.tgz"

@@ -91,6 +91,12 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     assert hw.h2d_link_gbps > 0 and hw.dma_startup_us >= 0
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["h2d"]) >= 3 and len(raw["blocks"]) >= 3
+    # whole forwards timed, and the model's curve is its one-block curve scaled by them
+    fw = raw["forwards"]
+    assert len(fw) == 2 and all(r["time_s"] > 0 for r in fw) and fw[0]["scale"] == fw[1]["scale"] > 0
+    name = fw[0]["model"]
+    for (f, e), (f1, e1) in zip(raw["eta_comp_curves"][name], hw.eta_comp_curves[name]):
+        assert f1 == f and e1 == pytest.approx(min(1.0, e * fw[0]["scale"]))
     assert not (tmp_path / "config" / "hardware-profile.yaml").exists()  # smoke profiles are not saved by default
     result = runner.invoke(app, ["plan", "--model", "tiny", "--hardware", "smoke.yaml", "--json"])
     assert result.exit_code == 0, result.output
@@ -282,3 +288,25 @@ def test_tiled_vae_fit_is_per_decoder_call():
     assert fit["time_const"] + fit["time_per_call"] * calls(unseen) == pytest.approx(0.05 + 0.022 * calls(unseen))
     per_voxel = fit_vae(rows, False, "test")
     assert per_voxel["time_per_voxel"] > 0 and "time_per_call" not in per_voxel
+
+
+def test_whole_forward_points_fit_and_scale_the_curve():
+    """A block timed alone can run faster than inside the whole forward (Wan2.2-TI2V-5B on an H200: 9-12%), so
+    calibrate times whole forwards where they fit: the middle calibration size and the largest that fits, none when
+    the middle one does not; their predicted / measured compute scales the model's curve."""
+    from chunkflow.calibrate import forward_points, forward_scale
+    from chunkflow_planner.catalog import get_hardware, get_model
+    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow_planner.predict import predict
+
+    spec, hw = get_model("wan2.2"), get_hardware("h200")
+    frames = lambda pts: [w.frames for w in pts]  # noqa: E731
+    assert frames(forward_points(spec, hw, None)) == [41, 121]
+    assert frames(forward_points(spec, hw, 20e9)) == [41, 81]  # 121 frames without offload need more
+    assert forward_points(spec, hw, 15e9) == []  # 10 GB of weights and the activations of 41 frames do not fit
+    assert all(w.cfg_passes == 1 for w in forward_points(spec, hw, None))
+    rows = []
+    for w in forward_points(spec, hw, None):
+        p = predict(spec, w, hw, OffloadConfig(mode="none"))
+        rows.append(dict(frames=w.frames, batch=1, time_s=p.step_time_s - p.compute_s + 1.1 * p.compute_s))
+    assert forward_scale(spec, hw, rows) == pytest.approx(1 / 1.1)

@@ -276,3 +276,15 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
         ph = data["generation"]["phases"][name]
         assert new.reserve_fraction == 0  # the slack replaces the flat reserve
         assert e2.peak_memory(name) == pytest.approx(ph["measured_peak_memory_bytes"], abs=16)  # whole bytes
+    assert new.mem_margin <= 0.001  # the refit model misses nothing here: no margin needed
+    # the decode phase peaks 8% above that prediction: the refit slack moves some of the way, and the margin covers
+    # what is left, so every measured peak is within predicted x (1 + mem_margin), and no more margin than that
+    ph = data["generation"]["phases"]["decode"]
+    ph["measured_peak_memory_bytes"] = int(e2.peak_memory("decode") * 1.08)
+    Path("r.json").write_text(json.dumps(data))
+    wary, notes = refit(hw, read_reports(["r.json"]))
+    e3, _ = generation_estimate(read_reports(["r.json"])[0], wary)
+    ratios = [p["measured_peak_memory_bytes"] / e3.peak_memory(n) for n, p in data["generation"]["phases"].items()]
+    assert 0.01 < wary.mem_margin < 0.08
+    assert max(ratios) <= 1 + wary.mem_margin < max(ratios) + 0.0015
+    assert any(f"mem_margin {wary.mem_margin:.3g}" in n for n in notes)

@@ -8,7 +8,9 @@ What is measured, and how each number enters the planner:
   layer per list, random bf16 weights) timed with CUDA events around the block (forward hooks) at several token
   counts; eta = F_block(S) / (P_peak t) with the planner's F (flops.py). Stored as `eta_comp_curve`
   ([F, eta] pairs; the planner interpolates in log F and clamps at the ends); the scalar `eta_comp` is the
-  curve's median, the fallback and summary.
+  curve's median, the fallback and summary. Each model's own curve (`eta_comp_curves`) is then scaled to one or
+  two forwards of the whole model (every block, no offload) where it fits on the GPU: a block timed alone ran 9-12%
+  faster than the same block inside the Wan2.2-TI2V-5B forward on an H200 (Qwen-Image's within 2%).
 - **H2D**: pinned-source copies of C = 1..256 MB, back to back, the same total bytes per size; per-copy time
   t(C) is fitted as t0 + C / BW by least squares in relative error. BW (asymptotic) -> `h2d_link_gbps`,
   t0 -> `dma_startup_us`, and **eta_pref = 1**: steptime.py charges every copy t0 plus its bytes at eta_pref
@@ -179,7 +181,7 @@ def write_profile(hw: HardwareSpec, path: str | Path, header: str = "") -> Path:
 
 PROFILE_FIELDS = ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref", "coll_gbps",
                   "contention", "block_overhead_us", "memory_bytes", "peer_link", "startup_s", "encode_host_s",
-                  "postprocess_gbps", "alloc_slack", "reserve_fraction")
+                  "postprocess_gbps", "alloc_slack", "reserve_fraction", "mem_margin")
 
 
 def profile_changes(old: HardwareSpec, new: HardwareSpec) -> list[str]:
@@ -298,6 +300,97 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
         if cuda:
             torch.cuda.empty_cache()
     return rows
+
+
+def measure_forward(spec: ModelSpec, device, points: Sequence[Workload], warmup: int = 1, repeats: int = 3,
+                    progress: Progress = _no_progress) -> list[dict[str, float]]:
+    """Per workload: median seconds of one forward of the whole transformer (every block, random bf16 weights, no
+    offload), one guidance pass."""
+    import torch
+
+    from chunkflow.models.build import build_transformer
+    from chunkflow.models.inputs import make_inputs
+
+    model, handle = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
+    cuda = device.type == "cuda"
+    rows = []
+    step = progress(f"{spec.name} whole forward at {len(points)} size(s)", len(points) * (warmup + repeats))
+    try:
+        with torch.no_grad():
+            for w in points:
+                inputs = make_inputs(spec, w, torch.bfloat16, device, seed=0)
+                samples = []
+                for i in range(warmup + repeats):
+                    _, t = time_on(cuda, lambda: model(**inputs))
+                    if i >= warmup:
+                        samples.append(t)
+                    step()
+                rows.append(dict(model=spec.name, frames=w.frames, batch=w.batch, tokens=tokens(spec, w),
+                                 time_s=statistics.median(samples)))
+                del inputs
+    finally:
+        handle.remove()
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def forward_points(spec: ModelSpec, hw: HardwareSpec, free_bytes: float | None, cpu: bool = False) -> list[Workload]:
+    """The calibration sizes a whole forward is timed at: the middle one and the largest whose forward without
+    offload fits in `free_bytes` (None: no limit), one guidance pass; none if the middle one does not fit."""
+    from chunkflow_planner.memory import device_need, estimate_memory
+    from chunkflow_planner.offload import OffloadConfig
+
+    pts = [w.model_copy(update={"cfg_passes": 1, "steps": 1}) for w in default_points(spec, cpu)]
+    none = OffloadConfig(mode="none")
+
+    def fits(w: Workload) -> bool:
+        m = estimate_memory(spec, w, none)
+        return free_bytes is None or device_need(m.peak, m.activations, hw) * 1.2 < free_bytes
+
+    mid = pts[len(pts) // 2]
+    if not fits(mid):
+        return []
+    top = max((w for w in pts if fits(w)), key=lambda w: tokens(spec, w) * w.batch)
+    return [mid] if top == mid else [mid, top]
+
+
+def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> float:
+    """Predicted / measured compute of whole forwards (geometric mean): the factor the model's curve is scaled by."""
+    from chunkflow_planner.offload import OffloadConfig
+
+    ks = []
+    for r in rows:
+        w = Workload(batch=r["batch"], frames=r["frames"], height=spec.default_workload.height,
+                     width=spec.default_workload.width, steps=1, cfg_passes=1)
+        p = predict(spec, w, hw, OffloadConfig(mode="none"))
+        comp = r["time_s"] - (p.step_time_s - p.compute_s)
+        if comp > 0:
+            ks.append(p.compute_s / comp)
+    return _gmean(ks) if ks else 1.0
+
+
+def _whole_forwards(specs: list[ModelSpec], s: _Setup, hw: HardwareSpec, cpu_smoke: bool, progress: Progress,
+                    log: Callable[[str], None]) -> tuple[dict[str, list[tuple[float, float]]], list[dict[str, Any]]]:
+    """Each model's curve scaled to whole forwards where one fits on the GPU (module docstring), and the rows."""
+    import torch
+
+    curves = dict(hw.eta_comp_curves)
+    rows: list[dict[str, Any]] = []
+    for spec in specs:
+        free = torch.cuda.mem_get_info(s.device)[0] if s.device.type == "cuda" else None
+        points = forward_points(spec, hw, free, cpu_smoke)
+        if not points or spec.name not in curves:
+            log(f"{spec.name}: a whole forward does not fit on this GPU; its curve is from one block alone")
+            continue
+        measured = measure_forward(spec, s.device, points, progress=progress)
+        k = forward_scale(spec, hw, measured)
+        rows += [dict(r, scale=k) for r in measured]
+        curves[spec.name] = [(f, min(1.0, e * k)) for f, e in curves[spec.name]]
+        log(f"{spec.name}: whole forwards at {', '.join(str(r['tokens']) for r in measured)} tokens ran "
+            f"{1 / k:.3f}x the time its blocks timed alone predict; its curve x{k:.3f}")
+    return curves, rows
 
 
 def measure_h2d(device, sizes: Sequence[int] = H2D_SIZES, total: int = H2D_TOTAL, repeats: int = 3,
@@ -542,7 +635,8 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     date = datetime.date.today().isoformat()
     src = (f"chunkflow calibrate {date} on {s.name}: GEMM {s.gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
            f"({'datasheet of ' + base_hw.name if peak == base_hw.peak_tflops and matched else 'measured GEMM'}); "
-           f"eta_comp curves from one block of {', '.join(curves)} at {len(curve)}+ sizes each; H2D t(C) = t0 + C/BW fitted over "
+           f"eta_comp curves from one block of {', '.join(curves)} at {len(curve)}+ sizes each, scaled to whole "
+           f"forwards where they fit; H2D t(C) = t0 + C/BW fitted over "
            f"{len(h2d_rows)} chunk sizes ({s.sizes[0] / 1e6:g}-{s.sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries "
            f"the size effect)" + (f"; all-to-all and contention over {s.world} GPUs" if coll else
                                   f"; coll_gbps/contention from {base_hw.name}"))
@@ -554,10 +648,12 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
         contention=coll["contention"] if coll else None, peer_link=peer_link, source=src,
     )
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
+    scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
+    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled})
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
-               operators=ops_raw, vae=vae_raw)
+               operators=ops_raw, vae=vae_raw, forwards=forwards)
     return Calibration(profile, raw)
 
 
@@ -703,7 +799,9 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
     - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
-      (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md).
+      (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md);
+    - mem_margin: the largest under-prediction of a phase's peak left with those terms (rounded up), which plans
+      then keep free.
     Each measured phase is compared without its start-up where the report ran a warm-up generation."""
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.pipeline import output_bytes, startup_of
@@ -751,9 +849,23 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     if slack:
         update["alloc_slack"] = statistics.median(slack)
         update["reserve_fraction"] = 0.0
+    errors = _peak_errors(hw.model_copy(update=update), gens)
+    if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
+        update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
     notes.append(f"from {len(gens)} generation report(s): "
                  + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
     return update
+
+
+def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:
+    """measured / predicted - 1 of every phase's peak GPU memory in generation reports, predicted on `hw`."""
+    errors = []
+    for r in gens:
+        e, _ = generation_estimate(r, hw)
+        for name, m in r.generation.phases.items():
+            if m.measured_peak_memory_bytes and e.peak_memory(name) > 0:
+                errors.append(m.measured_peak_memory_bytes / e.peak_memory(name) - 1)
+    return errors
 
 
 def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
@@ -766,7 +878,7 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
     - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
       measured one's; the median, at least 0.
-    - encode_host_s, postprocess_gbps, alloc_slack: from generation reports (_refit_pipeline).
+    - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
     """
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}

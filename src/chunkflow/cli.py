@@ -157,6 +157,9 @@ def plan_cmd(
     sp: int = typer.Option(1, "--sp", help="Ulysses sequence-parallel degree"),
     hardware: Optional[str] = typer.Option(None, help="catalog GPU (see `chunkflow hardware`) or a calibrated profile file"),
     mem_budget: Optional[str] = typer.Option(None, help="GPU memory available, e.g. 24GB or 22GiB (default: the GPU's memory)"),
+    mem_margin: Optional[float] = typer.Option(None, help="share of --mem-budget kept free for the memory model's "
+                                               "error, e.g. 0.05 (default: the hardware profile's, measured; 0 plans "
+                                               "to the byte)"),
     max_slowdown: Optional[float] = typer.Option(None, help="latency target relative to no offload: per step for the "
                                                  "transformer (default 1.05) and, when given, for the whole generation"),
     target_step_time: Optional[str] = typer.Option(None, help="absolute latency target per step, e.g. 1.2s"),
@@ -195,6 +198,8 @@ def plan_cmd(
         raise UserError(f"--max-slowdown is relative to no offload and must be a number >= 1.0, got {max_slowdown}")
     if text_len is not None and text_len < 0:
         raise UserError(f"--text-len must be >= 0, got {text_len}")
+    if mem_margin is not None and not (math.isfinite(mem_margin) and 0 <= mem_margin <= 0.5):
+        raise UserError(f"--mem-margin is a share of the budget between 0 and 0.5 (e.g. 0.05), got {mem_margin}")
     if out:
         check_output_file(out, "--out")
     spec = get_model(model)
@@ -215,6 +220,7 @@ def plan_cmd(
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
         target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
         host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
+        mem_margin=mem_margin,
     )
     if out:
         plan.write(out)
@@ -514,7 +520,7 @@ def _print_profile(hw) -> None:
     t.add_column("value", justify="right")
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
-                "encode_host_s", "postprocess_gbps", "alloc_slack", "reserve_fraction"):
+                "encode_host_s", "postprocess_gbps", "alloc_slack", "reserve_fraction", "mem_margin"):
         v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))

@@ -73,6 +73,9 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
+    if plan.memory_budget_bytes and plan.memory_margin:
+        budget += (f" (planned inside {format_bytes(int(plan.memory_budget_bytes / (1 + plan.memory_margin)))}: "
+                   f"{plan.memory_margin:.1%} kept for the memory model's error)")
     total = plan.prediction.step_time_s * w.steps
     console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)} "
                   f"per step; {w.steps} steps take about {format_seconds(total)}", highlight=False)

@@ -236,6 +236,10 @@ class HardwareSpec(_Strict):
     alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
                                "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
                                "measured from reports")
+    mem_margin: float = Field(0.12, ge=0, le=0.5, description="the share by which a plan keeps its predicted GPU "
+                              "peak below the budget (peak <= budget / (1 + mem_margin)), for the memory model's error: "
+                              "the largest under-prediction of a phase's peak in generation reports, measured by "
+                              "`chunkflow calibrate --from-report` (default: that of eight pipelines on an H200)")
     startup_s: dict[Annotated[str, StringConstraints(pattern=STARTUP_KEY)], Annotated[float, Field(ge=0, le=600)]] = \
         Field(default_factory=dict, description="one-time seconds a phase (encode, denoise, decode) adds to the first "
               "generation of a process (CUDA kernels loaded on first use, library handles, the allocator's first "

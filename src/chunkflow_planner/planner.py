@@ -33,7 +33,8 @@ from chunkflow_planner.plan import (
     PlanWorkload,
     Prediction,
 )
-from chunkflow_planner.policy import Decision, Levers, Point, Problem, decide
+from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide
+from chunkflow_planner.units import format_bytes
 from chunkflow_planner.workload import WorkloadError, tokens
 
 DEFAULT_HARDWARE = "h200"
@@ -117,6 +118,11 @@ def _prediction(p: Point) -> Prediction:
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak, pinned_host_bytes=int(p.memory.pinned_host))
 
 
+def usable_budget(budget: int, margin: float) -> int:
+    """The GPU bytes a plan may predict using of `budget`, keeping `margin` for the memory model's error."""
+    return int(budget / (1 + margin))
+
+
 def make_plan(
     spec: ModelSpec,
     workload: Workload,
@@ -133,6 +139,7 @@ def make_plan(
     target_time: float | None = None,
     generation_slowdown: float | None = None,
     levers: Levers | None = None,
+    mem_margin: float | None = None,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
@@ -140,25 +147,42 @@ def make_plan(
     text encoders, transformer and VAE under the GPU budget in every phase and `host_budget` (default: the memory
     available on this machine), against `target_time` or `generation_slowdown` x everything on the GPU if given.
     Otherwise the transformer alone, as the ChunkFlow paper does. `levers`: batched CFG and fp8 storage the policy
-    may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights)."""
+    may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights).
+    `mem_margin` (default: the hardware's) keeps every predicted GPU peak under budget / (1 + mem_margin): the
+    memory model's measured error, so that a plan that fits on paper fits the card."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
+    margin = hw.mem_margin if mem_margin is None else mem_margin
+    if not (math.isfinite(margin) and 0 <= margin <= 0.5):
+        raise CatalogError(f"the memory margin must be between 0 and 0.5 (a share of the budget), got {margin}")
+    usable = usable_budget(budget, margin)
     levers = Levers.of(workload.cfg_passes) if levers is None else levers
-    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
-    whole = None
-    if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
-        from chunkflow_planner.hostinfo import available_host_memory
-        from chunkflow_planner.pipeline import decide_pipeline
+    try:
+        problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
+        whole = None
+        if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
+            from chunkflow_planner.hostinfo import available_host_memory
+            from chunkflow_planner.pipeline import decide_pipeline
 
-        host_source = "--host-mem-budget" if host_budget is not None else "available on this machine when planned"
-        host_budget = available_host_memory() if host_budget is None else host_budget
-        whole = decide_pipeline(spec, workload, hw, problem, budget, host_budget, max_slowdown, target_step_time,
-                                target_time, generation_slowdown)
-        base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target
-        decision = Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, budget, whole.reason)
-    else:
-        decision = decide(problem, budget, max_slowdown, target_step_time)
+            host_source = "--host-mem-budget" if host_budget is not None else "available on this machine when planned"
+            host_budget = available_host_memory() if host_budget is None else host_budget
+            whole = decide_pipeline(spec, workload, hw, problem, usable, host_budget, max_slowdown, target_step_time,
+                                    target_time, generation_slowdown)
+            base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target
+            decision = Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason)
+        else:
+            decision = decide(problem, usable, max_slowdown, target_step_time)
+    except Infeasible as e:
+        if margin > 0 and e.binding == "memory":
+            kept = f" ({format_bytes(usable)} after the {margin:.1%} kept for the memory model's error; --mem-margin 0 plans to the byte)"
+            text = str(e)
+            for said in (f"--mem-budget is {format_bytes(usable)}", f"the budget is {usable / 1e9:.2f} GB"):
+                text = text.replace(said, said.replace(format_bytes(usable), format_bytes(budget))
+                                    .replace(f"{usable / 1e9:.2f} GB", f"{budget / 1e9:.2f} GB") + kept)
+            raise Infeasible(e.binding, text if text != str(e) else text + kept, e.min_memory,
+                             e.best_step_time) from None
+        raise
     chosen = decision.chosen
     analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)  # of what will run
     if not math.isfinite(analysis.F_star):
@@ -195,6 +219,7 @@ def make_plan(
                                 none_cfg_batched=decision.none.cfg.cfg_batched),
         ),
         memory_budget_bytes=budget,
+        memory_margin=margin,
         target_step_time_s=decision.target_s,
         reason=decision.reason,
     )
