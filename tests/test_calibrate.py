@@ -89,6 +89,7 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     hw = load_profile(tmp_path / "smoke.yaml")
     assert hw.eta_comp_curve and len(hw.eta_comp_curve) >= 3 and hw.eta_pref == 1.0
     assert hw.h2d_link_gbps > 0 and hw.dma_startup_us >= 0
+    assert len(hw.attn_eta_masked) == len(hw.attn_eta) >= 4  # masked attention measured on the same grid
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["h2d"]) >= 3 and len(raw["blocks"]) >= 3
     # whole forwards timed, and the model's curve is its one-block curve scaled by them

@@ -629,8 +629,10 @@ def test_a_model_under_diffusers_layerwise_casting_is_refused():
 
 
 def test_planner_prices_the_cast_on_the_copy_stream():
-    """fp8_cast="copy" takes the cast off the compute path (a shorter step where the copies hide behind compute)
-    and holds a second cast buffer; where the copies are exposed the cast lengthens them instead."""
+    """fp8_cast="copy" holds a second cast buffer and does not take the cast off the compute path (its kernels share
+    the SMs: measured on an H200, a copy-stream cast ran 1-2% faster than a compute-stream one, not the 12-17% a free
+    cast would give): where the copies hide it costs what the compute-stream cast costs, where they are exposed the
+    cast lengthens them too."""
     from chunkflow_planner.catalog import get_hardware, get_model
     from chunkflow_planner.policy import Problem
     from chunkflow_planner.workload import make_workload
@@ -641,11 +643,12 @@ def test_planner_prices_the_cast_on_the_copy_stream():
         on = {c: prob.evaluate(OffloadConfig("chunkflow", "16MB", 0.0, weight_dtype="fp8_e4m3", fp8_cast=c))
               for c in ("compute", "copy")}
         assert on["copy"].memory.cast_buffer == 2 * on["compute"].memory.cast_buffer > 0
+        assert on["copy"].time.compute == pytest.approx(on["compute"].time.compute)
         if hidden:
-            assert on["copy"].step_time < on["compute"].step_time
-            assert on["copy"].time.compute < on["compute"].time.compute
+            assert on["copy"].step_time == pytest.approx(on["compute"].step_time)
         else:
             assert on["copy"].time.prefetch_stall > on["compute"].time.prefetch_stall
+            assert on["copy"].step_time > on["compute"].step_time
     full = Problem(spec, make_workload(spec, frames=41, height=480, width=832), hw)
     r1 = {c: full.evaluate(OffloadConfig("chunkflow", "16MB", 1.0, weight_dtype="fp8_e4m3", fp8_cast=c))
           for c in ("compute", "copy")}  # nothing streams: the runtime casts on the compute stream either way

@@ -287,3 +287,26 @@ def test_a_pipeline_plan_that_misses_the_step_target_says_so(cli, workdir):
     why = " ".join(plan["reason"].split())
     assert "no streamed setting inside the budget meets the step target" in why
     assert "would need residency" not in why
+
+
+def test_masked_attention_is_priced_with_the_masked_table():
+    """HunyuanVideo's attention takes a key-padding mask (no flash kernel): with a measured masked table its blocks
+    cost more than the unmasked table says, by the attention's share; Wan's (no mask) do not change; without a
+    masked table both are priced as unmasked."""
+    hunyuan, wan = get_model("hunyuan"), get_model("wan2.1-14b")
+    base = H200.model_copy(update={"gemm_eta": [(m, n, k, 0.6) for m in (1e3, 1e6) for n in (1e3, 1e5)
+                                                for k in (1e3, 1e5)],
+                                   "attn_eta": [(q, k, 0.5) for q in (256, 65536) for k in (256, 65536)]})
+    masked = base.model_copy(update={"attn_eta_masked": [(q, k, 0.25) for q in (256, 65536) for k in (256, 65536)]})
+    S = 32640
+    for spec in (hunyuan, wan):
+        for g in spec.blocks:
+            ops = block_ops(spec, g, 1, S, spec.text_len)
+            attn = sum(op.flops for op in ops if type(op).__name__ == "Attention")
+            extra = ops_time(ops, masked) - ops_time(ops, base)
+            if spec.diffusers.masked_attention:
+                assert extra == pytest.approx(attn / (0.25 * H200.peak_tflops * 1e12)
+                                              - attn / (0.5 * H200.peak_tflops * 1e12))
+            else:
+                assert extra == 0.0
+    assert hunyuan.diffusers.masked_attention and not wan.diffusers.masked_attention

@@ -53,3 +53,36 @@ def test_tiny_pipeline_uses_the_prompt(kind):
     a = pipe(**call_kwargs(kind))[0]
     b = pipe(**call_kwargs(kind, prompt="a green cup in the snow"))[0]
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_attention_flag_is_what_the_transformer_does(kind):
+    """The catalog says which transformers hand their attention a key-padding mask (SDPA then cannot run its flash
+    kernel, and the operator model prices that with the masked table): the pipeline's own transformer calls,
+    watched through scaled_dot_product_attention, agree for every catalog model of the class."""
+    import torch.nn.functional as F
+
+    from chunkflow_planner.catalog import load_models
+
+    pipe = tiny_pipeline(kind)
+    inside, masks = [False], []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        if inside[0]:
+            masks.append(kwargs.get("attn_mask") is not None or (len(args) > 3 and args[3] is not None))
+        return real(*args, **kwargs)
+
+    pre = pipe.transformer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+    post = pipe.transformer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    F.scaled_dot_product_attention = sdpa
+    try:
+        pipe(**call_kwargs(kind))
+    finally:
+        F.scaled_dot_product_attention = real
+        pre.remove()
+        post.remove()
+    assert masks, "the transformer's attention did not go through scaled_dot_product_attention"
+    cls = type(pipe.transformer).__name__
+    flags = {s.diffusers.masked_attention for s in load_models().values() if s.diffusers.cls == cls}
+    assert flags == {any(masks)}, (cls, masks)

@@ -527,17 +527,21 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
                                          measure_fp8_cast, measure_gemm_grid, measure_hbm)
     small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
     gemm = measure_gemm_grid(s.device, peak, progress=progress, **small)
-    attn = measure_attention_grid(s.device, peak, progress=progress,
-                                  **(dict(lens=(16, 64), heads=2, head_dim=16) if cpu_smoke else {}))
+    small_attn = dict(lens=(16, 64), heads=2, head_dim=16) if cpu_smoke else {}
+    attn = measure_attention_grid(s.device, peak, progress=progress, **small_attn)
+    attn_masked = measure_attention_grid(s.device, peak, progress=progress, masked=True, **small_attn)
     hbm = measure_hbm(s.device, 2**24 if cpu_smoke else 2 * 2**30)
     cast = measure_fp8_cast(s.device, 2**22 if cpu_smoke else 2**30)
-    update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, hbm_gbps=hbm, fp8_cast_gbps=cast)
+    update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, attn_eta_masked=attn_masked, hbm_gbps=hbm,
+                                  fp8_cast_gbps=cast)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
     update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024))
     log(f"operator model: GEMM eta {min(r[3] for r in gemm):.2f}-{max(r[3] for r in gemm):.2f} over {len(gemm)} shapes, "
-        f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f}, memory {hbm:.0f} GB/s, memory passes "
+        f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f} (masked "
+        f"{min(r[2] for r in attn_masked):.2f}-{max(r[2] for r in attn_masked):.2f}), memory {hbm:.0f} GB/s, memory passes "
         f"x{scale:.2f}; fp8 cast {cast:.0f} GB/s; CPU {update['cpu_tflops']:.2f} TFLOP/s")
-    return update, dict(gemm=gemm, attention=attn, hbm_gbps=hbm, mem_ops_scale=scale, fp8_cast_gbps=cast)
+    return update, dict(gemm=gemm, attention=attn, attention_masked=attn_masked, hbm_gbps=hbm, mem_ops_scale=scale,
+                        fp8_cast_gbps=cast)
 
 
 def _process_rss() -> int:

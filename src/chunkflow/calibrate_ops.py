@@ -55,21 +55,27 @@ def measure_gemm_grid(device, peak_tflops: float, ms: Sequence[int] = GEMM_M, nk
 
 
 def measure_attention_grid(device, peak_tflops: float, lens: Sequence[int] = ATTN_LENS,
-                           heads: int = ATTN_HEADS, head_dim: int = ATTN_HEAD_DIM,
+                           heads: int = ATTN_HEADS, head_dim: int = ATTN_HEAD_DIM, masked: bool = False,
                            progress: Progress = _no_progress) -> list[tuple[float, float, float]]:
-    """[query tokens, key tokens, eta] for every pair of `lens`: bf16 scaled_dot_product_attention, batch 1."""
+    """[query tokens, key tokens, eta] for every pair of `lens`: bf16 scaled_dot_product_attention, batch 1;
+    `masked`: given a boolean key-padding mask of shape (1, 1, 1, kv) hiding the last 5% of the keys, as
+    HunyuanVideo and Qwen-Image pad their text (eta counts every key, as the operator model does)."""
     import torch
     import torch.nn.functional as F
 
     cuda = device.type == "cuda"
     rows = []
-    step = progress("attention efficiency by shape", len(lens) ** 2)
+    step = progress("attention efficiency by shape" + (" (masked)" if masked else ""), len(lens) ** 2)
     for q_len in lens:
         q = torch.randn(1, heads, q_len, head_dim, device=device, dtype=torch.bfloat16)
         for kv_len in lens:
             k = torch.randn(1, heads, kv_len, head_dim, device=device, dtype=torch.bfloat16)
             v = torch.randn_like(k)
-            t = _time(lambda: F.scaled_dot_product_attention(q, k, v), cuda)
+            mask = None
+            if masked:
+                mask = torch.ones(1, 1, 1, kv_len, device=device, dtype=torch.bool)
+                mask[..., kv_len - max(1, kv_len // 20):] = False
+            t = _time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), cuda)
             flops = 4.0 * heads * q_len * kv_len * head_dim
             rows.append((float(q_len), float(kv_len), min(1.0, flops / (t * peak_tflops * 1e12))))
             step()

@@ -76,6 +76,9 @@ class DiffusersSpec(_Strict):
     cp_plan: Literal["hunyuan_video"] | None = Field(
         None, description="chunkflow's own context-parallel plan, for a class diffusers ships without one"
     )
+    masked_attention: bool = Field(False, description="the class hands its joint attention a key-padding mask for the "
+                                   "text (SDPA then runs a masked kernel, slower than flash attention: the operator "
+                                   "model prices it with the masked table, HardwareSpec.attn_eta_masked)")
 
 
 class ModelSpec(_Strict):
@@ -210,6 +213,9 @@ class HardwareSpec(_Strict):
     attn_eta: list[tuple[float, float, float]] | None = Field(
         None, description="measured attention efficiencies by shape: [query tokens, key tokens, fraction of P_peak] "
         "(bf16 SDPA, head dim 128; calibrate)")
+    attn_eta_masked: list[tuple[float, float, float]] | None = Field(
+        None, description="the same with a key-padding mask (bf16 SDPA given attn_mask, as HunyuanVideo's and "
+        "Qwen-Image's attention run; calibrate); absent: masked attention is priced as unmasked")
     hbm_gbps: float = Field(3000.0, gt=0, le=1e6, description="achieved device-memory bandwidth for memory-bound "
                             "operators (norms, activations, residuals)")
     fp8_cast_gbps: float | None = Field(None, gt=0, le=1e6, description="bf16 bytes per second a float8 -> bf16 "

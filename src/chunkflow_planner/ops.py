@@ -9,7 +9,8 @@ bytes moved). Each costs
     memory:     mem_ops_scale * bytes / hbm_gbps
 
 with eta_gemm and eta_attn interpolated from the tables `chunkflow calibrate` measures by shape (hardware fields
-`gemm_eta`, `attn_eta`) and mem_ops_scale fitted to the real blocks calibrate timed. So a model calibrate never ran
+`gemm_eta`, `attn_eta`, and `attn_eta_masked` for models whose attention takes a key-padding mask, which rules out
+the flash kernel) and mem_ops_scale fitted to the real blocks calibrate timed. So a model calibrate never ran
 is predicted from the shapes of its own operators. Without tables the scalar eta_comp applies to every FLOP.
 
 The FLOPs of a transformer block's operators add up to its F_block (flops.py, eqs. 12, 18, 22); the tests check it.
@@ -53,6 +54,7 @@ class Attention:
     kv: float
     hd: float
     count: int = 1
+    masked: bool = False  # given a key-padding mask (no flash kernel)
 
     @property
     def flops(self) -> float:
@@ -131,11 +133,13 @@ def eta_gemm(hw: HardwareSpec, m: float, n: float, k: float) -> float:
     return _grid(hw.gemm_eta)(m, n, k)
 
 
-def eta_attn(hw: HardwareSpec, q: float, kv: float) -> float:
-    """Fraction of P_peak an attention with q query and kv key tokens achieves (table, else eta_comp)."""
-    if not hw.attn_eta:
+def eta_attn(hw: HardwareSpec, q: float, kv: float, masked: bool = False) -> float:
+    """Fraction of P_peak an attention with q query and kv key tokens achieves (table, else eta_comp); `masked`:
+    given a key-padding mask (the masked table where calibrate measured one, else the unmasked one)."""
+    table = hw.attn_eta_masked if masked and hw.attn_eta_masked else hw.attn_eta
+    if not table:
         return hw.eta_comp
-    return _grid(hw.attn_eta)(q, kv)
+    return _grid(table)(q, kv)
 
 
 def op_time(op: Op, hw: HardwareSpec, peak_flops: float | None = None) -> float:
@@ -145,7 +149,7 @@ def op_time(op: Op, hw: HardwareSpec, peak_flops: float | None = None) -> float:
     if isinstance(op, Gemm):
         return op.flops / (P * (1.0 if cpu else eta_gemm(hw, op.m, op.n, op.k)))
     if isinstance(op, Attention):
-        return op.flops / (P * (1.0 if cpu else eta_attn(hw, op.q, op.kv)))
+        return op.flops / (P * (1.0 if cpu else eta_attn(hw, op.q, op.kv, op.masked)))
     return 0.0 if cpu else hw.mem_ops_scale * op.nbytes / (hw.hbm_gbps * 1e9)
 
 
@@ -207,10 +211,11 @@ def block_ops(spec: ModelSpec, group: BlockGroup, batch: float, S: float, L: flo
         ]
     T = S + L
     Tl = T / sp
+    masked = spec.diffusers.masked_attention
     if group.kind == "mmdit_double":
         return [
             Gemm(B * Sl, d, d, 4), Gemm(B * L / sp, d, d, 4),  # q, k, v, out of each stream
-            Attention(B, H / sp, T, T, hd),
+            Attention(B, H / sp, T, T, hd, masked=masked),
             Gemm(B * Sl, f, d), Gemm(B * Sl, d, f),  # image MLP
             Gemm(B * L / sp, f, d), Gemm(B * L / sp, d, f),  # text MLP
             MemPass(B * Tl * (cd * d + cf * f) * de),
@@ -218,7 +223,7 @@ def block_ops(spec: ModelSpec, group: BlockGroup, batch: float, S: float, L: flo
     # single stream: linear1 (q, k, v and the MLP's up projection), attention, linear2 over [attention, MLP]
     return [
         Gemm(B * Tl, 3 * d + f, d),
-        Attention(B, H / sp, T, T, hd),
+        Attention(B, H / sp, T, T, hd, masked=masked),
         Gemm(B * Tl, d, d + f),
         MemPass(B * Tl * (cd * d + cf * f) * de),
     ]

@@ -15,7 +15,11 @@ calibrated profile BW_h2d is the asymptotic rate, the DMA term carries the whole
   compute windows cannot hold a block's transfer the runtime does not yield: the better schedule applies.
 Step time = cfg_passes * sum over blocks, or one forward of cfg_passes times the batch with batched CFG (each block
 streamed once a step). With fp8 weight storage the streamed bytes halve and each block pays, on the compute path,
-a cast of its weights to bf16 (bf16 bytes / the profile's cast rate). Non-block layers are not modelled.
+a cast of its weights to bf16 (bf16 bytes / the profile's cast rate). Cast on the copy stream (fp8_cast "copy"), the
+cast still takes its time from the compute path (its kernels share the SMs with the block they overlap: on an
+H200 a copy-stream cast ran 1-2% faster than a compute-stream one for Wan2.2-TI2V-5B, not the 12-17% of a free
+cast, and Qwen-Image's copy-stream plan ran 7% over a free cast) and also lengthens the copy path. Non-block layers
+are not modelled.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ def step_time(
         key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt])
         if key not in seen:
             tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
-            tc += 0.0 if on_copy[l] else cast[l]
+            tc += cast[l]  # on either stream: the cast kernels take the SMs (module docstring)
             n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
             tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
             seen[key] = (tc, tcoll, *block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
