@@ -1,7 +1,9 @@
-"""Write the VAE decode fits of a calibrated profile into models.yaml (each VAE's `decode:` block), naming where
-they were measured: the catalog's fits are the ones `chunkflow calibrate` measured on the GPU the source names.
+"""Write VAE decode fits into models.yaml (each VAE's `decode:` block), naming where they were measured: the
+catalog's fits are the ones `chunkflow calibrate` measured on the GPU the source names. From a profile (its fits as
+calibrate made them) or from a calibration.json (`--raw`: its decode rows fitted again with this checkout's fit).
 
     python3 scripts/catalog_decode_fits.py PROFILE.yaml "scripts/...sh; docs/data/.../calibration.json"
+    python3 scripts/catalog_decode_fits.py calibration.json "..."     # refit from the measured rows
 """
 
 from __future__ import annotations
@@ -33,14 +35,40 @@ def decode_block(fit: dict, where: str, indent: str) -> str:
     return "\n".join(lines)
 
 
-def main(profile: str, where: str) -> None:
-    fits = yaml.safe_load(Path(profile).read_text())["vae_decode"]
+def refit_rows(raw: dict) -> dict:
+    """VaeDecodeFits (dicts) of every VAE in a calibration.json, fitted as `chunkflow calibrate` fits them now."""
+    from chunkflow.calibrate import fit_vae_rows
+    from chunkflow_planner.catalog import load_models
+
+    owners = {}
+    for spec in load_models().values():
+        if spec.pipeline is not None:
+            owners.setdefault(spec.pipeline.vae.name, spec)
+    date = raw["date"]
+    fits = {}
+    for name in dict.fromkeys(r["vae"] for r in raw["vae"]):
+        rows = [r for r in raw["vae"] if r["vae"] == name]
+        plain, tiled = [r for r in rows if not r["tiled"]], [r for r in rows if r["tiled"]]
+        fits[name] = fit_vae_rows(owners[name], plain, tiled, f"chunkflow calibrate {date} on {raw['device']}: "
+                                  f"{len(plain)} decodes")
+    return fits
+
+
+def main(source: str, where: str) -> None:
+    from chunkflow_planner.catalog import load_models
+
+    data = yaml.safe_load(Path(source).read_text())  # JSON is YAML
+    fits = refit_rows(data) if "vae" in data else data["vae_decode"]
     path = ROOT / "models.yaml"
     text = path.read_text()
     for name, fit in fits.items():
         # every model whose VAE is `name`: its decode block runs from `decode:` to the line closing `tiled: {...}`
-        pat = re.compile(r"(name: %s\n(?:(?!\n      [a-z_]+:)(?:.*\n))*?)( +)decode:\n(?:\2  .*\n)+" % re.escape(name))
+        # the VAE's own mapping: from its `name:` line to its `decode:` block, never past a line indented less
+        pat = re.compile(r"(^( +)name: %s\n(?:\2.*\n)*?)\2decode:\n(?:\2  .*\n)+" % re.escape(name), re.M)
         text, n = pat.subn(lambda m: m.group(1) + decode_block(fit, where, m.group(2)) + "\n", text)
+        users = sum(1 for spec in load_models().values() if spec.pipeline and spec.pipeline.vae.name == name)
+        if n != users:
+            raise SystemExit(f"{name}: {users} model(s) use it but {n} decode block(s) matched; models.yaml unchanged")
         print(f"{name}: {n} model(s)")
     path.write_text(text)
 

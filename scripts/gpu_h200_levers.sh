@@ -13,8 +13,9 @@
 #    no offload (unbatched and batched), chunkflow r=0, the levers-off plan's residency, batched r=0, fp8 r=0 and
 #    the levers-on plan; every report has the planner's prediction next to the measurement.
 # 3. The crossover: `chunkflow bench` over frames with bf16 and with fp8 storage (one pass a step, r=0).
-# 4. Qwen-Image at 1328x1328 in 24 GB: planned at --max-slowdown 1.10 in bf16 and with fp8 allowed, each plan the
-#    planner finds feasible run, with no offload for reference (and batched no offload where a plan batches).
+# 4. Qwen-Image at 1328x1328 in 24 GB: planned at --max-slowdown 1.10 in bf16, with fp8 allowed and without the
+#    memory margin, each plan the planner finds feasible run, with no offload for reference (and batched no offload
+#    where a plan batches). Not in the QUICK dry run (the catalog has no tiny Qwen-Image).
 # Plans, reports (with the final latents of each run, to measure batched against unbatched), bench output and logs
 # are packed into OUT_DIR/levers.tgz after every step; `python3 scripts/levers_doc.py DIR` tabulates them.
 set -uo pipefail
@@ -73,9 +74,16 @@ if [ -z "${QUICK:-}" ] && wanted qwen; then
       --out "$out/qwen.json"
   run qwen-plan-fp8 30 plan --model qwen-image --mem-budget 24GB --max-slowdown 1.10 --transformer-only --allow-fp8 \
       "${hw[@]}" --out "$out/qwen-fp8.json"
+  # without the memory margin (planned to the byte): what the hardware allows, at the risk the margin guards against
+  run qwen-plan-nomargin 30 plan --model qwen-image --mem-budget 24GB --max-slowdown 1.10 --transformer-only \
+      --mem-margin 0 "${hw[@]}" --out "$out/qwen-nomargin.json"
+  # the workload with no limits, for the no-offload reference whatever the plans above found
+  run qwen-plan-ref 30 plan --model qwen-image --max-slowdown 1.10 --transformer-only "${hw[@]}" \
+      --out "$out/qwen-ref.json"
   measure qwen-planned 180 "$out/qwen.json"
   measure qwen-planned-fp8 180 "$out/qwen-fp8.json"
-  ref=$out/qwen.json; [ -f "$ref" ] || ref=$out/qwen-fp8.json  # a plan of the workload, whichever was feasible
+  measure qwen-planned-nomargin 180 "$out/qwen-nomargin.json"
+  ref=$out/qwen-ref.json
   measure qwen-none 180 "$ref" --mode none --no-cfg-batched --weight-dtype bf16
   # batched no offload, where a plan batches (on an H200 Qwen-Image's batched forward is the slower one)
   if grep -q '"cfg_batched": true' "$out/qwen.json" "$out/qwen-fp8.json" 2>/dev/null; then

@@ -45,8 +45,10 @@ if wanted denoise; then
   else
     plan=$here/../docs/data/h200-heldout/pipeline/wan22-5b-480-121-plan.json; dev=(); n=(--warmup 1 --steps 3)
   fi
-  run denoise-offload 150 run --plan "$plan" "${n[@]}" "${dev[@]}" --report "$work/denoise-offload-report.json"
-  run denoise-none 150 run --plan "$plan" --mode none "${n[@]}" "${dev[@]}" --report "$work/denoise-none-report.json"
+  run denoise-offload 150 run --plan "$plan" --profile "$prof" "${n[@]}" "${dev[@]}" \
+      --report "$work/denoise-offload-report.json"
+  run denoise-none 150 run --plan "$plan" --profile "$prof" --mode none "${n[@]}" "${dev[@]}" \
+      --report "$work/denoise-none-report.json"
 fi
 after_run
 ls -la "$dest"

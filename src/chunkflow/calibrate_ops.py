@@ -59,7 +59,7 @@ def measure_attention_grid(device, peak_tflops: float, lens: Sequence[int] = ATT
                            progress: Progress = _no_progress) -> list[tuple[float, float, float]]:
     """[query tokens, key tokens, eta] for every pair of `lens`: bf16 scaled_dot_product_attention, batch 1;
     `masked`: given a boolean key-padding mask of shape (1, 1, 1, kv) hiding the last 5% of the keys, as
-    HunyuanVideo and Qwen-Image pad their text (eta counts every key, as the operator model does)."""
+    HunyuanVideo masks its padded text (eta counts every key, as the operator model does)."""
     import torch
     import torch.nn.functional as F
 
@@ -166,10 +166,23 @@ def vae_points(spec, cpu: bool = False) -> tuple[list[tuple[int, int, int, int]]
     return [(1, 1, 512, 512), (1, 1, 1024, 1024)], [(1, 1, 1536, 1536), (1, 1, 2048, 2048)]
 
 
+def _warmup_frames(spec) -> int:
+    """Frames whose decode runs the first and a later latent frame (5), and for a VAE tiled in time chunks one
+    chunk more than a whole one (HunyuanVideo: 17); images 1."""
+    vt = spec.vae_temporal
+    if vt is None:
+        return 1
+    tiling = spec.pipeline.vae.tiling
+    if tiling is not None and tiling.frames == "chunks":
+        return 1 + vt * ((tiling.tile_frames or vt) // vt)
+    return 1 + vt
+
+
 def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[dict]:
     """Decode random latents at each point with the catalog model's VAE (random weights, its dtype): seconds and
     the peak allocation above what was allocated before (weights and latents), per point. The warm-up decodes the
-    first point's size at its fewest frames (5: one latent frame and one more), so every tile shape has run once."""
+    first point's size at the fewest frames that take every path of its tiled decode (_warmup_frames), so every
+    tile shape has run once."""
     import time
 
     import torch
@@ -197,7 +210,7 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
         with torch.no_grad():
             if warmup:
                 b, f, h, w = points[0]
-                vae.decode(latents(b, min(f, 1 + 4 * (spec.vae_temporal is not None)), h, w), return_dict=False)
+                vae.decode(latents(b, min(f, _warmup_frames(spec)), h, w), return_dict=False)
             for b, f, h, w in points:
                 z = latents(b, f, h, w)
                 if cuda:
@@ -234,7 +247,7 @@ def _lstsq(rows: list[dict], basis: Callable[[dict], list[float]], key: str) -> 
 def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], int] | None = None) -> dict:
     """A VaeDecodeFit (as a dict) from measured decodes: memory on [1, H W, voxels] (video) or [1, voxels] (image),
     time on [1, voxels], or on [1, decoder calls] where `calls` counts them (tiled decodes); a negative slope is
-    dropped and the rest refitted."""
+    dropped and the rest refitted, and a negative time intercept gives way to a line through the origin."""
     px = lambda r: r["height"] * r["width"]  # noqa: E731
     vox = lambda r: r["batch"] * r["frames"] * px(r)  # noqa: E731
     if video and len({px(r) for r in rows}) > 1:
@@ -245,8 +258,9 @@ def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], 
         (c0, c_vox), c_px = _lstsq(rows, lambda r: [1.0, vox(r)], "peak_bytes"), 0.0
     size = calls or vox
     t0, rate = _lstsq(rows, lambda r: [1.0, float(size(r))], "time_s")
-    if rate <= 0:  # noise at tiny sizes: the mean rate through the origin
-        t0, rate = 0.0, sum(r["time_s"] for r in rows) / sum(size(r) for r in rows)
+    if rate <= 0 or t0 < 0:  # a line through the origin: a negative intercept would price small decodes at 0 s
+        rate = sum(r["time_s"] * size(r) for r in rows) / sum(float(size(r)) ** 2 for r in rows)
+        t0 = 0.0
     timing = dict(time_per_call=rate, time_per_voxel=0.0) if calls else dict(time_per_voxel=rate)
     return dict(mem_const=c0, mem_per_px=max(0.0, c_px), mem_per_voxel=max(0.0, c_vox), time_const=t0, **timing,
                 source=source)

@@ -214,8 +214,8 @@ class HardwareSpec(_Strict):
         None, description="measured attention efficiencies by shape: [query tokens, key tokens, fraction of P_peak] "
         "(bf16 SDPA, head dim 128; calibrate)")
     attn_eta_masked: list[tuple[float, float, float]] | None = Field(
-        None, description="the same with a key-padding mask (bf16 SDPA given attn_mask, as HunyuanVideo's and "
-        "Qwen-Image's attention run; calibrate); absent: masked attention is priced as unmasked")
+        None, description="the same with a key-padding mask (bf16 SDPA given attn_mask, as HunyuanVideo's "
+        "attention runs; calibrate); absent: masked attention is priced as unmasked")
     hbm_gbps: float = Field(3000.0, gt=0, le=1e6, description="achieved device-memory bandwidth for memory-bound "
                             "operators (norms, activations, residuals)")
     fp8_cast_gbps: float | None = Field(None, gt=0, le=1e6, description="bf16 bytes per second a float8 -> bf16 "

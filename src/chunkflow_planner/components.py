@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TextEncoderArch = Literal["t5_encoder", "clip_text", "llama", "qwen2_5_vl"]
 TokenizerKind = Literal["t5", "clip", "llama3", "qwen2"]
@@ -159,16 +159,26 @@ class VaeTiling(_Strict):
     tile_frames: int | None = Field(None, gt=0)
     stride_frames: int | None = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _complete(self) -> "VaeTiling":
+        if self.stride_px > self.tile_px:
+            raise ValueError(f"stride_px {self.stride_px} exceeds tile_px {self.tile_px}: tiles would leave gaps")
+        if self.frames == "chunks" and (self.tile_frames is None or self.stride_frames is None):
+            raise ValueError("frames: chunks needs tile_frames and stride_frames")
+        return self
+
     def decoder_calls(self, height: int, width: int, latent_frames: int, spatial: int, temporal: int | None) -> int:
         """Decoder calls of one tiled decode of a (latent_frames x height/spatial x width/spatial) latent, as
         diffusers' tiled_decode loops (a size within one tile is not tiled: one call per frame or chunk)."""
         lh, lw, lmin, lstride = height // spatial, width // spatial, self.tile_px // spatial, self.stride_px // spatial
+        if lstride < 1:
+            raise ValueError(f"a tile stride of {self.stride_px} px is under one latent pixel ({spatial} px)")
         tiles = -(-lh // lstride) * -(-lw // lstride) if (lh > lmin or lw > lmin) else 1
         if self.frames == "per_frame":
             return tiles * latent_frames
         if self.frames == "chunks":
             vt = temporal or 1
-            tmin, tstride = (self.tile_frames or 1) // vt, (self.stride_frames or 1) // vt
+            tmin, tstride = (self.tile_frames or 1) // vt, max(1, (self.stride_frames or 1) // vt)
             return tiles * (-(-latent_frames // tstride) if latent_frames > tmin else 1)
         return tiles
 

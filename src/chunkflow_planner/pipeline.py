@@ -133,8 +133,9 @@ def output_bytes(w: Workload) -> float:
 
 
 def decode_calls(spec: ModelSpec, w: Workload) -> int:
-    """Decoder calls of a tiled decode of `w`'s output, batch included (0 where the catalog has no tiling for the
-    VAE)."""
+    """Work units of a tiled decode of `w`'s output: diffusers' decoder calls times the batch (each call decodes the
+    batch's tiles together; the fits are measured at batch 1 and priced per tile decoded). 0 where the catalog has
+    no tiling for the VAE."""
     tiling = spec.pipeline.vae.tiling
     if tiling is None:
         return 0
@@ -159,8 +160,9 @@ def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> 
     voxels = w.batch * w.frames * px
     mem = fit.mem_const + fit.mem_per_px * px + fit.mem_per_voxel * voxels
     post = output_bytes(w) / (hw.postprocess_gbps * GB)
-    seconds = fit.time_const + fit.time_per_voxel * voxels + fit.time_per_call * calls
-    return max(0.0, seconds) + post, max(0.0, mem)
+    # a negative intercept (a fit of older calibrations) is not subtracted: small decodes would cost nothing
+    seconds = max(0.0, fit.time_const) + fit.time_per_voxel * voxels + fit.time_per_call * calls
+    return seconds + post, max(0.0, mem)
 
 
 # -------------------------------------------------------------------------------------------- pieces

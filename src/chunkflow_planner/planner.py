@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -118,6 +119,19 @@ def _prediction(p: Point) -> Prediction:
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak, pinned_host_bytes=int(p.memory.pinned_host))
 
 
+def _name_margin(text: str, budget: int, usable: int, margin: float) -> str:
+    """`text` (a reason or an infeasibility, which name the usable budget) with the usable budget named for what it
+    is: the user's budget less the margin."""
+    kept = f"the {margin:.1%} kept for the memory model's error"
+    for said in (format_bytes(usable), f"{usable / 1e9:.2f} GB", f"{usable / 1e9:.1f} GB"):
+        for lead in ("--mem-budget is ", "the budget is "):
+            if lead + said in text:
+                return text.replace(lead + said, f"{lead}{format_bytes(budget)} ({said} after {kept})", 1)
+        if said in text:
+            return text.replace(said, f"{said} ({format_bytes(budget)} less {kept})", 1)
+    return text
+
+
 def usable_budget(budget: int, margin: float) -> int:
     """The GPU bytes a plan may predict using of `budget`, keeping `margin` for the memory model's error."""
     return int(budget / (1 + margin))
@@ -174,15 +188,17 @@ def make_plan(
         else:
             decision = decide(problem, usable, max_slowdown, target_step_time)
     except Infeasible as e:
-        if margin > 0 and e.binding == "memory":
-            kept = f" ({format_bytes(usable)} after the {margin:.1%} kept for the memory model's error; --mem-margin 0 plans to the byte)"
-            text = str(e)
-            for said in (f"--mem-budget is {format_bytes(usable)}", f"the budget is {usable / 1e9:.2f} GB"):
-                text = text.replace(said, said.replace(format_bytes(usable), format_bytes(budget))
-                                    .replace(f"{usable / 1e9:.2f} GB", f"{budget / 1e9:.2f} GB") + kept)
-            raise Infeasible(e.binding, text if text != str(e) else text + kept, e.min_memory,
-                             e.best_step_time) from None
-        raise
+        if margin <= 0:
+            raise
+        text = _name_margin(str(e), budget, usable, margin)
+        if e.binding == "memory" and e.min_memory:
+            text += (f" With the margin, a --mem-budget of at least {format_bytes(math.ceil(e.min_memory * (1 + margin)))}"
+                     " is needed (--mem-margin 0 plans to the byte).")
+        raise Infeasible(e.binding, text, e.min_memory, e.best_step_time) from None
+    if margin > 0:
+        decision = dataclasses.replace(decision, reason=_name_margin(decision.reason, budget, usable, margin))
+        if whole is not None:
+            whole = dataclasses.replace(whole, reason=_name_margin(whole.reason, budget, usable, margin))
     chosen = decision.chosen
     analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)  # of what will run
     if not math.isfinite(analysis.F_star):

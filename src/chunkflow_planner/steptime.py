@@ -17,9 +17,9 @@ Step time = cfg_passes * sum over blocks, or one forward of cfg_passes times the
 streamed once a step). With fp8 weight storage the streamed bytes halve and each block pays, on the compute path,
 a cast of its weights to bf16 (bf16 bytes / the profile's cast rate). Cast on the copy stream (fp8_cast "copy"), the
 cast still takes its time from the compute path (its kernels share the SMs with the block they overlap: on an
-H200 a copy-stream cast ran 1-2% faster than a compute-stream one for Wan2.2-TI2V-5B, not the 12-17% of a free
-cast, and Qwen-Image's copy-stream plan ran 7% over a free cast) and also lengthens the copy path. Non-block layers
-are not modelled.
+H200 a copy-stream cast ran 1-2% faster than a compute-stream one for Wan2.2-TI2V-5B, where a cast that cost the
+compute stream nothing would have saved its 6-12% of the step, and Qwen-Image's copy-stream plan ran 7% over a free
+cast) and also lengthens the copy path. Non-block layers are not modelled.
 """
 
 from __future__ import annotations

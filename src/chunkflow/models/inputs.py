@@ -87,7 +87,9 @@ def _qwen_image(spec, w, dtype, device, g):
     return dict(
         hidden_states=_randn((w.batch, h * wd, cfg.get("in_channels", 64)), dtype, device, g),
         encoder_hidden_states=_randn((w.batch, spec.text_len, cfg.get("joint_attention_dim", 3584)), dtype, device, g),
-        encoder_hidden_states_mask=torch.ones(w.batch, spec.text_len, device=device, dtype=torch.int64),
+        # no mask, as QwenImagePipeline passes for an unpadded prompt (it drops an all-ones mask): a mask would put
+        # every joint attention on SDPA's masked kernel, which the pipeline's forward does not run
+        encoder_hidden_states_mask=None,
         timestep=torch.full((w.batch,), 0.5, device=device, dtype=dtype),  # the pipeline passes t / 1000
         img_shapes=[[(1, h, wd)]] * w.batch,
         return_dict=False,
