@@ -313,3 +313,16 @@ def test_whole_forward_points_fit_and_scale_the_curve():
         p = predict(spec, w, hw, OffloadConfig(mode="none"))
         rows.append(dict(frames=w.frames, batch=1, time_s=p.step_time_s - p.compute_s + 1.1 * p.compute_s))
     assert forward_scale(spec, hw, rows) == pytest.approx(1 / 1.1)
+
+
+def test_a_negative_decode_intercept_gives_way_to_a_line_through_the_origin():
+    """Per-call costs that grow a little with the call count fit a line with a negative intercept, which priced small
+    decodes at 0 s (and made tiling look free); the fit then goes through the origin."""
+    from chunkflow.calibrate_ops import fit_vae
+
+    rows = [dict(batch=1, frames=1, height=1, width=1, peak_bytes=1e9, time_s=t, n=n)
+            for n, t in ((90, 1.574), (168, 3.225), (448, 9.027))]  # H200, Wan2.2 VAE: 17.5 -> 20.1 ms a call
+    fit = fit_vae(rows, False, "test", lambda r: r["n"])
+    assert fit["time_const"] == 0.0
+    assert fit["time_per_call"] == pytest.approx(sum(r["time_s"] * r["n"] for r in rows) / sum(r["n"] ** 2 for r in rows))
+    assert all(abs(fit["time_per_call"] * r["n"] / r["time_s"] - 1) < 0.2 for r in rows)

@@ -136,6 +136,15 @@ def test_the_margin_is_named_when_memory_binds(cli, workdir):
     assert bare.exit_code == 2
     text = " ".join(bare.output.split())
     assert "--mem-budget is 3.00 GB (2.73 GB after the 10.0% kept for the memory model's error" in text
+    # and the budget it would take: the need times (1 + margin), which then plans
+    need = float(text.split("a --mem-budget of at least ")[1].split(" GB")[0])
+    assert cli("plan", "--model", "wan2.2", "--mem-budget", f"{need + 0.01:.2f}GB", "--hardware", "h200",
+               "--mem-margin", "0.1", "--host-mem-budget", "200GB").exit_code == 0
+    # a latency-bound plan names the budget less its margin, not a budget the user never gave
+    slow = cli("plan", "--model", "wan2.2", "--mem-budget", "12GB", "--hardware", "h200", "--mem-margin", "0.1",
+               "--transformer-only", "--target-step-time", "0.1s")
+    assert slow.exit_code == 2
+    assert "10.91 GB (12.00 GB less the 10.0% kept for the memory model's error)" in " ".join(slow.output.split())
     for bad in ("-0.1", "0.6", "nan"):
         r = cli("plan", "--model", "wan2.2", "--mem-margin", bad)
         assert r.exit_code == 2 and "--mem-margin" in r.output and "Traceback" not in r.output
@@ -310,3 +319,28 @@ def test_masked_attention_is_priced_with_the_masked_table():
             else:
                 assert extra == 0.0
     assert hunyuan.diffusers.masked_attention and not wan.diffusers.masked_attention
+
+
+def test_small_decodes_are_not_free_so_tiling_is_not_chosen_for_them():
+    """A tiled fit with a negative intercept priced a 5-frame decode at 0 s and won tiling on a GPU with room to
+    spare; with the catalog's fits a small decode costs time tiled or not, and the plan decodes it whole."""
+    from chunkflow_planner.pipeline import decode_cost
+
+    spec = get_model("wan2.2")
+    w = make_workload(spec, frames=5, height=256, width=448, steps=1)
+    assert decode_cost(spec, w, H200, tiled=True)[0] > decode_cost(spec, w, H200, tiled=False)[0] > 0
+    _, _, d = _decide("wan2.2", 140e9, 200e9, frames=5, height=256, width=448, steps=4)
+    assert not d.chosen.placements.vae_tiling
+
+
+def test_vae_tiling_refuses_what_cannot_tile():
+    from pydantic import ValidationError
+
+    from chunkflow_planner.components import VaeTiling
+
+    with pytest.raises(ValidationError, match="tile_frames"):
+        VaeTiling(tile_px=256, stride_px=192, frames="chunks")
+    with pytest.raises(ValidationError, match="gaps"):
+        VaeTiling(tile_px=64, stride_px=128)
+    with pytest.raises(ValueError, match="latent pixel"):
+        VaeTiling(tile_px=64, stride_px=4).decoder_calls(720, 1280, 1, 8, None)
