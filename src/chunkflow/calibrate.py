@@ -257,7 +257,6 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
     import torch
 
     from chunkflow.models.build import build_transformer
-    from chunkflow.models.inputs import make_inputs
 
     points = list(points)
     one = one_block_spec(spec)
@@ -274,25 +273,20 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
         marks[id(mod)].append(timing_event(cuda))
         marks[id(mod)][1].record()
 
+    def blocks_time(inputs) -> float:
+        model(**inputs)
+        marks[id(blocks[-1])][1].synchronize()
+        return sum(marks[id(b)][0].elapsed_time(marks[id(b)][1]) / 1e3 for b in blocks)
+
     hooks = [h for b in blocks for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post))]
     rows = []
     step = progress(f"{spec.name} block at {len(points)} sizes", len(points) * (warmup + repeats))
     try:
-        with torch.no_grad():
-            for w in points:
-                inputs = make_inputs(one, w, torch.bfloat16, device, seed=0)
-                samples = []
-                for i in range(warmup + repeats):
-                    model(**inputs)
-                    marks[id(blocks[-1])][1].synchronize()
-                    t = sum(marks[id(b)][0].elapsed_time(marks[id(b)][1]) / 1e3 for b in blocks)
-                    if i >= warmup:
-                        samples.append(t)
-                    step()
-                S = tokens(spec, w)
-                F = sum(F_kind(g.kind, w.batch, S, spec.text_len, spec.d, spec.f) for g in spec.blocks)
-                rows.append(dict(frames=w.frames, batch=w.batch, tokens=S, flops=F, time_s=statistics.median(samples)))
-                del inputs
+        times = _median_times(one, device, points, warmup, repeats, step, blocks_time)
+        for w, t in zip(points, times):
+            S = tokens(spec, w)
+            F = sum(F_kind(g.kind, w.batch, S, spec.text_len, spec.d, spec.f) for g in spec.blocks)
+            rows.append(dict(frames=w.frames, batch=w.batch, tokens=S, flops=F, time_s=t))
     finally:
         for h in hooks:
             h.remove()
@@ -301,6 +295,29 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
         if cuda:
             torch.cuda.empty_cache()
     return rows
+
+
+def _median_times(spec: ModelSpec, device, points: Sequence[Workload], warmup: int, repeats: int,
+                  step: Callable[[], None], timed: Callable[[dict], float]) -> list[float]:
+    """Per workload: the median of `repeats` timings `timed(inputs)` after `warmup` untimed ones, on inputs of
+    `spec` (models.inputs.make_inputs)."""
+    import torch
+
+    from chunkflow.models.inputs import make_inputs
+
+    out = []
+    with torch.no_grad():
+        for w in points:
+            inputs = make_inputs(spec, w, torch.bfloat16, device, seed=0)
+            samples = []
+            for i in range(warmup + repeats):
+                t = timed(inputs)
+                if i >= warmup:
+                    samples.append(t)
+                step()
+            out.append(statistics.median(samples))
+            del inputs
+    return out
 
 
 FORWARD_SCALE_RANGE = (0.7, 1.1)  # whole-forward scales calibrate applies (measured on an H200: 0.949-0.991)
@@ -313,25 +330,15 @@ def measure_forward(spec: ModelSpec, device, points: Sequence[Workload], warmup:
     import torch
 
     from chunkflow.models.build import build_transformer
-    from chunkflow.models.inputs import make_inputs
 
     model, handle = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
     cuda = device.type == "cuda"
-    rows = []
     step = progress(f"{spec.name} whole forward at {len(points)} size(s)", len(points) * (warmup + repeats))
     try:
-        with torch.no_grad():
-            for w in points:
-                inputs = make_inputs(spec, w, torch.bfloat16, device, seed=0)
-                samples = []
-                for i in range(warmup + repeats):
-                    _, t = time_on(cuda, lambda: model(**inputs))
-                    if i >= warmup:
-                        samples.append(t)
-                    step()
-                rows.append(dict(model=spec.name, frames=w.frames, batch=w.batch, tokens=tokens(spec, w),
-                                 time_s=statistics.median(samples)))
-                del inputs
+        times = _median_times(spec, device, points, warmup, repeats, step,
+                              lambda inputs: time_on(cuda, lambda: model(**inputs))[1])
+        rows = [dict(model=spec.name, frames=w.frames, batch=w.batch, tokens=tokens(spec, w), time_s=t)
+                for w, t in zip(points, times)]
     finally:
         handle.remove()
         del model
