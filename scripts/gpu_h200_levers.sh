@@ -86,7 +86,7 @@ if [ -z "${QUICK:-}" ] && wanted qwen; then
   ref=$out/qwen-ref.json
   measure qwen-none 180 "$ref" --mode none --no-cfg-batched --weight-dtype bf16
   # batched no offload, where a plan batches (on an H200 Qwen-Image's batched forward is the slower one)
-  if grep -q '"cfg_batched": true' "$out/qwen.json" "$out/qwen-fp8.json" 2>/dev/null; then
+  if grep -q '"cfg_batched": true' "$out/qwen.json" "$out/qwen-fp8.json" "$out/qwen-nomargin.json" 2>/dev/null; then
     measure qwen-none-batched 180 "$ref" --mode none --cfg-batched --weight-dtype bf16
   fi
 fi

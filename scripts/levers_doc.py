@@ -102,27 +102,45 @@ def crossover(dirs: list[Path]) -> list[str]:
     return out
 
 
+QWEN_PLANS = (("qwen-planned", "planned"), ("qwen-planned-fp8", "planned, fp8 allowed"),
+              ("qwen-planned-nomargin", "planned without the memory margin"))
+
+
+def _verdict(d: Path, run: str) -> str:
+    """What `chunkflow plan` said for the plan of `run` (its log), where it wrote none."""
+    log = d / run.replace("planned", "plan").join(("", ".log"))
+    if not log.exists():
+        return "no plan log"
+    text = " ".join(log.read_text().split())
+    return text.split("infeasible: ")[1].split(". ")[0] if "infeasible: " in text else "no plan written"
+
+
 def main(d: Path, more: list[Path]) -> None:
     lines: list[str] = []
     for frames in sorted({p.name.split("-")[1] for p in d.glob("wan-*-none.json")}, key=int):
         lines += [f"### Wan2.2-TI2V-5B, 480x832, {frames} frames", ""] + runs_table(d, frames) + [""]
         lines += batched_difference(d, frames) + [""]
     lines += ["### Crossover (one pass a step, r = 0)", ""] + crossover([d, *more]) + [""]
-    for name, what in (("qwen-planned", "Qwen-Image 1328x1328, planned at 1.10x in 24 GB"),):
-        f = d / f"{name}.json"
-        if f.exists():
-            rep = json.loads(f.read_text())
-            lines += [f"### {what}", "", "| run | setting | step measured | predicted | error | vs no offload run the "
-                      "same way | peak allocated | predicted | pinned |", "|---|---|---|---|---|---|---|---|---|"]
-            for ref in ("qwen-none", "qwen-none-batched"):
-                if (d / f"{ref}.json").exists():
-                    r = json.loads((d / f"{ref}.json").read_text())
-                    lines.append(_row(f"no offload{', batched CFG' if 'batched' in ref else ''}", r,
-                                      r["measured"]["median_step_s"]))
+    plans = [(n, label) for n, label in QWEN_PLANS if (d / f"{n}.json").exists()]
+    refs = [r for r in ("qwen-none", "qwen-none-batched") if (d / f"{r}.json").exists()]
+    if plans or refs:
+        lines += ["### Qwen-Image 1328x1328, planned at 1.10x in 24 GB", "", "| run | setting | step measured | predicted | "
+                  "error | vs no offload run the same way | peak allocated | predicted | pinned |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for ref in refs:
+            r = json.loads((d / f"{ref}.json").read_text())
+            lines.append(_row(f"no offload{', batched CFG' if 'batched' in ref else ''}", r, r["measured"]["median_step_s"]))
+        for name, label in plans:
+            rep = json.loads((d / f"{name}.json").read_text())
             batched = bool(rep["run"]["offload"].get("cfg_batched"))
             base = d / ("qwen-none-batched.json" if batched else "qwen-none.json")
             ref_step = json.loads(base.read_text())["measured"]["median_step_s"] if base.exists() else None
-            lines += [_row("planned", rep, ref_step), ""]
+            lines.append(_row(label, rep, ref_step))
+        missing = [label for n, label in QWEN_PLANS if not (d / f"{n}.json").exists()]
+        if missing:  # a plan the planner found infeasible has no run: say so, with its log's verdict
+            lines.append("")
+            lines += [f"- {label}: not run ({_verdict(d, n)})" for n, label in QWEN_PLANS if label in missing]
+        lines.append("")
     sys.stdout.write("\n".join(lines) + "\n")
 
 

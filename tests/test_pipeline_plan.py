@@ -138,13 +138,24 @@ def test_the_margin_is_named_when_memory_binds(cli, workdir):
     assert "--mem-budget is 3.00 GB (2.73 GB after the 10.0% kept for the memory model's error" in text
     # and the budget it would take: the need times (1 + margin), which then plans
     need = float(text.split("a --mem-budget of at least ")[1].split(" GB")[0])
-    assert cli("plan", "--model", "wan2.2", "--mem-budget", f"{need + 0.01:.2f}GB", "--hardware", "h200",
+    assert cli("plan", "--model", "wan2.2", "--mem-budget", f"{need:.2f}GB", "--hardware", "h200",
                "--mem-margin", "0.1", "--host-mem-budget", "200GB").exit_code == 0
+    for frames in (41, 81, 121):  # the figure shown is enough, whatever the rounding
+        bare = cli("plan", "--model", "wan2.2", "--frames", str(frames), "--mem-budget", "3GB", "--hardware", "h200",
+                   "--transformer-only")
+        shown = " ".join(bare.output.split()).split("a --mem-budget of at least ")[1].split(" is needed")[0]
+        again = cli("plan", "--model", "wan2.2", "--frames", str(frames), "--mem-budget", shown.replace(" ", ""),
+                    "--hardware", "h200", "--transformer-only")
+        assert again.exit_code == 0, again.output
     # a latency-bound plan names the budget less its margin, not a budget the user never gave
     slow = cli("plan", "--model", "wan2.2", "--mem-budget", "12GB", "--hardware", "h200", "--mem-margin", "0.1",
                "--transformer-only", "--target-step-time", "0.1s")
     assert slow.exit_code == 2
-    assert "10.91 GB (12.00 GB less the 10.0% kept for the memory model's error)" in " ".join(slow.output.split())
+    assert "inside 10.91 GB, 12.00 GB less the 10.0% kept for the memory model's error," in " ".join(slow.output.split())
+    # a reason names the usable budget, not a need that rounds to the same figure
+    fits = cli("plan", "--model", "wan2.2", "--mem-budget", "20GB", "--hardware", "h200", "--transformer-only")
+    text = " ".join(fits.output.split())
+    assert fits.exit_code == 0 and "of 17.8 GB, 20.00 GB less the 12.1% kept" in text and "needs 17.8 GB (" not in text
     for bad in ("-0.1", "0.6", "nan"):
         r = cli("plan", "--model", "wan2.2", "--mem-margin", bad)
         assert r.exit_code == 2 and "--mem-margin" in r.output and "Traceback" not in r.output

@@ -397,9 +397,12 @@ def _whole_forwards(specs: list[ModelSpec], s: _Setup, hw: HardwareSpec, cpu_smo
         if not points:
             log(f"{spec.name}: a whole forward does not fit on this GPU; its curve is from one block alone")
             continue
+        measured = None
         try:
             measured = measure_forward(spec, s.device, points, progress=progress)
         except torch.cuda.OutOfMemoryError:
+            pass
+        if measured is None:  # out of the except block: the failed forward's frames are gone, its memory freeable
             torch.cuda.empty_cache()
             log(f"{spec.name}: a whole forward ran out of GPU memory; its curve is from one block alone")
             continue

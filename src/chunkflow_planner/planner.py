@@ -120,16 +120,27 @@ def _prediction(p: Point) -> Prediction:
 
 
 def _name_margin(text: str, budget: int, usable: int, margin: float) -> str:
-    """`text` (a reason or an infeasibility, which name the usable budget) with the usable budget named for what it
-    is: the user's budget less the margin."""
+    """`text` (a reason or an infeasibility, which name the usable budget after "inside", "of" or "is") with the
+    usable budget named for what it is: the user's budget less the margin."""
     kept = f"the {margin:.1%} kept for the memory model's error"
     for said in (format_bytes(usable), f"{usable / 1e9:.2f} GB", f"{usable / 1e9:.1f} GB"):
         for lead in ("--mem-budget is ", "the budget is "):
             if lead + said in text:
                 return text.replace(lead + said, f"{lead}{format_bytes(budget)} ({said} after {kept})", 1)
-        if said in text:
-            return text.replace(said, f"{said} ({format_bytes(budget)} less {kept})", 1)
+        for lead in ("inside ", " of "):
+            at = text.find(lead + said)
+            if at >= 0:
+                end = at + len(lead + said)
+                close = "" if text[end:end + 1] in (")", ".", ":", ";", ",", "") else ","
+                return f"{text[:end]}, {format_bytes(budget)} less {kept}{close}{text[end:]}"
     return text
+
+
+def _round_up_shown(n: float) -> int:
+    """`n` bytes rounded up to what format_bytes shows (two decimals of its unit), so the figure shown is enough."""
+    unit = next((u for u in (1e12, 1e9, 1e6, 1e3) if n >= u), 1.0)
+    step = unit / 100 if unit > 1 else 1.0
+    return int(math.ceil(n / step - 1e-9) * step)
 
 
 def usable_budget(budget: int, margin: float) -> int:
@@ -192,7 +203,7 @@ def make_plan(
             raise
         text = _name_margin(str(e), budget, usable, margin)
         if e.binding == "memory" and e.min_memory:
-            text += (f" With the margin, a --mem-budget of at least {format_bytes(math.ceil(e.min_memory * (1 + margin)))}"
+            text += (f" With the margin, a --mem-budget of at least {format_bytes(_round_up_shown(e.min_memory * (1 + margin)))}"
                      " is needed (--mem-margin 0 plans to the byte).")
         raise Infeasible(e.binding, text, e.min_memory, e.best_step_time) from None
     if margin > 0:
