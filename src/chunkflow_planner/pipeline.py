@@ -32,6 +32,8 @@ from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
 from chunkflow_planner.overlap import GB
 from chunkflow_planner.policy import (
+    MarginKept,
+    budget_said,
     BATCHING_GAIN,
     Infeasible,
     Point,
@@ -374,11 +376,13 @@ def decide_pipeline(
     target_step_time: float | None = None,
     target_time: float | None = None,
     generation_slowdown: float | None = None,
+    kept: MarginKept | None = None,
 ) -> PipelineDecision:
     """The fastest placement that fits the GPU budget in every phase and the host budget, and meets the latency
     target for the whole generation if one is set (`target_time`, or `generation_slowdown` x everything on the GPU
     without offload); the transformer streamed by the plan's rule (the smallest residency meeting max_slowdown x
-    no offload per step, else the fastest that fits). Raises Infeasible naming the binding constraint."""
+    no offload per step, else the fastest that fits). Raises Infeasible naming the binding constraint. `kept`: the
+    user's budget and margin `gpu_budget` is what is left of (for the messages)."""
     if spec.pipeline is None:
         raise PipelineError(f"{spec.name} has no pipeline in the catalog; plan the transformer alone "
                             "(--transformer-only)")
@@ -425,7 +429,8 @@ def decide_pipeline(
             return PipelineDecision(best, base, target, gpu_budget, host_budget, why)
         raise Infeasible(
             "latency",
-            f"latency is the binding constraint: the fastest generation inside {format_bytes(gpu_budget)} of GPU and "
+            f"latency is the binding constraint: the fastest generation inside "
+            f"{budget_said(format_bytes(gpu_budget), kept, more=True)} of GPU and "
             f"{format_bytes(host_budget)} of host memory takes {best.generation_time:.1f} s ({_describe(best)}), above "
             f"the target {target:.1f} s. Raise --mem-budget, or relax --max-slowdown / --target-time.",
             best.gpu_need, best.generation_time)
@@ -436,7 +441,8 @@ def decide_pipeline(
         raise Infeasible(
             "host memory",
             f"host memory is the binding constraint: the placement needing the least host memory inside "
-            f"{format_bytes(gpu_budget)} of GPU memory ({_describe(least)}) needs {format_bytes(least.host_memory)} "
+            f"{budget_said(format_bytes(gpu_budget), kept, more=True)} of GPU memory ({_describe(least)}) needs "
+            f"{format_bytes(least.host_memory)} "
             f"({parts}) and --host-mem-budget is {format_bytes(host_budget)}. Use a machine with more RAM, or raise "
             f"--mem-budget so more stays on the GPU.",
             least.gpu_need, None)
@@ -450,8 +456,9 @@ def decide_pipeline(
     raise Infeasible(
         "memory",
         f"GPU memory is the binding constraint: even the smallest placement ({_describe(least)}) needs "
-        f"{format_bytes(least.gpu_need)} in its {phase} phase and --mem-budget is {format_bytes(gpu_budget)}. Raise "
-        f"--mem-budget, or {relief}.",
+        f"{format_bytes(least.gpu_need)} in its {phase} phase and --mem-budget is "
+        f"{budget_said(format_bytes(gpu_budget), kept, stated=True)}. Raise --mem-budget, or {relief}."
+        + (kept.needed(least.gpu_need) if kept else ""),
         least.gpu_need, None)
 
 

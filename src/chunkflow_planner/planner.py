@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -34,8 +33,7 @@ from chunkflow_planner.plan import (
     PlanWorkload,
     Prediction,
 )
-from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide
-from chunkflow_planner.units import format_bytes
+from chunkflow_planner.policy import Decision, Levers, MarginKept, Point, Problem, decide
 from chunkflow_planner.workload import WorkloadError, tokens
 
 DEFAULT_HARDWARE = "h200"
@@ -119,33 +117,9 @@ def _prediction(p: Point) -> Prediction:
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak, pinned_host_bytes=int(p.memory.pinned_host))
 
 
-def _name_margin(text: str, budget: int, usable: int, margin: float) -> str:
-    """`text` (a reason or an infeasibility, which name the usable budget after "inside", "of" or "is") with the
-    usable budget named for what it is: the user's budget less the margin."""
-    kept = f"the {margin:.1%} kept for the memory model's error"
-    for said in (format_bytes(usable), f"{usable / 1e9:.2f} GB", f"{usable / 1e9:.1f} GB"):
-        for lead in ("--mem-budget is ", "the budget is "):
-            if lead + said in text:
-                return text.replace(lead + said, f"{lead}{format_bytes(budget)} ({said} after {kept})", 1)
-        for lead in ("inside ", " of "):
-            at = text.find(lead + said)
-            if at >= 0:
-                end = at + len(lead + said)
-                close = "" if text[end:end + 1] in (")", ".", ":", ";", ",", "") else ","
-                return f"{text[:end]}, {format_bytes(budget)} less {kept}{close}{text[end:]}"
-    return text
-
-
-def _round_up_shown(n: float) -> int:
-    """`n` bytes rounded up to what format_bytes shows (two decimals of its unit), so the figure shown is enough."""
-    unit = next((u for u in (1e12, 1e9, 1e6, 1e3) if n >= u), 1.0)
-    step = unit / 100 if unit > 1 else 1.0
-    return int(math.ceil(n / step - 1e-9) * step)
-
-
 def usable_budget(budget: int, margin: float) -> int:
     """The GPU bytes a plan may predict using of `budget`, keeping `margin` for the memory model's error."""
-    return int(budget / (1 + margin))
+    return MarginKept(budget, margin).usable
 
 
 def make_plan(
@@ -183,33 +157,21 @@ def make_plan(
         raise CatalogError(f"the memory margin must be between 0 and 0.5 (a share of the budget), got {margin}")
     usable = usable_budget(budget, margin)
     levers = Levers.of(workload.cfg_passes) if levers is None else levers
-    try:
-        problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
-        whole = None
-        if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
-            from chunkflow_planner.hostinfo import available_host_memory
-            from chunkflow_planner.pipeline import decide_pipeline
+    kept = MarginKept(budget, margin) if margin > 0 else None
+    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
+    whole = None
+    if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
+        from chunkflow_planner.hostinfo import available_host_memory
+        from chunkflow_planner.pipeline import decide_pipeline
 
-            host_source = "--host-mem-budget" if host_budget is not None else "available on this machine when planned"
-            host_budget = available_host_memory() if host_budget is None else host_budget
-            whole = decide_pipeline(spec, workload, hw, problem, usable, host_budget, max_slowdown, target_step_time,
-                                    target_time, generation_slowdown)
-            base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target
-            decision = Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason)
-        else:
-            decision = decide(problem, usable, max_slowdown, target_step_time)
-    except Infeasible as e:
-        if margin <= 0:
-            raise
-        text = _name_margin(str(e), budget, usable, margin)
-        if e.binding == "memory" and e.min_memory:
-            text += (f" With the margin, a --mem-budget of at least {format_bytes(_round_up_shown(e.min_memory * (1 + margin)))}"
-                     " is needed (--mem-margin 0 plans to the byte).")
-        raise Infeasible(e.binding, text, e.min_memory, e.best_step_time) from None
-    if margin > 0:
-        decision = dataclasses.replace(decision, reason=_name_margin(decision.reason, budget, usable, margin))
-        if whole is not None:
-            whole = dataclasses.replace(whole, reason=_name_margin(whole.reason, budget, usable, margin))
+        host_source = "--host-mem-budget" if host_budget is not None else "available on this machine when planned"
+        host_budget = available_host_memory() if host_budget is None else host_budget
+        whole = decide_pipeline(spec, workload, hw, problem, usable, host_budget, max_slowdown, target_step_time,
+                                target_time, generation_slowdown, kept=kept)
+        base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target
+        decision = Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason)
+    else:
+        decision = decide(problem, usable, max_slowdown, target_step_time, kept=kept)
     chosen = decision.chosen
     analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)  # of what will run
     if not math.isfinite(analysis.F_star):

@@ -29,6 +29,7 @@ from chunkflow_planner.memory import (
 )
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
+from chunkflow_planner.units import format_bytes
 
 CfgBatching = str  # "auto" | "on" | "off"
 
@@ -44,6 +45,41 @@ class Infeasible(ChunkflowError):
         self.binding = binding
         self.min_memory = min_memory
         self.best_step_time = best_step_time
+
+
+@dataclass(frozen=True)
+class MarginKept:
+    """The user's GPU budget (`given` bytes) and the share of it a plan keeps free for the memory model's error: the
+    budget the policy checks is given / (1 + margin). Messages name the budget through it."""
+
+    given: int
+    margin: float
+
+    @property
+    def usable(self) -> int:
+        return int(self.given / (1 + self.margin))
+
+    @property
+    def _kept(self) -> str:
+        return f"the {self.margin:.1%} kept for the memory model's error"
+
+    def needed(self, need: float) -> str:
+        """The budget a need takes with the margin, rounded up to the figure shown (two decimals of its unit)."""
+        unit = next((u for u in (1e12, 1e9, 1e6, 1e3) if need * (1 + self.margin) >= u), 1.0)
+        step = unit / 100 if unit > 1 else 1.0
+        n = math.ceil(need * (1 + self.margin) / step - 1e-9) * step
+        return f" With the margin, a --mem-budget of at least {format_bytes(n)} is needed (--mem-margin 0 plans to the byte)."
+
+
+def budget_said(shown: str, kept: MarginKept | None, *, stated: bool = False, more: bool = False) -> str:
+    """How a message names the budget it checked (`shown`, the usable bytes as the message formats them): as is
+    without a margin; with one, `stated` (after "the budget is") as the user's budget with the usable part, else the
+    usable part with the user's budget (`more`: the sentence goes on, so a comma closes the aside)."""
+    if kept is None:
+        return shown
+    if stated:
+        return f"{format_bytes(kept.given)} ({shown} after {kept._kept})"
+    return f"{shown}, {format_bytes(kept.given)} less {kept._kept}" + ("," if more else "")
 
 
 @dataclass(frozen=True)
@@ -96,11 +132,11 @@ class Levers:
             dtypes = (weight_dtype,)
         return cls(batched, dtypes)
 
-    def combos(self) -> list[tuple[bool, str, str]]:
-        """(cfg_batched, weight_dtype, fp8_cast): fp8 with its cast on the compute stream. The copy stream is not
-        offered: its cast still takes the SMs (steptime.py), so it is never faster in the model and holds one more
-        buffer (measured on an H200: 1-2% faster at best); `fp8_cast="copy"` stays a run option."""
-        return [(b, d, "compute") for b in self.cfg_batched for d in self.weight_dtypes]
+    def combos(self) -> list[tuple[bool, str]]:
+        """(cfg_batched, weight_dtype) pairs; fp8 is cast on the compute stream. The copy stream is not offered: its
+        cast still takes the SMs (steptime.py), so it is never faster in the model and holds one more buffer
+        (measured on an H200: 1-2% faster at best); `fp8_cast="copy"` stays a run option."""
+        return [(b, d) for b in self.cfg_batched for d in self.weight_dtypes]
 
 
 @dataclass(frozen=True)
@@ -175,9 +211,8 @@ def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES
     """Every chunkflow point of the design space (chunk size x residency x the levers allowed)."""
     aware = problem.aware
     return [
-        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt,
-                                       fp8_cast=cast))
-        for b, dt, cast in problem.levers.combos()
+        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt))
+        for b, dt in problem.levers.combos()
         for C in chunk_sizes
         for r in residency_grid(problem.spec, C)
     ]
@@ -201,8 +236,10 @@ def decide(
     max_slowdown: float | None = 1.05,
     target_step_time: float | None = None,
     chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES,
+    kept: MarginKept | None = None,
 ) -> Decision:
-    """Choose the plan for `problem` under a memory budget (bytes) and a latency target; raise Infeasible if none."""
+    """Choose the plan for `problem` under a memory budget (bytes) and a latency target; raise Infeasible if none.
+    `kept`: the user's budget and margin `budget` is what is left of (for the messages)."""
     none = problem.fastest_none()  # the reference of --max-slowdown and of the plan's `none` baseline
     layerwise = problem.evaluate(OffloadConfig("layerwise"))
     target = target_step_time if target_step_time is not None else none.step_time * (max_slowdown or 1.05)
@@ -214,7 +251,8 @@ def decide(
         chosen = best_of(fit)
         return Decision(
             chosen, none, layerwise, target, budget,
-            f"the model fits without offload (needs {chosen.need / 1e9:.1f} GB of {budget / 1e9:.1f} GB): "
+            f"the model fits without offload (needs {chosen.need / 1e9:.1f} GB of "
+            f"{budget_said(f'{budget / 1e9:.1f} GB', kept)}): "
             f"offload would only cost time (layerwise {layerwise.step_time / none.step_time:.2f}x)"
             + ("; the guidance passes run as one batched forward" if chosen.cfg.cfg_batched else "")
             + ("; fp8 storage is not used: nothing is offloaded" if "bf16" not in problem.levers.weight_dtypes
@@ -237,7 +275,7 @@ def decide(
             )
         else:
             why = (
-                f"the smallest residency that meets {target_text} inside {budget / 1e9:.1f} GB: "
+                f"the smallest residency that meets {target_text} inside {budget_said(f'{budget / 1e9:.1f} GB', kept)}: "
                 f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload"
             )
         return Decision(best, none, layerwise, target, budget, why + lever_reason(best, feasible, problem.levers))
@@ -248,14 +286,17 @@ def decide(
         raise Infeasible(
             "memory",
             f"memory is the binding constraint: even full offload needs {min_need / 1e9:.2f} GB "
-            f"(peak allocation, allocator slack and CUDA context) and the budget is {budget / 1e9:.2f} GB. Raise --mem-budget, or "
-            "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint,
+            f"(peak allocation, allocator slack and CUDA context) and the budget is "
+            f"{budget_said(f'{budget / 1e9:.2f} GB', kept, stated=True)}. Raise --mem-budget, or "
+            "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint
+            + (kept.needed(min_need) if kept else ""),
             min_need, None,
         )
     best_in_budget = min(in_budget, key=lambda p: p.step_time)
     raise Infeasible(
         "latency",
-        f"latency is the binding constraint: the fastest plan inside {budget / 1e9:.2f} GB takes "
+        f"latency is the binding constraint: the fastest plan inside "
+        f"{budget_said(f'{budget / 1e9:.2f} GB', kept, more=True)} takes "
         f"{best_in_budget.step_time:.3f} s per step "
         f"(residency {best_in_budget.cfg.residency:.0%}, {best_in_budget.cfg.chunk_bytes // 10**6} MB chunks), "
         f"above the target {target_text}. The smallest memory any plan needs is {min_need / 1e9:.2f} GB. "
