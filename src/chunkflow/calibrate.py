@@ -367,18 +367,28 @@ def forward_points(spec: ModelSpec, hw: HardwareSpec, free_bytes: float | None, 
     return [mid] if top == mid else [mid, top]
 
 
+def compute_ratio(spec: ModelSpec, w: Workload, hw: HardwareSpec, cfg, measured_step_s: float,
+                  sp: int = 1) -> float | None:
+    """Predicted / measured compute of a step measured at `measured_step_s` (the measured step less the predicted
+    non-compute part); None where that leaves no compute: the factor an efficiency curve is scaled by."""
+    p = predict(spec, w, hw, cfg, sp)
+    comp = measured_step_s - (p.step_time_s - p.compute_s)
+    return p.compute_s / comp if comp > 0 else None
+
+
+def scaled_curve(curve: Sequence[tuple[float, float]], k: float) -> list[tuple[float, float]]:
+    """An eta_comp(F) curve with every efficiency times k (at most 1)."""
+    return [(f, min(1.0, e * k)) for f, e in curve]
+
+
 def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> float:
     """Predicted / measured compute of whole forwards (geometric mean): the factor the model's curve is scaled by."""
     from chunkflow_planner.offload import OffloadConfig
 
-    ks = []
-    for r in rows:
-        w = Workload(batch=r["batch"], frames=r["frames"], height=spec.default_workload.height,
-                     width=spec.default_workload.width, steps=1, cfg_passes=1)
-        p = predict(spec, w, hw, OffloadConfig(mode="none"))
-        comp = r["time_s"] - (p.step_time_s - p.compute_s)
-        if comp > 0:
-            ks.append(p.compute_s / comp)
+    ks = [compute_ratio(spec, Workload(batch=r["batch"], frames=r["frames"], height=spec.default_workload.height,
+                                       width=spec.default_workload.width, steps=1, cfg_passes=1),
+                        hw, OffloadConfig(mode="none"), r["time_s"]) for r in rows]
+    ks = [k for k in ks if k is not None]
     return _gmean(ks) if ks else 1.0
 
 
@@ -414,7 +424,7 @@ def _whole_forwards(specs: list[ModelSpec], s: _Setup, hw: HardwareSpec, cpu_smo
         if not used:  # launch-bound toys (the CPU smoke) or a broken measurement: not a GPU's sustained rate
             log(ran + f"; outside {FORWARD_SCALE_RANGE[0]}-{FORWARD_SCALE_RANGE[1]}, its curve is left as measured")
             continue
-        curves[spec.name] = [(f, min(1.0, e * k)) for f, e in curves[spec.name]]
+        curves[spec.name] = scaled_curve(curves[spec.name], k)
         log(ran + f"; its curve x{k:.3f}")
     return curves, rows
 
@@ -733,10 +743,10 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
     ks: dict[str, list[float]] = {}
     for r in none.values():
         spec = get_model(r.plan.model.name)
-        p = predict(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.run.sp_degree)  # none, as it ran
-        comp = r.measured.median_step_s - (p.step_time_s - p.compute_s)
-        if comp > 0:
-            ks.setdefault(spec.name, []).append(p.compute_s / comp)
+        k = compute_ratio(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.measured.median_step_s,
+                          r.run.sp_degree)  # none, as it ran
+        if k is not None:
+            ks.setdefault(spec.name, []).append(k)
     if not ks:
         notes.append("no `none` run: eta_comp unchanged")
         return {}
@@ -749,14 +759,14 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
             "runs measured on this GPU? Refit from reports of this machine, or run `chunkflow calibrate`.")
     update: dict[str, Any] = {"eta_comp": min(1.0, hw.eta_comp * k)}
     if hw.eta_comp_curve:
-        update["eta_comp_curve"] = [(f, min(1.0, e * k)) for f, e in hw.eta_comp_curve]
+        update["eta_comp_curve"] = scaled_curve(hw.eta_comp_curve, k)
     notes.append(f"eta_comp x{k:.3f} from {sum(map(len, ks.values()))} `none` run(s): "
                  f"{hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
     curves = dict(hw.eta_comp_curves)
     for name, xs in ks.items():  # a model with its own curve is scaled by its own runs
         if name in curves:
             km = _gmean(xs)
-            curves[name] = [(f, min(1.0, e * km)) for f, e in curves[name]]
+            curves[name] = scaled_curve(curves[name], km)
             notes.append(f"eta_comp curve of {name} x{km:.3f} from {len(xs)} `none` run(s)")
     if curves != hw.eta_comp_curves:
         update["eta_comp_curves"] = curves
