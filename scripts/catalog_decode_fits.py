@@ -37,13 +37,9 @@ def decode_block(fit: dict, where: str, indent: str) -> str:
 
 def refit_rows(raw: dict) -> dict:
     """VaeDecodeFits (dicts) of every VAE in a calibration.json, fitted as `chunkflow calibrate` fits them now."""
-    from chunkflow.calibrate import fit_vae_rows
-    from chunkflow_planner.catalog import load_models
+    from chunkflow.calibrate import fit_vae_rows, vae_owners
 
-    owners = {}
-    for spec in load_models().values():
-        if spec.pipeline is not None:
-            owners.setdefault(spec.pipeline.vae.name, spec)
+    owners = vae_owners()
     date = raw["date"]
     fits = {}
     for name in dict.fromkeys(r["vae"] for r in raw["vae"]):

@@ -591,6 +591,17 @@ def _process_rss() -> int:
     return rss_bytes()
 
 
+def vae_owners() -> dict[str, ModelSpec]:
+    """Each catalog VAE by name, with the first catalog model whose pipeline uses it (its latent shape, tiling)."""
+    from chunkflow_planner.catalog import load_models
+
+    owners: dict[str, ModelSpec] = {}
+    for spec in load_models().values():
+        if spec.pipeline is not None:
+            owners.setdefault(spec.pipeline.vae.name, spec)
+    return owners
+
+
 def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str) -> dict[str, Any]:
     """The VaeDecodeFit (as a dict) of `spec`'s VAE from its measured decodes: untiled per voxel, tiled per decoder
     call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`)."""
@@ -612,12 +623,8 @@ def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: 
 def _vae_fits(s, cpu_smoke: bool, progress, log):
     """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted."""
     from chunkflow.calibrate_ops import measure_vae, vae_points
-    from chunkflow_planner.catalog import load_models
 
-    owners: dict[str, ModelSpec] = {}
-    for spec in load_models().values():
-        if spec.pipeline is not None and spec.pipeline.vae.name not in owners:
-            owners[spec.pipeline.vae.name] = spec
+    owners = vae_owners()
     if cpu_smoke:
         owners = {n: sp for n, sp in owners.items() if n == "tiny-wan-vae"}
     else:  # the tiny pipelines' VAEs are for CPU tests (tiled, their small tiles take longer than the real ones)

@@ -174,7 +174,7 @@ def _warmup_frames(spec) -> int:
         return 1
     tiling = spec.pipeline.vae.tiling
     if tiling is not None and tiling.frames == "chunks":
-        return 1 + vt * ((tiling.tile_frames or vt) // vt)
+        return 1 + vt * (tiling.tile_frames // vt)
     return 1 + vt
 
 

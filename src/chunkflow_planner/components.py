@@ -178,7 +178,7 @@ class VaeTiling(_Strict):
             return tiles * latent_frames
         if self.frames == "chunks":
             vt = temporal or 1
-            tmin, tstride = (self.tile_frames or 1) // vt, max(1, (self.stride_frames or 1) // vt)
+            tmin, tstride = self.tile_frames // vt, max(1, self.stride_frames // vt)  # both set (the validator)
             return tiles * (-(-latent_frames // tstride) if latent_frames > tmin else 1)
         return tiles
 
