@@ -15,7 +15,8 @@
 # 3. The crossover: `chunkflow bench` over frames with bf16 and with fp8 storage (one pass a step, r=0).
 # 4. Qwen-Image at 1328x1328 in 24 GB: planned at --max-slowdown 1.10 in bf16, with fp8 allowed and without the
 #    memory margin, each plan the planner finds feasible run, with no offload for reference (and batched no offload
-#    where a plan batches). Not in the QUICK dry run (the catalog has no tiny Qwen-Image).
+#    where a plan batches); with CAST_AB=1 the fp8 plan again with PyTorch's cast kernel. Not in the QUICK
+#    dry run (the catalog has no tiny Qwen-Image).
 # Plans, reports (with the final latents of each run, to measure batched against unbatched), bench output and logs
 # are packed into OUT_DIR/levers.tgz after every step; `python3 scripts/levers_doc.py DIR` tabulates them.
 set -uo pipefail
@@ -82,6 +83,8 @@ if [ -z "${QUICK:-}" ] && wanted qwen; then
       --out "$out/qwen-ref.json"
   measure qwen-planned 180 "$out/qwen.json"
   measure qwen-planned-fp8 180 "$out/qwen-fp8.json"
+  # the same fp8 plan cast by PyTorch's own copy kernel instead of the Triton one (what the cast kernel is worth)
+  [ -n "${CAST_AB:-}" ] && CHUNKFLOW_FP8_CAST=torch measure qwen-planned-fp8-torchcast 180 "$out/qwen-fp8.json"
   measure qwen-planned-nomargin 180 "$out/qwen-nomargin.json"
   ref=$out/qwen-ref.json
   measure qwen-none 180 "$ref" --mode none --no-cfg-batched --weight-dtype bf16

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Issues 14 and 15 checked out of sample on one H200, through the product, in parts that fit a device call each:
+#   cast       the fp8 cast kernel on this GPU: its tests (tests/test_fp8cast.py, bit for bit against PyTorch's cast)
 #   calibrate  `chunkflow calibrate` (tiled VAE decodes now timed per decoder call at two resolutions); the profile
 #              every later part plans with (or PROFILE=p.yaml: a profile an earlier call wrote)
 #   qwen       issue 15: Qwen-Image 1328x1328 in 24 GB planned at --max-slowdown 1.10 and run, with no offload for
@@ -24,11 +25,29 @@ after_run() { tar czf "$dest/validate.tgz" --exclude='*.safetensors' -C "$root" 
 wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 prof=$work/profile.yaml
 [ -n "${PROFILE:-}" ] && cp "$PROFILE" "$prof"
+if wanted cast && [ -z "${QUICK:-}" ]; then
+  echo "[$(date +%T)] pytest tests/test_fp8cast.py" | tee "$work/cast-tests.log"
+  (cd "$here/.." && timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8cast.py) 2>&1 | tee -a "$work/cast-tests.log"
+  echo "[$(date +%T)] cast-tests exit ${PIPESTATUS[0]}" | tee -a "$work/cast-tests.log"
+  # the kernel's launch shape, and PyTorch's copy, at calibrate's measurement (GB/s of bf16 written)
+  python3 - <<'PY' 2>&1 | tee -a "$work/cast-tests.log"
+import torch
+import chunkflow.runtime.fp8cast as fc
+from chunkflow.calibrate_ops import measure_fp8_cast
+dev = torch.device("cuda")
+print("kernel", fc.cast_kernel_name(dev), "capability", torch.cuda.get_device_capability())
+for block, warps in ((2048, 4), (4096, 4), (8192, 8), (16384, 8), (16384, 16)):
+    fc.BLOCK, fc.NUM_WARPS = block, warps
+    print(f"triton BLOCK={block} warps={warps}: {measure_fp8_cast(dev):.0f} GB/s")
+fc.fast_cast_kernel.cache_clear(); import os; os.environ[fc.DISABLE_ENV] = "torch"
+print(f"torch copy: {measure_fp8_cast(dev):.0f} GB/s ({fc.cast_kernel_name(dev)})")
+PY
+fi
 if wanted calibrate && [ ! -f "$prof" ]; then
   if [ -n "${QUICK:-}" ]; then
     run calibrate 120 calibrate --cpu-smoke --out "$prof" --raw "$work/calibration.json" --no-save
   else
-    run calibrate 300 calibrate --model wan2.2,flux,qwen-image --out "$prof" --raw "$work/calibration.json" --no-save
+    run calibrate 330 calibrate --model wan2.2,flux,qwen-image --out "$prof" --raw "$work/calibration.json" --no-save
   fi
 fi
 if wanted qwen; then

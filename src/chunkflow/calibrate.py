@@ -567,7 +567,10 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     attn = measure_attention_grid(s.device, peak, progress=progress, **small_attn)
     attn_masked = measure_attention_grid(s.device, peak, progress=progress, masked=True, **small_attn)
     hbm = measure_hbm(s.device, 2**24 if cpu_smoke else 2 * 2**30)
+    from chunkflow.runtime.fp8cast import cast_kernel_name
+
     cast = measure_fp8_cast(s.device, 2**22 if cpu_smoke else 2**30)
+    cast_kernel = cast_kernel_name(s.device)
     update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, attn_eta_masked=attn_masked, hbm_gbps=hbm,
                                   fp8_cast_gbps=cast)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
@@ -575,9 +578,9 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     log(f"operator model: GEMM eta {min(r[3] for r in gemm):.2f}-{max(r[3] for r in gemm):.2f} over {len(gemm)} shapes, "
         f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f} (masked "
         f"{min(r[2] for r in attn_masked):.2f}-{max(r[2] for r in attn_masked):.2f}), memory {hbm:.0f} GB/s, memory passes "
-        f"x{scale:.2f}; fp8 cast {cast:.0f} GB/s; CPU {update['cpu_tflops']:.2f} TFLOP/s")
+        f"x{scale:.2f}; fp8 cast {cast:.0f} GB/s ({cast_kernel}); CPU {update['cpu_tflops']:.2f} TFLOP/s")
     return update, dict(gemm=gemm, attention=attn, attention_masked=attn_masked, hbm_gbps=hbm, mem_ops_scale=scale,
-                        fp8_cast_gbps=cast)
+                        fp8_cast_gbps=cast, fp8_cast_kernel=cast_kernel)
 
 
 def _process_rss() -> int:

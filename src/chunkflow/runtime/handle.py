@@ -21,6 +21,7 @@ from torch import nn
 
 from chunkflow.runtime.comm import CollectiveTap, CommPacer, dist_active
 from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.fp8cast import cast_kernel_name
 from chunkflow.runtime.hooks import BlockHook, hook_module, unhook_module
 from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
@@ -78,6 +79,7 @@ class OffloadStats:
     fp8_tensors: int = 0  # block tensors stored in fp8 (cast to their compute dtype at each block's forward)
     cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into: one block's worth; with
     # fp8_cast "copy" one per slot, and one more where some blocks do not stream (they are cast on the compute stream)
+    fp8_cast_kernel: str = ""  # with fp8 storage on a device: the kernel that casts, triton or torch (runtime/fp8cast.py)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -440,6 +442,7 @@ class OffloadHandle:
             fp8_tensors=sum(len(b.cast_tensors()) for b in L) + (len(self._resident_cast.own)
                                                                  if self._resident_cast is not None else 0),
             cast_buffer_bytes=cast_bytes,
+            fp8_cast_kernel=cast_kernel_name(self.device) if self.cfg.weight_dtype != "bf16" else "",
         )
 
     # ---- undo

@@ -15,7 +15,8 @@ With fp8 storage the host store, resident buffer and slots hold the fp8 bytes; `
 into one cast buffer (their compute dtype, on the compute stream, after the block's copies are ready) and binds
 them there, as diffusers' layerwise casting does at each layer's forward. With `cast_on_copy` a streamed block is
 cast on the copy stream instead, right after its copies and before `ready[l]`, into a cast buffer that belongs to
-its slot (two in all, released with the slot): the cast leaves the compute stream's path.
+its slot (two in all, released with the slot): the cast leaves the compute stream's path. Either cast is one
+kernel per tensor (runtime/fp8cast.py: Triton's hardware conversion where it is exact, else PyTorch's copy).
 
 `obs` (an Observer, or None) is told of every copy, stream wait and slot release (runtime/observe.py).
 """
@@ -27,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from chunkflow.runtime.fp8cast import cast_into
 from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
 from chunkflow.runtime.observe import Observer
 from chunkflow.runtime.params import bind_data, raw_data
@@ -357,7 +359,7 @@ class Streamer:
         if casts:  # cast_on_copy: fp8 -> compute dtype on the copy stream, before the block is marked ready
             with self.backend.on(self.backend.copy_stream):
                 for _, src, dst in casts:
-                    dst.copy_(src)
+                    cast_into(dst, src)
         self.ready[p.block].record(self.backend.copy_stream)
         if self.obs is not None:
             self.obs.block_ready(p.block)
@@ -398,7 +400,7 @@ class Streamer:
             stored = current(t)
             src = raw_data(stored) if t.is_param else stored
             dst = torch.empty(t.shape, dtype=t.compute_dtype, device=self.device) if busy else view
-            dst.copy_(src)
+            cast_into(dst, src)
             bind(t, dst)
         if not busy:
             self.casting = l

@@ -1,0 +1,90 @@
+"""The fp8 -> compute-dtype cast of streamed weights (runtime/fp8cast.py): the Triton kernel gives PyTorch's bits,
+and the runtime uses it only where it checked that on the device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from chunkflow.runtime.fp8cast import BLOCK, FAST_DTYPES, cast_into, cast_kernel_name
+
+BITS = {2: torch.int16, 4: torch.int32}
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor, nan_too: bool = True) -> bool:
+    """Bit for bit (so -0.0 counts); NaN payloads aside, a NaN where the reference has one (if nan_too)."""
+    nan = want.isnan()
+    bits = BITS[want.element_size()]
+    return (not nan_too or torch.equal(nan, got.isnan())) and torch.equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+def _every_fp8(device="cpu") -> torch.Tensor:
+    return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", FAST_DTYPES)
+def test_cpu_cast_is_pytorchs_copy(dtype):
+    src = _every_fp8()
+    dst = torch.full((256,), 3.0, dtype=dtype)
+    cast_into(dst, src)
+    assert _same_bits(dst, src.to(dtype))
+    assert cast_kernel_name(torch.device("cpu")) == "torch"
+
+
+def test_cpu_cast_of_a_strided_view_keeps_its_values():
+    src = torch.randn(64, 48).to(torch.float8_e4m3fn)
+    dst = torch.empty(48, 64, dtype=torch.bfloat16).t()  # not contiguous: PyTorch's copy must take it
+    cast_into(dst, src)
+    assert torch.equal(dst, src.to(torch.bfloat16))
+
+
+def test_triton_kernel_gives_pytorchs_bits_in_the_interpreter():
+    """The kernel itself (offsets, the tail's mask, the target dtype), run by Triton's CPU interpreter on sizes that
+    do and do not fill whole programs. The interpreter's fp8 NaN differs from hardware's (checked on the GPU)."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(f"""
+        import torch
+        from chunkflow.runtime.fp8cast import launch, FAST_DTYPES, BLOCK
+        bits = {{2: torch.int16, 4: torch.int32}}
+        every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        gen = torch.Generator().manual_seed(0)
+        for n in (1, 255, 256, BLOCK - 1, BLOCK, 2 * BLOCK + 17):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            src[: min(n, 256)] = torch.arange(min(n, 256), dtype=torch.uint8)
+            src = src.view(torch.float8_e4m3fn)
+            for dtype in FAST_DTYPES:
+                dst = torch.full((n + 5,), 3.0, dtype=dtype)  # poisoned, and 5 elements past the end
+                launch(dst[:n], src)
+                want = src.to(dtype)
+                ok = ~want.isnan()
+                assert torch.equal(dst[:n][ok].view(bits[dst.element_size()]), want[ok].view(bits[dst.element_size()])), (n, dtype)
+                assert bool((dst[n:] == 3.0).all()), "wrote past the end"
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", FAST_DTYPES)
+def test_cuda_cast_gives_pytorchs_bits(dtype):
+    """On a GPU: the kernel the runtime picked gives `stored.to(dtype)`'s bits on every fp8 value (NaN included) and
+    on a large random tensor whose size is not a whole number of programs."""
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability() >= (8, 9):
+        pytest.importorskip("triton")
+        assert cast_kernel_name(dev) == "triton"
+    src = _every_fp8(dev)
+    dst = torch.full((256,), 3.0, dtype=dtype, device=dev)
+    cast_into(dst, src)
+    assert _same_bits(dst, src.to(dtype))
+    big = torch.randint(0, 256, (5 * BLOCK + 3,), dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    out = torch.full((big.numel() + 7,), 3.0, dtype=dtype, device=dev)
+    cast_into(out[: big.numel()], big)
+    assert _same_bits(out[: big.numel()], big.to(dtype)) and bool((out[big.numel():] == 3.0).all())
