@@ -11,6 +11,7 @@
 #
 # Every generation runs twice in its process (`--warmup 1`): the report compares the second with the plan less its
 # start-up and keeps the first one's phases; `chunkflow calibrate --from-report` then measures the start-up.
+# REPEAT=N measures N generations after the first (`--repeat N`: each phase's median, every time kept).
 #
 # Plans, reports and logs land in WORK/pipeline and are packed into OUT_DIR/pipeline.tgz after every step (so a
 # run cut short still leaves what it did); the videos and images, noise with random weights, go to WORK/media and
@@ -32,7 +33,7 @@ generate() {  # generate NAME DEADLINE_S SUFFIX PLAN_ARGS...: plan it under the 
   run "$name-plan" 30 plan "$@" --hardware "$prof" --out "$out/$name-plan.json"
   [ -f "$out/$name-plan.json" ] || return
   run "$name" "$deadline" run --plan "$out/$name-plan.json" --prompt "a red fox walks through fresh snow at dawn" \
-      --seed 0 --warmup 1 --out "$media/$name.$suffix" --report "$out/$name-report.json"
+      --seed 0 --warmup 1 --repeat "${REPEAT:-1}" --out "$media/$name.$suffix" --report "$out/$name-report.json"
 }
 wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 [ -n "${PROFILE:-}" ] && cp "$PROFILE" "$out/profile.yaml"

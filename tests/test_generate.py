@@ -5,6 +5,7 @@ written and readable; a Hub id resolves from a local Hugging Face cache."""
 from __future__ import annotations
 
 import json
+import statistics
 import shutil
 from pathlib import Path
 
@@ -227,6 +228,40 @@ def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, 
     merged, _ = refit(kept, read_reports(["warm.json"]))  # what these reports do not measure stays
     assert merged.startup_s["encode:qwen2_5_vl"] == 2.0 and merged.startup_s["encode"] == pytest.approx(0.42)
     assert any("start-up" in n for n in notes)
+
+
+def test_repeat_measures_several_generations_and_reports_their_median(cli, workdir, saved):
+    """`--repeat 3` measures three generations after the warm-up: each phase's time is the median of its three
+    times (all kept), the generation's the median of their totals, the latents those of any one of them (the same
+    seed), and the table shows the spread. --repeat without --prompt, or below 1, is refused."""
+    from safetensors.torch import load_file
+
+    plan = _plan(cli, "tiny")
+    prompt, negative = PROMPTS["tiny"]
+    base = ["run", "--plan", plan, "--weights", saved["tiny"], "--prompt", prompt, "--negative-prompt", negative,
+            "--seed", "5"]
+    with one_thread():
+        one = cli(*base, "--latents", "one.safetensors", "--report", "one.json")
+        many = cli(*base, "--warmup", "1", "--repeat", "3", "--latents", "many.safetensors", "--report", "many.json")
+    assert one.exit_code == 0 and many.exit_code == 0, one.output + many.output
+    assert torch.equal(load_file("one.safetensors")["latents"], load_file("many.safetensors")["latents"])
+    data = json.loads(Path("many.json").read_text())
+    g = data["generation"]
+    assert g["measured_generations"] == 3 and g["warmup_generations"] == 1 and len(g["generation_times_s"]) == 3
+    for ph in g["phases"].values():
+        assert len(ph["measured_times_s"]) == 3
+        assert ph["measured_time_s"] == pytest.approx(statistics.median(ph["measured_times_s"]))
+    totals = [sum(ph["measured_times_s"][i] for ph in g["phases"].values()) for i in range(3)]
+    assert g["generation_times_s"] == pytest.approx(totals)
+    assert g["generation_time_s"] == pytest.approx(statistics.median(totals))
+    assert data["stats"]["forwards"] == 3 * json.loads(Path("one.json").read_text())["stats"]["forwards"]
+    assert "median of 3 generations" in " ".join(many.output.split()) and "spread" in many.output
+    assert json.loads(Path("one.json").read_text())["generation"]["measured_generations"] == 1
+    bad = cli("run", "--plan", plan, "--repeat", "2", "--device", "cpu")
+    assert bad.exit_code == 2 and "needs --prompt" in " ".join(bad.output.split()) and "Traceback" not in bad.output
+    zero = cli(*base, "--repeat", "0")
+    assert zero.exit_code != 0 and "--repeat must be at least 1" in " ".join(zero.output.split())
+    assert "Traceback" not in zero.output
 
 
 def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir):

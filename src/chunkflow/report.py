@@ -120,6 +120,11 @@ def print_pipeline(console: Console, plan: Plan) -> None:
                   f"{format_bytes(plan.host_memory_budget_bytes or 0)} ({where}{hint})", highlight=False)
 
 
+def _spread(times: list[float]) -> str:
+    """min-max of repeated measurements."""
+    return f"{format_seconds(min(times))}-{format_seconds(max(times))}" if times else "-"
+
+
 def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport
     """A generation's phases measured (and, on a GPU, against the plan)."""
     g = report.generation
@@ -132,19 +137,24 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     gpu = not report.run.device.startswith("cpu")
     which = (f", after {g.warmup_generations} warm-up generation(s): start-up excluded" if g.warmup_generations
              else ", the process's first: start-up included")
+    many = g.measured_generations > 1
+    if many:
+        which += f"; median of {g.measured_generations} generations"
     t = Table(title="Generation, phase by phase" + (" (measured vs predicted" if gpu else " (measured") + which + ")")
-    cols = ["phase", "time"] + (["predicted", "error", "peak GPU memory", "predicted", "error"] if gpu else [])
+    cols = ["phase", "time"] + (["spread"] if many else []) + (["predicted", "error", "peak GPU memory", "predicted", "error"] if gpu else [])
     for col in cols:
         t.add_column(col, justify="left" if col == "phase" else "right")
     for name, ph in g.phases.items():
         row = [name, format_seconds(ph.measured_time_s)]
+        if many:
+            row.append(_spread(ph.measured_times_s))
         if gpu:
             row += [format_seconds(ph.predicted_time_s) if ph.predicted_time_s is not None else "-", _pct(ph.time_error),
                     format_bytes(ph.measured_peak_memory_bytes) if ph.measured_peak_memory_bytes is not None else "-",
                     format_bytes(ph.predicted_peak_memory_bytes) if ph.predicted_peak_memory_bytes is not None else "-",
                     _pct(ph.memory_error)]
         t.add_row(*row)
-    total = ["[bold]generation[/]", format_seconds(g.generation_time_s)]
+    total = ["[bold]generation[/]", format_seconds(g.generation_time_s)] + ([_spread(g.generation_times_s)] if many else [])
     if gpu:
         pred = g.predicted_generation_time_s
         total += [format_seconds(pred) if pred is not None else "-", _pct(g.generation_time_error), "", "", ""]

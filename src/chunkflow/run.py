@@ -278,12 +278,15 @@ class RunOptions:
     profile: str | None = None
     seed: int = 0
     latents: str | None = None  # save the final latents here (safetensors)
+    repeat: int = 1  # with --prompt: generations measured after the warm-up (their median is reported)
 
     def check(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise RunError(f"--steps must be at least 1, got {self.steps}")
         if self.warmup < 0:
             raise RunError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.repeat < 1:
+            raise RunError(f"--repeat must be at least 1, got {self.repeat}")
         if self.variant is not None and self.weights is None:
             raise RunError("--variant picks files in a weights directory; give --weights DIR with it")
 

@@ -9,7 +9,9 @@ the transformer's predicted step time, as for a synthetic run.
 The plan predicts a process's first generation, its one-time start-up included (`PhasePrediction.startup_s`). With
 `--warmup N` the measured generation comes after N others: it is compared with the prediction less the start-up, and
 the first generation's phase times are kept too (`first_phase_times_s`), from which `chunkflow calibrate
---from-report` measures the start-up.
+--from-report` measures the start-up. With `--repeat N` N generations are measured after the warm-up: each phase's
+time is their median (every time kept in `measured_times_s`, so a miss can be told from run-to-run spread), its peak
+memory the largest; the output written is the last generation's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from chunkflow_planner.plan import Plan
 
 
 class PhaseResult(BaseModel):
-    measured_time_s: float
+    measured_time_s: float = Field(description="the median over the measured generations (--repeat)")
+    measured_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     measured_peak_memory_bytes: int | None = Field(None, description="reserved + context at the phase's peak (GPU)")
     measured_peak_allocated_bytes: int | None = None
     measured_host_rss_bytes: int = 0
@@ -56,6 +59,8 @@ class GenerationResult(BaseModel):
     gpu_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
     warmup_generations: int = Field(0, ge=0, description="whole generations run before the measured one (--warmup)")
+    measured_generations: int = Field(1, ge=1, description="generations measured after the warm-up (--repeat)")
+    generation_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     first_phase_times_s: dict[str, float] | None = Field(
         None, description="with --warmup: the process's first generation, phase by phase (start-up included)")
 
@@ -110,12 +115,15 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     try:
         first: dict[str, float] | None = None
         gen = None
+        measured: list = []  # the measured generations' phases and step times (their outputs are not kept)
         stats_before: dict = {}
-        for i in range(o.warmup + 1):
-            gen = None  # a warm-up's output must not sit in host memory while the measured generation runs
-            if i == o.warmup:  # the handle's counters of the measured generation alone
+        for i in range(o.warmup + o.repeat):
+            gen = None  # an earlier output must not sit in host memory while the next generation runs
+            if i == o.warmup:  # the handle's counters of the measured generations alone
                 stats_before = built.handles["transformer"].stats().as_dict()
-            tag = f"warm-up {i + 1}/{o.warmup}: " if i < o.warmup else ""
+            k = i - o.warmup
+            tag = (f"warm-up {i + 1}/{o.warmup}: " if k < 0 else f"generation {k + 1}/{o.repeat}: " if o.repeat > 1
+                   else "")
             cb = (lambda i, n, tag=tag: progress(tag + "denoise", i, n)) if progress is not None else None
             done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
             phase = (lambda name, tag=tag: progress(tag + name, done[name], steps)) if progress is not None else None
@@ -125,10 +133,15 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                 first = {name: m.time_s for name, m in gen.phases.items()}
                 log("first generation (start-up included): "
                     + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
+            if k >= 0:
+                measured.append((gen.phases, gen.step_times_s))
+                if o.repeat > 1:
+                    log(f"generation {k + 1}/{o.repeat}: "
+                        + ", ".join(f"{name} {m.time_s:.3f} s" for name, m in gen.phases.items()))
         stats = built.handles["transformer"].stats().as_dict()
-        for k in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
-            if isinstance(stats.get(k), int) and isinstance(stats_before.get(k), int):
-                stats[k] -= stats_before[k]
+        for key in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
+            if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
+                stats[key] -= stats_before[key]
     finally:
         built.discard()  # the run is done with it: free, do not copy the weights back
     if g.out:
@@ -137,32 +150,34 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         save_latents(g.latents, gen.latents)
 
     cuda = device.type == "cuda"
-    dn = gen.phases["denoise"]
-    times = gen.step_times_s or [gen.phases["denoise"].time_s]
-    measured = Measured(step_times_s=times, median_step_s=statistics.median(times),
-                        peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
-                        pinned_host_bytes=stats.get("pinned_bytes", 0), achieved_residency=stats.get("achieved_residency"),
-                        memory_trace=[MemorySample(step=steps, allocated_bytes=dn.peak_allocated_bytes,
-                                                   reserved_bytes=dn.peak_reserved_bytes,
-                                                   host_rss_bytes=dn.host_rss_bytes)])
+    phases_of = combine_phases([ph for ph, _ in measured])
+    dn = phases_of["denoise"][0]
+    times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s])]
+    result = Measured(step_times_s=times, median_step_s=statistics.median(times),
+                      peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
+                      pinned_host_bytes=stats.get("pinned_bytes", 0), achieved_residency=stats.get("achieved_residency"),
+                      memory_trace=[MemorySample(step=steps, allocated_bytes=dn.peak_allocated_bytes,
+                                                 reserved_bytes=dn.peak_reserved_bytes,
+                                                 host_rss_bytes=dn.host_rss_bytes)])
     pred = predict(spec, w, hw, cfg, 1)
     run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(folder or "random"),
                     warmup=o.warmup, steps=steps)
-    report = make_report(environment(device), plan, run, hw.name, measured, pred, stats)
+    report = make_report(environment(device), plan, run, hw.name, result, pred, stats)
     pp = plan.prediction.phases
     phases = {}
     same_steps = steps == plan.workload.steps
-    for name, m in gen.phases.items():
+    for name, (m, each) in phases_of.items():
         p = getattr(pp, name) if pp is not None else None
         t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
-            measured_time_s=m.time_s, measured_peak_memory_bytes=m.peak_memory_bytes,
+            measured_time_s=m.time_s, measured_times_s=each, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=t_pred,
             predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
             time_error=rel_error(m.time_s, t_pred) if t_pred is not None and same_steps else None,
             memory_error=rel_error(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
-    gen_time = sum(m.time_s for m in gen.phases.values())
+    gen_times = [sum(m.time_s for m in ph.values()) for ph, _ in measured]
+    gen_time = statistics.median(gen_times)
     pred_time = None
     if same_steps and plan.prediction.generation_time_s is not None:
         pred_time = plan.prediction.generation_time_s - (
@@ -176,8 +191,29 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if cuda else None,
         host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if cuda else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
-        warmup_generations=o.warmup, first_phase_times_s=first)
+        warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
+        first_phase_times_s=first)
     return report
+
+
+def combine_phases(runs: list[dict]) -> dict[str, tuple]:
+    """phase -> (PhaseMeasurement, times) over measured generations: the median time, the largest peaks and host
+    memory, and every generation's time."""
+    from chunkflow.generate import PhaseMeasurement
+
+    def most(values):
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    out = {}
+    for name in runs[0]:
+        ms = [r[name] for r in runs]
+        each = [m.time_s for m in ms]
+        peak = max(ms, key=lambda m: m.peak_memory_bytes or 0)  # reserved and context of the same phase
+        out[name] = (PhaseMeasurement(time_s=statistics.median(each), peak_allocated_bytes=most(
+            m.peak_allocated_bytes for m in ms), peak_reserved_bytes=peak.peak_reserved_bytes,
+            context_bytes=peak.context_bytes, host_rss_bytes=max(m.host_rss_bytes for m in ms)), each)
+    return out
 
 
 def expected_time(p, warmup: int) -> float:
