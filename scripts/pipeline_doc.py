@@ -46,7 +46,7 @@ def table(paths: list[str], profile=None) -> list[str]:
 
     out = ["| pipeline | phase | measured | predicted | error | first generation | predicted | error | "
            "peak GPU memory | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    host = []
+    host, spread = [], []
     for path in paths:
         rep = load_reports([path])[0]
         g = rep.generation
@@ -67,11 +67,18 @@ def table(paths: list[str], profile=None) -> list[str]:
                        f"{f'{first:.3f} s' if first is not None else '-'} | {t_first:.3f} s | "
                        f"{_pct(first, t_first) if first is not None else '-'} | {_gb(m.measured_peak_memory_bytes)} | "
                        f"{_gb(mem)} | {_pct(m.measured_peak_memory_bytes, mem)} |")
+        if warm:  # the median generation (with --repeat: not the sum of the phases' medians)
+            totals[0] = g.generation_time_s
         out.append(f"| {name} | **generation** | {totals[0]:.3f} s | {totals[1]:.3f} s | {_pct(totals[0], totals[1])} | "
                    f"{totals[2]:.3f} s | {totals[3]:.3f} s | {_pct(totals[2], totals[3])} | | | |")
         host.append(f"- {name}: peak host memory {_gb(g.host_peak_bytes)}, predicted {_gb(host_pred)} "
                     f"({_pct(g.host_peak_bytes, host_pred)}); budget {_gb(rep.plan.host_memory_budget_bytes)}")
-    return out + [""] + host
+        if g.measured_generations > 1:  # --repeat: each phase's spread over the measured generations
+            spread.append(f"- {name}: {g.measured_generations} generations measured (medians above); "
+                          + "; ".join(f"{ph} {min(t):.3f}-{max(t):.3f} s" for ph, t in
+                                      ((ph, g.phases[ph].measured_times_s) for ph in PHASES))
+                          + f"; generation {min(g.generation_times_s):.3f}-{max(g.generation_times_s):.3f} s")
+    return out + [""] + host + ([""] + spread if spread else [])
 
 
 def main(argv: list[str]) -> None:
