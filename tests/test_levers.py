@@ -253,13 +253,14 @@ def test_synthetic_run_with_batched_cfg(cli, workdir):
 # ------------------------------------------------------------------------------------------ the planner
 
 
-def _decide(model, budget, levers, **workload):
+def _decide(model, budget, levers, slowdown=None, hw=None, **workload):
     from chunkflow_planner.catalog import get_hardware, get_model
     from chunkflow_planner.policy import Problem, decide
     from chunkflow_planner.workload import make_workload
 
     spec = get_model(model)
-    return decide(Problem(spec, make_workload(spec, **workload), get_hardware("h200"), levers=levers), budget)
+    problem = Problem(spec, make_workload(spec, **workload), hw or get_hardware("h200"), levers=levers)
+    return decide(problem, budget) if slowdown is None else decide(problem, budget, slowdown)
 
 
 def test_batched_cfg_is_chosen_where_it_lowers_residency():
@@ -300,15 +301,23 @@ def test_batched_cfg_is_not_chosen_where_it_does_not_pay():
 
 
 def test_fp8_only_when_allowed_and_where_it_pays():
+    from chunkflow_planner.catalog import get_hardware
     from chunkflow_planner.policy import Infeasible, Levers
 
     w = dict(frames=41, height=480, width=832, cfg_passes=2)
-    never = _decide("wan2.2", 8 * 10**9, Levers.of(2, "off", "auto", allow_fp8=False), **w)
-    allowed = _decide("wan2.2", 8 * 10**9, Levers.of(2, "off", "auto", allow_fp8=True), **w)
+    never = _decide("wan2.2", 8 * 10**9, Levers.of(2, "off", "auto", allow_fp8=False), slowdown=1.10, **w)
+    allowed = _decide("wan2.2", 8 * 10**9, Levers.of(2, "off", "auto", allow_fp8=True), slowdown=1.10, **w)
     assert never.chosen.cfg.weight_dtype == "bf16"
     assert allowed.chosen.cfg.weight_dtype == "fp8_e4m3"
     assert allowed.chosen.cfg.residency < never.chosen.cfg.residency
     assert "fp8 weight storage" in allowed.reason
+    # at 1.05x the cast (the H200's 1387 GB/s: 0.24 ms of a 6.7 ms block) leaves too little room: fp8 would not
+    # lower residency, so the exact weights are kept
+    tight = _decide("wan2.2", 8 * 10**9, Levers.of(2, "off", "auto", allow_fp8=True), slowdown=1.05, **w)
+    assert tight.chosen.cfg.weight_dtype == "bf16" and "exact weights are kept" in tight.reason
+    free_cast = get_hardware("h200").model_copy(update={"fp8_cast_gbps": 1e6})
+    assert _decide("wan2.2", 8 * 10**9, Levers.of(2, "off", "auto", allow_fp8=True), slowdown=1.05, hw=free_cast,
+                   **w).chosen.cfg.weight_dtype == "fp8_e4m3"
     # where bf16 streams at r = 0 already, fp8 would not lower residency: the exact weights are kept
     hidden = _decide("wan2.2", 16 * 10**9, Levers.of(2, "off", "auto", allow_fp8=True), frames=121, height=704,
                      width=1280, cfg_passes=2)
@@ -349,7 +358,7 @@ def test_levers_in_the_prediction():
 def test_plan_cli_flags(cli, workdir):
     result = cli("plan", "--model", "wan2.2", "--frames", "41", "--height", "480", "--width", "832",
                  "--mem-budget", "8GB", "--transformer-only", "--cfg-batching", "off", "--weight-dtype", "auto",
-                 "--allow-fp8", "--out", "p.json")
+                 "--allow-fp8", "--max-slowdown", "1.10", "--hardware", "h200", "--out", "p.json")
     assert result.exit_code == 0, result.output
     plan = json.loads(open("p.json").read())
     assert plan["offload"]["cfg_batched"] is False and plan["offload"]["weight_dtype"] == "fp8_e4m3"
