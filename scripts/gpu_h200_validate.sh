@@ -39,7 +39,7 @@ print("kernel", fc.cast_kernel_name(dev), "capability", torch.cuda.get_device_ca
 for block, warps in ((2048, 4), (4096, 4), (8192, 8), (16384, 8), (16384, 16)):
     fc.BLOCK, fc.NUM_WARPS = block, warps
     print(f"triton BLOCK={block} warps={warps}: {measure_fp8_cast(dev):.0f} GB/s")
-fc.fast_cast_kernel.cache_clear(); import os; os.environ[fc.DISABLE_ENV] = "torch"
+fc.fast_cast_kernel.cache_clear(); import os; os.environ[fc.CHOICE_ENV] = "torch"
 print(f"torch copy: {measure_fp8_cast(dev):.0f} GB/s ({fc.cast_kernel_name(dev)})")
 PY
 fi

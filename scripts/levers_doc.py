@@ -107,6 +107,24 @@ QWEN_PLANS = (("qwen-planned", "planned"), ("qwen-planned-fp8", "planned, fp8 al
               ("qwen-planned-nomargin", "planned without the memory margin"))
 
 
+QWEN_SAME = (("qwen-planned", "qwen-none"), ("qwen-planned", "qwen-none-batched"), ("qwen-planned-nomargin", "qwen-none"),
+             ("qwen-planned-fp8", "qwen-planned-fp8-torchcast"), ("qwen-planned-fp8", "qwen-none"))
+
+
+def qwen_latents(d: Path) -> list[str]:
+    """The final latents of Qwen-Image runs against each other (where both were kept): bf16 offload against no
+    offload, the fp8 plan with either cast kernel, fp8 against bf16 (lossy: the size of the difference)."""
+    out = []
+    for a, b in QWEN_SAME:
+        za, zb = _latents(d / f"{a}.safetensors"), _latents(d / f"{b}.safetensors")
+        if za is None or zb is None:
+            continue
+        rel = float((za - zb).norm() / zb.norm())
+        out.append(f"- latents of {a} against {b}: " + ("bit-identical" if bool((za == zb).all())
+                                                         else f"relative difference {rel:.3g}"))
+    return out
+
+
 def _verdict(d: Path, run: str) -> str:
     """What `chunkflow plan` said for the plan of `run` (its log), where it wrote none."""
     log = d / run.replace("planned", "plan").join(("", ".log"))
@@ -136,6 +154,7 @@ def main(d: Path, more: list[Path]) -> None:
             lines.append(_row(f"no offload{', batched CFG' if 'batched' in ref else ''}", r, fastest))
         for name, label in plans:
             lines.append(_row(label, json.loads((d / f"{name}.json").read_text()), fastest))
+        lines += [""] + qwen_latents(d)
         missing = [label for n, label in QWEN_PLANS if not (d / f"{n}.json").exists()]
         if missing:  # a plan the planner found infeasible has no run: say so, with its log's verdict
             lines.append("")

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+import chunkflow.runtime.fp8cast as fp8cast
 from chunkflow.runtime.fp8cast import BLOCK, FAST_DTYPES, cast_into, cast_kernel_name
 
 BITS = {2: torch.int16, 4: torch.int32}
@@ -27,43 +28,68 @@ def _every_fp8(device="cpu") -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("dtype", FAST_DTYPES)
-def test_cpu_cast_is_pytorchs_copy(dtype):
-    src = _every_fp8()
-    dst = torch.full((256,), 3.0, dtype=dtype)
-    cast_into(dst, src)
-    assert _same_bits(dst, src.to(dtype))
-    assert cast_kernel_name(torch.device("cpu")) == "torch"
-
-
-def test_cpu_cast_of_a_strided_view_keeps_its_values():
+def test_the_kernel_takes_only_the_casts_it_can_do(monkeypatch):
+    """With the device's kernel said to be Triton's, `cast_into` hands it exactly the contiguous same-size fp8 ->
+    float casts on one device, and gives everything else to PyTorch's copy (which must still be right)."""
+    launched = []
+    monkeypatch.setattr(fp8cast, "cast_kernel_name", lambda device: "triton")
+    monkeypatch.setattr(fp8cast, "launch", lambda dst, src: launched.append((dst, src)) or dst.copy_(src))
     src = torch.randn(64, 48).to(torch.float8_e4m3fn)
-    dst = torch.empty(48, 64, dtype=torch.bfloat16).t()  # not contiguous: PyTorch's copy must take it
-    cast_into(dst, src)
-    assert torch.equal(dst, src.to(torch.bfloat16))
+    cases = {
+        "contiguous bf16": (torch.empty(64, 48, dtype=torch.bfloat16), src, True),
+        "contiguous fp32": (torch.empty(64, 48), src, True),
+        "an offset view": (torch.empty(64 * 48 + 8, dtype=torch.bfloat16)[8:].view(64, 48), src, True),
+        "a strided target": (torch.empty(48, 64, dtype=torch.bfloat16).t(), src, False),
+        "a strided source": (torch.empty(48, 64, dtype=torch.bfloat16), src.t(), False),
+        "not fp8": (torch.empty(64, 48, dtype=torch.bfloat16), torch.randn(64, 48), False),
+        "an integer target": (torch.empty(64, 48, dtype=torch.int32), src, False),
+        "empty": (torch.empty(0, dtype=torch.bfloat16), src[:0, 0], False),
+    }
+    for what, (dst, s, kernel) in cases.items():
+        launched.clear()
+        cast_into(dst, s)
+        assert bool(launched) == kernel, what
+        assert torch.equal(dst, s.to(dst.dtype)), what
+
+
+def test_pytorchs_copy_where_there_is_no_gpu_and_when_asked(monkeypatch):
+    assert cast_kernel_name(torch.device("cpu")) == "torch"
+    every = _every_fp8()
+    for dtype in FAST_DTYPES:
+        dst = torch.full((256,), 3.0, dtype=dtype)
+        cast_into(dst, every)
+        assert _same_bits(dst, every.to(dtype))
+    fp8cast.fast_cast_kernel.cache_clear()
+    monkeypatch.setenv(fp8cast.CHOICE_ENV, "torch")
+    try:
+        assert fp8cast.fast_cast_kernel(0) == "torch"  # decided before any CUDA call
+    finally:
+        fp8cast.fast_cast_kernel.cache_clear()
 
 
 def test_triton_kernel_gives_pytorchs_bits_in_the_interpreter():
     """The kernel itself (offsets, the tail's mask, the target dtype), run by Triton's CPU interpreter on sizes that
     do and do not fill whole programs. The interpreter's fp8 NaN differs from hardware's (checked on the GPU)."""
     pytest.importorskip("triton")
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import torch
         from chunkflow.runtime.fp8cast import launch, FAST_DTYPES, BLOCK
-        bits = {{2: torch.int16, 4: torch.int32}}
-        every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        bits = {2: torch.int16, 4: torch.int32}
         gen = torch.Generator().manual_seed(0)
         for n in (1, 255, 256, BLOCK - 1, BLOCK, 2 * BLOCK + 17):
             src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
             src[: min(n, 256)] = torch.arange(min(n, 256), dtype=torch.uint8)
             src = src.view(torch.float8_e4m3fn)
             for dtype in FAST_DTYPES:
-                dst = torch.full((n + 5,), 3.0, dtype=dtype)  # poisoned, and 5 elements past the end
-                launch(dst[:n], src)
-                want = src.to(dtype)
-                ok = ~want.isnan()
-                assert torch.equal(dst[:n][ok].view(bits[dst.element_size()]), want[ok].view(bits[dst.element_size()])), (n, dtype)
-                assert bool((dst[n:] == 3.0).all()), "wrote past the end"
+                for lo in (0, 3):  # also views that start inside their storage, on both sides
+                    buf = torch.cat([torch.zeros(lo, dtype=torch.uint8), src.view(torch.uint8)]).view(torch.float8_e4m3fn)
+                    dst = torch.full((n + 5 + 2 * lo,), 3.0, dtype=dtype)  # poisoned, and 5 elements past the end
+                    launch(dst[2 * lo : 2 * lo + n], buf[lo:])
+                    want = src.to(dtype)
+                    ok = ~want.isnan()
+                    got = dst[2 * lo : 2 * lo + n]
+                    assert torch.equal(got[ok].view(bits[dst.element_size()]), want[ok].view(bits[dst.element_size()])), (n, dtype, lo)
+                    assert bool((dst[: 2 * lo] == 3.0).all()) and bool((dst[2 * lo + n :] == 3.0).all()), "wrote outside"
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -256,12 +256,57 @@ def test_repeat_measures_several_generations_and_reports_their_median(cli, workd
     assert g["generation_time_s"] == pytest.approx(statistics.median(totals))
     assert data["stats"]["forwards"] == 3 * json.loads(Path("one.json").read_text())["stats"]["forwards"]
     assert "median of 3 generations" in " ".join(many.output.split()) and "spread" in many.output
+    assert all(len(ph["gc_s"]) == 3 and min(ph["gc_s"]) >= 0 for ph in g["phases"].values())
     assert json.loads(Path("one.json").read_text())["generation"]["measured_generations"] == 1
     bad = cli("run", "--plan", plan, "--repeat", "2", "--device", "cpu")
     assert bad.exit_code == 2 and "needs --prompt" in " ".join(bad.output.split()) and "Traceback" not in bad.output
     zero = cli(*base, "--repeat", "0")
     assert zero.exit_code != 0 and "--repeat must be at least 1" in " ".join(zero.output.split())
     assert "Traceback" not in zero.output
+    cold = cli(*base, "--repeat", "2", "--warmup", "0")  # a first generation's start-up is not a repeat
+    assert cold.exit_code != 0 and "--warmup 1" in " ".join(cold.output.split()) and "Traceback" not in cold.output
+    with one_thread():
+        implied = cli(*base, "--repeat", "2", "--steps", "1", "--report", "implied.json")
+    assert implied.exit_code == 0, implied.output
+    g2 = json.loads(Path("implied.json").read_text())["generation"]
+    assert g2["warmup_generations"] == 1 and g2["measured_generations"] == 2 and g2["first_phase_times_s"]
+
+
+def test_garbage_collection_is_counted_in_its_phase_and_the_run_leaves_gc_as_it_was(cli, workdir, saved):
+    """A collection forced after a denoising step is counted in denoise's gc_s (and not in encode's); generate()
+    leaves gc.callbacks as they were; `chunkflow run --prompt` freezes the built pipeline's objects for its
+    generations and unfreezes them after."""
+    import gc
+
+    from chunkflow.generate import generate
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow_planner.workload import make_workload
+
+    spec = get_model("tiny")
+    everything = {n: "gpu" for n in ("text_encoder", "transformer", "vae")}
+    callbacks = list(gc.callbacks)
+    with one_thread():
+        built = build_pipeline(spec, everything, OffloadConfig("none"), torch.device("cpu"), weights=saved["tiny"])
+        try:
+            def collect(i, n):
+                for _ in range(3):
+                    gc.collect()
+
+            gen = generate(built, make_workload(spec, steps=2), PROMPTS["tiny"][0], steps=2, on_step=collect)
+        finally:
+            built.remove()
+    assert gen.phases["denoise"].gc_s > 0 and gen.phases["denoise"].gc_s < gen.phases["denoise"].time_s
+    assert gen.phases["encode"].gc_s < gen.phases["denoise"].gc_s
+    assert gc.callbacks == callbacks
+    frozen = gc.get_freeze_count()
+    plan = _plan(cli, "tiny")
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", saved["tiny"], "--prompt", "a cat", "--steps", "2",
+                     "--report", "gc.json")
+    assert result.exit_code == 0, result.output
+    assert gc.get_freeze_count() == frozen and gc.callbacks == callbacks
 
 
 def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir):

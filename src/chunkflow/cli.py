@@ -255,10 +255,11 @@ def run_cmd(
                                                      "(as diffusers' from_pretrained(variant=...))"),
     warmup: Optional[int] = typer.Option(None, help="untimed warm-up steps (default 1); with --prompt, whole "
                                          "generations before the measured one (default 0: the process's first, "
-                                         "start-up included, as the plan predicts)"),
+                                         "start-up included, as the plan predicts; 1 with --repeat)"),
     steps: Optional[int] = typer.Option(None, help="timed denoising steps (default: the plan's steps, at most 5)"),
-    repeat: int = typer.Option(1, help="with --prompt: generations measured after the warm-up; the report gives "
-                                       "each phase's median and every generation's time"),
+    repeat: int = typer.Option(1, help="with --prompt: generations measured after the warm-up (which --repeat 2 "
+                                       "or more makes 1 by default); the report gives each phase's median and "
+                                       "every generation's time"),
     profile: Optional[str] = typer.Option(None, help="hardware profile or catalog GPU to predict with (default: the plan's)"),
     report: str = typer.Option("run-report.json", help="where to write the JSON run report"),
     seed: int = typer.Option(0, help="seed for random weights and inputs; with --prompt also the generator's, as "
@@ -296,11 +297,11 @@ def run_cmd(
     from chunkflow.run import RunOptions, run_plan
 
     generating = prompt is not None
-    if warmup is None:
-        warmup = 0 if generating else 1
     if repeat != 1 and not generating:
         raise UserError("--repeat counts measured generations and needs --prompt; a synthetic run times --steps "
                         "denoising steps")
+    if warmup is None:
+        warmup = (1 if repeat > 1 else 0) if generating else 1
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
                       seed=seed, repeat=repeat)
     if not generating and any(v is not None for v in (negative_prompt, guidance, out)):

@@ -163,6 +163,10 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     if g.first_phase_times_s:
         console.print("first generation: " + ", ".join(f"{k} {format_seconds(v)}" for k, v in g.first_phase_times_s.items())
                       + f", {format_seconds(sum(g.first_phase_times_s.values()))} in all", highlight=False)
+    gc_each = {name: max(ph.gc_s) for name, ph in g.phases.items() if ph.gc_s}
+    if sum(gc_each.values()) >= 0.001:
+        console.print("in Python's garbage collector (the most of any measured generation): "
+                      + ", ".join(f"{k} {format_seconds(v)}" for k, v in gc_each.items()), highlight=False)
     line = f"peak host memory: {format_bytes(g.host_peak_bytes)}"
     if gpu and g.predicted_host_memory_bytes is not None:
         line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"

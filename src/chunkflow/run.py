@@ -92,6 +92,7 @@ class RunReport(BaseModel):
     gpu: str
     torch: str
     diffusers: str
+    triton: str | None = Field(None, description="Triton's version where installed (the fp8 cast kernel)")
     hardware: str = Field(description="name of the hardware profile the prediction used")
     plan: Plan
     run: RunConfig
@@ -238,13 +239,20 @@ def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: i
     return Timing(times, peak_a, peak_r, latents, memory)
 
 
-def environment(device) -> dict[str, str]:
+def environment(device) -> dict[str, str | None]:
     import diffusers
     import torch
 
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        triton = version("triton")
+    except PackageNotFoundError:
+        triton = None
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu, torch=torch.__version__,
-                diffusers=diffusers.__version__, command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+                diffusers=diffusers.__version__, triton=triton,
+                command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
 
 
 def measured_of(timing: Timing, stats: dict | None) -> Measured:
@@ -287,6 +295,9 @@ class RunOptions:
             raise RunError(f"--warmup must be >= 0, got {self.warmup}")
         if self.repeat < 1:
             raise RunError(f"--repeat must be at least 1, got {self.repeat}")
+        if self.repeat > 1 and self.warmup == 0:
+            raise RunError("--repeat measures generations after a warm-up one: a process's first generation pays "
+                           "its start-up, which the plan predicts apart. Use --warmup 1 (the default with --repeat)")
         if self.variant is not None and self.weights is None:
             raise RunError("--variant picks files in a weights directory; give --weights DIR with it")
 

@@ -11,11 +11,16 @@ The plan predicts a process's first generation, its one-time start-up included (
 the first generation's phase times are kept too (`first_phase_times_s`), from which `chunkflow calibrate
 --from-report` measures the start-up. With `--repeat N` N generations are measured after the warm-up: each phase's
 time is their median (every time kept in `measured_times_s`, so a miss can be told from run-to-run spread), its peak
-memory the largest; the output written is the last generation's.
+memory the largest, the transformer's counters in `stats` (forwards, bytes copied) the sum over them; the output
+written is the last generation's. The objects alive once the pipeline is built
+(torch, diffusers, transformers, the components: about half a million) are moved out of the garbage collector's
+reach for the generations (`gc.freeze`), so that its full collections, which scan them all, do not land in a
+phase at random; each phase's time in the collector is reported (`gc_s`).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -31,6 +36,8 @@ from chunkflow_planner.plan import Plan
 class PhaseResult(BaseModel):
     measured_time_s: float = Field(description="the median over the measured generations (--repeat)")
     measured_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
+    gc_s: list[float] = Field(default_factory=list, description="each measured generation's seconds in Python's "
+                              "garbage collector during the phase")
     measured_peak_memory_bytes: int | None = Field(None, description="reserved + context at the phase's peak (GPU)")
     measured_peak_allocated_bytes: int | None = None
     measured_host_rss_bytes: int = 0
@@ -112,6 +119,8 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling, log=log)
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
         f"{time.perf_counter() - t0:.1f} s on {device}")
+    gc.collect()
+    gc.freeze()  # the long-lived objects: a full collection no longer scans them (module docstring)
     try:
         first: dict[str, float] | None = None
         gen = None
@@ -143,6 +152,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
             if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
                 stats[key] -= stats_before[key]
     finally:
+        gc.unfreeze()
         built.discard()  # the run is done with it: free, do not copy the weights back
     if g.out:
         _write_output(g.out, gen.output, spec, built.random_weights, log)
@@ -166,11 +176,11 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     pp = plan.prediction.phases
     phases = {}
     same_steps = steps == plan.workload.steps
-    for name, (m, each) in phases_of.items():
+    for name, (m, each, gcs) in phases_of.items():
         p = getattr(pp, name) if pp is not None else None
         t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
-            measured_time_s=m.time_s, measured_times_s=each, measured_peak_memory_bytes=m.peak_memory_bytes,
+            measured_time_s=m.time_s, measured_times_s=each, gc_s=gcs, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=t_pred,
             predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
@@ -197,8 +207,8 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
 
 
 def combine_phases(runs: list[dict]) -> dict[str, tuple]:
-    """phase -> (PhaseMeasurement, times) over measured generations: the median time, the largest peaks and host
-    memory, and every generation's time."""
+    """phase -> (PhaseMeasurement, times, gc seconds) over measured generations: the median time, the largest peaks
+    and host memory, and every generation's time and time in the garbage collector."""
     from chunkflow.generate import PhaseMeasurement
 
     def most(values):
@@ -212,7 +222,8 @@ def combine_phases(runs: list[dict]) -> dict[str, tuple]:
         peak = max(ms, key=lambda m: m.peak_memory_bytes or 0)  # reserved and context of the same phase
         out[name] = (PhaseMeasurement(time_s=statistics.median(each), peak_allocated_bytes=most(
             m.peak_allocated_bytes for m in ms), peak_reserved_bytes=peak.peak_reserved_bytes,
-            context_bytes=peak.context_bytes, host_rss_bytes=max(m.host_rss_bytes for m in ms)), each)
+            context_bytes=peak.context_bytes, host_rss_bytes=max(m.host_rss_bytes for m in ms)), each,
+            [m.gc_s for m in ms])
     return out
 
 

@@ -146,6 +146,8 @@ class OffloadHandle:
                 torch.cuda.synchronize(self.device)
             self.layouts, self.store = layouts, store
             if self.cfg.streams:
+                if cast and self.device.type == "cuda":
+                    cast_kernel_name(self.device)  # pick (and compile) the cast kernel now, not in the first forward
                 backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
                 self.streamer = Streamer(layouts, store, self.device, backend,
                                          cast_on_copy=self.cfg.fp8_cast == "copy")
