@@ -191,6 +191,14 @@ def test_batched_cfg_generation_matches_diffusers_within_tolerance(cli, workdir,
     assert (ours - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+def _tiny_generation(cli, saved) -> tuple[Path, list]:
+    """A plan for the tiny pipeline and the `chunkflow run` arguments that generate from its saved weights."""
+    plan = _plan(cli, "tiny")
+    prompt, negative = PROMPTS["tiny"]
+    return plan, ["run", "--plan", plan, "--weights", saved["tiny"], "--prompt", prompt, "--negative-prompt", negative,
+                  "--seed", "5"]
+
+
 def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, workdir, saved):
     """`--warmup 1` runs a whole generation first: the measured one gives the same latents, the report keeps the
     first one's phase times, and `calibrate --from-report` turns first-less-later into the profile's start-up."""
@@ -199,10 +207,7 @@ def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, 
     from chunkflow.calibrate import read_reports, refit
     from chunkflow_planner.catalog import get_hardware
 
-    plan = _plan(cli, "tiny")
-    prompt, negative = PROMPTS["tiny"]
-    base = ["run", "--plan", plan, "--weights", saved["tiny"], "--prompt", prompt, "--negative-prompt", negative,
-            "--seed", "5"]
+    plan, base = _tiny_generation(cli, saved)
     with one_thread():
         cold = cli(*base, "--latents", "cold.safetensors", "--report", "cold.json")
         warm = cli(*base, "--warmup", "1", "--latents", "warm.safetensors", "--report", "warm.json")
@@ -236,10 +241,7 @@ def test_repeat_measures_several_generations_and_reports_their_median(cli, workd
     seed), and the table shows the spread. --repeat without --prompt, or below 1, is refused."""
     from safetensors.torch import load_file
 
-    plan = _plan(cli, "tiny")
-    prompt, negative = PROMPTS["tiny"]
-    base = ["run", "--plan", plan, "--weights", saved["tiny"], "--prompt", prompt, "--negative-prompt", negative,
-            "--seed", "5"]
+    plan, base = _tiny_generation(cli, saved)
     with one_thread():
         one = cli(*base, "--latents", "one.safetensors", "--report", "one.json")
         many = cli(*base, "--warmup", "1", "--repeat", "3", "--latents", "many.safetensors", "--report", "many.json")
