@@ -114,3 +114,92 @@ def test_cuda_cast_gives_pytorchs_bits(dtype):
     out = torch.full((big.numel() + 7,), 3.0, dtype=dtype, device=dev)
     cast_into(out[: big.numel()], big)
     assert _same_bits(out[: big.numel()], big.to(dtype)) and bool((out[big.numel():] == 3.0).all())
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """fast_cast_kernel decided anew (its per-device cache emptied before and after), on a pretend Hopper."""
+    fp8cast.fast_cast_kernel.cache_clear()
+    monkeypatch.delenv(fp8cast.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    yield monkeypatch
+    fp8cast.fast_cast_kernel.cache_clear()
+
+
+def test_the_fallback_to_pytorchs_copy_is_said_once_per_device(fresh_choice):
+    """No Triton on a GPU that could use it: PyTorch's copy, with one warning per device (the plan priced the
+    kernel); a GPU with no fp8 conversion takes PyTorch's copy silently unless the kernel was asked for."""
+    fresh_choice.setattr(fp8cast, "_triton_kernel", lambda: None)
+    with pytest.warns(fp8cast.Fp8CastFallbackWarning, match="Triton could not be imported"):
+        assert fp8cast.fast_cast_kernel(0) == "torch"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fp8cast.fast_cast_kernel(0) == "torch"  # decided once: no second warning
+        fresh_choice.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+        assert fp8cast.fast_cast_kernel(1) == "torch"  # an A100: nothing to warn about
+    fresh_choice.setenv(fp8cast.CHOICE_ENV, "triton")
+    with pytest.warns(fp8cast.Fp8CastFallbackWarning, match="no fp8 conversion"):
+        assert fp8cast.fast_cast_kernel(2) == "torch"
+    fresh_choice.setenv(fp8cast.CHOICE_ENV, "fast please")
+    with pytest.warns(UserWarning, match="is not 'torch', 'auto' or 'triton'"):
+        fp8cast.fast_cast_kernel(3)
+
+
+def test_a_kernel_that_fails_or_differs_is_not_used(fresh_choice):
+    """The check on all 256 fp8 values: a kernel that raises, or gives other bits, leaves the cast to PyTorch's copy
+    with a warning saying why (run here on CPU tensors, as the check would on the GPU)."""
+    real_full_like = torch.full_like
+    fresh_choice.setattr(torch.cuda, "device", lambda index: fp8cast._no_guard())
+    fresh_choice.setattr(torch, "arange", _on_cpu(torch.arange))
+    fresh_choice.setattr(torch, "full_like", real_full_like)
+
+    def raises(dst, src):
+        raise RuntimeError("PTX not supported")
+
+    fresh_choice.setattr(fp8cast, "launch", raises)
+    with pytest.warns(fp8cast.Fp8CastFallbackWarning, match="RuntimeError: PTX not supported"):
+        assert fp8cast.fast_cast_kernel(0) == "torch"
+
+    def off_by_one_bit(dst, src):
+        dst.copy_(src)
+        dst.view(torch.uint8)[0] ^= 1
+
+    fresh_choice.setattr(fp8cast, "launch", off_by_one_bit)
+    with pytest.warns(fp8cast.Fp8CastFallbackWarning, match="differed from PyTorch's"):
+        assert fp8cast.fast_cast_kernel(1) == "torch"
+    fresh_choice.setattr(fp8cast, "launch", lambda dst, src: dst.copy_(src))
+    assert fp8cast.fast_cast_kernel(2) == "triton"  # the same bits on every value and dtype: used
+
+
+def _on_cpu(arange):
+    """torch.arange with any CUDA device asked for made on the CPU (the check's tensors, on a machine with no GPU)."""
+    return lambda *a, device=None, **kw: arange(*a, **kw)
+
+
+def test_the_kernel_is_launched_on_its_tensors_device(monkeypatch):
+    """Triton launches on the current device's current stream: `launch` makes the tensors' device current."""
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            entered.append(torch.device(device))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda src, dst, n, **kw: entered.append(("launch", n, grid))
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(fp8cast, "_triton_kernel", lambda: Kernel())
+    src = torch.empty(3 * BLOCK + 1, dtype=torch.float8_e4m3fn, device="meta")
+    fake = type("T", (), {"device": torch.device("cuda", 1), "numel": lambda self: src.numel()})()
+    fp8cast.launch(fake, fake)
+    assert entered == [torch.device("cuda", 1), ("launch", 3 * BLOCK + 1, (4,))]

@@ -297,6 +297,8 @@ def run_cmd(
     from chunkflow.run import RunOptions, run_plan
 
     generating = prompt is not None
+    if repeat < 1:
+        raise UserError(f"--repeat must be at least 1, got {repeat}")
     if repeat != 1 and not generating:
         raise UserError("--repeat counts measured generations and needs --prompt; a synthetic run times --steps "
                         "denoising steps")
@@ -306,10 +308,11 @@ def run_cmd(
                       seed=seed, repeat=repeat)
     if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
         raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
+    if generating and variant is not None:
+        raise UserError("--variant picks transformer files for the synthetic run; with --prompt, --weights is a "
+                        "whole pipeline folder")
+    opts.check()  # bad options fail before anything is built
     if generating:
-        if variant is not None:
-            raise UserError("--variant picks transformer files for the synthetic run; with --prompt, --weights is a "
-                            "whole pipeline folder")
         if guidance is not None and not (math.isfinite(guidance) and guidance > 0):
             raise UserError(f"--guidance must be a positive number, got {guidance}")
         if torchrun_world() > 1:
@@ -328,7 +331,6 @@ def run_cmd(
 
             resolve_weights(weights)  # a missing folder or uncached Hub id fails before anything is built
     else:
-        opts.check()  # bad options, paths and profiles fail before anything is built
         if latents is not None:
             check_output_file(latents, "--latents")
             opts.latents = latents

@@ -245,10 +245,13 @@ def environment(device) -> dict[str, str | None]:
 
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        triton = version("triton")
-    except PackageNotFoundError:
-        triton = None
+    triton = None
+    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):  # the names PyTorch's builds install it under
+        try:
+            triton = version(dist)
+            break
+        except PackageNotFoundError:
+            pass
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu, torch=torch.__version__,
                 diffusers=diffusers.__version__, triton=triton,
@@ -327,6 +330,9 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
     from chunkflow.runtime.storage import Fp8RoundedWeightsWarning
 
     o.check()
+    if o.repeat != 1:
+        raise RunError("repeat counts measured generations (a run with a prompt); the synthetic benchmark times "
+                       "`steps` denoising steps")
     try:
         spec = get_model(plan.model.name)
     except CatalogError as exc:

@@ -119,8 +119,10 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling, log=log)
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
         f"{time.perf_counter() - t0:.1f} s on {device}")
-    gc.collect()
-    gc.freeze()  # the long-lived objects: a full collection no longer scans them (module docstring)
+    freeze = gc.get_freeze_count() == 0  # a host process that froze its own objects keeps its freeze
+    if freeze:
+        gc.collect()
+        gc.freeze()  # the long-lived objects: a full collection no longer scans them (module docstring)
     try:
         first: dict[str, float] | None = None
         gen = None
@@ -152,7 +154,8 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
             if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
                 stats[key] -= stats_before[key]
     finally:
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
         built.discard()  # the run is done with it: free, do not copy the weights back
     if g.out:
         _write_output(g.out, gen.output, spec, built.random_weights, log)

@@ -9,8 +9,8 @@ float16 and float32 value, so the bits are those of `stored.to(compute_dtype)` (
 kernel is used; where it cannot be used, PyTorch's copy does the cast and a warning says why, since the planner
 prices the cast at the rate `chunkflow calibrate` measured for the kernel the runtime uses.
 
-`CHUNKFLOW_FP8_CAST=torch` makes the runtime use PyTorch's copy (to compare the two); it is read once per device,
-at the first fp8 offload on it.
+`CHUNKFLOW_FP8_CAST=torch` makes the runtime use PyTorch's copy (to compare the two), `triton` asks for the kernel
+and warns where it cannot run; it is read once per device, at the first fp8 offload on it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ BLOCK = 8192  # fp8 elements per Triton program: 32 per thread with 8 warps, rea
 NUM_WARPS = 8
 FAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIT_VIEWS = {2: torch.int16, 4: torch.int32}  # compare casts bit for bit (-0.0 too)
-CHOICE_ENV = "CHUNKFLOW_FP8_CAST"  # "torch": always PyTorch's copy; unset, "" or "auto": the Triton kernel where it can
+CHOICE_ENV = "CHUNKFLOW_FP8_CAST"  # "torch": PyTorch's copy; unset/"auto": the Triton kernel where it can; "triton": that,
+# with a warning where it cannot
 
 
 class Fp8CastFallbackWarning(UserWarning):
@@ -84,12 +85,12 @@ def fast_cast_kernel(device_index: int) -> str:
     if choice == "torch":
         return "torch"
     if choice not in ("", "auto", "triton"):
-        warnings.warn(f"chunkflow: {CHOICE_ENV}={os.environ[CHOICE_ENV]!r} is not 'torch' or 'auto'; using 'auto'",
-                      stacklevel=2)
-    if torch.cuda.get_device_capability(device_index) < (8, 9):
-        return "torch"  # no hardware fp8 conversion there: PyTorch's copy is what there is
+        warnings.warn(f"chunkflow: {CHOICE_ENV}={os.environ[CHOICE_ENV]!r} is not 'torch', 'auto' or 'triton'; "
+                      "using 'auto'", stacklevel=2)
+    if torch.cuda.get_device_capability(device_index) < (8, 9):  # no hardware fp8 conversion: PyTorch's copy it is
+        return "torch" if choice != "triton" else _fallback(device_index, "the GPU has no fp8 conversion (< sm_89)")
     if _triton_kernel() is None:
-        return _fallback(device_index, "Triton is not installed")
+        return _fallback(device_index, "Triton could not be imported")
     try:
         with torch.cuda.device(device_index):
             src = torch.arange(256, dtype=torch.uint8, device=f"cuda:{device_index}").view(torch.float8_e4m3fn)
