@@ -561,14 +561,13 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     process's host memory: profile fields, and the raw rows."""
     from chunkflow.calibrate_ops import (fit_mem_ops_scale, measure_attention_grid, measure_cpu_tflops,
                                          measure_fp8_cast, measure_gemm_grid, measure_hbm)
+    from chunkflow.runtime.fp8cast import cast_kernel_name
     small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
     gemm = measure_gemm_grid(s.device, peak, progress=progress, **small)
     small_attn = dict(lens=(16, 64), heads=2, head_dim=16) if cpu_smoke else {}
     attn = measure_attention_grid(s.device, peak, progress=progress, **small_attn)
     attn_masked = measure_attention_grid(s.device, peak, progress=progress, masked=True, **small_attn)
     hbm = measure_hbm(s.device, 2**24 if cpu_smoke else 2 * 2**30)
-    from chunkflow.runtime.fp8cast import cast_kernel_name
-
     cast = measure_fp8_cast(s.device, 2**22 if cpu_smoke else 2**30)
     cast_kernel = cast_kernel_name(s.device)
     update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, attn_eta_masked=attn_masked, hbm_gbps=hbm,

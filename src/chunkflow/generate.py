@@ -8,7 +8,7 @@ The phases are told apart by the pipeline's calls: denoising begins at the first
 emptied, so a phase's peak is its own. The execution device is fixed for the call (components may be parked in
 host memory, where diffusers would otherwise look for it). The seconds Python's garbage collector ran inside each
 phase are counted too (`gc_s`): a full collection of a process holding torch, diffusers and transformers scans
-about half a million objects (0.2 s on a small CPU), enough to move a short phase by tens of percent.
+every object they keep alive (hundreds of thousands), which can move a short phase by a noticeable share.
 """
 
 from __future__ import annotations

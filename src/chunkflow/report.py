@@ -7,6 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from chunkflow_planner.plan import Plan
+from chunkflow_planner.policy import MarginKept
 from chunkflow_planner.units import format_bytes, format_seconds
 
 
@@ -74,7 +75,8 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
     if plan.memory_budget_bytes and plan.memory_margin:
-        budget += (f" (planned inside {format_bytes(int(plan.memory_budget_bytes / (1 + plan.memory_margin)))}: "
+        usable = MarginKept(plan.memory_budget_bytes, plan.memory_margin).usable
+        budget += (f" (planned inside {format_bytes(usable)}: "
                    f"{plan.memory_margin:.1%} kept for the memory model's error)")
     total = plan.prediction.step_time_s * w.steps
     console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)} "

@@ -13,7 +13,7 @@ the first generation's phase times are kept too (`first_phase_times_s`), from wh
 time is their median (every time kept in `measured_times_s`, so a miss can be told from run-to-run spread), its peak
 memory the largest, the transformer's counters in `stats` (forwards, bytes copied) the sum over them; the output
 written is the last generation's. The objects alive once the pipeline is built
-(torch, diffusers, transformers, the components: about half a million) are moved out of the garbage collector's
+(torch, diffusers, transformers, the components: hundreds of thousands) are moved out of the garbage collector's
 reach for the generations (`gc.freeze`), so that its full collections, which scan them all, do not land in a
 phase at random; each phase's time in the collector is reported (`gc_s`).
 """

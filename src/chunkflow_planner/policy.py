@@ -242,7 +242,7 @@ def decide(
     `kept`: the user's budget and margin `budget` is what is left of (for the messages)."""
     none = problem.fastest_none()  # the reference of --max-slowdown and of the plan's `none` baseline
     layerwise = problem.evaluate(OffloadConfig("layerwise"))
-    target = target_step_time if target_step_time is not None else none.step_time * (max_slowdown or 1.05)
+    target = problem.target(max_slowdown, target_step_time)
     target_text = f"{target:.3f} s" + (f" ({max_slowdown:.2f}x no offload)" if target_step_time is None else "")
 
     nones = [problem.none(b) for b in problem.levers.cfg_batched]

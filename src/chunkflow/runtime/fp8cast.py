@@ -15,6 +15,7 @@ and warns where it cannot run; it is read once per device, at the first fp8 offl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -54,20 +55,10 @@ def _triton_kernel():
 def launch(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Cast contiguous `src` into contiguous `dst` (same number of elements, one device) with the Triton kernel, on
     that device's current stream."""
-    import triton
-
     n = src.numel()
-    guard = torch.cuda.device(src.device) if src.device.type == "cuda" else _no_guard()
+    guard = torch.cuda.device(src.device) if src.device.type == "cuda" else contextlib.nullcontext()
     with guard:  # Triton launches on the current device's current stream: make it the tensors' device
-        _triton_kernel()[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
-
-
-class _no_guard:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        _triton_kernel()[(-(-n // BLOCK),)](src, dst, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def _fallback(device_index: int, why: str) -> str:
