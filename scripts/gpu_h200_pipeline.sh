@@ -28,6 +28,7 @@ source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
 after_run() { pack; }
 generate() {  # generate NAME DEADLINE_S SUFFIX PLAN_ARGS...: plan it under the profile, then generate from a prompt
   local name=$1 deadline=$2 suffix=$3; shift 3
+  deadline=$(( deadline * (${REPEAT:-1} + 1) / 2 ))  # set for two generations (the warm-up and one measured)
   local prof=$out/profile.yaml
   [ -f "$prof" ] || prof=h200  # calibrate cut short: the catalog's profile (said in each plan's hardware source)
   run "$name-plan" 30 plan "$@" --hardware "$prof" --out "$out/$name-plan.json"

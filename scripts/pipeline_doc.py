@@ -18,7 +18,7 @@ PHASES = ("encode", "denoise", "decode")
 
 
 def _pct(m: float, p: float | None) -> str:
-    return "-" if not p else f"{(m - p) / p:+.1%}"
+    return "-" if not p or m is None else f"{(m - p) / p:+.1%}"
 
 
 def _gb(x: float | None) -> str:
@@ -46,7 +46,7 @@ def table(paths: list[str], profile=None) -> list[str]:
 
     out = ["| pipeline | phase | measured | predicted | error | first generation | predicted | error | "
            "peak GPU memory | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    host, spread = [], []
+    host, spread, parts = [], [], []
     for path in paths:
         rep = load_reports([path])[0]
         g = rep.generation
@@ -78,7 +78,34 @@ def table(paths: list[str], profile=None) -> list[str]:
                           + "; ".join(f"{ph} {min(t):.3f}-{max(t):.3f} s" for ph, t in
                                       ((ph, g.phases[ph].measured_times_s) for ph in PHASES))
                           + f"; generation {min(g.generation_times_s):.3f}-{max(g.generation_times_s):.3f} s")
-    return out + [""] + host + ([""] + spread if spread else [])
+        enc = g.phases["encode"]
+        if enc.parts_s:  # where the encode phase's time went (medians over the measured generations)
+            first = (g.first_parts_s or {}).get("encode")
+            parts.append(f"- {name}: encode " + _parts(enc) + ("" if not first else "; first generation: " + ", ".join(
+                f"{part} {t:.3f} s" for part, t in first.items()) + f", the rest "
+                f"{g.first_phase_times_s['encode'] - sum(first.values()):.3f} s"))
+    return out + [""] + host + ([""] + spread if spread else []) + ([""] + parts if parts else [])
+
+
+def _parts(m) -> str:
+    """A phase's measured components, the rest (host work) and its CPU and collector time, each against the plan."""
+    from statistics import median
+
+    pred = m.predicted_parts_s
+    bits, timed = [], 0.0
+    for part, each in m.parts_s.items():
+        t = median(each)
+        timed += t
+        p = pred.get(part)
+        bits.append(f"{part} {t:.3f} s" + (f" (planned {p:.3f} s)" if p is not None else ""))
+    rest = m.measured_time_s - timed
+    host = pred.get("host")
+    bits.append(f"the rest {rest:.3f} s" + (f" (planned host work {host:.3f} s)" if host is not None else ""))
+    if m.cpu_s:
+        bits.append(f"CPU time {median(m.cpu_s):.3f} s")
+    if m.gc_s and max(m.gc_s) > 0:
+        bits.append(f"in the garbage collector {max(m.gc_s):.3f} s at most")
+    return ", ".join(bits)
 
 
 def main(argv: list[str]) -> None:

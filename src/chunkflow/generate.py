@@ -9,6 +9,11 @@ emptied, so a phase's peak is its own. The execution device is fixed for the cal
 host memory, where diffusers would otherwise look for it). The seconds Python's garbage collector ran inside each
 phase are counted too (`gc_s`): a full collection of a process holding torch, diffusers and transformers scans
 every object they keep alive (hundreds of thousands), which can move a short phase by a noticeable share.
+
+Where a phase's time goes: each text encoder's forwards are timed inside the encode phase (`parts_s`, the device
+synchronized at their edges, their moves to and from the device included), the rest of the phase is the pipeline's
+host work (tokenizers, its own logic); `cpu_s` is the CPU time of the thread that ran the phase, so a phase slower
+than its plan can be told busy on the host from waiting.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -34,6 +39,8 @@ class PhaseMeasurement:
     context_bytes: int | None = None  # device memory in use beyond torch's reserve at the phase's end
     host_rss_bytes: int = 0
     gc_s: float = 0.0  # seconds in Python's garbage collector during the phase
+    cpu_s: float = 0.0  # CPU seconds of the thread that ran the phase (time.thread_time)
+    parts_s: dict[str, float] = field(default_factory=dict)  # component -> seconds in its forwards (text encoders)
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -64,6 +71,21 @@ class _Clock:
         self.t0 = 0.0
         self.gc_s = 0.0  # the current phase's seconds in the garbage collector so far
         self._gc_t0: float | None = None
+        self.cpu_t0 = 0.0
+        self.parts: dict[str, float] = {}  # the current phase's seconds per timed component so far
+        self._part_t0: dict[str, float] = {}
+
+    def part_start(self, name: str) -> None:
+        """A timed component's forward begins (the device idle first, so its time is its own)."""
+        if self.current is not None and name not in self._part_t0:  # an inner call of the same component: one span
+            self._sync()
+            self._part_t0[name] = time.perf_counter()
+
+    def part_stop(self, name: str) -> None:
+        t0 = self._part_t0.pop(name, None)
+        if t0 is not None and self.current is not None:
+            self._sync()
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
 
     def on_gc(self, event: str, info: dict) -> None:
         """A `gc.callbacks` entry: add a collection's time to the current phase."""
@@ -83,13 +105,15 @@ class _Clock:
         if self.cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.current, self.t0, self.gc_s = name, time.perf_counter(), 0.0
+        self.parts, self._part_t0 = {}, {}
+        self.current, self.t0, self.gc_s, self.cpu_t0 = name, time.perf_counter(), 0.0, time.thread_time()
 
     def stop(self) -> None:
         from chunkflow.hostmem import rss_bytes
 
         self._sync()
-        m = PhaseMeasurement(time_s=time.perf_counter() - self.t0, host_rss_bytes=rss_bytes(), gc_s=self.gc_s)
+        m = PhaseMeasurement(time_s=time.perf_counter() - self.t0, host_rss_bytes=rss_bytes(), gc_s=self.gc_s,
+                             cpu_s=time.thread_time() - self.cpu_t0, parts_s=dict(self.parts))
         if self.cuda:
             free, total = torch.cuda.mem_get_info(self.device)
             m.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
@@ -164,6 +188,10 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
 
     for name in built.names("transformer"):
         hooks.append(getattr(pipe, name).register_forward_pre_hook(to_denoise, prepend=True))
+    for name in built.names("text_encoder"):  # first in, last out: moves to and from the device inside the span
+        module = getattr(pipe, name)
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: clock.part_start(name), prepend=True))
+        hooks.append(module.register_forward_hook(lambda m, a, out, name=name: clock.part_stop(name)))
 
     vae = getattr(pipe, spec.pipeline.vae.component)
     decode = vae.decode

@@ -38,6 +38,12 @@ class PhaseResult(BaseModel):
     measured_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     gc_s: list[float] = Field(default_factory=list, description="each measured generation's seconds in Python's "
                               "garbage collector during the phase")
+    cpu_s: list[float] = Field(default_factory=list, description="each measured generation's CPU seconds of the "
+                               "thread that ran the phase")
+    parts_s: dict[str, list[float]] = Field(default_factory=dict, description="component -> each measured "
+                                            "generation's seconds in its forwards (the text encoders in encode)")
+    predicted_parts_s: dict[str, float] = Field(default_factory=dict, description="the plan's account of the "
+                                                "phase's time (components, host work, start-up)")
     measured_peak_memory_bytes: int | None = Field(None, description="reserved + context at the phase's peak (GPU)")
     measured_peak_allocated_bytes: int | None = None
     measured_host_rss_bytes: int = 0
@@ -70,6 +76,8 @@ class GenerationResult(BaseModel):
     generation_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     first_phase_times_s: dict[str, float] | None = Field(
         None, description="with --warmup: the process's first generation, phase by phase (start-up included)")
+    first_parts_s: dict[str, dict[str, float]] | None = Field(
+        None, description="with --warmup: the first generation's timed components per phase (PhaseResult.parts_s)")
 
 
 @dataclass
@@ -125,6 +133,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         gc.freeze()  # the long-lived objects: a full collection no longer scans them (module docstring)
     try:
         first: dict[str, float] | None = None
+        first_parts: dict[str, dict[str, float]] | None = None
         gen = None
         measured: list = []  # the measured generations' phases and step times (their outputs are not kept)
         stats_before: dict = {}
@@ -142,6 +151,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                            seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
             if i == 0 and o.warmup:
                 first = {name: m.time_s for name, m in gen.phases.items()}
+                first_parts = {name: m.parts_s for name, m in gen.phases.items() if m.parts_s}
                 log("first generation (start-up included): "
                     + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
             if k >= 0:
@@ -179,11 +189,12 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     pp = plan.prediction.phases
     phases = {}
     same_steps = steps == plan.workload.steps
-    for name, (m, each, gcs) in phases_of.items():
+    for name, (m, each, gcs, cpus, parts) in phases_of.items():
         p = getattr(pp, name) if pp is not None else None
         t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
-            measured_time_s=m.time_s, measured_times_s=each, gc_s=gcs, measured_peak_memory_bytes=m.peak_memory_bytes,
+            measured_time_s=m.time_s, measured_times_s=each, gc_s=gcs, cpu_s=cpus, parts_s=parts,
+            predicted_parts_s=dict(p.parts_s) if p and cuda else {}, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=t_pred,
             predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
@@ -205,13 +216,14 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if cuda else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
         warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
-        first_phase_times_s=first)
+        first_phase_times_s=first, first_parts_s=first_parts)
     return report
 
 
 def combine_phases(runs: list[dict]) -> dict[str, tuple]:
-    """phase -> (PhaseMeasurement, times, gc seconds) over measured generations: the median time, the largest peaks
-    and host memory, and every generation's time and time in the garbage collector."""
+    """phase -> (PhaseMeasurement, times, gc seconds, CPU seconds, parts) over measured generations: the median time,
+    the largest peaks and host memory, and every generation's time, time in the garbage collector, CPU time and
+    seconds per timed component (component -> one per generation)."""
     from chunkflow.generate import PhaseMeasurement
 
     def most(values):
@@ -226,7 +238,8 @@ def combine_phases(runs: list[dict]) -> dict[str, tuple]:
         out[name] = (PhaseMeasurement(time_s=statistics.median(each), peak_allocated_bytes=most(
             m.peak_allocated_bytes for m in ms), peak_reserved_bytes=peak.peak_reserved_bytes,
             context_bytes=peak.context_bytes, host_rss_bytes=max(m.host_rss_bytes for m in ms)), each,
-            [m.gc_s for m in ms])
+            [m.gc_s for m in ms], [m.cpu_s for m in ms],
+            {part: [m.parts_s.get(part, 0.0) for m in ms] for part in sorted({k for m in ms for k in m.parts_s})})
     return out
 
 

@@ -126,6 +126,8 @@ class PhasePrediction(_Section):
     peak_memory_bytes: int = Field(ge=0, description="device memory in use at the peak: allocation, allocator "
                                    "reserve and CUDA context")
     allocated_bytes: int = Field(0, ge=0, description="torch's peak allocation in the phase")
+    parts_s: dict[str, float] = Field(default_factory=dict, description="where time_s goes: components (each text "
+                                      "encoder), host work, denoising steps, start-up")
 
 
 class PhasesPrediction(_Section):

@@ -233,7 +233,8 @@ def _with_pipeline(plan: Plan, spec: ModelSpec, whole) -> Plan:
     comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
     phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, startup_s=e.phases[ph].startup_s,
                                                      peak_memory_bytes=e.peak_memory(ph),
-                                                     allocated_bytes=int(e.phases[ph].allocated_bytes))
+                                                     allocated_bytes=int(e.phases[ph].allocated_bytes),
+                                                     parts_s=dict(e.phases[ph].detail))
                                  for ph in PHASES})
     pred = plan.prediction.model_copy(update=dict(
         phases=phases, generation_time_s=e.generation_time, host_memory_bytes=e.host_memory,
