@@ -92,6 +92,14 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     assert len(hw.attn_eta_masked) == len(hw.attn_eta) >= 4  # masked attention measured on the same grid
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["h2d"]) >= 3 and len(raw["blocks"]) >= 3
+    # the host side: an operator's host cost (every catalog text-encoder architecture timed), the CPU's matmul by
+    # shape against its best rate, its memory bandwidth
+    host = raw["operators"]["host"]
+    assert set(host["host_op_us"]) == {"t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"}
+    assert all(isinstance(v, float) and v > 0 for v in host["host_op_us"].values())
+    assert hw.host_op_us > 0 and hw.cpu_op_us > 0 and hw.cpu_mem_gbps > 0
+    assert len(hw.cpu_gemm_eta) == 8  # eta against the best of the square matmul and the grid: at most 1
+    assert all(0 < r[3] <= 1 for r in hw.cpu_gemm_eta) and hw.cpu_tflops == host["cpu_tflops"]
     # whole forwards timed; the model's curve is its one-block curve scaled by them where the scale is a GPU's
     # (the tiny model on the CPU is launch-bound: recorded, not applied)
     fw = raw["forwards"]

@@ -160,3 +160,35 @@ def test_tiled_decode_calls_counted_as_diffusers_makes_them(cls):
             assert len(calls) == tiling.decoder_calls(h, w, lf, spatial, temporal), (frames, h, w)
     finally:
         hook.remove()
+
+
+ARCHS = sorted({te.arch: te for _, s in PIPELINES if not s.name.startswith("tiny")
+                for te in s.pipeline.text_encoders}.items())
+
+
+@pytest.mark.parametrize("arch, te", ARCHS, ids=[a for a, _ in ARCHS])
+def test_host_operator_counts_are_those_the_class_dispatches(arch, te):
+    """components.HOST_OPS (operators per layer and once per forward, the host side of a text encoder's time) are
+    what transformers' class dispatches in one forward, counted at a small width with one and with two layers;
+    within 15% (transformers versions move a few operators)."""
+    from chunkflow.calibrate_host import count_text_encoder_ops
+    from chunkflow_planner.components import HOST_OPS
+
+    one, two = count_text_encoder_ops(te, 1), count_text_encoder_ops(te, 2)
+    per_layer, once = HOST_OPS[arch]
+    assert two - one == pytest.approx(per_layer, rel=0.15)
+    assert one - (two - one) == pytest.approx(once, rel=0.15, abs=3)
+    assert te.host_ops() == te.shape()["layers"] * per_layer + once
+
+
+def test_small_text_encoders_keep_what_decides_the_operator_count():
+    """The small-width stand-ins calibrate times keep the architecture's flags and all its layers: the full-depth
+    stand-in dispatches as many operators as HOST_OPS says the real model does."""
+    from chunkflow.calibrate_host import count_text_encoder_ops, small_config
+
+    arch, te = ARCHS[0]
+    small = small_config(te.arch, te.config, 3)
+    assert small.get("num_layers", small.get("num_hidden_layers")) == 3
+    for arch, te in ARCHS:
+        full = count_text_encoder_ops(te, te.shape()["layers"])
+        assert full == pytest.approx(te.host_ops(), rel=0.15), arch

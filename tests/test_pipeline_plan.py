@@ -363,3 +363,43 @@ def test_vae_tiling_refuses_what_cannot_tile():
         VaeTiling(tile_px=64, stride_px=128)
     with pytest.raises(ValueError, match="latent pixel"):
         VaeTiling(tile_px=64, stride_px=4).decoder_calls(720, 1280, 1, 8, None)
+
+
+def test_a_text_encoder_forward_is_bound_by_its_device_or_its_host():
+    """On the GPU a text encoder's forward takes the longer of its operators' device time and its host dispatch
+    (operators x host_op_us); on the CPU its operators at their shape's measured matmul rate plus cpu_op_us each."""
+    from chunkflow_planner.ops import eta_cpu, ops_time_cpu
+    from chunkflow_planner.pipeline import text_forward_s
+
+    te = get_model("wan2.2").pipeline.text_encoders[0]
+    ops = text_encoder_ops(te, 1, te.tokens)
+    device = ops_time(ops, H200)
+    free = H200.model_copy(update={"host_op_us": 0.0})
+    assert text_forward_s(te, free) == pytest.approx(device)
+    slow = H200.model_copy(update={"host_op_us": 100.0})  # a host this slow binds
+    assert text_forward_s(te, slow) == pytest.approx(te.host_ops() * 100e-6) and te.host_ops() * 100e-6 > device
+    # the CPU: a matmul table slower at few tokens lengthens the forward, each operator adds its host cost
+    flat = H200.model_copy(update={"cpu_gemm_eta": None, "cpu_mem_gbps": None, "cpu_op_us": 0.0})
+    table = [(m, n, k, 0.1 if m == 16 else 1.0) for m in (16, 1024) for n in (768, 4096) for k in (768, 4096)]
+    shaped = flat.model_copy(update={"cpu_gemm_eta": table})
+    assert eta_cpu(shaped, 16, 4096, 4096) == pytest.approx(0.1) and eta_cpu(flat, 16, 4096, 4096) == 1.0
+    assert ops_time_cpu(ops, shaped) > ops_time_cpu(ops, flat)
+    assert text_forward_s(te, flat, on_cpu=True) == pytest.approx(ops_time_cpu(ops, flat))
+    costly = flat.model_copy(update={"cpu_op_us": 50.0})
+    assert text_forward_s(te, costly, on_cpu=True) == pytest.approx(ops_time_cpu(ops, flat) + te.host_ops() * 50e-6)
+
+
+def test_text_encoders_brought_for_encode_stay_until_it_ends():
+    """Encoders placed `phase` or `stream` all stay on the device until encode ends (a pipeline may call one again
+    for the negative prompt): encode holds the sum of their weights, not the largest; the plan's account of every
+    phase's time adds up to it."""
+    spec = get_model("flux")
+    w = make_workload(spec, height=1024, width=1024, steps=8)
+    point = Problem(spec, w, H200).fastest_none()
+    clip, t5 = spec.pipeline.text_encoders
+    one = estimate(spec, w, H200, Placements(("cpu", "phase"), "gpu", "gpu", False), point)
+    both = estimate(spec, w, H200, Placements(("phase", "phase"), "gpu", "gpu", False), point)
+    assert both.phases["encode"].allocated_bytes == pytest.approx(one.phases["encode"].allocated_bytes + clip.nbytes)
+    for e in (one, both):
+        for p in PHASES:
+            assert sum(e.phases[p].detail.values()) == pytest.approx(e.phases[p].time_s)

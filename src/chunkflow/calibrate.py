@@ -561,6 +561,7 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     process's host memory: profile fields, and the raw rows."""
     from chunkflow.calibrate_ops import (fit_mem_ops_scale, measure_attention_grid, measure_cpu_tflops,
                                          measure_fp8_cast, measure_gemm_grid, measure_hbm)
+    from chunkflow.calibrate_host import measure_host
     from chunkflow.runtime.fp8cast import cast_kernel_name
     small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
     gemm = measure_gemm_grid(s.device, peak, progress=progress, **small)
@@ -574,12 +575,17 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
                                   fp8_cast_gbps=cast)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
     update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024))
+    host, host_raw = measure_host(s.device, update["cpu_tflops"], cpu_smoke)
+    update.update(host)
     log(f"operator model: GEMM eta {min(r[3] for r in gemm):.2f}-{max(r[3] for r in gemm):.2f} over {len(gemm)} shapes, "
         f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f} (masked "
         f"{min(r[2] for r in attn_masked):.2f}-{max(r[2] for r in attn_masked):.2f}), memory {hbm:.0f} GB/s, memory passes "
         f"x{scale:.2f}; fp8 cast {cast:.0f} GB/s ({cast_kernel}); CPU {update['cpu_tflops']:.2f} TFLOP/s")
+    log(f"host: {host['host_op_us']:.1f} us per operator on the GPU path, {host['cpu_op_us']:.1f} us on the CPU; CPU "
+        f"GEMM eta {min(r[3] for r in host['cpu_gemm_eta']):.2f}-{max(r[3] for r in host['cpu_gemm_eta']):.2f}, "
+        f"memory {host['cpu_mem_gbps']:.0f} GB/s")
     return update, dict(gemm=gemm, attention=attn, attention_masked=attn_masked, hbm_gbps=hbm, mem_ops_scale=scale,
-                        fp8_cast_gbps=cast, fp8_cast_kernel=cast_kernel)
+                        fp8_cast_gbps=cast, fp8_cast_kernel=cast_kernel, host=host_raw)
 
 
 def _process_rss() -> int:
@@ -851,7 +857,10 @@ def generation_estimate(r, hw: HardwareSpec):
 
 def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
     """From generation reports (planned whole pipelines), the host-side and allocator terms of the phases:
-    - encode_host_s: measured encode less the text encoders' predicted time (median, at least 0);
+    - encode_host_s: measured encode less the text encoders' forwards, as measured where the report timed them
+      (`parts_s`), else as predicted (median, at least 0);
+    - host_op_us: the host cost of an operator, from the timed forwards of text encoders kept on the GPU that were
+      bound by the host (their time over their operator count, components.HOST_OPS; median);
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
     - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
@@ -867,7 +876,7 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         return {}
     base = hw.model_copy(update={"encode_host_s": 0.0, "postprocess_gbps": 1e4, "alloc_slack": 0.0,
                                  "startup_s": {}})
-    enc, post, slack = [], [], []
+    enc, post, slack, op_us = [], [], [], []
     cold = 0  # reports of a process's first generation with no start-up known to take out
     for r in gens:
         e, w = generation_estimate(r, base)
@@ -878,8 +887,13 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         cold += unknown
         for name, m in g.phases.items():
             t = m.measured_time_s - (start.get(name) or 0.0)
+            if name == "encode" and g.warmup_generations:
+                op_us += _host_op_us(spec, w, base, g.components, m.parts_s)
             if unknown and name in ("encode", "decode"):
                 pass  # its time holds the start-up too: not a measure of the host work
+            elif name == "encode" and m.parts_s and len(m.measured_times_s) == len(next(iter(m.parts_s.values()))):
+                enc.append(max(0.0, statistics.median(  # each generation's time outside its encoders' forwards
+                    total - sum(p[i] for p in m.parts_s.values()) for i, total in enumerate(m.measured_times_s))))
             elif name == "encode":
                 enc.append(max(0.0, t - e.phases["encode"].time_s))
             elif name == "decode":
@@ -898,6 +912,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         update["encode_host_s"] = statistics.median(enc)
     else:
         notes.append("encode_host_s unchanged: no encode phase to measure it from")
+    if op_us:
+        update["host_op_us"] = statistics.median(op_us)
     if post:
         update["postprocess_gbps"] = statistics.median(post)
     else:
@@ -911,6 +927,23 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     notes.append(f"from {len(gens)} generation report(s): "
                  + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
     return update
+
+
+def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
+                parts: dict[str, list[float]]) -> list[float]:
+    """Host microseconds per operator of each timed forward of a text encoder kept on the GPU whose time exceeds
+    its operators' predicted device time (bound by the host)."""
+    from chunkflow_planner.ops import ops_time, text_encoder_ops
+
+    out = []
+    for te in spec.pipeline.text_encoders:
+        if placements.get(te.component) != "gpu" or te.component not in parts:
+            continue
+        device = w.cfg_passes * ops_time(text_encoder_ops(te, 1, te.tokens), hw)
+        for t in parts[te.component]:
+            if t > device:
+                out.append(t / (w.cfg_passes * te.host_ops()) * 1e6)
+    return out
 
 
 def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:

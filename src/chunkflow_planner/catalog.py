@@ -231,14 +231,24 @@ class HardwareSpec(_Strict):
                                     "besides the weights: Python, torch, the CUDA libraries (calibrate measures it)")
     cpu_tflops: float = Field(1.0, gt=0, le=1e4, description="the host CPU's achieved bf16/fp32 matmul rate, for "
                               "components placed on the CPU (calibrate measures it)")
+    cpu_gemm_eta: list[tuple[float, float, float, float]] | None = Field(
+        None, description="the host CPU's bf16 GEMM efficiencies by shape: [M, N, K, fraction of cpu_tflops] on a "
+        "grid (calibrate); a text encoder on the CPU runs a few tokens (small M), far from the square matmul's rate")
+    cpu_mem_gbps: float | None = Field(None, gt=0, le=1e6, description="the host CPU's bandwidth for memory-bound "
+                                       "operators (calibrate); unset: they are not priced on the CPU")
+    host_op_us: float = Field(0.0, ge=0, le=1e4, description="host microseconds one eager operator costs on the "
+                              "GPU path (Python, dispatcher, kernel launch), measured by calibrate on text encoders: "
+                              "a forward takes at least its operator count (components.HOST_OPS) times this")
+    cpu_op_us: float = Field(0.0, ge=0, le=1e5, description="the same for operators run on the CPU, beyond their "
+                             "GEMMs' and memory passes' time (calibrate)")
     vae_decode: dict[str, "VaeDecodeFit"] = Field(
         default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
         "catalog's for this GPU")
     postprocess_gbps: float = Field(1.0, gt=0, le=1e4, description="GB/s of float32 output (frames x H x W x 3) "
                                     "the pipeline's postprocessing turns into the result on the host after the VAE "
                                     "decode (device to host, numpy); `chunkflow calibrate --from-report` measures it")
-    encode_host_s: float = Field(0.0, ge=0, le=60, description="host seconds of the encode phase beyond the text "
-                                 "encoders' compute (tokenizers, prompt cleaning, padding); measured from reports")
+    encode_host_s: float = Field(0.0, ge=0, le=60, description="host seconds of the encode phase outside the text "
+                                 "encoders' forwards (tokenizers, prompt cleaning, padding); measured from reports")
     alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
                                "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
                                "measured from reports")

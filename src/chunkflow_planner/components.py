@@ -105,6 +105,23 @@ def encoder_params(arch: str, config: dict) -> tuple[int, int]:
     raise ValueError(f"unknown text encoder arch {arch!r}")
 
 
+# ------------------------------------------------------------------------------------ host dispatch
+
+# Operators one eager forward dispatches (aten calls, views included), per repeated layer and once per forward
+# (embeddings, masks, position biases, final norm), as transformers' classes run them: counted by the tests
+# (chunkflow.calibrate_ops.count_text_encoder_ops, on the CPU at a small width; the count does not depend on the
+# width) with a tolerance for transformers versions. A forward's host time is this many times the host cost of one
+# operator that calibrate measures (HardwareSpec.host_op_us, cpu_op_us): text encoders run a few tokens through
+# many small layers, so on the GPU they are often bound by Python and kernel launches, not by the device.
+HOST_OPS: dict[str, tuple[int, int]] = {
+    "t5_encoder": (66, 38),  # the relative-position bias is computed in the first layer only
+    "umt5_encoder": (92, 12),  # ... and in every layer
+    "clip_text": (41, 14),
+    "llama": (78, 27),
+    "qwen2_5_vl": (78, 45),
+}
+
+
 # ------------------------------------------------------------------------------------------------ specs
 
 
@@ -129,6 +146,11 @@ class TextEncoderSpec(_Strict):
     @property
     def layer_params(self) -> int:
         return encoder_params(self.arch, self.config)[1]
+
+    def host_ops(self) -> int:
+        """Operators one forward dispatches (HOST_OPS): layers x per layer + once per forward."""
+        per_layer, once = HOST_OPS[self.arch]
+        return self.shape()["layers"] * per_layer + once
 
     def shape(self) -> dict[str, Any]:
         """d, ff, heads, head_dim, kv_heads, layers, gated, eager_attention: what the operator model needs."""

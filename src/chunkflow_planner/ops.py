@@ -13,6 +13,12 @@ with eta_gemm and eta_attn interpolated from the tables `chunkflow calibrate` me
 the flash kernel) and mem_ops_scale fitted to the real blocks calibrate timed. So a model calibrate never ran
 is predicted from the shapes of its own operators. Without tables the scalar eta_comp applies to every FLOP.
 
+A text encoder's forward runs a few hundred tokens through many small layers: its host work can outlast its device
+work, so it takes the longer of the two (pipeline.py), the host work being its operator count
+(components.HOST_OPS) times the host cost of one operator that calibrate measures (`host_op_us`). On the host CPU
+(a text encoder placed there) GEMMs run at their shape's measured rate (`cpu_gemm_eta`), memory passes at
+`cpu_mem_gbps`, and each operator adds `cpu_op_us`.
+
 The FLOPs of a transformer block's operators add up to its F_block (flops.py, eqs. 12, 18, 22); the tests check it.
 Pure Python: no torch.
 """
@@ -142,15 +148,14 @@ def eta_attn(hw: HardwareSpec, q: float, kv: float, masked: bool = False) -> flo
     return _grid(table)(q, kv)
 
 
-def op_time(op: Op, hw: HardwareSpec, peak_flops: float | None = None) -> float:
-    """Seconds of one operator on `hw` (peak_flops: P_peak in FLOP/s, for the CPU; default the GPU's)."""
-    P = hw.peak_tflops * TFLOP if peak_flops is None else peak_flops
-    cpu = peak_flops is not None
+def op_time(op: Op, hw: HardwareSpec) -> float:
+    """Seconds of one operator on the GPU of `hw`."""
+    P = hw.peak_tflops * TFLOP
     if isinstance(op, Gemm):
-        return op.flops / (P * (1.0 if cpu else eta_gemm(hw, op.m, op.n, op.k)))
+        return op.flops / (P * eta_gemm(hw, op.m, op.n, op.k))
     if isinstance(op, Attention):
-        return op.flops / (P * (1.0 if cpu else eta_attn(hw, op.q, op.kv, op.masked)))
-    return 0.0 if cpu else hw.mem_ops_scale * op.nbytes / (hw.hbm_gbps * 1e9)
+        return op.flops / (P * eta_attn(hw, op.q, op.kv, op.masked))
+    return hw.mem_ops_scale * op.nbytes / (hw.hbm_gbps * 1e9)
 
 
 def ops_time(ops: list[Op], hw: HardwareSpec) -> float:
@@ -158,9 +163,25 @@ def ops_time(ops: list[Op], hw: HardwareSpec) -> float:
     return sum(op_time(op, hw) for op in ops)
 
 
+def eta_cpu(hw: HardwareSpec, m: float, n: float, k: float) -> float:
+    """Fraction of cpu_tflops a bf16 matmul of this shape achieves on the host CPU (the measured table, else 1)."""
+    return _grid(hw.cpu_gemm_eta)(m, n, k) if hw.cpu_gemm_eta else 1.0
+
+
+def cpu_op_time(op: Op, hw: HardwareSpec) -> float:
+    """Seconds of one operator on the host CPU: GEMMs at their shape's measured rate, an attention as its two
+    matmuls (q x kv x head dim), memory passes at cpu_mem_gbps (free where unmeasured)."""
+    P = hw.cpu_tflops * TFLOP
+    if isinstance(op, Gemm):
+        return op.flops / (P * eta_cpu(hw, op.m, op.n, op.k))
+    if isinstance(op, Attention):
+        return op.flops / (P * eta_cpu(hw, op.q, op.kv, op.hd))
+    return op.nbytes / (hw.cpu_mem_gbps * 1e9) if hw.cpu_mem_gbps else 0.0
+
+
 def ops_time_cpu(ops: list[Op], hw: HardwareSpec) -> float:
-    """Seconds on the host CPU at its measured matmul rate (`cpu_tflops`); memory passes are not modelled."""
-    return sum(op_time(op, hw, hw.cpu_tflops * TFLOP) for op in ops)
+    """Seconds of a list of operators on the host CPU (cpu_op_time), the per-operator host cost not included."""
+    return sum(cpu_op_time(op, hw) for op in ops)
 
 
 def split(ops: list[Op], hw: HardwareSpec) -> tuple[float, float]:

@@ -180,13 +180,21 @@ def _text_act(te: TextEncoderSpec) -> float:
     return act
 
 
+def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
+    """Seconds of one forward of a text encoder: on the GPU the longer of its operators' device time and its host
+    dispatch (operators x host_op_us), on the CPU its operators' time plus cpu_op_us each (ops.py)."""
+    ops = text_encoder_ops(te, 1, te.tokens)
+    if on_cpu:
+        return ops_time_cpu(ops, hw) + te.host_ops() * hw.cpu_op_us * 1e-6
+    return max(ops_time(ops, hw), te.host_ops() * hw.host_op_us * 1e-6)
+
+
 def _text_cost(te: TextEncoderSpec, placement: str, passes: int, hw: HardwareSpec) -> tuple[float, float, float]:
     """(seconds, device bytes while it runs, host bytes) of one text encoder in its placement."""
-    ops = text_encoder_ops(te, 1, te.tokens)
     bw = hw.h2d_gbps * GB
     if placement == "cpu":
-        return passes * ops_time_cpu(ops, hw), 0.0, float(te.nbytes)
-    t_fwd = ops_time(ops, hw)
+        return passes * text_forward_s(te, hw, on_cpu=True), 0.0, float(te.nbytes)
+    t_fwd = text_forward_s(te, hw)
     act = _text_act(te)
     if placement == "gpu":
         return passes * t_fwd, te.nbytes + act, 0.0
@@ -280,32 +288,31 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     host["vae"] = 0.0 if pl.vae == "gpu" else float(vae_bytes)
     host["output"] = output_host_bytes(w)
 
-    # encode: the encoders one after another (those placed `phase` or `stream` take turns on the device)
+    # encode: the encoders one after another; those placed `phase` or `stream` stay on the device until the phase
+    # ends (a pipeline may call one twice, for the negative prompt), their activations come and go
     enc = Phase()
-    turn = 0.0
+    held = 0.0
     for te, p, (t, dev, _) in zip(pipe.text_encoders, pl.text_encoders, text):
         enc.time_s += t
         enc.detail[te.component] = t
         if p in ("phase", "stream"):
-            turn = max(turn, dev)
-        elif p == "gpu":
-            turn = max(turn, dev - te.nbytes)  # its weights are in `always`; its activations are not
+            held += dev - _text_act(te)
         if p != "cpu":
             enc.activation_bytes = max(enc.activation_bytes, _text_act(te))
     enc.time_s += hw.encode_host_s
     enc.detail["host"] = hw.encode_host_s
-    enc.allocated_bytes = always + turn
+    enc.allocated_bytes = always + held + enc.activation_bytes
     _add_startup(enc, "encode", hw, spec)
 
     # denoise: the transformer's plan (one expert at a time); parked outside, so it copies its device part back
     den = Phase()
     steps = w.steps
-    den.time_s = steps * point.step_time
-    if pl.transformer == "phase":
-        den.time_s += pipe.experts * t_model / bw
-    elif pl.transformer == "stream":
-        den.time_s += pipe.experts * _unpark_bytes(spec, point) / bw
     den.detail["steps"] = steps * point.step_time
+    if pl.transformer == "phase":
+        den.detail["unpark"] = pipe.experts * t_model / bw
+    elif pl.transformer == "stream":
+        den.detail["unpark"] = pipe.experts * _unpark_bytes(spec, point) / bw
+    den.time_s = sum(den.detail.values())
     den.allocated_bytes = (always - (t_model if pl.transformer == "gpu" else 0.0)) + point.memory.peak
     den.activation_bytes = point.memory.activations
     _add_startup(den, "denoise", hw, spec)
@@ -313,7 +320,10 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     # decode: the VAE's measured fit
     dec = Phase()
     t_dec, act = decode_cost(spec, w, hw, pl.vae_tiling)
-    dec.time_s = t_dec + (vae_bytes / bw if pl.vae == "phase" else 0.0)
+    dec.detail["vae"] = t_dec
+    if pl.vae == "phase":
+        dec.detail["unpark"] = vae_bytes / bw
+    dec.time_s = sum(dec.detail.values())
     dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
     dec.activation_bytes = act
     _add_startup(dec, "decode", hw, spec)

@@ -1,0 +1,201 @@
+"""What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/ops.py, pipeline.py):
+the host cost of one eager operator on the GPU path and on the CPU (`host_op_us`, `cpu_op_us`), the host CPU's bf16
+GEMM efficiency by shape and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`).
+
+The host cost of an operator is measured on the catalog's text encoders themselves: each architecture's
+transformers class, all its layers, at a small width (the operator count does not depend on the width, the device work becomes
+negligible), one forward timed and its operators counted (`count_ops`); the operator counts at full size are
+components.HOST_OPS, checked against `count_text_encoder_ops` by the tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+CPU_GEMM_M = (16, 128, 1024)
+CPU_GEMM_NK = (768, 4096)
+SMALL_HEADS = 2
+
+
+def small_config(arch: str, config: dict, layers: int) -> dict:
+    """`config` at a small width with `layers` layers: two heads of the model's own head dim (rotary sections
+    keep their sizes), a small MLP and vocabulary; what decides the operator count (flags, activations, biases,
+    attention kind) is kept."""
+    c = dict(config)
+    if arch in ("t5_encoder", "umt5_encoder"):
+        c.update(d_model=SMALL_HEADS * c["d_kv"], d_ff=128, num_heads=SMALL_HEADS, vocab_size=1000, num_layers=layers)
+        return c
+    t = dict(c.get("text_config") or c)
+    heads = t["num_attention_heads"]
+    hd = t.get("head_dim") or t["hidden_size"] // heads
+    kv = t.get("num_key_value_heads") or heads
+    t.update(hidden_size=SMALL_HEADS * hd, intermediate_size=128, num_attention_heads=SMALL_HEADS, vocab_size=1000,
+             num_hidden_layers=layers)
+    if "num_key_value_heads" in t:
+        t["num_key_value_heads"] = 1 if kv < heads else SMALL_HEADS  # grouped-query attention stays grouped
+    if "head_dim" in t:
+        t["head_dim"] = hd
+    if "text_config" not in c:
+        return t
+    c["text_config"] = t
+    if "vision_config" in c:  # a VL encoder's vision tower does not run for a text prompt: as small as it goes
+        c["vision_config"] = dict(c["vision_config"], depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                  out_hidden_size=t["hidden_size"], fullatt_block_indexes=[0])
+    return c
+
+
+def small_text_encoder(te, layers: int, device, dtype=None):
+    """The text encoder's transformers class at a small width (small_config), random weights, on `device`."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, te.cls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = cls(cls.config_class(**small_config(te.arch, te.config, layers)))
+    return module.to(device=device, dtype=dtype or torch.bfloat16).eval()
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """Operators fn() dispatches (aten calls, views included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
+
+def _forward(module, te, device) -> Callable[[], Any]:
+    """One forward as a pipeline calls its text encoder: padded token ids and an attention mask."""
+    import torch
+
+    ids = torch.randint(0, 1000, (1, te.tokens), device=device)
+    mask = torch.ones(1, te.tokens, dtype=torch.long, device=device)
+
+    def run():
+        with torch.no_grad():
+            return module(input_ids=ids, attention_mask=mask)
+
+    return run
+
+
+def count_text_encoder_ops(te, layers: int, device="cpu") -> int:
+    """Operators one forward of the text encoder with `layers` layers dispatches (small width; count_ops)."""
+    import torch
+
+    module = small_text_encoder(te, layers, torch.device(device))
+    run = _forward(module, te, torch.device(device))
+    run()  # first-call work (lazy initialisation) is not the steady forward
+    return count_ops(run)
+
+
+def host_op_seconds(te, device, layers: int | None = None, repeats: int = 5) -> tuple[float, int]:
+    """(seconds per operator, operators per forward) of the text encoder at a small width on `device`, all its
+    layers (default; the operators once per forward, masks and position biases, cost more than a layer's, so fewer
+    layers would weigh them more than the real forward does): the median forward (the device synchronized after
+    it) over its operator count."""
+    import torch
+
+    cuda = device.type == "cuda"
+    layers = layers or te.shape()["layers"]
+    module = small_text_encoder(te, layers, device)
+    run = _forward(module, te, device)
+    for _ in range(2):
+        run()
+    n = count_ops(run)
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n, n
+
+
+def text_encoder_archs() -> dict[str, Any]:
+    """One catalog text encoder per architecture (the first model using it), the tiny pipelines' left out."""
+    from chunkflow_planner.catalog import load_models
+
+    out: dict[str, Any] = {}
+    for spec in load_models().values():
+        if spec.pipeline is None or spec.name.startswith("tiny"):
+            continue
+        for te in spec.pipeline.text_encoders:
+            out.setdefault(te.arch, te)
+    return out
+
+
+def measure_op_us(device) -> tuple[float, dict[str, float]]:
+    """(median, per architecture) host microseconds per operator of the catalog's text encoders on `device`; an
+    architecture this transformers cannot build at a small width is left out (its entry says why)."""
+    per: dict[str, Any] = {}
+    for arch, te in text_encoder_archs().items():
+        try:
+            per[arch] = host_op_seconds(te, device)[0] * 1e6
+        except Exception as exc:  # noqa: BLE001 - one architecture's failure must not lose the calibration
+            per[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
+    values = [v for v in per.values() if isinstance(v, float)]
+    if not values:
+        raise RuntimeError("no text encoder could be built at a small width: " + "; ".join(map(str, per.values())))
+    return statistics.median(values), per
+
+
+def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK
+                          ) -> tuple[float, list[tuple[float, float, float, float]]]:
+    """(peak TFLOP/s, [M, N, K, eta] rows) of bf16 matmuls on the host CPU (text encoders on the CPU: few tokens);
+    the peak is the best of `cpu_tflops` (the square matmul) and the grid, eta is against it."""
+    import torch
+
+    from chunkflow.calibrate_ops import _time
+
+    rates = []
+    a_all = torch.randn(max(ms), max(nks), dtype=torch.bfloat16)
+    b_all = torch.randn(max(nks), max(nks), dtype=torch.bfloat16)
+    for m in ms:
+        for n in nks:
+            for k in nks:
+                a, b = a_all[:m, :k], b_all[:k, :n]
+                t = _time(lambda: torch.mm(a, b), False, warmup=1, repeats=3)
+                rates.append((float(m), float(n), float(k), 2.0 * m * n * k / t / 1e12))
+    peak = max([cpu_tflops] + [r[3] for r in rates])
+    return peak, [(m, n, k, rate / peak) for m, n, k, rate in rates]
+
+
+def measure_cpu_mem_gbps(nbytes: int = 2**28) -> float:
+    """The host CPU's bandwidth for an elementwise bf16 pass (reads and writes `nbytes` each)."""
+    import torch
+
+    from chunkflow.calibrate_ops import _time
+
+    x = torch.randn(nbytes // 2, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t = _time(lambda: torch.mul(x, 1.5, out=y), False, warmup=1, repeats=3)
+    return 2 * nbytes / t / 1e9
+
+
+def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Profile fields of the host side (module docstring) and the raw measurements."""
+    import torch
+
+    gpu_op, gpu_per = measure_op_us(device)
+    cpu_op, cpu_per = (gpu_op, gpu_per) if device.type == "cpu" else measure_op_us(torch.device("cpu"))
+    small = dict(ms=(16, 64), nks=(64, 128)) if cpu_smoke else {}
+    peak, grid = measure_cpu_gemm_grid(cpu_tflops, **small)
+    mem = measure_cpu_mem_gbps(2**22 if cpu_smoke else 2**28)
+    update: dict[str, Any] = dict(host_op_us=gpu_op, cpu_op_us=cpu_op, cpu_tflops=peak, cpu_gemm_eta=grid,
+                                  cpu_mem_gbps=mem)
+    raw = dict(host_op_us=gpu_per, cpu_op_us=cpu_per, cpu_tflops=peak, cpu_gemm_eta=grid, cpu_mem_gbps=mem)
+    return update, raw
