@@ -88,7 +88,7 @@ def table(paths: list[str], profile=None) -> list[str]:
 
 
 def _parts(m) -> str:
-    """A phase's measured components, the rest (host work) and its CPU and collector time, each against the plan."""
+    """A phase's measured components, the rest (host work) and its time in the collector, against the plan."""
     from statistics import median
 
     pred = m.predicted_parts_s
@@ -101,8 +101,6 @@ def _parts(m) -> str:
     rest = m.measured_time_s - timed
     host = pred.get("host")
     bits.append(f"the rest {rest:.3f} s" + (f" (planned host work {host:.3f} s)" if host is not None else ""))
-    if m.cpu_s:
-        bits.append(f"CPU time {median(m.cpu_s):.3f} s")
     if m.gc_s and max(m.gc_s) > 0:
         bits.append(f"in the garbage collector {max(m.gc_s):.3f} s at most")
     return ", ".join(bits)

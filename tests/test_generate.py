@@ -314,7 +314,7 @@ def test_garbage_collection_is_counted_in_its_phase_and_the_run_leaves_gc_as_it_
 def test_encode_is_accounted_per_text_encoder(cli, workdir, saved):
     """Each text encoder's forwards are timed inside encode (both of Wan's guidance prompts in one sum), the rest of
     the phase is host work: 0.05 s slept inside the text encoder's forward lands in its part (twice: prompt and
-    negative prompt), not in the rest, and not in the phase's CPU time; the report keeps every generation's parts
+    negative prompt), not in the rest; the report keeps every generation's parts
     and the plan says what it expects of each."""
     import time as _time
 
@@ -339,7 +339,6 @@ def test_encode_is_accounted_per_text_encoder(cli, workdir, saved):
     assert set(enc.parts_s) == {"text_encoder"}
     assert 0.1 <= enc.parts_s["text_encoder"] < enc.time_s
     assert enc.time_s - enc.parts_s["text_encoder"] < 0.1  # the sleeps are not in the rest
-    assert enc.cpu_s < enc.time_s - 0.09  # sleeping is not CPU time
     assert not gen.phases["denoise"].parts_s and not gen.phases["decode"].parts_s
 
     plan, base = _tiny_generation(cli, saved)
@@ -352,7 +351,6 @@ def test_encode_is_accounted_per_text_encoder(cli, workdir, saved):
     phases = json.loads(Path("parts.json").read_text())["generation"]["phases"]
     parts = phases["encode"]["parts_s"]["text_encoder"]
     assert len(parts) == 2 and all(0 < p < t for p, t in zip(parts, phases["encode"]["measured_times_s"]))
-    assert len(phases["encode"]["cpu_s"]) == 2
 
 
 def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir):

@@ -12,8 +12,7 @@ every object they keep alive (hundreds of thousands), which can move a short pha
 
 Where a phase's time goes: each text encoder's forwards are timed inside the encode phase (`parts_s`, the device
 synchronized at their edges, their moves to and from the device included), the rest of the phase is the pipeline's
-host work (tokenizers, its own logic); `cpu_s` is the CPU time of the thread that ran the phase, so a phase slower
-than its plan can be told busy on the host from waiting.
+host work (tokenizers, its own logic).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ class PhaseMeasurement:
     context_bytes: int | None = None  # device memory in use beyond torch's reserve at the phase's end
     host_rss_bytes: int = 0
     gc_s: float = 0.0  # seconds in Python's garbage collector during the phase
-    cpu_s: float = 0.0  # CPU seconds of the thread that ran the phase (time.thread_time)
     parts_s: dict[str, float] = field(default_factory=dict)  # component -> seconds in its forwards (text encoders)
 
     @property
@@ -71,7 +69,6 @@ class _Clock:
         self.t0 = 0.0
         self.gc_s = 0.0  # the current phase's seconds in the garbage collector so far
         self._gc_t0: float | None = None
-        self.cpu_t0 = 0.0
         self.parts: dict[str, float] = {}  # the current phase's seconds per timed component so far
         self._part_t0: dict[str, float] = {}
 
@@ -106,14 +103,14 @@ class _Clock:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self.parts, self._part_t0 = {}, {}
-        self.current, self.t0, self.gc_s, self.cpu_t0 = name, time.perf_counter(), 0.0, time.thread_time()
+        self.current, self.t0, self.gc_s = name, time.perf_counter(), 0.0
 
     def stop(self) -> None:
         from chunkflow.hostmem import rss_bytes
 
         self._sync()
         m = PhaseMeasurement(time_s=time.perf_counter() - self.t0, host_rss_bytes=rss_bytes(), gc_s=self.gc_s,
-                             cpu_s=time.thread_time() - self.cpu_t0, parts_s=dict(self.parts))
+                             parts_s=dict(self.parts))
         if self.cuda:
             free, total = torch.cuda.mem_get_info(self.device)
             m.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
