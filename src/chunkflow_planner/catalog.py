@@ -180,6 +180,18 @@ def encode_startup_key(spec: "ModelSpec") -> str | None:
     return "encode:" + "+".join(te.arch for te in spec.pipeline.text_encoders)
 
 
+def _check_table(what: str, table: list) -> None:
+    """An efficiency table by shape: positive coordinates filling their grid, efficiencies in (0, 1]."""
+    dims = len(table[0]) - 1
+    axes = [{r[i] for r in table} for i in range(dims)]
+    if any(not 0 < r[i] < 1e12 for r in table for i in range(dims)):
+        raise ValueError(f"{what}: shapes must be positive")
+    if len({tuple(r[:dims]) for r in table}) != len(table) or len(table) != math.prod(len(a) for a in axes):
+        raise ValueError(f"{what} must fill its grid: one row for every combination of its shapes")
+    if any(not 0 < r[dims] <= 1 for r in table):
+        raise ValueError(f"{what}: efficiencies must be in (0, 1]")
+
+
 class HardwareSpec(_Strict):
     """One GPU type in a node: rates, links and the planner's efficiency factors."""
 
@@ -283,6 +295,11 @@ class HardwareSpec(_Strict):
             lo, hi = EFFICIENCY_RANGE
             if any(not lo <= e <= hi for _, e in curve):
                 raise ValueError(f"{what} efficiencies must be in [{lo:g}, {hi:g}]")
+        tables = [("gemm_eta", self.gemm_eta), ("attn_eta", self.attn_eta), ("attn_eta_masked", self.attn_eta_masked),
+                  ("cpu_gemm_eta", self.cpu_gemm_eta)]
+        for what, table in tables:
+            if table:
+                _check_table(what, table)
         return self
 
     @property
