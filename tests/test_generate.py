@@ -348,6 +348,7 @@ def test_encode_is_accounted_per_text_encoder(cli, workdir, saved):
     with one_thread():
         result = cli(*base, "--warmup", "1", "--repeat", "2", "--steps", "1", "--report", "parts.json")
     assert result.exit_code == 0, result.output
+    assert "encode: text_encoder" in " ".join(result.output.split()) and "the rest" in result.output
     phases = json.loads(Path("parts.json").read_text())["generation"]["phases"]
     parts = phases["encode"]["parts_s"]["text_encoder"]
     assert len(parts) == 2 and all(0 < p < t for p, t in zip(parts, phases["encode"]["measured_times_s"]))

@@ -127,6 +127,21 @@ def _spread(times: list[float]) -> str:
     return f"{format_seconds(min(times))}-{format_seconds(max(times))}" if times else "-"
 
 
+def _parts_line(ph, gpu: bool) -> str:  # noqa: ANN001 - run_generate.PhaseResult
+    """Where a phase's time went: each timed component's forwards and the rest (medians over the measured
+    generations), against the plan's account on a GPU."""
+    import statistics
+
+    def planned(key: str) -> str:
+        p = ph.predicted_parts_s.get(key) if gpu else None
+        return f" (planned {format_seconds(p)})" if p is not None else ""
+
+    timed = {k: statistics.median(v) for k, v in ph.parts_s.items()}
+    bits = [f"{k} {format_seconds(v)}{planned(k)}" for k, v in timed.items()]
+    bits.append(f"the rest {format_seconds(ph.measured_time_s - sum(timed.values()))}{planned('host')}")
+    return ", ".join(bits)
+
+
 def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport
     """A generation's phases measured (and, on a GPU, against the plan)."""
     g = report.generation
@@ -165,6 +180,9 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     if g.first_phase_times_s:
         console.print("first generation: " + ", ".join(f"{k} {format_seconds(v)}" for k, v in g.first_phase_times_s.items())
                       + f", {format_seconds(sum(g.first_phase_times_s.values()))} in all", highlight=False)
+    for name, ph in g.phases.items():
+        if ph.parts_s:
+            console.print(f"{name}: {_parts_line(ph, gpu)}", highlight=False)
     gc_each = {name: max(ph.gc_s) for name, ph in g.phases.items() if ph.gc_s}
     if sum(gc_each.values()) >= 0.001:
         console.print("in Python's garbage collector (the most of any measured generation): "
