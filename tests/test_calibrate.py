@@ -98,8 +98,10 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     assert set(host["host_op_us"]) == {"t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"}
     assert all(isinstance(v, float) and v > 0 for v in host["host_op_us"].values())
     assert hw.host_op_us > 0 and hw.cpu_op_us > 0 and hw.cpu_mem_gbps > 0
-    assert len(hw.cpu_gemm_eta) == 8  # eta against the best of the square matmul and the grid: at most 1
-    assert all(0 < r[3] <= 1 for r in hw.cpu_gemm_eta) and hw.cpu_tflops == host["cpu_tflops"]
+    # eta against the best of the square matmul and the grid: the grid's best is 1 unless the square matmul beat it
+    assert len(hw.cpu_gemm_eta) == 8 and hw.cpu_tflops >= host["cpu_square_tflops"] > 0
+    best = max(r[3] for r in hw.cpu_gemm_eta)
+    assert best == pytest.approx(1.0) or hw.cpu_tflops == host["cpu_square_tflops"]
     # whole forwards timed; the model's curve is its one-block curve scaled by them where the scale is a GPU's
     # (the tiny model on the CPU is launch-bound: recorded, not applied)
     fw = raw["forwards"]

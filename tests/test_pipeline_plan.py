@@ -400,6 +400,13 @@ def test_text_encoders_brought_for_encode_stay_until_it_ends():
     one = estimate(spec, w, H200, Placements(("cpu", "phase"), "gpu", "gpu", False), point)
     both = estimate(spec, w, H200, Placements(("phase", "phase"), "gpu", "gpu", False), point)
     assert both.phases["encode"].allocated_bytes == pytest.approx(one.phases["encode"].allocated_bytes + clip.nbytes)
-    for e in (one, both):
+    # both streamed (what a FLUX plan in 12 GB chose on an H200): T5's streamed part plus CLIP's, whose layers
+    # leave 2 of 12 on the device with its embeddings
+    alone = estimate(spec, w, H200, Placements(("cpu", "stream"), "gpu", "gpu", False), point)
+    streamed = estimate(spec, w, H200, Placements(("stream", "stream"), "gpu", "gpu", False), point)
+    layer = clip.layer_params * clip.dtype_bytes
+    clip_held = clip.nbytes - clip.shape()["layers"] * layer + 2 * layer
+    assert streamed.phases["encode"].allocated_bytes == pytest.approx(alone.phases["encode"].allocated_bytes + clip_held)
+    for e in (one, both, alone, streamed):
         for p in PHASES:
             assert sum(e.phases[p].detail.values()) == pytest.approx(e.phases[p].time_s)

@@ -858,9 +858,10 @@ def generation_estimate(r, hw: HardwareSpec):
 def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
     """From generation reports (planned whole pipelines), the host-side and allocator terms of the phases:
     - encode_host_s: measured encode less the text encoders' forwards, as measured where the report timed them
-      (`parts_s`), else as predicted (median, at least 0);
+      (`parts_s`, after a warm-up), else as predicted (median, at least 0);
     - host_op_us: the host cost of an operator, from the timed forwards of text encoders kept on the GPU that were
-      bound by the host (their time over their operator count, components.HOST_OPS; median);
+      bound by the host (their time over their operator count, components.HOST_OPS; one value per encoder and
+      report, their median; _host_op_us);
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
     - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
@@ -891,7 +892,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
                 op_us += _host_op_us(spec, w, base, g.components, m.parts_s)
             if unknown and name in ("encode", "decode"):
                 pass  # its time holds the start-up too: not a measure of the host work
-            elif name == "encode" and m.parts_s and len(m.measured_times_s) == len(next(iter(m.parts_s.values()))):
+            elif (name == "encode" and g.warmup_generations and m.parts_s
+                  and len(m.measured_times_s) == len(next(iter(m.parts_s.values())))):
                 enc.append(max(0.0, statistics.median(  # each generation's time outside its encoders' forwards
                     total - sum(p[i] for p in m.parts_s.values()) for i, total in enumerate(m.measured_times_s))))
             elif name == "encode":
@@ -929,20 +931,24 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     return update
 
 
+HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is the host's
+
+
 def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
                 parts: dict[str, list[float]]) -> list[float]:
-    """Host microseconds per operator of each timed forward of a text encoder kept on the GPU whose time exceeds
-    its operators' predicted device time (bound by the host)."""
+    """Host microseconds per operator of each text encoder kept on the GPU whose timed forwards (the median over
+    the report's generations) took HOST_BOUND x its operators' predicted device time or more: one value per
+    encoder and report, so that no report weighs more for having measured more generations."""
     from chunkflow_planner.ops import ops_time, text_encoder_ops
 
     out = []
     for te in spec.pipeline.text_encoders:
-        if placements.get(te.component) != "gpu" or te.component not in parts:
+        if placements.get(te.component) != "gpu" or not parts.get(te.component):
             continue
         device = w.cfg_passes * ops_time(text_encoder_ops(te, 1, te.tokens), hw)
-        for t in parts[te.component]:
-            if t > device:
-                out.append(t / (w.cfg_passes * te.host_ops()) * 1e6)
+        t = statistics.median(parts[te.component])
+        if t >= HOST_BOUND * device:
+            out.append(t / (w.cfg_passes * te.host_ops()) * 1e6)
     return out
 
 

@@ -149,7 +149,11 @@ def measure_op_us(device) -> tuple[float, dict[str, float]]:
             per[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
     values = [v for v in per.values() if isinstance(v, float)]
     if not values:
-        raise RuntimeError("no text encoder could be built at a small width: " + "; ".join(map(str, per.values())))
+        from chunkflow.calibrate import CalibrationError
+
+        raise CalibrationError("no text encoder could be built at a small width to time an operator's host cost ("
+                               + "; ".join(map(str, per.values())) + "); check that transformers is installed and "
+                               "up to date")
     return statistics.median(values), per
 
 
@@ -197,5 +201,6 @@ def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[di
     mem = measure_cpu_mem_gbps(2**22 if cpu_smoke else 2**28)
     update: dict[str, Any] = dict(host_op_us=gpu_op, cpu_op_us=cpu_op, cpu_tflops=peak, cpu_gemm_eta=grid,
                                   cpu_mem_gbps=mem)
-    raw = dict(host_op_us=gpu_per, cpu_op_us=cpu_per, cpu_tflops=peak, cpu_gemm_eta=grid, cpu_mem_gbps=mem)
+    raw = dict(host_op_us=gpu_per, cpu_op_us=cpu_per, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid,
+               cpu_mem_gbps=mem)
     return update, raw

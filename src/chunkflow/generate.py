@@ -11,8 +11,9 @@ phase are counted too (`gc_s`): a full collection of a process holding torch, di
 every object they keep alive (hundreds of thousands), which can move a short phase by a noticeable share.
 
 Where a phase's time goes: each text encoder's forwards are timed inside the encode phase (`parts_s`, the device
-synchronized at their edges, their moves to and from the device included), the rest of the phase is the pipeline's
-host work (tokenizers, its own logic).
+synchronized at their edges; a parked encoder's move to the device is inside, as is a CPU-placed one's moving of its
+inputs and outputs), the rest of the phase is the pipeline's host work (tokenizers, its own logic). Parking the
+encoders happens after the phase's clock stopped, as for every phase's components.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
 
     for name in built.names("transformer"):
         hooks.append(getattr(pipe, name).register_forward_pre_hook(to_denoise, prepend=True))
-    for name in built.names("text_encoder"):  # first in, last out: moves to and from the device inside the span
+    for name in built.names("text_encoder"):  # first in, last out: unparking, a CPU one's moves inside the span
         module = getattr(pipe, name)
         hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: clock.part_start(name), prepend=True))
         hooks.append(module.register_forward_hook(lambda m, a, out, name=name: clock.part_stop(name)))
