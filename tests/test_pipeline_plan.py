@@ -407,6 +407,10 @@ def test_text_encoders_brought_for_encode_stay_until_it_ends():
     layer = clip.layer_params * clip.dtype_bytes
     clip_held = clip.nbytes - clip.shape()["layers"] * layer + 2 * layer
     assert streamed.phases["encode"].allocated_bytes == pytest.approx(alone.phases["encode"].allocated_bytes + clip_held)
+    # a parked encoder's move to the device is its own part of the account, apart from its forwards
+    bw = H200.h2d_gbps * 1e9
+    assert both.phases["encode"].detail["text_encoder to device"] == pytest.approx(clip.nbytes / bw)
+    assert "text_encoder to device" not in one.phases["encode"].detail  # on the CPU: nothing moves
     for e in (one, both, alone, streamed):
         for p in PHASES:
             assert sum(e.phases[p].detail.values()) == pytest.approx(e.phases[p].time_s)

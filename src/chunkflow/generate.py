@@ -11,9 +11,9 @@ phase are counted too (`gc_s`): a full collection of a process holding torch, di
 every object they keep alive (hundreds of thousands), which can move a short phase by a noticeable share.
 
 Where a phase's time goes: each text encoder's forwards are timed inside the encode phase (`parts_s`, the device
-synchronized at their edges; a parked encoder's move to the device is inside, as is a CPU-placed one's moving of its
-inputs and outputs), the rest of the phase is the pipeline's host work (tokenizers, its own logic). Parking the
-encoders happens after the phase's clock stopped, as for every phase's components.
+synchronized at their edges; a CPU-placed one's moving of its inputs and outputs inside), a parked encoder's move to
+the device apart from them (`<name> to device`), the rest of the phase is the pipeline's host work (tokenizers, its
+own logic). Parking the encoders happens after the phase's clock stopped, as for every phase's components.
 """
 
 from __future__ import annotations
@@ -78,6 +78,21 @@ class _Clock:
         if self.current is not None and name not in self._part_t0:  # an inner call of the same component: one span
             self._sync()
             self._part_t0[name] = time.perf_counter()
+
+    def part_move(self, name: str, move: Callable[[], None]) -> None:
+        """`move()` timed as its own part (the device synchronized at its edges), left out of the spans open
+        around it: a parked component's move to the device, told apart from its forwards."""
+        if self.current is None:
+            move()
+            return
+        self._sync()
+        t0 = time.perf_counter()
+        move()
+        self._sync()
+        dt = time.perf_counter() - t0
+        self.parts[name] = self.parts.get(name, 0.0) + dt
+        for k in self._part_t0:
+            self._part_t0[k] += dt
 
     def part_stop(self, name: str) -> None:
         t0 = self._part_t0.pop(name, None)
@@ -186,9 +201,15 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
 
     for name in built.names("transformer"):
         hooks.append(getattr(pipe, name).register_forward_pre_hook(to_denoise, prepend=True))
-    for name in built.names("text_encoder"):  # first in, last out: unparking, a CPU one's moves inside the span
+    def encoder_starts(name: str) -> None:
+        clock.part_start(name)
+        handle = built.handles.get(name)
+        if handle is not None and handle.parked:  # what its own pre-hook would do next, timed apart
+            clock.part_move(f"{name} to device", handle.unpark)
+
+    for name in built.names("text_encoder"):  # first in, last out: a CPU one's moves of inputs and outputs inside
         module = getattr(pipe, name)
-        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: clock.part_start(name), prepend=True))
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: encoder_starts(name), prepend=True))
         hooks.append(module.register_forward_hook(lambda m, a, out, name=name: clock.part_stop(name)))
 
     vae = getattr(pipe, spec.pipeline.vae.component)

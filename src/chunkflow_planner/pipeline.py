@@ -189,24 +189,26 @@ def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) 
     return max(ops_time(ops, hw), te.host_ops() * hw.host_op_us * 1e-6)
 
 
-def _text_cost(te: TextEncoderSpec, placement: str, passes: int, hw: HardwareSpec) -> tuple[float, float, float]:
-    """(seconds, device bytes while it runs, host bytes) of one text encoder in its placement."""
+def _text_cost(te: TextEncoderSpec, placement: str, passes: int,
+               hw: HardwareSpec) -> tuple[float, float, float, float]:
+    """(seconds, device bytes while it runs, host bytes, seconds of the seconds spent moving its parked part to the
+    device) of one text encoder in its placement."""
     bw = hw.h2d_gbps * GB
     if placement == "cpu":
-        return passes * text_forward_s(te, hw, on_cpu=True), 0.0, float(te.nbytes)
+        return passes * text_forward_s(te, hw, on_cpu=True), 0.0, float(te.nbytes), 0.0
     t_fwd = text_forward_s(te, hw)
     act = _text_act(te)
     if placement == "gpu":
-        return passes * t_fwd, te.nbytes + act, 0.0
+        return passes * t_fwd, te.nbytes + act, 0.0, 0.0
     if placement == "phase":
-        return passes * t_fwd + te.nbytes / bw, te.nbytes + act, float(te.nbytes)
+        return passes * t_fwd + te.nbytes / bw, te.nbytes + act, float(te.nbytes), te.nbytes / bw
     # stream: each layer waits for the longer of its compute and its transfer; non-layer tensors come back once
     layers = te.shape()["layers"]
     layer_bytes = te.layer_params * te.dtype_bytes
     rest = te.nbytes - layers * layer_bytes
     t_layer = t_fwd / layers
     per_fwd = layers * max(t_layer, layer_bytes / bw + math.ceil(layer_bytes / TEXT_STREAM_CHUNK) * hw.dma_startup_us * 1e-6)
-    return passes * per_fwd + rest / bw, rest + 2 * layer_bytes + act, float(te.nbytes)
+    return passes * per_fwd + rest / bw, rest + 2 * layer_bytes + act, float(te.nbytes), rest / bw
 
 
 def _transformer_host(spec: ModelSpec, placement: str, point: Point) -> float:
@@ -255,11 +257,12 @@ def _pick_stream(cands: _Transformer, room: float) -> Point | None:
     return min(fits, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
 
 
-TextCosts = dict[tuple[int, str], tuple[float, float, float]]
+TextCosts = dict[tuple[int, str], tuple[float, float, float, float]]
 
 
 def text_costs(spec: ModelSpec, w: Workload, hw: HardwareSpec) -> TextCosts:
-    """(seconds, device bytes, host bytes) of every text encoder in every placement: (index, placement) -> cost."""
+    """(seconds, device bytes, host bytes, seconds moving to the device) of every text encoder in every placement:
+    (index, placement) -> cost."""
     return {(i, p): _text_cost(te, p, w.cfg_passes, hw)
             for i, te in enumerate(spec.pipeline.text_encoders) for p in TEXT_PLACEMENTS}
 
@@ -276,7 +279,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     always = 0.0  # bytes on the GPU in every phase
     host: dict[str, float] = {"process": float(hw.process_host_bytes)}
     text = [costs[(i, p)] for i, p in enumerate(pl.text_encoders)]
-    for te, p, (_, dev, h) in zip(pipe.text_encoders, pl.text_encoders, text):
+    for te, p, (_, dev, h, _) in zip(pipe.text_encoders, pl.text_encoders, text):
         host[te.component] = h
         if p == "gpu":
             always += te.nbytes
@@ -292,9 +295,11 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     # ends (a pipeline may call one twice, for the negative prompt), their activations come and go
     enc = Phase()
     held = 0.0
-    for te, p, (t, dev, _) in zip(pipe.text_encoders, pl.text_encoders, text):
+    for te, p, (t, dev, _, move) in zip(pipe.text_encoders, pl.text_encoders, text):
         enc.time_s += t
-        enc.detail[te.component] = t
+        enc.detail[te.component] = t - move  # its forwards; a parked one's move to the device on its own
+        if move:
+            enc.detail[f"{te.component} to device"] = move
         if p in ("phase", "stream"):
             held += dev - _text_act(te)
         if p != "cpu":
