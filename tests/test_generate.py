@@ -309,6 +309,25 @@ def test_garbage_collection_is_counted_in_its_phase_and_the_run_leaves_gc_as_it_
                      "--report", "gc.json")
     assert result.exit_code == 0, result.output
     assert gc.get_freeze_count() == frozen and gc.callbacks == callbacks
+    # with --repeat, what each generation leaves alive is frozen too before the next, all of it unfrozen after
+    import chunkflow.generate as generation
+
+    counts, real = [], generation.generate
+
+    def counting(*args, **kwargs):
+        counts.append(gc.get_freeze_count())
+        return real(*args, **kwargs)
+
+    generation.generate = counting
+    try:
+        with one_thread():
+            result = cli("run", "--plan", plan, "--weights", saved["tiny"], "--prompt", "a cat", "--steps", "1",
+                         "--repeat", "2", "--report", "gc2.json")
+    finally:
+        generation.generate = real
+    assert result.exit_code == 0, result.output
+    assert len(counts) == 3 and counts[0] > frozen and counts[1] > counts[0] and counts[2] > counts[1]
+    assert gc.get_freeze_count() == frozen
 
 
 def test_encode_is_accounted_per_text_encoder(cli, workdir, saved):

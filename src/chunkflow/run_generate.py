@@ -14,8 +14,9 @@ time is their median (every time kept in `measured_times_s`, so a miss can be to
 memory the largest, the transformer's counters in `stats` (forwards, bytes copied) the sum over them; the output
 written is the last generation's. The objects alive once the pipeline is built
 (torch, diffusers, transformers, the components: hundreds of thousands) are moved out of the garbage collector's
-reach for the generations (`gc.freeze`), so that its full collections, which scan them all, do not land in a
-phase at random; each phase's time in the collector is reported (`gc_s`).
+reach for the generations (`gc.freeze`), and what each generation leaves alive before the next, so that a full
+collection, which scans every unfrozen object, does not land in a phase at random with most of the process to scan;
+each phase's time in the collector is reported (`gc_s`).
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         stats_before: dict = {}
         for i in range(o.warmup + o.repeat):
             gen = None  # an earlier output must not sit in host memory while the next generation runs
+            if freeze and i:  # what the last generation left alive joins the frozen objects, so a full collection
+                gc.collect()  # inside the next one has only that generation's to scan (one in a Wan2.2-A14B
+                gc.freeze()  # denoise took 318 ms with the pipeline alone frozen; what it spent them on is unknown)
             if i == o.warmup:  # the handle's counters of the measured generations alone
                 stats_before = built.handles["transformer"].stats().as_dict()
             k = i - o.warmup
