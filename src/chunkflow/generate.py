@@ -39,7 +39,8 @@ class PhaseMeasurement:
     context_bytes: int | None = None  # device memory in use beyond torch's reserve at the phase's end
     host_rss_bytes: int = 0
     gc_s: float = 0.0  # seconds in Python's garbage collector during the phase
-    parts_s: dict[str, float] = field(default_factory=dict)  # component -> seconds in its forwards (text encoders)
+    parts_s: dict[str, float] = field(default_factory=dict)  # text encoder -> seconds in its forwards (and its
+    # parked part's move to the device, as "<name> to device")
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -201,6 +202,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
 
     for name in built.names("transformer"):
         hooks.append(getattr(pipe, name).register_forward_pre_hook(to_denoise, prepend=True))
+
     def encoder_starts(name: str) -> None:
         clock.part_start(name)
         handle = built.handles.get(name)

@@ -191,8 +191,8 @@ def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) 
 
 def _text_cost(te: TextEncoderSpec, placement: str, passes: int,
                hw: HardwareSpec) -> tuple[float, float, float, float]:
-    """(seconds, device bytes while it runs, host bytes, seconds of the seconds spent moving its parked part to the
-    device) of one text encoder in its placement."""
+    """(seconds, device bytes while it runs, host bytes, the share of those seconds spent moving its parked part to
+    the device) of one text encoder in its placement."""
     bw = hw.h2d_gbps * GB
     if placement == "cpu":
         return passes * text_forward_s(te, hw, on_cpu=True), 0.0, float(te.nbytes), 0.0
