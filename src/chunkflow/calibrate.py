@@ -939,13 +939,13 @@ def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str]
     """Host microseconds per operator of each text encoder kept on the GPU whose timed forwards (the median over
     the report's generations) took HOST_BOUND x its operators' predicted device time or more: one value per
     encoder and report, so that no report weighs more for having measured more generations."""
-    from chunkflow_planner.ops import ops_time, text_encoder_ops
+    from chunkflow_planner.pipeline import text_device_s
 
     out = []
     for te in spec.pipeline.text_encoders:
         if placements.get(te.component) != "gpu" or not parts.get(te.component):
             continue
-        device = w.cfg_passes * ops_time(text_encoder_ops(te, 1, te.tokens), hw)
+        device = w.cfg_passes * text_device_s(te, hw)
         t = statistics.median(parts[te.component])
         if t >= HOST_BOUND * device:
             out.append(t / (w.cfg_passes * te.host_ops()) * 1e6)

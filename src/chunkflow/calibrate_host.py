@@ -1,6 +1,7 @@
 """What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/ops.py, pipeline.py):
 the host cost of one eager operator on the GPU path and on the CPU (`host_op_us`, `cpu_op_us`), the host CPU's bf16
-GEMM efficiency by shape and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`).
+GEMM efficiency by shape and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`; calibrate_ops' own measurements run
+on the CPU).
 
 The host cost of an operator is measured on the catalog's text encoders themselves: each architecture's
 transformers class, all its layers, at a small width (the operator count does not depend on the width, the device work becomes
@@ -89,14 +90,19 @@ def _forward(module, te, device) -> Callable[[], Any]:
     return run
 
 
+def _small_run(te, layers: int, device) -> Callable[[], Any]:
+    """One forward of the text encoder at a small width with `layers` layers, run once already (first-call work,
+    lazy initialisation, is not the steady forward)."""
+    run = _forward(small_text_encoder(te, layers, device), te, device)
+    run()
+    return run
+
+
 def count_text_encoder_ops(te, layers: int, device="cpu") -> int:
     """Operators one forward of the text encoder with `layers` layers dispatches (small width; count_ops)."""
     import torch
 
-    module = small_text_encoder(te, layers, torch.device(device))
-    run = _forward(module, te, torch.device(device))
-    run()  # first-call work (lazy initialisation) is not the steady forward
-    return count_ops(run)
+    return count_ops(_small_run(te, layers, torch.device(device)))
 
 
 def host_op_seconds(te, device, layers: int | None = None, repeats: int = 5) -> tuple[float, int]:
@@ -107,11 +113,8 @@ def host_op_seconds(te, device, layers: int | None = None, repeats: int = 5) -> 
     import torch
 
     cuda = device.type == "cuda"
-    layers = layers or te.shape()["layers"]
-    module = small_text_encoder(te, layers, device)
-    run = _forward(module, te, device)
-    for _ in range(2):
-        run()
+    run = _small_run(te, layers or te.shape()["layers"], device)
+    run()
     n = count_ops(run)
     times = []
     for _ in range(repeats):
@@ -163,42 +166,24 @@ def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK
     the peak is the best of `cpu_tflops` (the square matmul) and the grid, eta is against it."""
     import torch
 
-    from chunkflow.calibrate_ops import _time
+    from chunkflow.calibrate_ops import gemm_rates
 
-    rates = []
-    a_all = torch.randn(max(ms), max(nks), dtype=torch.bfloat16)
-    b_all = torch.randn(max(nks), max(nks), dtype=torch.bfloat16)
-    for m in ms:
-        for n in nks:
-            for k in nks:
-                a, b = a_all[:m, :k], b_all[:k, :n]
-                t = _time(lambda: torch.mm(a, b), False, warmup=1, repeats=3)
-                rates.append((float(m), float(n), float(k), 2.0 * m * n * k / t / 1e12))
+    rates = gemm_rates(torch.device("cpu"), ms, nks, warmup=1, repeats=3)
     peak = max([cpu_tflops] + [r[3] for r in rates])
     return peak, [(m, n, k, rate / peak) for m, n, k, rate in rates]
-
-
-def measure_cpu_mem_gbps(nbytes: int = 2**28) -> float:
-    """The host CPU's bandwidth for an elementwise bf16 pass (reads and writes `nbytes` each)."""
-    import torch
-
-    from chunkflow.calibrate_ops import _time
-
-    x = torch.randn(nbytes // 2, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    t = _time(lambda: torch.mul(x, 1.5, out=y), False, warmup=1, repeats=3)
-    return 2 * nbytes / t / 1e9
 
 
 def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Profile fields of the host side (module docstring) and the raw measurements."""
     import torch
 
+    from chunkflow.calibrate_ops import measure_hbm
+
     gpu_op, gpu_per = measure_op_us(device)
     cpu_op, cpu_per = (gpu_op, gpu_per) if device.type == "cpu" else measure_op_us(torch.device("cpu"))
     small = dict(ms=(16, 64), nks=(64, 128)) if cpu_smoke else {}
     peak, grid = measure_cpu_gemm_grid(cpu_tflops, **small)
-    mem = measure_cpu_mem_gbps(2**22 if cpu_smoke else 2**28)
+    mem = measure_hbm(torch.device("cpu"), 2**22 if cpu_smoke else 2**28)  # the host's memory, as the GPU's
     update: dict[str, Any] = dict(host_op_us=gpu_op, cpu_op_us=cpu_op, cpu_tflops=peak, cpu_gemm_eta=grid,
                                   cpu_mem_gbps=mem)
     raw = dict(host_op_us=gpu_per, cpu_op_us=cpu_per, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid,

@@ -32,9 +32,9 @@ def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 
     return statistics.median(time_on(cuda, fn)[1] for _ in range(repeats))
 
 
-def measure_gemm_grid(device, peak_tflops: float, ms: Sequence[int] = GEMM_M, nks: Sequence[int] = GEMM_NK,
-                      progress: Progress = _no_progress) -> list[tuple[float, float, float, float]]:
-    """[M, N, K, eta] for every M in `ms` and N, K in `nks`: bf16 (M x K) @ (K x N) against P_peak."""
+def gemm_rates(device, ms: Sequence[int], nks: Sequence[int], progress: Progress = _no_progress, warmup: int = 2,
+               repeats: int = 5) -> list[tuple[float, float, float, float]]:
+    """[M, N, K, TFLOP/s] of bf16 (M x K) @ (K x N) for every M in `ms` and N, K in `nks` on `device`."""
     import torch
 
     cuda = device.type == "cuda"
@@ -47,11 +47,17 @@ def measure_gemm_grid(device, peak_tflops: float, ms: Sequence[int] = GEMM_M, nk
         for n in nks:
             for k in nks:
                 a, b = big_a[:m, :k], big_b[:k, :n]
-                t = _time(lambda: torch.mm(a, b), cuda)
-                rows.append((float(m), float(n), float(k), min(1.0, 2.0 * m * n * k / (t * peak_tflops * 1e12))))
+                t = _time(lambda: torch.mm(a, b), cuda, warmup=warmup, repeats=repeats)
+                rows.append((float(m), float(n), float(k), 2.0 * m * n * k / t / 1e12))
                 step()
     del big_a, big_b
     return rows
+
+
+def measure_gemm_grid(device, peak_tflops: float, ms: Sequence[int] = GEMM_M, nks: Sequence[int] = GEMM_NK,
+                      progress: Progress = _no_progress) -> list[tuple[float, float, float, float]]:
+    """[M, N, K, eta] for every M in `ms` and N, K in `nks`: bf16 (M x K) @ (K x N) against P_peak."""
+    return [(m, n, k, min(1.0, rate / peak_tflops)) for m, n, k, rate in gemm_rates(device, ms, nks, progress)]
 
 
 def measure_attention_grid(device, peak_tflops: float, lens: Sequence[int] = ATTN_LENS,

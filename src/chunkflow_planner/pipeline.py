@@ -180,13 +180,17 @@ def _text_act(te: TextEncoderSpec) -> float:
     return act
 
 
+def text_device_s(te: TextEncoderSpec, hw: HardwareSpec) -> float:
+    """Seconds one forward of a text encoder keeps the GPU busy: its operators' device time (ops.py)."""
+    return ops_time(text_encoder_ops(te, 1, te.tokens), hw)
+
+
 def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
-    """Seconds of one forward of a text encoder: on the GPU the longer of its operators' device time and its host
-    dispatch (operators x host_op_us), on the CPU its operators' time plus cpu_op_us each (ops.py)."""
-    ops = text_encoder_ops(te, 1, te.tokens)
+    """Seconds of one forward of a text encoder: on the GPU the longer of its device time and its host dispatch
+    (operators x host_op_us), on the CPU its operators' time plus cpu_op_us each (ops.py)."""
     if on_cpu:
-        return ops_time_cpu(ops, hw) + te.host_ops() * hw.cpu_op_us * 1e-6
-    return max(ops_time(ops, hw), te.host_ops() * hw.host_op_us * 1e-6)
+        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) + te.host_ops() * hw.cpu_op_us * 1e-6
+    return max(text_device_s(te, hw), te.host_ops() * hw.host_op_us * 1e-6)
 
 
 def _text_cost(te: TextEncoderSpec, placement: str, passes: int,
