@@ -297,11 +297,6 @@ def run_cmd(
     from chunkflow.run import RunOptions, run_plan
 
     generating = prompt is not None
-    if repeat < 1:
-        raise UserError(f"--repeat must be at least 1, got {repeat}")
-    if repeat != 1 and not generating:
-        raise UserError("--repeat counts measured generations and needs --prompt; a synthetic run times --steps "
-                        "denoising steps")
     if warmup is None:
         warmup = (1 if repeat > 1 else 0) if generating else 1
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
@@ -318,8 +313,6 @@ def run_cmd(
         if torchrun_world() > 1:
             raise UserError("--prompt runs on one GPU; leave torchrun out (sequence-parallel generation is not "
                             "supported yet)")
-        if steps is not None and steps < 1:
-            raise UserError(f"--steps must be at least 1, got {steps}")
         if out is not None:
             from chunkflow.media import check_media_path
 

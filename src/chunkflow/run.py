@@ -331,8 +331,8 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
 
     o.check()
     if o.repeat != 1:
-        raise RunError("repeat counts measured generations (a run with a prompt); the synthetic benchmark times "
-                       "`steps` denoising steps")
+        raise RunError("--repeat counts measured generations and needs --prompt; a synthetic run times --steps "
+                       "denoising steps")
     try:
         spec = get_model(plan.model.name)
     except CatalogError as exc:
