@@ -43,6 +43,7 @@ def _predictions(rep, profile):
 
 def table(paths: list[str], profile=None) -> list[str]:
     from chunkflow.run import load_reports
+    from chunkflow_planner.units import format_seconds
 
     out = ["| pipeline | phase | measured | predicted | error | first generation | predicted | error | "
            "peak GPU memory | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -82,28 +83,20 @@ def table(paths: list[str], profile=None) -> list[str]:
         if enc.parts_s:  # where the encode phase's time went (medians over the measured generations)
             first = (g.first_parts_s or {}).get("encode")
             parts.append(f"- {name}: encode " + _parts(enc) + ("" if not first else "; first generation: " + ", ".join(
-                f"{part} {t:.3f} s" for part, t in first.items()) + f", the rest "
-                f"{g.first_phase_times_s['encode'] - sum(first.values()):.3f} s"))
+                f"{part} {format_seconds(t)}" for part, t in first.items()) + ", the rest "
+                + format_seconds(g.first_phase_times_s["encode"] - sum(first.values()))))
     return out + [""] + host + ([""] + spread if spread else []) + ([""] + parts if parts else [])
 
 
 def _parts(m) -> str:
-    """A phase's measured components, the rest (host work) and its time in the collector, against the plan."""
-    from statistics import median
+    """A phase's measured components and the rest against the plan (as `chunkflow run` prints them), and its most
+    time in the collector."""
+    from chunkflow.report import parts_line
 
-    pred = m.predicted_parts_s
-    bits, timed = [], 0.0
-    for part, each in m.parts_s.items():
-        t = median(each)
-        timed += t
-        p = pred.get(part)
-        bits.append(f"{part} {t:.3f} s" + (f" (planned {p:.3f} s)" if p is not None else ""))
-    rest = m.measured_time_s - timed
-    host = pred.get("host")
-    bits.append(f"the rest {rest:.3f} s" + (f" (planned host work {host:.3f} s)" if host is not None else ""))
-    if m.gc_s and max(m.gc_s) > 0:
-        bits.append(f"in the garbage collector {max(m.gc_s):.3f} s at most")
-    return ", ".join(bits)
+    from chunkflow_planner.units import format_seconds
+
+    gc = f", in the garbage collector {format_seconds(max(m.gc_s))} at most" if m.gc_s and max(m.gc_s) > 0 else ""
+    return parts_line(m, gpu=True) + gc
 
 
 def main(argv: list[str]) -> None:

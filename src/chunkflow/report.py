@@ -127,7 +127,7 @@ def _spread(times: list[float]) -> str:
     return f"{format_seconds(min(times))}-{format_seconds(max(times))}" if times else "-"
 
 
-def _parts_line(ph, gpu: bool) -> str:  # noqa: ANN001 - run_generate.PhaseResult
+def parts_line(ph, gpu: bool) -> str:  # noqa: ANN001 - run_generate.PhaseResult
     """Where a phase's time went: each timed component's forwards and the rest (medians over the measured
     generations), against the plan's account on a GPU."""
     import statistics
@@ -182,7 +182,7 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
                       + f", {format_seconds(sum(g.first_phase_times_s.values()))} in all", highlight=False)
     for name, ph in g.phases.items():
         if ph.parts_s:
-            console.print(f"{name}: {_parts_line(ph, gpu)}", highlight=False)
+            console.print(f"{name}: {parts_line(ph, gpu)}", highlight=False)
     gc_each = {name: max(ph.gc_s) for name, ph in g.phases.items() if ph.gc_s}
     if sum(gc_each.values()) >= 0.001:
         console.print("in Python's garbage collector (the most of any measured generation): "
