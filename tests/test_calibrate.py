@@ -1,6 +1,7 @@
 """Calibration fits on synthetic measurements, the eta curve in the planner, the CPU smoke profile, refits."""
 
 import json
+import statistics
 
 import pytest
 from typer.testing import CliRunner
@@ -92,12 +93,22 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     assert len(hw.attn_eta_masked) == len(hw.attn_eta) >= 4  # masked attention measured on the same grid
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert len(raw["h2d"]) >= 3 and len(raw["blocks"]) >= 3
-    # the host side: an operator's host cost (every catalog text-encoder architecture timed), the CPU's matmul by
-    # shape against its best rate, its memory bandwidth
+    # the host side: every catalog text-encoder architecture's operators counted with this transformers, called as
+    # its pipeline calls it, and an operator's host cost timed; the CPU's matmul by shape against its best rate,
+    # its memory bandwidth
+    import transformers
+
+    from chunkflow.calibrate_host import count_per_layer, text_encoder_archs
+
     host = raw["operators"]["host"]
-    assert set(host["host_op_us"]) == {"t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"}
-    assert all(isinstance(v, float) and v > 0 for v in host["host_op_us"].values())
-    assert hw.host_op_us > 0 and hw.cpu_op_us > 0 and hw.cpu_mem_gbps > 0
+    archs = {"t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"}
+    assert set(host["text_host"]) == set(hw.text_host) == archs
+    for arch, te in text_encoder_archs().items():
+        cost = hw.text_host[arch]
+        assert (cost.ops_per_layer, cost.ops_once) == count_per_layer(te), arch
+        assert cost.gpu_op_us == cost.cpu_op_us > 0 and cost.transformers == transformers.__version__  # CPU: one
+    assert hw.host_op_us == pytest.approx(statistics.median(c.gpu_op_us for c in hw.text_host.values()))
+    assert hw.cpu_op_us > 0 and hw.cpu_mem_gbps > 0
     # eta against the best of the square matmul and the grid: the grid's best is 1 unless the square matmul beat it
     assert len(hw.cpu_gemm_eta) == 8 and hw.cpu_tflops >= host["cpu_square_tflops"] > 0
     best = max(r[3] for r in hw.cpu_gemm_eta)

@@ -432,6 +432,19 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     new, notes = refit(hw, read_reports(["r.json"]))
     for k, v in truth.items():
         assert getattr(new, k) == pytest.approx(v, rel=1e-3), k
+    assert new.text_host == hw.text_host == {}  # no architecture measured by calibrate: nothing of its own to refit
+    # a profile where calibrate counted the encoder's operators otherwise (another transformers): the same forwards
+    # are that many operators, and the architecture's own cost is refit (the median across architectures too)
+    from chunkflow_planner.catalog import TextHostCost
+
+    per_layer, once = te.host_ops() // te.shape()["layers"], 0
+    counted = hw.model_copy(update={"text_host": {te.arch: TextHostCost(
+        ops_per_layer=per_layer * 2, ops_once=once, gpu_op_us=1.0, cpu_op_us=1.0)}})
+    own, _ = refit(counted, read_reports(["r.json"]))
+    ratio = te.host_ops() / te.host_ops(counted)
+    assert own.text_host[te.arch].gpu_op_us == pytest.approx(truth["host_op_us"] * ratio, rel=1e-3)
+    assert own.host_op_us == pytest.approx(truth["host_op_us"] * ratio, rel=1e-3)
+    assert own.text_host[te.arch].ops_per_layer == per_layer * 2 and own.text_host[te.arch].cpu_op_us == 1.0
     e2, _ = generation_estimate(read_reports(["r.json"])[0], new)  # (denoise: eta_comp is refit from this run too)
     for name in ("encode", "decode"):
         assert e2.phases[name].time_s == pytest.approx(data["generation"]["phases"][name]["measured_time_s"], rel=1e-6)
@@ -451,3 +464,38 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     assert 0.01 < wary.mem_margin <= 0.081
     assert max(ratios) <= 1 + wary.mem_margin < max(ratios) + 0.0015
     assert any(f"mem_margin {wary.mem_margin:.3g}" in n for n in notes)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux"])
+def test_calibrate_calls_text_encoders_as_their_pipeline_does(name):
+    """TextEncoderSpec.mask says which attention mask a pipeline passes its text encoder (the operators transformers
+    dispatches depend on it): the tiny Wan and FLUX pipelines' own calls match the catalog, and calibrate's timed
+    forward (calibrate_host._forward) passes the same: a short prompt then padding, every token, or no mask."""
+    from chunkflow.calibrate_host import PROMPT_TOKENS, _forward
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+
+    spec = get_model(name)
+    everything = {n: "gpu" for n in ("text_encoder", "text_encoder_2", "transformer", "vae")}
+    with one_thread():
+        built = build_pipeline(spec, everything, OffloadConfig("none"), torch.device("cpu"), seed=0)
+    seen: dict[str, tuple] = {}
+    for te in spec.pipeline.text_encoders:
+        module = getattr(built.pipe, te.component)
+        module.register_forward_pre_hook(lambda m, a, kw, te=te: seen.__setitem__(te.component, (a, kw)),
+                                         with_kwargs=True)
+    with torch.no_grad():
+        built.pipe.encode_prompt(prompt=PROMPTS[name][0], device=torch.device("cpu"))
+    for te in spec.pipeline.text_encoders:
+        args, kw = seen[te.component]
+        mask = kw.get("attention_mask", args[1] if len(args) > 1 else None)
+        real = "none" if mask is None else ("full" if bool(mask.all()) else "padded")
+        assert real == te.mask, te.component
+        _forward(getattr(built.pipe, te.component), te, torch.device("cpu"))()
+        args, kw = seen[te.component]
+        ours = kw.get("attention_mask")
+        assert (ours is None) == (te.mask == "none")
+        if te.mask == "padded":
+            assert int(ours.sum()) == min(PROMPT_TOKENS, te.tokens - 1) < te.tokens
+    built.remove()

@@ -389,6 +389,41 @@ def test_a_text_encoder_forward_is_bound_by_its_device_or_its_host():
     assert text_forward_s(te, costly, on_cpu=True) == pytest.approx(ops_time_cpu(ops, flat) + te.host_ops() * 50e-6)
 
 
+def test_a_calibrated_architecture_is_priced_by_its_own_operators_and_cost():
+    """A profile's text_host entry (calibrate's count of an architecture's operators with that machine's
+    transformers, and their host cost) prices that architecture's forwards, on the GPU and on the CPU; other
+    architectures keep HOST_OPS and the profile's host_op_us / cpu_op_us; a plan's encode follows."""
+    from chunkflow_planner.catalog import TextHostCost
+    from chunkflow_planner.components import HOST_OPS
+    from chunkflow_planner.pipeline import text_host_s
+
+    wan, flux = get_model("wan2.2"), get_model("flux")
+    umt5, t5 = wan.pipeline.text_encoders[0], flux.pipeline.text_encoders[1]
+    hw = H200.model_copy(update={"host_op_us": 10.0, "cpu_op_us": 20.0})
+    cost = TextHostCost(ops_per_layer=114, ops_once=36, gpu_op_us=19.0, cpu_op_us=31.0)
+    measured = hw.model_copy(update={"text_host": {"umt5_encoder": cost}})
+    layers = umt5.shape()["layers"]
+    assert umt5.host_ops(measured) == layers * 114 + 36 != umt5.host_ops(hw) == layers * HOST_OPS["umt5_encoder"][0] \
+        + HOST_OPS["umt5_encoder"][1]
+    assert text_host_s(umt5, measured) == pytest.approx((layers * 114 + 36) * 19e-6)
+    assert text_host_s(umt5, measured, on_cpu=True) == pytest.approx((layers * 114 + 36) * 31e-6)
+    assert text_host_s(umt5, hw) == pytest.approx(umt5.host_ops() * 10e-6)
+    for on_cpu in (False, True):  # an architecture not measured: unchanged
+        assert text_host_s(t5, measured, on_cpu) == text_host_s(t5, hw, on_cpu)
+    w = make_workload(wan, frames=81, height=704, width=1280, steps=4)
+    slow = measured.model_copy(update={"text_host": {"umt5_encoder": cost.model_copy(update={"gpu_op_us": 40.0})}})
+    from chunkflow_planner.pipeline import transformer_candidates
+
+    point = transformer_candidates(Problem(wan, w, H200), 1.05, None).points[0]
+    pl = Placements(("gpu",), "stream", "gpu", False)
+    enc = [estimate(wan, w, h, pl, point).phases["encode"].detail["text_encoder"] for h in (measured, slow)]
+    assert enc[0] == pytest.approx(w.cfg_passes * (layers * 114 + 36) * 19e-6) and enc[1] > enc[0]
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="bert"):  # an architecture the catalog does not know
+        type(H200).model_validate({**H200.model_dump(), "text_host": {"bert": cost.model_dump()}})
+
+
 def test_text_encoders_brought_for_encode_stay_until_it_ends():
     """Encoders placed `phase` or `stream` all stay on the device until encode ends (a pipeline may call one again
     for the negative prompt): encode holds the sum of their weights, not the largest; the plan's account of every

@@ -581,7 +581,10 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
         f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f} (masked "
         f"{min(r[2] for r in attn_masked):.2f}-{max(r[2] for r in attn_masked):.2f}), memory {hbm:.0f} GB/s, memory passes "
         f"x{scale:.2f}; fp8 cast {cast:.0f} GB/s ({cast_kernel}); CPU {update['cpu_tflops']:.2f} TFLOP/s")
-    log(f"host: {host['host_op_us']:.1f} us per operator on the GPU path, {host['cpu_op_us']:.1f} us on the CPU; CPU "
+    per = ", ".join(f"{a} {v['ops_per_layer']}/layer + {v['ops_once']} at {v['gpu_op_us']:.1f} us"
+                    for a, v in host["text_host"].items())
+    log(f"host: operators of a text encoder's forward on the GPU path: {per} (median {host['host_op_us']:.1f} us; "
+        f"on the CPU {host['cpu_op_us']:.1f} us); CPU "
         f"GEMM eta {min(r[3] for r in host['cpu_gemm_eta']):.2f}-{max(r[3] for r in host['cpu_gemm_eta']):.2f}, "
         f"memory {host['cpu_mem_gbps']:.0f} GB/s")
     return update, dict(gemm=gemm, attention=attn, attention_masked=attn_masked, hbm_gbps=hbm, mem_ops_scale=scale,
@@ -860,8 +863,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     - encode_host_s: measured encode less the text encoders' forwards, as measured where the report timed them
       (`parts_s`, after a warm-up), else as predicted (median, at least 0);
     - host_op_us: the host cost of an operator, from the timed forwards of text encoders kept on the GPU that were
-      bound by the host (their time over their operator count, components.HOST_OPS; one value per encoder and
-      report, their median; _host_op_us);
+      bound by the host (their time over their operator count; one value per encoder and report, their median;
+      _host_op_us), and each architecture's own in text_host where calibrate measured it;
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
     - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
@@ -915,7 +918,13 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     else:
         notes.append("encode_host_s unchanged: no encode phase to measure it from")
     if op_us:
-        update["host_op_us"] = statistics.median(op_us)
+        update["host_op_us"] = statistics.median(v for _, v in op_us)
+        text_host = dict(hw.text_host)
+        for arch in {a for a, _ in op_us} & set(text_host):  # an architecture calibrate measured: its own cost
+            text_host[arch] = text_host[arch].model_copy(
+                update={"gpu_op_us": statistics.median(v for a, v in op_us if a == arch)})
+        if text_host != hw.text_host:
+            update["text_host"] = text_host
     if post:
         update["postprocess_gbps"] = statistics.median(post)
     else:
@@ -926,8 +935,10 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     errors = _peak_errors(hw.model_copy(update=update), gens)
     if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
         update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
-    notes.append(f"from {len(gens)} generation report(s): "
-                 + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
+    said = {k: v for k, v in update.items() if k != "text_host"}
+    said.update({f"{a}'s host_op_us": c.gpu_op_us for a, c in update.get("text_host", {}).items()
+                 if c != hw.text_host[a]})
+    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in said.items()))
     return update
 
 
@@ -935,10 +946,11 @@ HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is
 
 
 def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
-                parts: dict[str, list[float]]) -> list[float]:
-    """Host microseconds per operator of each text encoder kept on the GPU whose timed forwards (the median over
-    the report's generations) took HOST_BOUND x its operators' predicted device time or more: one value per
-    encoder and report, so that no report weighs more for having measured more generations."""
+                parts: dict[str, list[float]]) -> list[tuple[str, float]]:
+    """(architecture, host microseconds per operator) of each text encoder kept on the GPU whose timed forwards
+    (the median over the report's generations) took HOST_BOUND x its operators' predicted device time or more,
+    its operators as `hw` counts them (TextEncoderSpec.host_ops): one value per encoder and report, so that no
+    report weighs more for having measured more generations."""
     from chunkflow_planner.pipeline import text_device_s
 
     out = []
@@ -948,7 +960,7 @@ def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str]
         device = w.cfg_passes * text_device_s(te, hw)
         t = statistics.median(parts[te.component])
         if t >= HOST_BOUND * device:
-            out.append(t / (w.cfg_passes * te.host_ops()) * 1e6)
+            out.append((te.arch, t / (w.cfg_passes * te.host_ops(hw)) * 1e6))
     return out
 
 

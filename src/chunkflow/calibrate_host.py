@@ -1,12 +1,14 @@
 """What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/ops.py, pipeline.py):
-the host cost of one eager operator on the GPU path and on the CPU (`host_op_us`, `cpu_op_us`), the host CPU's bf16
-GEMM efficiency by shape and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`; calibrate_ops' own measurements run
-on the CPU).
+per text-encoder architecture, the operators one eager forward dispatches and the host cost of one on the GPU path
+and on the CPU (`text_host`; their medians `host_op_us`, `cpu_op_us`), the host CPU's bf16 GEMM efficiency by shape
+and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`; calibrate_ops' own measurements run on the CPU).
 
-The host cost of an operator is measured on the catalog's text encoders themselves: each architecture's
-transformers class, all its layers, at a small width (the operator count does not depend on the width, the device work becomes
-negligible), one forward timed and its operators counted (`count_ops`); the operator counts at full size are
-components.HOST_OPS, checked against `count_text_encoder_ops` by the tests.
+Both are measured on the catalog's text encoders themselves, called as their pipelines call them (the attention
+mask, TextEncoderSpec.mask), with this machine's transformers: the operator count changes with its version (UMT5-XXL
+dispatched 2,772 operators a forward on an H200 host where transformers 5.24 dispatches 2,292). Each architecture's
+class at a small width (the operator count does not depend on the width, the device work becomes negligible):
+operators counted at one and two layers (`count_ops`: per layer, once per forward), and forwards of all its layers
+timed over their operator count. components.HOST_OPS, the counts of transformers 5.24, price profiles without them.
 """
 
 from __future__ import annotations
@@ -76,16 +78,25 @@ def count_ops(fn: Callable[[], Any]) -> int:
     return _Count.n
 
 
+PROMPT_TOKENS = 16  # a short prompt's tokens, the rest padding, where the pipeline pads (TextEncoderSpec.mask)
+
+
 def _forward(module, te, device) -> Callable[[], Any]:
-    """One forward as a pipeline calls its text encoder: padded token ids and an attention mask."""
+    """One forward as a pipeline calls its text encoder: token ids padded to its length, and the attention mask its
+    pipeline passes (te.mask: a short prompt then padding, every token, or none)."""
     import torch
 
-    ids = torch.randint(0, 1000, (1, te.tokens), device=device)
-    mask = torch.ones(1, te.tokens, dtype=torch.long, device=device)
+    ids = torch.randint(0, min(1000, module.get_input_embeddings().num_embeddings), (1, te.tokens), device=device)
+    kw: dict[str, Any] = {}
+    if te.mask != "none":
+        mask = torch.ones(1, te.tokens, dtype=torch.long, device=device)
+        if te.mask == "padded":
+            mask[:, min(PROMPT_TOKENS, te.tokens - 1):] = 0
+        kw["attention_mask"] = mask
 
     def run():
         with torch.no_grad():
-            return module(input_ids=ids, attention_mask=mask)
+            return module(input_ids=ids, **kw)
 
     return run
 
@@ -105,7 +116,13 @@ def count_text_encoder_ops(te, layers: int, device="cpu") -> int:
     return count_ops(_small_run(te, layers, torch.device(device)))
 
 
-def host_op_seconds(te, device, layers: int | None = None, repeats: int = 5) -> tuple[float, int]:
+def count_per_layer(te, device="cpu") -> tuple[int, int]:
+    """(operators per layer, operators once per forward) of the text encoder, counted at one and two layers."""
+    one, two = count_text_encoder_ops(te, 1, device), count_text_encoder_ops(te, 2, device)
+    return two - one, 2 * one - two
+
+
+def host_op_seconds(te, device, layers: int | None = None, repeats: int = 9) -> tuple[float, int]:
     """(seconds per operator, operators per forward) of the text encoder at a small width on `device`, all its
     layers (default; the operators once per forward, masks and position biases, cost more than a layer's, so fewer
     layers would weigh them more than the real forward does): the median forward (the device synchronized after
@@ -141,23 +158,31 @@ def text_encoder_archs() -> dict[str, Any]:
     return out
 
 
-def measure_op_us(device) -> tuple[float, dict[str, float]]:
-    """(median, per architecture) host microseconds per operator of the catalog's text encoders on `device`; an
-    architecture this transformers cannot build at a small width is left out (its entry says why)."""
-    per: dict[str, Any] = {}
+def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
+    """Per catalog text-encoder architecture, its TextHostCost fields measured on `device` (the GPU path) and on
+    the CPU; an architecture this transformers cannot build at a small width is left out (its entry says why)."""
+    import torch
+    import transformers
+
+    cpu = torch.device("cpu")
+    out: dict[str, dict[str, Any] | str] = {}
     for arch, te in text_encoder_archs().items():
         try:
-            per[arch] = host_op_seconds(te, device)[0] * 1e6
+            per_layer, once = count_per_layer(te, device)
+            gpu_s = host_op_seconds(te, device)[0]
+            cpu_s = gpu_s if device.type == "cpu" else host_op_seconds(te, cpu)[0]
         except Exception as exc:  # noqa: BLE001 - one architecture's failure must not lose the calibration
-            per[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
-    values = [v for v in per.values() if isinstance(v, float)]
-    if not values:
+            out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
+            continue
+        out[arch] = dict(ops_per_layer=per_layer, ops_once=once, gpu_op_us=gpu_s * 1e6, cpu_op_us=cpu_s * 1e6,
+                         transformers=transformers.__version__)
+    if not any(isinstance(v, dict) for v in out.values()):
         from chunkflow.calibrate import CalibrationError
 
         raise CalibrationError("no text encoder could be built at a small width to time an operator's host cost ("
-                               + "; ".join(map(str, per.values())) + "); check that transformers is installed and "
+                               + "; ".join(map(str, out.values())) + "); check that transformers is installed and "
                                "up to date")
-    return statistics.median(values), per
+    return out
 
 
 def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK
@@ -179,13 +204,14 @@ def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[di
 
     from chunkflow.calibrate_ops import measure_hbm
 
-    gpu_op, gpu_per = measure_op_us(device)
-    cpu_op, cpu_per = (gpu_op, gpu_per) if device.type == "cpu" else measure_op_us(torch.device("cpu"))
+    text = measure_text_host(device)
+    measured = {arch: v for arch, v in text.items() if isinstance(v, dict)}
+    gpu_op = statistics.median(v["gpu_op_us"] for v in measured.values())
+    cpu_op = statistics.median(v["cpu_op_us"] for v in measured.values())
     small = dict(ms=(16, 64), nks=(64, 128)) if cpu_smoke else {}
     peak, grid = measure_cpu_gemm_grid(cpu_tflops, **small)
     mem = measure_hbm(torch.device("cpu"), 2**22 if cpu_smoke else 2**28)  # the host's memory, as the GPU's
-    update: dict[str, Any] = dict(host_op_us=gpu_op, cpu_op_us=cpu_op, cpu_tflops=peak, cpu_gemm_eta=grid,
-                                  cpu_mem_gbps=mem)
-    raw = dict(host_op_us=gpu_per, cpu_op_us=cpu_per, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid,
-               cpu_mem_gbps=mem)
+    update: dict[str, Any] = dict(host_op_us=gpu_op, cpu_op_us=cpu_op, text_host=measured, cpu_tflops=peak,
+                                  cpu_gemm_eta=grid, cpu_mem_gbps=mem)
+    raw = dict(text_host=text, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid, cpu_mem_gbps=mem)
     return update, raw

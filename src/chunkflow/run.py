@@ -93,6 +93,8 @@ class RunReport(BaseModel):
     torch: str
     diffusers: str
     triton: str | None = Field(None, description="Triton's version where installed (the fp8 cast kernel)")
+    transformers: str | None = Field(None, description="transformers' version where installed (its text encoders' "
+                                     "operator counts change with it)")
     hardware: str = Field(description="name of the hardware profile the prediction used")
     plan: Plan
     run: RunConfig
@@ -245,7 +247,11 @@ def environment(device) -> dict[str, str | None]:
 
     from importlib.metadata import PackageNotFoundError, version
 
-    triton = None
+    triton = transformers = None
+    try:
+        transformers = version("transformers")
+    except PackageNotFoundError:
+        pass
     for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):  # the names PyTorch's builds install it under
         try:
             triton = version(dist)
@@ -254,7 +260,7 @@ def environment(device) -> dict[str, str | None]:
             pass
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu, torch=torch.__version__,
-                diffusers=diffusers.__version__, triton=triton,
+                diffusers=diffusers.__version__, triton=triton, transformers=transformers,
                 command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
 
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from chunkflow_planner.components import PipelineSpec, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
+from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
 
 CATALOG_SCHEMA_VERSION = 1
@@ -192,6 +192,19 @@ def _check_table(what: str, table: list) -> None:
         raise ValueError(f"{what}: efficiencies must be in (0, 1]")
 
 
+class TextHostCost(_Strict):
+    """The host side of one text-encoder architecture's eager forward on this machine (calibrate): the operators it
+    dispatches per layer and once per forward, counted with this machine's transformers and called as the catalog's
+    pipelines call it (components.TextEncoderSpec.mask), and the host microseconds each costs on the GPU path and
+    on the CPU, timed on the architecture at a small width and full depth."""
+
+    ops_per_layer: int = Field(ge=0, le=10**6)
+    ops_once: int = Field(ge=0, le=10**6)
+    gpu_op_us: float = Field(gt=0, le=1e4)
+    cpu_op_us: float = Field(gt=0, le=1e5)
+    transformers: str = Field("", description="the transformers version that dispatched them")
+
+
 class HardwareSpec(_Strict):
     """One GPU type in a node: rates, links and the planner's efficiency factors."""
 
@@ -250,9 +263,14 @@ class HardwareSpec(_Strict):
                                        "operators (calibrate); unset: they are not priced on the CPU")
     host_op_us: float = Field(0.0, ge=0, le=1e4, description="host microseconds one eager operator costs on the "
                               "GPU path (Python, dispatcher, kernel launch), measured by calibrate on text encoders: "
-                              "a forward takes at least its operator count (components.HOST_OPS) times this")
+                              "a forward takes at least its operator count (components.HOST_OPS) times this; the "
+                              "median of text_host's architectures where calibrate measured them")
     cpu_op_us: float = Field(0.0, ge=0, le=1e5, description="the same for operators run on the CPU, beyond their "
                              "GEMMs' and memory passes' time (calibrate)")
+    text_host: dict[TextEncoderArch, TextHostCost] = Field(
+        default_factory=dict, description="per text-encoder architecture, its operator counts and host cost per "
+        "operator as calibrate measured them here; an architecture listed here is priced by its entry, the others by "
+        "components.HOST_OPS and host_op_us / cpu_op_us")
     vae_decode: dict[str, "VaeDecodeFit"] = Field(
         default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
         "catalog's for this GPU")

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-TextEncoderArch = Literal["t5_encoder", "clip_text", "llama", "qwen2_5_vl"]
+TextEncoderArch = Literal["t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"]
+TextMask = Literal["padded", "full", "none"]
 TokenizerKind = Literal["t5", "clip", "llama3", "qwen2"]
 PipelineAdapter = Literal["wan", "flux", "hunyuan_video", "qwen_image"]
 
@@ -108,17 +109,19 @@ def encoder_params(arch: str, config: dict) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------ host dispatch
 
 # Operators one eager forward dispatches (aten calls, views included), per repeated layer and once per forward
-# (embeddings, masks, position biases, final norm), as transformers' classes run them: counted by the tests
-# (chunkflow.calibrate_ops.count_text_encoder_ops, on the CPU at a small width; the count does not depend on the
-# width) with a tolerance for transformers versions. A forward's host time is this many times the host cost of one
-# operator that calibrate measures (HardwareSpec.host_op_us, cpu_op_us): text encoders run a few tokens through
-# many small layers, so on the GPU they are often bound by Python and kernel launches, not by the device.
+# (embeddings, masks, position biases, final norm), as transformers 5.24's classes run them called as their pipelines
+# call them (TextEncoderSpec.mask): counted by the tests (chunkflow.calibrate_host.count_per_layer, on the CPU at a
+# small width; the count does not depend on the width). Other transformers versions dispatch other counts (UMT5-XXL:
+# 2,772 a forward on an H200 host against 2,292 here), which calibrate counts (HardwareSpec.text_host); these price
+# profiles without them. A forward's host time is this many times the host cost of one operator (host_op_us,
+# cpu_op_us): text encoders run a few tokens through many small layers, so on the GPU they are often bound by Python
+# and kernel launches, not by the device.
 HOST_OPS: dict[str, tuple[int, int]] = {
-    "t5_encoder": (66, 38),  # the relative-position bias is computed in the first layer only
-    "umt5_encoder": (92, 12),  # ... and in every layer
-    "clip_text": (41, 14),
-    "llama": (78, 27),
-    "qwen2_5_vl": (78, 45),
+    "t5_encoder": (66, 35),  # the relative-position bias is computed in the first layer only; FLUX passes no mask
+    "umt5_encoder": (94, 36),  # ... and in every layer
+    "clip_text": (41, 10),
+    "llama": (87, 55),  # a padded mask: the causal mask combined with it
+    "qwen2_5_vl": (78, 45),  # every token real
 }
 
 
@@ -131,12 +134,15 @@ class TextEncoderSpec(_Strict):
     component: str = Field(description="the pipeline's attribute, e.g. text_encoder or text_encoder_2")
     tokenizer: str = Field(description="the pipeline's tokenizer attribute, e.g. tokenizer")
     cls: str = Field(description="transformers class, e.g. UMT5EncoderModel")
-    arch: Literal["t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"]
+    arch: TextEncoderArch
     tokenizer_kind: TokenizerKind = Field(description="which local tokenizer a random-weight pipeline builds")
     config: dict[str, Any] = Field(description="the checkpoint's config.json (keys starting with _ dropped)")
     total_params: int = Field(gt=0, description="every parameter, as the meta-device instantiation counts them")
     tokens: int = Field(gt=0, description="tokens per prompt the pipeline feeds it (padded length, or template + prompt)")
     block_list: str = Field(description="dotted attribute path of its repeated layers (what chunkflow can stream)")
+    mask: TextMask = Field("padded", description="the attention mask the pipeline passes: `padded` (the prompt's "
+                           "tokens, then padding), `full` (every token real) or `none` (no mask); transformers "
+                           "dispatches different operators for each")
     dtype_bytes: int = Field(2, gt=0)
 
     @property
@@ -147,9 +153,11 @@ class TextEncoderSpec(_Strict):
     def layer_params(self) -> int:
         return encoder_params(self.arch, self.config)[1]
 
-    def host_ops(self) -> int:
-        """Operators one forward dispatches (HOST_OPS): layers x per layer + once per forward."""
-        per_layer, once = HOST_OPS[self.arch]
+    def host_ops(self, hw: Any = None) -> int:
+        """Operators one forward dispatches: layers x per layer + once per forward, as calibrate counted them on
+        `hw`'s machine (HardwareSpec.text_host) or else HOST_OPS."""
+        cost = getattr(hw, "text_host", {}).get(self.arch)
+        per_layer, once = (cost.ops_per_layer, cost.ops_once) if cost is not None else HOST_OPS[self.arch]
         return self.shape()["layers"] * per_layer + once
 
     def shape(self) -> dict[str, Any]:

@@ -185,12 +185,23 @@ def text_device_s(te: TextEncoderSpec, hw: HardwareSpec) -> float:
     return ops_time(text_encoder_ops(te, 1, te.tokens), hw)
 
 
+def text_host_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
+    """Host seconds one forward of a text encoder dispatches: its operators times the host cost of one, both as
+    calibrate measured them for its architecture (HardwareSpec.text_host), else HOST_OPS x host_op_us / cpu_op_us."""
+    cost = hw.text_host.get(te.arch)
+    if cost is not None:
+        op_us = cost.cpu_op_us if on_cpu else cost.gpu_op_us
+    else:
+        op_us = hw.cpu_op_us if on_cpu else hw.host_op_us
+    return te.host_ops(hw) * op_us * 1e-6
+
+
 def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
-    """Seconds of one forward of a text encoder: on the GPU the longer of its device time and its host dispatch
-    (operators x host_op_us), on the CPU its operators' time plus cpu_op_us each (ops.py)."""
+    """Seconds of one forward of a text encoder: on the GPU the longer of its device time and its host dispatch,
+    on the CPU its operators' time plus their host cost (text_host_s, ops.py)."""
     if on_cpu:
-        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) + te.host_ops() * hw.cpu_op_us * 1e-6
-    return max(text_device_s(te, hw), te.host_ops() * hw.host_op_us * 1e-6)
+        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) + text_host_s(te, hw, on_cpu=True)
+    return max(text_device_s(te, hw), text_host_s(te, hw))
 
 
 def _text_cost(te: TextEncoderSpec, placement: str, passes: int,
