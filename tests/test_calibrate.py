@@ -98,7 +98,7 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     # its memory bandwidth
     import transformers
 
-    from chunkflow.calibrate_host import count_per_layer, text_encoder_archs
+    from chunkflow.calibrate_host import count_per_layer, count_text_encoder_ops, text_encoder_archs
 
     host = raw["operators"]["host"]
     archs = {"t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"}
@@ -106,6 +106,8 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     for arch, te in text_encoder_archs().items():
         cost = hw.text_host[arch]
         assert (cost.ops_per_layer, cost.ops_once) == count_per_layer(te), arch
+        assert 3 * cost.ops_per_layer + cost.ops_once == count_text_encoder_ops(te, 3), arch  # any depth
+        assert te.host_ops(hw) == count_text_encoder_ops(te, te.shape()["layers"]), arch
         assert cost.gpu_op_us == cost.cpu_op_us > 0 and cost.transformers == transformers.__version__  # CPU: one
     assert hw.host_op_us == pytest.approx(statistics.median(c.gpu_op_us for c in hw.text_host.values()))
     assert hw.cpu_op_us > 0 and hw.cpu_mem_gbps > 0

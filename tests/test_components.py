@@ -169,16 +169,31 @@ ARCHS = sorted({te.arch: te for _, s in PIPELINES if not s.name.startswith("tiny
 @pytest.mark.parametrize("arch, te", ARCHS, ids=[a for a, _ in ARCHS])
 def test_host_operator_counts_are_those_the_class_dispatches(arch, te):
     """components.HOST_OPS (operators per layer and once per forward, the host side of a text encoder's time) are
-    what transformers' class dispatches in one forward, counted at a small width with one and with two layers;
-    within 15% (transformers versions move a few operators)."""
+    what transformers 5.24's class dispatches in one forward called as its pipeline calls it, counted at a small
+    width with one and with two layers: exactly, with that version; other versions dispatch others (5.17 up to 30%
+    more a layer, which calibrate counts on the machine), so within 35%."""
+    import transformers
+
     from chunkflow.calibrate_host import count_text_encoder_ops
     from chunkflow_planner.components import HOST_OPS
 
     one, two = count_text_encoder_ops(te, 1), count_text_encoder_ops(te, 2)
     per_layer, once = HOST_OPS[arch]
-    assert two - one == pytest.approx(per_layer, rel=0.15)
-    assert one - (two - one) == pytest.approx(once, rel=0.15, abs=3)
+    rel = 0 if transformers.__version__.startswith("5.24.") else 0.35
+    assert two - one == pytest.approx(per_layer, rel=rel)
+    assert one - (two - one) == pytest.approx(once, rel=rel, abs=3 if rel else 0)
     assert te.host_ops() == te.shape()["layers"] * per_layer + once
+
+
+def test_one_architecture_is_called_one_way():
+    """calibrate counts an architecture's operators once, called as the first catalog pipeline using it calls it
+    (TextEncoderSpec.mask; the count depends on the mask), and prices every encoder of that architecture with it:
+    the catalog's encoders of one architecture take one mask."""
+    masks: dict[str, set] = {}
+    for _, spec in PIPELINES:
+        for te in spec.pipeline.text_encoders:
+            masks.setdefault(te.arch, set()).add(te.mask)
+    assert all(len(m) == 1 for m in masks.values()), masks
 
 
 def test_small_text_encoders_keep_what_decides_the_operator_count():

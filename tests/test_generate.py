@@ -445,6 +445,12 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     assert own.text_host[te.arch].gpu_op_us == pytest.approx(truth["host_op_us"] * ratio, rel=1e-3)
     assert own.host_op_us == pytest.approx(truth["host_op_us"] * ratio, rel=1e-3)
     assert own.text_host[te.arch].ops_per_layer == per_layer * 2 and own.text_host[te.arch].cpu_op_us == 1.0
+    # counted with another transformers than the report ran: its forwards dispatched other operators, not used
+    other = counted.model_copy(update={"text_host": {te.arch: counted.text_host[te.arch].model_copy(
+        update={"transformers": "4.40.0"})}})
+    kept, notes = refit(other, read_reports(["r.json"]))
+    assert kept.text_host == other.text_host and kept.host_op_us == other.host_op_us
+    assert any("4.40.0" in n and "not used" in n for n in notes)
     e2, _ = generation_estimate(read_reports(["r.json"])[0], new)  # (denoise: eta_comp is refit from this run too)
     for name in ("encode", "decode"):
         assert e2.phases[name].time_s == pytest.approx(data["generation"]["phases"][name]["measured_time_s"], rel=1e-6)

@@ -407,6 +407,13 @@ def test_a_calibrated_architecture_is_priced_by_its_own_operators_and_cost():
         + HOST_OPS["umt5_encoder"][1]
     assert text_host_s(umt5, measured) == pytest.approx((layers * 114 + 36) * 19e-6)
     assert text_host_s(umt5, measured, on_cpu=True) == pytest.approx((layers * 114 + 36) * 31e-6)
+    from chunkflow_planner.ops import ops_time_cpu
+    from chunkflow_planner.pipeline import text_forward_s
+
+    cpu = ops_time_cpu(text_encoder_ops(umt5, 1, umt5.tokens), measured)
+    assert text_forward_s(umt5, measured, on_cpu=True) == pytest.approx(cpu + (layers * 114 + 36) * 31e-6)
+    assert text_forward_s(umt5, measured) == pytest.approx(max(text_host_s(umt5, measured),
+                                                               ops_time(text_encoder_ops(umt5, 1, umt5.tokens), H200)))
     assert text_host_s(umt5, hw) == pytest.approx(umt5.host_ops() * 10e-6)
     for on_cpu in (False, True):  # an architecture not measured: unchanged
         assert text_host_s(t5, measured, on_cpu) == text_host_s(t5, hw, on_cpu)

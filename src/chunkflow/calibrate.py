@@ -892,7 +892,7 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         for name, m in g.phases.items():
             t = m.measured_time_s - (start.get(name) or 0.0)
             if name == "encode" and g.warmup_generations:
-                op_us += _host_op_us(spec, w, base, g.components, m.parts_s)
+                op_us += _host_op_us(spec, w, base, g.components, m.parts_s, r.transformers, notes)
             if unknown and name in ("encode", "decode"):
                 pass  # its time holds the start-up too: not a measure of the host work
             elif (name == "encode" and g.warmup_generations and m.parts_s
@@ -945,17 +945,24 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
 HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is the host's
 
 
-def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
-                parts: dict[str, list[float]]) -> list[tuple[str, float]]:
+def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str], parts: dict[str, list[float]],
+                version: str | None = None, notes: list[str] | None = None) -> list[tuple[str, float]]:
     """(architecture, host microseconds per operator) of each text encoder kept on the GPU whose timed forwards
     (the median over the report's generations) took HOST_BOUND x its operators' predicted device time or more,
     its operators as `hw` counts them (TextEncoderSpec.host_ops): one value per encoder and report, so that no
-    report weighs more for having measured more generations."""
+    report weighs more for having measured more generations. A report run with another transformers than the one
+    `hw` counted an architecture's operators with (`version`) is left out for it: its forwards dispatched others."""
     from chunkflow_planner.pipeline import text_device_s
 
     out = []
     for te in spec.pipeline.text_encoders:
         if placements.get(te.component) != "gpu" or not parts.get(te.component):
+            continue
+        cost = hw.text_host.get(te.arch)
+        if cost is not None and version and cost.transformers and version != cost.transformers:
+            if notes is not None:
+                notes.append(f"a report of {spec.name} ran transformers {version}, the profile counted {te.arch}'s "
+                             f"operators with {cost.transformers}: its forwards not used for the host cost")
             continue
         device = w.cfg_passes * text_device_s(te, hw)
         t = statistics.median(parts[te.component])

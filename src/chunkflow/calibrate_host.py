@@ -164,18 +164,22 @@ def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
     import torch
     import transformers
 
+    from chunkflow_planner.catalog import TextHostCost
+
     cpu = torch.device("cpu")
     out: dict[str, dict[str, Any] | str] = {}
     for arch, te in text_encoder_archs().items():
         try:
-            per_layer, once = count_per_layer(te, device)
-            gpu_s = host_op_seconds(te, device)[0]
+            per_layer = count_per_layer(te, device)[0]
+            gpu_s, n = host_op_seconds(te, device)
             cpu_s = gpu_s if device.type == "cpu" else host_op_seconds(te, cpu)[0]
+            once = n - te.shape()["layers"] * per_layer  # the full-depth count exactly
+            if per_layer < 0 or once < 0:
+                raise ValueError(f"operators not linear in the layers ({n} at full depth, {per_layer} a layer)")
+            out[arch] = TextHostCost(ops_per_layer=per_layer, ops_once=once, gpu_op_us=gpu_s * 1e6,
+                                     cpu_op_us=cpu_s * 1e6, transformers=transformers.__version__).model_dump()
         except Exception as exc:  # noqa: BLE001 - one architecture's failure must not lose the calibration
             out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
-            continue
-        out[arch] = dict(ops_per_layer=per_layer, ops_once=once, gpu_op_us=gpu_s * 1e6, cpu_op_us=cpu_s * 1e6,
-                         transformers=transformers.__version__)
     if not any(isinstance(v, dict) for v in out.values()):
         from chunkflow.calibrate import CalibrationError
 
