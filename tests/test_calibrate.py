@@ -110,6 +110,8 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
         assert te.host_ops(hw) == count_text_encoder_ops(te, te.shape()["layers"]), arch
         assert cost.gpu_op_us == cost.cpu_op_us > 0 and cost.transformers == transformers.__version__  # CPU: one
     assert hw.host_op_us == pytest.approx(statistics.median(c.gpu_op_us for c in hw.text_host.values()))
+    cost = hw.text_host["umt5_encoder"]  # the profile table says what was counted
+    assert "host ops umt5_encoder" in result.output and f"{cost.ops_per_layer}/layer + {cost.ops_once}" in result.output
     assert hw.cpu_op_us > 0 and hw.cpu_mem_gbps > 0
     # eta against the best of the square matmul and the grid: the grid's best is 1 unless the square matmul beat it
     assert len(hw.cpu_gemm_eta) == 8 and hw.cpu_tflops >= host["cpu_square_tflops"] > 0

@@ -521,13 +521,17 @@ def _print_profile(hw) -> None:
     t.add_column("value", justify="right")
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
-                "encode_host_s", "postprocess_gbps", "alloc_slack", "reserve_fraction", "mem_margin"):
+                "encode_host_s", "host_op_us", "cpu_op_us", "postprocess_gbps", "alloc_slack", "reserve_fraction",
+                "mem_margin"):
         v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
     t.add_row("process_host_bytes", format_bytes(hw.process_host_bytes))
     if hw.startup_s:
         t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.startup_s.items()))
+    for arch, c in hw.text_host.items():
+        t.add_row(f"host ops {arch}", f"{c.ops_per_layer}/layer + {c.ops_once}; {c.gpu_op_us:.1f} us (GPU path), "
+                  f"{c.cpu_op_us:.1f} us (CPU)" + (f"; transformers {c.transformers}" if c.transformers else ""))
     if hw.eta_comp_curve:
         t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in hw.eta_comp_curve))
     if hw.gemm_eta:
