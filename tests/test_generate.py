@@ -259,6 +259,22 @@ def test_repeat_measures_several_generations_and_reports_their_median(cli, workd
     assert data["stats"]["forwards"] == 3 * json.loads(Path("one.json").read_text())["stats"]["forwards"]
     assert "median of 3 generations" in " ".join(many.output.split()) and "spread" in many.output
     assert all(len(ph["gc_s"]) == 3 and min(ph["gc_s"]) >= 0 for ph in g["phases"].values())
+    for ph in g["phases"].values():  # each generation's longest collection, within its time in the collector
+        assert len(ph["gc_longest"]) == 3
+        assert all(c is None or 0 <= c["seconds"] <= s + 1e-9 for c, s in zip(ph["gc_longest"], ph["gc_s"]))
+    # run's output names the longest collection once it matters: its phase, generation and what it freed
+    from rich.console import Console
+
+    from chunkflow.report import print_generation
+    from chunkflow.run import load_reports
+
+    ph = g["phases"]["denoise"]
+    ph["gc_s"][1], ph["gc_longest"][1] = 0.334, {"seconds": 0.33, "generation": 2, "collected": 17}
+    Path("gc-long.json").write_text(json.dumps(data))
+    console = Console(record=True, width=120)
+    print_generation(console, load_reports(["gc-long.json"])[0])
+    said = " ".join(console.export_text().split())
+    assert "its longest collection: 330.0 ms in denoise, generation 2 (full), 17 objects freed" in said
     assert json.loads(Path("one.json").read_text())["generation"]["measured_generations"] == 1
     bad = cli("run", "--plan", plan, "--repeat", "2", "--device", "cpu")
     assert bad.exit_code == 2 and "needs --prompt" in " ".join(bad.output.split()) and "Traceback" not in bad.output
@@ -301,6 +317,8 @@ def test_garbage_collection_is_counted_in_its_phase_and_the_run_leaves_gc_as_it_
             built.remove()
     assert gen.phases["denoise"].gc_s > 0 and gen.phases["denoise"].gc_s < gen.phases["denoise"].time_s
     assert gen.phases["encode"].gc_s < gen.phases["denoise"].gc_s
+    seconds, generation, freed = gen.phases["denoise"].gc_longest  # the longest: one of the full ones forced
+    assert generation == 2 and 0 < seconds <= gen.phases["denoise"].gc_s and freed >= 0
     assert gc.callbacks == callbacks
     frozen = gc.get_freeze_count()
     plan = _plan(cli, "tiny")

@@ -39,6 +39,7 @@ class PhaseMeasurement:
     context_bytes: int | None = None  # device memory in use beyond torch's reserve at the phase's end
     host_rss_bytes: int = 0
     gc_s: float = 0.0  # seconds in Python's garbage collector during the phase
+    gc_longest: tuple[float, int, int] | None = None  # its longest collection: (seconds, generation, objects freed)
     parts_s: dict[str, float] = field(default_factory=dict)  # text encoder -> seconds in its forwards (and its
     # parked part's move to the device, as "<name> to device")
 
@@ -70,6 +71,7 @@ class _Clock:
         self.current: str | None = None
         self.t0 = 0.0
         self.gc_s = 0.0  # the current phase's seconds in the garbage collector so far
+        self.gc_longest: tuple[float, int, int] | None = None  # (seconds, generation, objects freed)
         self._gc_t0: float | None = None
         self.parts: dict[str, float] = {}  # the current phase's seconds per timed component so far
         self._part_t0: dict[str, float] = {}
@@ -107,7 +109,10 @@ class _Clock:
             self._gc_t0 = time.perf_counter()
         elif self._gc_t0 is not None:
             if self.current is not None:
-                self.gc_s += time.perf_counter() - self._gc_t0
+                dt = time.perf_counter() - self._gc_t0
+                self.gc_s += dt
+                if self.gc_longest is None or dt > self.gc_longest[0]:
+                    self.gc_longest = (dt, int(info.get("generation", -1)), int(info.get("collected", 0)))
             self._gc_t0 = None
 
     def _sync(self) -> None:
@@ -120,13 +125,14 @@ class _Clock:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         self.parts, self._part_t0 = {}, {}
-        self.current, self.t0, self.gc_s = name, time.perf_counter(), 0.0
+        self.current, self.t0, self.gc_s, self.gc_longest = name, time.perf_counter(), 0.0, None
 
     def stop(self) -> None:
         from chunkflow.hostmem import rss_bytes
 
         self._sync()
         m = PhaseMeasurement(time_s=time.perf_counter() - self.t0, host_rss_bytes=rss_bytes(), gc_s=self.gc_s,
+                             gc_longest=self.gc_longest,
                              parts_s=dict(self.parts))
         if self.cuda:
             free, total = torch.cuda.mem_get_info(self.device)

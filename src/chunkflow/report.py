@@ -187,6 +187,12 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     if sum(gc_each.values()) >= 0.001:
         console.print("in Python's garbage collector (the most of any measured generation): "
                       + ", ".join(f"{k} {format_seconds(v)}" for k, v in gc_each.items()), highlight=False)
+        longest = max(((name, c) for name, ph in g.phases.items() for c in ph.gc_longest if c is not None),
+                      key=lambda nc: nc[1].seconds, default=None)
+        if longest is not None and longest[1].seconds >= 0.01:
+            name, c = longest
+            console.print(f"its longest collection: {format_seconds(c.seconds)} in {name}, generation {c.generation}"
+                          f"{' (full)' if c.generation == 2 else ''}, {c.collected} objects freed", highlight=False)
     line = f"peak host memory: {format_bytes(g.host_peak_bytes)}"
     if gpu and g.predicted_host_memory_bytes is not None:
         line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"

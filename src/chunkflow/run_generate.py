@@ -34,11 +34,22 @@ from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 
 
+class GcCollection(BaseModel):
+    """One collection of Python's garbage collector: what it took, which generation it scanned (2: a full
+    collection), how many objects it freed (few freed in a long time: their finalizers, not the scan, took it)."""
+
+    seconds: float
+    generation: int
+    collected: int
+
+
 class PhaseResult(BaseModel):
     measured_time_s: float = Field(description="the median over the measured generations (--repeat)")
     measured_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     gc_s: list[float] = Field(default_factory=list, description="each measured generation's seconds in Python's "
                               "garbage collector during the phase")
+    gc_longest: list[GcCollection | None] = Field(default_factory=list, description="each measured generation's "
+                                                   "longest collection in the phase (none: no collection)")
     parts_s: dict[str, list[float]] = Field(default_factory=dict, description="component -> each measured "
                                             "generation's seconds in its forwards (the text encoders in encode)")
     predicted_parts_s: dict[str, float] = Field(default_factory=dict, description="the plan's account of the "
@@ -191,11 +202,12 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     pp = plan.prediction.phases
     phases = {}
     same_steps = steps == plan.workload.steps
-    for name, (m, each, gcs, parts) in phases_of.items():
+    for name, (m, each, gcs, parts, longest) in phases_of.items():
         p = getattr(pp, name) if pp is not None else None
         t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
-            measured_time_s=m.time_s, measured_times_s=each, gc_s=gcs, parts_s=parts,
+            measured_time_s=m.time_s, measured_times_s=each, gc_s=gcs, parts_s=parts, gc_longest=[
+                None if c is None else GcCollection(seconds=c[0], generation=c[1], collected=c[2]) for c in longest],
             predicted_parts_s=dict(p.parts_s) if p and cuda else {}, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=t_pred,
@@ -223,9 +235,9 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
 
 
 def combine_phases(runs: list[dict]) -> dict[str, tuple]:
-    """phase -> (PhaseMeasurement, times, gc seconds, parts) over measured generations: the median time, the largest
-    peaks and host memory, and every generation's time, time in the garbage collector and seconds per timed
-    component (component -> one per generation)."""
+    """phase -> (PhaseMeasurement, times, gc seconds, parts, longest collections) over measured generations: the
+    median time, the largest peaks and host memory, and every generation's time, time in the garbage collector,
+    seconds per timed component (component -> one per generation) and longest collection."""
     from chunkflow.generate import PhaseMeasurement
 
     def most(values):
@@ -241,7 +253,8 @@ def combine_phases(runs: list[dict]) -> dict[str, tuple]:
             m.peak_allocated_bytes for m in ms), peak_reserved_bytes=peak.peak_reserved_bytes,
             context_bytes=peak.context_bytes, host_rss_bytes=max(m.host_rss_bytes for m in ms)), each,
             [m.gc_s for m in ms],
-            {part: [m.parts_s.get(part, 0.0) for m in ms] for part in sorted({k for m in ms for k in m.parts_s})})
+            {part: [m.parts_s.get(part, 0.0) for m in ms] for part in sorted({k for m in ms for k in m.parts_s})},
+            [m.gc_longest for m in ms])
     return out
 
 
