@@ -122,17 +122,24 @@ def count_per_layer(te, device="cpu") -> tuple[int, int]:
     return two - one, 2 * one - two
 
 
-def host_op_seconds(te, device, layers: int | None = None, repeats: int = 9) -> tuple[float, int]:
-    """(seconds per operator, operators per forward) of the text encoder at a small width on `device`, all its
-    layers (default; the operators once per forward, masks and position biases, cost more than a layer's, so fewer
-    layers would weigh them more than the real forward does): the median forward (the device synchronized after
-    it) over its operator count."""
+ROUNDS = 3  # each architecture timed in rounds spread over the whole measurement: a slow spell of the host (they
+# come in bursts: docs/data/h200-umt5-dispatch) lands in one round of each, not in all of one architecture's forwards
+
+
+def _full_depth(te, device, layers: int | None = None) -> tuple[Callable[[], Any], int]:
+    """(one forward, the operators it dispatches) of the text encoder at a small width on `device`, all its layers
+    (default; the operators once per forward, masks and position biases, cost more than a layer's, so fewer layers
+    would weigh them more than the real forward does), run twice already."""
+    run = _small_run(te, layers or te.shape()["layers"], device)
+    run()
+    return run, count_ops(run)
+
+
+def _timed(run: Callable[[], Any], device, repeats: int) -> list[float]:
+    """Seconds of `repeats` forwards, each timed alone (the device synchronized before and after)."""
     import torch
 
     cuda = device.type == "cuda"
-    run = _small_run(te, layers or te.shape()["layers"], device)
-    run()
-    n = count_ops(run)
     times = []
     for _ in range(repeats):
         if cuda:
@@ -142,7 +149,14 @@ def host_op_seconds(te, device, layers: int | None = None, repeats: int = 9) -> 
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n, n
+    return times
+
+
+def host_op_seconds(te, device, layers: int | None = None, repeats: int = 9) -> tuple[float, int]:
+    """(seconds per operator, operators per forward) of the text encoder at a small width on `device`: the median
+    forward (_full_depth, _timed) over its operator count."""
+    run, n = _full_depth(te, device, layers)
+    return statistics.median(_timed(run, device, repeats)) / n, n
 
 
 def text_encoder_archs() -> dict[str, Any]:
@@ -167,18 +181,34 @@ def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
     from chunkflow_planner.catalog import TextHostCost
 
     cpu = torch.device("cpu")
+    on_cpu = device.type == "cpu"
     out: dict[str, dict[str, Any] | str] = {}
-    for arch, te in text_encoder_archs().items():
+    built: dict[str, tuple] = {}  # arch -> (operators a layer, full-depth forward on device, on the CPU)
+    archs = text_encoder_archs()
+    for arch, te in archs.items():
         try:
-            per_layer = count_per_layer(te, device)[0]
-            gpu_s, n = host_op_seconds(te, device)
-            cpu_s = gpu_s if device.type == "cpu" else host_op_seconds(te, cpu)[0]
+            gpu = _full_depth(te, device)
+            built[arch] = (count_per_layer(te, device)[0], gpu, gpu if on_cpu else _full_depth(te, cpu))
+        except Exception as exc:  # noqa: BLE001 - one architecture's failure must not lose the calibration
+            out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
+    times: dict[str, tuple[list[float], list[float]]] = {arch: ([], []) for arch in built}
+    for _ in range(ROUNDS):
+        for arch, (_, (gpu_run, _), (cpu_run, _)) in built.items():
+            times[arch][0].extend(_timed(gpu_run, device, 3))
+            if not on_cpu:
+                times[arch][1].extend(_timed(cpu_run, cpu, 3))
+    for arch, (per_layer, (_, n), (_, n_cpu)) in built.items():
+        te = archs[arch]
+        gpu_times, cpu_times = times[arch]
+        try:
             once = n - te.shape()["layers"] * per_layer  # the full-depth count exactly
             if per_layer < 0 or once < 0:
                 raise ValueError(f"operators not linear in the layers ({n} at full depth, {per_layer} a layer)")
-            out[arch] = TextHostCost(ops_per_layer=per_layer, ops_once=once, gpu_op_us=gpu_s * 1e6,
-                                     cpu_op_us=cpu_s * 1e6, transformers=transformers.__version__).model_dump()
-        except Exception as exc:  # noqa: BLE001 - one architecture's failure must not lose the calibration
+            gpu_us = statistics.median(gpu_times) / n * 1e6
+            cpu_us = gpu_us if on_cpu else statistics.median(cpu_times) / n_cpu * 1e6
+            out[arch] = TextHostCost(ops_per_layer=per_layer, ops_once=once, gpu_op_us=gpu_us, cpu_op_us=cpu_us,
+                                     transformers=transformers.__version__).model_dump()
+        except Exception as exc:  # noqa: BLE001
             out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
     if not any(isinstance(v, dict) for v in out.values()):
         from chunkflow.calibrate import CalibrationError
