@@ -14,7 +14,6 @@ timed over their operator count. components.HOST_OPS, the counts of transformers
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from typing import Any, Callable
 
@@ -135,30 +134,6 @@ def _full_depth(te, device, layers: int | None = None) -> tuple[Callable[[], Any
     return run, count_ops(run)
 
 
-def _timed(run: Callable[[], Any], device, repeats: int) -> list[float]:
-    """Seconds of `repeats` forwards, each timed alone (the device synchronized before and after)."""
-    import torch
-
-    cuda = device.type == "cuda"
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        run()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def host_op_seconds(te, device, layers: int | None = None, repeats: int = 9) -> tuple[float, int]:
-    """(seconds per operator, operators per forward) of the text encoder at a small width on `device`: the median
-    forward (_full_depth, _timed) over its operator count."""
-    run, n = _full_depth(te, device, layers)
-    return statistics.median(_timed(run, device, repeats)) / n, n
-
-
 def text_encoder_archs() -> dict[str, Any]:
     """One catalog text encoder per architecture (the first model using it), the tiny pipelines' left out."""
     from chunkflow_planner.catalog import load_models
@@ -178,6 +153,7 @@ def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
     import torch
     import transformers
 
+    from chunkflow.timing import time_on
     from chunkflow_planner.catalog import TextHostCost
 
     cpu = torch.device("cpu")
@@ -194,9 +170,9 @@ def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
     times: dict[str, tuple[list[float], list[float]]] = {arch: ([], []) for arch in built}
     for _ in range(ROUNDS):
         for arch, (_, (gpu_run, _), (cpu_run, _)) in built.items():
-            times[arch][0].extend(_timed(gpu_run, device, 3))
+            times[arch][0].extend(time_on(not on_cpu, gpu_run)[1] for _ in range(3))
             if not on_cpu:
-                times[arch][1].extend(_timed(cpu_run, cpu, 3))
+                times[arch][1].extend(time_on(False, cpu_run)[1] for _ in range(3))
     for arch, (per_layer, (_, n), (_, n_cpu)) in built.items():
         te = archs[arch]
         gpu_times, cpu_times = times[arch]

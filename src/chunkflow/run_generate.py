@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
@@ -187,7 +187,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
 
     cuda = device.type == "cuda"
     phases_of = combine_phases([ph for ph, _ in measured])
-    dn = phases_of["denoise"][0]
+    dn = phases_of["denoise"].measurement
     times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s])]
     result = Measured(step_times_s=times, median_step_s=statistics.median(times),
                       peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
@@ -202,12 +202,14 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     pp = plan.prediction.phases
     phases = {}
     same_steps = steps == plan.workload.steps
-    for name, (m, each, gcs, parts, longest) in phases_of.items():
+    for name, runs in phases_of.items():
+        m = runs.measurement
         p = getattr(pp, name) if pp is not None else None
         t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
-            measured_time_s=m.time_s, measured_times_s=each, gc_s=gcs, parts_s=parts, gc_longest=[
-                None if c is None else GcCollection(seconds=c[0], generation=c[1], collected=c[2]) for c in longest],
+            measured_time_s=m.time_s, measured_times_s=runs.times_s, gc_s=runs.gc_s, parts_s=runs.parts_s,
+            gc_longest=[None if c is None else GcCollection(seconds=c[0], generation=c[1], collected=c[2])
+                        for c in runs.gc_longest],
             predicted_parts_s=dict(p.parts_s) if p and cuda else {}, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=t_pred,
@@ -234,10 +236,20 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     return report
 
 
-def combine_phases(runs: list[dict]) -> dict[str, tuple]:
-    """phase -> (PhaseMeasurement, times, gc seconds, parts, longest collections) over measured generations: the
-    median time, the largest peaks and host memory, and every generation's time, time in the garbage collector,
-    seconds per timed component (component -> one per generation) and longest collection."""
+@dataclass
+class PhaseRuns:
+    """One phase over the measured generations: `measurement` has the median time, the largest peaks and host
+    memory; the lists hold one entry per generation."""
+
+    measurement: Any  # chunkflow.generate.PhaseMeasurement
+    times_s: list[float]
+    gc_s: list[float]
+    gc_longest: list
+    parts_s: dict[str, list[float]]  # component -> seconds in its forwards, one per generation
+
+
+def combine_phases(runs: list[dict]) -> dict[str, PhaseRuns]:
+    """phase -> PhaseRuns over the measured generations."""
     from chunkflow.generate import PhaseMeasurement
 
     def most(values):
@@ -249,12 +261,13 @@ def combine_phases(runs: list[dict]) -> dict[str, tuple]:
         ms = [r[name] for r in runs]
         each = [m.time_s for m in ms]
         peak = max(ms, key=lambda m: m.peak_memory_bytes or 0)  # reserved and context of the same phase
-        out[name] = (PhaseMeasurement(time_s=statistics.median(each), peak_allocated_bytes=most(
-            m.peak_allocated_bytes for m in ms), peak_reserved_bytes=peak.peak_reserved_bytes,
-            context_bytes=peak.context_bytes, host_rss_bytes=max(m.host_rss_bytes for m in ms)), each,
-            [m.gc_s for m in ms],
-            {part: [m.parts_s.get(part, 0.0) for m in ms] for part in sorted({k for m in ms for k in m.parts_s})},
-            [m.gc_longest for m in ms])
+        out[name] = PhaseRuns(
+            PhaseMeasurement(time_s=statistics.median(each), peak_allocated_bytes=most(m.peak_allocated_bytes for m in ms),
+                             peak_reserved_bytes=peak.peak_reserved_bytes, context_bytes=peak.context_bytes,
+                             host_rss_bytes=max(m.host_rss_bytes for m in ms)),
+            times_s=each, gc_s=[m.gc_s for m in ms], gc_longest=[m.gc_longest for m in ms],
+            parts_s={part: [m.parts_s.get(part, 0.0) for m in ms]
+                     for part in sorted({k for m in ms for k in m.parts_s})})
     return out
 
 

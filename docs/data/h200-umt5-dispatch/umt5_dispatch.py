@@ -1,7 +1,7 @@
 """Diagnostic of 2026-12-01 (not product evidence; output.txt beside it): what a UMT5-XXL forward on the GPU spends
 its time on: the stand-ins calibrate times, the real forward (random weights, a padded mask) timed 2 at a time as Wan
 calls it, with the allocator emptied first, pinned to some cores, its device time alone (a CUDA graph replay).
-Run from the repository root on the GPU machine."""
+Run from the repository root of commit 385bb41 on the GPU machine (host_op_seconds is gone since)."""
 import os, statistics, subprocess, sys, time, json, warnings
 import torch, transformers
 sys.path.insert(0, "src")
