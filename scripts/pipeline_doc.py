@@ -43,7 +43,7 @@ def _predictions(rep, profile):
 
 def table(paths: list[str], profile=None) -> list[str]:
     from chunkflow.run import load_reports
-    from chunkflow_planner.units import format_seconds
+    from chunkflow.report import parts_text
 
     out = ["| pipeline | phase | measured | predicted | error | first generation | predicted | error | "
            "peak GPU memory | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -64,9 +64,8 @@ def table(paths: list[str], profile=None) -> list[str]:
             later = m.measured_time_s if warm else None
             totals = [totals[0] + (later or 0), totals[1] + t_warm, totals[2] + (first or 0), totals[3] + t_first]
             out.append(f"| {name} | {ph} | {f'{later:.3f} s' if later is not None else '-'} | {t_warm:.3f} s | "
-                       f"{_pct(later, t_warm) if later is not None else '-'} | "
-                       f"{f'{first:.3f} s' if first is not None else '-'} | {t_first:.3f} s | "
-                       f"{_pct(first, t_first) if first is not None else '-'} | {_gb(m.measured_peak_memory_bytes)} | "
+                       f"{_pct(later, t_warm)} | {f'{first:.3f} s' if first is not None else '-'} | {t_first:.3f} s | "
+                       f"{_pct(first, t_first)} | {_gb(m.measured_peak_memory_bytes)} | "
                        f"{_gb(mem)} | {_pct(m.measured_peak_memory_bytes, mem)} |")
         if warm:  # the median generation (with --repeat: not the sum of the phases' medians)
             totals[0] = g.generation_time_s
@@ -82,9 +81,8 @@ def table(paths: list[str], profile=None) -> list[str]:
         enc = g.phases["encode"]
         if enc.parts_s:  # where the encode phase's time went (medians over the measured generations)
             first = (g.first_parts_s or {}).get("encode")
-            parts.append(f"- {name}: encode " + _parts(enc) + ("" if not first else "; first generation: " + ", ".join(
-                f"{part} {format_seconds(t)}" for part, t in first.items()) + ", the rest "
-                + format_seconds(g.first_phase_times_s["encode"] - sum(first.values()))))
+            parts.append(f"- {name}: encode " + _parts(enc) + ("" if not first else "; first generation: "
+                                                              + parts_text(first, g.first_phase_times_s["encode"])))
     return out + [""] + host + ([""] + spread if spread else []) + ([""] + parts if parts else [])
 
 

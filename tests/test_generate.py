@@ -348,35 +348,42 @@ def test_garbage_collection_is_counted_in_its_phase_and_the_run_leaves_gc_as_it_
     assert gc.get_freeze_count() == frozen
 
 
-def test_encode_is_accounted_per_text_encoder(cli, workdir, saved):
+def test_encode_is_accounted_per_text_encoder(cli, workdir, saved, monkeypatch):
     """Each text encoder's forwards are timed inside encode (both of Wan's guidance prompts in one sum), a parked
-    one's move to the device apart, the rest of the phase is host work: 0.05 s slept inside the text encoder's forward lands in its part (twice: prompt and
-    negative prompt), not in the rest; the report keeps every generation's parts
-    and the plan says what it expects of each."""
-    import time as _time
+    one's move to the device apart, the rest of the phase is host work: on a clock that the text encoder's forward
+    moves 0.05 s (and every reading 1 us), those 0.1 s land in its part (prompt and negative prompt), not in the
+    move or the rest; the report keeps every generation's parts and the plan says what it expects of each."""
+    import types
 
-    from chunkflow.generate import generate
+    import chunkflow.generate as generation
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.offload import OffloadConfig
     from chunkflow_planner.workload import make_workload
 
+    clock = types.SimpleNamespace(t=0.0)
+
+    def perf_counter() -> float:
+        clock.t += 1e-6
+        return clock.t
+
+    monkeypatch.setattr(generation, "time", types.SimpleNamespace(perf_counter=perf_counter))
     spec = get_model("tiny")
     placements = {"text_encoder": "phase", "transformer": "gpu", "vae": "gpu"}
     with one_thread():
         built = build_pipeline(spec, placements, OffloadConfig("none"), torch.device("cpu"), weights=saved["tiny"])
-        slow = built.pipe.text_encoder.register_forward_pre_hook(lambda m, a: _time.sleep(0.05))
+        slow = built.pipe.text_encoder.register_forward_pre_hook(lambda m, a: setattr(clock, "t", clock.t + 0.05))
         try:
-            gen = generate(built, make_workload(spec, steps=1), PROMPTS["tiny"][0], negative=PROMPTS["tiny"][1],
-                           steps=1)
+            gen = generation.generate(built, make_workload(spec, steps=1), PROMPTS["tiny"][0],
+                                      negative=PROMPTS["tiny"][1], steps=1)
         finally:
             slow.remove()
             built.remove()
     enc = gen.phases["encode"]
     assert set(enc.parts_s) == {"text_encoder", "text_encoder to device"}  # placed `phase`: parked before encode
-    assert 0.1 <= enc.parts_s["text_encoder"] < enc.time_s
-    assert 0 < enc.parts_s["text_encoder to device"] < 0.05  # the move, on its own: none of the sleeps
-    assert enc.time_s - sum(enc.parts_s.values()) < 0.1  # the sleeps are not in the rest
+    assert enc.parts_s["text_encoder"] == pytest.approx(0.1, abs=1e-3)  # both forwards' 0.05 s
+    assert 0 < enc.parts_s["text_encoder to device"] < 1e-3  # the move, on its own: none of the forwards' time
+    assert 0 < enc.time_s - sum(enc.parts_s.values()) < 1e-3  # nor in the rest
     assert not gen.phases["denoise"].parts_s and not gen.phases["decode"].parts_s
 
     plan, base = _tiny_generation(cli, saved)

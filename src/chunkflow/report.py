@@ -127,19 +127,24 @@ def _spread(times: list[float]) -> str:
     return f"{format_seconds(min(times))}-{format_seconds(max(times))}" if times else "-"
 
 
-def parts_line(ph, gpu: bool) -> str:  # noqa: ANN001 - run_generate.PhaseResult
-    """Where a phase's time went: each timed component's forwards and the rest (medians over the measured
-    generations), against the plan's account on a GPU."""
-    import statistics
-
-    def planned(key: str) -> str:
-        p = ph.predicted_parts_s.get(key) if gpu else None
+def parts_text(timed: dict[str, float], total: float, planned: dict[str, float] | None = None) -> str:
+    """Where `total` seconds went: each timed component and the rest, against `planned` (the plan's account, its
+    `host` being the rest) where given."""
+    def vs(key: str) -> str:
+        p = (planned or {}).get(key)
         return f" (planned {format_seconds(p)})" if p is not None else ""
 
-    timed = {k: statistics.median(v) for k, v in ph.parts_s.items()}
-    bits = [f"{k} {format_seconds(v)}{planned(k)}" for k, v in timed.items()]
-    bits.append(f"the rest {format_seconds(ph.measured_time_s - sum(timed.values()))}{planned('host')}")
+    bits = [f"{k} {format_seconds(v)}{vs(k)}" for k, v in timed.items()]
+    bits.append(f"the rest {format_seconds(total - sum(timed.values()))}{vs('host')}")
     return ", ".join(bits)
+
+
+def parts_line(ph, gpu: bool) -> str:  # noqa: ANN001 - run_generate.PhaseResult
+    """Where a phase's time went (parts_text): medians over the measured generations, against the plan on a GPU."""
+    import statistics
+
+    timed = {k: statistics.median(v) for k, v in ph.parts_s.items()}
+    return parts_text(timed, ph.measured_time_s, ph.predicted_parts_s if gpu else None)
 
 
 def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport
