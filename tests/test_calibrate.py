@@ -293,6 +293,28 @@ def test_refit_takes_a_quoted_pattern_and_names_the_report_it_refuses(tmp_path, 
     assert result.exit_code == 2 and "matches no file" in result.output
 
 
+def test_refit_takes_a_pattern_the_shell_expanded(tmp_path, monkeypatch):
+    """`--from-report out/*-report.json` unquoted reaches calibrate as one flag and more files: all are refit from,
+    exactly as the flag repeated; files without the flag are refused with the command that was meant."""
+    monkeypatch.chdir(tmp_path)
+    data, _ = _report(tmp_path, "none", 1.0)
+    data["measured"]["median_step_s"] = data["predicted"]["step_time_s"]
+    (tmp_path / "a-report.json").write_text(json.dumps(data))
+    cpu = dict(data, gpu="cpu")
+    cpu["run"] = dict(data["run"], device="cpu")
+    (tmp_path / "b-report.json").write_text(json.dumps(cpu))
+    result = runner.invoke(app, ["calibrate", "--from-report", "a-report.json", "b-report.json", "--profile", "h200",
+                                 "--out", "refit.yaml", "--no-save"])
+    assert result.exit_code == 2 and "b-report.json" in " ".join(result.output.split())  # the second one was read
+    (tmp_path / "b-report.json").write_text(json.dumps(data))
+    result = runner.invoke(app, ["calibrate", "--from-report", "a-report.json", "b-report.json", "--profile", "h200",
+                                 "--out", "refit.yaml", "--no-save"])
+    assert result.exit_code == 0, result.output
+    assert "a-report.json, b-report.json" in (tmp_path / "refit.yaml").read_text()
+    result = runner.invoke(app, ["calibrate", "a-report.json", "--out", "x.yaml", "--no-save"])
+    assert result.exit_code == 2 and "--from-report" in result.output and not (tmp_path / "x.yaml").exists()
+
+
 def test_tiled_vae_fit_is_per_decoder_call():
     """Tiled decodes are fitted on their decoder calls (the catalog's tiling counts them): decodes timed at a fixed
     cost per call give back that cost and the constant, and the fit predicts a size it never saw; without a count,

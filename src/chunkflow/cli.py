@@ -383,13 +383,16 @@ def calibrate_cmd(
     cpu_smoke: bool = typer.Option(False, "--cpu-smoke", help="run every measurement tiny on the CPU (tests); the numbers mean nothing"),
     from_report: Optional[list[str]] = typer.Option(None, "--from-report",
                                                     help="refit instead of measuring: run report(s) (.json, or .jsonl "
-                                                         "with one per line); repeat the flag, or quote a pattern: "
-                                                         "'out/*-report.json'"),
+                                                         "with one per line); repeat the flag, or give a pattern: "
+                                                         "out/*-report.json"),
     profile: Optional[str] = typer.Option(None, help="with --from-report: the profile to refit (default: each report's own)"),
     gemm_size: int = typer.Option(8192, help="n of the n^3 bf16 GEMM"),
     peak_tflops: Optional[float] = typer.Option(None, help="P_peak to express eta against (default: the catalog GPU's datasheet peak)"),
     base: Optional[str] = typer.Option(None, help="catalog GPU whose unmeasured fields the profile inherits (default: by GPU name)"),
     raw: Optional[str] = typer.Option(None, help="also write the raw measurements as JSON here"),
+    more_reports: Optional[list[str]] = typer.Argument(None, metavar="REPORT", show_default=False,
+                                                       help="with --from-report: more run reports (what an unquoted "
+                                                            "pattern, --from-report out/*-report.json, expands to)"),
 ) -> None:
     """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
     all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses.
@@ -409,6 +412,10 @@ def calibrate_cmd(
         raise UserError(f"--peak-tflops must be a positive number, got {peak_tflops}")
     if cpu_smoke and model is not None:
         raise UserError("--cpu-smoke measures the tiny catalog model; leave --model out (it is for GPU runs)")
+    if more_reports and not from_report:
+        raise UserError(f"unexpected argument(s) {' '.join(more_reports)}: calibrate takes report files only after "
+                        "--from-report (e.g. `chunkflow calibrate --from-report out/*-report.json`)")
+    from_report = (from_report or []) + (more_reports or [])
     if from_report and (cpu_smoke or model is not None or raw is not None):
         raise UserError("--from-report refits from run reports; --model, --cpu-smoke and --raw measure: use one or the other")
     check_output_file(out, "--out")
