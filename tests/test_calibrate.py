@@ -311,6 +311,10 @@ def test_refit_takes_a_pattern_the_shell_expanded(tmp_path, monkeypatch):
                                  "--out", "refit.yaml", "--no-save"])
     assert result.exit_code == 0, result.output
     assert "a-report.json, b-report.json" in (tmp_path / "refit.yaml").read_text()
+    result = runner.invoke(app, ["calibrate", "--from-report", "a-report.json", "*-report.json", "--profile", "h200",
+                                 "--out", "refit.yaml", "--no-save"])  # overlapping: each file refit from once
+    assert result.exit_code == 0, result.output
+    assert "# refit from a-report.json, b-report.json\n" in (tmp_path / "refit.yaml").read_text()
     result = runner.invoke(app, ["calibrate", "a-report.json", "--out", "x.yaml", "--no-save"])
     assert result.exit_code == 2 and "--from-report" in result.output and not (tmp_path / "x.yaml").exists()
 

@@ -413,8 +413,8 @@ def calibrate_cmd(
     if cpu_smoke and model is not None:
         raise UserError("--cpu-smoke measures the tiny catalog model; leave --model out (it is for GPU runs)")
     if more_reports and not from_report:
-        raise UserError(f"unexpected argument(s) {' '.join(more_reports)}: calibrate takes report files only after "
-                        "--from-report (e.g. `chunkflow calibrate --from-report out/*-report.json`)")
+        raise UserError(f"unexpected argument(s) {' '.join(more_reports)} (report files go after --from-report: "
+                        "`chunkflow calibrate --from-report out/*-report.json`)")
     from_report = (from_report or []) + (more_reports or [])
     if from_report and (cpu_smoke or model is not None or raw is not None):
         raise UserError("--from-report refits from run reports; --model, --cpu-smoke and --raw measure: use one or the other")
@@ -466,6 +466,7 @@ def _refit_profile(reports: list[str], profile: str | None):
     from chunkflow.calibrate import CalibrationError, check_refit_reports, read_reports, refit
 
     import glob
+    import os
 
     paths = []
     for given in reports:  # a quoted pattern (`--from-report 'out/*-report.json'`) is expanded here
@@ -476,6 +477,10 @@ def _refit_profile(reports: list[str], profile: str | None):
             paths += found
         else:
             paths.append(given)
+    unique: dict[str, str] = {}  # each file once, where patterns overlap
+    for path in paths:
+        unique.setdefault(os.path.realpath(path), path)
+    paths = list(unique.values())
     reps = []
     for path in paths:  # one at a time, so a refused report is named
         these = read_reports([path])
