@@ -317,7 +317,8 @@ def test_garbage_collection_is_counted_in_its_phase_and_the_run_leaves_gc_as_it_
             built.remove()
     assert gen.phases["denoise"].gc_s > 0 and gen.phases["denoise"].gc_s < gen.phases["denoise"].time_s
     assert gen.phases["encode"].gc_s < gen.phases["denoise"].gc_s
-    seconds, generation, freed = gen.phases["denoise"].gc_longest  # the longest: one of the full ones forced
+    longest = gen.phases["denoise"].gc_longest  # the longest: one of the full ones forced
+    seconds, generation, freed = longest.seconds, longest.generation, longest.collected
     assert generation == 2 and 0 < seconds <= gen.phases["denoise"].gc_s and freed >= 0
     assert gc.callbacks == callbacks
     frozen = gc.get_freeze_count()

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from chunkflow.models.pipeline_build import BuiltPipeline
+from chunkflow.run_generate import GcCollection
 
 PHASES = ("encode", "denoise", "decode")
 
@@ -39,7 +40,7 @@ class PhaseMeasurement:
     context_bytes: int | None = None  # device memory in use beyond torch's reserve at the phase's end
     host_rss_bytes: int = 0
     gc_s: float = 0.0  # seconds in Python's garbage collector during the phase
-    gc_longest: tuple[float, int, int] | None = None  # its longest collection: (seconds, generation, objects freed)
+    gc_longest: GcCollection | None = None  # its longest collection
     parts_s: dict[str, float] = field(default_factory=dict)  # text encoder -> seconds in its forwards (and its
     # parked part's move to the device, as "<name> to device")
 
@@ -71,7 +72,7 @@ class _Clock:
         self.current: str | None = None
         self.t0 = 0.0
         self.gc_s = 0.0  # the current phase's seconds in the garbage collector so far
-        self.gc_longest: tuple[float, int, int] | None = None  # (seconds, generation, objects freed)
+        self.gc_longest: GcCollection | None = None
         self._gc_t0: float | None = None
         self.parts: dict[str, float] = {}  # the current phase's seconds per timed component so far
         self._part_t0: dict[str, float] = {}
@@ -111,8 +112,9 @@ class _Clock:
             if self.current is not None:
                 dt = time.perf_counter() - self._gc_t0
                 self.gc_s += dt
-                if self.gc_longest is None or dt > self.gc_longest[0]:
-                    self.gc_longest = (dt, int(info.get("generation", -1)), int(info.get("collected", 0)))
+                if self.gc_longest is None or dt > self.gc_longest.seconds:
+                    self.gc_longest = GcCollection(seconds=dt, generation=int(info.get("generation", -1)),
+                                                   collected=int(info.get("collected", 0)))
             self._gc_t0 = None
 
     def _sync(self) -> None:

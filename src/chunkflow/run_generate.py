@@ -208,8 +208,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         t_pred = expected_time(p, o.warmup) if p and cuda else None
         phases[name] = PhaseResult(
             measured_time_s=m.time_s, measured_times_s=runs.times_s, gc_s=runs.gc_s, parts_s=runs.parts_s,
-            gc_longest=[None if c is None else GcCollection(seconds=c[0], generation=c[1], collected=c[2])
-                        for c in runs.gc_longest],
+            gc_longest=runs.gc_longest,
             predicted_parts_s=dict(p.parts_s) if p and cuda else {}, measured_peak_memory_bytes=m.peak_memory_bytes,
             measured_peak_allocated_bytes=m.peak_allocated_bytes, measured_host_rss_bytes=m.host_rss_bytes,
             predicted_time_s=t_pred,
@@ -244,7 +243,7 @@ class PhaseRuns:
     measurement: Any  # chunkflow.generate.PhaseMeasurement
     times_s: list[float]
     gc_s: list[float]
-    gc_longest: list
+    gc_longest: list[GcCollection | None]
     parts_s: dict[str, list[float]]  # component -> seconds in its forwards, one per generation
 
 
