@@ -153,6 +153,21 @@ def test_total_params_equal_meta_model(name):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
+def test_the_catalog_counts_the_bytes_the_built_model_holds(name):
+    """fp32_params: the parameters the class keeps in float32 in a bf16 model, so spec.nbytes is what the
+    transformer built for a plan holds (chunkflow.models.build.transformer_module), parameter by parameter."""
+    import torch
+
+    from chunkflow.models.build import transformer_module
+
+    spec = load_models()[name]
+    m = transformer_module(spec, torch.bfloat16)
+    params = {id(p): p for p in m.parameters()}.values()
+    assert spec.fp32_params == sum(p.numel() for p in params if p.dtype == torch.float32)
+    assert spec.nbytes == sum(p.numel() * p.element_size() for p in params)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_block_lists_cover_every_block_list_of_the_model(name):
     """Every nn.ModuleList of blocks in the model is declared, and in the declared config's numbers."""
     import torch

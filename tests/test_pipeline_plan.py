@@ -13,6 +13,7 @@ from chunkflow_planner.memory import device_need
 from chunkflow_planner.pipeline import PHASES, Placements, decide_pipeline, estimate
 from chunkflow_planner.planner import make_plan, resolve_hardware
 from chunkflow_planner.policy import Infeasible, Problem
+from chunkflow_planner.units import format_bytes
 from chunkflow_planner.workload import make_workload, tokens
 
 H200 = get_hardware("h200")
@@ -39,7 +40,7 @@ def test_phases_are_consistent_and_inside_both_budgets():
         assert 0 < ph.activation_bytes < ph.allocated_bytes
     # host memory holds what is not on the GPU throughout
     pl = e.placements
-    assert e.host_bytes["transformer"] == (0 if pl.transformer == "gpu" else spec.total_params * 2)
+    assert e.host_bytes["transformer"] == (0 if pl.transformer == "gpu" else spec.nbytes)
     te = spec.pipeline.text_encoders[0]
     assert e.host_bytes["text_encoder"] == (0 if pl.text_encoders[0] == "gpu" else te.nbytes)
 
@@ -55,7 +56,7 @@ def test_wan22_a14b_plans_the_gpu_for_one_expert_and_the_host_for_both():
     e_a14 = estimate(a14, w, H200, pl, point)
     e_21 = estimate(wan21, w, H200, pl, point)
     assert e_a14.phases["denoise"].allocated_bytes == e_21.phases["denoise"].allocated_bytes
-    assert e_a14.host_bytes["transformer"] == 2 * e_21.host_bytes["transformer"] == 2 * a14.total_params * 2
+    assert e_a14.host_bytes["transformer"] == 2 * e_21.host_bytes["transformer"] == 2 * a14.nbytes
     assert e_a14.phases["denoise"].time_s > e_21.phases["denoise"].time_s  # the second expert's turn costs a copy
 
 
@@ -64,7 +65,8 @@ def test_host_memory_binds_first_for_a14b_on_a_64gb_machine(cli, workdir):
                  "--host-mem-budget", "48GB", "--hardware", "h200")
     assert result.exit_code == 2
     text = result.output.replace("\n", " ")
-    assert "host memory is the binding constraint" in text and "transformer 57.15 GB" in text and "48.00 GB" in text
+    both = format_bytes(2 * get_model("a14b").nbytes)  # both experts' pinned stores and parked tensors
+    assert "host memory is the binding constraint" in text and f"transformer {both}" in text and "48.00 GB" in text
 
 
 def test_gpu_memory_names_the_phase_that_binds():

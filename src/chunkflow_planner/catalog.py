@@ -98,6 +98,9 @@ class ModelSpec(_Strict):
     dtype_bytes: int = Field(2, gt=0, description="bytes per parameter (bf16: 2)")
     blocks: list[BlockGroup] = Field(min_length=1, description="block lists in execution order")
     total_params: int = Field(gt=0, description="all parameters of the transformer (meta instantiation)")
+    fp32_params: int = Field(0, ge=0, description="of those, the parameters its class keeps in float32 whatever the "
+                             "model's dtype (diffusers' _keep_in_fp32_modules: Wan's time embedder, modulation tables "
+                             "and norms); counted outside the blocks")
     default_workload: Workload
     activation: ActivationModel = ActivationModel()
     diffusers: DiffusersSpec
@@ -131,8 +134,13 @@ class ModelSpec(_Strict):
         return sum(self.block_bytes(g) * g.count for g in self.blocks)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every parameter as the loaded model holds them: dtype_bytes each, float32 for fp32_params."""
+        return (self.total_params - self.fp32_params) * self.dtype_bytes + 4 * self.fp32_params
+
+    @property
     def non_block_bytes(self) -> int:
-        return self.total_params * self.dtype_bytes - self.block_bytes_total
+        return self.nbytes - self.block_bytes_total
 
     @property
     def mean_block_bytes(self) -> float:
@@ -292,6 +300,20 @@ class HardwareSpec(_Strict):
               "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
               "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
               "with --warmup")
+    disk_read_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
+                                         "the page cache does not hold, with its reader threads, from the disk the "
+                                         "weights are on (calibrate); unset: a plan does not predict load times")
+    page_cache_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
+                                          "the page cache holds (calibrate); unset: the disk's rate")
+    pin_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of page-locking host memory (cudaHostRegister "
+                                   "of the pinned stores; calibrate on a GPU); unset: not priced")
+    host_fault_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of new host memory mapped at its "
+                                          "first touch, by the loader's threads (calibrate); unset: not priced")
+    load_startup_s: float = Field(0.0, ge=0, le=600, description="one-time seconds of building a pipeline outside "
+                                  "its reads, copies and page-locking: imports, modules made on the meta device, "
+                                  "tokenizers, scheduler (`chunkflow calibrate --from-report` measures it)")
+    device_is_host: bool = Field(False, description="the 'GPU' is the host CPU (chunkflow's CPU mode): device memory "
+                                 "is host memory, and a plan's host figure counts it")
     dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")

@@ -233,7 +233,7 @@ def _transformer_host(spec: ModelSpec, placement: str, point: Point) -> float:
         return 0.0
     if placement == "stream":
         return float((spec.non_block_bytes + point.memory.pinned_host) * spec.pipeline.experts)
-    return float(spec.total_params * spec.dtype_bytes * spec.pipeline.experts)
+    return float(spec.nbytes * spec.pipeline.experts)
 
 
 def _unpark_bytes(spec: ModelSpec, point: Point) -> float:
@@ -290,7 +290,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     costs = costs if costs is not None else text_costs(spec, w, hw)
     bw = hw.h2d_gbps * GB
     vae_bytes = pipe.vae.nbytes
-    t_model = spec.total_params * spec.dtype_bytes
+    t_model = spec.nbytes
     always = 0.0  # bytes on the GPU in every phase
     host: dict[str, float] = {"process": float(hw.process_host_bytes)}
     text = [costs[(i, p)] for i, p in enumerate(pl.text_encoders)]
@@ -347,7 +347,10 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
     dec.activation_bytes = act
     _add_startup(dec, "decode", hw, spec)
-    return PipelineEstimate(pl, point, {"encode": enc, "denoise": den, "decode": dec}, host, hw)
+    phases = {"encode": enc, "denoise": den, "decode": dec}
+    if hw.device_is_host:  # the device's peak is host memory too
+        host["device"] = max(ph.allocated_bytes for ph in phases.values())
+    return PipelineEstimate(pl, point, phases, host, hw)
 
 
 def startup_of(spec: ModelSpec, phase: str, hw: HardwareSpec) -> float | None:

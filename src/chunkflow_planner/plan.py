@@ -98,8 +98,25 @@ class Baselines(_Section):
     none_cfg_batched: bool = Field(False, description="whether that fastest no-offload run batches the guidance passes")
 
 
+class LoadPrediction(_Section):
+    """Building the pipeline from its checkpoint folder (chunkflow_planner/load.py)."""
+
+    read_bytes: int = Field(ge=0, description="bytes read from the checkpoint files (as stored)")
+    read_bytes_source: str = Field("", description="where read_bytes comes from: the folder's headers (plan "
+                                   "--weights) or every component's parameters in its own dtype")
+    time_cold_s: float | None = Field(None, ge=0, description="from files the page cache does not hold (None: the "
+                                      "profile has no disk rate; `chunkflow calibrate --weights DIR` measures one)")
+    time_warm_s: float | None = Field(None, ge=0, description="from files the page cache holds")
+    parts_cold_s: dict[str, float] = Field(default_factory=dict, description="where time_cold_s goes")
+    h2d_bytes: int = Field(0, ge=0, description="bytes copied between host and device while loading")
+    pinned_bytes: int = Field(0, ge=0, description="host bytes page-locked while loading")
+    fresh_bytes: int = Field(0, ge=0, description="host bytes first touched by their write (not page-locked)")
+    host_peak_bytes: int = Field(ge=0, description="host memory the process holds at the load's end, its peak")
+
+
 class PlanPrediction(Prediction):
     baselines: Baselines
+    load: LoadPrediction | None = Field(None, description="building the pipeline from its checkpoint folder")
     phases: PhasesPrediction | None = Field(None, description="the whole generation, phase by phase")
     generation_time_s: float | None = Field(None, ge=0)
     host_memory_bytes: int | None = Field(None, ge=0)

@@ -139,6 +139,7 @@ def make_plan(
     generation_slowdown: float | None = None,
     levers: Levers | None = None,
     mem_margin: float | None = None,
+    read_bytes: int | None = None,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
@@ -148,7 +149,8 @@ def make_plan(
     Otherwise the transformer alone, as the ChunkFlow paper does. `levers`: batched CFG and fp8 storage the policy
     may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights).
     `mem_margin` (default: the hardware's) keeps every predicted GPU peak under budget / (1 + mem_margin): the
-    memory model's measured error, so that a plan that fits on paper fits the card."""
+    memory model's measured error, so that a plan that fits on paper fits the card. `read_bytes`: the checkpoint's
+    bytes as stored, where the folder is known (the load's prediction; default: the parameters' own bytes)."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
@@ -213,12 +215,28 @@ def make_plan(
         reason=decision.reason,
     )
     if whole is not None:
-        plan = _with_pipeline(plan, spec, whole).model_copy(update={"host_memory_budget_source": host_source})
+        plan = _with_pipeline(plan, spec, whole, read_bytes).model_copy(update={"host_memory_budget_source": host_source})
     return plan, decision, analysis
 
 
-def _with_pipeline(plan: Plan, spec: ModelSpec, whole) -> Plan:
-    """The plan with the whole pipeline's placements and phase predictions."""
+def load_prediction(spec: ModelSpec, e, read_bytes: int | None = None):
+    """The plan's LoadPrediction of the placement `e` (pipeline.PipelineEstimate); `read_bytes`: the checkpoint's
+    bytes as stored, if known (plan --weights)."""
+    from chunkflow_planner.load import T_load, load_estimate, load_parts
+    from chunkflow_planner.plan import LoadPrediction
+
+    est = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes)
+    return LoadPrediction(
+        read_bytes=int(est.read_bytes), time_cold_s=T_load(est, 0.0, e.hw), time_warm_s=T_load(est, 1.0, e.hw),
+        read_bytes_source=("the checkpoint folder's headers" if read_bytes is not None
+                           else "every component's parameters in its own dtype"),
+        parts_cold_s=load_parts(est, 0.0, e.hw), h2d_bytes=int(est.h2d_bytes), pinned_bytes=int(est.pinned_bytes),
+        fresh_bytes=int(est.fresh_bytes),
+        host_peak_bytes=int(est.host_peak_bytes))
+
+
+def _with_pipeline(plan: Plan, spec: ModelSpec, whole, read_bytes: int | None = None) -> Plan:
+    """The plan with the whole pipeline's placements, its load's and its phases' predictions."""
     from chunkflow_planner.pipeline import PHASES
     from chunkflow_planner.plan import PhasePrediction, PhasesPrediction, PlanComponent, PlanPipeline
 
@@ -227,7 +245,7 @@ def _with_pipeline(plan: Plan, spec: ModelSpec, whole) -> Plan:
     pipe = spec.pipeline
     comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p)
              for te, p in zip(pipe.text_encoders, pl.text_encoders)]
-    t_bytes = spec.total_params * spec.dtype_bytes
+    t_bytes = spec.nbytes
     comps += [PlanComponent(name="transformer" if k == 0 else f"transformer_{k + 1}", kind="transformer", bytes=t_bytes,
                             placement=pl.transformer) for k in range(pipe.experts)]
     comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
@@ -237,7 +255,8 @@ def _with_pipeline(plan: Plan, spec: ModelSpec, whole) -> Plan:
                                                      parts_s=dict(e.phases[ph].detail))
                                  for ph in PHASES})
     pred = plan.prediction.model_copy(update=dict(
-        phases=phases, generation_time_s=e.generation_time, host_memory_bytes=e.host_memory,
+        phases=phases, load=load_prediction(spec, e, read_bytes), generation_time_s=e.generation_time,
+        host_memory_bytes=e.host_memory,
         host_memory={k: int(v) for k, v in e.host_bytes.items()}))
     return plan.model_copy(update=dict(
         pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,

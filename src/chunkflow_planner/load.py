@@ -1,0 +1,148 @@
+"""Loading a pipeline from its checkpoint folder, predicted before anything is read: how long it takes, from cold
+files and from the page cache, and the host memory it holds while it runs.
+
+The loader (chunkflow/loading) reads every tensor once, straight into its final place (a pinned store, the device
+through a small staging buffer per reader thread, or the CPU), and drops the page-cache pages its reads bring in.
+So the load is the start-up (imports, the modules built on the meta device, tokenizers), the reads, the copies to
+the device and the page-locking of the host stores:
+
+    T_load = t_start + B_read / BW_read(c) + B_h2d / BW_h2d + B_pin / BW_pin + B_fresh / BW_fault  (eq. L1)
+    1 / BW_read(c) = c / BW_cache + (1 - c) / BW_disk                                             (eq. L2)
+    M_load = M_process + host copies + M_staging (+ the device's part where the device is the host) (eq. L3)
+
+with c the share of the files the page cache held before the load (0: cold, 1: warm). A component placed `phase`
+is read onto the device and then parked: its bytes cross the host link twice. Every host byte is new memory the
+kernel maps at its first touch: page-locking does that for the pinned stores (BW_pin includes it), the first
+write for the rest (B_fresh: components on the CPU, and everything where the device is the host). The rates are measured by
+`chunkflow calibrate` (the disk the weights are on, cold and warm; page-locking), t_start by `calibrate
+--from-report` from generation reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec
+from chunkflow_planner.overlap import GB
+
+READ_THREADS = 8  # the loader's reader threads (chunkflow.loading.reader.READ_THREADS)
+PIECE_BYTES = 16 * 2**20  # one read request and one staging buffer per thread (chunkflow.loading.reader.PIECE_BYTES)
+STAGING_BYTES = READ_THREADS * PIECE_BYTES
+
+
+@dataclass(frozen=True)
+class LoadEstimate:
+    """What a load moves: bytes read from the files, copied to the device (both ways for parked components), and
+    page-locked in host memory; the host bytes it holds at its end."""
+
+    read_bytes: float
+    h2d_bytes: float
+    pinned_bytes: float
+    host_peak_bytes: float
+    fresh_bytes: float = 0.0  # host bytes first touched by their write (not page-locked before)
+
+
+def BW_read(cached: float, hw: HardwareSpec) -> float | None:
+    """Bytes per second reading checkpoint files of which a share `cached` is in the page cache (eq. L2); None where
+    the profile has no measured disk rate."""
+    if hw.disk_read_gbps is None:
+        return None
+    cache = hw.page_cache_gbps if hw.page_cache_gbps is not None else hw.disk_read_gbps
+    c = min(1.0, max(0.0, cached))
+    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.disk_read_gbps * GB))
+
+
+def T_load(est: LoadEstimate, cached: float, hw: HardwareSpec) -> float | None:
+    """Seconds of a load (eq. L1) with a share `cached` of its files in the page cache; None without a disk rate."""
+    bw = BW_read(cached, hw)
+    if bw is None:
+        return None
+    return sum(load_parts(est, cached, hw).values())
+
+
+def load_parts(est: LoadEstimate, cached: float, hw: HardwareSpec) -> dict[str, float]:
+    """Where T_load goes: start-up, reads, copies to the device, page-locking (empty without a disk rate)."""
+    bw = BW_read(cached, hw)
+    if bw is None:
+        return {}
+    parts = {"startup": hw.load_startup_s, "read": est.read_bytes / bw}
+    if not hw.device_is_host:
+        parts["to device"] = est.h2d_bytes / (hw.h2d_gbps * GB)
+        if hw.pin_gbps is not None:
+            parts["pin"] = est.pinned_bytes / (hw.pin_gbps * GB)
+    if hw.host_fault_gbps is not None and est.fresh_bytes:
+        parts["new memory"] = est.fresh_bytes / (hw.host_fault_gbps * GB)
+    return parts
+
+
+def _text_encoder_split(te) -> tuple[float, float]:
+    """(bytes of its streamed layers, bytes outside them) of a text encoder."""
+    layers = te.layer_params * te.dtype_bytes * te.shape()["layers"]
+    return float(layers), float(te.nbytes - layers)
+
+
+def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: dict[str, float], hw: HardwareSpec,
+                  read_bytes: float | None = None, staging: bool | None = None) -> LoadEstimate:
+    """What loading `spec`'s pipeline placed as `placements` (pipeline.Placements) moves: `transformer_memory` is
+    the streamed transformer's memory.MemoryEstimate, `host_bytes` the plan's host memory by holder. `read_bytes`:
+    the checkpoint's bytes as stored (default: every component's parameters in its own dtype). `staging`: whether
+    the reader's staging buffers are used (default: on a GPU, where every device tensor passes through them)."""
+    pipe = spec.pipeline
+    experts = pipe.experts
+    t_bytes = float(spec.nbytes)
+    h2d = pinned = 0.0
+    device_now = 0.0  # device bytes that stay (gpu), and the largest one parked after its load (phase)
+    parked = fresh = 0.0
+    for te, p in zip(pipe.text_encoders, placements.text_encoders):
+        layers, rest = _text_encoder_split(te)
+        if p == "cpu":
+            fresh += te.nbytes
+        elif p == "gpu":
+            h2d += te.nbytes
+            device_now += te.nbytes
+        elif p == "phase":
+            h2d += 2 * te.nbytes
+            pinned += te.nbytes
+            parked = max(parked, te.nbytes)
+        elif p == "stream":
+            h2d += 2 * rest
+            pinned += layers + rest
+    m = transformer_memory
+    if placements.transformer == "gpu":
+        h2d += experts * t_bytes
+        device_now += experts * t_bytes
+    elif placements.transformer == "phase":
+        h2d += 2 * experts * t_bytes
+        pinned += experts * t_bytes
+        parked = max(parked, t_bytes)
+    else:
+        # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host memory
+        h2d += experts * (2 * m.non_block_weights + m.resident_block_weights)
+        pinned += experts * (m.pinned_host + spec.non_block_bytes)
+    vae = float(pipe.vae.nbytes)
+    if placements.vae == "gpu":
+        h2d += vae
+        device_now += vae
+    else:
+        h2d += 2 * vae
+        pinned += vae
+        parked = max(parked, vae)
+    total = sum(te.nbytes for te in pipe.text_encoders) + experts * t_bytes + vae
+    read = float(total if read_bytes is None else read_bytes)
+    if hw.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
+        # component's twice (the device's copy, then its parking)
+        fresh = float(total) + sum(b for b, p in _placed_bytes(spec, placements, t_bytes, vae) if p == "phase")
+        h2d = pinned = 0.0
+    staging = (not hw.device_is_host) if staging is None else staging
+    host = sum(v for k, v in host_bytes.items() if k not in ("output", "device"))
+    host += STAGING_BYTES if staging else 0.0
+    if hw.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
+        host += device_now + parked
+    return LoadEstimate(read, h2d, pinned, host, fresh)
+
+
+def _placed_bytes(spec: ModelSpec, placements, t_bytes: float, vae: float) -> list[tuple[float, str]]:
+    pipe = spec.pipeline
+    out = [(float(te.nbytes), p) for te, p in zip(pipe.text_encoders, placements.text_encoders)]
+    out += [(t_bytes, placements.transformer)] * pipe.experts
+    return out + [(vae, placements.vae)]
