@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 from diffusers import WanTransformer3DModel  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from chunkflow import OffloadError  # noqa: E402
+from chunkflow_planner.checkpoint import CheckpointError  # noqa: E402
 from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
 from chunkflow_planner.catalog import get_model  # noqa: E402
@@ -92,18 +92,18 @@ def test_sharded_variant_with_index(tmp_path):
 
 def test_missing_variant_lists_those_present(tmp_path):
     _save_with_fp16_variant(tmp_path)
-    with pytest.raises(OffloadError, match=r"no 'bf16' variant.*variants present: 'fp16'"):
+    with pytest.raises(CheckpointError, match=r"no 'bf16' variant.*variants present: 'fp16'"):
         _build(tmp_path, variant="bf16")
     plain = tmp_path / "plain"
     _tiny().save_pretrained(plain, safe_serialization=True)
-    with pytest.raises(OffloadError, match=r"no 'fp16' variant.*no variants"):
+    with pytest.raises(CheckpointError, match=r"no 'fp16' variant.*no variants"):
         _build(plain, variant="fp16")
 
 
 def test_only_variant_files_needs_variant(tmp_path):
     _save_with_fp16_variant(tmp_path)
     (tmp_path / WEIGHTS).unlink()
-    with pytest.raises(OffloadError, match=r"only variant files.*variant=.*'fp16'"):
+    with pytest.raises(CheckpointError, match=r"only variant files.*variant=.*'fp16'"):
         _build(tmp_path)
     m, h = _build(tmp_path, variant="fp16")
     h.remove()
@@ -113,14 +113,14 @@ def test_missing_shard_named_by_the_index(tmp_path):
     _tiny().save_pretrained(tmp_path, safe_serialization=True, max_shard_size="30KB")
     gone = sorted(tmp_path.glob("diffusion_pytorch_model-*.safetensors"))[1]
     gone.unlink()
-    with pytest.raises(OffloadError, match=rf"index {WEIGHTS}\.index\.json.*{gone.name}.*not in the directory"):
+    with pytest.raises(CheckpointError, match=rf"index {WEIGHTS}\.index\.json.*{gone.name}.*not in the directory"):
         _build(tmp_path)
 
 
 def test_shards_without_index(tmp_path):
     _tiny().save_pretrained(tmp_path, safe_serialization=True, max_shard_size="30KB")
     (tmp_path / f"{WEIGHTS}.index.json").unlink()
-    with pytest.raises(OffloadError, match=r"sharded.*index .*is missing"):
+    with pytest.raises(CheckpointError, match=r"sharded.*index .*is missing"):
         _build(tmp_path)
 
 
@@ -132,7 +132,7 @@ def test_one_arbitrarily_named_file_still_loads(tmp_path):
     assert torch.equal(_forward(m), _forward(ref))
     h.remove()
     save_file(load_file(str(tmp_path / "model.safetensors")), str(tmp_path / "other.safetensors"))
-    with pytest.raises(OffloadError, match=r"several files \(model\.safetensors, other\.safetensors\)"):
+    with pytest.raises(CheckpointError, match=r"several files \(model\.safetensors, other\.safetensors\)"):
         _build(tmp_path)
 
 
@@ -142,7 +142,7 @@ def test_int_tensor_for_float_parameter(tmp_path):
     sd = load_file(str(f))
     sd[PROBE] = sd[PROBE].to(torch.int8)
     save_file(sd, str(f))
-    with pytest.raises(OffloadError, match=rf"{PROBE}.*int8 \(integer\).*parameter is bfloat16 \(floating\)"):
+    with pytest.raises(CheckpointError, match=rf"{PROBE}.*int8 \(integer\).*parameter is bfloat16 \(floating\)"):
         _build(tmp_path, dtype=torch.bfloat16)
     sd[PROBE] = sd[PROBE].to(torch.float16)  # floating to floating is a cast, as before
     save_file(sd, str(f))
@@ -155,10 +155,10 @@ def test_unexpected_tensors(tmp_path):
     f = tmp_path / WEIGHTS
     sd = load_file(str(f))
     save_file({**sd, "extra.weight": torch.zeros(2)}, str(f))
-    with pytest.raises(OffloadError, match=r"does not have: extra\.weight;"):
+    with pytest.raises(CheckpointError, match=r"does not have: extra\.weight;"):
         _build(tmp_path)
     save_file({**sd, **{f"extra{i}": torch.zeros(1) for i in range(8)}}, str(f))
-    with pytest.raises(OffloadError, match=r"extra0, extra1, extra2, extra3, extra4 and 3 more"):
+    with pytest.raises(CheckpointError, match=r"extra0, extra1, extra2, extra3, extra4 and 3 more"):
         _build(tmp_path)
     # Keys the class declares harmless (Wan's _keys_to_ignore_on_load_unexpected) are skipped, as diffusers does.
     save_file({**sd, "blocks.0.attn2.norm_added_q.weight": torch.ones(8)}, str(f))
@@ -174,25 +174,25 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
     other = next(s for s in sorted(set(data["weight_map"].values())) if s != owner)
     data["weight_map"][PROBE] = other
     idx.write_text(json.dumps(data))
-    with pytest.raises(OffloadError, match=rf"{PROBE}.*{other}.*does not match its shards"):
+    with pytest.raises(CheckpointError, match=rf"{PROBE}.*{other}.*does not match its shards"):
         _build(tmp_path)
     data["weight_map"][PROBE] = "../elsewhere.safetensors"
     idx.write_text(json.dumps(data))
-    with pytest.raises(OffloadError, match=r"outside the directory"):
+    with pytest.raises(CheckpointError, match=r"outside the directory"):
         _build(tmp_path)
 
 
 def test_pickle_only_and_config_checks_still_apply(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(get_model("tiny-wan").diffusers.config)))
     (tmp_path / "diffusion_pytorch_model.bin").write_bytes(b"not unpickled")
-    with pytest.raises(OffloadError, match="safe_serialization=True"):
+    with pytest.raises(CheckpointError, match="safe_serialization=True"):
         _build(tmp_path, variant="fp16")
     d = tmp_path / "sharded"
     _tiny().save_pretrained(d, safe_serialization=True, max_shard_size="30KB")
     cfg = json.loads((d / "config.json").read_text())
     cfg["ffn_dim"] = 128
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(OffloadError, match="ffn_dim"):
+    with pytest.raises(CheckpointError, match="ffn_dim"):
         _build(d)
 
 
@@ -203,9 +203,9 @@ def test_damaged_files_are_named(tmp_path):
     WanTransformer3DModel(**get_model("tiny-wan").diffusers.config).save_pretrained(d, safe_serialization=True)
     f = d / "diffusion_pytorch_model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])  # truncated
-    with pytest.raises(OffloadError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         build_transformer("tiny-wan", weights=d, dtype=torch.float32, device="cpu")
     for text in ("{not json", "[1, 2]"):
         (d / "config.json").write_text(text)
-        with pytest.raises(OffloadError, match="config.json"):
+        with pytest.raises(CheckpointError, match="config.json"):
             build_transformer("tiny-wan", weights=d, dtype=torch.float32, device="cpu")

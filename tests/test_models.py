@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("safetensors")
 from diffusers import WanTransformer3DModel  # noqa: E402
 
-from chunkflow import OffloadError  # noqa: E402
+from chunkflow_planner.checkpoint import CheckpointError  # noqa: E402
 from chunkflow.models.adapters import find_blocks  # noqa: E402
 from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
@@ -82,7 +82,7 @@ def test_safetensors_loader_matches_original(tmp_path, mode, chunk, r):
 def test_loader_refuses_pickle_only_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(get_model("tiny-wan").diffusers.config)))
     (tmp_path / "diffusion_pytorch_model.bin").write_bytes(b"not unpickled")
-    with pytest.raises(OffloadError, match="safe_serialization=True"):
+    with pytest.raises(CheckpointError, match="safe_serialization=True"):
         build_transformer("tiny-wan", weights=tmp_path, dtype=torch.float32, device="cpu")
 
 
@@ -94,11 +94,11 @@ def test_loader_names_wrong_shape_and_missing_tensor(tmp_path):
     sd = load_file(str(f))
     sd["blocks.1.ffn.net.2.weight"] = torch.zeros(3, 3)
     save_file(sd, str(f))
-    with pytest.raises(OffloadError, match=r"blocks\.1\.ffn\.net\.2\.weight"):
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.ffn\.net\.2\.weight"):
         build_transformer("tiny-wan", weights=tmp_path, dtype=torch.float32, device="cpu")
     del sd["blocks.1.ffn.net.2.weight"]
     save_file(sd, str(f))
-    with pytest.raises(OffloadError, match=r"lacks.*blocks\.1\.ffn\.net\.2\.weight"):
+    with pytest.raises(CheckpointError, match=r"lacks.*blocks\.1\.ffn\.net\.2\.weight"):
         build_transformer("tiny-wan", weights=tmp_path, dtype=torch.float32, device="cpu")
 
 
@@ -107,7 +107,7 @@ def test_loader_config_mismatch(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["ffn_dim"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(OffloadError, match="ffn_dim"):
+    with pytest.raises(CheckpointError, match="ffn_dim"):
         build_transformer("tiny-wan", weights=tmp_path, dtype=torch.float32, device="cpu")
 
 

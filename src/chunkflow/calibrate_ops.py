@@ -203,13 +203,15 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
 
     import torch
 
-    from chunkflow.models.pipeline_build import DTYPES, _meta_vae, _random_source
+    from chunkflow.models.components import meta_vae
+    from chunkflow.models.meta import RandomSource
+    from chunkflow.models.pipeline_build import DTYPES
     from chunkflow.runtime.handle import offload
 
     vae_spec = spec.pipeline.vae
     dtype = DTYPES[vae_spec.dtype]
-    vae = _meta_vae(vae_spec, dtype)
-    handle = offload(vae, "none", device=device, source=_random_source(0, device, vae))
+    vae = meta_vae(vae_spec, dtype)
+    handle = offload(vae, "none", device=device, source=RandomSource(0, device, vae))
     if tiled:
         vae.enable_tiling()
     cuda = device.type == "cuda"

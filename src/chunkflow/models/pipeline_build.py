@@ -1,9 +1,9 @@
 """Build a catalog model's whole diffusers pipeline with every component where the plan places it.
 
-Components come from a local diffusers pipeline folder (`--weights`: transformers through chunkflow's loader, the
-others through their libraries' `from_pretrained`) or, without weights, are built from the catalog's configs with
-random weights written straight into their final place (never the whole model twice on the host) and local
-tokenizers. Placements (chunkflow_planner/pipeline.py) become offload handles:
+Every component is built on the meta device (models/components.py) and written once into its final place by
+`offload(source=...)`: from a local diffusers pipeline folder (`--weights`; every component checked before any is
+read, then read straight from its safetensors files, loading/), or from random weights with local tokenizers. Both
+go through the same placement code, so a loaded pipeline holds what a random one of the same plan holds. Placements (chunkflow_planner/pipeline.py) become offload handles:
 - `gpu`: `offload(mode="none")` on the device, never parked;
 - `phase`: the same, parked (in one pinned host allocation) outside its phase;
 - `stream`: `offload(...)` with the plan's setting (a text encoder: 16 MB chunks, its layers), parked outside;
@@ -13,15 +13,17 @@ Experts (Wan2.2-A14B's `transformer` and `transformer_2`) take turns on the devi
 
 from __future__ import annotations
 
-import warnings
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from chunkflow.models.components import Component, text_encoder_component, vae_component
 from chunkflow.runtime.handle import OffloadError, OffloadHandle, offload, take_turns
+from chunkflow_planner.checkpoint import CheckpointError
 from chunkflow_planner.offload import OffloadConfig
 
 TEXT_STREAM = OffloadConfig("chunkflow", 16 * 10**6, 0.0)
@@ -39,6 +41,7 @@ class BuiltPipeline:
     handles: dict[str, OffloadHandle] = field(default_factory=dict)
     hooks: list = field(default_factory=list)
     random_weights: bool = True
+    load: "LoadMeasurement | None" = None  # how the build went (build_pipeline)
 
     def names(self, kind: str) -> list[str]:
         """Component names of a kind: text_encoder, transformer or vae."""
@@ -109,38 +112,6 @@ def _cpu_io(module: nn.Module, device: torch.device) -> list:
             module.register_forward_hook(post, with_kwargs=True)]
 
 
-def _meta_text_encoder(te, dtype: torch.dtype) -> nn.Module:
-    """The transformers class on the meta device (buffers real), parameters in `dtype` except those transformers
-    keeps in float32 for it (`_keep_in_fp32_modules_strict`; `_keep_in_fp32_modules` only for float16)."""
-    import transformers
-
-    from chunkflow.models.build import _swap_params, params_on_meta
-
-    cls = getattr(transformers, te.cls)
-    with warnings.catch_warnings(), params_on_meta(), torch.device("cpu"):
-        warnings.simplefilter("ignore")
-        module = cls(cls.config_class(**te.config))
-    keep = set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
-    if dtype == torch.float16:
-        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    _swap_params(module, lambda p: nn.Parameter(torch.empty(
-        p.shape, dtype=torch.float32 if any(k in names[id(p)].split(".") for k in keep) else dtype, device="meta"),
-        requires_grad=False))
-    return module.eval()
-
-
-def _meta_vae(vae, dtype: torch.dtype) -> nn.Module:
-    import diffusers
-
-    from chunkflow.models.build import _swap_params, params_on_meta
-
-    with params_on_meta(), torch.device("cpu"):
-        module = getattr(diffusers, vae.cls)(**vae.config)
-    _swap_params(module, lambda p: nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=False))
-    return module.eval().requires_grad_(False)
-
-
 def _place(module: nn.Module, placement: str, device: torch.device, cfg: OffloadConfig | None, source=None,
            blocks=None) -> tuple[OffloadHandle, list]:
     """Offload `module` as `placement` says (see the module docstring); returns (handle, extra hooks)."""
@@ -158,80 +129,147 @@ def _place(module: nn.Module, placement: str, device: torch.device, cfg: Offload
     return handle, []
 
 
-def _random_source(seed: int, device: torch.device, module: nn.Module):
-    from chunkflow.models.build import _RandomSource
-
-    return _RandomSource(seed, device, module)
-
 
 # --------------------------------------------------------------------------------------------- build
 
 
-def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadConfig, device: torch.device, *,
-                   weights: Path | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                   vae_tiling: bool = False, log=lambda s: None) -> BuiltPipeline:
-    """The catalog model's pipeline with its components placed (`placements`: component name -> placement)."""
-    import diffusers
+@dataclass
+class LoadMeasurement:
+    """How the build went: its time, what was read from the checkpoint files (bytes, those the page cache held
+    before, seconds in the reads), the process's host peak at its end (the load's: nothing ran before it), and the
+    bytes each component holds."""
 
-    from chunkflow.models.build import build_transformer
+    seconds: float
+    read_bytes: int = 0
+    cached_bytes: int | None = 0  # None: the page cache's state could not be told
+    read_seconds: float = 0.0
+    host_peak_bytes: int = 0
+    component_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch.dtype, device: torch.device,
+             seed: int, reader, variant: str | None) -> list[tuple[str, Component]]:
+    """Every component on the meta device with its source, in build order (transformers, text encoders, VAE); each
+    of a folder checked (class, size, files, tensors) before any is read."""
+    from chunkflow.models.build import transformer_module, transformer_source
+    from chunkflow.models.meta import RandomSource
 
     pipe_spec = spec.pipeline
+    out: list[tuple[str, Component]] = []
+    for k, name in enumerate(BuiltPipeline(None, spec, device, {}).names("transformer")):
+        module = transformer_module(spec, dtype)
+        if folder is not None:
+            source = transformer_source(folder / name, spec, module, reader, variant, fallback=True)
+            out.append(("transformer", Component(name, module, source, source.nbytes, source.variant)))
+        else:
+            out.append(("transformer", Component(name, module, RandomSource(seed + k, device, module))))
+    for i, te in enumerate(pipe_spec.text_encoders):
+        gen_dev = device if placements.get(te.component, "phase") != "cpu" else torch.device("cpu")
+        out.append(("text_encoder", text_encoder_component(te, dtype, folder=folder, reader=reader, variant=variant,
+                                                           seed=seed + 100 + i, gen_device=gen_dev)))
+    vae = pipe_spec.vae
+    out.append(("vae", vae_component(vae, DTYPES[vae.dtype], folder=folder, reader=reader, variant=variant,
+                                     seed=seed + 200, gen_device=device)))
+    return out
+
+
+def _place_component(kind: str, c: Component, where: str, device: torch.device, transformer_cfg: OffloadConfig,
+                     vae_tiling: bool) -> tuple[OffloadHandle, list, str]:
+    """One prepared component offloaded where the plan puts it: (handle, extra hooks, what to log)."""
+    if kind == "transformer":
+        cfg = transformer_cfg if where == "stream" else OffloadConfig("none")
+        handle = offload(c.module, cfg, device=device, source=c.source)
+        if where != "gpu":
+            handle.park()
+        return handle, [], f"{where} ({cfg.label})"
+    if kind == "text_encoder":
+        handle, hooks = _place(c.module, where, device, TEXT_STREAM, c.source)
+        return handle, hooks, where
+    handle, hooks = _place(c.module, "phase" if where == "phase" else "gpu", device, None, c.source)
+    if vae_tiling:
+        c.module.enable_tiling()
+    return handle, hooks, where + (" (tiled decode)" if vae_tiling else "")
+
+
+def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadConfig, device: torch.device, *,
+                   weights: Path | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                   vae_tiling: bool = False, variant: str | None = None, log=lambda s: None,
+                   on_bytes: Callable[[int, int], None] | None = None) -> BuiltPipeline:
+    """The catalog model's pipeline with its components placed (`placements`: component name -> placement), from
+    random weights or the pipeline folder `weights` (its `variant` files, e.g. "fp16", if given). Everything in the
+    folder is checked before anything is read; then each component is read straight into its place.
+    `on_bytes(done, total)` hears of the bytes read; `built.load` says how the build went."""
+    import diffusers
+
+    from chunkflow.hostmem import peak_rss_bytes
+    from chunkflow.loading.reader import FileReader
+
+    t0 = time.perf_counter()
+    pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
-    components: dict[str, Any] = {}
     folder = Path(weights) if weights is not None else None
-    extra: dict[str, Any] = dict(pipe_spec.config)
+    objects: dict[str, Any] = {}
     if folder is not None:
         extra = _folder_config(folder, pipe_spec)
+        for te in pipe_spec.text_encoders:
+            objects[te.tokenizer] = _load_tokenizer(folder, te.tokenizer)
+        objects["scheduler"] = _load_scheduler(folder, pipe_spec)
+    else:
+        extra = dict(pipe_spec.config)
+        for te in pipe_spec.text_encoders:
+            objects[te.tokenizer] = _local_tokenizer(te, pipe_spec)
+        objects["scheduler"] = getattr(diffusers, pipe_spec.scheduler.cls).from_config(pipe_spec.scheduler.config)
+    progress = {"done": 0, "total": 0}
+
+    def heard(n: int) -> None:
+        progress["done"] += n
+        if on_bytes is not None:
+            on_bytes(progress["done"], progress["total"])
+
+    parts: list[tuple[str, Component]] = []
+    reader = FileReader(on_bytes=heard)
     try:
-        for k, name in enumerate(built.names("transformer")):
-            where = placements.get(name, "stream")
-            cfg = transformer_cfg if where == "stream" else OffloadConfig("none")
-            model, handle = build_transformer(spec, weights=folder / name if folder else None, dtype=dtype, device=device,
-                                              config=cfg, seed=seed + k)
-            if where != "gpu":
-                handle.park()
-            components[name], built.handles[name] = model, handle
-            log(f"{name}: {where} ({cfg.label})")
+        parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant)
+        if variant is not None:
+            plain = [c.name for _, c in parts if c.variant is None]
+            if len(plain) == len(parts):
+                raise CheckpointError(f"no component in {str(folder)!r} has {variant!r} variant files; leave "
+                                      "--variant out for the default weights")
+            if plain:
+                log(f"note: {', '.join(plain)} {'has' if len(plain) == 1 else 'have'} no {variant!r} variant files; "
+                    "their default files are read (as diffusers does)")
+        progress["total"] = sum(c.read_bytes for _, c in parts)
+        if on_bytes is not None:
+            on_bytes(0, progress["total"])
+        for kind, c in parts:
+            where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
+            handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)
+            objects[c.name], built.handles[c.name] = c.module, handle
+            built.hooks += hooks
+            log(f"{c.name}: {said}")
         if pipe_spec.experts > 1:
             built.hooks.append(take_turns(*[built.handles[n] for n in built.names("transformer")]))
-        for i, te in enumerate(pipe_spec.text_encoders):
-            where = placements.get(te.component, "phase")
-            gen_dev = device if where != "cpu" else torch.device("cpu")
-            if folder is None:
-                module = _meta_text_encoder(te, dtype)
-                source = _random_source(seed + 100 + i, gen_dev, module)
-                components[te.tokenizer] = _local_tokenizer(te, pipe_spec)
-            else:
-                module = _load_library(folder, te.component, te.cls, "transformers", dtype)
-                source = None
-                components[te.tokenizer] = _load_tokenizer(folder, te.tokenizer)
-            handle, hooks = _place(module, where, device, TEXT_STREAM, source)
-            components[te.component], built.handles[te.component] = module, handle
-            built.hooks += hooks
-            log(f"{te.component}: {where}")
-        vae = pipe_spec.vae
-        where = placements.get(vae.component, "phase")
-        vdtype = DTYPES[vae.dtype]
-        if folder is None:
-            module = _meta_vae(vae, vdtype)
-            source = _random_source(seed + 200, device, module)
-        else:
-            module = _load_library(folder, vae.component, vae.cls, "diffusers", vdtype)
-            source = None
-        handle, _ = _place(module, "phase" if where == "phase" else "gpu", device, None, source)
-        if vae_tiling:
-            module.enable_tiling()
-        components[vae.component], built.handles[vae.component] = module, handle
-        log(f"{vae.component}: {where}" + (" (tiled decode)" if vae_tiling else ""))
-        components["scheduler"] = (_load_scheduler(folder, pipe_spec) if folder is not None
-                                   else getattr(diffusers, pipe_spec.scheduler.cls).from_config(pipe_spec.scheduler.config))
-        cls = getattr(diffusers, pipe_spec.cls)
-        built.pipe = cls(**components, **extra)
+        built.pipe = getattr(diffusers, pipe_spec.cls)(**objects, **extra)
         built.pipe.set_progress_bar_config(disable=True)
     except BaseException:
         built.remove()
         raise
+    finally:
+        reader.close()
+    st = reader.stats
+    built.load = LoadMeasurement(
+        seconds=time.perf_counter() - t0, read_bytes=st.bytes_read,
+        cached_bytes=st.bytes_cached if st.cache_known else None, read_seconds=st.seconds,
+        host_peak_bytes=peak_rss_bytes(),
+        component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts})
     return built
+
+
+def held_bytes(handle: OffloadHandle) -> int:
+    """Bytes of the offloaded module's distinct parameters, wherever they are (what the plan counts)."""
+    from chunkflow.runtime.tensors import all_tensors
+
+    return sum(t.get().numel() * t.get().element_size() for t in all_tensors(handle.module) if t.is_param)
 
 
 def _local_tokenizer(te, pipe_spec):
@@ -246,51 +284,70 @@ def _local_tokenizer(te, pipe_spec):
 
 
 def _folder_config(folder: Path, pipe_spec) -> dict[str, Any]:
-    """The pipeline's own settings in model_index.json (e.g. boundary_ratio, expand_timesteps), after checking that
-    the folder holds this catalog model's pipeline class."""
-    from chunkflow.weights import _model_index
+    """The pipeline's own settings in model_index.json (e.g. boundary_ratio, expand_timesteps) that its class takes,
+    after checking that the folder holds this catalog model's pipeline and that model_index.json names the
+    catalog's class for every component."""
+    import inspect
+
+    import diffusers
+
+    from chunkflow.weights import _model_index, pipeline_components
+    from chunkflow_planner.checkpoint import CheckpointError
 
     index = _model_index(folder)
     cls = index.get("_class_name")
     if cls != pipe_spec.cls:
-        raise OffloadError(f"{str(folder)!r} holds a {cls}, but the plan's model runs a {pipe_spec.cls}; point --weights "
-                           "at that model's pipeline folder")
-    return {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
-
-
-def _load_library(folder: Path, component: str, cls_name: str, library: str, dtype: torch.dtype) -> nn.Module:
-    import importlib
-
-    path = folder / component
-    if not path.is_dir():
-        raise OffloadError(f"{str(folder)!r} has no {component}/ folder; the pipeline folder is incomplete")
-    cls = getattr(importlib.import_module(library), cls_name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            module = cls.from_pretrained(path, torch_dtype=dtype)
-        except (OSError, ValueError) as exc:
-            raise OffloadError(f"{component} in {str(folder)!r} cannot be loaded ({exc}); download it again") from None
-    return module.eval().requires_grad_(False)
+        raise CheckpointError(f"{str(folder)!r} holds a {cls}, but the plan's model runs a {pipe_spec.cls}; point "
+                              "--weights at that model's pipeline folder")
+    declared = pipeline_components(folder)
+    want = {te.component: te.cls for te in pipe_spec.text_encoders}
+    want[pipe_spec.vae.component] = pipe_spec.vae.cls
+    for name, klass in want.items():
+        if name not in declared:
+            raise CheckpointError(f"model_index.json in {str(folder)!r} names no {name}; the pipeline folder is "
+                                  "incomplete: download or save it again")
+        if declared[name][1] != klass:
+            raise CheckpointError(f"model_index.json in {str(folder)!r} makes {name} a {declared[name][1]}, but the "
+                                  f"plan's model runs a {klass}; the folder holds another pipeline")
+    takes = set(inspect.signature(getattr(diffusers, pipe_spec.cls).__init__).parameters)
+    return {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list) and k in takes}
 
 
 def _load_tokenizer(folder: Path, name: str):
     import transformers
 
     from chunkflow.weights import pipeline_components
+    from chunkflow_planner.checkpoint import CheckpointError
 
     lib, cls_name = pipeline_components(folder).get(name, ("transformers", "AutoTokenizer"))
     cls = getattr(transformers, cls_name, transformers.AutoTokenizer)
+    if not (folder / name).is_dir():
+        raise CheckpointError(f"{str(folder)!r} has no {name}/ folder; the pipeline folder is incomplete: download "
+                              "or save it again")
     try:
         return cls.from_pretrained(folder / name)
-    except (OSError, ValueError) as exc:
-        raise OffloadError(f"tokenizer {name} in {str(folder)!r} cannot be loaded ({exc})") from None
+    except Exception as exc:  # transformers raises many kinds for a damaged tokenizer folder
+        raise CheckpointError(f"tokenizer {name} in {str(folder)!r} cannot be loaded "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); download or "
+                              "save the pipeline again") from None
 
 
 def _load_scheduler(folder: Path, pipe_spec):
     import diffusers
 
     from chunkflow.weights import pipeline_components
+    from chunkflow_planner.checkpoint import CheckpointError, read_config
 
     _, cls_name = pipeline_components(folder).get("scheduler", ("diffusers", pipe_spec.scheduler.cls))
-    return getattr(diffusers, cls_name).from_pretrained(folder / "scheduler")
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise CheckpointError(f"model_index.json in {str(folder)!r} names scheduler class {cls_name!r}, which diffusers "
+                              f"{diffusers.__version__} does not have; fix model_index.json or upgrade diffusers")
+    path = folder / "scheduler"
+    config = read_config(path, f"scheduler in {str(folder)!r}", "scheduler_config.json")
+    try:
+        return cls.from_config(config)
+    except Exception as exc:  # a config diffusers cannot build the class from
+        raise CheckpointError(f"scheduler in {str(folder)!r}: {cls_name} cannot be made from its "
+                              f"scheduler_config.json ({type(exc).__name__}: {exc}); download or save the pipeline "
+                              "again") from None

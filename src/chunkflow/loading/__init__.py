@@ -1,0 +1,1 @@
+"""Reading checkpoints straight into their final place (reader, page cache, tensor sources)."""

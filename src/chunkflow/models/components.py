@@ -1,0 +1,164 @@
+"""A pipeline component made ready to place: its class built on the meta device in its final dtypes, from the
+catalog's config (random weights) or its checkpoint folder's (checked against the catalog and its files), and the
+TensorSource that fills it. Random and loaded components go through this one path and the same `offload()`, so
+they are the same modules with the same bytes, and the plan that counted one counts the other.
+
+A folder's component is refused before anything is read when its class is not the catalog's (a T5EncoderModel in
+UMT5's slot), when its config makes a model of another size than the one planned, or when its files lack tensors,
+hold others, or hold them in other shapes (loading/source.py). Every component is read from safetensors only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from chunkflow.loading.reader import FileReader
+from chunkflow.loading.source import CheckpointSource
+from chunkflow.runtime.tensors import TensorSource
+from chunkflow.models.meta import RandomSource, param_dtype, params_on_meta, swap_params
+from chunkflow_planner.checkpoint import (DIFFUSERS_STEM, TRANSFORMERS_STEM, CheckpointError, open_checkpoint,
+                                         read_config)
+
+__all__ = ["Component", "text_encoder_component", "vae_component", "meta_text_encoder", "meta_vae", "distinct_params"]
+
+
+@dataclass
+class Component:
+    """A module on the meta device (final dtypes) and where its values come from."""
+
+    name: str  # the pipeline's attribute: text_encoder, transformer, vae, ...
+    module: nn.Module
+    source: TensorSource
+    read_bytes: int = 0  # bytes its checkpoint files give it (0: random weights)
+    variant: str | None = None  # the variant files read, where a folder's were
+
+
+def distinct_params(module: nn.Module) -> int:
+    """Parameters of the module, each tied one once."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def _differences(catalog: dict, folder: dict, limit: int = 4) -> str:
+    diff = [k for k in catalog if k in folder and catalog[k] != folder[k] and not k.startswith("_")]
+    return "; ".join(f"{k}: catalog {catalog[k]!r}, file {folder[k]!r}" for k in diff[:limit])
+
+
+def _check_size(module: nn.Module, planned: int, what: str, cls: str, catalog_cfg: dict, cfg: dict) -> None:
+    have = distinct_params(module)
+    if have != planned:
+        diff = _differences(catalog_cfg, cfg)
+        raise CheckpointError(
+            f"{what}: its config.json makes a {cls} of {have:,} parameters, the plan's model has {planned:,}"
+            + (f" ({diff})" if diff else "") + "; the folder holds another model: point --weights at the "
+            "pipeline the plan was made for")
+
+
+# --------------------------------------------------------------------------------------------- meta modules
+
+
+def meta_text_encoder(te, dtype: torch.dtype, config: dict | None = None) -> nn.Module:
+    """The transformers class on the meta device (buffers real) from `config` (default: the catalog's), parameters
+    in `dtype` except those transformers keeps in float32 for it (`_keep_in_fp32_modules_strict`;
+    `_keep_in_fp32_modules` only for float16), as its `from_pretrained(torch_dtype=dtype)` does."""
+    import transformers
+
+    cls = getattr(transformers, te.cls)
+    with warnings.catch_warnings(), params_on_meta(), torch.device("cpu"):
+        warnings.simplefilter("ignore")
+        cfg = cls.config_class(**te.config) if config is None else cls.config_class.from_dict(config)
+        module = cls(cfg)
+    keep = set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    swap_params(module, lambda p: nn.Parameter(torch.empty(
+        p.shape, dtype=torch.float32 if any(k in names[id(p)].split(".") for k in keep) else dtype, device="meta"),
+        requires_grad=False))
+    return module.eval()
+
+
+def meta_vae(vae, dtype: torch.dtype, config: dict | None = None) -> nn.Module:
+    """The diffusers VAE class on the meta device from `config` (default: the catalog's), in `dtype` except the
+    modules the class keeps in float32 (diffusers' `from_pretrained(torch_dtype=...)` rule)."""
+    import diffusers
+
+    cls = getattr(diffusers, vae.cls)
+    with warnings.catch_warnings(), params_on_meta(), torch.device("cpu"):
+        warnings.simplefilter("ignore")
+        module = cls(**vae.config) if config is None else cls.from_config(config)
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    swap_params(module, lambda p: nn.Parameter(torch.empty(p.shape, dtype=param_dtype(module, names[id(p)], dtype),
+                                                            device="meta"), requires_grad=False))
+    return module.eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------ components
+
+
+def _folder(folder: Path, component: str) -> Path:
+    path = folder / component
+    if not path.is_dir():
+        raise CheckpointError(f"{str(folder)!r} has no {component}/ folder; the pipeline folder is incomplete: "
+                              "download or save it again")
+    return path
+
+
+def _check_class(cfg: dict, cls: str, what: str, path: Path) -> None:
+    """The class a component's config names (transformers' `architectures`, diffusers' `_class_name`) is `cls`."""
+    named = cfg.get("_class_name") or (cfg.get("architectures") or [None])[0]
+    if isinstance(named, str) and named != cls:
+        raise CheckpointError(f"{what}: {str(path)!r} holds a {named} (config.json), but the plan's model runs a "
+                              f"{cls}; the pipeline folder is not the one the plan was made for")
+
+
+def text_encoder_component(te, dtype: torch.dtype, *, folder: Path | None = None, reader: FileReader | None = None,
+                           variant: str | None = None, seed: int = 0,
+                           gen_device: torch.device = torch.device("cpu")) -> Component:
+    """A catalog text encoder (`te`, components.TextEncoderSpec): random weights drawn with `seed` on `gen_device`,
+    or the folder's `te.component/` read by `reader`."""
+    if folder is None:
+        module = meta_text_encoder(te, dtype)
+        return Component(te.component, module, RandomSource(seed, gen_device, module))
+    path = _folder(folder, te.component)
+    what = f"{te.component} in {str(folder)!r}"
+    cfg = read_config(path, what)
+    _check_class(cfg, te.cls, what, path)
+    try:
+        module = meta_text_encoder(te, dtype, cfg)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{what}: its config.json does not make a {te.cls} ({exc}); download or save the "
+                              "pipeline again") from None
+    _check_size(module, te.total_params, what, te.cls, dict(te.config), cfg)
+    reader.watch(path)
+    ckpt = open_checkpoint(path, TRANSFORMERS_STEM, variant, convert_hint=te.cls, fallback=True)
+    source = CheckpointSource(ckpt, module, reader, what)
+    return Component(te.component, module, source, source.nbytes, ckpt.variant)
+
+
+def vae_component(vae, dtype: torch.dtype, *, folder: Path | None = None, reader: FileReader | None = None,
+                  variant: str | None = None, seed: int = 0,
+                  gen_device: torch.device = torch.device("cpu")) -> Component:
+    """The catalog VAE (`vae`, components.VaeSpec): random weights, or the folder's `vae.component/`."""
+    if folder is None:
+        module = meta_vae(vae, dtype)
+        return Component(vae.component, module, RandomSource(seed, gen_device, module))
+    path = _folder(folder, vae.component)
+    what = f"{vae.component} in {str(folder)!r}"
+    cfg = read_config(path, what)
+    _check_class(cfg, vae.cls, what, path)
+    try:
+        module = meta_vae(vae, dtype, cfg)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{what}: its config.json does not make a {vae.cls} ({exc}); download or save the "
+                              "pipeline again") from None
+    _check_size(module, vae.total_params, what, vae.cls, dict(vae.config), cfg)
+    reader.watch(path)
+    ckpt = open_checkpoint(path, DIFFUSERS_STEM, variant, convert_hint=vae.cls, fallback=True)
+    source = CheckpointSource(ckpt, module, reader, what, rename=lambda k: k)
+    return Component(vae.component, module, source, source.nbytes, ckpt.variant)
