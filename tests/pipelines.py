@@ -256,3 +256,50 @@ def block_lists(pipe) -> dict[str, torch.nn.ModuleList]:
              "HunyuanVideoTransformer3DModel": ["transformer_blocks", "single_transformer_blocks"]}
     t = pipe.transformer
     return {n: getattr(t, n) for n in names[type(t).__name__]}
+
+
+# ------------------------------------------------------------------------------ saved catalog pipelines
+
+
+def save_catalog_pipeline(name: str, folder, seed: int = 3, dtype: torch.dtype = torch.bfloat16, **save_kwargs):
+    """The catalog pipeline `name` with random weights (chunkflow's random build, every component in its run dtype),
+    saved as a diffusers pipeline folder with `pipe.save_pretrained(folder, **save_kwargs)` (e.g. max_shard_size,
+    variant). Returns the folder."""
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+
+    spec = get_model(name)
+    everything = {n: "gpu" for n in ("text_encoder", "text_encoder_2", "transformer", "vae")}
+    with one_thread():
+        built = build_pipeline(spec, everything, OffloadConfig("none"), torch.device("cpu"), seed=seed, dtype=dtype)
+    pipe = built.pipe
+    built.remove()
+    pipe.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def as_hub_cache(folder, cache, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """`folder` laid out as the Hugging Face hub cache lays out a download of `repo_id`: every file a blob named by
+    its sha256 in blobs/, and snapshots/<commit>/ of relative symlinks to them, refs/main naming the commit.
+    Returns the snapshot folder."""
+    import hashlib
+    import os
+    import shutil
+    from pathlib import Path
+
+    folder, cache = Path(folder), Path(cache)
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.copyfile(path, blob)
+        link = snap / path.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snap

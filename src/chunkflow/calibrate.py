@@ -589,6 +589,39 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
                         fp8_cast_gbps=cast, fp8_cast_kernel=cast_kernel, host=host_raw)
 
 
+def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) -> dict | None:
+    """The load's rates into `extra` (disk_read_gbps, page_cache_gbps; pin_gbps on a GPU); the raw rows."""
+    from chunkflow.calibrate_disk import (SAMPLE_BYTES, SMOKE_SAMPLE_BYTES, disk_folder, measure_disk, measure_fault,
+                                          measure_load_startup, measure_pin)
+
+    if weights is None and cpu_smoke:  # a smoke run's numbers mean nothing: leave the user's cache alone
+        import tempfile
+
+        folder, how = Path(tempfile.gettempdir()), "the temporary directory (--cpu-smoke)"
+    else:
+        folder, how = disk_folder(weights)
+    try:
+        d = measure_disk(folder, SMOKE_SAMPLE_BYTES if cpu_smoke else SAMPLE_BYTES, log)
+    except OSError as exc:
+        log(f"disk not timed ({how}): {exc}; load times will not be predicted")
+        return None
+    d["chosen_by"] = how
+    extra["page_cache_gbps"] = d["page_cache_gbps"]
+    if d["disk_read_gbps"] is not None:
+        extra["disk_read_gbps"] = d["disk_read_gbps"]
+    extra["host_fault_gbps"] = d["host_fault_gbps"] = measure_fault(SMOKE_SAMPLE_BYTES if cpu_smoke else 2**30)
+    log(f"new host memory at its first touch: {extra['host_fault_gbps']:.2f} GB/s")
+    try:
+        extra["load_startup_s"] = d["load_startup_s"] = measure_load_startup()
+        log(f"a process's first pipeline build outside its reads: {extra['load_startup_s']:.2f} s")
+    except (OSError, ValueError) as exc:
+        log(f"load start-up not measured: {exc}")
+    if device.type == "cuda":
+        extra["pin_gbps"] = d["pin_gbps"] = measure_pin()
+        log(f"page-locking host memory: {extra['pin_gbps']:.1f} GB/s")
+    return d
+
+
 def _process_rss() -> int:
     """Host memory of a process that has started CUDA and loaded torch, diffusers and transformers but holds no
     weights: what a generation holds besides its components (`process_host_bytes`)."""
@@ -661,8 +694,10 @@ def _vae_fits(s, cpu_smoke: bool, progress, log):
 
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
-              log: Callable[[str], None] = lambda s: None, vaes: bool = True) -> Calibration:
-    """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke)."""
+              log: Callable[[str], None] = lambda s: None, vaes: bool = True, weights: str | None = None,
+              disk: bool = True) -> Calibration:
+    """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke). `weights`: the
+    pipeline folder whose disk the load rates are measured on (calibrate_disk.disk_folder); `disk`: measure them."""
     import torch
 
     from chunkflow_planner.catalog import get_model
@@ -688,6 +723,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     from chunkflow.calibrate_ops import measure_context_bytes
 
     extra["context_bytes"] = measure_context_bytes(s.device)  # last: cuBLAS, cuDNN and their kernels are loaded
+    disk_raw = _disk_rates(extra, s.device, cpu_smoke, weights, log) if disk else None
     log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
     coll = None
     if s.world > 1:
@@ -716,7 +752,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
-               operators=ops_raw, vae=vae_raw, forwards=forwards)
+               operators=ops_raw, vae=vae_raw, forwards=forwards, disk=disk_raw)
     return Calibration(profile, raw)
 
 
@@ -940,6 +976,40 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     return update
 
 
+def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = None) -> dict[str, Any]:
+    """From generation reports, the host memory a process holds besides its components (`process_host_bytes`:
+    the measured host peak less the plan's other host bytes, recomputed on `hw`; median) and the load's start-up
+    (`load_startup_s`: a load from a folder less its predicted reads, copies and page-locking for the bytes it
+    read and the share the page cache held, eq. L1; median, at least 0; needs the profile's disk rate)."""
+    from chunkflow_planner.load import LoadEstimate, T_load
+
+    notes = [] if notes is None else notes
+    gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
+    process, startup = [], []
+    zero = hw.model_copy(update={"load_startup_s": 0.0})
+    for r in gens:
+        e, _ = generation_estimate(r, hw)
+        others = sum(v for k, v in e.host_bytes.items() if k != "process")
+        process.append(r.generation.host_peak_bytes - others)
+        ld, lp = r.generation.load, r.plan.prediction.load
+        if ld is not None and lp is not None and ld.read_bytes > 0:
+            est = LoadEstimate(ld.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes)
+            rest = T_load(est, ld.cached_fraction or 0.0, zero)
+            if rest is not None:
+                startup.append(max(0.0, ld.measured_time_s - rest))
+    update: dict[str, Any] = {}
+    if process and statistics.median(process) > 0:
+        update["process_host_bytes"] = int(statistics.median(process))
+    if startup:
+        update["load_startup_s"] = statistics.median(startup)
+    elif gens:
+        notes.append("load_startup_s unchanged: no load from a folder with a disk rate in the profile")
+    if update:
+        notes.append(f"from {len(gens)} generation report(s): " + ", ".join(
+            f"{k} {v:.4g}" for k, v in update.items()))
+    return update
+
+
 HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is the host's
 
 
@@ -991,12 +1061,14 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
     - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
       measured one's; the median, at least 0.
     - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
+    - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
     """
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
     update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
               **_refit_startup(hw, reports, notes)}
     update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
+    update.update(refit_load(hw.model_copy(update=update), reports, notes))
     if update:
         update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
         try:

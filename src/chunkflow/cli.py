@@ -182,6 +182,10 @@ def plan_cmd(
     eta_pref: Optional[float] = typer.Option(None, help="what-if: prefetch efficiency factor"),
     prefetch_bytes: Optional[str] = typer.Option(None, help="what-if: per-block prefetch volume, e.g. 520MB"),
     text_len: Optional[int] = typer.Option(None, help="what-if: text context length L_ctx"),
+    weights: Optional[str] = typer.Option(None, help="the pipeline folder (or Hub id in the local cache) it will "
+                                          "load: its files' headers give the bytes the load reads, and it is "
+                                          "checked to hold this model's pipeline"),
+    variant: Optional[str] = typer.Option(None, help="with --weights: the variant files it will read, e.g. fp16"),
 ) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency."""
     import math
@@ -215,12 +219,22 @@ def plan_cmd(
     if transformer_only and (gen_target is not None or host_budget is not None):
         raise UserError("--target-time and --host-mem-budget plan the whole pipeline; leave them out with "
                         "--transformer-only")
+    if variant is not None and weights is None:
+        raise UserError("--variant names the variant files of the folder --weights gives; add --weights")
+    read_bytes = None
+    if weights is not None:
+        from chunkflow.weights import resolve_weights
+        from chunkflow_planner.checkpoint import pipeline_read_bytes
+
+        if transformer_only or spec.pipeline is None:
+            raise UserError("--weights prices the load of a whole pipeline; leave it out with --transformer-only")
+        read_bytes = pipeline_read_bytes(resolve_weights(weights), spec, variant)
     plan, decision, analysis = make_plan(
         spec, workload, resolved, sp=sp, budget=budget,
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
         target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
         host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
-        mem_margin=mem_margin,
+        mem_margin=mem_margin, read_bytes=read_bytes,
     )
     if out:
         plan.write(out)
@@ -251,8 +265,9 @@ def run_cmd(
                                                "(lossy)"),
     device: Optional[str] = typer.Option(None, help="cuda (default when available), cuda:1 or cpu"),
     weights: Optional[str] = typer.Option(None, help="local diffusers-format checkpoint directory (default: random weights)"),
-    variant: Optional[str] = typer.Option(None, help="with --weights: load that directory's variant files, e.g. fp16 "
-                                                     "(as diffusers' from_pretrained(variant=...))"),
+    variant: Optional[str] = typer.Option(None, help="with --weights: load the folder's variant files, e.g. fp16 "
+                                                     "(as diffusers' from_pretrained(variant=...)); a component "
+                                                     "without them loads its default files"),
     warmup: Optional[int] = typer.Option(None, help="untimed warm-up steps (default 1); with --prompt, whole "
                                          "generations before the measured one (default 0: the process's first, "
                                          "start-up included, as the plan predicts; 1 with --repeat)"),
@@ -303,9 +318,6 @@ def run_cmd(
                       seed=seed, repeat=repeat)
     if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
         raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
-    if generating and variant is not None:
-        raise UserError("--variant picks transformer files for the synthetic run; with --prompt, --weights is a "
-                        "whole pipeline folder")
     opts.check()  # bad options fail before anything is built
     if generating:
         if guidance is not None and not (math.isfinite(guidance) and guidance > 0):
@@ -354,12 +366,23 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
     from chunkflow.report import print_generation
     from chunkflow.run_generate import GenerateOptions, run_generation
 
-    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents)
-    with _progress() as bar:
-        task = bar.add_task("build", total=None)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        def progress(phase: str, i: int | None, n: int | None) -> None:  # the phase, and the steps of denoise
-            bar.update(task, description=phase, completed=i or 0, total=n)
+    from chunkflow_planner.units import format_bytes
+
+    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                   TimeElapsedColumn(), console=err_console, transient=False)
+    with bar:
+        task = bar.add_task("build", total=None, count="")
+
+        def progress(phase: str, i: int | None, n: int | None) -> None:  # the load's bytes, the steps of denoise
+            if phase == "load":
+                count = f"{format_bytes(i or 0)} of {format_bytes(n or 0)}" if n else "random weights"
+                bar.update(task, description="load", completed=i or 0, total=n or None, count=count)
+            else:
+                count = f"{i or 0}/{n}" if n else ""
+                bar.update(task, description=phase, completed=i or 0, total=n, count=count)
 
         rep = run_generation(p, cfg, opts, g, progress=progress, log=lambda s: err_console.print(s, highlight=False))
     rep.write(report)
@@ -390,6 +413,9 @@ def calibrate_cmd(
     peak_tflops: Optional[float] = typer.Option(None, help="P_peak to express eta against (default: the catalog GPU's datasheet peak)"),
     base: Optional[str] = typer.Option(None, help="catalog GPU whose unmeasured fields the profile inherits (default: by GPU name)"),
     raw: Optional[str] = typer.Option(None, help="also write the raw measurements as JSON here"),
+    weights: Optional[str] = typer.Option(None, help="time the disk this pipeline folder (or Hub id in the local "
+                                          "cache) is on, as the loader reads it, cold and warm (default: the "
+                                          "Hugging Face cache's disk)"),
     more_reports: Optional[list[str]] = typer.Argument(None, metavar="REPORT", show_default=False,
                                                        help="with --from-report: more run reports (what an unquoted "
                                                             "pattern, --from-report out/*-report.json, expands to)"),
@@ -416,15 +442,20 @@ def calibrate_cmd(
         raise UserError(f"unexpected argument(s) {' '.join(more_reports)} (report files go after --from-report: "
                         "`chunkflow calibrate --from-report out/*-report.json`)")
     from_report = (from_report or []) + (more_reports or [])
-    if from_report and (cpu_smoke or model is not None or raw is not None):
-        raise UserError("--from-report refits from run reports; --model, --cpu-smoke and --raw measure: use one or the other")
+    if from_report and (cpu_smoke or model is not None or raw is not None or weights is not None):
+        raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw and --weights measure: use "
+                        "one or the other")
+    if weights is not None:
+        from chunkflow.calibrate_disk import disk_folder
+
+        disk_folder(weights)  # a missing folder or uncached Hub id fails before anything is measured
     check_output_file(out, "--out")
     if raw:
         check_output_file(raw, "--raw")
     if from_report:
         new, header = _refit_profile(from_report, profile)
     else:
-        measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw)
+        measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw, weights)
         if measured is None:  # not rank 0
             return
         new, header = measured
@@ -502,7 +533,7 @@ def _refit_profile(reports: list[str], profile: str | None):
 
 
 def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: float | None, base: str | None,
-                     raw: str | None):
+                     raw: str | None, weights: str | None = None):
     """(measured profile, header) on rank 0; None on other ranks under torchrun (every rank measures)."""
     import json
 
@@ -517,7 +548,7 @@ def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: f
             return lambda: bar.advance(task)
 
         cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
-                        progress=progress,
+                        progress=progress, weights=weights,
                         log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
     if not rank0:
         return None
@@ -534,7 +565,7 @@ def _print_profile(hw) -> None:
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
                 "encode_host_s", "host_op_us", "cpu_op_us", "postprocess_gbps", "alloc_slack", "reserve_fraction",
-                "mem_margin"):
+                "mem_margin", "disk_read_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
         v = getattr(hw, key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))

@@ -120,6 +120,19 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     hint = "; --host-mem-budget plans for another machine" if where.startswith("available") else ""
     console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
                   f"{format_bytes(plan.host_memory_budget_bytes or 0)} ({where}{hint})", highlight=False)
+    if pp.load is not None:
+        console.print(plan_load_line(pp.load), highlight=False)
+
+
+def plan_load_line(ld) -> str:  # noqa: ANN001 - plan.LoadPrediction
+    """The plan's load: time from cold files and from the page cache, and the host memory it holds."""
+    if ld.time_cold_s is None:
+        when = "time not predicted (the profile has no disk rate: `chunkflow calibrate --weights DIR` measures one)"
+    else:
+        when = (f"{format_seconds(ld.time_cold_s)} from cold files, {format_seconds(ld.time_warm_s)} from the page "
+                "cache")
+    return (f"load: {format_bytes(ld.read_bytes)} read ({ld.read_bytes_source}), {when}; host memory "
+            f"{format_bytes(ld.host_peak_bytes)} at its end")
 
 
 def _spread(times: list[float]) -> str:
@@ -157,6 +170,8 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     console.print("placements: " + ", ".join(f"{k} {v}" for k, v in g.components.items())
                   + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
     gpu = not report.run.device.startswith("cpu")
+    if g.load is not None:
+        console.print(load_line(g.load), highlight=False)
     which = (f", after {g.warmup_generations} warm-up generation(s): start-up excluded" if g.warmup_generations
              else ", the process's first: start-up included")
     many = g.measured_generations > 1
@@ -199,12 +214,33 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
             console.print(f"its longest collection: {format_seconds(c.seconds)} in {name}, generation {c.generation}"
                           f"{' (full)' if c.generation == 2 else ''}, {c.collected} objects freed", highlight=False)
     line = f"peak host memory: {format_bytes(g.host_peak_bytes)}"
-    if gpu and g.predicted_host_memory_bytes is not None:
+    if g.predicted_host_memory_bytes is not None:
         line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"
     console.print(line, highlight=False)
     if not gpu:
-        console.print("note: measured on the CPU; the plan's predictions are for a GPU, so they are not compared here.",
+        also = ("; host memory is (the CPU's 'device' memory is host memory)" if g.predicted_host_memory_bytes
+                is not None else "")
+        console.print(f"note: measured on the CPU; the plan's times are for a GPU, so they are not compared here{also}.",
                       highlight=False)
+
+
+def load_line(ld) -> str:  # noqa: ANN001 - chunkflow.run_generate.LoadResult
+    """The build: its time against the plan's for what it read, the read rate, the host peak at its end."""
+    if ld.weights == "random":
+        line = f"load: random weights drawn in place in {format_seconds(ld.measured_time_s)}"
+    else:
+        cached = ("" if ld.cached_fraction is None
+                  else f", {ld.cached_fraction:.0%} of it in the page cache before")
+        rate = f" at {ld.read_gbps:.2f} GB/s" if ld.read_gbps else ""
+        line = (f"load: {format_seconds(ld.measured_time_s)}, {format_bytes(ld.read_bytes)} read{rate}{cached}")
+        if ld.predicted_time_s is not None:
+            line += f" (predicted {format_seconds(ld.predicted_time_s)}, {_pct(ld.time_error)})"
+        elif ld.predicted_host_peak_bytes is not None:
+            line += " (time not predicted: the profile has no disk rate; `chunkflow calibrate --weights DIR`)"
+    line += f"; host memory at its end {format_bytes(ld.host_peak_bytes)}"
+    if ld.predicted_host_peak_bytes is not None:
+        line += f" (predicted {format_bytes(ld.predicted_host_peak_bytes)}, {_pct(ld.host_error)})"
+    return line
 
 
 def memory_drift(trace) -> str:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
+from chunkflow_planner.units import format_bytes
 
 
 class GcCollection(BaseModel):
@@ -63,6 +64,31 @@ class PhaseResult(BaseModel):
     memory_error: float | None = None
 
 
+class LoadResult(BaseModel):
+    """Building the pipeline: measured, and predicted for what it read (chunkflow_planner/load.py)."""
+
+    weights: str = Field(description="the pipeline folder read, or 'random' (weights drawn in place, nothing read)")
+    variant: str | None = None
+    measured_time_s: float
+    read_bytes: int = 0
+    cached_fraction: float | None = Field(None, description="share of the bytes read that the page cache held "
+                                          "before the load (None: not known on this system)")
+    read_seconds: float = Field(0.0, description="seconds inside the reads")
+    host_peak_bytes: int = Field(description="the process's peak resident memory at the load's end")
+    component_bytes: dict[str, int] = Field(default_factory=dict, description="bytes each component holds")
+    planned_component_bytes: dict[str, int] = Field(default_factory=dict)
+    predicted_time_s: float | None = Field(None, description="the plan's load time for these bytes and this cache "
+                                           "share")
+    predicted_parts_s: dict[str, float] = Field(default_factory=dict)
+    predicted_host_peak_bytes: int | None = None
+    time_error: float | None = None
+    host_error: float | None = None
+
+    @property
+    def read_gbps(self) -> float | None:
+        return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds > 0 else None
+
+
 class GenerationResult(BaseModel):
     prompt: str
     negative_prompt: str | None = None
@@ -88,6 +114,7 @@ class GenerationResult(BaseModel):
         None, description="with --warmup: the process's first generation, phase by phase (start-up included)")
     first_parts_s: dict[str, dict[str, float]] | None = Field(
         None, description="with --warmup: the first generation's timed components per phase (PhaseResult.parts_s)")
+    load: LoadResult | None = Field(None, description="building the pipeline, measured against the plan")
 
 
 @dataclass
@@ -133,10 +160,18 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     _, device = _place(o, 1, plan, log)
     folder = resolve_weights(o.weights) if o.weights is not None else None
     placements, tiling = placements_of(plan)
-    t0 = time.perf_counter()
-    built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling, log=log)
+    on_bytes = (lambda done, total: progress("load", done, total)) if progress is not None else None
+    built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling,
+                           variant=o.variant, log=log, on_bytes=on_bytes)
+    comparable = (device.type == "cuda") != hw.device_is_host  # the plan's device is the one run on
+    load = load_result(built, plan, hw, folder, o.variant, comparable)
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
-        f"{time.perf_counter() - t0:.1f} s on {device}")
+        f"{load.measured_time_s:.1f} s on {device}")
+    for name, have in load.component_bytes.items():
+        want = load.planned_component_bytes.get(name)
+        if want and have > want * 1.01:
+            log(f"note: {name} holds {format_bytes(have)}, the plan counted {format_bytes(want)}; its memory "
+                "predictions are short by the difference")
     freeze = gc.get_freeze_count() == 0  # a host process that froze its own objects keeps its freeze
     if freeze:
         gc.collect()
@@ -227,12 +262,38 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         components=placements, vae_tiling=tiling, phases=phases, generation_time_s=gen_time,
         predicted_generation_time_s=pred_time if cuda else None,
         generation_time_error=rel_error(gen_time, pred_time) if cuda else None,
-        host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if cuda else None,
-        host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if cuda else None,
+        host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if comparable else None,
+        host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if comparable and pred_host else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
         warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
-        first_phase_times_s=first, first_parts_s=first_parts)
+        first_phase_times_s=first, first_parts_s=first_parts, load=load)
     return report
+
+
+def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: bool) -> LoadResult:
+    """The build's LoadResult: measured (built.load), and the plan's load predicted for the bytes it read and the
+    share the page cache held (`comparable`: the run's device is the plan's kind, GPU or host)."""
+    from chunkflow.run import rel_error
+    from chunkflow_planner.load import LoadEstimate, T_load, load_parts
+
+    m = built.load
+    planned = {c.name: c.bytes for c in plan.pipeline.components} if plan.pipeline is not None else {}
+    lp = plan.prediction.load
+    cached = m.cached_bytes / m.read_bytes if m.read_bytes and m.cached_bytes is not None else None
+    pred_t, parts, pred_host = None, {}, None
+    if lp is not None and comparable:
+        pred_host = lp.host_peak_bytes
+        if folder is not None:
+            est = LoadEstimate(m.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes)
+            pred_t = T_load(est, cached or 0.0, hw)
+            parts = load_parts(est, cached or 0.0, hw)
+    return LoadResult(
+        weights=str(folder) if folder is not None else "random", variant=variant, measured_time_s=m.seconds,
+        read_bytes=m.read_bytes, cached_fraction=cached, read_seconds=m.read_seconds,
+        host_peak_bytes=m.host_peak_bytes, component_bytes=m.component_bytes, planned_component_bytes=planned,
+        predicted_time_s=pred_t, predicted_parts_s=parts, predicted_host_peak_bytes=pred_host,
+        time_error=rel_error(m.seconds, pred_t) if pred_t is not None else None,
+        host_error=rel_error(m.host_peak_bytes, pred_host) if pred_host is not None else None)
 
 
 @dataclass

@@ -1,0 +1,211 @@
+"""How fast this machine loads checkpoints: the read rate of the disk the weights are on, cold (their pages dropped
+from the page cache first) and warm (from the page cache), read by the loader's own reader (loading/reader.py),
+threads and pieces included; and on a GPU the rate of page-locking host memory, as the pinned stores are.
+
+The sample is the largest safetensors files in the folder (a pipeline folder given with `--weights`, else the
+Hugging Face cache), up to `sample_bytes`; where the folder has too few, a temporary file of that size is written
+there and removed after. A cold read needs the kernel to drop the sample's pages (`POSIX_FADV_DONTNEED`); where it
+cannot (another process maps them, a filesystem that keeps them), the rate measured is said to be warm.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+SAMPLE_BYTES = 2 * 10**9
+SMOKE_SAMPLE_BYTES = 64 * 2**20
+BUFFER_BYTES = 256 * 2**20  # the reads land in one buffer of this size, over and over
+COLD_AT_MOST = 0.05  # a sample with more than this share still cached after the drop is not cold
+
+
+def sample_files(folder: Path, want: int) -> list[tuple[Path, int]]:
+    """(path, bytes) of the largest *.safetensors files under `folder` (the cache's links followed), until `want`
+    bytes are covered."""
+    found: dict[Path, int] = {}
+    for root, _, names in os.walk(folder, followlinks=True):
+        for name in names:
+            if name.endswith(".safetensors"):
+                path = Path(root) / name
+                try:
+                    found.setdefault(path.resolve(), path.stat().st_size)
+                except OSError:
+                    continue
+    out, total = [], 0
+    for path, size in sorted(found.items(), key=lambda kv: -kv[1]):
+        if total >= want:
+            break
+        out.append((path, size))
+        total += size
+    return out
+
+
+def _cached_share(files: list[tuple[Path, int]]) -> float | None:
+    from chunkflow.loading.pagecache import PAGE, resident_pages
+
+    cached = pages = 0
+    for path, size in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            vec = resident_pages(fd, size)
+        finally:
+            os.close(fd)
+        if vec is None:
+            return None
+        cached += sum(vec)
+        pages += -(-size // PAGE)
+    return cached / pages if pages else 0.0
+
+
+def _drop(files: list[tuple[Path, int]]) -> None:
+    from chunkflow.loading.pagecache import drop
+
+    for path, _ in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            drop(fd)
+        finally:
+            os.close(fd)
+
+
+def _read_all(files: list[tuple[Path, int]], nbytes: int) -> float:
+    """Seconds the loader's reader takes to read the first `nbytes` of the files (keeping their pages cached)."""
+    import torch
+
+    from chunkflow.loading.reader import FileReader
+
+    buf = torch.empty(min(BUFFER_BYTES, max(nbytes, 1)), dtype=torch.uint8)
+    left = nbytes
+    with FileReader(keep_cache=True) as reader:
+        t0 = time.perf_counter()
+        for path, size in files:
+            off = 0
+            while off < size and left > 0:
+                n = min(buf.numel(), size - off, left)
+                reader.read_into(path, off, n, buf[:n])
+                off += n
+                left -= n
+        return time.perf_counter() - t0
+
+
+def _write_sample(folder: Path, nbytes: int) -> Path:
+    """A temporary file of `nbytes` in `folder`, written and flushed to the disk."""
+    fd, name = tempfile.mkstemp(prefix=".chunkflow-calibrate-", suffix=".tmp", dir=folder)
+    block = os.urandom(min(nbytes, 16 * 2**20))
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[:left])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[str], None] = lambda s: None
+                 ) -> dict[str, Any]:
+    """The loader's cold and warm read rates (GB/s) on the disk holding `folder` (module docstring)."""
+    files = sample_files(folder, sample_bytes)
+    temp = None
+    if sum(s for _, s in files) < sample_bytes // 4:
+        try:
+            temp = _write_sample(folder, sample_bytes)
+        except OSError as exc:
+            raise OSError(f"{str(folder)!r} holds too few safetensors files to time and a sample cannot be written "
+                          f"there ({exc.strerror or exc})") from None
+        files = [(temp, sample_bytes)]
+    try:
+        nbytes = min(sample_bytes, sum(s for _, s in files))
+        _drop(files)
+        left = _cached_share(files)
+        cold = _read_all(files, nbytes)
+        warm = _read_all(files, nbytes)
+        _drop(files)  # the sample's pages were brought in by calibrate: give them back
+    finally:
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+    cold_ok = left is not None and left <= COLD_AT_MOST
+    out = dict(folder=str(folder), files=[str(p) for p, _ in files], sample_bytes=nbytes, temporary=temp is not None,
+               cached_after_drop=left, cold_s=cold, warm_s=warm, page_cache_gbps=nbytes / warm / 1e9,
+               disk_read_gbps=nbytes / cold / 1e9 if cold_ok else None)
+    if cold_ok:
+        log(f"disk ({folder}): {nbytes / 1e9:.2f} GB read cold at {out['disk_read_gbps']:.2f} GB/s, from the page "
+            f"cache at {out['page_cache_gbps']:.2f} GB/s")
+    else:
+        log(f"disk ({folder}): the page cache kept the sample ({'unknown share' if left is None else f'{left:.0%}'} "
+            f"after dropping it), so no cold rate was measured; from the page cache {out['page_cache_gbps']:.2f} GB/s")
+    return out
+
+
+def measure_fault(nbytes: int = 2**30) -> float:
+    """GB/s of new host memory mapped at its first touch, one write a page, by the loader's threads in its pieces
+    (what a read into a new CPU tensor pays beyond the copy)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from chunkflow.loading.pagecache import PAGE
+    from chunkflow.loading.reader import PIECE_BYTES, READ_THREADS
+
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda a: buf[a:a + PIECE_BYTES][::PAGE].fill_(1), range(0, nbytes, PIECE_BYTES)))
+        seconds = time.perf_counter() - t0
+    return nbytes / seconds / 1e9
+
+
+def measure_pin(nbytes: int = 2**30) -> float:
+    """GB/s of page-locking host memory as a pinned store is (allocate, then cudaHostRegister)."""
+    from chunkflow.runtime.store import HostStore
+
+    HostStore(64 * 2**20, pin=True).release()  # the first registration pays CUDA's own start-up
+    t0 = time.perf_counter()
+    store = HostStore(nbytes, pin=True)
+    seconds = time.perf_counter() - t0
+    store.release()
+    return nbytes / seconds / 1e9
+
+
+STARTUP_CODE = """
+import time, torch
+from chunkflow.models.pipeline_build import build_pipeline
+from chunkflow_planner.catalog import get_model
+from chunkflow_planner.offload import OffloadConfig
+t0 = time.perf_counter()
+build_pipeline(get_model("tiny"), {}, OffloadConfig("none"), torch.device("cpu")).discard()
+print(time.perf_counter() - t0)
+"""
+
+
+def measure_load_startup() -> float:
+    """Seconds of a process's first pipeline build outside its reads and copies (importing the pipeline's diffusers
+    and transformers classes, building modules on the meta device, tokenizers): the tiny catalog pipeline built in
+    a new process, where `run` builds it (torch and chunkflow imported, the rest not)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", STARTUP_CODE], capture_output=True, text=True, timeout=300, env=env)
+    if p.returncode != 0:
+        raise OSError(f"the start-up probe failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    return float(p.stdout.strip().splitlines()[-1])
+
+
+def disk_folder(weights: str | None) -> tuple[Path, str]:
+    """The folder whose disk calibrate times: `--weights` (a folder, or a Hub id in the local cache), else the
+    Hugging Face cache, else the temporary directory; and how it was chosen."""
+    from chunkflow.weights import hub_cache_dir, resolve_weights
+
+    if weights is not None:
+        local = Path(weights).expanduser()
+        if local.is_dir():
+            return local, "--weights"
+        return resolve_weights(weights), "--weights (the Hugging Face cache)"
+    cache = hub_cache_dir()
+    if cache.is_dir():
+        return cache, "the Hugging Face cache"
+    return Path(tempfile.gettempdir()), "the temporary directory (no Hugging Face cache here: pass --weights DIR)"
