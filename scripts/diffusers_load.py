@@ -1,0 +1,74 @@
+"""diffusers alone, for comparison with `chunkflow run --weights`: time `Pipeline.from_pretrained(DIR).to(device)`
+and the process's host peak, then generate with the call chunkflow makes and compare the latents with chunkflow's.
+
+    python3 scripts/diffusers_load.py wan2.2 DIR --frames 41 --height 480 --width 832 --steps 4 --prompt "..." \
+        [--negative-prompt ...] [--guidance 5] [--seed 0] [--latents chunkflow-latents.safetensors] --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    import diffusers
+
+    from chunkflow.generate import call_kwargs
+    from chunkflow.hostmem import peak_rss_bytes
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.workload import make_workload
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("folder")
+    for k in ("frames", "height", "width", "steps", "batch"):
+        ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--negative-prompt", default=None)
+    ap.add_argument("--guidance", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--latents", default=None, help="chunkflow's latents (run --latents) to compare with")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    spec = get_model(a.model)
+    w = make_workload(spec, batch=a.batch, frames=a.frames, height=a.height, width=a.width, steps=a.steps)
+    dtypes = {"default": torch.bfloat16, "vae": getattr(torch, spec.pipeline.vae.dtype)}
+    t0 = time.perf_counter()
+    pipe = getattr(diffusers, spec.pipeline.cls).from_pretrained(a.folder, torch_dtype=dtypes)
+    t1 = time.perf_counter()
+    pipe.to("cuda")
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    host_after_load = peak_rss_bytes()
+    pipe.set_progress_bar_config(disable=True)
+    kw = call_kwargs(spec, w, a.prompt, a.negative_prompt, a.guidance, w.steps,
+                     torch.Generator("cuda").manual_seed(a.seed))
+    kw["output_type"] = "latent"
+    t3 = time.perf_counter()
+    with torch.no_grad():
+        out = pipe(**kw)
+    torch.cuda.synchronize()
+    latents = out.frames if hasattr(out, "frames") else out.images
+    result = dict(model=spec.name, folder=a.folder, from_pretrained_s=t1 - t0, to_device_s=t2 - t1,
+                  load_s=t2 - t0, host_peak_after_load_bytes=host_after_load, generation_s=time.perf_counter() - t3,
+                  host_peak_bytes=peak_rss_bytes(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  diffusers=diffusers.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    if a.latents:
+        from safetensors.torch import load_file
+
+        ours = load_file(a.latents)["latents"]
+        ref = latents.detach().cpu()
+        result["latents_identical"] = bool(ours.dtype == ref.dtype and ours.shape == ref.shape and torch.equal(ours, ref))
+        result["latents_max_abs_diff"] = float((ours.float() - ref.float()).abs().max()) if ours.shape == ref.shape \
+            else None
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
