@@ -13,6 +13,7 @@ change is applied to the store (the blocks are laid out again), and a device cha
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
@@ -22,7 +23,7 @@ from torch import nn
 from chunkflow.runtime.comm import CollectiveTap, CommPacer, dist_active
 from chunkflow.runtime.errors import OffloadError
 from chunkflow.runtime.fp8cast import cast_kernel_name
-from chunkflow.runtime.hooks import BlockHook, hook_module, unhook_module
+from chunkflow.runtime.hooks import BlockHook, hook_module, hook_part, unhook_module, unhook_part
 from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
@@ -85,6 +86,18 @@ class OffloadStats:
         return asdict(self)
 
 
+def _locked(method):
+    """The method under the handle's lock (it waits for a forward running in another thread to end)."""
+    import functools
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class OffloadHandle:
     """State of one offloaded module. Made by `offload()`; undo with `remove()`."""
 
@@ -113,6 +126,11 @@ class OffloadHandle:
         self._park_store: HostStore | None = None  # host homes of the non-block tensors while parked
         self._park_versions: list[tuple[int, int]] | None = None  # (version, data_ptr) at the last unpark
         self._resident_cast: ResidentCasting | None = None  # fp8 storage of the layers outside the blocks
+        # one forward at a time (two threads sharing the module would share its slots): held from the root's
+        # forward pre-hook to its forward hook, around each block's call, and by park, unpark, apply and remove
+        self.lock = threading.RLock()
+        self._serial: list[torch.utils.hooks.RemovableHandle] = []
+        self.parts: list[nn.Module] = []  # the modules inside it whose class was swapped (hooks.hook_part)
 
     # ---- attach and detach (start-up, remove, laying out again)
 
@@ -175,11 +193,21 @@ class OffloadHandle:
         self.streamer = None
         self.pacer = None
         if not to_host:
+            lost = []
             for b in self.layouts:
                 for t in b.tensors:
                     cur = current(t)
-                    bind(t, (raw_data(cur) if t.is_param else cur).to(self._origin_of(t), dtype=t.compute_dtype
-                                                                       or t.dtype, copy=True))
+                    try:
+                        bind(t, (raw_data(cur) if t.is_param else cur).to(self._origin_of(t), dtype=t.compute_dtype
+                                                                           or t.dtype, copy=True))
+                    except (RuntimeError, NotImplementedError):  # replaced behind torch's back by one with no values
+                        lost.append(f"{b.name}.{t.name}")  # (meta): left as it is, the rest put back
+            if lost:
+                import warnings
+
+                warnings.warn(f"chunkflow: remove() could not give back {', '.join(lost[:5])}"
+                              f"{' and more' if len(lost) > 5 else ''}: replaced while offloaded by tensors without "
+                              "values; they are left as they are", stacklevel=3)
         store, self.store, self.layouts = self.store, None, []
         if to_host:
             return store
@@ -194,12 +222,16 @@ class OffloadHandle:
         """id(tensor) -> compute dtype, for the block tensors stored in fp8 now."""
         return {id(current(e)): e.compute_dtype for b in self.layouts for e in b.tensors if e.compute_dtype}
 
-    def _relayout(self, dtypes: dict[torch.dtype, torch.dtype] | None = None) -> None:
+    def _relayout(self, dtypes: dict[torch.dtype, torch.dtype] | None = None, device: torch.device | None = None
+                  ) -> None:
         """Lay the blocks out again from the module as it is now (new tensors included), with `dtypes` applied to
-        every tensor if given. Host memory holds the old store and the new one for the time of the copy."""
+        every tensor if given, on `device` if given. Host memory holds the old store and the new one for the time
+        of the copy."""
         compute = self._block_compute_dtypes()
         with torch.inference_mode(False), torch.no_grad():
             old = self._detach(to_host=True)
+            if device is not None:
+                self.device = device
             if dtypes or compute:  # fp8-stored tensors become their compute dtype again (then stored anew)
                 dtypes = dtypes or {}
                 for t in all_tensors(self.module):
@@ -236,25 +268,60 @@ class OffloadHandle:
 
     # ---- dtype and device changes (the root's `_apply`: .to(), .half(), .cuda(), ...)
 
-    def apply(self, fn, recurse: bool = True) -> nn.Module:
-        """A conversion of the whole module: the same device and dtypes is nothing to do; a dtype change is applied
-        to the host store (the blocks are laid out again); another device is refused before anything changes."""
-        self.unpark()
+    def _conversion(self, fn, tensors) -> tuple[torch.device | None, dict[torch.dtype, torch.dtype]]:
+        """What `fn` (a `.to()`/`.half()` conversion) does to the module: the device it moves to (None: stays on the
+        handle's) and its dtype mapping (each tensor's own dtype: the compute dtype of those stored in fp8)."""
         compute = self._block_compute_dtypes()
         compute.update(self._resident_cast.compute if self._resident_cast is not None else {})
-        dtypes = {compute.get(id(t.get()), t.get().dtype) for t in all_tensors(self.module)}
-        mapping: dict[torch.dtype, torch.dtype] = {}
-        for dt in dtypes:
+        target, mapping = None, {}
+        for dt in {compute.get(id(t.get()), t.get().dtype) for t in tensors}:
             out = fn(torch.empty(0, dtype=dt, device=self.device))
             if out.device != self.device:
-                raise OffloadError(
-                    f"this module is offloaded by chunkflow to {self.device}; it cannot move to {out.device} while "
-                    "offloaded (nothing was changed). Call handle.remove() first, then move it.")
+                target = out.device
             if out.dtype != dt:
                 mapping[dt] = out.dtype
-        if mapping:
+        return target, mapping
+
+    @_locked
+    def apply(self, fn, recurse: bool = True) -> nn.Module:
+        """A conversion of the whole module (`.to()`, `.half()`, `.cuda()`), as a module not offloaded takes it: a
+        dtype change is applied to the host store (the blocks are laid out again); another device offloads it there
+        (same setting; 'cpu' runs chunkflow's CPU mode); 'meta' ends the offload, every tensor left on the meta
+        device (no weights), as it leaves a plain module."""
+        self.unpark()
+        target, mapping = self._conversion(fn, all_tensors(self.module))
+        if target is not None and target.type == "meta":
+            discard(self)
+            return self.module
+        if target is not None:
+            self._relayout(mapping, device=target)
+            self._origin = {k: target for k in self._origin}  # remove() leaves it where it was moved
+            self._home = target
+            if self._park_store is not None:
+                self._park_store.release()
+                self._park_store = None
+        elif mapping:
             self._relayout(mapping)
         return self.module
+
+    def apply_part(self, part: nn.Module, fn) -> nn.Module:
+        """A conversion of a module inside the offloaded one: nothing to do where it keeps every tensor's device
+        and dtype; any other is refused before anything changes (the handle owns where and how they are stored)."""
+        target, mapping = self._conversion(fn, all_tensors(part))
+        if target is None and not mapping:
+            return part
+        name = next((n for n, m in self.module.named_modules() if m is part), type(part).__name__)
+        changes = ([f"move to {target}"] if target is not None else []) + (
+            ["change dtype (" + ", ".join(f"{str(a).removeprefix('torch.')} -> {str(b).removeprefix('torch.')}"
+                                         for a, b in mapping.items()) + ")"] if mapping else [])
+        what = " and ".join(changes)
+        hint = (" To store the weights in fp8, offload with weight_dtype='fp8_e4m3' (diffusers' layerwise casting "
+                "does the same arithmetic)." if any(b.is_floating_point and b.itemsize == 1 for b in mapping.values())
+                else "")
+        raise OffloadError(
+            f"{name or type(part).__name__} is part of a module offloaded by chunkflow to {self.device}; it cannot "
+            f"{what or 'change'} on its own (nothing was changed): convert the whole module (module.to(...)), or call "
+            f"handle.remove() first.{hint}")
 
     # ---- communication awareness and observers (runtime/comm.py, runtime/observe.py)
 
@@ -327,6 +394,7 @@ class OffloadHandle:
     def parked(self) -> bool:
         return self._resume is not None
 
+    @_locked
     def park(self) -> None:
         """Free this module's device memory until its next forward: the resident buffer and slots are given back
         and the non-block tensors move to host memory (one pinned allocation on CUDA, kept for the next park; a
@@ -374,6 +442,7 @@ class OffloadHandle:
             out.append(self._park_store.view(off, n).view(cur.dtype).view(cur.shape))
         return out
 
+    @_locked
     def unpark(self) -> None:
         """Take the device memory back after `park()` (the next forward does this by itself)."""
         if self._resume is None:
@@ -449,11 +518,18 @@ class OffloadHandle:
 
     # ---- undo
 
+    @_locked
     def remove(self) -> None:
         """Hooks off, every tensor back on its original device with its values (writes made while offloaded kept),
         host and device memory freed, the module's own class back."""
         if self.removed:
             return
+        if self.streamer is not None and self.streamer.bound:
+            raise OffloadError("handle.remove() was called inside a forward of the offloaded module (nothing was "
+                               "changed); remove it between forwards")
+        for h in self._serial:
+            h.remove()
+        self._serial = []
         self.unpark()
         if any(b.cast_tensors() for b in self.layouts) or self._resident_cast is not None:
             import warnings
@@ -478,6 +554,9 @@ class OffloadHandle:
                     cur.data = cur.data.to(self._home)
                 else:
                     t.set_buffer(cur.to(self._home))
+        for m in self.parts:
+            unhook_part(m)
+        self.parts = []
         unhook_module(self.module)
         self.module.__dict__.pop(_MARK, None)
         self.removed = True
@@ -539,6 +618,9 @@ def discard(handle: OffloadHandle) -> None:
     device, so that using it fails loudly. For a program that built the module itself and is done with it."""
     if handle.removed:
         return
+    for h in handle._serial:
+        h.remove()
+    handle._serial = []
     if handle.tap is not None:
         handle.tap.remove()
     handle.tap = handle.pacer = None
@@ -573,6 +655,9 @@ def discard(handle: OffloadHandle) -> None:
             store.release()
     handle.store = handle._park_store = None
     handle.layouts = []
+    for m in handle.parts:
+        unhook_part(m)
+    handle.parts = []
     unhook_module(handle.module)
     handle.module.__dict__.pop(_MARK, None)
     handle.removed = True
@@ -634,6 +719,21 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     handle._attach(source, first=True)
     if cfg.streams:
         hook_module(module, handle, root=True)  # .to() and copies go through the handle
+        handle.parts = [m for m in module.modules() if m is not module]
+        for m in handle.parts:  # ... and a part's own .to() too (refused: the handle owns device and dtypes)
+            hook_part(m, handle)
         handle.writes.install()
+    handle._serial = [module.register_forward_pre_hook(_forward_begins, prepend=True),
+                      module.register_forward_hook(_forward_ends, always_call=True)]
     module.__dict__[_MARK] = handle
     return handle
+
+
+@torch.compiler.disable
+def _forward_begins(module: nn.Module, args) -> None:
+    module.__dict__[_MARK].lock.acquire()  # a second thread's forward waits here for the first one's end
+
+
+@torch.compiler.disable
+def _forward_ends(module: nn.Module, args, output) -> None:
+    module.__dict__[_MARK].lock.release()

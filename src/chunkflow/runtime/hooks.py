@@ -14,17 +14,23 @@ forward (`handle.sync()`, runtime/writes.py). The root module's class is swapped
 change refused before anything moves. Swapped classes refuse deepcopy and pickling with a clear error.
 
 Swapped classes are made once per original class (`functools.cache`: the same class object for every block of a
-kind, which dynamo's guards need); `remove()` puts the original class back.
+kind, which dynamo's guards need); `remove()` puts the original class back. A swapped class compares equal to, and
+hashes as, the class it stands for (its metaclass says so; `is` still tells them apart): code that looks a module's
+class up in a registry or a list of types finds the original's entry, as it would without offload (diffusers'
+block registry behind enable_cache and apply_layer_skip, `from_pipe`'s check of its components' types).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 
 import torch
 from torch import nn
 
 _HOOK = "_chunkflow_hook"
+_PART = "_chunkflow_part"  # on every module inside an offloaded one: the handle its own `.to()` goes through
 
 
 def _copy_refused(self, *args):
@@ -44,24 +50,147 @@ def _exit(hook) -> None:
     hook.exit()
 
 
-def _block_call(self, *args, **kwargs):
-    base = type(self)._chunkflow_base
-    hook = self.__dict__.get(_HOOK)
-    if hook is None:
-        return base.__call__(self, *args, **kwargs)
+def _run_block(self, base, hook, args, kwargs):
+    """The block's own call between its enter (tensors bound to the device) and exit (back to the host)."""
     _enter(hook)
     try:
+        if _in_backward() and torch.is_grad_enabled():  # recomputed for backward: what autograd saves of its weights
+            _own_copies(hook)  # must outlive the slot they are bound to (the next block's copies refill it)
         return base.__call__(self, *args, **kwargs)
     finally:  # a block that raises still gives its slot back, so the next forward works
         _exit(hook)
 
 
+@torch.compiler.disable
+def _own_copies(hook) -> None:
+    hook.own_copies()
+
+
+def _in_backward() -> bool:
+    """Whether this call runs inside a backward pass (a checkpointed block recomputed for its gradients)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _records_grad(module: nn.Module, args, kwargs) -> bool:
+    """Whether autograd records this block's forward: grad mode on and an input or a parameter requiring grad."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*args, *kwargs.values()))
+
+
+def _inside_checkpoint() -> bool:
+    """Whether the call runs inside torch's non-reentrant activation checkpointing (diffusers' gradient
+    checkpointing): its saved tensors are dropped and the block recomputed for backward, as chunkflow would."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    pack = hooks[0] if hooks else None
+    return pack is not None and "_checkpoint_hook" in getattr(pack, "__qualname__", "")
+
+
+def _block_call(self, *args, **kwargs):
+    base = type(self)._chunkflow_base
+    hook = self.__dict__.get(_HOOK)
+    if hook is None:
+        return base.__call__(self, *args, **kwargs)
+    with hook.handle.lock:  # one forward at a time through an offloaded module (two threads would share its slots)
+        if _records_grad(self, args, kwargs) and not _in_backward() and not _inside_checkpoint():
+            # training: autograd would keep views of weights in the streaming slots, which later blocks overwrite.
+            # The block is checkpointed instead (nothing of it saved; recomputed, weights brought back, for backward)
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(lambda *a, **k: _run_block(self, base, hook, a, k), *args, use_reentrant=False,
+                              **kwargs)
+        return _run_block(self, base, hook, args, kwargs)
+
+
+@functools.cache
+def _standing_for(meta: type) -> type:
+    """A metaclass (derived from `meta`, the original class's) under which a swapped class equals and hashes as the
+    class it stands for (`_chunkflow_base`)."""
+
+    def __eq__(cls, other):
+        return other is cls or other is cls._chunkflow_base or (
+            isinstance(other, type) and getattr(other, "_chunkflow_base", None) is cls._chunkflow_base)
+
+    def __ne__(cls, other):
+        return not __eq__(cls, other)
+
+    def __hash__(cls):
+        return hash(cls._chunkflow_base)
+
+    return type(f"StandingFor{meta.__name__}", (meta,), {"__eq__": __eq__, "__ne__": __ne__, "__hash__": __hash__})
+
+
+def _swapped_class(cls: type, attrs: dict) -> type:
+    attrs = {"_chunkflow_base": cls, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+             "__deepcopy__": _copy_refused, "__reduce_ex__": _copy_refused, **attrs}
+    return _standing_for(type(cls))(cls.__name__, (cls,), attrs)
+
+
+def _part_apply(self, fn, recurse: bool = True):
+    handle = self.__dict__.get(_PART)
+    if handle is None or handle.removed:
+        return type(self)._chunkflow_base._apply(self, fn, recurse)
+    return handle.apply_part(self, fn)
+
+
 @functools.cache
 def hooked_block_class(cls: type) -> type:
-    """`cls` with the offloading `__call__` (same name, so class-name lookups such as diffusers' repeated blocks
-    still find it)."""
-    return type(cls.__name__, (cls,), {"__call__": _block_call, "_chunkflow_base": cls, "__module__": cls.__module__,
-                                       "__deepcopy__": _copy_refused, "__reduce_ex__": _copy_refused})
+    """`cls` with the offloading `__call__` (same name, and equal to `cls`: class lookups still find it), whose
+    `.to()` goes through the handle as a part's does."""
+    return _swapped_class(cls, {"__call__": _block_call, "_apply": _part_apply})
+
+
+@contextlib.contextmanager
+def _as_plain(module: nn.Module):
+    """Within: the part is its own class again, without its handle (what a copy or a pickle of it should see)."""
+    cls, handle = type(module), module.__dict__.pop(_PART, None)
+    module.__class__ = cls._chunkflow_base
+    try:
+        yield module
+    finally:
+        module.__class__ = cls
+        if handle is not None:
+            module.__dict__[_PART] = handle
+
+
+def _part_deepcopy(self, memo):
+    with _as_plain(self):
+        return copy.deepcopy(self, memo)
+
+
+def _same(obj):
+    return obj
+
+
+def _part_reduce_ex(self, protocol):
+    return _same, (_part_deepcopy(self, {}),)  # pickled as its plain copy
+
+
+@functools.cache
+def hooked_part_class(cls: type) -> type:
+    """`cls` (a module inside an offloaded one) whose `.to()`, `.half()`, `.cuda()` go through the handle: the whole
+    module's device and dtypes are the handle's to change, so a part's own change is refused before it starts. A
+    copy or pickle of a part is a plain module of its own class (peft copies layers it trains apart)."""
+    return _swapped_class(cls, {"_apply": _part_apply, "__deepcopy__": _part_deepcopy,
+                                "__reduce_ex__": _part_reduce_ex})
+
+
+def hook_part(module: nn.Module, handle) -> None:
+    if getattr(type(module), "_chunkflow_base", None) is None:
+        try:
+            module.__class__ = hooked_part_class(type(module))
+        except TypeError:  # a class that cannot be subclassed so (a custom metaclass): its own .to() stays its own
+            return
+    module.__dict__[_PART] = handle
+
+
+def unhook_part(module: nn.Module) -> None:
+    module.__dict__.pop(_PART, None)
+    if "__call__" not in type(module).__dict__:  # a part's class (a block's goes with its BlockHook)
+        unhook_module(module)
 
 
 def _root_apply(self, fn, recurse: bool = True):
@@ -83,11 +212,33 @@ def _root_dtype(self):
 def hooked_root_class(cls: type) -> type:
     """`cls` whose `_apply` goes through the handle (and whose `dtype`, for a diffusers model, says the compute
     dtype under fp8 storage)."""
-    attrs = {"_apply": _root_apply, "_chunkflow_base": cls, "__module__": cls.__module__,
-             "__deepcopy__": _copy_refused, "__reduce_ex__": _copy_refused}
+    attrs = {"_apply": _root_apply}
     if isinstance(getattr(cls, "dtype", None), property):
         attrs["dtype"] = property(_root_dtype)
-    return type(cls.__name__, (cls,), attrs)
+    for name, instead in _REFUSED_METHODS.items():  # diffusers' own ways of moving or casting a model's layers
+        if callable(getattr(cls, name, None)):
+            attrs[name] = _refuse(name, instead)
+    return _swapped_class(cls, attrs)
+
+
+_REFUSED_METHODS = {
+    "enable_layerwise_casting": "offload with weight_dtype='fp8_e4m3', which stores the blocks' weights in fp8 with "
+                                "the same arithmetic",
+    "enable_group_offload": "chunkflow already streams the blocks; use one offloader",
+}
+
+
+def _refuse(name: str, instead: str):
+    def refused(self, *args, **kwargs):
+        from chunkflow.runtime.errors import OffloadError
+
+        if self.__dict__.get(_HOOK) is None:
+            return getattr(type(self)._chunkflow_base, name)(self, *args, **kwargs)
+        raise OffloadError(f"{name}() on a module offloaded by chunkflow is refused (nothing was changed): {instead}; "
+                           "or call handle.remove() first")
+
+    refused.__name__ = name
+    return refused
 
 
 def hook_module(module: nn.Module, hook, root: bool = False) -> None:
@@ -117,6 +268,9 @@ class BlockHook:
 
     def exit(self) -> None:
         self.handle.exit_block(self.index)
+
+    def own_copies(self) -> None:
+        self.handle.streamer.own_copies(self.index)
 
     def remove(self) -> None:
         unhook_module(self.module)

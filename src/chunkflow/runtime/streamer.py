@@ -405,6 +405,17 @@ class Streamer:
         if not busy:
             self.casting = l
 
+    def own_copies(self, l: int) -> None:
+        """Block l (entered) gets device tensors of its own for what it holds in a slot or the cast buffer, so that
+        autograd's saved views of them outlive the slot (a block recomputed for backward); its resident head stays
+        where it is (nothing overwrites it)."""
+        resident = {id(t) for t, _ in self.resident_views[l]}
+        for t in self.layouts[l].tensors:
+            if id(t) in resident and t.compute_dtype is None:
+                continue
+            cur = current(t)
+            bind(t, (raw_data(cur) if t.is_param else cur).clone())
+
     def exit(self, l: int) -> None:
         """Block l ran (or raised): release its slot, and its tensors are host views again."""
         if l in self.bound:
