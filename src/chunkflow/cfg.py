@@ -317,9 +317,22 @@ def batch_cfg(pipe: Any) -> CfgBatching:
     if not modules:
         raise CfgBatchingError(f"{type(pipe).__name__} has no transformer to batch")
     for m in modules:
-        if "forward" in m.__dict__:
-            raise CfgBatchingError(f"{type(m).__name__}.forward is already replaced on this instance (batch_cfg "
-                                   "applied twice?); call .remove() on the earlier one first")
+        forward = m.__dict__.get("forward")
+        if getattr(forward, "_chunkflow_batch_cfg", False):
+            raise CfgBatchingError(f"batch_cfg is already on for this pipeline's {type(m).__name__}; call .remove() on "
+                                   "the earlier one first")
+        hook = m.__dict__.get("_hf_hook")
+        if forward is not None and hook is not None:
+            raise CfgBatchingError(
+                f"the pipeline's {type(m).__name__} runs under accelerate's hook ({type(hook).__name__}: "
+                "enable_model_cpu_offload, enable_sequential_cpu_offload or a device map), which diffusers puts back "
+                "after every call, dropping batch_cfg's; nothing was changed. Place the components with chunkflow "
+                "instead (chunkflow.offload(..., 'none') and handle.park(), or `chunkflow run`), or call batch_cfg "
+                "without model offload")
+        if forward is not None:
+            raise CfgBatchingError(f"{type(m).__name__}.forward is replaced on this instance by something else "
+                                   f"({getattr(forward, '__qualname__', type(forward).__name__)}); batch_cfg wraps the "
+                                   "module's own forward: remove that first (nothing was changed)")
     state = CfgBatching(pipe, modules)
 
     def recording_encode(*args, **kwargs):
@@ -334,5 +347,6 @@ def batch_cfg(pipe: Any) -> CfgBatching:
         def forward(*args, _m=m, _orig=original, **kwargs):
             return state.forward(_m, _orig, args, kwargs)
 
+        forward._chunkflow_batch_cfg = True
         m.__dict__["forward"] = state.wrappers[id(m)] = forward
     return state

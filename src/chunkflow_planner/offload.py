@@ -137,8 +137,8 @@ class OffloadConfig(BaseModel):
             chunk, r = None, 1.0
         elif mode == "layerwise":
             if residency is not None and _residency(residency) != 0.0:
-                raise OffloadConfigError("layerwise mode streams whole blocks with no residency; "
-                                         "use mode chunkflow for residency")
+                raise OffloadConfigError("a residency is for mode chunkflow; mode layerwise streams whole blocks with no "
+                                         "residency. Use mode chunkflow (--mode chunkflow), or leave it out")
             chunk, r = None, 0.0
         else:
             given = data.get("chunk_bytes")
@@ -153,8 +153,17 @@ class OffloadConfig(BaseModel):
                        fp8_cast: str | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
-        storage only to a mode that streams."""
+        storage only to a mode that streams. A chunk size or residency given for a mode without them is refused
+        (it would be dropped without a word)."""
         new_mode = mode or self.mode
+        if new_mode in MODES and new_mode != "chunkflow" and (chunk_size is not None or (
+                residency is not None and not (new_mode == "none" and _residency(residency) == 1.0)
+                and not (new_mode == "layerwise" and _residency(residency) == 0.0))):
+            given = "a chunk size" if chunk_size is not None else "a residency"
+            does = "streams nothing" if new_mode == "none" else "copies whole blocks"
+            raise OffloadConfigError(f"{given} ({chunk_size if chunk_size is not None else residency!r}) is for mode "
+                                     f"chunkflow; the mode here is {new_mode}, which {does}. Add --mode chunkflow "
+                                     "(mode='chunkflow'), or leave it out")
         keep = self.mode == "chunkflow" and new_mode == "chunkflow"
         dtype = weight_dtype or (self.weight_dtype if new_mode != "none" else "bf16")
         return OffloadConfig(
