@@ -126,10 +126,11 @@ class OffloadHandle:
         self._park_store: HostStore | None = None  # host homes of the non-block tensors while parked
         self._park_versions: list[tuple[int, int]] | None = None  # (version, data_ptr) at the last unpark
         self._resident_cast: ResidentCasting | None = None  # fp8 storage of the layers outside the blocks
-        # one forward at a time (two threads sharing the module would share its slots): held from the root's
-        # forward pre-hook to its forward hook, around each block's call, and by park, unpark, apply and remove
+        # one forward at a time (two threads sharing the module would share its slots): held through the root's
+        # call (hooks._root_call), around each block's, and by park, unpark, apply and remove; `take_turns` gives
+        # the modules taking turns one lock. `depth`: forwards of the module running in the thread holding it
         self.lock = threading.RLock()
-        self._serial: list[torch.utils.hooks.RemovableHandle] = []
+        self.depth = 0
         self.parts: list[nn.Module] = []  # the modules inside it whose class was swapped (hooks.hook_part)
 
     # ---- attach and detach (start-up, remove, laying out again)
@@ -403,7 +404,7 @@ class OffloadHandle:
         when parked already or removed."""
         if self.removed or self.parked:
             return
-        if self.streamer is not None and self.streamer.bound:
+        if self.depth or (self.streamer is not None and self.streamer.bound):
             raise OffloadError("park() was called inside a forward of the offloaded module; park between forwards")
         if self.streamer is not None:
             self.streamer.release_device()
@@ -524,12 +525,9 @@ class OffloadHandle:
         host and device memory freed, the module's own class back."""
         if self.removed:
             return
-        if self.streamer is not None and self.streamer.bound:
+        if self.depth or (self.streamer is not None and self.streamer.bound):
             raise OffloadError("handle.remove() was called inside a forward of the offloaded module (nothing was "
                                "changed); remove it between forwards")
-        for h in self._serial:
-            h.remove()
-        self._serial = []
         self.unpark()
         if any(b.cast_tensors() for b in self.layouts) or self._resident_cast is not None:
             import warnings
@@ -586,7 +584,11 @@ def _unpark_before_forward(module: nn.Module, args) -> None:
 def take_turns(*handles: OffloadHandle) -> "TurnTaking":
     """Let offloaded modules take turns on the device: before one runs a forward, the others are parked, so the
     device holds one of them at a time (its resident bytes, slots and non-block tensors) while host memory holds
-    all. For models used one after the other, such as Wan2.2-A14B's two experts. `.remove()` ends it."""
+    all. For models used one after the other, such as Wan2.2-A14B's two experts. They share one lock: a forward
+    of one (parking the others first) waits for a forward of any of them in another thread. `.remove()` ends it."""
+    shared = threading.RLock()
+    for h in handles:
+        h.lock = shared
     return TurnTaking(list(handles))
 
 
@@ -610,6 +612,8 @@ class TurnTaking:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        for h in self.handles:  # each its own lock again
+            h.lock = threading.RLock()
 
 
 def discard(handle: OffloadHandle) -> None:
@@ -618,9 +622,6 @@ def discard(handle: OffloadHandle) -> None:
     device, so that using it fails loudly. For a program that built the module itself and is done with it."""
     if handle.removed:
         return
-    for h in handle._serial:
-        h.remove()
-    handle._serial = []
     if handle.tap is not None:
         handle.tap.remove()
     handle.tap = handle.pacer = None
@@ -723,17 +724,5 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
         for m in handle.parts:  # ... and a part's own .to() too (refused: the handle owns device and dtypes)
             hook_part(m, handle)
         handle.writes.install()
-    handle._serial = [module.register_forward_pre_hook(_forward_begins, prepend=True),
-                      module.register_forward_hook(_forward_ends, always_call=True)]
     module.__dict__[_MARK] = handle
     return handle
-
-
-@torch.compiler.disable
-def _forward_begins(module: nn.Module, args) -> None:
-    module.__dict__[_MARK].lock.acquire()  # a second thread's forward waits here for the first one's end
-
-
-@torch.compiler.disable
-def _forward_ends(module: nn.Module, args, output) -> None:
-    module.__dict__[_MARK].lock.release()

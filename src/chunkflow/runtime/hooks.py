@@ -111,14 +111,18 @@ def _standing_for(meta: type) -> type:
     class it stands for (`_chunkflow_base`)."""
 
     def __eq__(cls, other):
-        return other is cls or other is cls._chunkflow_base or (
-            isinstance(other, type) and getattr(other, "_chunkflow_base", None) is cls._chunkflow_base)
+        base = cls.__dict__.get("_chunkflow_base")  # a subclass of a swapped class is a class of its own
+        if base is None:
+            return other is cls
+        return other is cls or other is base or (isinstance(other, type)
+                                                 and other.__dict__.get("_chunkflow_base") is base)
 
     def __ne__(cls, other):
         return not __eq__(cls, other)
 
     def __hash__(cls):
-        return hash(cls._chunkflow_base)
+        base = cls.__dict__.get("_chunkflow_base")
+        return hash(base) if base is not None else type.__hash__(cls)
 
     return type(f"StandingFor{meta.__name__}", (meta,), {"__eq__": __eq__, "__ne__": __ne__, "__hash__": __hash__})
 
@@ -179,7 +183,7 @@ def hooked_part_class(cls: type) -> type:
 
 
 def hook_part(module: nn.Module, handle) -> None:
-    if getattr(type(module), "_chunkflow_base", None) is None:
+    if "_chunkflow_base" not in type(module).__dict__:
         try:
             module.__class__ = hooked_part_class(type(module))
         except TypeError:  # a class that cannot be subclassed so (a custom metaclass): its own .to() stays its own
@@ -191,6 +195,31 @@ def unhook_part(module: nn.Module) -> None:
     module.__dict__.pop(_PART, None)
     if "__call__" not in type(module).__dict__:  # a part's class (a block's goes with its BlockHook)
         unhook_module(module)
+
+
+@torch.compiler.disable
+def _forward_begins(handle) -> None:
+    handle.lock.acquire()  # a forward in another thread waits here for the one running to end
+    handle.depth += 1
+
+
+@torch.compiler.disable
+def _forward_ends(handle) -> None:
+    handle.depth -= 1
+    handle.lock.release()
+
+
+def _root_call(self, *args, **kwargs):
+    """The offloaded module's call, one at a time (two threads would share its slots): the handle's lock is held
+    from its start to its end, whatever ends it (an exception, an interrupt)."""
+    handle = self.__dict__.get(_HOOK)
+    if handle is None:
+        return type(self)._chunkflow_base.__call__(self, *args, **kwargs)
+    _forward_begins(handle)
+    try:
+        return type(self)._chunkflow_base.__call__(self, *args, **kwargs)
+    finally:
+        _forward_ends(handle)
 
 
 def _root_apply(self, fn, recurse: bool = True):
@@ -212,7 +241,7 @@ def _root_dtype(self):
 def hooked_root_class(cls: type) -> type:
     """`cls` whose `_apply` goes through the handle (and whose `dtype`, for a diffusers model, says the compute
     dtype under fp8 storage)."""
-    attrs = {"_apply": _root_apply}
+    attrs = {"_apply": _root_apply, "__call__": _root_call}
     if isinstance(getattr(cls, "dtype", None), property):
         attrs["dtype"] = property(_root_dtype)
     for name, instead in _REFUSED_METHODS.items():  # diffusers' own ways of moving or casting a model's layers
@@ -249,7 +278,7 @@ def hook_module(module: nn.Module, hook, root: bool = False) -> None:
 
 def unhook_module(module: nn.Module) -> None:
     module.__dict__.pop(_HOOK, None)
-    base = getattr(type(module), "_chunkflow_base", None)
+    base = type(module).__dict__.get("_chunkflow_base")  # (a subclass made since, e.g. by parametrize, stays)
     if base is not None:
         module.__class__ = base
 

@@ -27,7 +27,8 @@ class HostStore:
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
-        ret = cudart.cudaHostRegister(self.data.data_ptr(), self.nbytes, 0)
+        # portable: page-locked for every CUDA context of the process (a store read by a reader thread, a rank's GPU)
+        ret = cudart.cudaHostRegister(self.data.data_ptr(), self.nbytes, 1)
         if int(ret) != 0:
             raise HostStoreError(
                 f"cudaHostRegister of {self.nbytes} bytes failed (cudaError {int(ret)}); the host may be short of "

@@ -77,8 +77,12 @@ def home(device: torch.device) -> torch.device:
 
 
 def place(tensors: list[ModuleTensor], device: torch.device | None) -> None:
-    """Non-block tensors to `device` (start-up), or back where each was (None: remove)."""
+    """Non-block tensors to `device` (start-up), or back where each was (None: remove). A tensor its owner no
+    longer holds under that name (replaced by a parametrization since) is left to its new holder."""
     for t in tensors:
+        m, attr = t.owners[0]
+        if attr not in (m._parameters if t.is_param else m._buffers):
+            continue
         cur = t.get()
         dev = home(t.device) if device is None else device
         if t.is_param:
