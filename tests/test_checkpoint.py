@@ -508,3 +508,11 @@ def test_a_loaded_pipeline_holds_its_weights_once(tmp_path, monkeypatch):
                                                      g["predicted_host_memory_bytes"])
         assert abs(g["load"]["host_error"]) <= 0.10, g["load"]
     assert seen == {"cpu", "gpu", "stream"}
+
+
+def test_the_load_model_counts_the_readers_own_threads_and_pieces():
+    from chunkflow.loading import reader
+    from chunkflow_planner import load
+
+    assert (load.READ_THREADS, load.PIECE_BYTES) == (reader.READ_THREADS, reader.PIECE_BYTES)
+    assert load.STAGING_BYTES == (reader.READ_THREADS + 1) * reader.PIECE_BYTES  # the calling thread's too

@@ -321,3 +321,27 @@ def test_a_part_copied_or_pickled_is_a_plain_module():
         q.half()
     handle.remove()
     assert type(q) is torch.nn.Linear
+
+
+def test_an_interrupted_forward_leaves_the_module_usable_from_another_thread():
+    """A KeyboardInterrupt inside an offloaded forward (a notebook's interrupt) gives the handle back: a forward
+    from another thread, park() and remove() then run instead of waiting for ever."""
+    pipe = tiny_pipeline("wan")
+    with one_thread():
+        ref = _output(pipe, "wan")
+    handle = chunkflow.offload(pipe.transformer, device="cpu", **SETTINGS[1])
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    hook = pipe.transformer.blocks[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), one_thread():
+        _output(pipe, "wan")
+    hook.remove()
+    done = []
+    th = threading.Thread(target=lambda: done.append(_output(pipe, "wan")))
+    th.start()
+    th.join(60)
+    assert done and torch.equal(done[0], ref)
+    handle.park()
+    handle.remove()

@@ -600,9 +600,11 @@ def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) 
         folder, how = Path(tempfile.gettempdir()), "the temporary directory (--cpu-smoke)"
     else:
         folder, how = disk_folder(weights)
+    from chunkflow_planner.errors import ChunkflowError
+
     try:
         d = measure_disk(folder, SMOKE_SAMPLE_BYTES if cpu_smoke else SAMPLE_BYTES, log)
-    except OSError as exc:
+    except (OSError, ChunkflowError) as exc:
         log(f"disk not timed ({how}): {exc}; load times will not be predicted")
         return None
     d["chosen_by"] = how
@@ -723,7 +725,11 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     from chunkflow.calibrate_ops import measure_context_bytes
 
     extra["context_bytes"] = measure_context_bytes(s.device)  # last: cuBLAS, cuDNN and their kernels are loaded
-    disk_raw = _disk_rates(extra, s.device, cpu_smoke, weights, log) if disk else None
+    from chunkflow.launch import torchrun_rank
+
+    # the disk is the machine's: rank 0 times it (ranks timing it together would share it and undo each other's
+    # cold reads)
+    disk_raw = _disk_rates(extra, s.device, cpu_smoke, weights, log) if disk and torchrun_rank() == 0 else None
     log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
     coll = None
     if s.world > 1:

@@ -100,8 +100,11 @@ def _write_sample(folder: Path, nbytes: int) -> Path:
         while left > 0:
             left -= os.write(fd, block[:left])
         os.fsync(fd)
-    finally:
+    except BaseException:  # a full disk, an interrupt: no sample left behind
         os.close(fd)
+        Path(name).unlink(missing_ok=True)
+        raise
+    os.close(fd)
     return Path(name)
 
 
@@ -189,7 +192,11 @@ def measure_load_startup() -> float:
     import sys
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", STARTUP_CODE], capture_output=True, text=True, timeout=300, env=env)
+    try:
+        p = subprocess.run([sys.executable, "-c", STARTUP_CODE], capture_output=True, text=True, timeout=300,
+                           env=env)
+    except subprocess.TimeoutExpired:
+        raise OSError("the start-up probe took over 300 s") from None
     if p.returncode != 0:
         raise OSError(f"the start-up probe failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
     return float(p.stdout.strip().splitlines()[-1])

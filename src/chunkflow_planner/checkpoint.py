@@ -135,7 +135,7 @@ def read_header(path: str | Path) -> dict[str, TensorRecord]:
 # ----------------------------------------------------------------------------------------- file names
 
 
-def _names(items, limit: int = 5) -> str:
+def few_names(items, limit: int = 5) -> str:
     items = list(items)
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
@@ -212,16 +212,16 @@ def _choose(path: Path, stem: str, files: list[str], indexes: list[str],
     if len(singles) == 1 and not shards and not other_index:
         return None, singles[0]
 
-    where = f"{str(path)!r} (found: {_names(files + indexes, 12) or 'nothing'})"
+    where = f"{str(path)!r} (found: {few_names(files + indexes, 12) or 'nothing'})"
     what = f"the {variant!r} variant" if variant else "the default (non-variant) weights"
     if len(other_index) > 1:
-        raise CheckpointError(f"several index files ({_names(other_index)}) could hold {what} in {where}; keep only "
+        raise CheckpointError(f"several index files ({few_names(other_index)}) could hold {what} in {where}; keep only "
                               "the right one")
     if shards:
-        raise CheckpointError(f"{what} in {str(path)!r} are sharded ({_names(shards, 3)}) but their index "
+        raise CheckpointError(f"{what} in {str(path)!r} are sharded ({few_names(shards, 3)}) but their index "
                               f"({std_index}) is missing; download it again, or re-save with save_pretrained")
     if len(singles) > 1:
-        raise CheckpointError(f"several files ({_names(singles)}) could hold {what} in {where}; chunkflow reads one "
+        raise CheckpointError(f"several files ({few_names(singles)}) could hold {what} in {where}; chunkflow reads one "
                               f"file or the shards an index names: keep one, or name it {std_file}")
     if variant is not None:
         others = (f"variants present: {', '.join(repr(v) for v in present)}" if present
@@ -247,11 +247,11 @@ def _read_index(path: Path, index: str) -> dict[str, str]:
     shards = sorted(set(wm.values()))
     bad = [s for s in shards if s in {"", ".", ".."} or Path(s).name != s or "\\" in s]
     if bad:
-        raise CheckpointError(f"index {index} in {str(path)!r} names shard(s) {_names(bad)} outside the directory; "
+        raise CheckpointError(f"index {index} in {str(path)!r} names shard(s) {few_names(bad)} outside the directory; "
                               "shard names must be plain file names: the index is damaged or not to be trusted")
     missing = [s for s in shards if not (path / s).is_file()]
     if missing:
-        raise CheckpointError(f"index {index} in {str(path)!r} names shard file(s) {_names(missing)} that are not in "
+        raise CheckpointError(f"index {index} in {str(path)!r} names shard file(s) {few_names(missing)} that are not in "
                               "the directory; download the missing shard(s) again")
     return wm
 
@@ -313,7 +313,7 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
             raise CheckpointError(f"{str(path)!r} is an interrupted Hugging Face download ({len(partial)} incomplete "
                                   f"file(s), e.g. {partial[0]}); run the same `hf download` again to finish it")
         if dangling:
-            raise CheckpointError(f"{str(path)!r}: {_names(dangling)} point(s) to files that do not exist (a broken "
+            raise CheckpointError(f"{str(path)!r}: {few_names(dangling)} point(s) to files that do not exist (a broken "
                                   "Hugging Face cache?); download the model again")
     if not files and not indexes:
         pickles = sorted(p.name for p in entries if p.suffix in PICKLE_SUFFIXES)
@@ -334,7 +334,7 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
         absent = [k for k, s in weight_map.items() if k not in headers[s]]
         if absent:
             raise CheckpointError(
-                f"{index} in {str(path)!r} places tensor(s) {_names(absent)} in shards that do not hold them (e.g. "
+                f"{index} in {str(path)!r} places tensor(s) {few_names(absent)} in shards that do not hold them (e.g. "
                 f"{absent[0]!r} in {weight_map[absent[0]]}); the index does not match its shards: download or save "
                 "the checkpoint again")
         tensors = {k: headers[s][k] for k, s in weight_map.items()}

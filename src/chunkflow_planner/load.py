@@ -27,7 +27,7 @@ from chunkflow_planner.overlap import GB
 
 READ_THREADS = 8  # the loader's reader threads (chunkflow.loading.reader.READ_THREADS)
 PIECE_BYTES = 16 * 2**20  # one read request and one staging buffer per thread (chunkflow.loading.reader.PIECE_BYTES)
-STAGING_BYTES = READ_THREADS * PIECE_BYTES
+STAGING_BYTES = (READ_THREADS + 1) * PIECE_BYTES  # a buffer per reader thread and one for the calling thread
 
 
 @dataclass(frozen=True)

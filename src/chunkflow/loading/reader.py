@@ -13,6 +13,7 @@ The reader counts what it read (bytes, those that were cached before, seconds) f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -103,16 +104,17 @@ class FileReader:
                 self.file(path)
 
     def close(self) -> None:
+        if self._pool is not None:  # first: no read may be in flight when its file is closed
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         for f in self._files.values():
             f.cache.release()
             os.close(f.fd)
         self._files = {}
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
         for store in self._staging:
             store.release()
         self._staging = []
+        self._local = threading.local()  # the calling thread's references to the staging buffers go too
 
     def __enter__(self) -> "FileReader":
         return self
@@ -162,8 +164,11 @@ class FileReader:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="chunkflow-read")
-        for fut in [self._pool.submit(job) for job in jobs]:
-            fut.result()
+        futures = [self._pool.submit(job) for job in jobs]
+        errors = [fut.exception() for fut in futures]  # every piece done (or failed) before anything is raised
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def read_tensor(self, rec: TensorRecord, out: torch.Tensor) -> None:
         """Fill `out` (its shape; any dtype of the same kind, any device) with the tensor `rec` describes."""
@@ -194,11 +199,12 @@ class FileReader:
             pinned = out.device.type == "cuda"
 
             def piece(a: int, b: int) -> None:
-                buf = self._staging_buffer(pinned)
-                self._pread(f, buf.data_ptr(), b - a, begin + a)
-                flat[a // itemsize: b // itemsize].copy_(buf[: b - a].view(src_dtype))
-                if pinned:  # the staging buffer is reused by this thread's next piece
-                    torch.cuda.current_stream(out.device).synchronize()
+                with torch.cuda.device(out.device) if pinned else contextlib.nullcontext():  # this thread's GPU
+                    buf = self._staging_buffer(pinned)
+                    self._pread(f, buf.data_ptr(), b - a, begin + a)
+                    # from page-locked memory with non_blocking=False: returns once the copy is done, so the
+                    # buffer can take this thread's next piece
+                    flat[a // itemsize: b // itemsize].copy_(buf[: b - a].view(src_dtype))
 
             self._run([lambda a=a, b=b: piece(a, b) for a, b in self._pieces(nbytes, itemsize)])
         with self._lock:
@@ -218,10 +224,8 @@ class FileReader:
         fa, fb = self.file(a.file), self.file(b.file)
         for lo, hi in self._pieces(a.nbytes, 1):
             x, y = bytearray(hi - lo), bytearray(hi - lo)
-            if os.preadv(fa.fd, [x], a.begin + lo) != hi - lo or os.preadv(fb.fd, [y], b.begin + lo) != hi - lo:
-                return False
-            fa.cache.release(a.begin + lo, a.begin + hi)
-            fb.cache.release(b.begin + lo, b.begin + hi)
+            self._pread(fa, ctypes.addressof(ctypes.c_char.from_buffer(x)), hi - lo, a.begin + lo)
+            self._pread(fb, ctypes.addressof(ctypes.c_char.from_buffer(y)), hi - lo, b.begin + lo)
             if x != y:
                 return False
         return True

@@ -20,15 +20,9 @@ import torch
 from torch import nn
 
 from chunkflow.loading.reader import FileReader
-from chunkflow_planner.checkpoint import Checkpoint, CheckpointError, TensorRecord
+from chunkflow_planner.checkpoint import Checkpoint, CheckpointError, TensorRecord, few_names
 
 __all__ = ["CheckpointSource", "tie_as_saved", "key_renamer"]
-
-
-def _names(items, limit: int = 5) -> str:
-    items = list(items)
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -172,7 +166,7 @@ class CheckpointSource:
             for n in names:
                 self.where[n] = rec
         if missing:
-            raise CheckpointError(f"{what} lacks tensor(s) {_names(missing)}; the checkpoint is incomplete or for "
+            raise CheckpointError(f"{what} lacks tensor(s) {few_names(missing)}; the checkpoint is incomplete or for "
                                   "another model: download or save it again")
         ignore = [p for m in module.modules() for p in (getattr(type(m), "_keys_to_ignore_on_load_unexpected", None)
                                                         or [])]
@@ -181,7 +175,7 @@ class CheckpointSource:
                             and not any(re.search(p, k) for p in ignore))
         if unexpected:
             raise CheckpointError(
-                f"{what} holds tensor(s) the {type(module).__name__} does not have: {_names(unexpected)}; the "
+                f"{what} holds tensor(s) the {type(module).__name__} does not have: {few_names(unexpected)}; the "
                 "checkpoint is for another model or config: point --weights at the matching pipeline folder")
 
     def _check(self, name: str, rec: TensorRecord, t: torch.Tensor, is_param: bool) -> None:

@@ -227,7 +227,11 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
             on_bytes(progress["done"], progress["total"])
 
     parts: list[tuple[str, Component]] = []
-    reader = FileReader(on_bytes=heard)
+    from chunkflow.launch import torchrun_world
+
+    # several ranks read the same files: one's dropping the pages it brought in would make the others read them
+    # from the disk again, so under torchrun the page cache keeps them
+    reader = FileReader(on_bytes=heard, keep_cache=torchrun_world() > 1)
     try:
         parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant)
         if variant is not None:
@@ -252,7 +256,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         built.pipe = getattr(diffusers, pipe_spec.cls)(**objects, **extra)
         built.pipe.set_progress_bar_config(disable=True)
     except BaseException:
-        built.remove()
+        built.discard()  # nothing is copied back: what was loaded is dropped (a full host copy, else)
         raise
     finally:
         reader.close()
