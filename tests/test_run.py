@@ -67,7 +67,7 @@ def _bad(args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "--steps must be at least 1"),
+    (["--steps", "0"], "--steps must be between 1"),
     (["--mode", "turbo"], "unknown mode"),
     (["--mode", "chunkflow", "--chunk-size", "4XB"], "unknown size unit"),
     (["--mode", "chunkflow", "--chunk-size", "lots"], "cannot read size"),

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from chunkflow_planner import __version__
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.offload import OffloadConfig
 
 __all__ = ["offload", "take_turns", "batch_cfg", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError",
            "OffloadStats", "__version__"]
@@ -20,6 +19,7 @@ _RUNTIME = ("offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadSt
 
 if TYPE_CHECKING:  # pragma: no cover
     from chunkflow.cfg import batch_cfg
+    from chunkflow_planner.offload import OffloadConfig
     from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, offload, take_turns
 
 
@@ -32,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from chunkflow.cfg import batch_cfg
 
         return batch_cfg
+    if name == "OffloadConfig":  # imported on first use too (pydantic): the command line starts with little
+        from chunkflow_planner.offload import OffloadConfig
+
+        return OffloadConfig
     raise AttributeError(f"module 'chunkflow' has no attribute {name!r}")

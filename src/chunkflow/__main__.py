@@ -1,5 +1,5 @@
 """`python -m chunkflow ...`: the same command line as `chunkflow ...`."""
 
-from chunkflow.cli import main
+from chunkflow.entry import main
 
 main()

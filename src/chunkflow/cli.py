@@ -42,8 +42,15 @@ class UserError(ChunkflowError):
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # the user's words, verbatim
     raise typer.Exit(code)
+
+
+def _say(message: str) -> None:
+    """A line on stderr, printed as it is (file names and prompts may hold [brackets] rich would take as markup)."""
+    err_console.print(message, highlight=False, markup=False)
 
 
 def _command(name: str):
@@ -53,22 +60,45 @@ def _command(name: str):
     def decorate(fn):
         @functools.wraps(fn)
         def guarded(*args, **kwargs):
+            from rich.markup import escape
+
+            from chunkflow.signals import Terminated, exit_code, interrupted
+            from chunkflow_planner.files import note_interrupt
+
+            note_interrupt(None)  # a command of its own (several may run in one process: tests, notebooks)
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                if interrupted() is not None:  # a library swallowed the signal: still no success
+                    raise KeyboardInterrupt
+                return result
             except Infeasible as exc:
-                err_console.print(f"[bold red]infeasible:[/] {exc}", highlight=False)
+                err_console.print(f"[bold red]infeasible:[/] {escape(str(exc))}", highlight=False)
                 raise typer.Exit(2) from None
             except ChunkflowError as exc:
+                if interrupted() is not None:  # an error while stopping for a signal: the signal's code
+                    _say("interrupted")
+                    raise typer.Exit(exit_code()) from None
                 _fail(str(exc))
-            except KeyboardInterrupt:
-                err_console.print("interrupted", highlight=False)
-                raise typer.Exit(130) from None
+            except (KeyboardInterrupt, Terminated) as exc:
+                _say("interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated")
+                raise typer.Exit(exit_code(15 if isinstance(exc, Terminated) else interrupted() or 2)) from None
             except (typer.Exit, typer.Abort, SystemExit):
                 raise
             except Exception as exc:  # a bug: say so briefly, keep the traceback for --debug
+                if interrupted() is not None:  # what stopping for a signal broke (an encoder's pipe): the signal's
+                    _say("interrupted")
+                    raise typer.Exit(exit_code()) from None
+                if isinstance(exc, BrokenPipeError):  # stdout closed by its reader (`plan --json | head`): quietly
+                    import os
+
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                    raise typer.Exit(1) from None
                 if _debug["on"]:
                     raise
-                err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\nThis is a bug in "
+                if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: stdout or an output on a full disk
+                    _fail(f"no space left on the device to write to ({exc.filename or 'the output'}); free some "
+                          "and run it again", code=1)
+                err_console.print(f"[bold red]internal error:[/] {escape(f'{type(exc).__name__}: {exc}')}\nThis is a bug in "
                                   f"chunkflow {__version__}; please report it at {ISSUES_URL} with the command. "
                                   "Run `chunkflow --debug ...` for the traceback.", highlight=False)
                 raise typer.Exit(1) from None
@@ -140,7 +170,8 @@ def hardware_cmd() -> None:
                       format_bytes(hw.memory_bytes), str(hw.gpus), hw.peer_link, f"{hw.eta_comp:.2f}", f"{hw.eta_pref:.2f}")
     console.print(table)
     path = saved_profile_path()
-    console.print(f"Calibrated profile on this machine: {path if path.exists() else 'none (run `chunkflow calibrate`)'}")
+    console.print(f"Calibrated profile on this machine: {path if path.exists() else 'none (run `chunkflow calibrate`)'}",
+                  markup=False)
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -205,7 +236,10 @@ def plan_cmd(
     if mem_margin is not None and not (math.isfinite(mem_margin) and 0 <= mem_margin <= 0.5):
         raise UserError(f"--mem-margin is a share of the budget between 0 and 0.5 (e.g. 0.05), got {mem_margin}")
     if out:
+        from chunkflow_planner.files import check_distinct
+
         check_output_file(out, "--out")
+        check_distinct({"--out": out}, {"--hardware": hardware if hardware and Path(hardware).exists() else None})
     spec = get_model(model)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
     levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
@@ -245,7 +279,7 @@ def plan_cmd(
 
     print_plan(console, plan, decision, analysis)
     if out:
-        console.print(f"Plan written to {out}")
+        console.print(f"Plan written to {out}", markup=False)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -325,22 +359,28 @@ def run_cmd(
         if torchrun_world() > 1:
             raise UserError("--prompt runs on one GPU; leave torchrun out (sequence-parallel generation is not "
                             "supported yet)")
-        if out is not None:
-            from chunkflow.media import check_media_path
-
-            check_media_path(out)
         if latents is not None:
             check_output_file(latents, "--latents")
-        if weights is not None:
-            from chunkflow.weights import resolve_weights
-
-            resolve_weights(weights)  # a missing folder or uncached Hub id fails before anything is built
+        _check_generation(p, prompt, negative_prompt, out)
     else:
         if latents is not None:
             check_output_file(latents, "--latents")
             opts.latents = latents
+    folder = None
+    if weights is not None and generating:
+        from chunkflow.weights import resolve_weights
+
+        folder = resolve_weights(weights)  # a missing folder or uncached Hub id fails before anything is built
+    elif weights is not None:  # the synthetic steps read a transformer folder
+        folder = Path(weights).expanduser()
     hardware_of(p, profile)
     check_output_file(report, "--report")
+    from chunkflow_planner.files import check_distinct
+
+    check_distinct({"--out": out, "--report": report, "--latents": latents},
+                   {"--plan": plan, "--weights": folder, "--profile": profile if profile and Path(profile).exists()
+                    else None})
+
     # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
     # allocates (the planner's reserve_fraction). Set before torch starts CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -353,12 +393,43 @@ def run_cmd(
     with _progress() as bar:
         task = bar.add_task("denoising steps", total=None)
         rep = run_plan(p, cfg, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
-                       log=lambda s: err_console.print(s, highlight=False))
+                       log=_say)
     if rep is None:  # not rank 0
         return
     rep.write(report)
     print_run(console, rep)
-    console.print(f"Run report written to {report}")
+    console.print(f"Run report written to {report}", markup=False)
+
+
+def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | None) -> None:
+    """A generation's words and output fit the plan's model, before anything is built: text that is UTF-8, a
+    negative prompt only where the pipeline uses one, a video file for a video model and an image for an image
+    model."""
+    from chunkflow.generate import takes_negative_prompt
+    from chunkflow_planner.catalog import get_model
+
+    spec = get_model(p.model.name)
+    for flag, text in (("--prompt", prompt), ("--negative-prompt", negative_prompt)):
+        if text is None:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{flag} is not valid UTF-8 text (bytes the terminal could not decode); give it as UTF-8")
+        if not text.strip():
+            raise UserError(f"{flag} is empty; give the words to {'generate' if flag == '--prompt' else 'avoid'}")
+    if negative_prompt is not None and not takes_negative_prompt(spec):
+        raise UserError(f"{spec.name}'s pipeline takes no negative prompt (its guidance is "
+                        f"{'distilled into the model' if spec.pipeline.adapter == 'flux' else 'embedded'}: --guidance "
+                        "sets it); leave --negative-prompt out")
+    if out is not None:
+        from chunkflow.media import check_media_path
+
+        kind = check_media_path(out)
+        if spec.is_video and kind != "video":
+            raise UserError(f"{spec.name} makes videos; write --out to a .mp4 file (not {out!r})")
+        if not spec.is_video and kind == "video":
+            raise UserError(f"{spec.name} makes images; write --out to a .png file (not {out!r})")
 
 
 def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report) -> None:
@@ -384,12 +455,12 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
                 count = f"{i or 0}/{n}" if n else ""
                 bar.update(task, description=phase, completed=i or 0, total=n, count=count)
 
-        rep = run_generation(p, cfg, opts, g, progress=progress, log=lambda s: err_console.print(s, highlight=False))
+        rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
     rep.write(report)
     print_generation(console, rep)
     if out:
-        console.print(f"Written: {out}")
-    console.print(f"Run report written to {report}")
+        console.print(f"Written: {out}", markup=False)
+    console.print(f"Run report written to {report}", markup=False)
 
 
 # ------------------------------------------------------------------------------------------ calibrate
@@ -452,6 +523,15 @@ def calibrate_cmd(
     check_output_file(out, "--out")
     if raw:
         check_output_file(raw, "--raw")
+    default = save if save is not None else not cpu_smoke
+    from chunkflow_planner.files import check_distinct, check_output_dir
+    from chunkflow_planner.planner import config_dir, saved_profile_path
+
+    if default:  # where the default profile goes must take it, known before the measurement
+        check_output_dir(config_dir(), "chunkflow's config directory ($CHUNKFLOW_CONFIG_DIR)")
+    previous = saved_profile_path().with_name("hardware-profile.previous.yaml") if default else None
+    check_distinct({"--out": out, "--raw": raw, "the previous default profile": previous},
+                   {**{f"--from-report {r}": r for r in from_report}, "--profile": profile})
     if from_report:
         new, header = _refit_profile(from_report, profile)
     else:
@@ -459,35 +539,37 @@ def calibrate_cmd(
         if measured is None:  # not rank 0
             return
         new, header = measured
-    _save_profile(new, out, header, default=save if save is not None else not cpu_smoke)
+    _save_profile(new, out, header, default=default)
     _print_profile(new)
 
 
 def _save_profile(new, out: str, header: str, default: bool) -> None:
-    """The profile to `out`, and as this machine's default: the one it replaces is kept, and what changed said."""
+    """The profile to `out`, and as this machine's default: the one it replaces is kept (read before anything is
+    written, `out` being that same file or not), and what changed said."""
     from chunkflow_planner.catalog import CatalogError, load_profile
+    from chunkflow_planner.files import write_atomic
     from chunkflow_planner.planner import saved_profile_path
 
     from chunkflow.calibrate import profile_changes, write_profile
 
+    path = saved_profile_path()
+    previous = path.read_bytes() if default and path.is_file() else None
+    try:
+        old = load_profile(path) if previous is not None else None
+    except CatalogError:
+        old = None
     write_profile(new, out, header)
-    console.print(f"Profile written to {out}")
+    console.print(f"Profile written to {out}", markup=False)
     if not default:
         return
-    path = saved_profile_path()
-    if path.exists():
-        try:
-            old = load_profile(path)
-        except CatalogError:
-            old = None
-        from chunkflow_planner.files import write_atomic
-
-        kept = write_atomic(path.with_name("hardware-profile.previous.yaml"), path.read_bytes())
+    if previous is not None:
+        kept = write_atomic(path.with_name("hardware-profile.previous.yaml"), previous)
         console.print(f"The previous default profile is kept as {kept}" + (
             "; changes: " + "; ".join(profile_changes(old, new)) if old is not None else " (it could not be read)"),
-            highlight=False)
+            highlight=False, markup=False)
     write_profile(new, path, header)
-    console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)")
+    console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)",
+                  markup=False)
 
 
 def _refit_profile(reports: list[str], profile: str | None):
@@ -549,7 +631,7 @@ def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: f
 
         cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
                         progress=progress, weights=weights,
-                        log=(lambda s: err_console.print(s, highlight=False)) if rank0 else (lambda s: None))
+                        log=_say if rank0 else (lambda s: None))
     if not rank0:
         return None
     if raw:
@@ -805,8 +887,24 @@ def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: boo
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: SIGINT and SIGTERM routed through chunkflow.signals first; one that comes after
+    the command's work still makes the exit code the signal's (never 0 after an interrupt)."""
+    from chunkflow.signals import Terminated, exit_code, install, interrupted, quiet
+
+    install()
+    code: int | str | None = 0
+    try:
+        app()
+    except SystemExit as done:
+        code = done.code
+    except (KeyboardInterrupt, Terminated) as exc:  # outside a command (parsing the arguments, starting up)
+        _say("interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated")
+        code = exit_code(15 if isinstance(exc, Terminated) else 2)
+    finally:
+        quiet()  # from here on a signal is only noted: the process is ending
+    if interrupted() is not None and code in (0, None):
+        code = exit_code()
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

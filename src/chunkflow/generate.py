@@ -27,9 +27,14 @@ from typing import Any, Callable
 import torch
 
 from chunkflow.models.pipeline_build import BuiltPipeline
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow.run_generate import GcCollection
 
 PHASES = ("encode", "denoise", "decode")
+
+
+class GenerationError(ChunkflowError):
+    """A generation that cannot go on (its numbers broke); the message says what to check."""
 
 
 @dataclass
@@ -158,6 +163,12 @@ def execution_device(pipe, device: torch.device):
         pipe.__class__ = cls
 
 
+def takes_negative_prompt(spec) -> bool:
+    """Whether the model's pipeline, called as chunkflow calls it (call_kwargs), uses a negative prompt: true CFG
+    (Wan, Qwen-Image); FLUX and HunyuanVideo embed their guidance instead."""
+    return spec.pipeline.adapter in ("wan", "qwen_image")
+
+
 def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | None, steps: int,
                 generator: torch.Generator) -> dict[str, Any]:
     """The pipeline call for workload `w` (the catalog adapter says which arguments the pipeline takes)."""
@@ -165,6 +176,8 @@ def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | No
     g = pipe.guidance if guidance is None else guidance
     kw: dict[str, Any] = dict(prompt=prompt, height=w.height, width=w.width, num_inference_steps=steps,
                               generator=generator, output_type="np")
+    if negative is not None and not takes_negative_prompt(spec):
+        raise ValueError(f"{spec.name}'s pipeline takes no negative prompt")
     if pipe.adapter == "wan":
         kw.update(negative_prompt=negative, num_frames=w.frames, guidance_scale=g,
                   max_sequence_length=pipe.text_encoders[0].tokens)
@@ -241,6 +254,12 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
         state["steps"].append(now - state["t_step"])
         state["t_step"] = now
         state["latents"] = cb_kwargs.get("latents")
+        latents = state["latents"]
+        if not built.random_weights and latents is not None and not bool(torch.isfinite(latents).all()):
+            raise GenerationError(  # stop now, not after the decode: the rest would be NaN too
+                f"the latents hold NaN or infinite values after denoising step {i + 1} of {steps}: the checkpoint's "
+                "weights may hold NaN or inf (a damaged or badly converted file), or the model overflows in its "
+                "dtype; nothing was written")
         if on_step is not None:
             on_step(i + 1, steps)
         return cb_kwargs

@@ -129,8 +129,8 @@ def _to_uint8(array: np.ndarray) -> np.ndarray:
         raise MediaError(f"frames have dtype {array.dtype}; give floats in [0, 1] (output_type='np') or uint8")
     if not np.isfinite(array).all():
         bad = int((~np.isfinite(array)).sum())
-        raise MediaError(f"frames hold {bad} NaN or infinite values: the generation failed numerically "
-                         "(float16 overflow? try bfloat16 or float32)")
+        raise MediaError(f"frames hold {bad} NaN or infinite values: the generation failed numerically (NaN or inf in "
+                         "the weights, or an overflow in the model's dtype)")
     return (np.clip(array, 0.0, 1.0) * 255).round().astype("uint8")
 
 

@@ -35,6 +35,8 @@ from chunkflow_planner.predict import Predicted, hardware_of, predict
 from chunkflow_planner.versioned import field_errors
 
 RUN_REPORT_SCHEMA_VERSION = 3
+MAX_STEPS = 100_000  # denoising steps a run takes (pipelines use 4-100)
+MAX_SEED = 2**62
 DEFAULT_MAX_STEPS = 5
 
 
@@ -139,6 +141,8 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise RunError(f"run report {where} is not JSON: {exc}") from None
+            except RecursionError:
+                raise RunError(f"run report {where} is nested too deeply to be a run report") from None
             data = _upgrade(data) if isinstance(data, dict) else data
             if not isinstance(data, dict) or data.get("schema_version") != RUN_REPORT_SCHEMA_VERSION:
                 raise RunError(f"{where} is not a run report of schema_version {RUN_REPORT_SCHEMA_VERSION} "
@@ -147,6 +151,8 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
                 out.append(RunReport.model_validate(data))
             except ValidationError as exc:
                 raise RunError(f"run report {where} is malformed: {field_errors(exc)}") from None
+            except (TypeError, ValueError, RecursionError) as exc:  # a section's own check (its offload setting's)
+                raise RunError(f"run report {where} is malformed: {exc}") from None
     if not out:
         raise RunError("no run reports given")
     return out
@@ -298,8 +304,10 @@ class RunOptions:
     repeat: int = 1  # with --prompt: generations measured after the warm-up (their median is reported)
 
     def check(self) -> None:
-        if self.steps is not None and self.steps < 1:
-            raise RunError(f"--steps must be at least 1, got {self.steps}")
+        if self.steps is not None and not 1 <= self.steps <= MAX_STEPS:
+            raise RunError(f"--steps must be between 1 and {MAX_STEPS}, got {self.steps}")
+        if not 0 <= self.seed <= MAX_SEED:  # (components draw with seed + a few hundred)
+            raise RunError(f"--seed must be between 0 and 2**62 ({MAX_SEED}), got {self.seed}")
         if self.warmup < 0:
             raise RunError(f"--warmup must be >= 0, got {self.warmup}")
         if self.repeat < 1:
@@ -321,6 +329,10 @@ def _place(o: RunOptions, world: int, plan: Plan, log: Callable[[str], None]):
             log(f"note: the plan is for SP={plan.parallel.sp_degree}, this run has {world} processes; "
                 f"predicting for SP={world}")
         return rank, device
+    if plan.parallel.sp_degree > 1:
+        log(f"note: the plan is for SP={plan.parallel.sp_degree} ({plan.parallel.sp_degree} processes) and this run is "
+            f"one process: predicting for SP=1; to run the plan, launch it with `torchrun --nproc-per-node "
+            f"{plan.parallel.sp_degree} -m chunkflow.cli run ...`")
     from chunkflow.runtime.resolve import resolve_device
 
     return 0, resolve_device(o.device, hint="--device cpu")

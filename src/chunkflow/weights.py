@@ -79,6 +79,11 @@ def resolve_weights(source: str) -> Path:
             f"give the diffusers pipeline folder (the one holding {MODEL_INDEX})")
         raise WeightsError(f"--weights {source!r} is a file; {hint}")
     if _looks_like_path(source):
+        from chunkflow_planner.files import not_there
+
+        why = not_there(local.absolute())
+        if why != "does not exist":
+            raise WeightsError(f"--weights {source!r} {why}")
         raise WeightsError(f"--weights {source!r}: no such folder ({str(local.absolute())!r} does not exist); give "
                            f"a diffusers pipeline folder (the one holding {MODEL_INDEX}) or a Hub id org/name")
     repo_id, at, revision = source.partition("@")
@@ -135,6 +140,9 @@ def _model_index(folder: Path) -> dict[str, Any]:
                            "re-download or re-save the pipeline") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise WeightsError(f"{str(path)!r} cannot be read ({exc}); re-download or re-save the pipeline") from None
+    except RecursionError:
+        raise WeightsError(f"{str(path)!r} is nested too deeply to be a model_index.json; re-download or re-save the "
+                           "pipeline") from None
     if not isinstance(data, dict):
         raise WeightsError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; "
                            "re-download or re-save the pipeline")

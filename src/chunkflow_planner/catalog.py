@@ -411,6 +411,8 @@ def _read_yaml(text: str, what: str) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise CatalogError(f"{what} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise CatalogError(f"{what} is nested too deeply to be a profile (not what chunkflow writes)") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{what} must be a YAML mapping")
     return data
@@ -493,6 +495,7 @@ def load_profile(path: Path) -> HardwareSpec:
         )
     try:
         return HardwareSpec(**data)
-    except (ValidationError, TypeError) as exc:
-        detail = _errors(exc) if isinstance(exc, ValidationError) else str(exc)
+    except (ValidationError, TypeError, RecursionError) as exc:
+        detail = _errors(exc) if isinstance(exc, ValidationError) else "nested too deeply" if isinstance(
+            exc, RecursionError) else str(exc)
         raise CatalogError(f"hardware profile {str(path)!r} is malformed: {detail}") from None

@@ -17,11 +17,65 @@ class FileError(ChunkflowError):
     """A file that cannot be read or written where it was asked to be."""
 
 
+# The signal (SIGINT 2, SIGTERM 15) that interrupted this command, if one did (chunkflow.signals sets it): a write
+# finished after it is not committed, so an interrupted command never leaves an output that looks complete.
+_INTERRUPTED: dict[str, int | None] = {"signal": None}
+
+
+def note_interrupt(signum: int | None) -> None:
+    """Remember the signal that interrupted this command (None: forget it, as a new command starts)."""
+    _INTERRUPTED["signal"] = signum
+
+
+def interrupted() -> int | None:
+    """The signal that interrupted this command, or None."""
+    return _INTERRUPTED["signal"]
+
+
+def _real(path: str | Path) -> str:
+    return os.path.realpath(os.path.expanduser(str(path)))
+
+
+def check_distinct(outputs: dict[str, str | Path | None], inputs: dict[str, str | Path | None]) -> None:
+    """Before any work: every output (flag -> path) goes to a file of its own, and none over a file the command
+    reads (an input file, or a file inside an input folder). Symlinks and relative paths are resolved."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        real = _real(path)
+        if real in seen:
+            raise FileError(f"{flag} {str(path)!r} and {seen[real]} are the same file; give each output its own "
+                            "path (nothing was written)")
+        seen[real] = flag
+        for what, given in inputs.items():
+            if given is None:
+                continue
+            src = _real(given)
+            if real == src:
+                raise FileError(f"{flag} {str(path)!r} is the file {what} gives, which this command reads; write it "
+                                "elsewhere (nothing was written)")
+            if os.path.isdir(src) and real.startswith(src.rstrip(os.sep) + os.sep) and os.path.exists(real):
+                raise FileError(f"{flag} {str(path)!r} would overwrite a file of {what} {str(given)!r}, which this "
+                                "command reads; write it elsewhere (nothing was written)")
+
+
+def not_there(p: Path) -> str:
+    """Why an existing-looking path cannot be found: 'does not exist', or the folder on its way this user may not
+    enter (a missing file and an unreachable one look the same to exists())."""
+    for parent in [p.parent, *p.parent.parents]:
+        if parent.exists():
+            if not os.access(parent, os.X_OK):
+                return f"cannot be reached: permission denied on its folder {str(parent)!r}"
+            break
+    return "does not exist"
+
+
 def existing_file(path: str | Path, what: str) -> Path:
     """`path` as a Path, checked to be a file that exists ("what" names it in errors: "plan file", "video")."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileError(f"{what} {str(p)!r} does not exist")
+        raise FileError(f"{what} {str(p)!r} {not_there(p)}")
     if p.is_dir():
         raise FileError(f"{what} {str(p)!r} is a directory; give the path of the file")
     return p
@@ -34,6 +88,9 @@ def read_text(path: str | Path, what: str) -> str:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise FileError(f"{what} {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except PermissionError:
+        raise FileError(f"{what} {str(p)!r} cannot be read: permission denied (it exists; check its permissions)"
+                        ) from None
     except OSError as exc:
         raise FileError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
 
@@ -86,6 +143,8 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
+        if interrupted() is not None:  # finished after an interrupt (a tool that swallowed it): not committed
+            raise KeyboardInterrupt
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, file_mode(p))

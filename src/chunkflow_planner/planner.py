@@ -82,7 +82,11 @@ def resolve_hardware(
         spec = get_hardware(name)
         source = f"profile:{name}" if spec.name.lower() != name.lower() else f"catalog:{spec.name}"
     elif saved_profile_path().exists():
-        spec = load_profile(saved_profile_path())
+        try:
+            spec = load_profile(saved_profile_path())
+        except CatalogError as exc:
+            raise CatalogError(f"{exc}. It is this machine's default profile (saved by chunkflow calibrate): remove it "
+                               "or run `chunkflow calibrate` again, or pass --hardware") from None
         source = f"profile:{saved_profile_path()} (saved by chunkflow calibrate)"
     else:
         spec = get_hardware(DEFAULT_HARDWARE)

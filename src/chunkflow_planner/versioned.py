@@ -17,8 +17,11 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
     `error` with a message naming the file (`what`) and what to do (`remedy`)."""
     from chunkflow_planner.files import FileError, read_text
 
+    from chunkflow_planner.files import not_there
+
     if not Path(path).expanduser().exists():
-        raise error(f"{what} {str(path)!r} does not exist; {remedy}")
+        reason = not_there(Path(path).expanduser())
+        raise error(f"{what} {str(path)!r} {reason}" + (f"; {remedy}" if reason == "does not exist" else ""))
     try:
         text = read_text(path, what)
     except FileError as exc:
@@ -27,6 +30,8 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{what} {str(path)!r} is not JSON: {exc}") from None
+    except RecursionError:
+        raise error(f"{what} {str(path)!r} is nested too deeply to be one chunkflow writes; {remedy}") from None
     if not isinstance(data, dict):
         raise error(f"{what} {str(path)!r} must hold a JSON object")
     found = data.get("schema_version")
@@ -38,6 +43,13 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
     except ValidationError as exc:
         raise error(f"{what} {str(path)!r} is malformed (not one this chunkflow understands): "
                     f"{field_errors(exc)}") from None
+    except (TypeError, ValueError, RecursionError) as exc:  # a section's own check (e.g. an offload setting's)
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        if "unexpected keyword argument" in detail:
+            field = detail.rsplit("argument", 1)[-1].strip(" '")
+            detail = f"it has a field {field!r} this chunkflow does not know (written by a newer one?)"
+        raise error(f"{what} {str(path)!r} is malformed (not one this chunkflow understands): {detail}; "
+                    f"{remedy}") from None
 
 
 def field_errors(exc: ValidationError) -> str:
