@@ -323,3 +323,31 @@ def test_signals_at_random_moments_leave_no_temporary_and_no_success(tmp_path):
         for f in ("r.json", "raw.json"):
             if (tmp_path / f).exists():
                 json.loads((tmp_path / f).read_text())  # whole
+
+
+def test_a_signal_during_an_import_is_raised_once_the_import_is_over(tmp_path, monkeypatch):
+    """Ctrl-C while a module is being imported (an extension's initialisation can abort the interpreter on an
+    exception, or mark the process killed by SIGINT whatever it exits with) is held until the import is over, then
+    raised as usual: the module is whole, the KeyboardInterrupt still comes."""
+    import time
+
+    from chunkflow import signals
+    from chunkflow_planner.files import interrupted, note_interrupt
+
+    (tmp_path / "cf_probe_slow_import.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\nstart = time.monotonic()\n"
+        "while time.monotonic() - start < 0.3:\n    pass\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            import cf_probe_slow_import  # noqa: F401
+            time.sleep(5)  # the held signal is delivered again within RETRY_S
+        assert sys.modules["cf_probe_slow_import"].WHOLE
+        assert interrupted() == signal.SIGINT
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+        sys.modules.pop("cf_probe_slow_import", None)
+        note_interrupt(None)

@@ -889,7 +889,7 @@ def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: boo
 def main() -> None:
     """Console-script entry point: SIGINT and SIGTERM routed through chunkflow.signals first; one that comes after
     the command's work still makes the exit code the signal's (never 0 after an interrupt)."""
-    from chunkflow.signals import Terminated, exit_code, install, interrupted, quiet
+    from chunkflow.signals import Terminated, exit_code, install, interrupted, leave, quiet
 
     install()
     code: int | str | None = 0
@@ -902,8 +902,8 @@ def main() -> None:
         code = exit_code(15 if isinstance(exc, Terminated) else 2)
     finally:
         quiet()  # from here on a signal is only noted: the process is ending
-    if interrupted() is not None and code in (0, None):
-        code = exit_code()
+    if interrupted() is not None:
+        leave(exit_code() if code in (0, None) else code if isinstance(code, int) else 1)
     raise SystemExit(code)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from chunkflow.signals import Terminated, exit_code, install
+    from chunkflow.signals import Terminated, exit_code, install, leave
 
     install()
     try:
@@ -14,7 +14,7 @@ def main() -> None:
         import sys
 
         sys.stderr.write("interrupted\n" if isinstance(exc, KeyboardInterrupt) else "terminated\n")
-        raise SystemExit(exit_code(15 if isinstance(exc, Terminated) else 2)) from None
+        leave(exit_code(15 if isinstance(exc, Terminated) else 2))
     cli_main()
 
 
