@@ -5,6 +5,8 @@ every component is checked before anything is read, and the load is in the repor
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -386,6 +388,14 @@ def test_the_load_model_prices_reads_copies_and_new_memory():
     assert T_load(est, 1.0, hw) == pytest.approx(3.0 + 2.0 + 1.0 + 1.0 + 1.0)
     assert set(load_parts(est, 0.0, hw)) == {"startup", "read", "to device", "pin", "new memory"}
     assert T_load(est, 0.0, get_hardware("h200")) is None  # no disk rate measured: not predicted
+    # host stores locked while their blocks are read: the reads hide the locking, until the locking is the longer
+    stores = dataclasses.replace(est, pinned_while_reading=16e9)  # 0.8 s of 1.0 s of locking overlaps the reads
+    assert T_load(stores, 0.0, hw) == pytest.approx(3.0 + 8.0 + 1.0 + 0.2 + 1.0)
+    slow_pin = hw.model_copy(update={"pin_gbps": 1.0})  # 16 s of locking under 8 s (cold) or 2 s (warm) of reads
+    assert T_load(stores, 0.0, slow_pin) == pytest.approx(3.0 + 16.0 + 1.0 + 4.0 + 1.0)
+    assert T_load(stores, 1.0, slow_pin) == pytest.approx(3.0 + 16.0 + 1.0 + 4.0 + 1.0)
+    over = dataclasses.replace(est, pinned_while_reading=40e9)  # never more than what is page-locked
+    assert T_load(over, 0.0, hw) == pytest.approx(3.0 + 8.0 + 1.0 + 0.0 + 1.0)
 
 
 def test_a_plan_predicts_its_load_from_the_profile(cli, workdir):

@@ -232,3 +232,69 @@ def test_a_plan_drives_the_module_it_was_made_for(tmp_path):
         assert h.stats().chunk_bytes == 4096 and h.stats().target_residency == 0.25
         assert torch.equal(_run(m, kw), ref)
         h.remove()
+
+
+class _Cudart:
+    """Records cudaHostRegister / cudaHostUnregister (this machine has no CUDA); `fail_at`: the registration that
+    returns an error (cudaErrorHostMemoryAlreadyRegistered's number, any non-zero does)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.threads: set[str] = set()
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        import threading
+
+        self.threads.add(threading.current_thread().name)
+        if self.fail_at is not None and len(self.registered) == self.fail_at:
+            return 712
+        self.registered.append((ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_a_host_store_is_locked_block_by_block_beside_its_writes(monkeypatch, fail_at):
+    """Given the blocks' spans, the store is page-locked span by span on a thread of its own (what a loader's reads
+    overlap); the spans cover the store, every block's tensors lie inside its own span (no copy crosses a
+    registration); wait() raises a failed registration; release() unregisters every span registered."""
+    from chunkflow.runtime.layout import block_spans, store_bytes
+    from chunkflow.runtime.store import HostStore, HostStoreError
+
+    m, blocks, _ = _wan()
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="4KB", residency=0.3, device="cpu", blocks=blocks)
+    layouts = h.layouts
+    spans = block_spans(layouts)
+    total = store_bytes(layouts)
+    assert spans[0][0] == 0 and sum(n for _, n in spans) == total
+    assert all(o + n == spans[i + 1][0] for i, (o, n) in enumerate(spans[:-1]))
+    for (o, n), b in zip(spans, layouts):
+        assert o == b.host_offset and all(o <= o + e.offset and e.offset + e.nbytes <= n for e in b.tensors)
+    rt = _Cudart(fail_at)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    store = HostStore(total, pin=True, ranges=spans)
+    base = store.data.data_ptr()
+    if fail_at is None:
+        store.wait()
+        assert rt.registered == [(base + o, n) for o, n in spans] and store.pinned_bytes == total
+    else:
+        with pytest.raises(HostStoreError, match="cudaHostRegister"):
+            store.wait()
+        assert len(rt.registered) == fail_at
+    assert rt.threads == {"chunkflow-pin"}
+    store.release()
+    assert rt.unregistered == [p for p, _ in rt.registered] and store.pinned_bytes == 0
+    single = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: single)
+    one = HostStore(total, pin=True)  # no spans: locked at once, in the caller's thread
+    assert single.registered == [(one.data.data_ptr(), total)] and single.threads != {"chunkflow-pin"}
+    one.release()
+    monkeypatch.undo()
+    h.remove()

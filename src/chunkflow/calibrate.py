@@ -999,7 +999,8 @@ def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = No
         process.append(r.generation.host_peak_bytes - others)
         ld, lp = r.generation.load, r.plan.prediction.load
         if ld is not None and lp is not None and ld.read_bytes > 0:
-            est = LoadEstimate(ld.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes)
+            est = LoadEstimate(ld.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
+                               lp.pinned_while_reading_bytes)
             rest = T_load(est, ld.cached_fraction or 0.0, zero)
             if rest is not None:
                 startup.append(max(0.0, ld.measured_time_s - rest))

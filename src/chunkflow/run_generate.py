@@ -284,7 +284,8 @@ def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: 
     if lp is not None and comparable:
         pred_host = lp.host_peak_bytes
         if folder is not None:
-            est = LoadEstimate(m.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes)
+            est = LoadEstimate(m.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
+                               lp.pinned_while_reading_bytes)
             pred_t = T_load(est, cached or 0.0, hw)
             parts = load_parts(est, cached or 0.0, hw)
     return LoadResult(

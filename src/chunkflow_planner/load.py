@@ -4,9 +4,12 @@ files and from the page cache, and the host memory it holds while it runs.
 The loader (chunkflow/loading) reads every tensor once, straight into its final place (a pinned store, the device
 through a small staging buffer per reader thread, or the CPU), and drops the page-cache pages its reads bring in.
 So the load is the start-up (imports, the modules built on the meta device, tokenizers), the reads, the copies to
-the device and the page-locking of the host stores:
+the device and the page-locking of the host stores. A streamed module's host store is page-locked on a thread of
+its own while its blocks are read into it (B_pin,r: the locking overlaps the reads); the parked tensors' homes are
+locked when a component is parked, after its reads (B_pin,p):
 
-    T_load = t_start + B_read / BW_read(c) + B_h2d / BW_h2d + B_pin / BW_pin + B_fresh / BW_fault  (eq. L1)
+    T_load = t_start + max(B_read / BW_read(c), B_pin,r / BW_pin) + B_h2d / BW_h2d
+             + B_pin,p / BW_pin + B_fresh / BW_fault                                               (eq. L1)
     1 / BW_read(c) = c / BW_cache + (1 - c) / BW_disk                                             (eq. L2)
     M_load = M_process + host copies + M_staging (+ the device's part where the device is the host) (eq. L3)
 
@@ -40,6 +43,7 @@ class LoadEstimate:
     pinned_bytes: float
     host_peak_bytes: float
     fresh_bytes: float = 0.0  # host bytes first touched by their write (not page-locked before)
+    pinned_while_reading: float = 0.0  # the part of pinned_bytes locked while the reads run (host stores)
 
 
 def BW_read(cached: float, hw: HardwareSpec) -> float | None:
@@ -61,15 +65,20 @@ def T_load(est: LoadEstimate, cached: float, hw: HardwareSpec) -> float | None:
 
 
 def load_parts(est: LoadEstimate, cached: float, hw: HardwareSpec) -> dict[str, float]:
-    """Where T_load goes: start-up, reads, copies to the device, page-locking (empty without a disk rate)."""
+    """Where T_load goes (eq. L1): start-up, reads, copies to the device, the page-locking the reads do not hide,
+    new memory (empty without a disk rate). The stores' locking overlaps the reads of all components together (each
+    component's reads and store are in about the same proportion)."""
     bw = BW_read(cached, hw)
     if bw is None:
         return {}
-    parts = {"startup": hw.load_startup_s, "read": est.read_bytes / bw}
+    read = est.read_bytes / bw
+    parts = {"startup": hw.load_startup_s, "read": read}
     if not hw.device_is_host:
         parts["to device"] = est.h2d_bytes / (hw.h2d_gbps * GB)
-        if hw.pin_gbps is not None:
-            parts["pin"] = est.pinned_bytes / (hw.pin_gbps * GB)
+        if hw.pin_gbps is not None:  # what the reads do not hide: the locking they outlast, then the parked homes'
+            during = min(est.pinned_while_reading, est.pinned_bytes)
+            parts["pin"] = (max(0.0, during / (hw.pin_gbps * GB) - read)
+                            + (est.pinned_bytes - during) / (hw.pin_gbps * GB))
     if hw.host_fault_gbps is not None and est.fresh_bytes:
         parts["new memory"] = est.fresh_bytes / (hw.host_fault_gbps * GB)
     return parts
@@ -90,7 +99,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     pipe = spec.pipeline
     experts = pipe.experts
     t_bytes = float(spec.nbytes)
-    h2d = pinned = 0.0
+    h2d = pinned = during = 0.0  # during: bytes of host stores, locked while their blocks are read
     device_now = 0.0  # device bytes that stay (gpu), and the largest one parked after its load (phase)
     parked = fresh = 0.0
     for te, p in zip(pipe.text_encoders, placements.text_encoders):
@@ -107,6 +116,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         elif p == "stream":
             h2d += 2 * rest
             pinned += layers + rest
+            during += layers
     m = transformer_memory
     if placements.transformer == "gpu":
         h2d += experts * t_bytes
@@ -119,6 +129,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host memory
         h2d += experts * (2 * m.non_block_weights + m.resident_block_weights)
         pinned += experts * (m.pinned_host + spec.non_block_bytes)
+        during += experts * m.pinned_host
     vae = float(pipe.vae.nbytes)
     if placements.vae == "gpu":
         h2d += vae
@@ -132,13 +143,13 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     if hw.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
         # component's twice (the device's copy, then its parking)
         fresh = float(total) + sum(b for b, p in _placed_bytes(spec, placements, t_bytes, vae) if p == "phase")
-        h2d = pinned = 0.0
+        h2d = pinned = during = 0.0
     staging = (not hw.device_is_host) if staging is None else staging
     host = sum(v for k, v in host_bytes.items() if k not in ("output", "device"))
     host += STAGING_BYTES if staging else 0.0
     if hw.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
         host += device_now + parked
-    return LoadEstimate(read, h2d, pinned, host, fresh)
+    return LoadEstimate(read, h2d, pinned, host, fresh, during)
 
 
 def _placed_bytes(spec: ModelSpec, placements, t_bytes: float, vae: float) -> list[tuple[float, str]]:

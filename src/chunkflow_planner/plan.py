@@ -110,6 +110,8 @@ class LoadPrediction(_Section):
     parts_cold_s: dict[str, float] = Field(default_factory=dict, description="where time_cold_s goes")
     h2d_bytes: int = Field(0, ge=0, description="bytes copied between host and device while loading")
     pinned_bytes: int = Field(0, ge=0, description="host bytes page-locked while loading")
+    pinned_while_reading_bytes: int = Field(0, ge=0, description="the part of pinned_bytes locked while the reads run "
+                                            "(the streamed modules' host stores)")
     fresh_bytes: int = Field(0, ge=0, description="host bytes first touched by their write (not page-locked)")
     host_peak_bytes: int = Field(ge=0, description="host memory the process holds at the load's end, its peak")
 

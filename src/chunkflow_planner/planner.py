@@ -235,7 +235,7 @@ def load_prediction(spec: ModelSpec, e, read_bytes: int | None = None):
         read_bytes_source=("the checkpoint folder's headers" if read_bytes is not None
                            else "every component's parameters in its own dtype"),
         parts_cold_s=load_parts(est, 0.0, e.hw), h2d_bytes=int(est.h2d_bytes), pinned_bytes=int(est.pinned_bytes),
-        fresh_bytes=int(est.fresh_bytes),
+        fresh_bytes=int(est.fresh_bytes), pinned_while_reading_bytes=int(est.pinned_while_reading),
         host_peak_bytes=int(est.host_peak_bytes))
 
 

@@ -24,7 +24,7 @@ from chunkflow.runtime.comm import CollectiveTap, CommPacer, dist_active
 from chunkflow.runtime.errors import OffloadError
 from chunkflow.runtime.fp8cast import cast_kernel_name
 from chunkflow.runtime.hooks import BlockHook, hook_module, hook_part, unhook_module, unhook_part
-from chunkflow.runtime.layout import BlockLayout, block_layouts, store_bytes
+from chunkflow.runtime.layout import BlockLayout, block_layouts, block_spans, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.resolve import resolve_blocks, resolve_config, resolve_device
@@ -85,6 +85,19 @@ class OffloadStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def __str__(self) -> str:
+        from chunkflow_planner.units import format_bytes
+
+        if self.mode == "none":
+            return f"not streamed: every tensor on {self.device} ({format_bytes(self.non_block_bytes)})"
+        return (f"{self.mode} on {self.device}: {self.n_streamed_blocks} of {self.n_blocks} blocks streamed"
+                + (f" in {format_bytes(self.chunk_bytes)} chunks" if self.chunk_bytes else "")
+                + f", {format_bytes(self.streamed_bytes_per_step)} a forward; {format_bytes(self.resident_bytes)} "
+                f"resident ({self.achieved_residency:.0%}); {format_bytes(self.host_bytes)} in host memory"
+                + (f" ({format_bytes(self.pinned_bytes)} pinned)" if self.pinned_bytes else "")
+                + f"; {format_bytes(self.device_buffer_bytes + self.non_block_bytes)} on the device; "
+                f"{self.forwards} forwards so far")
+
 
 def _locked(method):
     """The method under the handle's lock (it waits for a forward running in another thread to end)."""
@@ -96,6 +109,28 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return run
+
+
+class ResidencyRoundedWarning(UserWarning):
+    """The residency kept differs from the one asked: each block keeps whole chunks on the device."""
+
+
+def _warn_rounded(cfg: OffloadConfig, layouts: list[BlockLayout]) -> None:
+    """Say so where whole chunks make the kept residency far from the one asked (small blocks, big chunks)."""
+    V = sum(b.nbytes for b in layouts)
+    if cfg.mode != "chunkflow" or not V or cfg.residency in (0.0, 1.0):
+        return
+    kept = sum(b.resident_bytes for b in layouts) / V
+    if abs(kept - cfg.residency) > 0.05:
+        import warnings
+
+        from chunkflow_planner.units import format_bytes
+
+        block = max(b.nbytes for b in layouts)
+        warnings.warn(f"chunkflow: residency {cfg.residency:.0%} asked, {kept:.0%} kept: each block keeps whole chunks "
+                      f"({format_bytes(cfg.chunk_bytes)}) on the device and the largest block here is "
+                      f"{format_bytes(block)}; a chunk_size well under the block keeps residency closer",
+                      ResidencyRoundedWarning, stacklevel=4)
 
 
 class OffloadHandle:
@@ -133,6 +168,10 @@ class OffloadHandle:
         self.depth = 0
         self.parts: list[nn.Module] = []  # the modules inside it whose class was swapped (hooks.hook_part)
 
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else "parked" if self.parked else "on " + str(self.device)
+        return f"<OffloadHandle {type(self.module).__name__} {self.cfg.label}, {state}>"
+
     # ---- attach and detach (start-up, remove, laying out again)
 
     def _attach(self, source: TensorSource | None = None, first: bool = False) -> None:
@@ -154,9 +193,20 @@ class OffloadHandle:
                 if id(cur) in every and cur.device.type != "meta" and (source is None or not source.provides(t.name)):
                     check_fits(t.name, cur, every[id(cur)])
         layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast)
+        if first:
+            _warn_rounded(self.cfg, layouts)
         with torch.inference_mode(False):
-            store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda") if self.cfg.streams else None
-            self._non_block = fill(layouts, store, tensors, self.device, source)
+            # page-locked span by span while the blocks are written (a loader's reads overlap the locking)
+            store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda",
+                              ranges=block_spans(layouts)) if self.cfg.streams else None
+            try:
+                self._non_block = fill(layouts, store, tensors, self.device, source)
+                if store is not None:
+                    store.wait()
+            except BaseException:
+                if store is not None:
+                    store.release()
+                raise
             self._park_versions = None
             place(self._non_block, self.device)
             if outside:  # their values were checked above (first) or come from fp8 (a re-layout)
@@ -672,7 +722,9 @@ def check_not_offloaded(module: nn.Module) -> None:
 def _unwrap(module) -> nn.Module:
     """The module to offload: a torch.compile wrapper (OptimizedModule) is offloaded through its _orig_mod."""
     if not isinstance(module, nn.Module):
-        raise OffloadError(f"offload() takes an nn.Module, got {type(module).__name__}")
+        hint = ("; offload its transformer: chunkflow.offload(pipe.transformer, ...)"
+                if isinstance(getattr(module, "transformer", None), nn.Module) else "")
+        raise OffloadError(f"offload() takes an nn.Module, got {type(module).__name__}{hint}")
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule" else module
 

@@ -215,6 +215,13 @@ def block_layouts(root: nn.Module, blocks: list[tuple[str, nn.Module]], chunk_by
     return layouts
 
 
+def block_spans(layouts: list[BlockLayout]) -> list[tuple[int, int]]:
+    """(offset, bytes) of each block's span of the host store, padding included: together they cover the store, and
+    every copy from it lies inside one span."""
+    ends = [b.host_offset for b in layouts[1:]] + [store_bytes(layouts)]
+    return [(b.host_offset, end - b.host_offset) for b, end in zip(layouts, ends)]
+
+
 def store_bytes(layouts: list[BlockLayout]) -> int:
     if not layouts:
         return 0

@@ -4,9 +4,16 @@ PyTorch's caching host allocator (`pin_memory=True`) rounds each allocation up t
 block by block can lock 1.5-2x the weight bytes. Here the bytes live in ONE pageable allocation that is then
 page-locked with cudaHostRegister: pinned bytes equal the store size exactly (the packed blocks plus at most
 ALIGN-1 bytes of padding per tensor). Without CUDA the store is plain host memory and nothing is pinned.
+
+Page-locking costs about as much as reading the bytes from a fast disk (the kernel maps and locks every page: a few
+GB/s). Given `ranges` (the blocks' spans: no copy crosses one), the store is locked span by span on a thread of its
+own while the loader writes into it, so the locking overlaps the reads; `wait()` (before any copy from it) joins it
+and raises what it met.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -18,33 +25,68 @@ class HostStoreError(ChunkflowError):
 
 
 class HostStore:
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int, pin: bool, ranges: list[tuple[int, int]] | None = None):
         self.nbytes = nbytes
         self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.pinned_bytes = 0
+        self._registered: list[int] = []  # offsets of the spans registered, each unregistered at release
+        self._pinning: threading.Thread | None = None
+        self._pin_error: BaseException | None = None
         if pin and nbytes > 0:
-            self._register()
+            if ranges is None or len(ranges) < 2:
+                self._register(0, nbytes)
+            else:
+                device = torch.cuda.current_device()
+                self._pinning = threading.Thread(target=self._register_all, args=(ranges, device),
+                                                 name="chunkflow-pin", daemon=True)
+                self._pinning.start()
 
-    def _register(self) -> None:
+    def _register(self, offset: int, nbytes: int) -> None:
         cudart = torch.cuda.cudart()
         # portable: page-locked for every CUDA context of the process (a store read by a reader thread, a rank's GPU)
-        ret = cudart.cudaHostRegister(self.data.data_ptr(), self.nbytes, 1)
+        ret = cudart.cudaHostRegister(self.data.data_ptr() + offset, nbytes, 1)
         if int(ret) != 0:
             raise HostStoreError(
-                f"cudaHostRegister of {self.nbytes} bytes failed (cudaError {int(ret)}); the host may be short of "
+                f"cudaHostRegister of {nbytes} bytes failed (cudaError {int(ret)}); the host may be short of "
                 "lockable memory (check `ulimit -l` and free RAM), or use a smaller model / more residency"
             )
-        self.pinned_bytes = self.nbytes
+        self._registered.append(offset)
+        self.pinned_bytes += nbytes
+
+    def _register_all(self, ranges: list[tuple[int, int]], device: int) -> None:
+        try:
+            torch.cuda.set_device(device)  # this thread's CUDA calls on the caller's GPU (no context on another)
+            for offset, nbytes in ranges:
+                if nbytes > 0:
+                    self._register(offset, nbytes)
+        except BaseException as exc:  # raised by wait(), in the caller's thread
+            self._pin_error = exc
+
+    def wait(self) -> None:
+        """Return once the whole store is page-locked (at once where it was locked in the constructor)."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        if self._pin_error is not None:
+            exc, self._pin_error = self._pin_error, None
+            raise exc
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.data[offset : offset + nbytes]
 
     def release(self) -> None:
         """Unregister (if pinned) and drop the bytes. Callers make sure no copy still reads them."""
-        if self.pinned_bytes:
-            ret = torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.pinned_bytes = 0
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        self._pin_error = None
+        failed = []
+        for offset in self._registered:
+            ret = torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr() + offset)
             if int(ret) != 0:
-                raise HostStoreError(f"cudaHostUnregister failed (cudaError {int(ret)})")
+                failed.append(int(ret))
+        self._registered, self.pinned_bytes = [], 0
+        if failed:
+            raise HostStoreError(f"cudaHostUnregister failed (cudaError {failed[0]})")
         self.data = torch.empty(0, dtype=torch.uint8)
         self.nbytes = 0
