@@ -10,6 +10,7 @@
 #   PROFILE=p.yaml PARTS="wan21-14b" bash scripts/gpu_h200_checkpoint.sh OUT_DIR  # call 2 (64 GB of disk: one
 #                                                                                # 40 GB pipeline at a time)
 #   QUICK=1 bash scripts/gpu_h200_checkpoint.sh OUT_DIR   # the tiny pipeline on the CPU: a dry run of every step
+#   STATES=warm LOADS_ONLY=1 ...   # only the warm run, without the steps and diffusers comparisons (a re-measure)
 #
 # Plans, reports and logs land in WORK/checkpoint and are packed into OUT_DIR/checkpoint.tgz after every step; each
 # pipeline folder (DATA/NAME) is removed once its part is done.
@@ -54,7 +55,7 @@ pipeline() {  # pipeline NAME MODEL DEADLINE_S PLAN_ARGS...
   local hw=$prof; [ -f "$prof" ] || hw=h200
   run "$name-plan" 60 plan --model "$model" "$@" --hardware "$hw" --weights "$folder" --out "$out/$name-plan.json"
   [ -f "$out/$name-plan.json" ] || return
-  for state in cold warm; do
+  for state in ${STATES:-cold warm}; do
     if [ "$state" = cold ]; then
       step "$name-drop" 60 python3 "$here/drop_cache.py" "$folder"
     else
@@ -64,6 +65,7 @@ pipeline() {  # pipeline NAME MODEL DEADLINE_S PLAN_ARGS...
         --negative-prompt "$negative" --guidance 5 --seed 0 --warmup 1 "${dev[@]}" \
         --latents "$out/$name-$state-latents.safetensors" --report "$out/$name-$state-report.json"
   done
+  [ -n "${LOADS_ONLY:-}" ] && { rm -rf "$folder"; return; }
   # the denoising steps alone, the loaded transformer against random weights in the same place: the same copies
   run "$name-steps-loaded" 240 run --plan "$out/$name-plan.json" --weights "$folder/transformer" --steps 3 "${dev[@]}" \
       --report "$out/$name-steps-loaded.json"
