@@ -211,7 +211,10 @@ def test_a_broken_pipeline_folder_or_cache_is_one_line_before_any_work(cli, work
                 p.unlink()
                 shutil.copyfile(target, p)
     for d in damages:
-        DAMAGE[d](folder)
+        try:
+            DAMAGE[d](folder)
+        except FileNotFoundError:  # an earlier damage removed what this one edits: that damage stands alone
+            pass
     result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--out", "p.json")
     assert result.exit_code == 0
     said = _clear(cli("run", "--plan", "p.json", "--weights", folder, "--prompt", "a cat", "--out", "x.mp4"), 2)

@@ -67,8 +67,8 @@ def test_bench_writes_csv_summary_and_plots(tmp_path):
     assert len(df) == 6 + 1 + 1
     assert not df.duplicated(["value", "mode", "chunk_bytes", "residency"]).any()
     assert (df["measured_step_s"] > 0).all() and (df["predicted_step_s"] > 0).all()
-    assert df["err_step"].tolist() == pytest.approx(
-        ((df["measured_step_s"] - df["predicted_step_s"]) / df["predicted_step_s"]).tolist())
+    # measured on the CPU against the default (a GPU's) profile: no step-time error is computed, none saved
+    assert df["err_step"].isna().all()
     assert df["bit_identical"].all()  # offload changes no bit of the final latents
     assert (df["sp"] == 1).all() and (df["n_collectives"] == 0).all() and (df["collective_s"] == 0).all()
     cf = df[(df["mode"] == "chunkflow") & (df["residency"] == 0.5)]
@@ -78,7 +78,8 @@ def test_bench_writes_csv_summary_and_plots(tmp_path):
     meta = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert meta["schema_version"] == 1 and meta["spec"]["chunk_sizes"] == [4000, 16000] and meta["sp"] == 1
     summary = (tmp_path / "b" / "summary.md").read_text()
-    assert "## Chunk size" in summary and "## Residency" in summary and "median |error|" in summary
+    assert "## Chunk size" in summary and "## Residency" in summary
+    assert "step time: not compared: measured on cpu" in summary and "`h200`" in summary
     for name in ("step_time.png", "memory.png", "breakdown.png", "chunk_size.png", "residency.png", "accuracy.png",
                  "roofline.png"):
         path = tmp_path / "b" / name

@@ -20,7 +20,7 @@ def test_every_command_has_help(cli, command, flag):
 @pytest.mark.parametrize("flag", ["--version", "-V"])
 def test_version(cli, flag):
     result = cli(flag)
-    assert result.exit_code == 0 and result.output.strip() == f"chunkflow {__version__}"
+    assert result.exit_code == 0 and result.output.strip() == f"chunkflow {__version__} (the chunkflow-dit package)"
 
 
 def test_bare_chunkflow_prints_help_and_succeeds(cli):

@@ -117,7 +117,8 @@ def test_saved_profile_is_the_default(tmp_path, monkeypatch):
         (["--model", "wan2.2", "--mem-budget", "0GB"], "positive"),
         (["--model", "wan2.2", "--mem-budget", "-3GB"], "cannot read size"),
         (["--model", "wan2.2", "--mem-budget", "24XB"], "unknown size unit"),
-        (["--model", "wan2.2", "--prefetch-bytes", "0"], "positive"),
+        (["--model", "wan2.2", "--prefetch-bytes", "0B"], "positive"),
+        (["--model", "wan2.2", "--prefetch-bytes", "0"], "no unit"),
         (["--model", "wan2.2", "--mem-budget", "1GB"], "memory is the binding constraint"),
         (["--model", "wan2.2", "--sp", "5"], "--sp must be one of"),
         (["--model", "wan2.2", "--hardware", "h900"], "unknown hardware"),
@@ -164,3 +165,25 @@ def test_plan_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_tie_with_layerwise_says_what_chunkflow_buys(cli):
+    """Where layerwise streaming is predicted as fast and as small as the chosen chunkflow plan (the copies hidden),
+    the plan says so and where chunkflow differs; where chunkflow keeps part of each block resident (below the
+    critical frames) and layerwise is slower, no such note."""
+    from chunkflow_planner.plan import load_plan
+
+    tie = cli("plan", "--model", "wan2.2", "--frames", "121", "--height", "704", "--width", "1280", "--mem-budget",
+              "24GB", "--host-mem-budget", "64GB", "--hardware", "h200", "--out", "tie.json")
+    assert tie.exit_code == 0, tie.output
+    plan = load_plan("tie.json")
+    lw = plan.prediction.baselines.layerwise
+    assert plan.offload.mode == "chunkflow" and abs(plan.prediction.step_time_s / lw.step_time_s - 1) < 0.005
+    text = " ".join(tie.output.split())
+    assert "layerwise streaming ties with chunkflow here" in text and "critical frames" in text
+    small = cli("plan", "--model", "wan2.2", "--frames", "9", "--height", "480", "--width", "832", "--mem-budget",
+                "24GB", "--host-mem-budget", "64GB", "--hardware", "h200", "--out", "small.json")
+    assert small.exit_code == 0, small.output
+    plan = load_plan("small.json")
+    assert plan.prediction.step_time_s < 0.99 * plan.prediction.baselines.layerwise.step_time_s
+    assert "ties with chunkflow" not in " ".join(small.output.split())

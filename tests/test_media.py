@@ -180,7 +180,7 @@ def test_uint8_frames_pass_through_and_floats_convert_like_diffusers():
 def test_missing_video_extra_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "cv2", None)  # nor OpenCV, the fallback
-    with pytest.raises(MediaError, match=r"pip install 'chunkflow\[video\]'"):
+    with pytest.raises(MediaError, match=r"pip install 'chunkflow-dit\[video\]'"):
         check_media_path(str(tmp_path / "a.mp4"))
     assert check_media_path(str(tmp_path / "a.png")) == "image"  # images need no ffmpeg
 
@@ -193,7 +193,7 @@ def test_missing_ffmpeg_binary(tmp_path, monkeypatch):
 
     monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", no_binary)
     monkeypatch.setitem(sys.modules, "cv2", None)
-    with pytest.raises(MediaError, match=r"no ffmpeg binary.*chunkflow\[video\]"):
+    with pytest.raises(MediaError, match=r"no ffmpeg binary.*chunkflow-dit\[video\]"):
         check_media_path(str(tmp_path / "a.mp4"))
 
 

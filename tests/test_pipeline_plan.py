@@ -163,7 +163,7 @@ def test_the_margin_is_named_when_memory_binds(cli, workdir):
                "14GB", "--hardware", "h200", "--transformer-only")
     text = " ".join(fits.output.split())
     margin = get_hardware("h200").mem_margin
-    usable = f"{14 / (1 + margin):.1f} GB"
+    usable = f"{14 / (1 + margin):.2f} GB"
     assert fits.exit_code == 0 and f"of {usable}, 14.00 GB less the {margin:.1%} kept" in text
     assert f"needs {usable} (" not in text
     for bad in ("-0.1", "0.6", "nan"):

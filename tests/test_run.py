@@ -32,8 +32,8 @@ def test_run_tiny_end_to_end_writes_a_valid_report(tmp_path):
     assert rep.run.steps == min(5, rep.plan.workload.steps) and len(rep.measured.step_times_s) == rep.run.steps
     for x in rep.measured.step_times_s + [rep.measured.median_step_s, rep.predicted.step_time_s]:
         assert math.isfinite(x) and x > 0
-    m, p = rep.measured.median_step_s, rep.predicted.step_time_s
-    assert rep.rel_error.step_time == pytest.approx((m - p) / p)
+    # measured on the CPU against the plan's GPU profile: the step time is not compared, and nothing is saved for it
+    assert rep.plan.hardware.name != "cpu" and rep.rel_error.step_time is None
     assert rep.rel_error.peak_memory is None and rep.measured.peak_allocated_bytes is None  # CPU: not measured
     assert rep.predicted.peak_memory_bytes > 0 and rep.torch and rep.diffusers and rep.date and rep.command
 

@@ -14,7 +14,7 @@ from chunkflow_planner.units import UnitError, format_bytes, parse_duration, par
         ("16MiB", 16 * 2**20),
         ("1.5KB", 1500),
         ("4KiB", 4096),
-        ("512", 512),
+        ("4096", 4096),  # a plain integer of at least 1024 is bytes
         ("512B", 512),
         (1024, 1024),
     ],
@@ -23,7 +23,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["24XB", "GB", "", "twelve", "24 G B", "-5GB", "0GB", "0", "0.1B", True])
+@pytest.mark.parametrize("text", ["24XB", "GB", "", "twelve", "24 G B", "-5GB", "0GB", "0", "0.1B", True, "512", "1.25"])
 def test_parse_size_rejects(text):
     with pytest.raises(UnitError):
         parse_size(text)

@@ -103,14 +103,15 @@ def _command(name: str):
                                   "Run `chunkflow --debug ...` for the traceback.", highlight=False)
                 raise typer.Exit(1) from None
 
-        return app.command(name)(guarded)
+        doc = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+        return app.command(name, short_help=doc)(guarded)
 
     return decorate
 
 
 def _version(value: bool) -> None:
     if value:
-        console.print(f"chunkflow {__version__}", highlight=False)
+        console.print(f"chunkflow {__version__} (the chunkflow-dit package)", highlight=False)
         raise typer.Exit(0)
 
 
@@ -144,15 +145,15 @@ def models_cmd() -> None:
     from chunkflow_planner.catalog import load_models
 
     table = Table(title="Models (models.yaml)")
-    for col in ("name", "aliases", "blocks", "d / f / heads", "block bytes", "non-block", "default workload"):
-        table.add_column(col, no_wrap=col == "name")
+    for col in ("name", "aliases", "blocks x width", "weights", "default workload"):
+        table.add_column(col, no_wrap=col in ("name", "weights"))
     for spec in load_models().values():
-        blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks)
-        sizes = " / ".join(format_bytes(spec.block_bytes(g)) for g in spec.blocks)
+        blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks) + f" x {spec.d}"
         w = spec.default_workload
-        wl = f"{w.width}x{w.height}" + (f", {w.frames} frames" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
-        table.add_row(spec.name, ", ".join(spec.aliases), blocks, f"{spec.d} / {spec.f} / {spec.heads}", sizes,
-                      format_bytes(spec.non_block_bytes), wl)
+        wl = f"{w.width}x{w.height}" + (f" x{w.frames}" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
+        total = spec.nbytes + (sum(te.nbytes for te in spec.pipeline.text_encoders) + spec.pipeline.vae.nbytes
+                               if spec.pipeline is not None else 0)
+        table.add_row(spec.name, ", ".join(spec.aliases), blocks, format_bytes(total), wl)
     console.print(table)
 
 
@@ -163,11 +164,14 @@ def hardware_cmd() -> None:
     from chunkflow_planner.planner import saved_profile_path
 
     table = Table(title="Hardware (hardware.yaml)")
-    for col in ("name", "BF16 TFLOP/s", "H2D GB/s (per GPU)", "GPUs/link", "memory", "GPUs", "peer link", "eta_comp", "eta_pref"):
-        table.add_column(col, no_wrap=col == "name")
-    for hw in load_hardware().values():
-        table.add_row(hw.name, f"{hw.peak_tflops:g}", f"{hw.h2d_gbps:.1f}", str(hw.gpus_per_host_link),
-                      format_bytes(hw.memory_bytes), str(hw.gpus), hw.peer_link, f"{hw.eta_comp:.2f}", f"{hw.eta_pref:.2f}")
+    catalog = load_hardware()
+    width = max(len(n) for n in catalog)  # the name whole at any width (what --hardware takes); the rest may wrap
+    for col in ("name", "TFLOP/s", "H2D GB/s", "memory", "GPUs", "peer", "eta comp / pref"):
+        table.add_column(col, no_wrap=col == "name", min_width=width if col == "name" else None)
+    for hw in catalog.values():
+        gpus = str(hw.gpus) + (f" ({hw.gpus_per_host_link}/link)" if hw.gpus_per_host_link > 1 else "")
+        table.add_row(hw.name, f"{hw.peak_tflops:g}", f"{hw.h2d_gbps:.1f}", format_bytes(hw.memory_bytes), gpus,
+                      hw.peer_link, f"{hw.eta_comp:.2f} / {hw.eta_pref:.2f}")
     console.print(table)
     path = saved_profile_path()
     console.print(f"Calibrated profile on this machine: {path if path.exists() else 'none (run `chunkflow calibrate`)'}",
@@ -270,6 +274,12 @@ def plan_cmd(
         host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
         mem_margin=mem_margin, read_bytes=read_bytes,
     )
+    if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
+        flags = [f for f, given in (("--sp", sp > 1), ("--prefetch-bytes", pbytes is not None),
+                                    ("--text-len", text_len is not None)) if given]
+        _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned for one GPU with "
+             "the catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
+             "components for their phase only")
     if out:
         plan.write(out)
     if json_out:
@@ -445,15 +455,19 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                    TimeElapsedColumn(), console=err_console, transient=False)
     with bar:
-        task = bar.add_task("build", total=None, count="")
+        tasks: dict[str, int] = {}  # a bar (and a clock) for each phase: the load's bytes, the steps of denoise
 
-        def progress(phase: str, i: int | None, n: int | None) -> None:  # the load's bytes, the steps of denoise
+        def progress(phase: str, i: int | None, n: int | None) -> None:
+            if phase not in tasks:
+                for name, task in tasks.items():  # the phase before is over
+                    bar.update(task, completed=bar.tasks[task].total or 1, total=bar.tasks[task].total or 1)
+                    bar.stop_task(task)
+                tasks[phase] = bar.add_task(phase, total=None, count="")
             if phase == "load":
                 count = f"{format_bytes(i or 0)} of {format_bytes(n or 0)}" if n else "random weights"
-                bar.update(task, description="load", completed=i or 0, total=n or None, count=count)
             else:
                 count = f"{i or 0}/{n}" if n else ""
-                bar.update(task, description=phase, completed=i or 0, total=n, count=count)
+            bar.update(tasks[phase], completed=i or 0, total=n or None, count=count)
 
         rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
     rep.write(report)

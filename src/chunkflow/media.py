@@ -18,7 +18,7 @@ __all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uin
 
 KINDS = {".mp4": "video", ".png": "image"}
 CRF = 18  # libx264 constant rate factor: visually lossless for ordinary viewing, files stay small
-_VIDEO_INSTALL = "pip install 'chunkflow[video]'"
+_VIDEO_INSTALL = "pip install 'chunkflow-dit[video]'"
 # RGB <-> YUV with exact rounding and chroma interpolated (not replicated) when converting back to RGB
 _SWS = "bicubic+accurate_rnd+full_chroma_int"
 # RGB -> BT.709 limited-range YUV, and the file says so (stream and frame tags), so that players convert back

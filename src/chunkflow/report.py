@@ -65,6 +65,9 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
             format_bytes(p.pinned_host_bytes) if p.pinned_host_bytes else "-",
         )
     console.print(m)
+    tie = tie_note(plan)
+    if tie:
+        console.print(tie, highlight=False)
     chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
@@ -84,6 +87,24 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
     if plan.pipeline is not None:
         print_pipeline(console, plan)
+
+
+def tie_note(plan: Plan) -> str | None:
+    """What chunkflow buys where the plan predicts layerwise streaming as fast and as small (None elsewhere)."""
+    o, lw, a = plan.offload, plan.prediction.baselines.layerwise, plan.analysis
+    p = plan.prediction
+    if o.mode != "chunkflow" or lw.step_time_s <= 0:
+        return None
+    if abs(p.step_time_s - lw.step_time_s) > 0.005 * lw.step_time_s or p.peak_memory_bytes > 1.01 * lw.peak_memory_bytes:
+        return None
+    crit = a.critical
+    below = (f"below the critical {crit.axis} (about {crit.value:.0f} here)" if crit.value is not None
+             else "below the critical workload")
+    why = ("every block's copy hides behind its compute at this workload, so streaming whole layers costs no more"
+           if a.regime == "hidden" else "the plan's levers hide the copies as well either way")
+    return (f"note: layerwise streaming ties with chunkflow here ({why}). chunkflow is what holds the time "
+            f"{below}, where it keeps part of each block on the GPU chunk by chunk, and under sequence "
+            "parallelism, where its copies pause around the collectives.")
 
 
 def print_pipeline(console: Console, plan: Plan) -> None:
@@ -117,7 +138,7 @@ def print_pipeline(console: Console, plan: Plan) -> None:
                       "(a later generation in the same process is that much faster)", highlight=False)
     host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
     where = plan.host_memory_budget_source or "budget"
-    hint = "; --host-mem-budget plans for another machine" if where.startswith("available") else ""
+    hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
     console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
                   f"{format_bytes(plan.host_memory_budget_bytes or 0)} ({where}{hint})", highlight=False)
     if pp.load is not None:
@@ -170,8 +191,15 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     console.print("placements: " + ", ".join(f"{k} {v}" for k, v in g.components.items())
                   + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
     gpu = not report.run.device.startswith("cpu")
+    streamed = stream_line(report.stats, g.steps)
+    if streamed:
+        console.print(streamed, highlight=False, markup=False)
     if g.load is not None:
-        console.print(load_line(g.load), highlight=False)
+        console.print(load_line(g.load), highlight=False, markup=False)
+        if g.load.weights == "random":
+            console.print("note: random weights make noise, not a picture; to generate from a real checkpoint give "
+                          "its pipeline folder or Hub id: chunkflow run --plan PLAN --weights DIR_OR_ID --prompt ...",
+                          highlight=False, markup=False)
     which = (f", after {g.warmup_generations} warm-up generation(s): start-up excluded" if g.warmup_generations
              else ", the process's first: start-up included")
     many = g.measured_generations > 1
@@ -222,6 +250,23 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
                 is not None else "")
         console.print(f"note: measured on the CPU; the plan's times are for a GPU, so they are not compared here{also}.",
                       highlight=False)
+
+
+def stream_line(stats: dict | None, steps: int) -> str:
+    """What the transformer's offload did: blocks streamed from host memory, bytes a step, what stayed on the
+    device (empty where nothing streamed)."""
+    if not stats or not stats.get("n_streamed_blocks"):
+        return ""
+    per_step = stats.get("streamed_bytes_per_step", 0) * stats.get("forwards", 0) / max(steps, 1)
+    return (f"transformer: {stats['n_streamed_blocks']} of {stats['n_blocks']} blocks streamed from host memory "
+            f"({stats['mode']}"
+            + (f", {format_bytes(stats['chunk_bytes'])} chunks" if stats.get("chunk_bytes") else "")
+            + f"): {format_bytes(per_step)} copied a step, {format_bytes(stats.get('resident_bytes', 0))} of its blocks "
+            f"kept on the device ({stats.get('achieved_residency', 0):.0%}"
+            + (f" of {stats['target_residency']:.0%} asked: whole chunks of each block"
+               if abs(stats.get("achieved_residency", 0) - stats.get("target_residency", 0)) > 0.01 else "")
+            + "), "
+            f"{format_bytes(stats.get('pinned_bytes') or stats.get('host_bytes', 0))} in host memory")
 
 
 def load_line(ld) -> str:  # noqa: ANN001 - chunkflow.run_generate.LoadResult

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -70,9 +71,10 @@ class Measured(BaseModel):
 
 
 class RelErrors(BaseModel):
-    """(measured - predicted) / predicted; None where nothing was measured (peak memory on the CPU)."""
+    """(measured - predicted) / predicted; None where nothing was compared: peak GPU memory on the CPU, and any time
+    measured on another kind of device than the plan's (a GPU's prediction run on the CPU)."""
 
-    step_time: float
+    step_time: float | None = None
     peak_memory: float | None = None
 
 
@@ -267,7 +269,7 @@ def environment(device) -> dict[str, str | None]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=gpu, torch=torch.__version__,
                 diffusers=diffusers.__version__, triton=triton, transformers=transformers,
-                command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+                command=shlex.join([Path(sys.argv[0]).name] + sys.argv[1:]))  # quoted: it runs again as printed
 
 
 def measured_of(timing: Timing, stats: dict | None) -> Measured:
@@ -279,10 +281,13 @@ def measured_of(timing: Timing, stats: dict | None) -> Measured:
     )
 
 
-def make_report(env: dict, plan: Plan, run: RunConfig, hw_name: str, m: Measured, p: Predicted,
+def make_report(env: dict, plan: Plan, run: RunConfig, hw, m: Measured, p: Predicted,
                 stats: dict | None) -> RunReport:
-    err = RelErrors(step_time=rel_error(m.median_step_s, p.step_time_s),  # type: ignore[arg-type]
-                    peak_memory=rel_error(m.peak_allocated_bytes, p.peak_memory_bytes))
+    """The run's report; errors only where the run's device is the kind the plan's hardware (`hw`) describes."""
+    comparable = run.device.startswith("cpu") == hw.device_is_host
+    err = RelErrors(step_time=rel_error(m.median_step_s, p.step_time_s) if comparable else None,
+                    peak_memory=rel_error(m.peak_allocated_bytes, p.peak_memory_bytes) if comparable else None)
+    hw_name = hw.name
     return RunReport(**env, hardware=hw_name, plan=plan, run=run, measured=m, predicted=p, rel_error=err, stats=stats)
 
 
@@ -387,4 +392,4 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
     run = RunConfig(offload=cfg, device=str(device), dtype=str(dtype), weights=o.weights or "random",
                     warmup=o.warmup, steps=steps, world_size=world, sp_degree=world)
     pred = predict(spec, w, hw, cfg, world)
-    return make_report(environment(device), plan, run, hw.name, measured_of(timing, stats), pred, stats)
+    return make_report(environment(device), plan, run, hw, measured_of(timing, stats), pred, stats)

@@ -233,7 +233,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     pred = predict(spec, w, hw, cfg, 1)
     run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(folder or "random"),
                     warmup=o.warmup, steps=steps)
-    report = make_report(environment(device), plan, run, hw.name, result, pred, stats)
+    report = make_report(environment(device), plan, run, hw, result, pred, stats)
     pp = plan.prediction.phases
     phases = {}
     same_steps = steps == plan.workload.steps

@@ -100,7 +100,7 @@ def _from_cache(repo_id: str, revision: str | None, source: str) -> Path:
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:
         raise WeightsError(f"--weights {source!r} is a Hub id, and reading the Hugging Face cache needs "
-                           "huggingface_hub: pip install 'chunkflow[diffusers]' (or pass a local folder)") from None
+                           "huggingface_hub: pip install 'chunkflow-dit[diffusers]' (or pass a local folder)") from None
     get = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
     try:
         # local_files_only: the cache is read (refs/<revision>, snapshots/<commit>), the Hub never asked

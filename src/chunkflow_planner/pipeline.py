@@ -43,7 +43,7 @@ from chunkflow_planner.policy import (
     chunk_tie,
     lever_reason,
 )
-from chunkflow_planner.units import format_bytes
+from chunkflow_planner.units import format_bytes, format_seconds
 
 PHASES = ("encode", "denoise", "decode")
 TEXT_PLACEMENTS = ("gpu", "phase", "stream", "cpu")
@@ -451,8 +451,8 @@ def decide_pipeline(
             if best.placements.transformer == "stream" and not cands.meets(best.transformer):
                 t = best.transformer
                 why += (f"; no streamed setting inside the budget meets the step target "
-                        f"{cands.target:.3f} s (--max-slowdown x no offload): the fastest that "
-                        f"fits takes {t.step_time:.3f} s a step, {t.step_time / cands.none.step_time:.3f}x")
+                        f"{format_seconds(cands.target)} (--max-slowdown x no offload): the fastest that "
+                        f"fits takes {format_seconds(t.step_time)} a step, {t.step_time / cands.none.step_time:.3f}x")
             elif best.placements.transformer == "stream":
                 room = rooms[best.placements]
                 why += lever_reason(best.transformer, [p for p in cands.points if cands.meets(p)
@@ -464,8 +464,8 @@ def decide_pipeline(
             "latency",
             f"latency is the binding constraint: the fastest generation inside "
             f"{budget_said(format_bytes(gpu_budget), kept, more=True)} of GPU and "
-            f"{format_bytes(host_budget)} of host memory takes {best.generation_time:.1f} s ({_describe(best)}), above "
-            f"the target {target:.1f} s. Raise --mem-budget, or relax --max-slowdown / --target-time.",
+            f"{format_bytes(host_budget)} of host memory takes {format_seconds(best.generation_time)} ({_describe(best)}), "
+            f"above the target {format_seconds(target)}. Raise --mem-budget, or relax --max-slowdown / --target-time.",
             best.gpu_need, best.generation_time)
     if fits_gpu:
         least = min(fits_gpu, key=lambda e: e.host_memory)
@@ -505,9 +505,10 @@ def _describe(e: PipelineEstimate) -> str:
 
 def _why(best: PipelineEstimate, base: PipelineEstimate, target: float) -> str:
     slow = best.generation_time / base.generation_time
-    goal = f", target {target:.1f} s" if math.isfinite(target) else ""
-    return (f"the fastest placement inside the budgets: {_describe(best)}; {best.generation_time:.1f} s per "
-            f"generation, {slow:.3f}x everything on the GPU{goal}; its peak is the {best.binding_phase} phase")
+    goal = f", target {format_seconds(target)}" if math.isfinite(target) else ""
+    versus = (f", {slow:.3f}x everything on the GPU" if not best.hw.device_is_host and slow >= 0.995 else "")
+    return (f"the fastest placement inside the budgets: {_describe(best)}; {format_seconds(best.generation_time)} "
+            f"per generation{versus}{goal}; its peak is the {best.binding_phase} phase")
 
 
 __all__ = ["PHASES", "Placements", "PipelineEstimate", "PipelineDecision", "decide_pipeline", "estimate",

@@ -149,7 +149,7 @@ def make_plan(
 
     With `pipeline` (and a catalog pipeline for the model, SP 1) the whole generation is planned: placements of the
     text encoders, transformer and VAE under the GPU budget in every phase and `host_budget` (default: the memory
-    available on this machine), against `target_time` or `generation_slowdown` x everything on the GPU if given.
+    this machine's memory less a share for the system: hostinfo), against `target_time` or `generation_slowdown` x everything on the GPU if given.
     Otherwise the transformer alone, as the ChunkFlow paper does. `levers`: batched CFG and fp8 storage the policy
     may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights).
     `mem_margin` (default: the hardware's) keeps every predicted GPU peak under budget / (1 + mem_margin): the
@@ -167,11 +167,12 @@ def make_plan(
     problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
     whole = None
     if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
-        from chunkflow_planner.hostinfo import available_host_memory
+        from chunkflow_planner.hostinfo import default_host_budget
         from chunkflow_planner.pipeline import decide_pipeline
 
-        host_source = "--host-mem-budget" if host_budget is not None else "available on this machine when planned"
-        host_budget = available_host_memory() if host_budget is None else host_budget
+        host_source = "--host-mem-budget"
+        if host_budget is None:
+            host_budget, host_source = default_host_budget()
         whole = decide_pipeline(spec, workload, hw, problem, usable, host_budget, max_slowdown, target_step_time,
                                 target_time, generation_slowdown, kept=kept)
         base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target

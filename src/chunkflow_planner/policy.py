@@ -29,7 +29,7 @@ from chunkflow_planner.memory import (
 )
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
-from chunkflow_planner.units import format_bytes
+from chunkflow_planner.units import format_bytes, format_seconds
 
 CfgBatching = str  # "auto" | "on" | "off"
 
@@ -243,7 +243,7 @@ def decide(
     none = problem.fastest_none()  # the reference of --max-slowdown and of the plan's `none` baseline
     layerwise = problem.evaluate(OffloadConfig("layerwise"))
     target = problem.target(max_slowdown, target_step_time)
-    target_text = f"{target:.3f} s" + (f" ({max_slowdown:.2f}x no offload)" if target_step_time is None else "")
+    target_text = format_seconds(target) + (f" ({max_slowdown:.2f}x no offload)" if target_step_time is None else "")
 
     nones = [problem.none(b) for b in problem.levers.cfg_batched]
     fit = [p for p in nones if p.need <= budget]
@@ -251,8 +251,8 @@ def decide(
         chosen = best_of(fit)
         return Decision(
             chosen, none, layerwise, target, budget,
-            f"the model fits without offload (needs {chosen.need / 1e9:.1f} GB of "
-            f"{budget_said(f'{budget / 1e9:.1f} GB', kept)}): "
+            f"the model fits without offload (needs {format_bytes(chosen.need)} of "
+            f"{budget_said(format_bytes(budget), kept)}): "
             f"offload would only cost time (layerwise {layerwise.step_time / none.step_time:.2f}x)"
             + ("; the guidance passes run as one batched forward" if chosen.cfg.cfg_batched else "")
             + ("; fp8 storage is not used: nothing is offloaded" if "bf16" not in problem.levers.weight_dtypes
@@ -270,12 +270,12 @@ def decide(
                     and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype]
             why = (
                 f"full offload already meets the target ({slow:.3f}x no offload, target {target_text}); "
-                + (f"every chunk size hides, so {best.cfg.chunk_bytes // 10**6} MB (the paper's operating point)"
-                   if len(tied) > 1 else f"{best.cfg.chunk_bytes // 10**6} MB chunks give the shortest step")
+                + (f"every chunk size hides, so {format_bytes(best.cfg.chunk_bytes)} (the paper's operating point)"
+                   if len(tied) > 1 else f"{format_bytes(best.cfg.chunk_bytes)} chunks give the shortest step")
             )
         else:
             why = (
-                f"the smallest residency that meets {target_text} inside {budget_said(f'{budget / 1e9:.1f} GB', kept)}: "
+                f"the smallest residency that meets {target_text} inside {budget_said(format_bytes(budget), kept)}: "
                 f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload"
             )
         return Decision(best, none, layerwise, target, budget, why + lever_reason(best, feasible, problem.levers))
@@ -285,9 +285,9 @@ def decide(
     if not in_budget:
         raise Infeasible(
             "memory",
-            f"memory is the binding constraint: even full offload needs {min_need / 1e9:.2f} GB "
+            f"memory is the binding constraint: even full offload needs {format_bytes(min_need)} "
             f"(peak allocation, allocator slack and CUDA context) and the budget is "
-            f"{budget_said(f'{budget / 1e9:.2f} GB', kept, stated=True)}. Raise --mem-budget, or "
+            f"{budget_said(format_bytes(budget), kept, stated=True)}. Raise --mem-budget, or "
             "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint
             + (kept.needed(min_need) if kept else ""),
             min_need, None,
@@ -296,10 +296,10 @@ def decide(
     raise Infeasible(
         "latency",
         f"latency is the binding constraint: the fastest plan inside "
-        f"{budget_said(f'{budget / 1e9:.2f} GB', kept, more=True)} takes "
-        f"{best_in_budget.step_time:.3f} s per step "
-        f"(residency {best_in_budget.cfg.residency:.0%}, {best_in_budget.cfg.chunk_bytes // 10**6} MB chunks), "
-        f"above the target {target_text}. The smallest memory any plan needs is {min_need / 1e9:.2f} GB. "
+        f"{budget_said(format_bytes(budget), kept, more=True)} takes "
+        f"{format_seconds(best_in_budget.step_time)} per step "
+        f"(residency {best_in_budget.cfg.residency:.0%}, {format_bytes(best_in_budget.cfg.chunk_bytes)} chunks), "
+        f"above the target {target_text}. The smallest memory any plan needs is {format_bytes(min_need)}. "
         "Raise --mem-budget or relax --max-slowdown / --target-step-time." + hint,
         min_need, best_in_budget.step_time,
     )

@@ -49,7 +49,12 @@ def _parse_size(text: str | int | float) -> int:
             raise UnitError(
                 f"cannot read size {text!r}: write a number and a unit, e.g. 24GB, 24GiB, 16MB, 512MiB"
             )
-        value, unit = float(match.group(1)), (match.group(2) or "b").lower()
+        value, unit = float(match.group(1)), (match.group(2) or "").lower()
+        if not unit and math.isfinite(value) and (value != int(value) or value < 1024):  # "1.25", "24": a unit
+            # left out, not bytes meant
+            raise UnitError(f"size {text!r} has no unit; write e.g. {text}GB or {text}GiB"
+                            + (f" ({text}B for bytes)" if value == int(value) else ""))
+        unit = unit or "b"
     if not math.isfinite(value):
         raise UnitError(f"size must be finite, got {text!r}")
     if unit not in _SIZE_UNITS:
@@ -111,7 +116,16 @@ def short_bytes(n: float) -> str:
 
 
 def format_seconds(t: float) -> str:
-    """A duration for people: 850 ms below one second, 1.234 s above."""
+    """A duration for people, in the unit its size calls for: 12 us, 850.0 ms, 1.234 s, 22.9 min, 1.52 h."""
     if t == float("inf"):
         return "inf"
-    return f"{t * 1e3:.1f} ms" if abs(t) < 1.0 else f"{t:.3f} s"
+    a = abs(t)
+    if 0 < a < 1e-3:
+        return f"{t * 1e6:.0f} us"
+    if a < 1.0:
+        return f"{t * 1e3:.1f} ms"
+    if a < 60.0:
+        return f"{t:.3f} s"
+    if a < 3600.0:
+        return f"{t / 60:.1f} min"
+    return f"{t / 3600:.2f} h"

@@ -159,7 +159,10 @@ def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Offl
         p = predict(spec, w, hw, cfg, sp)
         setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label,
                        weight_dtype=cfg.weight_dtype, fp8_cast=cfg.fp8_cast)
-        pred = dict(predicted_step_s=p.step_time_s, err_step=(med - p.step_time_s) / p.step_time_s,
+        # a GPU profile's prediction measured on the CPU is not compared (its error would mean nothing)
+        comparable = peak is not None or hw.device_is_host
+        pred = dict(predicted_step_s=p.step_time_s,
+                    err_step=(med - p.step_time_s) / p.step_time_s if comparable else math.nan,
                     predicted_peak_bytes=p.peak_memory_bytes,
                     err_peak=(peak - p.peak_memory_bytes) / p.peak_memory_bytes if peak is not None else None,
                     pred_compute_s=p.compute_s, pred_collective_s=p.collective_s + p.contention_stall_s,

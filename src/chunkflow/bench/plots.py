@@ -32,7 +32,7 @@ def _plt():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise BenchError("plots need matplotlib: pip install 'chunkflow[plots]' (the CSV was written)") from None
+        raise BenchError("plots need matplotlib: pip install 'chunkflow-dit[plots]' (the CSV was written)") from None
     return plt
 
 

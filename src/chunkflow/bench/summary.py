@@ -100,15 +100,20 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
             "| " + b.axis + " | config | step ms | x none | predicted ms | error | peak GB | predicted GB | error "
             "| compute | collective | prefetch stall | overhead | pinned GB | host RSS GB | bit-identical |",
             "|" + "---|" * 16]
+    step_errors, peak_errors = error_stats(df["err_step"]), error_stats(df["err_peak"])
+    compared = step_errors.n > 0  # else measured on another kind of device than the profile predicts for
     for _, r in df.iterrows():
         out.append(f"| {r['value']} | {label(r)} | {_ms(r['measured_step_s'])} | {vs_none(r)} | "
-                   f"{_ms(r['predicted_step_s'])} | {_pct(r['err_step'])} | {_gb(r['measured_peak_bytes'])} | "
-                   f"{_gb(r['predicted_peak_bytes'])} | {_pct(r['err_peak'])} | {_ms(r['compute_s'])} | "
+                   f"{_ms(r['predicted_step_s']) if compared else '-'} | {_pct(r['err_step'])} | "
+                   f"{_gb(r['measured_peak_bytes'])} | "
+                   f"{_gb(r['predicted_peak_bytes']) if compared else '-'} | {_pct(r['err_peak'])} | {_ms(r['compute_s'])} | "
                    f"{_ms(r['collective_s'])} | {_ms(r['prefetch_stall_s'])} | {_ms(r['overhead_s'])} | "
                    f"{_gb(r['pinned_bytes'])} | {_gb(r['host_rss_bytes'])} | {r['bit_identical']} |")
     out += ["", "## Planner accuracy", "",
-            f"- step time: {error_stats(df['err_step']).text()}",
-            f"- peak memory: {error_stats(df['err_peak']).text()}", ""]
+            f"- step time: {step_errors.text()}" if compared else
+            f"- step time: not compared: measured on {meta.gpu}, predicted for the profile "
+            f"`{meta.hardware.get('name')}` (`--hardware cpu` predicts for this CPU)",
+            f"- peak memory: {peak_errors.text()}" if peak_errors.n else "- peak memory: not measured (no GPU)", ""]
     crit = df["critical"].dropna()
     if len(crit):
         out += [f"Predicted critical point (F_block = F*): {float(crit.iloc[0]):.1f} {b.axis}; regime per point in "
