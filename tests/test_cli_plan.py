@@ -187,3 +187,15 @@ def test_a_tie_with_layerwise_says_what_chunkflow_buys(cli):
     plan = load_plan("small.json")
     assert plan.prediction.step_time_s < 0.99 * plan.prediction.baselines.layerwise.step_time_s
     assert "ties with chunkflow" not in " ".join(small.output.split())
+
+
+def test_short_of_host_memory_on_the_cpu_does_not_offer_more_gpu_memory(cli):
+    """On the CPU the device's memory is host memory: an infeasible plan there asks for more RAM, not a larger
+    --mem-budget (which would need the same RAM); on a GPU it offers both."""
+    cpu = cli("plan", "--model", "flux", "--hardware", "cpu", "--host-mem-budget", "20GB")
+    text = " ".join(cpu.output.split())
+    assert cpu.exit_code == 2 and "host memory is the binding constraint" in text
+    assert "device's memory is host memory" in text and "raise --mem-budget" not in text
+    gpu = cli("plan", "--model", "flux", "--hardware", "rtx-4090", "--host-mem-budget", "20GB")
+    text = " ".join(gpu.output.split())
+    assert gpu.exit_code == 2 and "raise --mem-budget so more stays on the GPU" in text

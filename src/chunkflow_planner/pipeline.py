@@ -476,8 +476,9 @@ def decide_pipeline(
             f"host memory is the binding constraint: the placement needing the least host memory inside "
             f"{budget_said(format_bytes(gpu_budget), kept, more=True)} of GPU memory ({_describe(least)}) needs "
             f"{format_bytes(least.host_memory)} "
-            f"({parts}) and --host-mem-budget is {format_bytes(host_budget)}. Use a machine with more RAM, or raise "
-            f"--mem-budget so more stays on the GPU.",
+            f"({parts}) and --host-mem-budget is {format_bytes(host_budget)}. "
+            + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
+               if hw.device_is_host else "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU."),
             least.gpu_need, None)
     least = min(seen, key=lambda e: e.gpu_need)
     phase = least.binding_phase
