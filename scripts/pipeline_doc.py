@@ -42,7 +42,7 @@ def _predictions(rep, profile):
 
 
 def table(paths: list[str], profile=None) -> list[str]:
-    from chunkflow.run import load_reports
+    from chunkflow.reports import load_reports
     from chunkflow.report import parts_text
 
     out = ["| pipeline | phase | measured | predicted | error | first generation | predicted | error | "

@@ -430,7 +430,7 @@ def test_refit_measures_the_loads_start_up_and_the_processs_host_memory(cli, wor
     """A generation report's load and host peak, with known gaps: `calibrate --from-report`'s refit finds the load's
     start-up (eq. L1 less its reads) and the process's own host memory (its peak less the plan's other bytes)."""
     from chunkflow.calibrate import refit_load
-    from chunkflow.run import load_reports
+    from chunkflow.reports import load_reports
     from chunkflow_planner.catalog import get_hardware
     from chunkflow_planner.load import LoadEstimate, T_load
 
@@ -491,7 +491,7 @@ def test_a_loaded_pipeline_holds_its_weights_once(tmp_path, monkeypatch):
     import yaml
 
     from chunkflow.calibrate import refit_load
-    from chunkflow.run import load_reports
+    from chunkflow.reports import load_reports
     from chunkflow_planner.catalog import get_hardware
 
     monkeypatch.setenv("CHUNKFLOW_CONFIG_DIR", str(tmp_path / "config"))

@@ -260,7 +260,7 @@ def test_repeat_measures_several_generations_and_reports_their_median(cli, workd
     from rich.console import Console
 
     from chunkflow.report import print_generation
-    from chunkflow.run import load_reports
+    from chunkflow.reports import load_reports
 
     ph = g["phases"]["denoise"]
     ph["gc_s"][1], ph["gc_longest"][1] = 0.334, {"seconds": 0.33, "generation": 2, "collected": 17}

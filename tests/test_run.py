@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chunkflow.cli import app
-from chunkflow.run import RUN_REPORT_SCHEMA_VERSION, RunReport
+from chunkflow.reports import RUN_REPORT_SCHEMA_VERSION, RunReport
 from chunkflow_planner.offload import OffloadConfig
 
 runner = CliRunner()

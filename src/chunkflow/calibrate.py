@@ -39,9 +39,11 @@ from typing import Any, Callable, Iterable, Sequence
 import yaml
 from pydantic import ValidationError
 
+from chunkflow.calibrate_host import CalibrationError
 from chunkflow.launch import torchrun_world
 from chunkflow.timing import time_on, timing_event
-from chunkflow_planner.catalog import EFFICIENCY_RANGE, HardwareSpec, ModelSpec, Workload, get_hardware, load_hardware
+from chunkflow_planner.catalog import (EFFICIENCY_RANGE, PEAK_TFLOPS_RANGE, HardwareSpec, ModelSpec, Workload,
+                                      get_hardware, load_hardware)
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.predict import predict
@@ -52,8 +54,6 @@ H2D_SIZES = tuple(c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256))
 H2D_TOTAL = 512 * MB
 
 
-class CalibrationError(ChunkflowError):
-    """Calibration cannot run or its input is unusable; the message says why."""
 
 
 # ------------------------------------------------------------------------------------------ pure fits
@@ -714,6 +714,13 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     process_rss = _process_rss()
     matched = base is not None or "no catalog match" not in base_note
     peak = peak_tflops or (base_hw.peak_tflops if matched and not cpu_smoke else gemm)
+    if peak < PEAK_TFLOPS_RANGE[0]:  # a machine too busy to measure (the smoke run's numbers mean nothing anyway)
+        if not cpu_smoke:
+            raise CalibrationError(
+                f"the bf16 GEMM ran at {gemm * 1e3:.2f} GFLOP/s, below the {PEAK_TFLOPS_RANGE[0] * 1e3:g} GFLOP/s a "
+                "profile can describe: the device was too busy to time; run calibrate again when it is idle, or give "
+                "--peak-tflops")
+        peak = PEAK_TFLOPS_RANGE[0]
     curves, blocks = _curves(specs, s, peak, cpu_smoke, progress, log)
     curve = curves[specs[0].name]
     h2d_rows = measure_h2d(s.device, s.sizes, s.total, progress=progress)
@@ -776,7 +783,7 @@ def check_refit_reports(reports: Sequence, paths: Sequence[str]) -> None:
 
 def read_reports(paths: Sequence[str | Path]) -> list:
     """RunReports from .json / .jsonl files (chunkflow.run.load_reports), with CalibrationError for bad input."""
-    from chunkflow.run import RunError, load_reports
+    from chunkflow.reports import RunError, load_reports
 
     try:
         return load_reports(paths)

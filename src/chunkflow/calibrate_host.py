@@ -17,6 +17,13 @@ import statistics
 import warnings
 from typing import Any, Callable
 
+from chunkflow_planner.errors import ChunkflowError
+
+
+class CalibrationError(ChunkflowError):
+    """Calibration cannot run or its input is unusable; the message says why."""
+
+
 CPU_GEMM_M = (16, 128, 1024)
 CPU_GEMM_NK = (768, 4096)
 SMALL_HEADS = 2
@@ -187,8 +194,6 @@ def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
         except Exception as exc:  # noqa: BLE001
             out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
     if not any(isinstance(v, dict) for v in out.values()):
-        from chunkflow.calibrate import CalibrationError
-
         raise CalibrationError("no text encoder could be built at a small width to time an operator's host cost ("
                                + "; ".join(map(str, out.values())) + "); check that transformers is installed and "
                                "up to date")

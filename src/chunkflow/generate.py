@@ -28,7 +28,7 @@ import torch
 
 from chunkflow.models.pipeline_build import BuiltPipeline
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow.run_generate import GcCollection
+from chunkflow.reports import GcCollection
 
 PHASES = ("encode", "denoise", "decode")
 

@@ -12,7 +12,6 @@ OffloadConfig, runs it and reports.
 from __future__ import annotations
 
 import datetime
-import json
 import platform
 import shlex
 import statistics
@@ -21,149 +20,18 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Sequence
-
-from pydantic import BaseModel, Field, ValidationError
+from typing import Any, Callable
 
 from chunkflow.launch import torchrun_world
-from chunkflow.run_generate import GenerationResult
+from chunkflow.reports import Measured, MemorySample, RelErrors, RunConfig, RunError, RunReport, rel_error
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
-from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.files import FileError, read_text
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.predict import Predicted, hardware_of, predict
-from chunkflow_planner.versioned import field_errors
 
-RUN_REPORT_SCHEMA_VERSION = 3
 MAX_STEPS = 100_000  # denoising steps a run takes (pipelines use 4-100)
 MAX_SEED = 2**62
 DEFAULT_MAX_STEPS = 5
-
-
-class RunError(ChunkflowError):
-    """A run that cannot start (bad plan, model, profile or option); the message says what to fix."""
-
-
-# --------------------------------------------------------------------------------------------- report
-
-
-class MemorySample(BaseModel):
-    """Memory after one timed step: torch's allocated and reserved device bytes (None on the CPU), host RSS."""
-
-    step: int
-    allocated_bytes: int | None = None
-    reserved_bytes: int | None = None
-    host_rss_bytes: int
-
-
-PositiveTime = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-
-class Measured(BaseModel):
-    step_times_s: list[PositiveTime] = Field(min_length=1)
-    median_step_s: PositiveTime
-    peak_allocated_bytes: int | None = Field(None, description="torch peak allocated over the timed steps (GPU)")
-    peak_reserved_bytes: int | None = None
-    pinned_host_bytes: int = 0
-    achieved_residency: float | None = None
-    memory_trace: list[MemorySample] = Field(default_factory=list, description="memory after every timed step")
-
-
-class RelErrors(BaseModel):
-    """(measured - predicted) / predicted; None where nothing was compared: peak GPU memory on the CPU, and any time
-    measured on another kind of device than the plan's (a GPU's prediction run on the CPU)."""
-
-    step_time: float | None = None
-    peak_memory: float | None = None
-
-
-class RunConfig(BaseModel):
-    offload: OffloadConfig
-    device: str
-    dtype: str
-    weights: str = "random"
-    warmup: int
-    steps: int
-    world_size: int = 1
-    sp_degree: int = 1
-
-
-class RunReport(BaseModel):
-    schema_version: int = RUN_REPORT_SCHEMA_VERSION
-    date: str
-    command: str
-    gpu: str
-    torch: str
-    diffusers: str
-    triton: str | None = Field(None, description="Triton's version where installed (the fp8 cast kernel)")
-    transformers: str | None = Field(None, description="transformers' version where installed (its text encoders' "
-                                     "operator counts change with it)")
-    hardware: str = Field(description="name of the hardware profile the prediction used")
-    plan: Plan
-    run: RunConfig
-    measured: Measured
-    predicted: Predicted
-    rel_error: RelErrors
-    stats: dict[str, Any] | None = Field(None, description="OffloadHandle.stats() after the timed steps")
-    generation: GenerationResult | None = Field(None, description="`run --prompt`: the whole generation, phase by "
-                                                "phase, measured against the plan")
-
-    def write(self, path: str | Path) -> None:
-        from chunkflow_planner.files import write_atomic
-
-        write_atomic(path, self.model_dump_json(indent=2) + "\n")
-
-
-def _upgrade(data: dict) -> dict:
-    """An older report in today's layout: version 1 held the offload setting as flat fields of `run`; version 2
-    had no `generation` section."""
-    if data.get("schema_version") == 1 and isinstance(data.get("run"), dict):
-        run = dict(data["run"])
-        fields = {k: run.pop(k) for k in ("mode", "chunk_bytes", "residency", "comm_aware") if k in run}
-        data = {**data, "schema_version": 2, "run": {**run, "offload": fields}}
-    if data.get("schema_version") == 2:
-        data = {**data, "schema_version": RUN_REPORT_SCHEMA_VERSION}
-    return data
-
-
-def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
-    """RunReports from .json files (one report) or .jsonl files (one per line); version 1 reports are upgraded."""
-    out = []
-    for p in paths:
-        path = Path(p)
-        try:
-            text = read_text(path, "run report")
-        except FileError as exc:
-            raise RunError(str(exc)) from None
-        lines = [ln for ln in text.splitlines() if ln.strip()] if path.suffix == ".jsonl" else [text]
-        for i, line in enumerate(lines):
-            where = f"{str(path)!r}{f' line {i + 1}' if len(lines) > 1 else ''}"
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RunError(f"run report {where} is not JSON: {exc}") from None
-            except RecursionError:
-                raise RunError(f"run report {where} is nested too deeply to be a run report") from None
-            data = _upgrade(data) if isinstance(data, dict) else data
-            if not isinstance(data, dict) or data.get("schema_version") != RUN_REPORT_SCHEMA_VERSION:
-                raise RunError(f"{where} is not a run report of schema_version {RUN_REPORT_SCHEMA_VERSION} "
-                               "(write it with `chunkflow run`)")
-            try:
-                out.append(RunReport.model_validate(data))
-            except ValidationError as exc:
-                raise RunError(f"run report {where} is malformed: {field_errors(exc)}") from None
-            except (TypeError, ValueError, RecursionError) as exc:  # a section's own check (its offload setting's)
-                raise RunError(f"run report {where} is malformed: {exc}") from None
-    if not out:
-        raise RunError("no run reports given")
-    return out
-
-
-def rel_error(measured: float | None, predicted: float | None) -> float | None:
-    if measured is None or predicted is None or predicted == 0:
-        return None
-    return (measured - predicted) / predicted
 
 
 # ----------------------------------------------------------------------------------------- measurement

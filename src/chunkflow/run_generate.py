@@ -28,93 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field
-
+from chunkflow.reports import GcCollection, GenerationResult, LoadResult, PhaseResult
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.units import format_bytes
-
-
-class GcCollection(BaseModel):
-    """One collection of Python's garbage collector: what it took, which generation it scanned (2: a full
-    collection), how many objects it freed (few freed in a long time: their finalizers, not the scan, took it)."""
-
-    seconds: float
-    generation: int
-    collected: int
-
-
-class PhaseResult(BaseModel):
-    measured_time_s: float = Field(description="the median over the measured generations (--repeat)")
-    measured_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
-    gc_s: list[float] = Field(default_factory=list, description="each measured generation's seconds in Python's "
-                              "garbage collector during the phase")
-    gc_longest: list[GcCollection | None] = Field(default_factory=list, description="each measured generation's "
-                                                   "longest collection in the phase (none: no collection)")
-    parts_s: dict[str, list[float]] = Field(default_factory=dict, description="component -> each measured "
-                                            "generation's seconds in its forwards (the text encoders in encode)")
-    predicted_parts_s: dict[str, float] = Field(default_factory=dict, description="the plan's account of the "
-                                                "phase's time (components, host work, start-up)")
-    measured_peak_memory_bytes: int | None = Field(None, description="reserved + context at the phase's peak (GPU)")
-    measured_peak_allocated_bytes: int | None = None
-    measured_host_rss_bytes: int = 0
-    predicted_time_s: float | None = None
-    predicted_peak_memory_bytes: int | None = None
-    time_error: float | None = None
-    memory_error: float | None = None
-
-
-class LoadResult(BaseModel):
-    """Building the pipeline: measured, and predicted for what it read (chunkflow_planner/load.py)."""
-
-    weights: str = Field(description="the pipeline folder read, or 'random' (weights drawn in place, nothing read)")
-    variant: str | None = None
-    measured_time_s: float
-    read_bytes: int = 0
-    cached_fraction: float | None = Field(None, description="share of the bytes read that the page cache held "
-                                          "before the load (None: not known on this system)")
-    read_seconds: float = Field(0.0, description="seconds inside the reads")
-    host_peak_bytes: int = Field(description="the process's peak resident memory at the load's end")
-    component_bytes: dict[str, int] = Field(default_factory=dict, description="bytes each component holds")
-    planned_component_bytes: dict[str, int] = Field(default_factory=dict)
-    predicted_time_s: float | None = Field(None, description="the plan's load time for these bytes and this cache "
-                                           "share")
-    predicted_parts_s: dict[str, float] = Field(default_factory=dict)
-    predicted_host_peak_bytes: int | None = None
-    time_error: float | None = None
-    host_error: float | None = None
-
-    @property
-    def read_gbps(self) -> float | None:
-        return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds > 0 else None
-
-
-class GenerationResult(BaseModel):
-    prompt: str
-    negative_prompt: str | None = None
-    seed: int
-    guidance: float | None = None
-    steps: int
-    out: str | None = None
-    components: dict[str, str] = Field(description="component -> placement, as run")
-    vae_tiling: bool = False
-    phases: dict[str, PhaseResult]
-    generation_time_s: float
-    predicted_generation_time_s: float | None = None
-    generation_time_error: float | None = None
-    host_peak_bytes: int = Field(description="the process's peak resident memory (VmHWM), loading included")
-    predicted_host_memory_bytes: int | None = None
-    host_memory_error: float | None = None
-    gpu_budget_bytes: int | None = None
-    host_budget_bytes: int | None = None
-    warmup_generations: int = Field(0, ge=0, description="whole generations run before the measured one (--warmup)")
-    measured_generations: int = Field(1, ge=1, description="generations measured after the warm-up (--repeat)")
-    generation_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
-    first_phase_times_s: dict[str, float] | None = Field(
-        None, description="with --warmup: the process's first generation, phase by phase (start-up included)")
-    first_parts_s: dict[str, dict[str, float]] | None = Field(
-        None, description="with --warmup: the first generation's timed components per phase (PhaseResult.parts_s)")
-    load: LoadResult | None = Field(None, description="building the pipeline, measured against the plan")
 
 
 @dataclass
@@ -143,8 +60,8 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
 
     from chunkflow.generate import generate
     from chunkflow.models.pipeline_build import build_pipeline
-    from chunkflow.run import (Measured, MemorySample, RunConfig, RunError, _place, environment, make_report,
-                               rel_error, save_latents)
+    from chunkflow.reports import Measured, MemorySample, RunConfig, RunError, rel_error
+    from chunkflow.run import _place, environment, make_report, save_latents
     from chunkflow.weights import resolve_weights
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.predict import hardware_of, predict
@@ -273,7 +190,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
 def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: bool) -> LoadResult:
     """The build's LoadResult: measured (built.load), and the plan's load predicted for the bytes it read and the
     share the page cache held (`comparable`: the run's device is the plan's kind, GPU or host)."""
-    from chunkflow.run import rel_error
+    from chunkflow.reports import rel_error
     from chunkflow_planner.load import LoadEstimate, T_load, load_parts
 
     m = built.load

@@ -7,7 +7,10 @@ degree N each GPU performs 1/N of it (the head dimension is partitioned), see `F
 
 from __future__ import annotations
 
-from chunkflow_planner.catalog import BlockKind, ModelSpec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the catalog prices its models with these formulas
+    from chunkflow_planner.catalog import BlockKind, ModelSpec
 
 
 # --- DiT block (WanVideo): self-attention, cross-attention to the text, MLP -------------------------

@@ -1,0 +1,228 @@
+"""Every schema `chunkflow run` writes and `calibrate --from-report` reads: the run report (what ran, measured
+against what the plan predicted) and its `generation` section (`run --prompt`: each phase, the load). Versioned:
+an older report is upgraded on reading (`load_reports`).
+
+The orchestration lives in chunkflow.run (synthetic steps) and chunkflow.run_generate (a whole generation); both
+write these, neither is needed to read them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Sequence
+
+from pydantic import BaseModel, Field, ValidationError
+
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.files import FileError, read_text
+from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.plan import Plan
+from chunkflow_planner.predict import Predicted
+from chunkflow_planner.versioned import field_errors
+
+RUN_REPORT_SCHEMA_VERSION = 3
+
+
+class RunError(ChunkflowError):
+    """A run that cannot start (bad plan, model, profile or option); the message says what to fix."""
+
+
+class GcCollection(BaseModel):
+    """One collection of Python's garbage collector: what it took, which generation it scanned (2: a full
+    collection), how many objects it freed (few freed in a long time: their finalizers, not the scan, took it)."""
+
+    seconds: float
+    generation: int
+    collected: int
+
+
+class PhaseResult(BaseModel):
+    measured_time_s: float = Field(description="the median over the measured generations (--repeat)")
+    measured_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
+    gc_s: list[float] = Field(default_factory=list, description="each measured generation's seconds in Python's "
+                              "garbage collector during the phase")
+    gc_longest: list[GcCollection | None] = Field(default_factory=list, description="each measured generation's "
+                                                   "longest collection in the phase (none: no collection)")
+    parts_s: dict[str, list[float]] = Field(default_factory=dict, description="component -> each measured "
+                                            "generation's seconds in its forwards (the text encoders in encode)")
+    predicted_parts_s: dict[str, float] = Field(default_factory=dict, description="the plan's account of the "
+                                                "phase's time (components, host work, start-up)")
+    measured_peak_memory_bytes: int | None = Field(None, description="reserved + context at the phase's peak (GPU)")
+    measured_peak_allocated_bytes: int | None = None
+    measured_host_rss_bytes: int = 0
+    predicted_time_s: float | None = None
+    predicted_peak_memory_bytes: int | None = None
+    time_error: float | None = None
+    memory_error: float | None = None
+
+
+class LoadResult(BaseModel):
+    """Building the pipeline: measured, and predicted for what it read (chunkflow_planner/load.py)."""
+
+    weights: str = Field(description="the pipeline folder read, or 'random' (weights drawn in place, nothing read)")
+    variant: str | None = None
+    measured_time_s: float
+    read_bytes: int = 0
+    cached_fraction: float | None = Field(None, description="share of the bytes read that the page cache held "
+                                          "before the load (None: not known on this system)")
+    read_seconds: float = Field(0.0, description="seconds inside the reads")
+    host_peak_bytes: int = Field(description="the process's peak resident memory at the load's end")
+    component_bytes: dict[str, int] = Field(default_factory=dict, description="bytes each component holds")
+    planned_component_bytes: dict[str, int] = Field(default_factory=dict)
+    predicted_time_s: float | None = Field(None, description="the plan's load time for these bytes and this cache "
+                                           "share")
+    predicted_parts_s: dict[str, float] = Field(default_factory=dict)
+    predicted_host_peak_bytes: int | None = None
+    time_error: float | None = None
+    host_error: float | None = None
+
+    @property
+    def read_gbps(self) -> float | None:
+        return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds > 0 else None
+
+
+class GenerationResult(BaseModel):
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int
+    guidance: float | None = None
+    steps: int
+    out: str | None = None
+    components: dict[str, str] = Field(description="component -> placement, as run")
+    vae_tiling: bool = False
+    phases: dict[str, PhaseResult]
+    generation_time_s: float
+    predicted_generation_time_s: float | None = None
+    generation_time_error: float | None = None
+    host_peak_bytes: int = Field(description="the process's peak resident memory (VmHWM), loading included")
+    predicted_host_memory_bytes: int | None = None
+    host_memory_error: float | None = None
+    gpu_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    warmup_generations: int = Field(0, ge=0, description="whole generations run before the measured one (--warmup)")
+    measured_generations: int = Field(1, ge=1, description="generations measured after the warm-up (--repeat)")
+    generation_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
+    first_phase_times_s: dict[str, float] | None = Field(
+        None, description="with --warmup: the process's first generation, phase by phase (start-up included)")
+    first_parts_s: dict[str, dict[str, float]] | None = Field(
+        None, description="with --warmup: the first generation's timed components per phase (PhaseResult.parts_s)")
+    load: LoadResult | None = Field(None, description="building the pipeline, measured against the plan")
+
+
+class MemorySample(BaseModel):
+    """Memory after one timed step: torch's allocated and reserved device bytes (None on the CPU), host RSS."""
+
+    step: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    host_rss_bytes: int
+
+
+PositiveTime = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Measured(BaseModel):
+    step_times_s: list[PositiveTime] = Field(min_length=1)
+    median_step_s: PositiveTime
+    peak_allocated_bytes: int | None = Field(None, description="torch peak allocated over the timed steps (GPU)")
+    peak_reserved_bytes: int | None = None
+    pinned_host_bytes: int = 0
+    achieved_residency: float | None = None
+    memory_trace: list[MemorySample] = Field(default_factory=list, description="memory after every timed step")
+
+
+class RelErrors(BaseModel):
+    """(measured - predicted) / predicted; None where nothing was compared: peak GPU memory on the CPU, and any time
+    measured on another kind of device than the plan's (a GPU's prediction run on the CPU)."""
+
+    step_time: float | None = None
+    peak_memory: float | None = None
+
+
+class RunConfig(BaseModel):
+    offload: OffloadConfig
+    device: str
+    dtype: str
+    weights: str = "random"
+    warmup: int
+    steps: int
+    world_size: int = 1
+    sp_degree: int = 1
+
+
+class RunReport(BaseModel):
+    schema_version: int = RUN_REPORT_SCHEMA_VERSION
+    date: str
+    command: str
+    gpu: str
+    torch: str
+    diffusers: str
+    triton: str | None = Field(None, description="Triton's version where installed (the fp8 cast kernel)")
+    transformers: str | None = Field(None, description="transformers' version where installed (its text encoders' "
+                                     "operator counts change with it)")
+    hardware: str = Field(description="name of the hardware profile the prediction used")
+    plan: Plan
+    run: RunConfig
+    measured: Measured
+    predicted: Predicted
+    rel_error: RelErrors
+    stats: dict[str, Any] | None = Field(None, description="OffloadHandle.stats() after the timed steps")
+    generation: GenerationResult | None = Field(None, description="`run --prompt`: the whole generation, phase by "
+                                                "phase, measured against the plan")
+
+    def write(self, path: str | Path) -> None:
+        from chunkflow_planner.files import write_atomic
+
+        write_atomic(path, self.model_dump_json(indent=2) + "\n")
+
+
+def _upgrade(data: dict) -> dict:
+    """An older report in today's layout: version 1 held the offload setting as flat fields of `run`; version 2
+    had no `generation` section."""
+    if data.get("schema_version") == 1 and isinstance(data.get("run"), dict):
+        run = dict(data["run"])
+        fields = {k: run.pop(k) for k in ("mode", "chunk_bytes", "residency", "comm_aware") if k in run}
+        data = {**data, "schema_version": 2, "run": {**run, "offload": fields}}
+    if data.get("schema_version") == 2:
+        data = {**data, "schema_version": RUN_REPORT_SCHEMA_VERSION}
+    return data
+
+
+def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
+    """RunReports from .json files (one report) or .jsonl files (one per line); version 1 reports are upgraded."""
+    out = []
+    for p in paths:
+        path = Path(p)
+        try:
+            text = read_text(path, "run report")
+        except FileError as exc:
+            raise RunError(str(exc)) from None
+        lines = [ln for ln in text.splitlines() if ln.strip()] if path.suffix == ".jsonl" else [text]
+        for i, line in enumerate(lines):
+            where = f"{str(path)!r}{f' line {i + 1}' if len(lines) > 1 else ''}"
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RunError(f"run report {where} is not JSON: {exc}") from None
+            except RecursionError:
+                raise RunError(f"run report {where} is nested too deeply to be a run report") from None
+            data = _upgrade(data) if isinstance(data, dict) else data
+            if not isinstance(data, dict) or data.get("schema_version") != RUN_REPORT_SCHEMA_VERSION:
+                raise RunError(f"{where} is not a run report of schema_version {RUN_REPORT_SCHEMA_VERSION} "
+                               "(write it with `chunkflow run`)")
+            try:
+                out.append(RunReport.model_validate(data))
+            except ValidationError as exc:
+                raise RunError(f"run report {where} is malformed: {field_errors(exc)}") from None
+            except (TypeError, ValueError, RecursionError) as exc:  # a section's own check (its offload setting's)
+                raise RunError(f"run report {where} is malformed: {exc}") from None
+    if not out:
+        raise RunError("no run reports given")
+    return out
+
+
+def rel_error(measured: float | None, predicted: float | None) -> float | None:
+    if measured is None or predicted is None or predicted == 0:
+        return None
+    return (measured - predicted) / predicted
