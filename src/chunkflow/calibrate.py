@@ -782,7 +782,7 @@ def check_refit_reports(reports: Sequence, paths: Sequence[str]) -> None:
 
 
 def read_reports(paths: Sequence[str | Path]) -> list:
-    """RunReports from .json / .jsonl files (chunkflow.run.load_reports), with CalibrationError for bad input."""
+    """RunReports from .json / .jsonl files (chunkflow.reports.load_reports), with CalibrationError for bad input."""
     from chunkflow.reports import RunError, load_reports
 
     try:

@@ -181,7 +181,7 @@ def parts_line(ph, gpu: bool) -> str:  # noqa: ANN001 - run_generate.PhaseResult
     return parts_text(timed, ph.measured_time_s, ph.predicted_parts_s if gpu else None)
 
 
-def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport
+def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.reports.RunReport
     """A generation's phases measured (and, on a GPU, against the plan)."""
     g = report.generation
     w = report.plan.workload
@@ -303,7 +303,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
-def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.run.RunReport (imports torch-free)
+def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.reports.RunReport
     """Measured against predicted for one `chunkflow run`, with relative errors."""
     r, m, p, e = report.run, report.measured, report.predicted, report.rel_error
     o = r.offload

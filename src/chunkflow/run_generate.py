@@ -1,7 +1,7 @@
 """`chunkflow run --prompt`: build the plan's whole pipeline with its placements, generate, write the video or image,
 and report each phase measured against the plan.
 
-The run report (`run.RunReport`) gains a `generation` section: per phase the measured time and peak GPU memory
+The run report (`reports.RunReport`) gains a `generation` section: per phase the measured time and peak GPU memory
 (reserved plus context: what runs out) against the plan's prediction, the process's peak host memory against the
 predicted host memory, the whole generation's time. Its `measured` section holds the denoising steps, compared with
 the transformer's predicted step time, as for a synthetic run.
