@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
