@@ -328,6 +328,22 @@ def test_signals_at_random_moments_leave_no_temporary_and_no_success(tmp_path):
                 json.loads((tmp_path / f).read_text())  # whole
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_process_tears_down_is_no_death_by_signal(tmp_path, sig):
+    """A signal that comes once the command has finished, while the process is freeing what it held (Python puts
+    SIGINT and SIGTERM back to their defaults before it frees its modules, so there it killed the process: -15
+    after 'Run report written'), ends it with 0 or 128 + the signal, never by the signal."""
+    late = (f"import os, sys\nclass Late:\n    def __del__(self):\n        os.kill(os.getpid(), {int(sig)})\n"
+            "sys.modules['__main__'].late = Late()  # freed among the modules, after the command\n"
+            "sys.argv = ['chunkflow', 'plan', '--model', 'tiny', '--hardware', 'cpu', '--out', 'p.json']\n"
+            "from chunkflow.cli import main\nmain()\n")
+    env = dict(os.environ, CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    done = subprocess.run([sys.executable, "-c", late], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode in (0, 128 + sig), (done.returncode, done.stderr[-2000:])
+    assert json.loads((tmp_path / "p.json").read_text())["schema_version"]
+
+
 def test_a_signal_during_an_import_is_raised_once_the_import_is_over(tmp_path, monkeypatch):
     """Ctrl-C while a module is being imported (an extension's initialisation can abort the interpreter on an
     exception, or mark the process killed by SIGINT whatever it exits with) is held until the import is over, then

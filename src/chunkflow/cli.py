@@ -902,7 +902,8 @@ def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: boo
 
 def main() -> None:
     """Console-script entry point: SIGINT and SIGTERM routed through chunkflow.signals first; one that comes after
-    the command's work still makes the exit code the signal's (never 0 after an interrupt)."""
+    the command's work still makes the exit code the signal's (never 0 after an interrupt). The process ends through
+    signals.leave, so no signal finds the interpreter's defaults back while it frees the model."""
     from chunkflow.signals import Terminated, exit_code, install, interrupted, leave, quiet
 
     install()
@@ -916,9 +917,12 @@ def main() -> None:
         code = exit_code(15 if isinstance(exc, Terminated) else 2)
     finally:
         quiet()  # from here on a signal is only noted: the process is ending
+    if isinstance(code, str):  # SystemExit("message"): Python prints it and exits 1
+        _say(code)
+        code = 1
     if interrupted() is not None:
-        leave(exit_code() if code in (0, None) else code if isinstance(code, int) else 1)
-    raise SystemExit(code)
+        leave(exit_code() if code in (0, None) else code)
+    leave(code or 0, finished=True)
 
 
 if __name__ == "__main__":

@@ -77,12 +77,24 @@ def exit_code(signum: int | None = None) -> int:
     return 128 + int(signum or signal.SIGINT)
 
 
-def leave(code: int) -> None:
-    """End an interrupted process with `code` now: stdout and stderr flushed, no interpreter shutdown (whose thread
-    joins could wait, and which turns any earlier KeyboardInterrupt inside a library's own code into a SIGINT death
-    whatever the code). Everything of the command's was cleaned already, on the way up."""
+def leave(code: int, *, finished: bool = False) -> None:
+    """End the process with `code` now, stdout and stderr flushed, without the interpreter's finalisation: that
+    first puts SIGINT and SIGTERM back to their defaults, so a signal in the seconds it spends freeing a model
+    would kill the process (-15, -2) after the command had finished and printed its success. A `finished` command
+    first waits for its non-daemon threads and runs the atexit functions, as finalisation would, with its signals
+    still only noted; an interrupted one skips both (a thread join could wait, and an earlier KeyboardInterrupt
+    inside a library's own code turns a normal shutdown into a SIGINT death whatever the code). Everything of the
+    command's was cleaned already, on the way up."""
+    import atexit
     import sys
 
+    if finished:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+        if run_exitfuncs is not None:
+            run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
