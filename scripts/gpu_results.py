@@ -91,7 +91,7 @@ def main() -> int:
                 i = sweep.index(flag)
                 del sweep[i: i + 4]  # --chunk-sizes LIST --chunk-at N, --residency LIST --residency-at N
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               "-m", "chunkflow.cli", "bench", *sweep, "--hardware", profile, "--steps", "2", "--warmup", "1",
+               "-m", "chunkflow", "bench", *sweep, "--hardware", profile, "--steps", "2", "--warmup", "1",
                "--modes", args.modes, "--comm-aware", args.comm_aware, "--no-plots", "--out", str(out / key),
                *args.extra.split()]
         print(f"[{time.strftime('%H:%M:%S')}] {key}: {' '.join(cmd[1:])} (deadline {left:.0f} s)", flush=True)

@@ -27,7 +27,7 @@ def _gb(x: float | None) -> str:
 
 def _predictions(rep, profile):
     """phase -> (time of a later generation, time of the first, peak memory) and the host memory prediction."""
-    from chunkflow.run_generate import expected_time
+    from chunkflow.commands.run_generate import expected_time
 
     if profile is None:
         pp = rep.plan.prediction.phases
@@ -43,7 +43,7 @@ def _predictions(rep, profile):
 
 def table(paths: list[str], profile=None) -> list[str]:
     from chunkflow.reports import load_reports
-    from chunkflow.report import parts_text
+    from chunkflow.commands.plan_tables import parts_text
 
     out = ["| pipeline | phase | measured | predicted | error | first generation | predicted | error | "
            "peak GPU memory | predicted | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -89,7 +89,7 @@ def table(paths: list[str], profile=None) -> list[str]:
 def _parts(m) -> str:
     """A phase's measured components and the rest against the plan (as `chunkflow run` prints them), and its most
     time in the collector."""
-    from chunkflow.report import parts_line
+    from chunkflow.commands.plan_tables import parts_line
 
     from chunkflow_planner.units import format_seconds
 

@@ -5,7 +5,7 @@
     python scripts/results_doc.py --check   # exit 1 if docs/results.md is not what the data gives
 
 Each bench directory holds bench.csv and bench.json as `chunkflow bench` wrote them on the GPU
-(scripts/gpu_results.py); the planner's picks come from chunkflow.bench.choices, the same code the bench's
+(scripts/gpu_results.py); the planner's picks come from chunkflow.commands.bench.choices, the same code the bench's
 summary.md uses.
 """
 
@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import pandas as pd  # noqa: E402
 
-from chunkflow.bench import load, planner_choice  # noqa: E402
-from chunkflow.bench.summary import chunk_verdict, error_stats  # noqa: E402
+from chunkflow.commands.bench import load, planner_choice  # noqa: E402
+from chunkflow.commands.bench.summary import chunk_verdict, error_stats  # noqa: E402
 from chunkflow_planner.catalog import HardwareSpec, get_model  # noqa: E402
 
 DATA = ROOT / "docs" / "data" / "results-h200x2"

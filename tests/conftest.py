@@ -27,7 +27,7 @@ def workdir(tmp_path, monkeypatch):
 @pytest.fixture
 def cli(workdir):
     """cli(*args) -> click Result of `chunkflow *args`, run in `workdir`."""
-    from chunkflow.cli import app
+    from chunkflow.commands.cli import app
 
     runner = CliRunner()
     return lambda *args: runner.invoke(app, [str(a) for a in args])

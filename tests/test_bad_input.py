@@ -68,7 +68,7 @@ def mutated(draw, base: dict) -> dict:
 def tiny_plan_json(tmp_path_factory) -> dict:
     from typer.testing import CliRunner
 
-    from chunkflow.cli import app
+    from chunkflow.commands.cli import app
 
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--out", str(out)])
@@ -130,7 +130,7 @@ def test_hardware_profiles(cli, workdir, data):
 def tiny_report_json(tmp_path_factory, tiny_plan_json) -> dict:
     from typer.testing import CliRunner
 
-    from chunkflow.cli import app
+    from chunkflow.commands.cli import app
 
     d = tmp_path_factory.mktemp("report")
     (d / "plan.json").write_text(json.dumps(tiny_plan_json))

@@ -7,10 +7,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.bench import COLUMNS, BenchSpec
-from chunkflow.bench.choices import PlannerChoice
-from chunkflow.bench.summary import chunk_verdict, error_stats
-from chunkflow.cli import app
+from chunkflow.commands.bench import COLUMNS, BenchSpec
+from chunkflow.commands.bench.choices import PlannerChoice
+from chunkflow.commands.bench.summary import chunk_verdict, error_stats
+from chunkflow.commands.cli import app
 from chunkflow_planner.offload import OffloadConfig
 
 runner = CliRunner()
@@ -107,7 +107,7 @@ def test_bench_writes_csv_summary_and_plots(tmp_path):
 
 @pytest.mark.slow
 def test_bench_under_torchrun_runs_sequence_parallel(tmp_path, torchrun):
-    torchrun(2, ["-m", "chunkflow.cli", "bench", "--model", "tiny", "--frames", "5,9", "--chunk-sizes", "4KB,16KB",
+    torchrun(2, ["-m", "chunkflow", "bench", "--model", "tiny", "--frames", "5,9", "--chunk-sizes", "4KB,16KB",
                      "--steps", "1", "--hardware", "h200-x2", "--no-plots", "--out", str(tmp_path / "sp")],
                  CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
     df = pd.read_csv(tmp_path / "sp" / "bench.csv")

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chunkflow.calibrate import H2DFit, eta_curve, fit_h2d, make_profile, refit, summary_eta
-from chunkflow.cli import app
+from chunkflow.commands.cli import app
 from chunkflow_planner.catalog import get_hardware, get_model, load_profile
 from chunkflow_planner.overlap import F_star_hw, T_comp_hw, T_pref, analyse
 from chunkflow_planner.workload import make_workload
@@ -229,7 +229,7 @@ def test_refit_scales_the_reported_models_curve(tmp_path):
 def test_calibrate_under_torchrun_speaks_once(tmp_path, torchrun):
     """Every rank measures; only rank 0 logs, shows progress and writes the profile."""
     out = tmp_path / "p.yaml"
-    p = torchrun(2, ["-m", "chunkflow.cli", "calibrate", "--cpu-smoke", "--out", str(out)],
+    p = torchrun(2, ["-m", "chunkflow", "calibrate", "--cpu-smoke", "--out", str(out)],
                      CHUNKFLOW_CONFIG_DIR=str(tmp_path / "cfg"))
     assert p.stderr.count("H2D fit") == 1 and p.stderr.count("device cpu; base") == 1
     assert p.stdout.count("Profile written to") == 1 and out.exists()

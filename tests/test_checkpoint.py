@@ -115,7 +115,7 @@ def test_the_plan_reads_the_folders_headers_without_torch(workdir, folders):
     import subprocess
     import sys
 
-    code = ("import sys, json; from chunkflow.cli import main; sys.argv = ['chunkflow', 'plan', '--model', 'tiny', "
+    code = ("import sys, json; from chunkflow.commands.cli import main; sys.argv = ['chunkflow', 'plan', '--model', 'tiny', "
             f"'--hardware', 'cpu', '--weights', {str(folders['variant'])!r}, '--variant', 'fp16', '--json'];\n"
             "import io, contextlib\nbuf = io.StringIO()\n"
             "with contextlib.redirect_stdout(buf):\n"

@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.cli import app
+from chunkflow.commands.cli import app
 
 runner = CliRunner()
 
@@ -158,7 +158,7 @@ def test_plan_does_not_import_torch():
     code = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
-        "from chunkflow.cli import app\n"
+        "from chunkflow.commands.cli import app\n"
         "r = CliRunner().invoke(app, ['plan', '--model', 'wan2.2', '--frames', '81', '--json'])\n"
         "assert r.exit_code == 0, r.output\n"
         "print('torch' in sys.modules)\n"

@@ -259,7 +259,7 @@ def test_repeat_measures_several_generations_and_reports_their_median(cli, workd
     # run's output names the longest collection once it matters: its phase, generation and what it freed
     from rich.console import Console
 
-    from chunkflow.report import print_generation
+    from chunkflow.commands.plan_tables import print_generation
     from chunkflow.reports import load_reports
 
     ph = g["phases"]["denoise"]

@@ -576,7 +576,7 @@ def _result_kw(pipe, kind, extra):
 def test_a_plan_with_batched_cfg_warns_the_api_user(tmp_path):
     from typer.testing import CliRunner
 
-    from chunkflow.cli import app
+    from chunkflow.commands.cli import app
 
     path = tmp_path / "p.json"
     result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "cpu", "--transformer-only",

@@ -259,7 +259,7 @@ def test_plan_cli_imports_no_torch_and_no_scipy():
     import subprocess
     import sys
 
-    code = ("import sys; from chunkflow.cli import app; from typer.testing import CliRunner; "
+    code = ("import sys; from chunkflow.commands.cli import app; from typer.testing import CliRunner; "
             "r = CliRunner().invoke(app, ['plan', '--model', 'qwen', '--mem-budget', '24GB', '--host-mem-budget', "
             "'64GB', '--json']); assert r.exit_code == 0, r.output; "
             "print(sorted(m for m in ('torch', 'scipy', 'diffusers') if m in sys.modules))")

@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.cli import app
+from chunkflow.commands.cli import app
 from chunkflow.reports import RUN_REPORT_SCHEMA_VERSION, RunReport
 from chunkflow_planner.offload import OffloadConfig
 
@@ -53,7 +53,7 @@ def test_run_chunkflow_with_residency_reports_achieved_residency(tmp_path):
 @pytest.mark.slow
 def test_run_as_a_subprocess(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-m", "chunkflow.cli", "run", "--plan", "plan.json", "--steps", "1"],
+    proc = subprocess.run([sys.executable, "-m", "chunkflow", "run", "--plan", "plan.json", "--steps", "1"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run-report.json").exists()
@@ -119,10 +119,10 @@ def test_weights_dir_missing_and_misshapen_tensors(tmp_path):
 
 @pytest.mark.slow
 def test_run_under_torchrun_with_sequence_parallelism(tmp_path, cli, torchrun):
-    """`torchrun -m chunkflow.cli run` on two gloo ranks: the SP plan's degree is used and rank 0 reports."""
+    """`torchrun -m chunkflow run` on two gloo ranks: the SP plan's degree is used and rank 0 reports."""
     result = cli("plan", "--model", "tiny", "--sp", "2", "--hardware", "h200-x2", "--out", tmp_path / "plan.json")
     assert result.exit_code == 0, result.output
-    torchrun(2, ["-m", "chunkflow.cli", "run", "--plan", str(tmp_path / "plan.json"), "--device", "cpu", "--mode",
+    torchrun(2, ["-m", "chunkflow", "run", "--plan", str(tmp_path / "plan.json"), "--device", "cpu", "--mode",
                  "chunkflow", "--chunk-size", "4KB", "--steps", "1", "--report", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["run"]["sp_degree"] == 2 and report["run"]["offload"]["mode"] == "chunkflow"

@@ -1,5 +1,5 @@
 """The `chunkflow` console script: SIGINT and SIGTERM handled before anything heavy is imported (a Ctrl-C while the
-command line starts up exits 130 without a traceback), then the command line itself (chunkflow.cli)."""
+command line starts up exits 130 without a traceback), then the command line itself (chunkflow.commands.cli)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def main() -> None:
 
     install()
     try:
-        from chunkflow.cli import main as cli_main
+        from chunkflow.commands.cli import main as cli_main
     except (KeyboardInterrupt, Terminated) as exc:
         import sys
 

@@ -19,8 +19,8 @@ import statistics
 import warnings
 from typing import Callable
 
-from chunkflow.bench.baselines import apply_baseline
-from chunkflow.bench.sweep import BenchSpec
+from chunkflow.commands.bench.baselines import apply_baseline
+from chunkflow.commands.bench.sweep import BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import analyse
@@ -49,7 +49,7 @@ def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps:
 
     from chunkflow.models.inputs import make_inputs
     from chunkflow.probes import CollectiveTimer, StallTimer
-    from chunkflow.run import denoise
+    from chunkflow.commands.run import denoise
 
     colls: list[float] = []
     stalls: list[float] = []

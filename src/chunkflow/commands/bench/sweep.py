@@ -44,7 +44,7 @@ class BenchSpec(BaseModel):
     residency_at: int | None = Field(None, description="workload of the residency sweep (default: the smallest)")
     comm_aware: bool = Field(True, description="chunkflow paces chunk copies around collectives (SP only)")
     baselines: list[str] = Field(default_factory=list, description="other offloaders measured at every value, "
-                                 "last (chunkflow.bench.baselines)")
+                                 "last (chunkflow.commands.bench.baselines)")
     compile: Literal["off", "regional", "regional-fullgraph"] = Field(
         "off", description="torch.compile the model's repeated blocks (diffusers' compile_repeated_blocks) before "
         "any configuration is offloaded; the planner's predictions stay those of eager execution")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from chunkflow.bench.choices import PlannerChoice
-from chunkflow.bench.sweep import BenchMeta, row_label
+from chunkflow.commands.bench.choices import PlannerChoice
+from chunkflow.commands.bench.sweep import BenchMeta, row_label
 from chunkflow_planner.units import short_bytes
 
 CHUNK_TOLERANCE = 0.05  # the planner's chunk size should be within 5% of the best measured (issue 6)

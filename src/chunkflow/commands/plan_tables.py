@@ -269,7 +269,7 @@ def stream_line(stats: dict | None, steps: int) -> str:
             f"{format_bytes(stats.get('pinned_bytes') or stats.get('host_bytes', 0))} in host memory")
 
 
-def load_line(ld) -> str:  # noqa: ANN001 - chunkflow.run_generate.LoadResult
+def load_line(ld) -> str:  # noqa: ANN001 - chunkflow.commands.run_generate.LoadResult
     """The build: its time against the plan's for what it read, the read rate, the host peak at its end."""
     if ld.weights == "random":
         line = f"load: random weights drawn in place in {format_seconds(ld.measured_time_s)}"

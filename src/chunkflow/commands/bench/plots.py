@@ -14,8 +14,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from chunkflow.bench.choices import PlannerChoice
-from chunkflow.bench.sweep import BenchError, BenchMeta
+from chunkflow.commands.bench.choices import PlannerChoice
+from chunkflow.commands.bench.sweep import BenchError, BenchMeta
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import GB, TFLOP, analyse

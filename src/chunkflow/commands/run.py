@@ -205,7 +205,7 @@ def _place(o: RunOptions, world: int, plan: Plan, log: Callable[[str], None]):
     if plan.parallel.sp_degree > 1:
         log(f"note: the plan is for SP={plan.parallel.sp_degree} ({plan.parallel.sp_degree} processes) and this run is "
             f"one process: predicting for SP=1; to run the plan, launch it with `torchrun --nproc-per-node "
-            f"{plan.parallel.sp_degree} -m chunkflow.cli run ...`")
+            f"{plan.parallel.sp_degree} -m chunkflow run ...`")
     from chunkflow.runtime.resolve import resolve_device
 
     return 0, resolve_device(o.device, hint="--device cpu")

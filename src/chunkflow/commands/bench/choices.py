@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkflow.bench.sweep import BenchSpec
+from chunkflow.commands.bench.sweep import BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.policy import Infeasible, Problem, best_chunk, decide

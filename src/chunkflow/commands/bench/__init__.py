@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chunkflow.bench.choices import PlannerChoice, planner_choice
-from chunkflow.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
-from chunkflow.bench.sweep import BenchError, BenchMeta, BenchSpec
+from chunkflow.commands.bench.choices import PlannerChoice, planner_choice
+from chunkflow.commands.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
+from chunkflow.commands.bench.sweep import BenchError, BenchMeta, BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, get_model
 from chunkflow_planner.files import write_atomic
 
@@ -21,7 +21,7 @@ __all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "PlannerChoice", "
 
 def write_outputs(df, meta: BenchMeta, out: Path, plots: bool = True) -> list[Path]:
     """bench.csv, bench.json, summary.md and (plots=True) the PNGs in `out`; returns the paths written."""
-    from chunkflow.bench.summary import summary_markdown
+    from chunkflow.commands.bench.summary import summary_markdown
 
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model(meta.spec.model)
@@ -32,7 +32,7 @@ def write_outputs(df, meta: BenchMeta, out: Path, plots: bool = True) -> list[Pa
     meta.write(paths[1])
     write_atomic(paths[2], summary_markdown(df, meta, choice))
     if plots:
-        from chunkflow.bench.plots import plot_all
+        from chunkflow.commands.bench.plots import plot_all
 
         paths += plot_all(df, meta, spec, hw, choice, out)
     return paths

@@ -285,7 +285,7 @@ def plan_cmd(
     if json_out:
         sys.stdout.write(plan.to_json() + "\n")
         return
-    from chunkflow.report import print_plan
+    from chunkflow.commands.plan_tables import print_plan
 
     print_plan(console, plan, decision, analysis)
     if out:
@@ -353,7 +353,7 @@ def run_cmd(
     p = load_plan(plan)
     cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
                                    weight_dtype=weight_dtype, fp8_cast=fp8_cast)  # the flags are parsed here, once
-    from chunkflow.run import RunOptions, run_plan
+    from chunkflow.commands.run import RunOptions, run_plan
 
     generating = prompt is not None
     if warmup is None:
@@ -394,7 +394,7 @@ def run_cmd(
     # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
     # allocates (the planner's reserve_fraction). Set before torch starts CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    from chunkflow.report import print_run
+    from chunkflow.commands.plan_tables import print_run
 
     if generating:
         _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report)
@@ -444,8 +444,8 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
 
 def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report) -> None:
     """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps."""
-    from chunkflow.report import print_generation
-    from chunkflow.run_generate import GenerateOptions, run_generation
+    from chunkflow.commands.plan_tables import print_generation
+    from chunkflow.commands.run_generate import GenerateOptions, run_generation
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -699,8 +699,8 @@ def _int_list(text: str, what: str) -> list[int]:
 def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, residency_at, height, width, hardware,
                 warmup, steps, comm_aware, baselines="", compile="off", weight_dtype="bf16", fp8_cast="compute"):
     """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
-    from chunkflow.bench import BenchSpec
-    from chunkflow.bench.baselines import BASELINES, check_baseline
+    from chunkflow.commands.bench import BenchSpec
+    from chunkflow.commands.bench.baselines import BASELINES, check_baseline
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.offload import MODES
     from chunkflow_planner.planner import resolve_hardware
@@ -758,7 +758,7 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
 
 
 def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
-    from chunkflow.bench.sweep import row_label
+    from chunkflow.commands.bench.sweep import row_label
 
     t = Table(title=f"{spec.name}: measured vs predicted step time (hardware {hw.name}, SP={world})")
     for col in (axis, "config", "measured", "x none", "predicted", "error", "bit-identical"):
@@ -810,7 +810,7 @@ def bench_cmd(
 ) -> None:
     """Sweep frames or batch, modes, chunk size and residency for a model; write CSV, summary and plots.
 
-    Under torchrun (`torchrun --nproc-per-node N -m chunkflow.cli bench ...`) every rank runs the sweep with
+    Under torchrun (`torchrun --nproc-per-node N -m chunkflow bench ...`) every rank runs the sweep with
     Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
     """
     from chunkflow_planner.files import check_output_dir
@@ -835,7 +835,7 @@ def bench_cmd(
 
 def _bench_redraw(from_dir: Path, out: Path, plots: bool) -> None:
     """Plots and summary.md again from an earlier bench directory's files."""
-    from chunkflow.bench import load, write_outputs
+    from chunkflow.commands.bench import load, write_outputs
 
     paths = write_outputs(*load(from_dir), out, plots)
     console.print("Written: " + ", ".join(str(p) for p in paths))
@@ -859,7 +859,7 @@ def _bench_setup(world: int, device: str | None, *flags):
 def _bench_measure(spec, bench, hw, dev, world: int, out_dir: Path, show: bool):
     """Run the sweep with a progress bar; while it runs, rank 0 keeps bench.partial.csv (what a sweep cut short by
     a time limit still leaves behind)."""
-    from chunkflow.bench import run_bench
+    from chunkflow.commands.bench import run_bench
 
     partial = out_dir / "bench.partial.csv"
 
@@ -887,11 +887,11 @@ def _bench_write(df, spec, bench, hw, dev, world: int, out_dir: Path, plots: boo
     """bench.csv, bench.json, summary.md and plots, then the table on the console."""
     import os
 
-    from chunkflow.bench import BenchMeta, write_outputs
-    from chunkflow.run import environment
+    from chunkflow.commands.bench import BenchMeta, write_outputs
+    from chunkflow.commands.run import environment
 
     env = environment(dev)
-    launcher = f"torchrun --nproc-per-node {world} -m chunkflow.cli " if world > 1 else "chunkflow "
+    launcher = f"torchrun --nproc-per-node {world} -m chunkflow " if world > 1 else "chunkflow "
     meta = BenchMeta(spec=bench, hardware=hw.model_dump(mode="json"), sp=world, gpu=env["gpu"], date=env["date"],
                      command=launcher + " ".join(sys.argv[1:]), torch=env["torch"], diffusers=env["diffusers"],
                      env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES")})
