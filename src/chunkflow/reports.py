@@ -2,7 +2,7 @@
 against what the plan predicted) and its `generation` section (`run --prompt`: each phase, the load). Versioned:
 an older report is upgraded on reading (`load_reports`).
 
-The orchestration lives in chunkflow.commands.run (synthetic steps) and chunkflow.commands.run_generate (a whole generation); both
+The orchestration lives in chunkflow.commands.steps (synthetic steps) and chunkflow.commands.run_generate (a whole generation); both
 write these, neither is needed to read them.
 """
 

@@ -60,7 +60,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     from chunkflow.generate import generate
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow.reports import Measured, MemorySample, RunConfig, RunError, rel_error
-    from chunkflow.commands.run import _place, environment, make_report, save_latents
+    from chunkflow.commands.steps import _place, environment, make_report, save_latents
     from chunkflow.weights import resolve_weights
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.predict import hardware_of, predict

@@ -49,7 +49,7 @@ def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps:
 
     from chunkflow.models.inputs import make_inputs
     from chunkflow.probes import CollectiveTimer, StallTimer
-    from chunkflow.commands.run import denoise
+    from chunkflow.commands.steps import denoise
 
     colls: list[float] = []
     stalls: list[float] = []

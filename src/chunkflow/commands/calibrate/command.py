@@ -1,0 +1,214 @@
+"""`chunkflow calibrate`: measure this machine's factors, save or print the profile, or refit one from run reports."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.table import Table
+import typer
+
+from chunkflow.commands.app import console, UserError, _command, _progress, _say
+from chunkflow.launch import torchrun_rank
+from chunkflow_planner.units import format_bytes
+
+
+@_command("calibrate")
+def calibrate_cmd(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog model(s) whose blocks set the eta_comp "
+                                        "curves, comma-separated (e.g. wan2.2,flux,hunyuan; default wan2.2); each "
+                                        "model listed gets its own curve"),
+    out: str = typer.Option("profile.yaml", "--out", "-o", help="write the hardware profile (YAML) here"),
+    save: Optional[bool] = typer.Option(None, "--save/--no-save",
+                                        help="also save it as this machine's default profile (default: yes, except --cpu-smoke)"),
+    cpu_smoke: bool = typer.Option(False, "--cpu-smoke", help="run every measurement tiny on the CPU (tests); the numbers mean nothing"),
+    from_report: Optional[list[str]] = typer.Option(None, "--from-report",
+                                                    help="refit instead of measuring: run report(s) (.json, or .jsonl "
+                                                         "with one per line); repeat the flag, or give a pattern: "
+                                                         "out/*-report.json"),
+    profile: Optional[str] = typer.Option(None, help="with --from-report: the profile to refit (default: each report's own)"),
+    gemm_size: int = typer.Option(8192, help="n of the n^3 bf16 GEMM"),
+    peak_tflops: Optional[float] = typer.Option(None, help="P_peak to express eta against (default: the catalog GPU's datasheet peak)"),
+    base: Optional[str] = typer.Option(None, help="catalog GPU whose unmeasured fields the profile inherits (default: by GPU name)"),
+    raw: Optional[str] = typer.Option(None, help="also write the raw measurements as JSON here"),
+    weights: Optional[str] = typer.Option(None, help="time the disk this pipeline folder (or Hub id in the local "
+                                          "cache) is on, as the loader reads it, cold and warm (default: the "
+                                          "Hugging Face cache's disk)"),
+    more_reports: Optional[list[str]] = typer.Argument(None, metavar="REPORT", show_default=False,
+                                                       help="with --from-report: more run reports (what an unquoted "
+                                                            "pattern, --from-report out/*-report.json, expands to)"),
+) -> None:
+    """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
+    all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses.
+
+    Saving over this machine's default profile keeps the previous one beside it (hardware-profile.previous.yaml)
+    and prints what changed."""
+    import math
+
+    from chunkflow_planner.files import check_output_file
+
+    if gemm_size < 1:
+        raise UserError(f"--gemm-size must be positive, got {gemm_size}")
+    import os
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `run` measures
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise UserError(f"--peak-tflops must be a positive number, got {peak_tflops}")
+    if cpu_smoke and model is not None:
+        raise UserError("--cpu-smoke measures the tiny catalog model; leave --model out (it is for GPU runs)")
+    if more_reports and not from_report:
+        raise UserError(f"unexpected argument(s) {' '.join(more_reports)} (report files go after --from-report: "
+                        "`chunkflow calibrate --from-report out/*-report.json`)")
+    from_report = (from_report or []) + (more_reports or [])
+    if from_report and (cpu_smoke or model is not None or raw is not None or weights is not None):
+        raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw and --weights measure: use "
+                        "one or the other")
+    if weights is not None:
+        from chunkflow.calibrate_disk import disk_folder
+
+        disk_folder(weights)  # a missing folder or uncached Hub id fails before anything is measured
+    check_output_file(out, "--out")
+    if raw:
+        check_output_file(raw, "--raw")
+    default = save if save is not None else not cpu_smoke
+    from chunkflow_planner.files import check_distinct, check_output_dir
+    from chunkflow_planner.planner import config_dir, saved_profile_path
+
+    if default:  # where the default profile goes must take it, known before the measurement
+        check_output_dir(config_dir(), "chunkflow's config directory ($CHUNKFLOW_CONFIG_DIR)")
+    previous = saved_profile_path().with_name("hardware-profile.previous.yaml") if default else None
+    check_distinct({"--out": out, "--raw": raw, "the previous default profile": previous},
+                   {**{f"--from-report {r}": r for r in from_report}, "--profile": profile})
+    if from_report:
+        new, header = _refit_profile(from_report, profile)
+    else:
+        measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw, weights)
+        if measured is None:  # not rank 0
+            return
+        new, header = measured
+    _save_profile(new, out, header, default=default)
+    _print_profile(new)
+
+
+def _save_profile(new, out: str, header: str, default: bool) -> None:
+    """The profile to `out`, and as this machine's default: the one it replaces is kept (read before anything is
+    written, `out` being that same file or not), and what changed said."""
+    from chunkflow_planner.catalog import CatalogError, load_profile
+    from chunkflow_planner.files import write_atomic
+    from chunkflow_planner.planner import saved_profile_path
+
+    from chunkflow.calibrate import profile_changes, write_profile
+
+    path = saved_profile_path()
+    previous = path.read_bytes() if default and path.is_file() else None
+    try:
+        old = load_profile(path) if previous is not None else None
+    except CatalogError:
+        old = None
+    write_profile(new, out, header)
+    console.print(f"Profile written to {out}", markup=False)
+    if not default:
+        return
+    if previous is not None:
+        kept = write_atomic(path.with_name("hardware-profile.previous.yaml"), previous)
+        console.print(f"The previous default profile is kept as {kept}" + (
+            "; changes: " + "; ".join(profile_changes(old, new)) if old is not None else " (it could not be read)"),
+            highlight=False, markup=False)
+    write_profile(new, path, header)
+    console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)",
+                  markup=False)
+
+
+def _refit_profile(reports: list[str], profile: str | None):
+    """(refitted profile, header) from run reports; notes printed. Reports that cannot describe a GPU are refused."""
+    from chunkflow_planner.catalog import HardwareSpec, get_hardware
+
+    from chunkflow.calibrate import CalibrationError, check_refit_reports, read_reports, refit
+
+    import glob
+    import os
+
+    paths = []
+    for given in reports:  # a quoted pattern (`--from-report 'out/*-report.json'`) is expanded here
+        if any(c in given for c in "*?["):
+            found = sorted(glob.glob(given))
+            if not found:
+                raise CalibrationError(f"--from-report {given!r} matches no file")
+            paths += found
+        else:
+            paths.append(given)
+    unique: dict[str, str] = {}  # each file once, where patterns overlap
+    for path in paths:
+        unique.setdefault(os.path.realpath(path), path)
+    paths = list(unique.values())
+    reps = []
+    for path in paths:  # one at a time, so a refused report is named
+        these = read_reports([path])
+        check_refit_reports(these, [path])
+        reps += these
+    reports = paths
+    if profile:
+        hw = get_hardware(profile)
+    else:
+        try:
+            hw = HardwareSpec(**(reps[0].plan.hardware.spec or {}))
+        except (TypeError, ValueError) as exc:
+            raise CalibrationError(f"the first run report's plan has no usable hardware profile ({exc}); pass "
+                                   "--profile") from None
+    new, notes = refit(hw, reps)
+    for n in notes:
+        console.print(f"- {n}", highlight=False)
+    return new, f"refit from {', '.join(reports)}"
+
+
+def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: float | None, base: str | None,
+                     raw: str | None, weights: str | None = None):
+    """(measured profile, header) on rank 0; None on other ranks under torchrun (every rank measures)."""
+    import json
+
+    from chunkflow_planner.files import write_atomic
+
+    from chunkflow.calibrate import calibrate
+
+    rank0 = torchrun_rank() == 0
+    with _progress() as bar:
+        def progress(desc, total):
+            task = bar.add_task(desc, total=total, visible=rank0)
+            return lambda: bar.advance(task)
+
+        cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
+                        progress=progress, weights=weights,
+                        log=_say if rank0 else (lambda s: None))
+    if not rank0:
+        return None
+    if raw:
+        write_atomic(raw, json.dumps(cal.raw, indent=2, default=str) + "\n")
+    header = "measured by chunkflow calibrate" + (" --cpu-smoke (not a GPU: numbers mean nothing)" if cpu_smoke else "")
+    return cal.profile, header
+
+
+def _print_profile(hw) -> None:
+    t = Table(title=f"Hardware profile {hw.name}")
+    t.add_column("field")
+    t.add_column("value", justify="right")
+    for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
+                "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
+                "encode_host_s", "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction",
+                "mem_margin", "disk_read_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
+        v = getattr(hw, key)
+        t.add_row(key, "-" if v is None else f"{v:.4g}")
+    t.add_row("context_bytes", format_bytes(hw.context_bytes))
+    t.add_row("process_host_bytes", format_bytes(hw.process_host_bytes))
+    if hw.startup_s:
+        t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.startup_s.items()))
+    if hw.text_layer_host_us:
+        t.add_row("text-encoder layer host", ", ".join(f"{a} {us:.0f} us" for a, us in hw.text_layer_host_us.items()))
+    if hw.eta_comp_curve:
+        t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in hw.eta_comp_curve))
+    if hw.gemm_eta:
+        t.add_row("GEMM / attention shapes", f"{len(hw.gemm_eta)} / {len(hw.attn_eta or [])} measured")
+    for name, fit in hw.vae_decode.items():
+        t.add_row(f"VAE {name}", f"{fit.mem_const / 1e9:.2f} GB + {fit.mem_per_px:.0f} B/px + {fit.mem_per_voxel:.1f} B/voxel; "
+                  f"{fit.time_per_voxel * 1e9:.2f} ns/voxel" + (
+                      "" if not fit.tiled else f"; tiled {fit.tiled.time_per_call * 1e3:.1f} ms/decoder call"
+                      if fit.tiled.time_per_call else " (+tiled)"))
+    console.print(t)

@@ -1,0 +1,163 @@
+"""`chunkflow plan`, `models` and `hardware`: the planner's answers on the command line (it never imports torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+import sys
+
+from rich.table import Table
+import typer
+
+from chunkflow.commands.app import console, UserError, _command, _say
+from chunkflow_planner.units import format_bytes, parse_duration, parse_size
+
+
+@_command("models")
+def models_cmd() -> None:
+    """List the model catalog (models.yaml)."""
+    from chunkflow_planner.catalog import load_models
+
+    table = Table(title="Models (models.yaml)")
+    for col in ("name", "aliases", "blocks x width", "weights", "default workload"):
+        table.add_column(col, no_wrap=col in ("name", "weights"))
+    for spec in load_models().values():
+        blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks) + f" x {spec.d}"
+        w = spec.default_workload
+        wl = f"{w.width}x{w.height}" + (f" x{w.frames}" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
+        total = spec.nbytes + (sum(te.nbytes for te in spec.pipeline.text_encoders) + spec.pipeline.vae.nbytes
+                               if spec.pipeline is not None else 0)
+        table.add_row(spec.name, ", ".join(spec.aliases), blocks, format_bytes(total), wl)
+    console.print(table)
+
+
+@_command("hardware")
+def hardware_cmd() -> None:
+    """List the hardware catalog (hardware.yaml) and the profile saved by `chunkflow calibrate`, if any."""
+    from chunkflow_planner.catalog import load_hardware
+    from chunkflow_planner.planner import saved_profile_path
+
+    table = Table(title="Hardware (hardware.yaml)")
+    catalog = load_hardware()
+    width = max(len(n) for n in catalog)  # the name whole at any width (what --hardware takes); the rest may wrap
+    for col in ("name", "TFLOP/s", "H2D GB/s", "memory", "GPUs", "peer", "eta comp / pref"):
+        table.add_column(col, no_wrap=col == "name", min_width=width if col == "name" else None)
+    for hw in catalog.values():
+        gpus = str(hw.gpus) + (f" ({hw.gpus_per_host_link}/link)" if hw.gpus_per_host_link > 1 else "")
+        table.add_row(hw.name, f"{hw.peak_tflops:g}", f"{hw.h2d_gbps:.1f}", format_bytes(hw.memory_bytes), gpus,
+                      hw.peer_link, f"{hw.eta_comp:.2f} / {hw.eta_pref:.2f}")
+    console.print(table)
+    path = saved_profile_path()
+    console.print(f"Calibrated profile on this machine: {path if path.exists() else 'none (run `chunkflow calibrate`)'}",
+                  markup=False)
+
+
+@_command("plan")
+def plan_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="catalog model name or alias (see `chunkflow models`)"),
+    frames: Optional[int] = typer.Option(None, help="video frames (1 mod the VAE's temporal factor)"),
+    batch: Optional[int] = typer.Option(None, help="batch size"),
+    height: Optional[int] = typer.Option(None, help="image/video height in pixels"),
+    width: Optional[int] = typer.Option(None, help="image/video width in pixels"),
+    steps: Optional[int] = typer.Option(None, help="denoising steps"),
+    sp: int = typer.Option(1, "--sp", help="Ulysses sequence-parallel degree"),
+    hardware: Optional[str] = typer.Option(None, help="catalog GPU (see `chunkflow hardware`) or a calibrated profile file"),
+    mem_budget: Optional[str] = typer.Option(None, help="GPU memory available, e.g. 24GB or 22GiB (default: the GPU's memory)"),
+    mem_margin: Optional[float] = typer.Option(None, help="share of --mem-budget kept free for the memory model's "
+                                               "error, e.g. 0.05 (default: the hardware profile's, measured; 0 plans "
+                                               "to the byte)"),
+    max_slowdown: Optional[float] = typer.Option(None, help="latency target relative to no offload: per step for the "
+                                                 "transformer (default 1.05) and, when given, for the whole generation"),
+    target_step_time: Optional[str] = typer.Option(None, help="absolute latency target per step, e.g. 1.2s"),
+    target_time: Optional[str] = typer.Option(None, help="latency target of the whole generation, e.g. 5min or 90s "
+                                              "(default: none, or --max-slowdown x everything on the GPU if given)"),
+    host_mem_budget: Optional[str] = typer.Option(None, help="host memory available, e.g. 64GB (default: what this "
+                                                  "machine has available now)"),
+    transformer_only: bool = typer.Option(False, "--transformer-only", help="plan the transformer alone (no text "
+                                          "encoder, VAE or host memory), as the ChunkFlow paper does"),
+    cfg_batching: str = typer.Option("auto", help="run a step's two guidance passes as one batched forward, so each "
+                                     "block is streamed once a step: auto (the planner decides), on, off"),
+    weight_dtype: str = typer.Option("auto", help="storage of the streamed weights: auto (bf16, or fp8_e4m3 where it "
+                                     "pays if --allow-fp8), bf16, fp8_e4m3 (lossy: half the host and H2D bytes)"),
+    allow_fp8: bool = typer.Option(False, "--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="write the plan JSON here"),
+    json_out: bool = typer.Option(False, "--json", help="print the plan JSON on stdout instead of tables"),
+    peak_tflops: Optional[float] = typer.Option(None, help="what-if: peak dense BF16 TFLOP/s"),
+    h2d_gbps: Optional[float] = typer.Option(None, help="what-if: effective per-GPU host-to-device GB/s (BW_h2d)"),
+    eta_comp: Optional[float] = typer.Option(None, help="what-if: compute efficiency factor"),
+    eta_pref: Optional[float] = typer.Option(None, help="what-if: prefetch efficiency factor"),
+    prefetch_bytes: Optional[str] = typer.Option(None, help="what-if: per-block prefetch volume, e.g. 520MB"),
+    text_len: Optional[int] = typer.Option(None, help="what-if: text context length L_ctx"),
+    weights: Optional[str] = typer.Option(None, help="the pipeline folder (or Hub id in the local cache) it will "
+                                          "load: its files' headers give the bytes the load reads, and it is "
+                                          "checked to hold this model's pipeline"),
+    variant: Optional[str] = typer.Option(None, help="with --weights: the variant files it will read, e.g. fp16"),
+) -> None:
+    """Predict step time and peak memory per offload mode and choose chunk size and residency."""
+    import math
+
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.files import check_output_file
+    from chunkflow_planner.planner import make_plan, resolve_hardware
+    from chunkflow_planner.policy import Levers
+    from chunkflow_planner.workload import make_workload
+
+    if max_slowdown is not None and target_step_time is not None:
+        raise UserError("give either --max-slowdown or --target-step-time, not both")
+    if max_slowdown is not None and not (math.isfinite(max_slowdown) and max_slowdown >= 1.0):
+        raise UserError(f"--max-slowdown is relative to no offload and must be a number >= 1.0, got {max_slowdown}")
+    if text_len is not None and text_len < 0:
+        raise UserError(f"--text-len must be >= 0, got {text_len}")
+    if mem_margin is not None and not (math.isfinite(mem_margin) and 0 <= mem_margin <= 0.5):
+        raise UserError(f"--mem-margin is a share of the budget between 0 and 0.5 (e.g. 0.05), got {mem_margin}")
+    if out:
+        from chunkflow_planner.files import check_distinct
+
+        check_output_file(out, "--out")
+        check_distinct({"--out": out}, {"--hardware": hardware if hardware and Path(hardware).exists() else None})
+    spec = get_model(model)
+    workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
+    levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
+    resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
+                                eta_pref=eta_pref)
+    budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
+    target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
+    gen_target = parse_duration(target_time, "--target-time") if target_time is not None else None
+    host_budget = parse_size(host_mem_budget, "--host-mem-budget") if host_mem_budget is not None else None
+    pbytes = parse_size(prefetch_bytes, "--prefetch-bytes") if prefetch_bytes is not None else None
+    if transformer_only and (gen_target is not None or host_budget is not None):
+        raise UserError("--target-time and --host-mem-budget plan the whole pipeline; leave them out with "
+                        "--transformer-only")
+    if variant is not None and weights is None:
+        raise UserError("--variant names the variant files of the folder --weights gives; add --weights")
+    read_bytes = None
+    if weights is not None:
+        from chunkflow.weights import resolve_weights
+        from chunkflow_planner.checkpoint import pipeline_read_bytes
+
+        if transformer_only or spec.pipeline is None:
+            raise UserError("--weights prices the load of a whole pipeline; leave it out with --transformer-only")
+        read_bytes = pipeline_read_bytes(resolve_weights(weights), spec, variant)
+    plan, decision, analysis = make_plan(
+        spec, workload, resolved, sp=sp, budget=budget,
+        max_slowdown=None if target is not None else (max_slowdown or 1.05),
+        target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
+        host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
+        mem_margin=mem_margin, read_bytes=read_bytes,
+    )
+    if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
+        flags = [f for f, given in (("--sp", sp > 1), ("--prefetch-bytes", pbytes is not None),
+                                    ("--text-len", text_len is not None)) if given]
+        _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned for one GPU with "
+             "the catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
+             "components for their phase only")
+    if out:
+        plan.write(out)
+    if json_out:
+        sys.stdout.write(plan.to_json() + "\n")
+        return
+    from chunkflow.commands.plan_tables import print_plan
+
+    print_plan(console, plan, decision, analysis)
+    if out:
+        console.print(f"Plan written to {out}", markup=False)
