@@ -13,6 +13,7 @@ from diffusers import WanTransformer3DModel  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from chunkflow_planner.checkpoint import CheckpointError  # noqa: E402
+from chunkflow_planner.offload import OffloadConfig  # noqa: E402
 from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
 from chunkflow_planner.catalog import get_model  # noqa: E402
@@ -52,7 +53,7 @@ def test_sharded_checkpoint_with_index_matches_original(tmp_path, mode, chunk, r
     # A stray copy of a tensor in a file the index does not name is not read: the weight_map alone decides.
     save_file({PROBE: torch.full(tuple(ref.state_dict()[PROBE].shape), 7.0)}, str(tmp_path / "stray.safetensors"))
     want = _forward(ref)
-    m, h = _build(tmp_path, mode=mode, chunk_size=chunk, residency=r)
+    m, h = _build(tmp_path, config=OffloadConfig(mode, chunk, r))
     for _ in range(2):
         assert torch.equal(_forward(m), want)
     h.remove()
@@ -72,7 +73,7 @@ def test_variant_files_ignored_unless_asked_for(tmp_path):
     assert torch.equal(_probe(m), ref.state_dict()[PROBE])
     assert torch.equal(_forward(m), _forward(ref))
     h.remove()
-    m, h = _build(tmp_path, variant="fp16", mode="chunkflow", chunk_size=1000)
+    m, h = _build(tmp_path, variant="fp16", config=OffloadConfig("chunkflow", 1000))
     want = alt.state_dict()[PROBE].to(torch.float16).float()  # the fp16 values, cast up into the fp32 model
     assert torch.equal(_probe(m), want) and not torch.equal(want, ref.state_dict()[PROBE])
     h.remove()

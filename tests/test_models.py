@@ -16,6 +16,7 @@ from chunkflow.models.adapters import find_blocks  # noqa: E402
 from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
 from chunkflow_planner.catalog import Workload, get_model  # noqa: E402
+from chunkflow_planner.offload import OffloadConfig  # noqa: E402
 from tiny import TINY, tiny_spec  # noqa: E402
 from tiny import tiny_workload as _workload  # noqa: E402
 
@@ -25,7 +26,7 @@ def test_random_build_bf16_finite_and_offload_exact(name):
     kw = make_inputs(spec, _workload(spec), torch.bfloat16, "cpu", seed=3)
     outs = {}
     for mode, chunk, r in [("none", 1, 0.0), ("layerwise", 1, 0.0), ("chunkflow", 3001, 0.3)]:
-        m, h = build_transformer(spec, dtype=torch.bfloat16, device="cpu", mode=mode, chunk_size=chunk, residency=r,
+        m, h = build_transformer(spec, dtype=torch.bfloat16, device="cpu", config=OffloadConfig(mode, chunk, r),
                                  seed=7)
         with torch.no_grad():
             outs[mode] = [m(**kw)[0] for _ in range(2)]
@@ -38,8 +39,8 @@ def test_random_build_bf16_finite_and_offload_exact(name):
 
 
 def test_build_keeps_fp32_modules_and_buffers():
-    m, h = build_transformer(tiny_spec("Wan2.2-TI2V-5B"), dtype=torch.bfloat16, device="cpu", mode="chunkflow",
-                             chunk_size=2048)
+    m, h = build_transformer(tiny_spec("Wan2.2-TI2V-5B"), dtype=torch.bfloat16, device="cpu",
+                             config=OffloadConfig("chunkflow", 2048))
     assert {b.dtype for b in h.layouts[0].tensors} == {torch.bfloat16, torch.float32}
     ref = WanTransformer3DModel(**tiny_spec("Wan2.2-TI2V-5B").diffusers.config)
     assert torch.equal(m.rope.freqs_cos, ref.rope.freqs_cos)  # computed at construction, not left on meta
@@ -49,7 +50,7 @@ def test_build_keeps_fp32_modules_and_buffers():
 
 def test_adapter_finds_catalog_blocks():
     spec = tiny_spec("FLUX.1-dev")
-    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="none")
+    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", config="none")
     blocks = find_blocks(m)
     assert blocks == list(m.transformer_blocks) + list(m.single_transformer_blocks)
     with pytest.raises(LookupError):
@@ -71,8 +72,8 @@ def test_safetensors_loader_matches_original(tmp_path, mode, chunk, r):
     kw = make_inputs(spec, None, torch.float32, "cpu", seed=1)
     with torch.no_grad():
         want = ref(**kw)[0]
-    m, h = build_transformer("tiny-wan", weights=tmp_path, dtype=torch.float32, device="cpu", mode=mode,
-                             chunk_size=chunk, residency=r)
+    m, h = build_transformer("tiny-wan", weights=tmp_path, dtype=torch.float32, device="cpu",
+                             config=OffloadConfig(mode, chunk, r))
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(m(**kw)[0], want)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from chunkflow_planner.offload import OffloadConfig
 from tiny import padded_inputs, single_and_sp, tiny_spec, tiny_workload
 
 TOL = 1e-5
@@ -58,8 +59,8 @@ def _worker(out_path: str) -> None:
         r["sp_vs_single"] = (sp - ref).abs().max().item()
         r["ref_scale"] = ref.abs().max().item()
         for label, mode, aware, settings in MODES:
-            m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode=mode, chunk_size=3001, seed=1,
-                                     comm_aware=aware)
+            m, h = build_transformer(spec, dtype=torch.float32, device="cpu", seed=1,
+                                     config=OffloadConfig(mode, 3001, None, aware))
             enable_sequence_parallel(m, spec, world)
             for key, value in settings.items():
                 setattr(h.pacer, key, value)
@@ -153,7 +154,7 @@ def test_without_distributed_nothing_is_patched():
 
     before = funcol.all_to_all_single
     spec = tiny_spec("Wan2.2-TI2V-5B")
-    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="chunkflow", chunk_size=3001)
+    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", config=OffloadConfig("chunkflow", 3001))
     assert h.tap is None and h.pacer is None and not h.stats().comm_aware
     log = h.add_observer(EventLog())
     assert funcol.all_to_all_single is before

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from chunkflow_planner.offload import OffloadConfig
 from tiny import padded_inputs, single_and_sp, tiny_spec
 
 MODELS = ("Wan2.2-TI2V-5B", "FLUX.1-dev", "HunyuanVideo")
@@ -36,7 +37,7 @@ def _worker(out_path: str) -> None:
         spec = spec.model_copy(update={"heads": WORLD, "diffusers": spec.diffusers.model_copy(update={"config": cfg})})
         kw = padded_inputs(spec)
         ref, sp = single_and_sp(spec, kw, world)
-        m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="chunkflow", chunk_size=3001, seed=1)
+        m, h = build_transformer(spec, dtype=torch.float32, device="cpu", config=OffloadConfig("chunkflow", 3001), seed=1)
         enable_sequence_parallel(m, spec, world)
         h.pacer.strict = True  # always yield: the guarantee under test
         log = h.add_observer(EventLog())

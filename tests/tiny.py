@@ -132,7 +132,7 @@ def single_and_sp(spec, kw: dict, world: int):
     from chunkflow.models.build import build_transformer
     from chunkflow.parallel import enable_sequence_parallel
 
-    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", mode="none", seed=1)
+    m, h = build_transformer(spec, dtype=torch.float32, device="cpu", config="none", seed=1)
     with torch.no_grad():
         ref = m(**kw)[0]
     enable_sequence_parallel(m, spec, world)

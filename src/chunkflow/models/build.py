@@ -98,11 +98,10 @@ def transformer_module(spec, dtype: torch.dtype) -> nn.Module:
 
 
 def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, device="cuda", config=None, *,
-                      mode: str | None = None, chunk_size=None, residency: float | None = None,
-                      comm_aware: bool | None = None, seed: int = 0, blocks=None,
-                      variant: str | None = None, reader=None) -> tuple[nn.Module, OffloadHandle]:
-    """A catalog model (name or ModelSpec), offloaded as asked (`config` and the keywords as for
-    `chunkflow.offload`), with random weights (None or "random") or weights from a local diffusers-format
+                      seed: int = 0, blocks=None, variant: str | None = None,
+                      reader=None) -> tuple[nn.Module, OffloadHandle]:
+    """A catalog model (name or ModelSpec), offloaded as `config` says (an OffloadConfig, a plan or plan file, or a
+    mode name, as `chunkflow.offload` takes it), with random weights (None or "random") or weights from a local diffusers-format
     directory (`variant`, e.g. "fp16", picks diffusers' variant files there, as `from_pretrained` does), read
     straight into their final place by `reader` (a loading.FileReader; one of its own by default).
     Returns (module, handle).
@@ -123,8 +122,7 @@ def build_transformer(model, weights=None, dtype: torch.dtype = torch.bfloat16, 
     try:
         source = (transformer_source(weights, spec, module, reader, variant) if isinstance(weights, Path)
                   else RandomSource(seed, dev, module))
-        handle = offload(module, config, mode=mode, chunk_size=chunk_size, residency=residency, comm_aware=comm_aware,
-                         device=dev, blocks=blocks, source=source)
+        handle = offload(module, config, device=dev, blocks=blocks, source=source)
     finally:
         if own:
             reader.close()
