@@ -260,7 +260,7 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
 
     points = list(points)
     one = one_block_spec(spec)
-    model, handle = build_transformer(one, weights=None, dtype=torch.bfloat16, device=device, mode="none")
+    model, handle = build_transformer(one, weights=None, dtype=torch.bfloat16, device=device, config="none")
     blocks = [getattr(model, g.diffusers_list)[0] for g in one.blocks]
     cuda = device.type == "cuda"
     marks: dict[int, list] = {}
@@ -331,7 +331,7 @@ def measure_forward(spec: ModelSpec, device, points: Sequence[Workload], warmup:
 
     from chunkflow.models.build import build_transformer
 
-    model, handle = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
+    model, handle = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, config="none")
     cuda = device.type == "cuda"
     step = progress(f"{spec.name} whole forward at {len(points)} size(s)", len(points) * (warmup + repeats))
     try:

@@ -95,7 +95,7 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
     from chunkflow.runtime.storage import Fp8RoundedWeightsWarning
 
     cuda = device.type == "cuda"
-    model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, mode="none")
+    model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, config="none")
     h0.remove()  # block weights on the host, the rest on the device: each configuration offloads from here
     if bench.compile != "off":  # compiled once, before offload: every configuration (and none) runs compiled blocks
         model.compile_repeated_blocks(fullgraph=bench.compile == "regional-fullgraph")
