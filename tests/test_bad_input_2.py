@@ -336,7 +336,7 @@ def test_a_signal_while_the_process_tears_down_is_no_death_by_signal(tmp_path, s
     late = (f"import os, sys\nclass Late:\n    def __del__(self):\n        os.kill(os.getpid(), {int(sig)})\n"
             "sys.modules['__main__'].late = Late()  # freed among the modules, after the command\n"
             "sys.argv = ['chunkflow', 'plan', '--model', 'tiny', '--hardware', 'cpu', '--out', 'p.json']\n"
-            "from chunkflow.commands.cli import main\nmain()\n")
+            "from chunkflow.entry import main\nmain()\n")
     env = dict(os.environ, CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
     done = subprocess.run([sys.executable, "-c", late], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -1,5 +1,6 @@
 """The `chunkflow` console script: SIGINT and SIGTERM handled before anything heavy is imported (a Ctrl-C while the
-command line starts up exits 130 without a traceback), then the command line itself (chunkflow.commands.cli)."""
+command line starts up exits 130 without a traceback), then the command line itself (chunkflow.commands.cli); the
+process ends through signals.leave, so that no signal finds the interpreter's defaults back while it frees a model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ def main() -> None:
 
         sys.stderr.write("interrupted\n" if isinstance(exc, KeyboardInterrupt) else "terminated\n")
         leave(exit_code(15 if isinstance(exc, Terminated) else 2))
-    cli_main()
+    try:
+        cli_main()
+    except SystemExit as done:  # the process ends here, without the interpreter's finalisation (signals.leave)
+        leave(done.code if isinstance(done.code, int) else 0 if done.code is None else 1, finished=True)
 
 
 if __name__ == "__main__":

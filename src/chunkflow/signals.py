@@ -95,6 +95,8 @@ def leave(code: int, *, finished: bool = False) -> None:
         run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
         if run_exitfuncs is not None:
             run_exitfuncs()
+        if code == 0 and interrupted() is not None:  # noted while the process was ending: still no success
+            code = exit_code()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -18,8 +18,8 @@ __all__ = ["app", "main"]
 
 def main() -> None:
     """Console-script entry point: SIGINT and SIGTERM routed through chunkflow.signals first; one that comes after
-    the command's work still makes the exit code the signal's (never 0 after an interrupt). The process ends through
-    signals.leave, so no signal finds the interpreter's defaults back while it frees the model."""
+    the command's work still makes the exit code the signal's (never 0 after an interrupt). Ends with SystemExit
+    (chunkflow.entry, the process's entry point, turns it into signals.leave)."""
     from chunkflow.signals import Terminated, exit_code, install, interrupted, leave, quiet
 
     install()
@@ -38,7 +38,7 @@ def main() -> None:
         code = 1
     if interrupted() is not None:
         leave(exit_code() if code in (0, None) else code)
-    leave(code or 0, finished=True)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
