@@ -55,24 +55,53 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                    progress: Callable[[str, int | None, int | None], None] | None = None,
                    log: Callable[[str], None] = lambda s: None):
     """Build, generate, write, report (a RunReport with its `generation` section)."""
-    import torch
-
-    from chunkflow.generate import generate
-    from chunkflow.models.pipeline_build import build_pipeline
-    from chunkflow.reports import Measured, MemorySample, RunConfig, RunError, rel_error
-    from chunkflow.commands.steps import _place, environment, make_report, save_latents
-    from chunkflow.weights import resolve_weights
-    from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.predict import hardware_of, predict
+    from chunkflow.commands.steps import save_latents
 
     o.check()
+    setup = _setup(plan, cfg, o, progress, log)
+    try:
+        runs = _generations(setup, cfg, o, g, progress, log)
+    finally:
+        setup.built.discard()  # the run is done with it: free, do not copy the weights back
+    if g.out:
+        _write_output(g.out, runs.last.output, setup.spec, setup.built.random_weights, log)
+    if g.latents and runs.last.latents is not None:
+        save_latents(g.latents, runs.last.latents)
+    return _report(plan, cfg, o, g, setup, runs)
+
+
+@dataclass
+class _Setup:
+    """What a generation run is made on: the model, the hardware it is compared with, the workload, the device and
+    the built pipeline with its load."""
+
+    spec: Any  # ModelSpec
+    hw: Any  # HardwareSpec
+    w: Any  # Workload, with the steps run
+    device: Any  # torch.device
+    folder: Any  # the weights' folder, None for random weights
+    placements: dict[str, str]
+    tiling: bool
+    built: Any  # BuiltPipeline
+    load: LoadResult
+    comparable: bool  # the run's device is the plan's kind (GPU or host)
+
+
+def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
+    """Resolve the run's model, hardware, workload and device; build the pipeline (its load measured)."""
+    from chunkflow.commands.steps import _place
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow.reports import RunError
+    from chunkflow.weights import resolve_weights
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.predict import hardware_of
+
     spec = get_model(plan.model.name)
     if spec.pipeline is None:
         raise RunError(f"{spec.name} has no pipeline in the catalog; run without --prompt for the synthetic benchmark")
     hw = hardware_of(plan, o.profile)
     w = plan.workload.to_workload()
-    steps = o.steps if o.steps is not None else w.steps
-    w = w.model_copy(update={"steps": steps})
+    w = w.model_copy(update={"steps": o.steps if o.steps is not None else w.steps})
     _, device = _place(o, 1, plan, log)
     folder = resolve_weights(o.weights) if o.weights is not None else None
     placements, tiling = placements_of(plan)
@@ -88,75 +117,132 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         if want and have > want * 1.01:
             log(f"note: {name} holds {format_bytes(have)}, the plan counted {format_bytes(want)}; its memory "
                 "predictions are short by the difference")
+    return _Setup(spec, hw, w, device, folder, placements, tiling, built, load, comparable)
+
+
+@dataclass
+class _Runs:
+    """The generations run: the measured ones' phases and step times, the first's phase times when it was a
+    warm-up, the transformer's counters over the measured ones, and the last generation (its output is written)."""
+
+    measured: list  # (phases, step times) per measured generation; their outputs are not kept
+    first: dict[str, float] | None
+    first_parts: dict[str, dict[str, float]] | None
+    stats: dict
+    last: Any  # chunkflow.generate.Generation
+
+
+def _generations(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
+    """The warm-up and measured generations, with the long-lived objects frozen out of the collector's reach."""
     freeze = gc.get_freeze_count() == 0  # a host process that froze its own objects keeps its freeze
     if freeze:
         gc.collect()
         gc.freeze()  # the long-lived objects: a full collection no longer scans them (module docstring)
     try:
-        first: dict[str, float] | None = None
-        first_parts: dict[str, dict[str, float]] | None = None
-        gen = None
-        measured: list = []  # the measured generations' phases and step times (their outputs are not kept)
-        stats_before: dict = {}
-        for i in range(o.warmup + o.repeat):
-            gen = None  # an earlier output must not sit in host memory while the next generation runs
-            if freeze and i:  # what the last generation left alive joins the frozen objects, so a full collection
-                gc.collect()  # inside the next one has only that generation's to scan (one in a Wan2.2-A14B
-                gc.freeze()  # denoise took 318 ms with the pipeline alone frozen; what it spent them on is unknown)
-            if i == o.warmup:  # the handle's counters of the measured generations alone
-                stats_before = built.handles["transformer"].stats().as_dict()
-            k = i - o.warmup
-            tag = (f"warm-up {i + 1}/{o.warmup}: " if k < 0 else f"generation {k + 1}/{o.repeat}: " if o.repeat > 1
-                   else "")
-            cb = (lambda i, n, tag=tag: progress(tag + "denoise", i, n)) if progress is not None else None
-            done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
-            phase = (lambda name, tag=tag: progress(tag + name, done[name], steps)) if progress is not None else None
-            gen = generate(built, w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps,
-                           seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
-            if i == 0 and o.warmup:
-                first = {name: m.time_s for name, m in gen.phases.items()}
-                first_parts = {name: m.parts_s for name, m in gen.phases.items() if m.parts_s}
-                log("first generation (start-up included): "
-                    + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
-            if k >= 0:
-                measured.append((gen.phases, gen.step_times_s))
-                if o.repeat > 1:
-                    log(f"generation {k + 1}/{o.repeat}: "
-                        + ", ".join(f"{name} {m.time_s:.3f} s" for name, m in gen.phases.items()))
-        stats = built.handles["transformer"].stats().as_dict()
-        for key in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
-            if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
-                stats[key] -= stats_before[key]
+        return _generate_all(setup, cfg, o, g, progress, log, freeze)
     finally:
         if freeze:
             gc.unfreeze()
-        built.discard()  # the run is done with it: free, do not copy the weights back
-    if g.out:
-        _write_output(g.out, gen.output, spec, built.random_weights, log)
-    if g.latents and gen.latents is not None:
-        save_latents(g.latents, gen.latents)
 
+
+def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log, freeze: bool) -> _Runs:
+    from chunkflow.generate import generate
+
+    steps = setup.w.steps
+    handle = setup.built.handles["transformer"]
+    first = first_parts = gen = None
+    measured: list = []
+    stats_before: dict = {}
+    for i in range(o.warmup + o.repeat):
+        gen = None  # an earlier output must not sit in host memory while the next generation runs
+        if freeze and i:  # what the last generation left alive joins the frozen objects, so a full collection
+            gc.collect()  # inside the next one has only that generation's to scan (one in a Wan2.2-A14B
+            gc.freeze()  # denoise took 318 ms with the pipeline alone frozen; what it spent them on is unknown)
+        if i == o.warmup:  # the handle's counters of the measured generations alone
+            stats_before = handle.stats().as_dict()
+        k = i - o.warmup
+        tag = (f"warm-up {i + 1}/{o.warmup}: " if k < 0 else f"generation {k + 1}/{o.repeat}: " if o.repeat > 1
+               else "")
+        cb = (lambda i, n, tag=tag: progress(tag + "denoise", i, n)) if progress is not None else None
+        done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
+        phase = (lambda name, tag=tag: progress(tag + name, done[name], steps)) if progress is not None else None
+        gen = generate(setup.built, setup.w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps,
+                       seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
+        if i == 0 and o.warmup:
+            first = {name: m.time_s for name, m in gen.phases.items()}
+            first_parts = {name: m.parts_s for name, m in gen.phases.items() if m.parts_s}
+            log("first generation (start-up included): "
+                + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
+        if k >= 0:
+            measured.append((gen.phases, gen.step_times_s))
+            if o.repeat > 1:
+                log(f"generation {k + 1}/{o.repeat}: "
+                    + ", ".join(f"{name} {m.time_s:.3f} s" for name, m in gen.phases.items()))
+    stats = handle.stats().as_dict()
+    for key in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
+        if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
+            stats[key] -= stats_before[key]
+    return _Runs(measured, first, first_parts, stats, gen)
+
+
+def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: _Setup, runs: _Runs):
+    """The RunReport: the denoising steps as a synthetic run's `measured`, and the `generation` section."""
+    import torch
+
+    from chunkflow.commands.steps import environment, make_report
+    from chunkflow.reports import Measured, MemorySample, RunConfig, rel_error
+    from chunkflow_planner.predict import predict
+
+    device, steps, measured = setup.device, setup.w.steps, runs.measured
     cuda = device.type == "cuda"
     phases_of = combine_phases([ph for ph, _ in measured])
     dn = phases_of["denoise"].measurement
     times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s])]
     result = Measured(step_times_s=times, median_step_s=statistics.median(times),
                       peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
-                      pinned_host_bytes=stats.get("pinned_bytes", 0), achieved_residency=stats.get("achieved_residency"),
+                      pinned_host_bytes=runs.stats.get("pinned_bytes", 0),
+                      achieved_residency=runs.stats.get("achieved_residency"),
                       memory_trace=[MemorySample(step=steps, allocated_bytes=dn.peak_allocated_bytes,
                                                  reserved_bytes=dn.peak_reserved_bytes,
                                                  host_rss_bytes=dn.host_rss_bytes)])
-    pred = predict(spec, w, hw, cfg, 1)
-    run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(folder or "random"),
+    pred = predict(setup.spec, setup.w, setup.hw, cfg, 1)
+    run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(setup.folder or "random"),
                     warmup=o.warmup, steps=steps)
-    report = make_report(environment(device), plan, run, hw, result, pred, stats)
+    report = make_report(environment(device), plan, run, setup.hw, result, pred, runs.stats)
+    same_steps = steps == plan.workload.steps
+    phases = _phase_results(plan, phases_of, o.warmup, cuda, same_steps)
+    pp = plan.prediction.phases
+    gen_times = [sum(m.time_s for m in ph.values()) for ph, _ in measured]
+    gen_time = statistics.median(gen_times)
+    pred_time = None
+    if same_steps and plan.prediction.generation_time_s is not None:
+        pred_time = plan.prediction.generation_time_s - (
+            sum(getattr(pp, n).startup_s for n in ("encode", "denoise", "decode")) if pp and o.warmup else 0.0)
+    pred_host = plan.prediction.host_memory_bytes
+    host_peak, comparable = runs.last.host_peak_bytes, setup.comparable
+    report.generation = GenerationResult(
+        prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
+        components=setup.placements, vae_tiling=setup.tiling, phases=phases, generation_time_s=gen_time,
+        predicted_generation_time_s=pred_time if cuda else None,
+        generation_time_error=rel_error(gen_time, pred_time) if cuda else None,
+        host_peak_bytes=host_peak, predicted_host_memory_bytes=pred_host if comparable else None,
+        host_memory_error=rel_error(host_peak, pred_host) if comparable and pred_host else None,
+        gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
+        warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
+        first_phase_times_s=runs.first, first_parts_s=runs.first_parts, load=setup.load)
+    return report
+
+
+def _phase_results(plan: Plan, phases_of: dict, warmup: int, cuda: bool, same_steps: bool) -> dict:
+    """phase -> PhaseResult: measured against the plan's phase (compared on the plan's kind of device only)."""
+    from chunkflow.reports import rel_error
+
     pp = plan.prediction.phases
     phases = {}
-    same_steps = steps == plan.workload.steps
     for name, runs in phases_of.items():
         m = runs.measurement
         p = getattr(pp, name) if pp is not None else None
-        t_pred = expected_time(p, o.warmup) if p and cuda else None
+        t_pred = expected_time(p, warmup) if p and cuda else None
         phases[name] = PhaseResult(
             measured_time_s=m.time_s, measured_times_s=runs.times_s, gc_s=runs.gc_s, parts_s=runs.parts_s,
             gc_longest=runs.gc_longest,
@@ -166,24 +252,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
             predicted_peak_memory_bytes=p.peak_memory_bytes if p and cuda else None,
             time_error=rel_error(m.time_s, t_pred) if t_pred is not None and same_steps else None,
             memory_error=rel_error(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
-    gen_times = [sum(m.time_s for m in ph.values()) for ph, _ in measured]
-    gen_time = statistics.median(gen_times)
-    pred_time = None
-    if same_steps and plan.prediction.generation_time_s is not None:
-        pred_time = plan.prediction.generation_time_s - (
-            sum(getattr(pp, n).startup_s for n in ("encode", "denoise", "decode")) if pp and o.warmup else 0.0)
-    pred_host = plan.prediction.host_memory_bytes
-    report.generation = GenerationResult(
-        prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
-        components=placements, vae_tiling=tiling, phases=phases, generation_time_s=gen_time,
-        predicted_generation_time_s=pred_time if cuda else None,
-        generation_time_error=rel_error(gen_time, pred_time) if cuda else None,
-        host_peak_bytes=gen.host_peak_bytes, predicted_host_memory_bytes=pred_host if comparable else None,
-        host_memory_error=rel_error(gen.host_peak_bytes, pred_host) if comparable and pred_host else None,
-        gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
-        warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
-        first_phase_times_s=first, first_parts_s=first_parts, load=load)
-    return report
+    return phases
 
 
 def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: bool) -> LoadResult:
