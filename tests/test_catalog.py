@@ -279,6 +279,36 @@ def test_profile_file_round_trips(tmp_path):
     assert get_hardware(str(path)) == spec
 
 
+def test_a_version_1_profile_is_migrated_on_load(tmp_path):
+    """A profile of schema version 1 (calibrate's per-operator host model: text_host, host_op_us, cpu_op_us) loads
+    as version 2, from a file or embedded in a plan or report: each architecture calibrate counted and timed keeps
+    its measured host time, as a layer's (its operators a layer plus its share of those once per forward, at its
+    cost each); the per-operator costs go. A version this chunkflow does not know is refused."""
+    committed = ROOT / "docs/data/h200-pipeline-7/validate/profile.yaml"  # calibrate on an H200, 2026-12-01
+    data = yaml.safe_load(committed.read_text())
+    assert data["schema_version"] == 1 and data["host_op_us"] > 0 and "text_host" in data
+    hw = load_profile(committed)
+    assert hw.schema_version == 2 and hw.host_margin == 1.0
+    from chunkflow.calibrate_host import text_encoder_archs  # the encoder calibrate measured of each
+
+    assert set(hw.text_layer_host_us) == set(data["text_host"]) == set(text_encoder_archs())
+    for arch, te in text_encoder_archs().items():  # the forward's host time calibrate measured is kept
+        cost, layers = data["text_host"][arch], te.shape()["layers"]
+        ops = layers * cost["ops_per_layer"] + cost["ops_once"]
+        assert layers * hw.text_layer_host_us[arch] == pytest.approx(ops * cost["gpu_op_us"])
+    dumped = hw.model_dump()
+    assert not {"text_host", "host_op_us", "cpu_op_us"} & set(dumped)
+    assert type(hw).model_validate(data) == hw  # embedded (plan.hardware.spec): the same migration
+    assert load_profile(_write(tmp_path / "v2.yaml", dumped)) == hw  # written back as version 2, read as is
+    with pytest.raises(CatalogError, match="schema_version 3"):
+        load_profile(_write(tmp_path / "v3.yaml", {**dumped, "schema_version": 3}))
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def test_malformed_profile_names_the_missing_field(tmp_path):
     data = get_hardware("h200").model_dump()
     del data["peak_tflops"]

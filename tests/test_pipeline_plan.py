@@ -369,68 +369,53 @@ def test_vae_tiling_refuses_what_cannot_tile():
 
 def test_a_text_encoder_forward_is_bound_by_its_device_or_its_host():
     """On the GPU a text encoder's forward takes the longer of its operators' device time and its host dispatch
-    (operators x host_op_us); on the CPU its operators at their shape's measured matmul rate plus cpu_op_us each."""
+    (layers x its architecture's layer host time x host_margin); on the CPU its operators at their shape's
+    measured matmul rate plus that dispatch."""
     from chunkflow_planner.ops import eta_cpu, ops_time_cpu
-    from chunkflow_planner.pipeline import text_forward_s
+    from chunkflow_planner.pipeline import text_forward_s, text_host_s
 
     te = get_model("wan2.2").pipeline.text_encoders[0]
+    layers = te.shape()["layers"]
     ops = text_encoder_ops(te, 1, te.tokens)
     device = ops_time(ops, H200)
-    free = H200.model_copy(update={"host_op_us": 0.0})
-    assert text_forward_s(te, free) == pytest.approx(device)
-    slow = H200.model_copy(update={"host_op_us": 100.0})  # a host this slow binds
-    assert text_forward_s(te, slow) == pytest.approx(te.host_ops() * 100e-6) and te.host_ops() * 100e-6 > device
-    # the CPU: a matmul table slower at few tokens lengthens the forward, each operator adds its host cost
-    flat = H200.model_copy(update={"cpu_gemm_eta": None, "cpu_mem_gbps": None, "cpu_op_us": 0.0})
+    free = H200.model_copy(update={"text_layer_host_us": {}})  # an architecture calibrate did not time: its device
+    assert text_host_s(te, free) == 0 and text_forward_s(te, free) == pytest.approx(device)
+    slow = H200.model_copy(update={"text_layer_host_us": {te.arch: 5000.0}, "host_margin": 1.0})  # a host this slow binds
+    assert text_forward_s(te, slow) == pytest.approx(layers * 5e-3) and layers * 5e-3 > device
+    margin = slow.model_copy(update={"host_margin": 1.5})
+    assert text_forward_s(te, margin) == pytest.approx(1.5 * layers * 5e-3)
+    # the CPU: a matmul table slower at few tokens lengthens the forward; the host dispatch adds to it
+    flat = free.model_copy(update={"cpu_gemm_eta": None, "cpu_mem_gbps": None, "host_margin": 1.0})
     table = [(m, n, k, 0.1 if m == 16 else 1.0) for m in (16, 1024) for n in (768, 4096) for k in (768, 4096)]
     shaped = flat.model_copy(update={"cpu_gemm_eta": table})
     assert eta_cpu(shaped, 16, 4096, 4096) == pytest.approx(0.1) and eta_cpu(flat, 16, 4096, 4096) == 1.0
     assert ops_time_cpu(ops, shaped) > ops_time_cpu(ops, flat)
     assert text_forward_s(te, flat, on_cpu=True) == pytest.approx(ops_time_cpu(ops, flat))
-    costly = flat.model_copy(update={"cpu_op_us": 50.0})
-    assert text_forward_s(te, costly, on_cpu=True) == pytest.approx(ops_time_cpu(ops, flat) + te.host_ops() * 50e-6)
+    costly = flat.model_copy(update={"text_layer_host_us": {te.arch: 50.0}})
+    assert text_forward_s(te, costly, on_cpu=True) == pytest.approx(ops_time_cpu(ops, flat) + layers * 50e-6)
 
 
-def test_a_calibrated_architecture_is_priced_by_its_own_operators_and_cost():
-    """A profile's text_host entry (calibrate's count of an architecture's operators with that machine's
-    transformers, and their host cost) prices that architecture's forwards, on the GPU and on the CPU; other
-    architectures keep HOST_OPS and the profile's host_op_us / cpu_op_us; a plan's encode follows."""
-    from chunkflow_planner.catalog import TextHostCost
-    from chunkflow_planner.components import HOST_OPS
-    from chunkflow_planner.pipeline import text_host_s
+def test_a_plans_encode_follows_its_architectures_layer_host_time():
+    """A profile's layer host time of an architecture prices that architecture's forwards and no other's; a plan's
+    encode follows (twice for Wan's two guidance passes); the profile knows only the catalog's architectures."""
+    from chunkflow_planner.pipeline import text_host_s, transformer_candidates
 
     wan, flux = get_model("wan2.2"), get_model("flux")
     umt5, t5 = wan.pipeline.text_encoders[0], flux.pipeline.text_encoders[1]
-    hw = H200.model_copy(update={"host_op_us": 10.0, "cpu_op_us": 20.0})
-    cost = TextHostCost(ops_per_layer=114, ops_once=36, gpu_op_us=19.0, cpu_op_us=31.0)
-    measured = hw.model_copy(update={"text_host": {"umt5_encoder": cost}})
-    layers = umt5.shape()["layers"]
-    assert umt5.host_ops(measured) == layers * 114 + 36 != umt5.host_ops(hw) == layers * HOST_OPS["umt5_encoder"][0] \
-        + HOST_OPS["umt5_encoder"][1]
-    assert text_host_s(umt5, measured) == pytest.approx((layers * 114 + 36) * 19e-6)
-    assert text_host_s(umt5, measured, on_cpu=True) == pytest.approx((layers * 114 + 36) * 31e-6)
-    from chunkflow_planner.ops import ops_time_cpu
-    from chunkflow_planner.pipeline import text_forward_s
-
-    cpu = ops_time_cpu(text_encoder_ops(umt5, 1, umt5.tokens), measured)
-    assert text_forward_s(umt5, measured, on_cpu=True) == pytest.approx(cpu + (layers * 114 + 36) * 31e-6)
-    assert text_forward_s(umt5, measured) == pytest.approx(max(text_host_s(umt5, measured),
-                                                               ops_time(text_encoder_ops(umt5, 1, umt5.tokens), H200)))
-    assert text_host_s(umt5, hw) == pytest.approx(umt5.host_ops() * 10e-6)
-    for on_cpu in (False, True):  # an architecture not measured: unchanged
-        assert text_host_s(t5, measured, on_cpu) == text_host_s(t5, hw, on_cpu)
+    hw = H200.model_copy(update={"text_layer_host_us": {"umt5_encoder": 2000.0, "t5_encoder": 900.0},
+                                 "host_margin": 1.0})
+    slow = hw.model_copy(update={"text_layer_host_us": {**hw.text_layer_host_us, "umt5_encoder": 4000.0}})
+    assert text_host_s(umt5, slow) == pytest.approx(2 * text_host_s(umt5, hw)) and text_host_s(umt5, hw) > 0
+    assert text_host_s(t5, slow) == text_host_s(t5, hw) == pytest.approx(t5.shape()["layers"] * 900e-6)
     w = make_workload(wan, frames=81, height=704, width=1280, steps=4)
-    slow = measured.model_copy(update={"text_host": {"umt5_encoder": cost.model_copy(update={"gpu_op_us": 40.0})}})
-    from chunkflow_planner.pipeline import transformer_candidates
-
     point = transformer_candidates(Problem(wan, w, H200), 1.05, None).points[0]
     pl = Placements(("gpu",), "stream", "gpu", False)
-    enc = [estimate(wan, w, h, pl, point).phases["encode"].detail["text_encoder"] for h in (measured, slow)]
-    assert enc[0] == pytest.approx(w.cfg_passes * (layers * 114 + 36) * 19e-6) and enc[1] > enc[0]
+    enc = [estimate(wan, w, h, pl, point).phases["encode"].detail["text_encoder"] for h in (hw, slow)]
+    assert enc[0] == pytest.approx(w.cfg_passes * umt5.shape()["layers"] * 2000e-6) and enc[1] > enc[0]
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="bert"):  # an architecture the catalog does not know
-        type(H200).model_validate({**H200.model_dump(), "text_host": {"bert": cost.model_dump()}})
+        type(H200).model_validate({**H200.model_dump(), "text_layer_host_us": {"bert": 100.0}})
 
 
 def test_text_encoders_brought_for_encode_stay_until_it_ends():

@@ -182,7 +182,7 @@ def write_profile(hw: HardwareSpec, path: str | Path, header: str = "") -> Path:
 
 PROFILE_FIELDS = ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref", "coll_gbps",
                   "contention", "block_overhead_us", "memory_bytes", "peer_link", "startup_s", "encode_host_s",
-                  "postprocess_gbps", "alloc_slack", "reserve_fraction", "mem_margin")
+                  "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction", "mem_margin")
 
 
 def profile_changes(old: HardwareSpec, new: HardwareSpec) -> list[str]:
@@ -581,8 +581,8 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
         f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f} (masked "
         f"{min(r[2] for r in attn_masked):.2f}-{max(r[2] for r in attn_masked):.2f}), memory {hbm:.0f} GB/s, memory passes "
         f"x{scale:.2f}; fp8 cast {cast:.0f} GB/s ({cast_kernel}); CPU {update['cpu_tflops']:.2f} TFLOP/s")
-    log(f"host: {host['host_op_us']:.1f} us per text-encoder operator on the GPU path, {host['cpu_op_us']:.1f} us on "
-        f"the CPU (medians of {len(host['text_host'])} architectures: the profile lists each); CPU "
+    log("host: a text-encoder layer dispatches " + ", ".join(
+        f"{arch} {us:.0f} us" for arch, us in host["text_layer_host_us"].items()) + " on the GPU path; CPU "
         f"GEMM eta {min(r[3] for r in host['cpu_gemm_eta']):.2f}-{max(r[3] for r in host['cpu_gemm_eta']):.2f}, "
         f"memory {host['cpu_mem_gbps']:.0f} GB/s")
     return update, dict(gemm=gemm, attention=attn, attention_masked=attn_masked, hbm_gbps=hbm, mem_ops_scale=scale,
@@ -909,9 +909,9 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     """From generation reports (planned whole pipelines), the host-side and allocator terms of the phases:
     - encode_host_s: measured encode less the text encoders' forwards, as measured where the report timed them
       (`parts_s`, after a warm-up), else as predicted (median, at least 0);
-    - host_op_us: the host cost of an operator, from the timed forwards of text encoders kept on the GPU that were
-      bound by the host (their time over their operator count; one value per encoder and report, their median;
-      _host_op_us), and each architecture's own in text_host where calibrate measured it;
+    - host_margin: how much longer the timed forwards of text encoders run on the GPU (kept there, or moved there
+      for the phase) that were bound by the host took than calibrate timed their layers (text_layer_host_us); one
+      ratio per encoder and report, their median (_host_ratios);
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
     - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
@@ -927,7 +927,7 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         return {}
     base = hw.model_copy(update={"encode_host_s": 0.0, "postprocess_gbps": 1e4, "alloc_slack": 0.0,
                                  "startup_s": {}})
-    enc, post, slack, op_us = [], [], [], []
+    enc, post, slack, ratios = [], [], [], []
     cold = 0  # reports of a process's first generation with no start-up known to take out
     for r in gens:
         e, w = generation_estimate(r, base)
@@ -939,7 +939,7 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         for name, m in g.phases.items():
             t = m.measured_time_s - (start.get(name) or 0.0)
             if name == "encode" and g.warmup_generations:
-                op_us += _host_op_us(spec, w, base, g.components, m.parts_s, r.transformers, notes)
+                ratios += _host_ratios(spec, w, base, g.components, m.parts_s)
             if unknown and name in ("encode", "decode"):
                 pass  # its time holds the start-up too: not a measure of the host work
             elif (name == "encode" and g.warmup_generations and m.parts_s
@@ -964,14 +964,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
         update["encode_host_s"] = statistics.median(enc)
     else:
         notes.append("encode_host_s unchanged: no encode phase to measure it from")
-    if op_us:
-        update["host_op_us"] = statistics.median(v for _, v in op_us)
-        text_host = dict(hw.text_host)
-        for arch in {a for a, _ in op_us} & set(text_host):  # an architecture calibrate measured: its own cost
-            text_host[arch] = text_host[arch].model_copy(
-                update={"gpu_op_us": statistics.median(v for a, v in op_us if a == arch)})
-        if text_host != hw.text_host:
-            update["text_host"] = text_host
+    if ratios:
+        update["host_margin"] = statistics.median(ratios) * hw.host_margin
     if post:
         update["postprocess_gbps"] = statistics.median(post)
     else:
@@ -982,10 +976,7 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     errors = _peak_errors(hw.model_copy(update=update), gens)
     if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
         update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
-    said = {k: v for k, v in update.items() if k != "text_host"}
-    said.update({f"{a}'s host_op_us": c.gpu_op_us for a, c in update.get("text_host", {}).items()
-                 if c != hw.text_host[a]})
-    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in said.items()))
+    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
     return update
 
 
@@ -1027,29 +1018,24 @@ def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = No
 HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is the host's
 
 
-def _host_op_us(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str], parts: dict[str, list[float]],
-                version: str | None = None, notes: list[str] | None = None) -> list[tuple[str, float]]:
-    """(architecture, host microseconds per operator) of each text encoder kept on the GPU whose timed forwards
-    (the median over the report's generations) took HOST_BOUND x its operators' predicted device time or more,
-    its operators as `hw` counts them (TextEncoderSpec.host_ops): one value per encoder and report, so that no
-    report weighs more for having measured more generations. A report run with another transformers than the one
-    `hw` counted an architecture's operators with (`version`) is left out for it: its forwards dispatched others."""
-    from chunkflow_planner.pipeline import text_device_s
+def _host_ratios(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
+                 parts: dict[str, list[float]]) -> list[float]:
+    """Timed forward / predicted host dispatch (pipeline.text_host_s on `hw`) of each text encoder run on the GPU
+    (`gpu`, or `phase` where the report timed its move apart) whose timed forwards (the median over the report's
+    generations) took HOST_BOUND x its predicted device time or more and whose architecture calibrate timed: one
+    value per encoder and report, so that no report weighs more for having measured more generations."""
+    from chunkflow_planner.pipeline import text_device_s, text_host_s
 
     out = []
     for te in spec.pipeline.text_encoders:
-        if placements.get(te.component) != "gpu" or not parts.get(te.component):
+        on_gpu = placements.get(te.component) == "gpu" or (
+            placements.get(te.component) == "phase" and f"{te.component} to device" in parts)
+        host = text_host_s(te, hw)
+        if not on_gpu or not parts.get(te.component) or host <= 0:
             continue
-        cost = hw.text_host.get(te.arch)
-        if cost is not None and version and cost.transformers and version != cost.transformers:
-            if notes is not None:
-                notes.append(f"a report of {spec.name} ran transformers {version}, the profile counted {te.arch}'s "
-                             f"operators with {cost.transformers}: its forwards not used for the host cost")
-            continue
-        device = w.cfg_passes * text_device_s(te, hw)
-        t = statistics.median(parts[te.component])
-        if t >= HOST_BOUND * device:
-            out.append((te.arch, t / (w.cfg_passes * te.host_ops(hw)) * 1e6))
+        t = statistics.median(parts[te.component]) / w.cfg_passes
+        if t >= HOST_BOUND * text_device_s(te, hw):
+            out.append(t / host)
     return out
 
 

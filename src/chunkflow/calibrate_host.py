@@ -1,14 +1,13 @@
-"""What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/ops.py, pipeline.py):
-per text-encoder architecture, the operators one eager forward dispatches and the host cost of one on the GPU path
-and on the CPU (`text_host`; their medians `host_op_us`, `cpu_op_us`), the host CPU's bf16 GEMM efficiency by shape
-and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`; calibrate_ops' own measurements run on the CPU).
+"""What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/pipeline.py): per
+text-encoder architecture, the host time of one layer of an eager forward on the GPU path (`text_layer_host_us`),
+and the host CPU's bf16 GEMM efficiency by shape and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`;
+calibrate_ops' own measurements run on the CPU), the rates a text encoder placed on the CPU is priced by.
 
-Both are measured on the catalog's text encoders themselves, called as their pipelines call them (the attention
-mask, TextEncoderSpec.mask), with this machine's transformers: the operator count changes with its version (UMT5-XXL
-dispatched 2,772 operators a forward on an H200 host where transformers 5.24 dispatches 2,292). Each architecture's
-class at a small width (the operator count does not depend on the width, the device work becomes negligible):
-operators counted at one and two layers (`count_ops`: per layer, once per forward), and forwards of all its layers
-timed over their operator count. components.HOST_OPS, the counts of transformers 5.24, price profiles without them.
+The host time is measured on the catalog's text encoders themselves, called as their pipelines call them (the
+attention mask, TextEncoderSpec.mask), with this machine's transformers: each architecture's class at a small width
+(its device work becomes negligible, what it dispatches does not change) and all its layers, one forward timed and
+divided by its layers. A generation's forwards run slower than these quiet ones (the host CPU's speed varies up to
+2x within a process): `calibrate --from-report` measures by how much (HardwareSpec.host_margin).
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ SMALL_HEADS = 2
 
 def small_config(arch: str, config: dict, layers: int) -> dict:
     """`config` at a small width with `layers` layers: two heads of the model's own head dim (rotary sections
-    keep their sizes), a small MLP and vocabulary; what decides the operator count (flags, activations, biases,
-    attention kind) is kept."""
+    keep their sizes), a small MLP and vocabulary; what decides the operators it dispatches (flags, activations,
+    biases, attention kind) is kept."""
     c = dict(config)
     if arch in ("t5_encoder", "umt5_encoder"):
         c.update(d_model=SMALL_HEADS * c["d_kv"], d_ff=128, num_heads=SMALL_HEADS, vocab_size=1000, num_layers=layers)
@@ -68,22 +67,6 @@ def small_text_encoder(te, layers: int, device, dtype=None):
     return module.to(device=device, dtype=dtype or torch.bfloat16).eval()
 
 
-def count_ops(fn: Callable[[], Any]) -> int:
-    """Operators fn() dispatches (aten calls, views included)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        fn()
-    return _Count.n
-
-
 PROMPT_TOKENS = 16  # a short prompt's tokens, the rest padding, where the pipeline pads (TextEncoderSpec.mask)
 
 
@@ -115,30 +98,8 @@ def _small_run(te, layers: int, device) -> Callable[[], Any]:
     return run
 
 
-def count_text_encoder_ops(te, layers: int, device="cpu") -> int:
-    """Operators one forward of the text encoder with `layers` layers dispatches (small width; count_ops)."""
-    import torch
-
-    return count_ops(_small_run(te, layers, torch.device(device)))
-
-
-def count_per_layer(te, device="cpu") -> tuple[int, int]:
-    """(operators per layer, operators once per forward) of the text encoder, counted at one and two layers."""
-    one, two = count_text_encoder_ops(te, 1, device), count_text_encoder_ops(te, 2, device)
-    return two - one, 2 * one - two
-
-
 ROUNDS = 3  # each architecture timed in rounds spread over the whole measurement: a slow spell of the host (they
 # come in bursts: docs/data/h200-umt5-dispatch) lands in one round of each, not in all of one architecture's forwards
-
-
-def _full_depth(te, device, layers: int | None = None) -> tuple[Callable[[], Any], int]:
-    """(one forward, the operators it dispatches) of the text encoder at a small width on `device`, all its layers
-    (default; the operators once per forward, masks and position biases, cost more than a layer's, so fewer layers
-    would weigh them more than the real forward does), run twice already."""
-    run = _small_run(te, layers or te.shape()["layers"], device)
-    run()
-    return run, count_ops(run)
 
 
 def text_encoder_archs() -> dict[str, Any]:
@@ -154,47 +115,31 @@ def text_encoder_archs() -> dict[str, Any]:
     return out
 
 
-def measure_text_host(device) -> dict[str, dict[str, Any] | str]:
-    """Per catalog text-encoder architecture, its TextHostCost fields measured on `device` (the GPU path) and on
-    the CPU; an architecture this transformers cannot build at a small width is left out (its entry says why)."""
-    import torch
-    import transformers
-
+def measure_text_host(device) -> dict[str, float | str]:
+    """Per catalog text-encoder architecture, the host microseconds of one layer of its eager forward on `device`
+    (all its layers at a small width, run twice already; the median over ROUNDS rounds of three forwards, over its
+    layers); an architecture this transformers cannot build at a small width is left out (its entry says why)."""
     from chunkflow.timing import time_on
-    from chunkflow_planner.catalog import TextHostCost
 
-    cpu = torch.device("cpu")
-    on_cpu = device.type == "cpu"
-    out: dict[str, dict[str, Any] | str] = {}
-    built: dict[str, tuple] = {}  # arch -> (operators a layer, full-depth forward on device, on the CPU)
-    archs = text_encoder_archs()
-    for arch, te in archs.items():
+    on_gpu = device.type != "cpu"
+    out: dict[str, float | str] = {}
+    built: dict[str, tuple[Callable[[], Any], int]] = {}  # arch -> (one forward at full depth, its layers)
+    for arch, te in text_encoder_archs().items():
         try:
-            gpu = _full_depth(te, device)
-            built[arch] = (count_per_layer(te, device)[0], gpu, gpu if on_cpu else _full_depth(te, cpu))
+            layers = te.shape()["layers"]
+            run = _small_run(te, layers, device)
+            run()
+            built[arch] = (run, layers)
         except Exception as exc:  # noqa: BLE001 - one architecture's failure must not lose the calibration
             out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
-    times: dict[str, tuple[list[float], list[float]]] = {arch: ([], []) for arch in built}
+    times: dict[str, list[float]] = {arch: [] for arch in built}
     for _ in range(ROUNDS):
-        for arch, (_, (gpu_run, _), (cpu_run, _)) in built.items():
-            times[arch][0].extend(time_on(not on_cpu, gpu_run)[1] for _ in range(3))
-            if not on_cpu:
-                times[arch][1].extend(time_on(False, cpu_run)[1] for _ in range(3))
-    for arch, (per_layer, (_, n), (_, n_cpu)) in built.items():
-        te = archs[arch]
-        gpu_times, cpu_times = times[arch]
-        try:
-            once = n - te.shape()["layers"] * per_layer  # the full-depth count exactly
-            if per_layer < 0 or once < 0:
-                raise ValueError(f"operators not linear in the layers ({n} at full depth, {per_layer} a layer)")
-            gpu_us = statistics.median(gpu_times) / n * 1e6
-            cpu_us = gpu_us if on_cpu else statistics.median(cpu_times) / n_cpu * 1e6
-            out[arch] = TextHostCost(ops_per_layer=per_layer, ops_once=once, gpu_op_us=gpu_us, cpu_op_us=cpu_us,
-                                     transformers=transformers.__version__).model_dump()
-        except Exception as exc:  # noqa: BLE001
-            out[arch] = f"not measured: {type(exc).__name__}: {exc}"[:300]
-    if not any(isinstance(v, dict) for v in out.values()):
-        raise CalibrationError("no text encoder could be built at a small width to time an operator's host cost ("
+        for arch, (run, _) in built.items():
+            times[arch].extend(time_on(on_gpu, run)[1] for _ in range(3))
+    for arch, (_, layers) in built.items():
+        out[arch] = statistics.median(times[arch]) / layers * 1e6
+    if not any(isinstance(v, float) for v in out.values()):
+        raise CalibrationError("no text encoder could be built at a small width to time its host cost ("
                                + "; ".join(map(str, out.values())) + "); check that transformers is installed and "
                                "up to date")
     return out
@@ -220,13 +165,11 @@ def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[di
     from chunkflow.calibrate_ops import measure_hbm
 
     text = measure_text_host(device)
-    measured = {arch: v for arch, v in text.items() if isinstance(v, dict)}
-    gpu_op = statistics.median(v["gpu_op_us"] for v in measured.values())
-    cpu_op = statistics.median(v["cpu_op_us"] for v in measured.values())
     small = dict(ms=(16, 64), nks=(64, 128)) if cpu_smoke else {}
     peak, grid = measure_cpu_gemm_grid(cpu_tflops, **small)
     mem = measure_hbm(torch.device("cpu"), 2**22 if cpu_smoke else 2**28)  # the host's memory, as the GPU's
-    update: dict[str, Any] = dict(host_op_us=gpu_op, cpu_op_us=cpu_op, text_host=measured, cpu_tflops=peak,
-                                  cpu_gemm_eta=grid, cpu_mem_gbps=mem)
-    raw = dict(text_host=text, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid, cpu_mem_gbps=mem)
+    measured = {arch: v for arch, v in text.items() if isinstance(v, float)}
+    update: dict[str, Any] = dict(text_layer_host_us=measured, cpu_tflops=peak, cpu_gemm_eta=grid, cpu_mem_gbps=mem)
+    raw = dict(text_layer_host_us=text, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid,
+               cpu_mem_gbps=mem)
     return update, raw

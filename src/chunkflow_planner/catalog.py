@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
 
-CATALOG_SCHEMA_VERSION = 1
+CATALOG_SCHEMA_VERSION = 2  # 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is migrated
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -200,17 +200,37 @@ def _check_table(what: str, table: list) -> None:
         raise ValueError(f"{what}: efficiencies must be in (0, 1]")
 
 
-class TextHostCost(_Strict):
-    """The host side of one text-encoder architecture's eager forward on this machine (calibrate): the operators it
-    dispatches per layer and once per forward, counted with this machine's transformers and called as the catalog's
-    pipelines call it (components.TextEncoderSpec.mask), and the host microseconds each costs on the GPU path and
-    on the CPU, timed on the architecture at a small width and full depth."""
+# Profile fields of schema version 1 that version 2 prices otherwise (issue 28's lean host model): the host cost of
+# one text-encoder operator (host_op_us, cpu_op_us) and per architecture its operator counts (text_host). Migrated
+# on load: a measured architecture's count times its cost becomes its layer's host time; the rest is dropped.
+OBSOLETE_V1 = ("host_op_us", "cpu_op_us", "text_host")
 
-    ops_per_layer: int = Field(ge=0, le=10**6)
-    ops_once: int = Field(ge=0, le=10**6)
-    gpu_op_us: float = Field(gt=0, le=1e4)
-    cpu_op_us: float = Field(gt=0, le=1e5)
-    transformers: str = Field("", description="the transformers version that dispatched them")
+
+def _arch_layers() -> dict[str, int]:
+    """Layers of each text-encoder architecture's first catalog pipeline encoder (the one calibrate measures)."""
+    out: dict[str, int] = {}
+    for spec in load_models().values():
+        if spec.pipeline is not None and not spec.name.startswith("tiny"):
+            for te in spec.pipeline.text_encoders:
+                out.setdefault(te.arch, te.shape()["layers"])
+    return out
+
+
+def migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 profile as version 2: each architecture calibrate counted and timed (text_host: operators per
+    layer and once per forward, host microseconds each on the GPU path) becomes its layer's host microseconds
+    (text_layer_host_us); host_op_us and cpu_op_us, costs of an operator the version 2 model does not count, go."""
+    out = {k: v for k, v in data.items() if k not in OBSOLETE_V1}
+    layers = _arch_layers() if data.get("text_host") else {}
+    per_layer = dict(out.get("text_layer_host_us") or {})
+    for arch, cost in (data.get("text_host") or {}).items():
+        if isinstance(cost, dict) and arch in layers and arch not in per_layer:
+            ops = cost.get("ops_per_layer", 0) + cost.get("ops_once", 0) / layers[arch]
+            per_layer[arch] = ops * cost.get("gpu_op_us", 0.0)
+    if per_layer:
+        out["text_layer_host_us"] = per_layer
+    out["schema_version"] = CATALOG_SCHEMA_VERSION
+    return out
 
 
 class HardwareSpec(_Strict):
@@ -269,16 +289,16 @@ class HardwareSpec(_Strict):
         "grid (calibrate); a text encoder on the CPU runs a few tokens (small M), far from the square matmul's rate")
     cpu_mem_gbps: float | None = Field(None, gt=0, le=1e6, description="the host CPU's bandwidth for memory-bound "
                                        "operators (calibrate); unset: they are not priced on the CPU")
-    host_op_us: float = Field(0.0, ge=0, le=1e4, description="host microseconds one eager operator costs on the "
-                              "GPU path (Python, dispatcher, kernel launch), measured by calibrate on text encoders: "
-                              "a forward takes at least its operator count (components.HOST_OPS) times this; the "
-                              "median of text_host's architectures where calibrate measured them")
-    cpu_op_us: float = Field(0.0, ge=0, le=1e5, description="the same for operators run on the CPU, beyond their "
-                             "GEMMs' and memory passes' time (calibrate)")
-    text_host: dict[TextEncoderArch, TextHostCost] = Field(
-        default_factory=dict, description="per text-encoder architecture, its operator counts and host cost per "
-        "operator as calibrate measured them here; an architecture listed here is priced by its entry, the others by "
-        "components.HOST_OPS and host_op_us / cpu_op_us")
+    text_layer_host_us: dict[TextEncoderArch, Annotated[float, Field(gt=0, le=1e6)]] = Field(
+        default_factory=dict, description="per text-encoder architecture, host microseconds one layer of its eager "
+        "forward dispatches (Python, dispatcher, kernel launches), as calibrate timed it (the architecture at a "
+        "small width, all its layers, over its layers): text encoders run a few tokens through many small layers, "
+        "so on the GPU their forwards are often bound by the host; an architecture not listed is priced by its "
+        "device time alone")
+    host_margin: float = Field(1.0, gt=0, le=100, description="how much longer a generation's text-encoder "
+                               "forwards take on the host than calibrate timed them (text_layer_host_us): the "
+                               "median ratio over generation reports' host-bound forwards, `chunkflow calibrate "
+                               "--from-report`; the host CPU's speed varies up to 2x within a process")
     vae_decode: dict[str, "VaeDecodeFit"] = Field(
         default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
         "catalog's for this GPU")
@@ -318,6 +338,13 @@ class HardwareSpec(_Strict):
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")
     source: str = Field("", description="where these numbers come from")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema_version", 1) == 1:
+            return migrate_v1(data)
+        return data
 
     @model_validator(mode="after")
     def _check_curve(self) -> "HardwareSpec":
@@ -488,10 +515,10 @@ def load_profile(path: Path) -> HardwareSpec:
 
     data = _read_yaml(read_text(path, "hardware profile"), f"hardware profile {str(path)!r}")
     version = data.get("schema_version", CATALOG_SCHEMA_VERSION)
-    if version != CATALOG_SCHEMA_VERSION:
+    if version not in (1, CATALOG_SCHEMA_VERSION):  # version 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION}. Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 1, migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

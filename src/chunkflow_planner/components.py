@@ -106,25 +106,6 @@ def encoder_params(arch: str, config: dict) -> tuple[int, int]:
     raise ValueError(f"unknown text encoder arch {arch!r}")
 
 
-# ------------------------------------------------------------------------------------ host dispatch
-
-# Operators one eager forward dispatches (aten calls, views included), per repeated layer and once per forward
-# (embeddings, masks, position biases, final norm), as transformers 5.24's classes run them called as their pipelines
-# call them (TextEncoderSpec.mask): counted by the tests (chunkflow.calibrate_host.count_per_layer, on the CPU at a
-# small width; the count does not depend on the width). Other transformers versions dispatch other counts (UMT5-XXL:
-# 2,772 a forward on an H200 host against 2,292 here), which calibrate counts (HardwareSpec.text_host); these price
-# profiles without them. A forward's host time is this many times the host cost of one operator (host_op_us,
-# cpu_op_us): text encoders run a few tokens through many small layers, so on the GPU they are often bound by Python
-# and kernel launches, not by the device.
-HOST_OPS: dict[str, tuple[int, int]] = {
-    "t5_encoder": (66, 35),  # the relative-position bias is computed in the first layer only; FLUX passes no mask
-    "umt5_encoder": (94, 36),  # ... and in every layer
-    "clip_text": (41, 10),
-    "llama": (87, 55),  # a padded mask: the causal mask combined with it
-    "qwen2_5_vl": (78, 45),  # every token real
-}
-
-
 # ------------------------------------------------------------------------------------------------ specs
 
 
@@ -152,13 +133,6 @@ class TextEncoderSpec(_Strict):
     @property
     def layer_params(self) -> int:
         return encoder_params(self.arch, self.config)[1]
-
-    def host_ops(self, hw: Any = None) -> int:
-        """Operators one forward dispatches: layers x per layer + once per forward, as calibrate counted them on
-        `hw`'s machine (HardwareSpec.text_host) or else HOST_OPS."""
-        cost = getattr(hw, "text_host", {}).get(self.arch)
-        per_layer, once = (cost.ops_per_layer, cost.ops_once) if cost is not None else HOST_OPS[self.arch]
-        return self.shape()["layers"] * per_layer + once
 
     def shape(self) -> dict[str, Any]:
         """d, ff, heads, head_dim, kv_heads, layers, gated, eager_attention: what the operator model needs."""

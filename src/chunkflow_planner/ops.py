@@ -14,10 +14,10 @@ the flash kernel) and mem_ops_scale fitted to the real blocks calibrate timed. S
 is predicted from the shapes of its own operators. Without tables the scalar eta_comp applies to every FLOP.
 
 A text encoder's forward runs a few hundred tokens through many small layers: its host work can outlast its device
-work, so it takes the longer of the two (pipeline.py), the host work being its operator count times the host cost
-of one, as calibrate measures both per architecture (`text_host`; else components.HOST_OPS and `host_op_us`). On
-the host CPU (a text encoder placed there) GEMMs run at their shape's measured rate (`cpu_gemm_eta`), memory passes
-at `cpu_mem_gbps`, and each operator adds its host cost on the CPU (`text_host`'s `cpu_op_us`, else `cpu_op_us`).
+work, so it takes the longer of the two (pipeline.py), the host work being its layers at the host cost of one as
+calibrate times it per architecture (`text_layer_host_us`, scaled by the reports' `host_margin`). On the host CPU
+(a text encoder placed there) GEMMs run at their shape's measured rate (`cpu_gemm_eta`) and memory passes at
+`cpu_mem_gbps`, plus the same host dispatch.
 
 The FLOPs of a transformer block's operators add up to its F_block (flops.py, eqs. 12, 18, 22); the tests check it.
 Pure Python: no torch.

@@ -108,8 +108,9 @@ class PipelineEstimate:
 
 # The decoded frames in host memory at the end of a generation, as float32 RGB: diffusers' postprocessing holds
 # two copies (the tensor brought to the CPU and the stacked numpy array) and writing the file a third (its
-# conversion). Checked on one H200 (docs/pipeline-h200.md): with it the predicted host peak of Wan2.2-5B at 81 and
-# 121 frames is within 2% of the measured one.
+# conversion). On the 61 generation reports of H200s in docs/data, with process_host_bytes refit for each, the peak
+# host memory is predicted within 5.9% (worst) with three copies, within 16.2% with one
+# (docs/data/host-model-2026-12-02).
 OUTPUT_HOST_COPIES = 3
 
 
@@ -185,22 +186,18 @@ def text_device_s(te: TextEncoderSpec, hw: HardwareSpec) -> float:
     return ops_time(text_encoder_ops(te, 1, te.tokens), hw)
 
 
-def text_host_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
-    """Host seconds one forward of a text encoder dispatches: its operators times the host cost of one, both as
-    calibrate measured them for its architecture (HardwareSpec.text_host), else HOST_OPS x host_op_us / cpu_op_us."""
-    cost = hw.text_host.get(te.arch)
-    if cost is not None:
-        op_us = cost.cpu_op_us if on_cpu else cost.gpu_op_us
-    else:
-        op_us = hw.cpu_op_us if on_cpu else hw.host_op_us
-    return te.host_ops(hw) * op_us * 1e-6
+def text_host_s(te: TextEncoderSpec, hw: HardwareSpec) -> float:
+    """Host seconds one eager forward of a text encoder dispatches in a generation: its layers at the host cost of
+    one as calibrate timed it for its architecture (HardwareSpec.text_layer_host_us; 0 where unmeasured), times the
+    reports' host_margin."""
+    return te.shape()["layers"] * hw.text_layer_host_us.get(te.arch, 0.0) * 1e-6 * hw.host_margin
 
 
 def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
     """Seconds of one forward of a text encoder: on the GPU the longer of its device time and its host dispatch,
-    on the CPU its operators' time plus their host cost (text_host_s, ops.py)."""
+    on the CPU its operators' time at the CPU's measured rates plus that dispatch (text_host_s, ops.py)."""
     if on_cpu:
-        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) + text_host_s(te, hw, on_cpu=True)
+        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) + text_host_s(te, hw)
     return max(text_device_s(te, hw), text_host_s(te, hw))
 
 

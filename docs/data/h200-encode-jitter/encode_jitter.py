@@ -13,7 +13,24 @@ import torch
 import transformers
 
 sys.path.insert(0, "src")
-from chunkflow.calibrate_host import count_ops, text_encoder_archs
+from chunkflow.calibrate_host import text_encoder_archs
+
+
+def count_ops(fn):
+    """Operators fn() dispatches (aten calls, views included); calibrate_host's until issue 28's host model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
 os.makedirs(out_dir, exist_ok=True)
