@@ -54,6 +54,11 @@ def device_need(allocated: float, activations: float, hw: HardwareSpec) -> int:
     return int((allocated + hw.alloc_slack * activations) * (1 + hw.reserve_fraction) + hw.context_bytes)
 
 
+def allocation_within(budget: float, activations: float, hw: HardwareSpec) -> float:
+    """The peak allocation whose device_need is `budget`: device_need solved for the allocation (no paper equation)."""
+    return (budget - hw.context_bytes) / (1 + hw.reserve_fraction) - hw.alloc_slack * activations
+
+
 def activation_bytes(spec: ModelSpec, w: Workload, sp: int = 1) -> float:
     """Peak activation bytes on one GPU inside a block (see the module docstring)."""
     S = tokens(spec, w)

@@ -23,27 +23,32 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit, Workload, encode_startup_key
 from chunkflow_planner.components import TextEncoderSpec
-from chunkflow_planner.memory import device_need
+from chunkflow_planner import explain
+from chunkflow_planner.memory import allocation_within, device_need
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.ops import ops_time, ops_time_cpu, text_encoder_ops
 from chunkflow_planner.overlap import GB
 from chunkflow_planner.policy import (
-    MarginKept,
-    budget_said,
     BATCHING_GAIN,
+    Facts,
     Infeasible,
+    Lever,
     Point,
     Problem,
+    Setting,
+    Target,
     best_of,
     candidates,
     chunk_tie,
-    lever_reason,
+    levers_of,
+    setting,
 )
-from chunkflow_planner.units import format_bytes, format_seconds
 
 PHASES = ("encode", "denoise", "decode")
 TEXT_PLACEMENTS = ("gpu", "phase", "stream", "cpu")
@@ -378,6 +383,22 @@ def _placements(spec: ModelSpec, hw: HardwareSpec) -> list[Placements]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineFacts(Facts):
+    """The facts of the whole pipeline: `placement`, the estimate chosen (or, where none is feasible, the one
+    nearest the binding limit) and `transformer`, its transformer's point; `host_budget` against the placement's host
+    memory; `base_time_s`, the generation with everything on the GPU; the per-step target of a streamed transformer
+    (`step_target_s`), whether its point meets it (`step_met`) and its levers."""
+
+    placement: PipelineEstimate
+    transformer: Setting
+    host_budget: int
+    base_time_s: float
+    step_target_s: float
+    step_met: bool = True
+    levers: tuple[Lever, ...] = ()
+
+
 @dataclass(frozen=True)
 class PipelineDecision:
     chosen: PipelineEstimate
@@ -385,14 +406,80 @@ class PipelineDecision:
     target_s: float
     gpu_budget: int
     host_budget: int
-    reason: str
+    reason: str  # the facts in words (explain.py)
+    facts: PipelineFacts | None = None
 
 
-def _room(est_without_transformer_alloc: float, budget: int, hw: HardwareSpec, point: Point) -> float:
-    """Allocated bytes the transformer may use in the denoise phase inside `budget` (with `point`'s activations'
-    allocator slack: the slack of every candidate is about the same, its activations barely depend on the offload)."""
-    return ((budget - hw.context_bytes) / (1 + hw.reserve_fraction) - est_without_transformer_alloc
-            - hw.alloc_slack * point.memory.activations)
+def _room(other_alloc: float, budget: int, hw: HardwareSpec, point: Point) -> float:
+    """Allocated bytes the transformer may use in the denoise phase inside `budget` beside `other_alloc` (what the
+    phase allocates besides it), with `point`'s activations' allocator slack (the slack of every candidate is about
+    the same, its activations barely depend on the offload)."""
+    return allocation_within(budget, point.memory.activations, hw) - other_alloc
+
+
+def generation_target(base: PipelineEstimate, target_time: float | None, generation_slowdown: float | None) -> float:
+    """The whole generation's target: `target_time`, else generation_slowdown x everything on the GPU, else none."""
+    if target_time is not None:
+        return target_time
+    return base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf
+
+
+def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transformer, costs: TextCosts,
+               gpu_budget: int) -> tuple[list[PipelineEstimate], dict[Placements, float]]:
+    """Every placement estimated: a transformer on the GPU or moved per phase in each CFG evaluation allowed, a
+    streamed one by the plan's rule in the room its placement leaves (returned per placement, allocated bytes)."""
+    seen: list[PipelineEstimate] = []
+    rooms: dict[Placements, float] = {}
+    for pl in _placements(spec, hw):
+        if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
+            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
+            continue
+        probe = estimate(spec, w, hw, pl, cands.none, costs)
+        other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
+        rooms[pl] = _room(other, gpu_budget, hw, cands.none)
+        point = _pick_stream(cands, rooms[pl])
+        if point is None:
+            point = min(cands.points, key=lambda p: p.memory.peak)
+        seen.append(estimate(spec, w, hw, pl, point, costs))
+    return seen, rooms
+
+
+def _fastest(fits: list[PipelineEstimate]) -> PipelineEstimate:
+    """The fastest placement, then the smallest; a whole transformer batches CFG only for a real gain."""
+    best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
+    if best.transformer.cfg.cfg_batched and best.placements.transformer in ("gpu", "phase"):
+        plain = [e for e in fits if e.placements == best.placements and not e.transformer.cfg.cfg_batched]
+        if plain and plain[0].generation_time <= best.generation_time * (1 + BATCHING_GAIN):
+            return plain[0]  # batching doubles the activations: only for a real gain
+    return best
+
+
+def _stream_levers(best: PipelineEstimate, cands: _Transformer, room: float, problem: Problem) -> tuple[Lever, ...]:
+    """The levers of a streamed transformer that meets the step target, against the points that do in its room."""
+    feasible = [p for p in cands.points if cands.meets(p) and p.memory.peak <= room]
+    return levers_of(best.transformer, feasible, problem.levers, cands.none)
+
+
+def _facts(e: PipelineEstimate, *, cands: _Transformer, base: PipelineEstimate, target: float, gpu_budget: int,
+           host_budget: int, binding: str | None, time_s: float | None = None,
+           levers: tuple[Lever, ...] = ()) -> PipelineFacts:
+    """The facts of placement `e` against the budgets and targets."""
+    return PipelineFacts(
+        binding=binding, budget=gpu_budget, need=e.gpu_need, target=Target(seconds=target), time_s=time_s,
+        placement=e, transformer=setting(e.transformer, cands.none), host_budget=host_budget,
+        base_time_s=base.generation_time, step_target_s=cands.target, step_met=cands.meets(e.transformer),
+        levers=levers)
+
+
+def _shortfall(best: PipelineEstimate | None, fits_gpu: list[PipelineEstimate], seen: list[PipelineEstimate],
+               facts_of: Callable[..., PipelineFacts]) -> PipelineFacts:
+    """Why no placement is feasible: latency binds where the fastest inside both budgets (`best`) misses the target,
+    host memory where some fit the GPU budget (`fits_gpu`) and none the host's, else GPU memory."""
+    if best is not None:
+        return facts_of(best, binding="latency", time_s=best.generation_time)
+    if fits_gpu:
+        return facts_of(min(fits_gpu, key=lambda e: e.host_memory), binding="host memory")
+    return facts_of(min(seen, key=lambda e: e.gpu_need), binding="memory")
 
 
 def decide_pipeline(
@@ -406,107 +493,32 @@ def decide_pipeline(
     target_step_time: float | None = None,
     target_time: float | None = None,
     generation_slowdown: float | None = None,
-    kept: MarginKept | None = None,
 ) -> PipelineDecision:
-    """The fastest placement that fits the GPU budget in every phase and the host budget, and meets the latency
-    target for the whole generation if one is set (`target_time`, or `generation_slowdown` x everything on the GPU
-    without offload); the transformer streamed by the plan's rule (the smallest residency meeting max_slowdown x
-    no offload per step, else the fastest that fits). Raises Infeasible naming the binding constraint. `kept`: the
-    user's budget and margin `gpu_budget` is what is left of (for the messages)."""
+    """The fastest placement that fits the GPU budget (the device bytes checked) in every phase and the host budget,
+    and meets the latency target for the whole generation if one is set (`target_time`, or `generation_slowdown` x
+    everything on the GPU without offload); the transformer streamed by the plan's rule (the smallest residency
+    meeting max_slowdown x no offload per step, else the fastest that fits). Raises Infeasible naming the binding
+    constraint; the reason and the error word the facts as explain.py does without a margin."""
     if spec.pipeline is None:
         raise PipelineError(f"{spec.name} has no pipeline in the catalog; plan the transformer alone "
                             "(--transformer-only)")
     cands = transformer_candidates(problem, max_slowdown, target_step_time)
-    n_te = len(spec.pipeline.text_encoders)
     costs = text_costs(spec, w, hw)
-    base = estimate(spec, w, hw, Placements(("gpu",) * n_te, "gpu", "gpu", False), cands.none, costs)
-    target = (target_time if target_time is not None
-              else base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf)
-    seen: list[PipelineEstimate] = []
-    rooms: dict[Placements, float] = {}  # streamed placements: allocated bytes the transformer may use
-    for pl in _placements(spec, hw):
-        if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
-            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
-            continue
-        probe = estimate(spec, w, hw, pl, cands.none, costs)
-        other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
-        rooms[pl] = _room(other, gpu_budget, hw, cands.none)
-        point = _pick_stream(cands, rooms[pl])
-        if point is None:
-            point = min(cands.points, key=lambda p: p.memory.peak)
-        seen.append(estimate(spec, w, hw, pl, point, costs))
+    base = estimate(spec, w, hw, Placements(("gpu",) * len(spec.pipeline.text_encoders), "gpu", "gpu", False),
+                    cands.none, costs)
+    target = generation_target(base, target_time, generation_slowdown)
+    facts_of = partial(_facts, cands=cands, base=base, target=target, gpu_budget=gpu_budget, host_budget=host_budget)
+    seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget)
     fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
     fits = [e for e in fits_gpu if e.host_memory <= host_budget]
-    if fits:
-        best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
-        if best.transformer.cfg.cfg_batched and best.placements.transformer in ("gpu", "phase"):
-            plain = [e for e in fits if e.placements == best.placements and not e.transformer.cfg.cfg_batched]
-            if plain and plain[0].generation_time <= best.generation_time * (1 + BATCHING_GAIN):
-                best = plain[0]  # batching doubles the activations: only for a real gain
-        if best.generation_time <= target:
-            why = _why(best, base, target)
-            if best.placements.transformer == "stream" and not cands.meets(best.transformer):
-                t = best.transformer
-                why += (f"; no streamed setting inside the budget meets the step target "
-                        f"{format_seconds(cands.target)} (--max-slowdown x no offload): the fastest that "
-                        f"fits takes {format_seconds(t.step_time)} a step, {t.step_time / cands.none.step_time:.3f}x")
-            elif best.placements.transformer == "stream":
-                room = rooms[best.placements]
-                why += lever_reason(best.transformer, [p for p in cands.points if cands.meets(p)
-                                                       and p.memory.peak <= room], problem.levers)
-            elif best.transformer.cfg.cfg_batched:
-                why += "; the guidance passes run as one batched forward (faster at this size)"
-            return PipelineDecision(best, base, target, gpu_budget, host_budget, why)
-        raise Infeasible(
-            "latency",
-            f"latency is the binding constraint: the fastest generation inside "
-            f"{budget_said(format_bytes(gpu_budget), kept, more=True)} of GPU and "
-            f"{format_bytes(host_budget)} of host memory takes {format_seconds(best.generation_time)} ({_describe(best)}), "
-            f"above the target {format_seconds(target)}. Raise --mem-budget, or relax --max-slowdown / --target-time.",
-            best.gpu_need, best.generation_time)
-    if fits_gpu:
-        least = min(fits_gpu, key=lambda e: e.host_memory)
-        h = least.host_bytes
-        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in h.items() if v > 0)
-        raise Infeasible(
-            "host memory",
-            f"host memory is the binding constraint: the placement needing the least host memory inside "
-            f"{budget_said(format_bytes(gpu_budget), kept, more=True)} of GPU memory ({_describe(least)}) needs "
-            f"{format_bytes(least.host_memory)} "
-            f"({parts}) and --host-mem-budget is {format_bytes(host_budget)}. "
-            + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
-               if hw.device_is_host else "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU."),
-            least.gpu_need, None)
-    least = min(seen, key=lambda e: e.gpu_need)
-    phase = least.binding_phase
-    relief = {
-        "decode": "decode fewer frames or a smaller size (the VAE's activations scale with the output)",
-        "encode": "the text encoder cannot be made smaller than one streamed layer",
-        "denoise": "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp",
-    }[phase]
-    raise Infeasible(
-        "memory",
-        f"GPU memory is the binding constraint: even the smallest placement ({_describe(least)}) needs "
-        f"{format_bytes(least.gpu_need)} in its {phase} phase and --mem-budget is "
-        f"{budget_said(format_bytes(gpu_budget), kept, stated=True)}. Raise --mem-budget, or {relief}."
-        + (kept.needed(least.gpu_need) if kept else ""),
-        least.gpu_need, None)
-
-
-def _describe(e: PipelineEstimate) -> str:
-    pl = e.placements
-    te = "/".join(pl.text_encoders)
-    cfg = e.transformer.cfg
-    tr = pl.transformer if pl.transformer != "stream" else cfg.label
-    return f"text encoder {te}, transformer {tr}, VAE {pl.vae}{' tiled' if pl.vae_tiling else ''}"
-
-
-def _why(best: PipelineEstimate, base: PipelineEstimate, target: float) -> str:
-    slow = best.generation_time / base.generation_time
-    goal = f", target {format_seconds(target)}" if math.isfinite(target) else ""
-    versus = (f", {slow:.3f}x everything on the GPU" if not best.hw.device_is_host and slow >= 0.995 else "")
-    return (f"the fastest placement inside the budgets: {_describe(best)}; {format_seconds(best.generation_time)} "
-            f"per generation{versus}{goal}; its peak is the {best.binding_phase} phase")
+    best = _fastest(fits) if fits else None
+    if best is None or best.generation_time > target:
+        facts = _shortfall(best, fits_gpu, seen, facts_of)
+        raise Infeasible(facts, explain.pipeline_infeasible(facts))
+    streamed = best.placements.transformer == "stream" and cands.meets(best.transformer)
+    facts = facts_of(best, binding=None, time_s=best.generation_time,
+                     levers=_stream_levers(best, cands, rooms[best.placements], problem) if streamed else ())
+    return PipelineDecision(best, base, target, gpu_budget, host_budget, explain.pipeline_reason(facts), facts)
 
 
 __all__ = ["PHASES", "Placements", "PipelineEstimate", "PipelineDecision", "decide_pipeline", "estimate",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -20,6 +21,9 @@ from chunkflow_planner.catalog import (
     get_hardware,
     load_profile,
 )
+from chunkflow_planner import explain
+from chunkflow_planner.explain import MarginKept
+from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import OverlapAnalysis, analyse
 from chunkflow_planner.plan import (
     Analysis,
@@ -33,8 +37,11 @@ from chunkflow_planner.plan import (
     PlanWorkload,
     Prediction,
 )
-from chunkflow_planner.policy import Decision, Levers, MarginKept, Point, Problem, decide
+from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, baselines, decide
 from chunkflow_planner.workload import WorkloadError, tokens
+
+if TYPE_CHECKING:
+    from chunkflow_planner.pipeline import PipelineDecision
 
 DEFAULT_HARDWARE = "h200"
 PROFILE_FILENAME = "hardware-profile.yaml"
@@ -126,6 +133,58 @@ def usable_budget(budget: int, margin: float) -> int:
     return MarginKept(budget, margin).usable
 
 
+def memory_margin(hw: HardwareSpec, mem_margin: float | None) -> float:
+    """The share of the GPU budget kept for the memory model's error: `mem_margin`, else the hardware's."""
+    margin = hw.mem_margin if mem_margin is None else mem_margin
+    if not (math.isfinite(margin) and 0 <= margin <= 0.5):
+        raise CatalogError(f"the memory margin must be between 0 and 0.5 (a share of the budget), got {margin}")
+    return margin
+
+
+def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
+    """Whether the whole generation is planned: asked, in the catalog, on one GPU and with the catalog's volumes."""
+    return (pipeline and problem.spec.pipeline is not None and problem.sp == 1 and problem.prefetch_bytes is None
+            and problem.text_len is None)
+
+
+def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, max_slowdown: float | None,
+                       target_step_time: float | None) -> Decision:
+    """The transformer alone, its reason and its error naming the user's budget through `kept`."""
+    try:
+        decision = decide(problem, usable, max_slowdown, target_step_time)
+    except Infeasible as exc:
+        raise Infeasible(exc.facts, explain.step_infeasible(exc.facts, kept)) from None
+    return replace(decision, reason=explain.step_reason(decision.facts, kept))
+
+
+def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_budget: int,
+                 max_slowdown: float | None, target_step_time: float | None, target_time: float | None,
+                 generation_slowdown: float | None) -> tuple[Decision, PipelineDecision]:
+    """The whole pipeline's placements, and the transformer's decision in it with the baselines of the plan; the
+    error names the user's budget through `kept`."""
+    from chunkflow_planner.pipeline import decide_pipeline
+
+    try:
+        whole = decide_pipeline(problem.spec, problem.workload, problem.hw, problem, usable, host_budget,
+                                max_slowdown, target_step_time, target_time, generation_slowdown)
+    except Infeasible as exc:
+        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept)) from None
+    base = baselines(problem, max_slowdown, target_step_time)
+    return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason,
+                    whole.facts), whole
+
+
+def critical_analysis(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, sp: int,
+                      prefetch_bytes: float | None, text_len: float | None, cfg: OffloadConfig) -> OverlapAnalysis:
+    """The overlap analysis of what will run; the hardware must give a finite critical workload."""
+    analysis = analyse(spec, workload, hardware.spec, sp, prefetch_bytes, text_len, cfg=cfg)
+    if not math.isfinite(analysis.F_star):
+        raise CatalogError(f"hardware {hardware.spec.name!r} ({hardware.source}) gives no finite critical workload "
+                           "F*: its compute rate is too low for any block to hide a prefetch. Check the profile's "
+                           "figures.")
+    return analysis
+
+
 def make_plan(
     spec: ModelSpec,
     workload: Workload,
@@ -158,33 +217,35 @@ def make_plan(
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
-    margin = hw.mem_margin if mem_margin is None else mem_margin
-    if not (math.isfinite(margin) and 0 <= margin <= 0.5):
-        raise CatalogError(f"the memory margin must be between 0 and 0.5 (a share of the budget), got {margin}")
-    usable = usable_budget(budget, margin)
+    margin = memory_margin(hw, mem_margin)
+    usable = usable_budget(budget, margin)  # the one budget the policy checks
+    kept = MarginKept(budget, margin) if margin > 0 else None  # how the messages name it
     levers = Levers.of(workload.cfg_passes) if levers is None else levers
-    kept = MarginKept(budget, margin) if margin > 0 else None
     problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
     whole = None
-    if pipeline and spec.pipeline is not None and sp == 1 and prefetch_bytes is None and text_len is None:
+    if plans_pipeline(problem, pipeline):
         from chunkflow_planner.hostinfo import default_host_budget
-        from chunkflow_planner.pipeline import decide_pipeline
 
         host_source = "--host-mem-budget"
         if host_budget is None:
             host_budget, host_source = default_host_budget()
-        whole = decide_pipeline(spec, workload, hw, problem, usable, host_budget, max_slowdown, target_step_time,
-                                target_time, generation_slowdown, kept=kept)
-        base = decide(problem, 2**62, max_slowdown, target_step_time)  # the baselines and step target
-        decision = Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason)
+        decision, whole = decide_whole(problem, usable, kept, host_budget, max_slowdown, target_step_time,
+                                       target_time, generation_slowdown)
     else:
-        decision = decide(problem, usable, max_slowdown, target_step_time, kept=kept)
+        decision = decide_transformer(problem, usable, kept, max_slowdown, target_step_time)
+    analysis = critical_analysis(spec, workload, hardware, sp, prefetch_bytes, text_len, decision.chosen.cfg)
+    plan = assemble(spec, workload, hardware, problem, decision, analysis, budget, margin)
+    if whole is not None:
+        plan = _with_pipeline(plan, spec, whole, read_bytes).model_copy(update={"host_memory_budget_source": host_source})
+    return plan, decision, analysis
+
+
+def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, problem: Problem, decision: Decision,
+             analysis: OverlapAnalysis, budget: int, margin: float) -> Plan:
+    """The transformer's Plan: what runs, its analysis, its prediction against the baselines, and why."""
+    hw = hardware.spec
     chosen = decision.chosen
-    analysis = analyse(spec, workload, hw, sp, prefetch_bytes, text_len, cfg=chosen.cfg)  # of what will run
-    if not math.isfinite(analysis.F_star):
-        raise CatalogError(f"hardware {hw.name!r} ({hardware.source}) gives no finite critical workload F*: its "
-                           "compute rate is too low for any block to hide a prefetch. Check the profile's figures.")
-    plan = Plan(
+    return Plan(
         model=PlanModel(
             name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes
         ),
@@ -192,22 +253,13 @@ def make_plan(
             batch=workload.batch, frames=workload.frames, height=workload.height, width=workload.width,
             tokens=tokens(spec, workload), steps=workload.steps, cfg_passes=workload.cfg_passes,
         ),
-        parallel=PlanParallel(sp_degree=sp),
+        parallel=PlanParallel(sp_degree=problem.sp),
         hardware=PlanHardware(
             name=hw.name, source=hardware.source, peak_tflops=hw.peak_tflops, h2d_gbps=hw.h2d_gbps,
             eta_comp=hw.eta_comp, eta_pref=hw.eta_pref, memory_bytes=hw.memory_bytes, peer_link=hw.peer_link,
             spec=hw.model_dump(mode="json"),
         ),
-        analysis=Analysis(
-            block_flops_per_gpu=analysis.F_block, prefetch_bytes_per_block=analysis.B_pref, f_star=analysis.F_star,
-            i_block=analysis.I_block, i_star=analysis.I_star, t_comp_s=analysis.T_comp, t_pref_s=analysis.T_pref,
-            eta_comp_used=analysis.F_block / (analysis.T_comp * hw.peak_tflops * 1e12),  # eq. 1 solved for eta
-            regime=analysis.regime,
-            critical=Critical(
-                axis=analysis.critical.axis, value=analysis.critical.value,
-                nearest_valid=analysis.critical.nearest_valid, reason=analysis.critical.reason,
-            ),
-        ),
+        analysis=_plan_analysis(analysis, hw),
         offload=chosen.cfg.with_overrides(comm_aware=problem.aware),
         prediction=PlanPrediction(
             **_prediction(chosen).model_dump(),
@@ -219,9 +271,20 @@ def make_plan(
         target_step_time_s=decision.target_s,
         reason=decision.reason,
     )
-    if whole is not None:
-        plan = _with_pipeline(plan, spec, whole, read_bytes).model_copy(update={"host_memory_budget_source": host_source})
-    return plan, decision, analysis
+
+
+def _plan_analysis(analysis: OverlapAnalysis, hw: HardwareSpec) -> Analysis:
+    """The plan's section of the overlap analysis."""
+    return Analysis(
+        block_flops_per_gpu=analysis.F_block, prefetch_bytes_per_block=analysis.B_pref, f_star=analysis.F_star,
+        i_block=analysis.I_block, i_star=analysis.I_star, t_comp_s=analysis.T_comp, t_pref_s=analysis.T_pref,
+        eta_comp_used=analysis.F_block / (analysis.T_comp * hw.peak_tflops * 1e12),  # eq. 1 solved for eta
+        regime=analysis.regime,
+        critical=Critical(
+            axis=analysis.critical.axis, value=analysis.critical.value,
+            nearest_valid=analysis.critical.nearest_valid, reason=analysis.critical.reason,
+        ),
+    )
 
 
 def load_prediction(spec: ModelSpec, e, read_bytes: int | None = None):

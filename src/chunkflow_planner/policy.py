@@ -12,15 +12,20 @@ forward, each block streamed once a step) where the model has two passes, and fp
 allows lossy storage. Every point is held to the same target, max_slowdown x the fastest way to run without offload
 (batched or not, whichever is faster); among the feasible ones the policy still takes the smallest residency
 first, and of equal residency bf16 before fp8 (exact before lossy), then the shortest step.
+
+The policy returns facts (`Facts`: which constraint binds, the levers and their amounts, the margins); explain.py
+words them. The budget comes in as one number, the device bytes the points are checked against.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from chunkflow_planner import explain
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.explain import MarginKept  # noqa: F401 - where commands/plan_tables.py finds it
 from chunkflow_planner.memory import (
     MemoryEstimate,
     block_volumes,
@@ -29,7 +34,6 @@ from chunkflow_planner.memory import (
 )
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
-from chunkflow_planner.units import format_bytes, format_seconds
 
 CfgBatching = str  # "auto" | "on" | "off"
 
@@ -37,49 +41,48 @@ MB = 10**6
 CHUNK_CANDIDATES = tuple(c * MB for c in (4, 8, 16, 32, 64, 128, 256))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """A latency target in seconds; `slowdown`: the multiple of no offload it was set at (None: given in seconds)."""
+
+    seconds: float
+    slowdown: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What decided a plan or ruled every one out. `binding`: the constraint that binds ("memory": the GPU budget,
+    "host memory": the host budget, "latency": the target; None where the plan meets them all). The margins:
+    `budget`, the GPU bytes checked (the one budget number), against `need`, the device bytes of the point chosen
+    or, where none is, of the least any needs; `target` against `time_s`, the time of the point chosen or of the
+    fastest inside the budgets (None where memory binds)."""
+
+    binding: str | None
+    budget: int
+    need: int
+    target: Target
+    time_s: float | None = None
+
+
 class Infeasible(ChunkflowError):
-    """No configuration meets the target inside the budget; says which constraint binds and how close we got."""
+    """No configuration meets the target inside the budget: its `facts` say which constraint binds and how close the
+    closest point came; the message words them (explain.py)."""
 
-    def __init__(self, binding: str, message: str, min_memory: int, best_step_time: float | None) -> None:
+    def __init__(self, facts: Facts, message: str) -> None:
         super().__init__(message)
-        self.binding = binding
-        self.min_memory = min_memory
-        self.best_step_time = best_step_time
-
-
-@dataclass(frozen=True)
-class MarginKept:
-    """The user's GPU budget (`given` bytes) and the share of it a plan keeps free for the memory model's error: the
-    budget the policy checks is given / (1 + margin). Messages name the budget through it."""
-
-    given: int
-    margin: float
+        self.facts = facts
 
     @property
-    def usable(self) -> int:
-        return int(self.given / (1 + self.margin))
+    def binding(self) -> str:
+        return self.facts.binding
 
     @property
-    def _kept(self) -> str:
-        return f"the {self.margin:.1%} kept for the memory model's error"
+    def min_memory(self) -> int:
+        return self.facts.need
 
-    def needed(self, need: float) -> str:
-        """The budget a need takes with the margin, rounded up to the figure shown (two decimals of its unit)."""
-        unit = next((u for u in (1e12, 1e9, 1e6, 1e3) if need * (1 + self.margin) >= u), 1.0)
-        step = unit / 100 if unit > 1 else 1.0
-        n = math.ceil(need * (1 + self.margin) / step - 1e-9) * step
-        return f" With the margin, a --mem-budget of at least {format_bytes(n)} is needed (--mem-margin 0 plans to the byte)."
-
-
-def budget_said(shown: str, kept: MarginKept | None, *, stated: bool = False, more: bool = False) -> str:
-    """How a message names the budget it checked (`shown`, the usable bytes as the message formats them): as is
-    without a margin; with one, `stated` (after "the budget is") as the user's budget with the usable part, else the
-    usable part with the user's budget (`more`: the sentence goes on, so a comma closes the aside)."""
-    if kept is None:
-        return shown
-    if stated:
-        return f"{format_bytes(kept.given)} ({shown} after {kept._kept})"
-    return f"{shown}, {format_bytes(kept.given)} less {kept._kept}" + ("," if more else "")
+    @property
+    def best_step_time(self) -> float | None:
+        return self.facts.time_s
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,68 @@ class Point:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """A point as the facts name it: its offload, its step time and that time over the fastest without offload."""
+
+    cfg: OffloadConfig
+    step_s: float
+    slowdown: float
+
+
+def setting(p: Point, none: Point) -> Setting:
+    """`p` named against `none`, the fastest way to run without offload."""
+    return Setting(p.cfg, p.step_time, p.step_time / none.step_time)
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A lever of the chosen point: "cfg_batching" (`on`: the guidance passes batched) or "weight_dtype" (`on`: fp8
+    storage). `asked`: the only setting the user allowed; else `other`, the preferred feasible point with the lever
+    the other way (None: none is feasible), and `gain`, the step saving batching must bring to be taken."""
+
+    name: str
+    on: bool
+    asked: bool = False
+    other: Setting | None = None
+    gain: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFacts(Facts):
+    """The facts of the transformer alone. `chosen`: the point chosen, or the fastest inside the budget where latency
+    binds; `levers`: its levers; `unlocks`: the levers the user did not allow that would make it feasible;
+    `layerwise_slowdown`: layerwise over no offload; `chunk_ties`: at full offload, the chunk sizes as fast as the
+    chosen; `fp8_unused`: only fp8 storage was allowed and nothing is offloaded."""
+
+    chosen: Setting | None = None
+    levers: tuple[Lever, ...] = ()
+    unlocks: tuple[str, ...] = ()
+    layerwise_slowdown: float = 1.0
+    chunk_ties: int = 1
+    fp8_unused: bool = False
+
+
+@dataclass(frozen=True)
+class Baselines:
+    """What every plan is measured against: no offload in the fastest CFG evaluation the levers allow, layerwise
+    offload, and the step target of every point."""
+
+    none: Point
+    layerwise: Point
+    target_s: float
+
+
+@dataclass(frozen=True)
 class Decision:
+    """The point chosen, the baselines and step target, the device bytes checked, and the facts and their words."""
+
     chosen: Point
     none: Point
     layerwise: Point
     target_s: float
     budget: int
-    reason: str
+    reason: str  # the facts in words (explain.py)
+    facts: Facts | None = None
 
 
 @dataclass(frozen=True)
@@ -230,129 +288,109 @@ def best_chunk(problem: Problem, residency: float = 0.0, chunk_sizes: tuple[int,
     return min(pts, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
 
 
+def baselines(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> Baselines:
+    """No offload, layerwise and the step target, straight from the step-time and memory model."""
+    return Baselines(problem.fastest_none(), problem.evaluate(OffloadConfig("layerwise")),
+                     problem.target(max_slowdown, target_step_time))
+
+
+def step_target(base: Baselines, max_slowdown: float | None, target_step_time: float | None) -> Target:
+    """The step target as the facts carry it: its seconds and the slowdown it was set at, if any."""
+    return Target(seconds=base.target_s, slowdown=None if target_step_time is not None else max_slowdown or 1.05)
+
+
 def decide(
     problem: Problem,
     budget: int,
     max_slowdown: float | None = 1.05,
     target_step_time: float | None = None,
     chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES,
-    kept: MarginKept | None = None,
 ) -> Decision:
-    """Choose the plan for `problem` under a memory budget (bytes) and a latency target; raise Infeasible if none.
-    `kept`: the user's budget and margin `budget` is what is left of (for the messages)."""
-    none = problem.fastest_none()  # the reference of --max-slowdown and of the plan's `none` baseline
-    layerwise = problem.evaluate(OffloadConfig("layerwise"))
-    target = problem.target(max_slowdown, target_step_time)
-    target_text = format_seconds(target) + (f" ({max_slowdown:.2f}x no offload)" if target_step_time is None else "")
-
-    nones = [problem.none(b) for b in problem.levers.cfg_batched]
-    fit = [p for p in nones if p.need <= budget]
+    """Choose the plan for `problem` under a memory budget (the device bytes the policy checks) and a latency
+    target; raise Infeasible if none. The reason and the error word the facts as explain.py does without a margin."""
+    base = baselines(problem, max_slowdown, target_step_time)  # the reference of --max-slowdown and the baselines
+    target = step_target(base, max_slowdown, target_step_time)
+    fit = [p for p in (problem.none(b) for b in problem.levers.cfg_batched) if p.need <= budget]
     if fit:
-        chosen = best_of(fit)
-        return Decision(
-            chosen, none, layerwise, target, budget,
-            f"the model fits without offload (needs {format_bytes(chosen.need)} of "
-            f"{budget_said(format_bytes(budget), kept)}): "
-            f"offload would only cost time (layerwise {layerwise.step_time / none.step_time:.2f}x)"
-            + ("; the guidance passes run as one batched forward" if chosen.cfg.cfg_batched else "")
-            + ("; fp8 storage is not used: nothing is offloaded" if "bf16" not in problem.levers.weight_dtypes
-               else ""),
-        )
+        chosen, facts = _without_offload(problem, best_of(fit), base, budget, target)
+    else:
+        points = candidates(problem, chunk_sizes)
+        feasible = [p for p in points if p.need <= budget and p.step_time <= target.seconds]
+        if not feasible:
+            facts = _shortfall(problem, points, base, budget, target, (max_slowdown, target_step_time), chunk_sizes)
+            raise Infeasible(facts, explain.step_infeasible(facts))
+        chosen, facts = _offloaded(problem, best_of(feasible), feasible, base, budget, target)
+    return Decision(chosen, base.none, base.layerwise, base.target_s, budget, explain.step_reason(facts), facts)
 
-    points = candidates(problem, chunk_sizes)
-    in_budget = [p for p in points if p.need <= budget]
-    feasible = [p for p in in_budget if p.step_time <= target]
-    if feasible:
-        best = best_of(feasible)
-        slow = best.step_time / none.step_time
-        if best.cfg.residency == 0:
-            tied = [p for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time
-                    and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype]
-            why = (
-                f"full offload already meets the target ({slow:.3f}x no offload, target {target_text}); "
-                + (f"every chunk size hides, so {format_bytes(best.cfg.chunk_bytes)} (the paper's operating point)"
-                   if len(tied) > 1 else f"{format_bytes(best.cfg.chunk_bytes)} chunks give the shortest step")
-            )
-        else:
-            why = (
-                f"the smallest residency that meets {target_text} inside {budget_said(format_bytes(budget), kept)}: "
-                f"{best.cfg.residency:.0%} resident, {slow:.3f}x no offload"
-            )
-        return Decision(best, none, layerwise, target, budget, why + lever_reason(best, feasible, problem.levers))
 
+def _without_offload(problem: Problem, chosen: Point, base: Baselines, budget: int,
+                     target: Target) -> tuple[Point, StepFacts]:
+    """The facts of a model that fits without offload."""
+    return chosen, StepFacts(
+        binding=None, budget=budget, need=chosen.need, target=target, time_s=chosen.step_time,
+        chosen=setting(chosen, base.none), layerwise_slowdown=base.layerwise.step_time / base.none.step_time,
+        fp8_unused="bf16" not in problem.levers.weight_dtypes)
+
+
+def _offloaded(problem: Problem, best: Point, feasible: list[Point], base: Baselines, budget: int,
+               target: Target) -> tuple[Point, StepFacts]:
+    """The facts of the preferred streamed point `best` among the `feasible` ones."""
+    ties = 1
+    if best.cfg.residency == 0:
+        ties = sum(1 for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time
+                   and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype)
+    return best, StepFacts(
+        binding=None, budget=budget, need=best.need, target=target, time_s=best.step_time,
+        chosen=setting(best, base.none), levers=levers_of(best, feasible, problem.levers, base.none),
+        chunk_ties=ties)
+
+
+def _shortfall(problem: Problem, points: list[Point], base: Baselines, budget: int, target: Target,
+               asked: tuple[float | None, float | None], chunk_sizes: tuple[int, ...]) -> StepFacts:
+    """Why no point is feasible: memory binds where none fits the budget, else latency (with the fastest that
+    fits); `asked`: (max_slowdown, target_step_time), to hold the levers not allowed to the same target."""
     min_need = min(p.need for p in points)
-    hint = _lever_hint(problem, budget, max_slowdown, target_step_time, chunk_sizes)
+    hint = unlocks(problem, budget, *asked, chunk_sizes)
+    in_budget = [p for p in points if p.need <= budget]
     if not in_budget:
-        raise Infeasible(
-            "memory",
-            f"memory is the binding constraint: even full offload needs {format_bytes(min_need)} "
-            f"(peak allocation, allocator slack and CUDA context) and the budget is "
-            f"{budget_said(format_bytes(budget), kept, stated=True)}. Raise --mem-budget, or "
-            "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint
-            + (kept.needed(min_need) if kept else ""),
-            min_need, None,
-        )
-    best_in_budget = min(in_budget, key=lambda p: p.step_time)
-    raise Infeasible(
-        "latency",
-        f"latency is the binding constraint: the fastest plan inside "
-        f"{budget_said(format_bytes(budget), kept, more=True)} takes "
-        f"{format_seconds(best_in_budget.step_time)} per step "
-        f"(residency {best_in_budget.cfg.residency:.0%}, {format_bytes(best_in_budget.cfg.chunk_bytes)} chunks), "
-        f"above the target {target_text}. The smallest memory any plan needs is {format_bytes(min_need)}. "
-        "Raise --mem-budget or relax --max-slowdown / --target-step-time." + hint,
-        min_need, best_in_budget.step_time,
-    )
+        return StepFacts(binding="memory", budget=budget, need=min_need, target=target, unlocks=hint)
+    fastest = min(in_budget, key=lambda p: p.step_time)
+    return StepFacts(binding="latency", budget=budget, need=min_need, target=target, time_s=fastest.step_time,
+                     chosen=setting(fastest, base.none), unlocks=hint)
 
 
-def lever_reason(best: Point, feasible: list[Point], levers: Levers) -> str:
-    """Why the plan batches CFG or not and stores fp8 or not, against the best feasible point without that choice."""
-    parts = []
+def levers_of(best: Point, feasible: list[Point], levers: Levers, none: Point) -> tuple[Lever, ...]:
+    """The levers of `best`: whether it batches CFG and stores fp8, against the preferred feasible point without
+    that choice (where the user allowed both settings)."""
 
-    def alternative(pred) -> Point | None:
+    def other(pred) -> Setting | None:
         alt = [p for p in feasible if pred(p)]
-        return min(alt, key=preference) if alt else None
+        return setting(min(alt, key=preference), none) if alt else None
 
+    out = []
     if len(levers.cfg_batched) > 1:
-        other = alternative(lambda p: p.cfg.cfg_batched != best.cfg.cfg_batched)
-        if best.cfg.cfg_batched:
-            parts.append("batched CFG (each block streamed once a step for both guidance passes): "
-                         + (f"unbatched would need residency {other.cfg.residency:.0%}" if other is not None
-                            and other.cfg.residency > best.cfg.residency else
-                            "unbatched meets no target in this budget" if other is None else
-                            f"{other.step_time / best.step_time:.2f}x the step time unbatched"))
-        else:
-            parts.append("unbatched CFG: " + ("no batched plan meets the target in this budget" if other is None else
-                                              "batching would not lower residency or shorten the step by "
-                                              f"{BATCHING_GAIN:.0%}, and it doubles the activations"))
+        out.append(Lever("cfg_batching", best.cfg.cfg_batched, gain=BATCHING_GAIN,
+                         other=other(lambda p: p.cfg.cfg_batched != best.cfg.cfg_batched)))
     elif True in levers.cfg_batched:
-        parts.append("batched CFG as asked")
+        out.append(Lever("cfg_batching", True, asked=True))
     if len(levers.weight_dtypes) > 1:
-        if best.cfg.weight_dtype != "bf16":
-            other = alternative(lambda p: p.cfg.weight_dtype == "bf16")
-            parts.append("fp8 weight storage (allowed, lossy): "
-                         + ("bf16 meets no target in this budget" if other is None else
-                            f"bf16 would need residency {other.cfg.residency:.0%}"))
-        else:
-            parts.append("bf16 weights: fp8 storage would not lower residency, so the exact weights are kept")
+        fp8 = best.cfg.weight_dtype != "bf16"
+        out.append(Lever("weight_dtype", fp8, other=other(lambda p: p.cfg.weight_dtype == "bf16") if fp8 else None))
     elif levers.weight_dtypes == ("fp8_e4m3",):
-        parts.append("fp8 weight storage as asked")
-    return "".join(f"; {p}" for p in parts)
+        out.append(Lever("weight_dtype", True, asked=True))
+    return tuple(out)
 
 
-def _lever_hint(problem: Problem, budget: int, max_slowdown: float | None, target_step_time: float | None,
-                chunk_sizes: tuple[int, ...]) -> str:
-    """What a lever the user did not allow would do: fp8 storage (--allow-fp8), batched CFG (--cfg-batching). Only
-    the points of the lever not tried yet are evaluated."""
-    from dataclasses import replace
-
+def unlocks(problem: Problem, budget: int, max_slowdown: float | None, target_step_time: float | None,
+            chunk_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The levers the user did not allow that would make a plan feasible: "weight_dtype" (fp8 storage,
+    --allow-fp8), "cfg_batching" (batched CFG). Only the points of the lever not tried yet are evaluated."""
     lv = problem.levers
-    options = [(Levers(lv.cfg_batched, ("fp8_e4m3",)), "fp8_e4m3" not in lv.weight_dtypes,
-                " Lossy fp8 weight storage would make it feasible (--weight-dtype auto --allow-fp8)."),
+    options = [(Levers(lv.cfg_batched, ("fp8_e4m3",)), "fp8_e4m3" not in lv.weight_dtypes, "weight_dtype"),
                (Levers((True,), lv.weight_dtypes), problem.workload.cfg_passes > 1 and True not in lv.cfg_batched,
-                " Batched CFG would make it feasible (--cfg-batching auto).")]
-    hints = []
-    for levers, untried, text in options:
+                "cfg_batching")]
+    found = []
+    for levers, untried, name in options:
         if not untried:
             continue
         other = replace(problem, levers=levers)
@@ -360,5 +398,5 @@ def _lever_hint(problem: Problem, budget: int, max_slowdown: float | None, targe
         both = replace(problem, levers=Levers(tuple({*lv.cfg_batched, *levers.cfg_batched}), levers.weight_dtypes))
         target = both.target(max_slowdown, target_step_time)
         if any(p.need <= budget and p.step_time <= target for p in candidates(other, chunk_sizes)):
-            hints.append(text)
-    return "".join(hints)
+            found.append(name)
+    return tuple(found)

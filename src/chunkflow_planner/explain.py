@@ -1,0 +1,197 @@
+"""Words for the policy's facts: the plan's reason and the Infeasible messages, for the transformer alone
+(policy.StepFacts) and the whole pipeline (pipeline.PipelineFacts), as `chunkflow plan` and the plan say them.
+
+The facts carry one budget, the GPU bytes the policy checked; where the user's --mem-budget keeps a margin for the
+memory model's error (`MarginKept`), the messages name the budget through it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from chunkflow_planner.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from chunkflow_planner.pipeline import PipelineEstimate, PipelineFacts
+    from chunkflow_planner.policy import Lever, Setting, StepFacts, Target
+
+
+@dataclass(frozen=True)
+class MarginKept:
+    """The user's GPU budget (`given` bytes) and the share of it a plan keeps free for the memory model's error: the
+    budget the policy checks is given / (1 + margin). Messages name the budget through it."""
+
+    given: int
+    margin: float
+
+    @property
+    def usable(self) -> int:
+        return int(self.given / (1 + self.margin))
+
+    @property
+    def _kept(self) -> str:
+        return f"the {self.margin:.1%} kept for the memory model's error"
+
+    def needed(self, need: float) -> str:
+        """The budget a need takes with the margin, rounded up to the figure shown (two decimals of its unit)."""
+        unit = next((u for u in (1e12, 1e9, 1e6, 1e3) if need * (1 + self.margin) >= u), 1.0)
+        step = unit / 100 if unit > 1 else 1.0
+        n = math.ceil(need * (1 + self.margin) / step - 1e-9) * step
+        return f" With the margin, a --mem-budget of at least {format_bytes(n)} is needed (--mem-margin 0 plans to the byte)."
+
+
+def budget_said(shown: str, kept: MarginKept | None, *, stated: bool = False, more: bool = False) -> str:
+    """How a message names the budget it checked (`shown`, the usable bytes as the message formats them): as is
+    without a margin; with one, `stated` (after "the budget is") as the user's budget with the usable part, else the
+    usable part with the user's budget (`more`: the sentence goes on, so a comma closes the aside)."""
+    if kept is None:
+        return shown
+    if stated:
+        return f"{format_bytes(kept.given)} ({shown} after {kept._kept})"
+    return f"{shown}, {format_bytes(kept.given)} less {kept._kept}" + ("," if more else "")
+
+
+def target_said(target: Target) -> str:
+    """The step target, with the slowdown over no offload it was set at."""
+    return format_seconds(target.seconds) + (f" ({target.slowdown:.2f}x no offload)" if target.slowdown else "")
+
+
+# ----------------------------------------------------------------------------------------------- levers
+
+UNLOCKS = {
+    "weight_dtype": " Lossy fp8 weight storage would make it feasible (--weight-dtype auto --allow-fp8).",
+    "cfg_batching": " Batched CFG would make it feasible (--cfg-batching auto).",
+}
+
+
+def _cfg_said(lever: Lever, chosen: Setting) -> str:
+    """Why the guidance passes run batched or not."""
+    other = lever.other
+    if lever.asked:
+        return "batched CFG as asked"
+    if lever.on:
+        return "batched CFG (each block streamed once a step for both guidance passes): " + (
+            "unbatched meets no target in this budget" if other is None
+            else f"unbatched would need residency {other.cfg.residency:.0%}"
+            if other.cfg.residency > chosen.cfg.residency
+            else f"{other.step_s / chosen.step_s:.2f}x the step time unbatched")
+    return "unbatched CFG: " + ("no batched plan meets the target in this budget" if other is None else
+                                "batching would not lower residency or shorten the step by "
+                                f"{lever.gain:.0%}, and it doubles the activations")
+
+
+def _dtype_said(lever: Lever) -> str:
+    """Why the streamed weights are stored in fp8 or bf16."""
+    if lever.asked:
+        return "fp8 weight storage as asked"
+    if lever.on:
+        return "fp8 weight storage (allowed, lossy): " + (
+            "bf16 meets no target in this budget" if lever.other is None
+            else f"bf16 would need residency {lever.other.cfg.residency:.0%}")
+    return "bf16 weights: fp8 storage would not lower residency, so the exact weights are kept"
+
+
+def levers_said(levers: tuple[Lever, ...], chosen: Setting) -> str:
+    """The levers of the chosen point, each as "; why"."""
+    return "".join(f"; {_cfg_said(lv, chosen) if lv.name == 'cfg_batching' else _dtype_said(lv)}" for lv in levers)
+
+
+# ------------------------------------------------------------------------------------- the transformer alone
+
+
+def step_reason(f: StepFacts, kept: MarginKept | None = None) -> str:
+    """The plan's reason for the transformer's point."""
+    c = f.chosen
+    if c.cfg.mode == "none":
+        return (f"the model fits without offload (needs {format_bytes(f.need)} of "
+                f"{budget_said(format_bytes(f.budget), kept)}): "
+                f"offload would only cost time (layerwise {f.layerwise_slowdown:.2f}x)"
+                + ("; the guidance passes run as one batched forward" if c.cfg.cfg_batched else "")
+                + ("; fp8 storage is not used: nothing is offloaded" if f.fp8_unused else ""))
+    if c.cfg.residency == 0:
+        why = (f"full offload already meets the target ({c.slowdown:.3f}x no offload, target {target_said(f.target)}); "
+               + (f"every chunk size hides, so {format_bytes(c.cfg.chunk_bytes)} (the paper's operating point)"
+                  if f.chunk_ties > 1 else f"{format_bytes(c.cfg.chunk_bytes)} chunks give the shortest step"))
+    else:
+        why = (f"the smallest residency that meets {target_said(f.target)} inside "
+               f"{budget_said(format_bytes(f.budget), kept)}: {c.cfg.residency:.0%} resident, {c.slowdown:.3f}x no offload")
+    return why + levers_said(f.levers, c)
+
+
+def step_infeasible(f: StepFacts, kept: MarginKept | None = None) -> str:
+    """Why no transformer point fits the budget (binding "memory") or meets the target in it ("latency")."""
+    hint = "".join(UNLOCKS[name] for name in f.unlocks)
+    if f.binding == "memory":
+        return (f"memory is the binding constraint: even full offload needs {format_bytes(f.need)} "
+                f"(peak allocation, allocator slack and CUDA context) and the budget is "
+                f"{budget_said(format_bytes(f.budget), kept, stated=True)}. Raise --mem-budget, or "
+                "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp." + hint
+                + (kept.needed(f.need) if kept else ""))
+    c = f.chosen
+    return (f"latency is the binding constraint: the fastest plan inside "
+            f"{budget_said(format_bytes(f.budget), kept, more=True)} takes {format_seconds(c.step_s)} per step "
+            f"(residency {c.cfg.residency:.0%}, {format_bytes(c.cfg.chunk_bytes)} chunks), "
+            f"above the target {target_said(f.target)}. The smallest memory any plan needs is {format_bytes(f.need)}. "
+            "Raise --mem-budget or relax --max-slowdown / --target-step-time." + hint)
+
+
+# ------------------------------------------------------------------------------------------ the whole pipeline
+
+RELIEF = {
+    "decode": "decode fewer frames or a smaller size (the VAE's activations scale with the output)",
+    "encode": "the text encoder cannot be made smaller than one streamed layer",
+    "denoise": "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp",
+}
+
+
+def placement_said(e: PipelineEstimate) -> str:
+    """Where each component runs, the transformer by its offload where streamed."""
+    pl = e.placements
+    tr = pl.transformer if pl.transformer != "stream" else e.transformer.cfg.label
+    return (f"text encoder {'/'.join(pl.text_encoders)}, transformer {tr}, "
+            f"VAE {pl.vae}{' tiled' if pl.vae_tiling else ''}")
+
+
+def pipeline_reason(f: PipelineFacts) -> str:
+    """The plan's reason for the placement chosen, and for its transformer's point."""
+    e, t = f.placement, f.transformer
+    slow = f.time_s / f.base_time_s
+    goal = f", target {format_seconds(f.target.seconds)}" if math.isfinite(f.target.seconds) else ""
+    versus = f", {slow:.3f}x everything on the GPU" if not e.hw.device_is_host and slow >= 0.995 else ""
+    why = (f"the fastest placement inside the budgets: {placement_said(e)}; {format_seconds(f.time_s)} "
+           f"per generation{versus}{goal}; its peak is the {e.binding_phase} phase")
+    if e.placements.transformer == "stream" and not f.step_met:
+        return why + (f"; no streamed setting inside the budget meets the step target "
+                      f"{format_seconds(f.step_target_s)} (--max-slowdown x no offload): the fastest that "
+                      f"fits takes {format_seconds(t.step_s)} a step, {t.slowdown:.3f}x")
+    if e.placements.transformer == "stream":
+        return why + levers_said(f.levers, t)
+    if t.cfg.cfg_batched:
+        return why + "; the guidance passes run as one batched forward (faster at this size)"
+    return why
+
+
+def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str:
+    """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory")."""
+    e = f.placement
+    gpu = budget_said(format_bytes(f.budget), kept, more=True)
+    if f.binding == "latency":
+        return (f"latency is the binding constraint: the fastest generation inside {gpu} of GPU and "
+                f"{format_bytes(f.host_budget)} of host memory takes {format_seconds(f.time_s)} ({placement_said(e)}), "
+                f"above the target {format_seconds(f.target.seconds)}. Raise --mem-budget, or relax --max-slowdown / "
+                "--target-time.")
+    if f.binding == "host memory":
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
+        return (f"host memory is the binding constraint: the placement needing the least host memory inside "
+                f"{gpu} of GPU memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
+                f"--host-mem-budget is {format_bytes(f.host_budget)}. "
+                + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
+                   if e.hw.device_is_host else
+                   "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU."))
+    phase = e.binding_phase
+    return (f"GPU memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
+            f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "
+            f"{budget_said(format_bytes(f.budget), kept, stated=True)}. Raise --mem-budget, or {RELIEF[phase]}."
+            + (kept.needed(f.need) if kept else ""))
