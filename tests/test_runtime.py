@@ -298,3 +298,66 @@ def test_a_host_store_is_locked_block_by_block_beside_its_writes(monkeypatch, fa
     one.release()
     monkeypatch.undo()
     h.remove()
+
+
+# ------------------------------------------------------------------------------------------ the parts' seams
+
+
+def test_a_part_on_the_handle_is_attached_detached_and_closed_with_each_layout():
+    """The handle's parts protocol (runtime/feature.py): a part registered on the handle sees each layout come and
+    go (a dtype change lays the blocks out again) and the handle's end, remove() and discard() alike."""
+    from chunkflow.runtime.feature import HandleFeature
+
+    class Record(HandleFeature):
+        def __init__(self):
+            self.calls = []
+
+        def attach(self, handle):
+            self.calls.append(("attach", handle.streamer is not None and bool(handle.layouts)))
+
+        def detach(self, handle):
+            self.calls.append(("detach", bool(handle.layouts)))
+
+        def close(self, handle, restore):
+            self.calls.append(("close", restore))
+
+    for end, restore in (("remove", True), ("discard", False)):
+        m, blocks, kw = _wan()
+        h = chunkflow.offload(m, mode="chunkflow", chunk_size=3001, device="cpu", blocks=blocks)
+        part = Record()
+        h.features.append(part)
+        m.to(torch.float64)
+        assert h.stats().relayouts == 1 and part.calls == [("detach", True), ("attach", True)]
+        getattr(h, end)()
+        assert part.calls[2:] == [("close", restore), ("detach", True)] and h.removed
+        getattr(h, end)()  # ended once
+        assert len(part.calls) == 4
+
+
+def test_block_features_are_called_around_every_block_in_order():
+    """The streamer's per-block seam: each block's copies done (the next block's, prefetched as a block starts),
+    entered and exited, once per block per forward, with the outputs unchanged."""
+    from chunkflow.runtime.feature import BlockFeature
+
+    class Record(BlockFeature):
+        def __init__(self):
+            self.calls = []
+
+        def copies_done(self, streamer, block, slot):
+            self.calls.append(("copies", block))
+
+        def entered(self, streamer, block):
+            self.calls.append(("enter", block))
+
+        def exited(self, streamer, block):
+            self.calls.append(("exit", block))
+
+    m, blocks, kw = _wan()
+    ref = _run(m, kw)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=3001, device="cpu", blocks=blocks)
+    rec = Record()
+    h.streamer.features.append(rec)
+    assert torch.equal(_run(m, kw), ref)
+    n = len(h.layouts)
+    assert rec.calls == [c for l in range(n) for c in (("copies", (l + 1) % n), ("enter", l), ("exit", l))]
+    h.remove()

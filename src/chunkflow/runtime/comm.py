@@ -34,17 +34,24 @@ awareness. Overhead per collective: two or three event records and one or two st
 (a few microseconds), nothing on the GPU beyond the stalls it is designed to take.
 
 What the pacer and the tap see is also told to the handle's observers (runtime/observe.py): the event log in
-`chunkflow.probes` checks from it that no copy can overlap a collective.
+`chunkflow.probes` checks from it that no copy can overlap a collective. `CommAwareness` is the handle's part
+(runtime/feature.py) that holds the pacer and the tap and listens to the tap.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
+from chunkflow.runtime.feature import HandleFeature
+from chunkflow.runtime.observe import Observer
 from chunkflow.timing import EventPool
 from chunkflow_planner.offload import PACING_MARGIN
+
+if TYPE_CHECKING:  # annotations only
+    from chunkflow.runtime.handle import OffloadHandle
 
 # --------------------------------------------------------------------------------------------- interception
 
@@ -302,3 +309,61 @@ class CommPacer:
                 n += 1
             plan.append(n)
         self.plan[p.block] = plan
+
+
+# --------------------------------------------------------------------------------------------- the handle's part
+
+
+class CommAwareness(HandleFeature):
+    """A handle's pacer (chunkflow mode, comm_aware, under torch.distributed with a ring to pace) and the tap,
+    installed while the pacer or an observer wants it; the tap's listener, which tells both of each collective."""
+
+    def __init__(self):
+        self.pacer: CommPacer | None = None
+        self.tap: CollectiveTap | None = None
+        self.obs: Observer | None = None
+
+    def configure(self, handle: OffloadHandle, obs: Observer | None) -> None:
+        """Pacer and tap as the handle's setting and its observers (`obs`: all of them as one, or None) ask; the
+        streamer gets the pacer at its next block boundary."""
+        s, cfg = handle.streamer, handle.cfg
+        self.obs = obs
+        pace = s is not None and cfg.mode == "chunkflow" and cfg.comm_aware and bool(s.ring) and dist_active()
+        if pace and (self.pacer is None or self.pacer.s is not s):
+            self.pacer = CommPacer(s)
+        elif not pace:
+            self.pacer = None
+        if s is not None:
+            s.pacer = self.pacer
+        want_tap = dist_active() and (self.pacer is not None or obs is not None)
+        if want_tap and self.tap is None:
+            self.tap = CollectiveTap(self)
+            self.tap.install()
+        elif not want_tap and self.tap is not None:
+            self.tap.remove()
+            self.tap = None
+
+    def attach(self, handle: OffloadHandle) -> None:
+        self.configure(handle, handle.obs)
+
+    def detach(self, handle: OffloadHandle) -> None:
+        self.pacer = None  # it paces the streamer of the layout that goes
+
+    def close(self, handle: OffloadHandle, restore: bool) -> None:
+        if self.tap is not None:  # the original collective functions back, exactly
+            self.tap.remove()
+        self.tap = self.pacer = None
+        self.obs = None
+
+    def collective_start(self, name: str) -> None:
+        """Told by the tap before a collective: the pacer fences its chunks, then observers hear of it."""
+        if self.pacer is not None:
+            self.pacer.collective_start(name)
+        if self.obs is not None:
+            self.obs.collective_start(name)
+
+    def collective_end(self, name: str) -> None:
+        if self.obs is not None:
+            self.obs.collective_end(name)
+        if self.pacer is not None:
+            self.pacer.collective_end(name)

@@ -31,6 +31,12 @@ from torch import nn
 
 _HOOK = "_chunkflow_hook"
 _PART = "_chunkflow_part"  # on every module inside an offloaded one: the handle its own `.to()` goes through
+HANDLE_KEY = "_chunkflow_handle"  # on an offloaded module (every mode): its handle
+
+
+def handle_of(module: nn.Module):
+    """The handle of an offloaded module, None for a module chunkflow does not hold."""
+    return module.__dict__.get(HANDLE_KEY)
 
 
 def _copy_refused(self, *args):

@@ -1,5 +1,5 @@
-"""What `offload()` is asked for, checked before the module is touched: the device, the offload setting (from a
-config, a plan or keywords), the block list."""
+"""What `offload()` is asked for, checked before the module is touched: the module, the device, the offload setting
+(from a config, a plan or keywords), the block list and its parameters."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.hooks import handle_of
 from chunkflow_planner.offload import MODES, OffloadConfig, OffloadConfigError
 
 
@@ -139,3 +140,28 @@ def resolve_blocks(module: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
         if id(b) in inner:
             raise OffloadError(f"block {n!r} is inside another listed block; list disjoint blocks")
     return out
+
+
+def check_not_offloaded(module: nn.Module) -> None:
+    if handle_of(module) is not None:
+        raise OffloadError("this module is already offloaded; call handle.remove() before offloading it again")
+
+
+def unwrap_module(module) -> nn.Module:
+    """The module to offload: a torch.compile wrapper (OptimizedModule) is offloaded through its _orig_mod."""
+    if not isinstance(module, nn.Module):
+        hint = ("; offload its transformer: chunkflow.offload(pipe.transformer, ...)"
+                if isinstance(getattr(module, "transformer", None), nn.Module) else "")
+        raise OffloadError(f"offload() takes an nn.Module, got {type(module).__name__}{hint}")
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule" else module
+
+
+def check_parameters(blocks: list[tuple[str, nn.Module]]) -> None:
+    """Block parameters must be plain nn.Parameters (quantized or other parameter types cannot be streamed)."""
+    for name, b in blocks:
+        for pname, p in b.named_parameters(recurse=True):
+            if type(p) is not nn.Parameter:
+                raise OffloadError(f"parameter {name}.{pname} is a {type(p).__name__}, which chunkflow cannot stream "
+                                   "(only plain nn.Parameter); offload a module without quantized or custom "
+                                   "parameters")

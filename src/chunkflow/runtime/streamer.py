@@ -11,12 +11,9 @@ On CUDA, copies run on a dedicated copy stream; `ready[l]` (copy stream) tells c
 filled, `free[s]` (compute stream) tells the copy stream that slot s may be overwritten. Nothing in the hot path
 synchronizes the host. Without CUDA the same code runs with no-op streams and events and synchronous copies.
 
-With fp8 storage the host store, resident buffer and slots hold the fp8 bytes; `enter` casts a block's fp8 tensors
-into one cast buffer (their compute dtype, on the compute stream, after the block's copies are ready) and binds
-them there, as diffusers' layerwise casting does at each layer's forward. With `cast_on_copy` a streamed block is
-cast on the copy stream instead, right after its copies and before `ready[l]`, into a cast buffer that belongs to
-its slot (two in all, released with the slot): the cast leaves the compute stream's path. Either cast is one
-kernel per tensor (runtime/fp8cast.py: Triton's hardware conversion where it is exact, else PyTorch's copy).
+Features that act on the device around each block (`BlockFeature`s, runtime/feature.py: fp8 casts, runtime/
+casting.py) are called when a block's copies are enqueued, when it is entered and when it is exited; with none the
+hot path loops over an empty list. With fp8 storage the host store, resident buffer and slots hold the fp8 bytes.
 
 `obs` (an Observer, or None) is told of every copy, stream wait and slot release (runtime/observe.py).
 """
@@ -28,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from chunkflow.runtime.fp8cast import cast_into
+from chunkflow.runtime.feature import BlockFeature
 from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
 from chunkflow.runtime.observe import Observer
 from chunkflow.runtime.params import bind_data, raw_data
@@ -151,9 +148,9 @@ class Streamer:
     """
 
     def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend,
-                 cast_on_copy: bool = False):
+                 features: list[BlockFeature] | None = None):
         self.layouts = layouts
-        self.cast_on_copy = cast_on_copy
+        self.features = list(features or [])  # called around each block (fp8 casts); empty: nothing to call
         self.host = host
         self.device = device
         self.backend = backend
@@ -166,9 +163,6 @@ class Streamer:
             off += b.resident_bytes
         self.resident_total = off
         self.slot_bytes = max((b.slot_extent for b in layouts), default=0)
-        on_copy = [b for b in layouts if cast_on_copy and b.is_streamed]
-        self.cast_bytes = max((b.cast_extent for b in layouts if b not in on_copy), default=0)
-        self.slot_cast_bytes = max((b.cast_extent for b in on_copy), default=0)
         self.ring = [b.index for b in layouts if b.is_streamed]
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
@@ -178,11 +172,6 @@ class Streamer:
         self.slots: list[torch.Tensor] = []
         self.resident_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
         self.slot_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor]]] = {}
-        self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=device)
-        self.cast_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
-        self.casting: int | None = None  # the block whose fp8 tensors occupy the cast buffer now
-        self.slot_casts: list[torch.Tensor] = []  # cast_on_copy: one cast buffer per slot
-        self.slot_cast_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor, torch.Tensor]]] = {}
         self._alloc_device()
         self.ready = {l: backend.event() for l in self.ring}
         self.free = [backend.event(), backend.event()]
@@ -199,22 +188,13 @@ class Streamer:
     # ---- set-up and writes (not the hot path)
 
     def _alloc_device(self) -> None:
-        """The resident buffer, both slots and their precomputed views (at start-up, and again after a park)."""
+        """The resident buffer, both slots and their precomputed views, then the features' buffers (at start-up,
+        and again after a park)."""
         self.resident = torch.empty(self.resident_total, dtype=torch.uint8, device=self.device)
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.resident_views = [[(t, _typed_view(self.resident, roff + t.offset, t)) for t in b.resident_tensors()]
                                for b, roff in zip(self.layouts, self.res_offset)]
         self.slot_views = {}
-        self.cast_buffer = torch.empty(self.cast_bytes, dtype=torch.uint8, device=self.device)
-        self.cast_views = []
-        for b in self.layouts:
-            views, off = [], 0
-            for t in ([] if self.cast_on_copy and b.is_streamed else b.cast_tensors()):  # those: _alloc_slot_casts
-                off = align_up(off)
-                views.append((t, self.cast_buffer[off : off + t.compute_nbytes].view(t.compute_dtype).view(t.shape)))
-                off += t.compute_nbytes
-            self.cast_views.append(views)
-        self.casting = None
         for b in self.layouts:
             if not b.is_streamed:
                 continue
@@ -222,26 +202,17 @@ class Streamer:
                 self.slot_views[(b.index, s)] = [
                     (t, _typed_view(buf, t.offset - b.slot_start, t)) for t in b.streamed_tensors()
                 ]
-        self._alloc_slot_casts()
+        for f in self.features:
+            f.allocate(self)
 
-    def _alloc_slot_casts(self) -> None:
-        """cast_on_copy: a cast buffer per slot and, per (streamed block, slot), each fp8 tensor's source (its slot
-        or resident view) and target (in that slot's cast buffer)."""
-        self.slot_casts = [torch.empty(self.slot_cast_bytes, dtype=torch.uint8, device=self.device)
-                           for _ in range(2 if self.slot_cast_bytes else 0)]
-        self.slot_cast_views = {}
-        for b in self.layouts:
-            cast = b.cast_tensors()
-            if not (self.slot_casts and b.is_streamed and cast):
-                continue
-            for s, buf in enumerate(self.slot_casts):
-                src = {id(t): v for t, v in self.slot_views[(b.index, s)] + self.resident_views[b.index]}
-                views, off = [], 0
-                for t in cast:
-                    off = align_up(off)
-                    views.append((t, src[id(t)], buf[off : off + t.compute_nbytes].view(t.compute_dtype).view(t.shape)))
-                    off += t.compute_nbytes
-                self.slot_cast_views[(b.index, s)] = views
+    def _drop_device(self) -> None:
+        """Drop the device buffers, their views and the features' buffers (copies finished)."""
+        self.slot_views = {}
+        self.resident_views = []
+        self.slots = []
+        self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
+        for f in self.features:
+            f.release(self)
 
     def release_device(self) -> None:
         """Give the device buffers back (a park): copies finish first; tensors stay bound to their host views."""
@@ -250,15 +221,7 @@ class Streamer:
         self.slot_of = {}
         self.bound = {}
         self.running = []
-        self.slot_views = {}
-        self.resident_views = []
-        self.slots = []
-        self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.cast_views = []
-        self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.casting = None
-        self.slot_casts = []
-        self.slot_cast_views = {}
+        self._drop_device()
 
     def acquire_device(self) -> None:
         """Device buffers again after a park: resident heads copied from the host store, the first block
@@ -355,11 +318,8 @@ class Streamer:
         if p is None:
             return
         self.pump(p.left)
-        casts = self.slot_cast_views.get((p.block, p.slot))
-        if casts:  # cast_on_copy: fp8 -> compute dtype on the copy stream, before the block is marked ready
-            with self.backend.on(self.backend.copy_stream):
-                for _, src, dst in casts:
-                    cast_into(dst, src)
+        for f in self.features:
+            f.copies_done(self, p.block, p.slot)
         self.ready[p.block].record(self.backend.copy_stream)
         if self.obs is not None:
             self.obs.block_ready(p.block)
@@ -379,31 +339,14 @@ class Streamer:
             self.obs.compute_wait_end(kind, block)
 
     def enter(self, l: int) -> None:
-        """Block l is about to run: its streamed tensors in a slot (prefetching the next), the rest resident, and
-        its fp8 tensors cast into the cast buffer."""
+        """Block l is about to run: its streamed tensors in a slot (prefetching the next), the rest resident; then
+        the features (its fp8 tensors cast)."""
         if self.layouts[l].is_streamed:
             self.before(l)
         for t, view in self.resident_views[l]:
             bind(t, view)
-        casts = self.slot_cast_views.get((l, self.bound[l])) if l in self.bound else None
-        if casts:  # cast on the copy stream already (finish), into the cast buffer of the block's slot
-            for t, _, dst in casts:
-                bind(t, dst)
-        elif self.cast_views[l]:
-            self._cast(l)
-
-    def _cast(self, l: int) -> None:
-        """fp8 -> compute dtype on the compute stream (after `ready[l]`, which `before` waited for); a block entered
-        while another one's casts occupy the buffer (nested blocks) gets its own tensors."""
-        busy = self.casting is not None
-        for t, view in self.cast_views[l]:
-            stored = current(t)
-            src = raw_data(stored) if t.is_param else stored
-            dst = torch.empty(t.shape, dtype=t.compute_dtype, device=self.device) if busy else view
-            cast_into(dst, src)
-            bind(t, dst)
-        if not busy:
-            self.casting = l
+        for f in self.features:
+            f.entered(self, l)
 
     def own_copies(self, l: int) -> None:
         """Block l (entered) gets device tensors of its own for what it holds in a slot or the cast buffer, so that
@@ -420,8 +363,8 @@ class Streamer:
         """Block l ran (or raised): release its slot, and its tensors are host views again."""
         if l in self.bound:
             self.after(l)
-        if self.casting == l:
-            self.casting = None
+        for f in self.features:
+            f.exited(self, l)
         for t, view in self.host_views[l]:
             bind(t, view)
 
@@ -476,14 +419,8 @@ class Streamer:
     # ---- tear-down
 
     def release(self) -> None:
+        """The end of this layout: copies finish, every device buffer is dropped."""
         self.pending = None
         self.pacer = None
         self.backend.synchronize()
-        self.slot_views.clear()
-        self.resident_views = []
-        self.slots = []
-        self.resident = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.cast_views = []
-        self.cast_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self.slot_casts = []
-        self.slot_cast_views = {}
+        self._drop_device()

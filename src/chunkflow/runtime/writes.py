@@ -8,21 +8,28 @@ At the start of each forward the handle asks `collect()`:
   refreshed: their device copies are made again from the host bytes;
 - a module, parameter or buffer registered inside a block (LoRA injected or unloaded, `load_state_dict(assign=
   True)`), or a tensor replaced behind torch's back, means the blocks are laid out again, new tensors included.
-A `.data` assignment of another shape or dtype is refused before anything changes.
+A `.data` assignment of another shape or dtype is refused before anything changes. `WriteWatch` is a handle's part
+(runtime/feature.py): it watches each layout's blocks and listens to torch's registrations while the handle lives.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.nn.modules import module as torch_module
 
 from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.layout import BlockLayout
 from chunkflow.runtime.params import OffloadedParameter, raw_data, unwrap, wrap
 from chunkflow.runtime.streamer import current
 
+if TYPE_CHECKING:  # annotations only
+    from chunkflow.runtime.handle import OffloadHandle
 
-class WriteWatch:
+
+class WriteWatch(HandleFeature):
     """Tracks writes to the block tensors of one handle (the WriteTracker its parameters report to)."""
 
     def __init__(self):
@@ -38,7 +45,24 @@ class WriteWatch:
         self.refuse_new: str | None = None  # when set: registrations in `refuse_in` are refused with this message
         self.refuse_in: set[int] = set()  # ids of the modules where they are (all of the offloaded module's)
 
-    # ---- lifetime
+    # ---- lifetime (the handle's part)
+
+    def attach(self, handle: OffloadHandle) -> None:
+        """Watch the new layout's blocks; from the first layout on, listen to registrations."""
+        self.watch(handle.layouts, handle.streamer.host_views)
+        if not self._registrations:
+            self.install()
+
+    def detach(self, handle: OffloadHandle) -> None:
+        self.unwatch()
+
+    def close(self, handle: OffloadHandle, restore: bool) -> None:
+        self.uninstall()
+
+    def refuse_registrations(self, message: str | None, module: nn.Module) -> None:
+        """Refuse (with `message`, formatted with the name) every registration in `module`; None: refuse none."""
+        self.refuse_new = message
+        self.refuse_in = {id(m) for m in module.modules()} if message is not None else set()
 
     def install(self) -> None:
         """Listen to torch's module, parameter and buffer registrations (removed by `uninstall`)."""

@@ -1,0 +1,51 @@
+"""What `handle.stats()` reports of an offloaded module: its layout, memory and what the ring has done so far."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    mode: str
+    device: str
+    chunk_bytes: int | None  # None: whole block per copy (layerwise) or no streaming (none)
+    n_blocks: int
+    n_streamed_blocks: int
+    bytes_offloaded: int  # the blocks' tensor bytes kept in the host store
+    host_bytes: int  # host store size (tensor bytes plus alignment padding)
+    pinned_bytes: int  # page-locked bytes (0 without CUDA)
+    resident_bytes: int  # sum R_l: blocks' bytes kept on the device for good
+    non_block_bytes: int  # non-block parameters and buffers on the device
+    streamed_bytes_per_step: int  # H2D bytes per full forward: sum (V_l - R_l)
+    d2d_bytes_per_step: int  # straddling tensors' resident bytes copied into slots per forward
+    target_residency: float
+    achieved_residency: float  # sum R_l / sum V_l
+    slot_bytes: int  # one streaming slot
+    device_buffer_bytes: int  # resident buffer plus both slots
+    forwards: int  # forwards seen by the ring so far
+    h2d_bytes_issued: int  # H2D bytes enqueued so far
+    comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
+    refreshes: int = 0  # forwards that re-copied blocks to the device after writes while offloaded
+    relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change)
+    weight_dtype: str = "bf16"  # storage of the blocks' weights: bf16 (as the model holds them) or fp8_e4m3
+    fp8_tensors: int = 0  # block tensors stored in fp8 (cast to their compute dtype at each block's forward)
+    cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into: one block's worth; with
+    # fp8_cast "copy" one per slot, and one more where some blocks do not stream (they are cast on the compute stream)
+    fp8_cast_kernel: str = ""  # with fp8 storage on a device: the kernel that casts, triton or torch (runtime/fp8cast.py)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        from chunkflow_planner.units import format_bytes
+
+        if self.mode == "none":
+            return f"not streamed: every tensor on {self.device} ({format_bytes(self.non_block_bytes)})"
+        return (f"{self.mode} on {self.device}: {self.n_streamed_blocks} of {self.n_blocks} blocks streamed"
+                + (f" in {format_bytes(self.chunk_bytes)} chunks" if self.chunk_bytes else "")
+                + f", {format_bytes(self.streamed_bytes_per_step)} a forward; {format_bytes(self.resident_bytes)} "
+                f"resident ({self.achieved_residency:.0%}); {format_bytes(self.host_bytes)} in host memory"
+                + (f" ({format_bytes(self.pinned_bytes)} pinned)" if self.pinned_bytes else "")
+                + f"; {format_bytes(self.device_buffer_bytes + self.non_block_bytes)} on the device; "
+                f"{self.forwards} forwards so far")
