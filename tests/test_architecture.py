@@ -81,3 +81,22 @@ def test_the_planner_imports_neither_torch_nor_the_runtime():
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not names & {"torch", "chunkflow", "diffusers", "transformers"}, path
+
+
+def _floor(module: str) -> str:
+    for prefix in ("chunkflow.commands", "chunkflow.runtime", "chunkflow.models", "chunkflow.loading"):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix
+    return module
+
+
+def test_nothing_imports_upward():
+    """The command layer is imported by nothing but the entry point; the runtime receives its blocks and imports
+    neither the model adapters, the loaders nor the commands."""
+    modules = _modules()
+    for name, path in modules.items():
+        found = {_floor(m) for m in _imports(path, modules)}
+        if not name.startswith("chunkflow.commands") and name not in ("chunkflow.entry", "chunkflow.__main__"):
+            assert "chunkflow.commands" not in found, name
+        if name.startswith("chunkflow.runtime"):
+            assert not found & {"chunkflow.models", "chunkflow.loading", "chunkflow.commands"}, (name, found)

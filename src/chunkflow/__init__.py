@@ -15,15 +15,20 @@ from chunkflow_planner.errors import ChunkflowError
 
 __all__ = ["offload", "take_turns", "batch_cfg", "OffloadConfig", "ChunkflowError", "OffloadHandle", "OffloadError",
            "OffloadStats", "__version__"]
-_RUNTIME = ("offload", "take_turns", "OffloadHandle", "OffloadError", "OffloadStats")
+_RUNTIME = ("take_turns", "OffloadHandle", "OffloadError", "OffloadStats")
 
 if TYPE_CHECKING:  # pragma: no cover
     from chunkflow.cfg import batch_cfg
     from chunkflow_planner.offload import OffloadConfig
-    from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, offload, take_turns
+    from chunkflow.api import offload
+    from chunkflow.runtime.handle import OffloadError, OffloadHandle, OffloadStats, take_turns
 
 
 def __getattr__(name: str) -> Any:
+    if name == "offload":
+        from chunkflow.api import offload
+
+        return offload
     if name in _RUNTIME:
         from chunkflow.runtime import handle
 

@@ -206,7 +206,7 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
     from chunkflow.models.components import meta_vae
     from chunkflow.models.meta import RandomSource
     from chunkflow.models.pipeline_build import DTYPES
-    from chunkflow.runtime.handle import offload
+    from chunkflow.api import offload
 
     vae_spec = spec.pipeline.vae
     dtype = DTYPES[vae_spec.dtype]

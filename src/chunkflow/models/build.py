@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from chunkflow.models.meta import RandomSource, param_dtype, params_on_meta, swap_params
-from chunkflow.runtime.handle import OffloadError, OffloadHandle, offload, resolve_device
+from chunkflow.api import offload
+from chunkflow.runtime.handle import OffloadError, OffloadHandle, resolve_device
 
 
 def _diffusers_class(name: str):

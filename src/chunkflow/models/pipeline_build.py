@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from chunkflow.models.components import Component, text_encoder_component, vae_component
-from chunkflow.runtime.handle import OffloadError, OffloadHandle, offload, take_turns
+from chunkflow.api import offload
+from chunkflow.runtime.handle import OffloadError, OffloadHandle, take_turns
 from chunkflow_planner.checkpoint import CheckpointError
 from chunkflow_planner.offload import OffloadConfig
 

@@ -12,12 +12,12 @@ released with the slot): the cast leaves the compute stream's path. Either cast 
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from chunkflow.runtime.errors import warn_user
 from chunkflow.runtime.feature import BlockFeature, HandleFeature
 from chunkflow.runtime.fp8cast import cast_into, cast_kernel_name
 from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
@@ -202,9 +202,9 @@ class Fp8Storage(HandleFeature):
 
     def close(self, handle: OffloadHandle, restore: bool) -> None:
         if restore and (any(b.cast_tensors() for b in handle.layouts) or self.resident is not None):
-            warnings.warn("chunkflow: the weights were stored in fp8 while offloaded; remove() gives them back in "
-                          "their own dtype with the fp8-rounded values (the originals were not kept). Load the "
-                          "checkpoint again for the exact weights.", Fp8RoundedWeightsWarning, stacklevel=5)
+            warn_user("chunkflow: the weights were stored in fp8 while offloaded; remove() gives them back in "
+                      "their own dtype with the fp8-rounded values (the originals were not kept). Load the "
+                      "checkpoint again for the exact weights.", Fp8RoundedWeightsWarning)
 
     # ---- reporting
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from typing import Iterator
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 
 from chunkflow.runtime.casting import FP8_NO_NEW_MODULES, Fp8Storage
 from chunkflow.runtime.comm import CollectiveTap, CommAwareness, CommPacer
-from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.fp8cast import cast_kernel_name
 from chunkflow.runtime.hooks import HANDLE_KEY, BlockHook, hook_module, hook_part, unhook_module, unhook_part
@@ -81,10 +80,10 @@ def _warn_rounded(cfg: OffloadConfig, layouts: list[BlockLayout]) -> None:
         from chunkflow_planner.units import format_bytes
 
         block = max(b.nbytes for b in layouts)
-        warnings.warn(f"chunkflow: residency {cfg.residency:.0%} asked, {kept:.0%} kept: each block keeps whole chunks "
-                      f"({format_bytes(cfg.chunk_bytes)}) on the device and the largest block here is "
-                      f"{format_bytes(block)}; a chunk_size well under the block keeps residency closer",
-                      ResidencyRoundedWarning, stacklevel=5)
+        warn_user(f"chunkflow: residency {cfg.residency:.0%} asked, {kept:.0%} kept: each block keeps whole chunks "
+                  f"({format_bytes(cfg.chunk_bytes)}) on the device and the largest block here is "
+                  f"{format_bytes(block)}; a chunk_size well under the block keeps residency closer",
+                  ResidencyRoundedWarning)
 
 
 class OffloadHandle:
@@ -232,9 +231,9 @@ class OffloadHandle:
                 except (RuntimeError, NotImplementedError):  # replaced behind torch's back by one with no values
                     lost.append(f"{b.name}.{t.name}")  # (meta): left as it is, the rest put back
         if lost:
-            warnings.warn(f"chunkflow: remove() could not give back {', '.join(lost[:5])}"
-                          f"{' and more' if len(lost) > 5 else ''}: replaced while offloaded by tensors without "
-                          "values; they are left as they are", stacklevel=6)
+            warn_user(f"chunkflow: remove() could not give back {', '.join(lost[:5])}"
+                      f"{' and more' if len(lost) > 5 else ''}: replaced while offloaded by tensors without "
+                      "values; they are left as they are")
 
     def _origin_of(self, t) -> torch.device:
         return self._origin.get((id(t.owners[0][0]), t.owners[0][1]), self._home)
@@ -534,14 +533,15 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     halves host memory and copied bytes), `fp8_cast` (with fp8: 'compute', the default, casts each block on the
     compute stream before it runs; 'copy' casts it on the copy stream right after its copies, off the compute
     path, with a second block-sized cast buffer).
-    Keywords override a config or plan. `blocks`: the block modules in execution order (default: from the catalog
-    for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
+    Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
+    needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
+    from the catalog for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
     `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
     offloaded through the module it wraps.
     """
     module = unwrap_module(module)
     check_not_offloaded(module)
-    cfg = resolve_config(config, plan=plan, module=module, mode=mode, chunk_size=chunk_size, residency=residency,
+    cfg = resolve_config(config, plan=plan, module=module, blocks=blocks, mode=mode, chunk_size=chunk_size, residency=residency,
                          comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []

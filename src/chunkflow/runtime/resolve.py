@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from chunkflow.runtime.errors import OffloadError
+from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.hooks import handle_of
 from chunkflow_planner.offload import MODES, OffloadConfig, OffloadConfigError
 
@@ -31,7 +31,24 @@ def resolve_device(device: str | torch.device | None, hint: str = "device='cpu'"
     return dev
 
 
-def _plan_config(plan, module: nn.Module) -> OffloadConfig:
+class BlocksUnknown(OffloadError):
+    """The module's blocks are needed (to stream them, or to check a plan against them) and were not given: the
+    runtime takes its block list from its caller (chunkflow.offload finds it from the catalog)."""
+
+
+def _unknown(module: nn.Module) -> BlocksUnknown:
+    return BlocksUnknown(f"the blocks of this {type(module).__name__} were not given; pass blocks=[...] (e.g. "
+                         "blocks=[model.blocks] or [model.transformer_blocks, model.single_transformer_blocks])")
+
+
+def _flat(blocks) -> list[nn.Module]:
+    flat: list[nn.Module] = []
+    for b in blocks:
+        flat.extend(b if isinstance(b, nn.ModuleList) else [b])
+    return flat
+
+
+def _plan_config(plan, module: nn.Module, blocks) -> OffloadConfig:
     """A plan's offload setting, after checking that the plan was made for this module's model: its class, and
     its architecture (the number of blocks and their parameters; a plan for a 5B model does not fit a 1.3B one)."""
     from chunkflow_planner.catalog import get_model
@@ -46,7 +63,7 @@ def _plan_config(plan, module: nn.Module) -> OffloadConfig:
     if spec.diffusers.cls != cls:
         raise OffloadError(f"the plan is for {p.model.name} ({spec.diffusers.cls}) but the module is a {cls}; "
                            "write a plan for this model with `chunkflow plan`")
-    _check_architecture(spec, module)
+    _check_architecture(spec, module, blocks)
     return p.offload
 
 
@@ -55,13 +72,10 @@ def _block_params(block: nn.Module) -> int:
     return sum(p.numel() for n, p in block.named_parameters() if "lora_" not in n)
 
 
-def _check_architecture(spec, module: nn.Module) -> None:
-    from chunkflow.models.adapters import find_blocks
-
-    try:
-        blocks = find_blocks(module)
-    except LookupError as exc:
-        raise OffloadError(str(exc)) from None
+def _check_architecture(spec, module: nn.Module, blocks) -> None:
+    if blocks is None:
+        raise _unknown(module)
+    blocks = _flat(blocks)
     want = [spec.block_params(g) for g in spec.block_sequence()]
     have = [_block_params(b) for b in blocks]
     if have != want:
@@ -71,7 +85,7 @@ def _check_architecture(spec, module: nn.Module) -> None:
             + "; it is another size of the model. Plan for this model (`chunkflow plan`), or offload with keywords")
 
 
-def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, mode: str | None = None,
+def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, blocks=None, mode: str | None = None,
                    chunk_size=None, residency: float | None = None,
                    comm_aware: bool | None = None, weight_dtype: str | None = None,
                    fp8_cast: str | None = None) -> OffloadConfig:
@@ -86,15 +100,13 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, m
         if isinstance(source, OffloadConfig):
             base = source
         elif source is not None:
-            base = _plan_config(source, module)
+            base = _plan_config(source, module, blocks)
             if base.cfg_batched:
-                import warnings
-
-                warnings.warn(
+                warn_user(
                     "this plan assumes the two guidance passes of a step run as one batched forward (cfg_batched): "
                     "offload() streams the blocks either way, but the plan's step time holds only if the pipeline "
                     "is called inside chunkflow.batch_cfg(pipe) (as `chunkflow run` does); otherwise plan with "
-                    "--cfg-batching off.", stacklevel=3)
+                    "--cfg-batching off.")
         else:
             if weight_dtype is not None and not isinstance(weight_dtype, str):
                 raise OffloadConfigError(f"weight_dtype must be 'bf16' or 'fp8_e4m3', got {weight_dtype!r}")
@@ -110,18 +122,11 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, m
 
 
 def resolve_blocks(module: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
-    """(name, block) pairs in execution order, from `blocks=` or the catalog adapter."""
+    """(name, block) pairs in execution order, from `blocks` (BlocksUnknown when None)."""
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
     if blocks is None:
-        from chunkflow.models.adapters import find_blocks
-
-        try:
-            blocks = find_blocks(module)
-        except LookupError as exc:
-            raise OffloadError(str(exc)) from None
-    flat: list[nn.Module] = []
-    for b in blocks:
-        flat.extend(b if isinstance(b, nn.ModuleList) else [b])
+        raise _unknown(module)
+    flat = _flat(blocks)
     out = []
     seen: set[int] = set()
     for b in flat:
