@@ -37,7 +37,8 @@ def decode_block(fit: dict, where: str, indent: str) -> str:
 
 def refit_rows(raw: dict) -> dict:
     """VaeDecodeFits (dicts) of every VAE in a calibration.json, fitted as `chunkflow calibrate` fits them now."""
-    from chunkflow.calibrate import fit_vae_rows, vae_owners
+    from chunkflow.commands.calibrate.fit import fit_vae_rows
+    from chunkflow.commands.calibrate.measure import vae_owners
 
     owners = vae_owners()
     date = raw["date"]

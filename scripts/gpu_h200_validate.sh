@@ -33,7 +33,7 @@ if wanted cast && [ -z "${QUICK:-}" ]; then
   python3 - <<'PY' 2>&1 | tee -a "$work/cast-tests.log"
 import torch
 import chunkflow.runtime.fp8cast as fc
-from chunkflow.calibrate_ops import measure_fp8_cast
+from chunkflow.commands.calibrate.ops import measure_fp8_cast
 dev = torch.device("cuda")
 print("kernel", fc.cast_kernel_name(dev), "capability", torch.cuda.get_device_capability())
 for block, warps in ((2048, 4), (4096, 4), (8192, 8), (16384, 8), (16384, 16)):

@@ -34,7 +34,7 @@ def _predictions(rep, profile):
         out = {ph: (expected_time(getattr(pp, ph), warmup=1), getattr(pp, ph).time_s, getattr(pp, ph).peak_memory_bytes)
                for ph in PHASES}
         return out, rep.plan.prediction.host_memory_bytes
-    from chunkflow.calibrate import generation_estimate
+    from chunkflow.commands.calibrate.refit import generation_estimate
 
     e, _ = generation_estimate(rep, profile)
     out = {ph: (e.phases[ph].time_s - e.phases[ph].startup_s, e.phases[ph].time_s, e.peak_memory(ph)) for ph in PHASES}

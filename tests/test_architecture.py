@@ -100,3 +100,26 @@ def test_nothing_imports_upward():
             assert "chunkflow.commands" not in found, name
         if name.startswith("chunkflow.runtime"):
             assert not found & {"chunkflow.models", "chunkflow.loading", "chunkflow.commands"}, (name, found)
+
+
+PIPELINE = "chunkflow_planner.pipeline"
+COMPOSER = "chunkflow_planner.planner"  # make_plan: the one module that puts the core and the extension together
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_planner_core_never_imports_the_pipeline_extension():
+    """The transformer-streaming core (every chunkflow_planner module but the pipeline package and the planner that
+    composes the two) imports nothing of chunkflow_planner.pipeline; the extension builds on the core and never on
+    the composer."""
+    modules = _modules()
+    planner = {m: p for m, p in modules.items() if _in(m, "chunkflow_planner")}
+    assert PIPELINE in planner and COMPOSER in planner
+    for name, path in planner.items():
+        found = _imports(path, modules)
+        if _in(name, PIPELINE):
+            assert COMPOSER not in found, name
+        elif name != COMPOSER:
+            assert not {m for m in found if _in(m, PIPELINE)}, (name, found)

@@ -5,7 +5,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.calibrate import H2DFit, eta_curve, fit_h2d, make_profile, refit, summary_eta
+from chunkflow.commands.calibrate.fit import H2DFit, eta_curve, fit_h2d, summary_eta
+from chunkflow.commands.calibrate.profile import make_profile
+from chunkflow.commands.calibrate.refit import refit
 from chunkflow.commands.cli import app
 from chunkflow_planner.catalog import get_hardware, get_model, load_profile
 from chunkflow_planner.overlap import F_star_hw, T_comp_hw, T_pref, analyse
@@ -68,7 +70,7 @@ def test_curve_must_increase_in_f():
 
 
 def test_profile_from_synthetic_fit_loads_in_plan(tmp_path):
-    from chunkflow.calibrate import write_profile
+    from chunkflow.commands.calibrate.profile import write_profile
 
     hw = make_profile(get_hardware("h200"), name="synthetic", peak_tflops=989, gemm_tflops=797,
                       curve=[(1e12, 0.4), (1e13, 0.55)], h2d=H2DFit(3e-6, 54e9), source="test")
@@ -96,15 +98,15 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
     # table says; the CPU's matmul by shape against its best rate, its memory bandwidth
     host = raw["operators"]["host"]
     archs = {"t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"}
-    assert set(host["text_layer_host_us"]) == set(hw.text_layer_host_us) == archs
-    assert all(us > 0 for us in hw.text_layer_host_us.values()) and hw.host_margin == 1.0  # reports refit it
-    us = hw.text_layer_host_us["umt5_encoder"]
+    assert set(host["text_layer_host_us"]) == set(hw.pipeline.text_layer_host_us) == archs
+    assert all(us > 0 for us in hw.pipeline.text_layer_host_us.values()) and hw.pipeline.host_margin == 1.0  # reports refit it
+    us = hw.pipeline.text_layer_host_us["umt5_encoder"]
     assert "text-encoder layer host" in result.output and f"umt5_encoder {us:.0f} us" in result.output
-    assert hw.cpu_mem_gbps > 0
+    assert hw.pipeline.cpu_mem_gbps > 0
     # eta against the best of the square matmul and the grid: the grid's best is 1 unless the square matmul beat it
-    assert len(hw.cpu_gemm_eta) == 8 and hw.cpu_tflops >= host["cpu_square_tflops"] > 0
-    best = max(r[3] for r in hw.cpu_gemm_eta)
-    assert best == pytest.approx(1.0) or hw.cpu_tflops == host["cpu_square_tflops"]
+    assert len(hw.pipeline.cpu_gemm_eta) == 8 and hw.pipeline.cpu_tflops >= host["cpu_square_tflops"] > 0
+    best = max(r[3] for r in hw.pipeline.cpu_gemm_eta)
+    assert best == pytest.approx(1.0) or hw.pipeline.cpu_tflops == host["cpu_square_tflops"]
     # whole forwards timed; the model's curve is its one-block curve scaled by them where the scale is a GPU's
     # (the tiny model on the CPU is launch-bound: recorded, not applied)
     fw = raw["forwards"]
@@ -155,7 +157,7 @@ def test_refit_from_report_moves_eta_comp_the_right_way(tmp_path):
     # measured 2x the predicted compute: efficiency halves
     data["measured"]["median_step_s"] = 2 * pred
     path.write_text(json.dumps(data))
-    from chunkflow.calibrate import read_reports
+    from chunkflow.commands.calibrate.refit import read_reports
 
     new, notes = refit(hw, read_reports([path]))
     assert new.eta_comp == pytest.approx(hw.eta_comp / 2, rel=1e-6)
@@ -168,7 +170,7 @@ def test_refit_from_report_moves_eta_comp_the_right_way(tmp_path):
 
 
 def test_refit_block_overhead_from_offload_vs_none(tmp_path):
-    from chunkflow.calibrate import read_reports
+    from chunkflow.commands.calibrate.refit import read_reports
 
     hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})  # tiny block: compute dominates, hidden
     none, p_none = _report(tmp_path, "none", 1.0)
@@ -199,7 +201,7 @@ def test_per_model_curves_apply_to_their_model_only():
 
 
 def test_refit_scales_the_reported_models_curve(tmp_path):
-    from chunkflow.calibrate import read_reports
+    from chunkflow.commands.calibrate.refit import read_reports
 
     data, path = _report(tmp_path, "none", 1.0)
     tiny = get_model("tiny")
@@ -311,7 +313,7 @@ def test_tiled_vae_fit_is_per_decoder_call():
     """Tiled decodes are fitted on their decoder calls (the catalog's tiling counts them): decodes timed at a fixed
     cost per call give back that cost and the constant, and the fit predicts a size it never saw; without a count,
     the fit stays per voxel."""
-    from chunkflow.calibrate_ops import fit_vae
+    from chunkflow.commands.calibrate.ops import fit_vae
     from chunkflow_planner.catalog import VaeDecodeFit, Workload, get_model
     from chunkflow_planner.pipeline import decode_calls
 
@@ -336,7 +338,8 @@ def test_whole_forward_points_fit_and_scale_the_curve():
     """A block timed alone can run faster than inside the whole forward (Wan2.2-TI2V-5B on an H200: 5.3%), so
     calibrate times whole forwards where they fit: the middle calibration size and the largest that fits, none when
     the middle one does not; their predicted / measured compute scales the model's curve."""
-    from chunkflow.calibrate import forward_points, forward_scale
+    from chunkflow.commands.calibrate.fit import forward_scale
+    from chunkflow.commands.calibrate.measure import forward_points
     from chunkflow_planner.catalog import get_hardware, get_model
     from chunkflow_planner.offload import OffloadConfig
     from chunkflow_planner.predict import predict
@@ -357,7 +360,7 @@ def test_whole_forward_points_fit_and_scale_the_curve():
 def test_a_negative_decode_intercept_gives_way_to_a_line_through_the_origin():
     """Per-call costs that grow a little with the call count fit a line with a negative intercept, which priced small
     decodes at 0 s (and made tiling look free); the fit then goes through the origin."""
-    from chunkflow.calibrate_ops import fit_vae
+    from chunkflow.commands.calibrate.ops import fit_vae
 
     rows = [dict(batch=1, frames=1, height=1, width=1, peak_bytes=1e9, time_s=t, n=n)
             for n, t in ((90, 1.574), (168, 3.225), (448, 9.027))]  # H200, Wan2.2 VAE: 17.5 -> 20.1 ms a call

@@ -288,14 +288,14 @@ def test_a_version_1_profile_is_migrated_on_load(tmp_path):
     data = yaml.safe_load(committed.read_text())
     assert data["schema_version"] == 1 and data["host_op_us"] > 0 and "text_host" in data
     hw = load_profile(committed)
-    assert hw.schema_version == 2 and hw.host_margin == 1.0
-    from chunkflow.calibrate_host import text_encoder_archs  # the encoder calibrate measured of each
+    assert hw.schema_version == 2 and hw.pipeline.host_margin == 1.0
+    from chunkflow.commands.calibrate.host import text_encoder_archs  # the encoder calibrate measured of each
 
-    assert set(hw.text_layer_host_us) == set(data["text_host"]) == set(text_encoder_archs())
+    assert set(hw.pipeline.text_layer_host_us) == set(data["text_host"]) == set(text_encoder_archs())
     for arch, te in text_encoder_archs().items():  # the forward's host time calibrate measured is kept
         cost, layers = data["text_host"][arch], te.shape()["layers"]
         ops = layers * cost["ops_per_layer"] + cost["ops_once"]
-        assert layers * hw.text_layer_host_us[arch] == pytest.approx(ops * cost["gpu_op_us"])
+        assert layers * hw.pipeline.text_layer_host_us[arch] == pytest.approx(ops * cost["gpu_op_us"])
     dumped = hw.model_dump()
     assert not {"text_host", "host_op_us", "cpu_op_us"} & set(dumped)
     assert type(hw).model_validate(data) == hw  # embedded (plan.hardware.spec): the same migration
@@ -316,3 +316,29 @@ def test_malformed_profile_names_the_missing_field(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(CatalogError, match="peak_tflops"):
         get_hardware(str(path))
+
+
+def test_a_profile_keeps_its_pipeline_figures_flat_and_round_trips(tmp_path):
+    """HardwareSpec holds what the transformer's model reads; the figures only the whole-pipeline extension reads are
+    its `pipeline` (PipelineProfile), lifted from the flat keys of the file and written back flat, so profiles on
+    disk, the wheel's catalog and the specs embedded in plans read as before and `calibrate --save` round-trips."""
+    from chunkflow_planner.catalog import PIPELINE_FIELDS, HardwareSpec, PipelineProfile
+
+    hw = get_hardware("h200")
+    assert not PIPELINE_FIELDS & set(HardwareSpec.model_fields) and "pipeline" in HardwareSpec.model_fields
+    assert hw.pipeline.host_margin == 0.96 and hw.pipeline.startup_s["encode"] > 0
+    assert (hw.figure("host_margin"), hw.figure("eta_comp")) == (0.96, hw.eta_comp)  # by its key in the file
+    data = hw.model_dump(mode="json")
+    assert "pipeline" not in data and set(PipelineProfile.model_fields) <= set(data)  # flat, as the files hold it
+    assert list(data)[-1] == "source"
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert load_profile(path) == hw == HardwareSpec(**data)
+    # a flat key in an update goes to the sub-model, as it does in a constructor
+    moved = hw.model_copy(update={"host_margin": 1.5, "eta_comp": 0.4})
+    assert (moved.pipeline.host_margin, moved.eta_comp, hw.pipeline.host_margin) == (1.5, 0.4, 0.96)
+    assert HardwareSpec(**{**data, "process_host_bytes": 7}).pipeline.process_host_bytes == 7
+    # an error names the key as the file spells it
+    path.write_text(yaml.safe_dump({**data, "host_margin": -1.0}, sort_keys=False))
+    with pytest.raises(CatalogError, match=r"malformed: host_margin: Input should be greater than 0"):
+        load_profile(path)

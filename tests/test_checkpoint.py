@@ -376,7 +376,7 @@ def test_the_load_model_prices_reads_copies_and_new_memory():
     """eq. L1-L2: a cold load reads at the disk's rate, a warm one at the page cache's, a half-cached one at their
     harmonic mix; copies to the device, page-locking and new memory add their bytes at their rates."""
     from chunkflow_planner.catalog import get_hardware
-    from chunkflow_planner.load import BW_read, LoadEstimate, T_load, load_parts
+    from chunkflow_planner.pipeline.load import BW_read, LoadEstimate, T_load, load_parts
 
     hw = get_hardware("h200").model_copy(update={"disk_read_gbps": 2.0, "page_cache_gbps": 8.0, "pin_gbps": 20.0,
                                                  "host_fault_gbps": 4.0, "load_startup_s": 3.0})
@@ -429,10 +429,10 @@ def test_a_plan_predicts_its_load_from_the_profile(cli, workdir):
 def test_refit_measures_the_loads_start_up_and_the_processs_host_memory(cli, workdir, folders):
     """A generation report's load and host peak, with known gaps: `calibrate --from-report`'s refit finds the load's
     start-up (eq. L1 less its reads) and the process's own host memory (its peak less the plan's other bytes)."""
-    from chunkflow.calibrate import refit_load
+    from chunkflow.commands.calibrate.refit import refit_load
     from chunkflow.reports import load_reports
     from chunkflow_planner.catalog import get_hardware
-    from chunkflow_planner.load import LoadEstimate, T_load
+    from chunkflow_planner.pipeline.load import LoadEstimate, T_load
 
     with one_thread():
         result = cli("run", "--plan", _plan(cli), "--weights", folders["plain"], "--prompt", "a cat", "--steps", "1",
@@ -455,7 +455,7 @@ def test_refit_measures_the_loads_start_up_and_the_processs_host_memory(cli, wor
 def test_calibrate_times_the_disk_cold_and_warm(tmp_path):
     """The disk a folder is on, read by the loader's own reader: cold and from the page cache, and new memory's
     first touch; an empty folder gets a temporary sample, removed after."""
-    from chunkflow.calibrate_disk import measure_disk, measure_fault
+    from chunkflow.commands.calibrate.disk import measure_disk, measure_fault
 
     folder = tmp_path / "w"
     folder.mkdir()
@@ -490,7 +490,7 @@ def test_a_loaded_pipeline_holds_its_weights_once(tmp_path, monkeypatch):
     first from the tiny pipeline's run on this machine (`calibrate --from-report`'s refit), the rest the plan's."""
     import yaml
 
-    from chunkflow.calibrate import refit_load
+    from chunkflow.commands.calibrate.refit import refit_load
     from chunkflow.reports import load_reports
     from chunkflow_planner.catalog import get_hardware
 
@@ -522,7 +522,7 @@ def test_a_loaded_pipeline_holds_its_weights_once(tmp_path, monkeypatch):
 
 def test_the_load_model_counts_the_readers_own_threads_and_pieces():
     from chunkflow.loading import reader
-    from chunkflow_planner import load
+    from chunkflow_planner.pipeline import load
 
     assert (load.READ_THREADS, load.PIECE_BYTES) == (reader.READ_THREADS, reader.PIECE_BYTES)
     assert load.STAGING_BYTES == (reader.READ_THREADS + 1) * reader.PIECE_BYTES  # the calling thread's too

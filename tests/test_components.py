@@ -163,7 +163,7 @@ def test_tiled_decode_calls_counted_as_diffusers_makes_them(cls):
 
 
 def _archs() -> list:
-    from chunkflow.calibrate_host import text_encoder_archs
+    from chunkflow.commands.calibrate.host import text_encoder_archs
 
     return sorted(text_encoder_archs().items())  # what calibrate measures: each architecture's first catalog encoder
 
@@ -186,7 +186,7 @@ def test_small_text_encoders_keep_what_decides_the_operators():
     """The small-width stand-ins calibrate times (their host dispatch is the real forward's) change only sizes:
     every flag, activation, bias and attention setting of the checkpoint's config is kept, the layers are those
     asked for, and grouped-query attention stays grouped."""
-    from chunkflow.calibrate_host import small_config
+    from chunkflow.commands.calibrate.host import small_config
 
     sizes = {"d_model", "d_ff", "num_heads", "vocab_size", "num_layers", "hidden_size", "intermediate_size",
              "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers"}

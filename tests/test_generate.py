@@ -198,7 +198,7 @@ def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, 
     first one's phase times, and `calibrate --from-report` turns first-less-later into the profile's start-up."""
     from safetensors.torch import load_file
 
-    from chunkflow.calibrate import read_reports, refit
+    from chunkflow.commands.calibrate.refit import read_reports, refit
     from chunkflow_planner.catalog import get_hardware
 
     plan, base = _tiny_generation(cli, saved)
@@ -221,11 +221,11 @@ def test_warmup_generations_leave_the_result_alone_and_measure_the_startup(cli, 
         g["first_phase_times_s"][name] = g["phases"][name]["measured_time_s"] + gap
     Path("warm.json").write_text(json.dumps(data))
     new, notes = refit(get_hardware("cpu"), read_reports(["warm.json"]))  # the profile the plan was made with
-    assert new.startup_s == pytest.approx({"encode": 0.42, "denoise": 0.3, "decode": 0.0,
+    assert new.pipeline.startup_s == pytest.approx({"encode": 0.42, "denoise": 0.3, "decode": 0.0,
                                            "encode:umt5_encoder": 0.42})  # and per set of text encoders
     kept = get_hardware("cpu").model_copy(update={"startup_s": {"encode:qwen2_5_vl": 2.0, "encode": 9.0}})
     merged, _ = refit(kept, read_reports(["warm.json"]))  # what these reports do not measure stays
-    assert merged.startup_s["encode:qwen2_5_vl"] == 2.0 and merged.startup_s["encode"] == pytest.approx(0.42)
+    assert merged.pipeline.startup_s["encode:qwen2_5_vl"] == 2.0 and merged.pipeline.startup_s["encode"] == pytest.approx(0.42)
     assert any("start-up" in n for n in notes)
 
 
@@ -407,7 +407,7 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     encoder's timed forwards, and inside them a known multiple of what calibrate timed), a known postprocessing
     rate in decode and a known allocator slack: `calibrate --from-report` finds all four, and a plan with the refit
     profile predicts those reports' phases."""
-    from chunkflow.calibrate import generation_estimate, read_reports, refit
+    from chunkflow.commands.calibrate.refit import generation_estimate, read_reports, refit
     from chunkflow_planner.catalog import get_hardware, get_model
     from chunkflow_planner.pipeline import output_bytes, text_device_s
 
@@ -450,8 +450,8 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     # a process's first generation with no start-up known: its times hold the start-up, so they are not used
     Path("r.json").write_text(json.dumps(data))
     cold, notes = refit(hw, read_reports(["r.json"]))
-    assert cold.encode_host_s == hw.encode_host_s and cold.postprocess_gbps == hw.postprocess_gbps
-    assert cold.host_margin == hw.host_margin
+    assert cold.pipeline.encode_host_s == hw.pipeline.encode_host_s and cold.pipeline.postprocess_gbps == hw.pipeline.postprocess_gbps
+    assert cold.pipeline.host_margin == hw.pipeline.host_margin
     assert cold.alloc_slack == pytest.approx(truth["alloc_slack"], rel=1e-3)
     assert any("without --warmup" in n for n in notes)
     # run with a warm-up generation (its first generation no slower here): all four are measured
@@ -461,10 +461,10 @@ def test_refit_measures_the_host_and_allocator_terms_of_the_phases(cli, workdir)
     Path("r.json").write_text(json.dumps(data))
     new, notes = refit(hw, read_reports(["r.json"]))
     for k, v in truth.items():
-        assert getattr(new, k) == pytest.approx(v, rel=1e-3), k
+        assert new.figure(k) == pytest.approx(v, rel=1e-3), k
     # a profile where calibrate did not time the encoder's architecture: no dispatch to compare with, kept
     untimed, _ = refit(hw.model_copy(update={"text_layer_host_us": {}}), read_reports(["r.json"]))
-    assert untimed.host_margin == hw.host_margin and untimed.encode_host_s == pytest.approx(truth["encode_host_s"])
+    assert untimed.pipeline.host_margin == hw.pipeline.host_margin and untimed.pipeline.encode_host_s == pytest.approx(truth["encode_host_s"])
     e2, _ = generation_estimate(read_reports(["r.json"])[0], new)  # (denoise: eta_comp is refit from this run too)
     for name in ("encode", "decode"):
         assert e2.phases[name].time_s == pytest.approx(data["generation"]["phases"][name]["measured_time_s"], rel=1e-6)
@@ -491,7 +491,7 @@ def test_calibrate_calls_text_encoders_as_their_pipeline_does(name):
     """TextEncoderSpec.mask says which attention mask a pipeline passes its text encoder (the operators transformers
     dispatches depend on it): the tiny Wan and FLUX pipelines' own calls match the catalog, and calibrate's timed
     forward (calibrate_host._forward) passes the same: a short prompt then padding, every token, or no mask."""
-    from chunkflow.calibrate_host import PROMPT_TOKENS, _forward
+    from chunkflow.commands.calibrate.host import PROMPT_TOKENS, _forward
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.offload import OffloadConfig

@@ -8,7 +8,8 @@ import pytest
 
 from chunkflow_planner.catalog import get_hardware, get_model
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.ops import block_ops, eta_gemm, flops, model_eta_curve, ops_time, text_encoder_ops
+from chunkflow_planner.ops import block_ops, eta_gemm, flops, model_eta_curve, ops_time
+from chunkflow_planner.pipeline.text import text_encoder_ops
 from chunkflow_planner.memory import device_need
 from chunkflow_planner.pipeline import PHASES, Placements, decide_pipeline, estimate
 from chunkflow_planner.planner import make_plan, resolve_hardware
@@ -103,7 +104,7 @@ def test_tiled_decode_time_follows_decoder_calls_not_voxels():
     assert a.height * a.width == b.height * b.width
     assert (decode_calls(spec, a), decode_calls(spec, b)) == (4 * 4 * 11, 3 * 6 * 11)
     fit = spec.pipeline.vae.decode["tiled"]
-    post = output_bytes(a) / (H200.postprocess_gbps * 1e9)
+    post = output_bytes(a) / (H200.pipeline.postprocess_gbps * 1e9)
     ta, tb = (decode_cost(spec, w, H200, tiled=True)[0] - post for w in (a, b))
     assert (tb - fit["time_const"]) / (ta - fit["time_const"]) == pytest.approx(18 / 16)
     # untiled, the same voxels cost the same
@@ -235,7 +236,7 @@ def test_plan_file_carries_the_pipeline(cli, workdir):
 def test_make_plan_api_defaults_to_this_machines_memory():
     spec = get_model("tiny")
     plan, _, _ = make_plan(spec, spec.default_workload, resolve_hardware("cpu"))
-    from chunkflow_planner.hostinfo import available_host_memory
+    from chunkflow_planner.pipeline.hostinfo import available_host_memory
 
     assert plan.host_memory_budget_bytes == pytest.approx(available_host_memory(), rel=0.2)
     assert device_need(0, 0, H200) == H200.context_bytes
@@ -371,7 +372,7 @@ def test_a_text_encoder_forward_is_bound_by_its_device_or_its_host():
     """On the GPU a text encoder's forward takes the longer of its operators' device time and its host dispatch
     (layers x its architecture's layer host time x host_margin); on the CPU its operators at their shape's
     measured matmul rate plus that dispatch."""
-    from chunkflow_planner.ops import eta_cpu, ops_time_cpu
+    from chunkflow_planner.pipeline.cpu import eta_cpu, ops_time_cpu
     from chunkflow_planner.pipeline import text_forward_s, text_host_s
 
     te = get_model("wan2.2").pipeline.text_encoders[0]
@@ -404,7 +405,7 @@ def test_a_plans_encode_follows_its_architectures_layer_host_time():
     umt5, t5 = wan.pipeline.text_encoders[0], flux.pipeline.text_encoders[1]
     hw = H200.model_copy(update={"text_layer_host_us": {"umt5_encoder": 2000.0, "t5_encoder": 900.0},
                                  "host_margin": 1.0})
-    slow = hw.model_copy(update={"text_layer_host_us": {**hw.text_layer_host_us, "umt5_encoder": 4000.0}})
+    slow = hw.model_copy(update={"text_layer_host_us": {**hw.pipeline.text_layer_host_us, "umt5_encoder": 4000.0}})
     assert text_host_s(umt5, slow) == pytest.approx(2 * text_host_s(umt5, hw)) and text_host_s(umt5, hw) > 0
     assert text_host_s(t5, slow) == text_host_s(t5, hw) == pytest.approx(t5.shape()["layers"] * 900e-6)
     w = make_workload(wan, frames=81, height=704, width=1280, steps=4)

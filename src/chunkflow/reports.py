@@ -58,7 +58,7 @@ class PhaseResult(BaseModel):
 
 
 class LoadResult(BaseModel):
-    """Building the pipeline: measured, and predicted for what it read (chunkflow_planner/load.py)."""
+    """Building the pipeline: measured, and predicted for what it read (chunkflow_planner/pipeline/load.py)."""
 
     weights: str = Field(description="the pipeline folder read, or 'random' (weights drawn in place, nothing read)")
     variant: str | None = None

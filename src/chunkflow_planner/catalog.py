@@ -11,11 +11,21 @@ import difflib
 import math
 from functools import lru_cache
 from importlib import resources
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
@@ -178,7 +188,7 @@ class VaeDecodeFit(_Strict):
         return self
 
 
-STARTUP_KEY = r"^(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # HardwareSpec.startup_s keys
+STARTUP_KEY = r"^(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # PipelineProfile.startup_s keys
 
 
 def encode_startup_key(spec: "ModelSpec") -> str | None:
@@ -233,8 +243,81 @@ def migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class PipelineProfile(_Strict):
+    """The figures of a hardware profile that only the whole-pipeline extension reads (chunkflow_planner.pipeline):
+    the host process, the host CPU's rates for components placed there, the text encoders' host dispatch, the VAE's
+    decode, the phases' start-ups, the checkpoint load. On disk they stay flat beside the transformer's figures (one
+    profile file, one schema version): HardwareSpec lifts them into its `pipeline` on load and writes them back
+    flat (see HardwareSpec._lift and _flatten)."""
+
+    process_host_bytes: int = Field(3 * 10**9, ge=0, le=2**44, description="host memory a chunkflow process holds "
+                                    "besides the weights: Python, torch, the CUDA libraries (calibrate measures it)")
+    cpu_tflops: float = Field(1.0, gt=0, le=1e4, description="the host CPU's achieved bf16/fp32 matmul rate, for "
+                              "components placed on the CPU (calibrate measures it)")
+    cpu_gemm_eta: list[tuple[float, float, float, float]] | None = Field(
+        None, description="the host CPU's bf16 GEMM efficiencies by shape: [M, N, K, fraction of cpu_tflops] on a "
+        "grid (calibrate); a text encoder on the CPU runs a few tokens (small M), far from the square matmul's rate")
+    cpu_mem_gbps: float | None = Field(None, gt=0, le=1e6, description="the host CPU's bandwidth for memory-bound "
+                                       "operators (calibrate); unset: they are not priced on the CPU")
+    text_layer_host_us: dict[TextEncoderArch, Annotated[float, Field(gt=0, le=1e6)]] = Field(
+        default_factory=dict, description="per text-encoder architecture, host microseconds one layer of its eager "
+        "forward dispatches (Python, dispatcher, kernel launches), as calibrate timed it (the architecture at a "
+        "small width, all its layers, over its layers): text encoders run a few tokens through many small layers, "
+        "so on the GPU their forwards are often bound by the host; an architecture not listed is priced by its "
+        "device time alone")
+    host_margin: float = Field(1.0, gt=0, le=100, description="how much longer a generation's text-encoder "
+                               "forwards take on the host than calibrate timed them (text_layer_host_us): the "
+                               "median ratio over generation reports' host-bound forwards, `chunkflow calibrate "
+                               "--from-report`; the host CPU's speed varies up to 2x within a process")
+    vae_decode: dict[str, "VaeDecodeFit"] = Field(
+        default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
+        "catalog's for this GPU")
+    postprocess_gbps: float = Field(1.0, gt=0, le=1e4, description="GB/s of float32 output (frames x H x W x 3) "
+                                    "the pipeline's postprocessing turns into the result on the host after the VAE "
+                                    "decode (device to host, numpy); `chunkflow calibrate --from-report` measures it")
+    encode_host_s: float = Field(0.0, ge=0, le=60, description="host seconds of the encode phase outside the text "
+                                 "encoders' forwards (tokenizers, prompt cleaning, padding); measured from reports")
+    startup_s: dict[Annotated[str, StringConstraints(pattern=STARTUP_KEY)], Annotated[float, Field(ge=0, le=600)]] = \
+        Field(default_factory=dict, description="one-time seconds a phase (encode, denoise, decode) adds to the first "
+              "generation of a process (CUDA kernels loaded on first use, library handles, the allocator's first "
+              "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
+              "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
+              "with --warmup")
+    disk_read_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
+                                         "the page cache does not hold, with its reader threads, from the disk the "
+                                         "weights are on (calibrate); unset: a plan does not predict load times")
+    page_cache_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
+                                          "the page cache holds (calibrate); unset: the disk's rate")
+    pin_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of page-locking host memory (cudaHostRegister "
+                                   "of the pinned stores; calibrate on a GPU); unset: not priced")
+    host_fault_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of new host memory mapped at its "
+                                          "first touch, by the loader's threads (calibrate); unset: not priced")
+    load_startup_s: float = Field(0.0, ge=0, le=600, description="one-time seconds of building a pipeline outside "
+                                  "its reads, copies and page-locking: imports, modules made on the meta device, "
+                                  "tokenizers, scheduler (`chunkflow calibrate --from-report` measures it)")
+    device_is_host: bool = Field(False, description="the 'GPU' is the host CPU (chunkflow's CPU mode): device memory "
+                                 "is host memory, and a plan's host figure counts it")
+
+
+PIPELINE_FIELDS = frozenset(PipelineProfile.model_fields)  # HardwareSpec's flat keys that fill its `pipeline`
+
+
+def lift_pipeline(data: dict[str, Any]) -> dict[str, Any]:
+    """A flat profile mapping with its pipeline keys gathered into `pipeline` (merged over one already there)."""
+    flat = {k: v for k, v in data.items() if k in PIPELINE_FIELDS}
+    if not flat:
+        return data
+    out = {k: v for k, v in data.items() if k not in PIPELINE_FIELDS}
+    nested = out.get("pipeline")
+    if isinstance(nested, PipelineProfile):
+        nested = nested.model_dump()
+    out["pipeline"] = {**(nested if isinstance(nested, dict) else {}), **flat}
+    return out
+
+
 class HardwareSpec(_Strict):
-    """One GPU type in a node: rates, links and the planner's efficiency factors."""
+    """One GPU type in a node: rates, links and the planner's efficiency factors, what the transformer-streaming
+    model reads; the figures only the whole-pipeline extension reads are its `pipeline` (PipelineProfile)."""
 
     schema_version: int = CATALOG_SCHEMA_VERSION
     name: str
@@ -280,33 +363,6 @@ class HardwareSpec(_Strict):
                                "count: CUDA context, cuBLAS and cuDNN workspaces (calibrate measures it)")
     reserve_fraction: float = Field(0.05, ge=0, le=1, description="allocator reserve beyond torch's peak allocation, "
                                     "as a fraction of it (expandable segments keep it small)")
-    process_host_bytes: int = Field(3 * 10**9, ge=0, le=2**44, description="host memory a chunkflow process holds "
-                                    "besides the weights: Python, torch, the CUDA libraries (calibrate measures it)")
-    cpu_tflops: float = Field(1.0, gt=0, le=1e4, description="the host CPU's achieved bf16/fp32 matmul rate, for "
-                              "components placed on the CPU (calibrate measures it)")
-    cpu_gemm_eta: list[tuple[float, float, float, float]] | None = Field(
-        None, description="the host CPU's bf16 GEMM efficiencies by shape: [M, N, K, fraction of cpu_tflops] on a "
-        "grid (calibrate); a text encoder on the CPU runs a few tokens (small M), far from the square matmul's rate")
-    cpu_mem_gbps: float | None = Field(None, gt=0, le=1e6, description="the host CPU's bandwidth for memory-bound "
-                                       "operators (calibrate); unset: they are not priced on the CPU")
-    text_layer_host_us: dict[TextEncoderArch, Annotated[float, Field(gt=0, le=1e6)]] = Field(
-        default_factory=dict, description="per text-encoder architecture, host microseconds one layer of its eager "
-        "forward dispatches (Python, dispatcher, kernel launches), as calibrate timed it (the architecture at a "
-        "small width, all its layers, over its layers): text encoders run a few tokens through many small layers, "
-        "so on the GPU their forwards are often bound by the host; an architecture not listed is priced by its "
-        "device time alone")
-    host_margin: float = Field(1.0, gt=0, le=100, description="how much longer a generation's text-encoder "
-                               "forwards take on the host than calibrate timed them (text_layer_host_us): the "
-                               "median ratio over generation reports' host-bound forwards, `chunkflow calibrate "
-                               "--from-report`; the host CPU's speed varies up to 2x within a process")
-    vae_decode: dict[str, "VaeDecodeFit"] = Field(
-        default_factory=dict, description="measured VAE decode fits by VAE name (calibrate); they replace the "
-        "catalog's for this GPU")
-    postprocess_gbps: float = Field(1.0, gt=0, le=1e4, description="GB/s of float32 output (frames x H x W x 3) "
-                                    "the pipeline's postprocessing turns into the result on the host after the VAE "
-                                    "decode (device to host, numpy); `chunkflow calibrate --from-report` measures it")
-    encode_host_s: float = Field(0.0, ge=0, le=60, description="host seconds of the encode phase outside the text "
-                                 "encoders' forwards (tokenizers, prompt cleaning, padding); measured from reports")
     alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
                                "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
                                "measured from reports")
@@ -314,37 +370,42 @@ class HardwareSpec(_Strict):
                               "peak below the budget (peak <= budget / (1 + mem_margin)), for the memory model's error: "
                               "the largest under-prediction of a phase's peak in generation reports, measured by "
                               "`chunkflow calibrate --from-report` (default: that of eight pipelines on an H200)")
-    startup_s: dict[Annotated[str, StringConstraints(pattern=STARTUP_KEY)], Annotated[float, Field(ge=0, le=600)]] = \
-        Field(default_factory=dict, description="one-time seconds a phase (encode, denoise, decode) adds to the first "
-              "generation of a process (CUDA kernels loaded on first use, library handles, the allocator's first "
-              "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
-              "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
-              "with --warmup")
-    disk_read_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
-                                         "the page cache does not hold, with its reader threads, from the disk the "
-                                         "weights are on (calibrate); unset: a plan does not predict load times")
-    page_cache_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
-                                          "the page cache holds (calibrate); unset: the disk's rate")
-    pin_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of page-locking host memory (cudaHostRegister "
-                                   "of the pinned stores; calibrate on a GPU); unset: not priced")
-    host_fault_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of new host memory mapped at its "
-                                          "first touch, by the loader's threads (calibrate); unset: not priced")
-    load_startup_s: float = Field(0.0, ge=0, le=600, description="one-time seconds of building a pipeline outside "
-                                  "its reads, copies and page-locking: imports, modules made on the meta device, "
-                                  "tokenizers, scheduler (`chunkflow calibrate --from-report` measures it)")
-    device_is_host: bool = Field(False, description="the 'GPU' is the host CPU (chunkflow's CPU mode): device memory "
-                                 "is host memory, and a plan's host figure counts it")
     dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")
+    pipeline: PipelineProfile = Field(default_factory=PipelineProfile, description="the figures only the "
+                                      "whole-pipeline extension reads; flat in the file, beside these")
     source: str = Field("", description="where these numbers come from")
 
     @model_validator(mode="before")
     @classmethod
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("schema_version", 1) == 1:
-            return migrate_v1(data)
-        return data
+            data = migrate_v1(data)
+        return lift_pipeline(data) if isinstance(data, dict) else data
+
+    @model_serializer(mode="wrap")
+    def _flatten(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Dumped flat, as profile files hold it: the pipeline's figures in place of `pipeline`."""
+        out: dict[str, Any] = {}
+        for k, v in handler(self).items():
+            if k == "pipeline" and isinstance(v, dict):
+                out.update(v)
+            else:
+                out[k] = v
+        return out
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "HardwareSpec":
+        """A copy with `update` applied; a pipeline figure among its keys updates the `pipeline` sub-model."""
+        if update and PIPELINE_FIELDS & update.keys():
+            flat = {k: v for k, v in update.items() if k in PIPELINE_FIELDS}
+            update = {k: v for k, v in update.items() if k not in PIPELINE_FIELDS}
+            update["pipeline"] = (update.get("pipeline") or self.pipeline).model_copy(update=flat)
+        return super().model_copy(update=update, deep=deep)
+
+    def figure(self, key: str) -> Any:
+        """A figure by its key in the profile file, whether the transformer's or the pipeline's."""
+        return getattr(self.pipeline if key in PIPELINE_FIELDS else self, key)
 
     @model_validator(mode="after")
     def _check_curve(self) -> "HardwareSpec":
@@ -363,7 +424,7 @@ class HardwareSpec(_Strict):
             if any(not lo <= e <= hi for _, e in curve):
                 raise ValueError(f"{what} efficiencies must be in [{lo:g}, {hi:g}]")
         tables = [("gemm_eta", self.gemm_eta), ("attn_eta", self.attn_eta), ("attn_eta_masked", self.attn_eta_masked),
-                  ("cpu_gemm_eta", self.cpu_gemm_eta)]
+                  ("cpu_gemm_eta", self.pipeline.cpu_gemm_eta)]
         for what, table in tables:
             if table:
                 _check_table(what, table)
@@ -446,8 +507,12 @@ def _read_yaml(text: str, what: str) -> dict[str, Any]:
 
 
 def _errors(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'] if str(p) not in ('', '[key]'))}: {e['msg']}"
-                     for e in exc.errors())
+    """pydantic's errors as `field: message; ...`, a pipeline figure named by its flat key (as the file holds it)."""
+    def where(loc: tuple) -> str:
+        loc = loc[1:] if loc[:1] == ("pipeline",) else loc
+        return ".".join(str(p) for p in loc if str(p) not in ("", "[key]"))
+
+    return "; ".join(f"{where(tuple(e['loc']))}: {e['msg']}" for e in exc.errors())
 
 
 @lru_cache(maxsize=None)

@@ -13,11 +13,8 @@ with eta_gemm and eta_attn interpolated from the tables `chunkflow calibrate` me
 the flash kernel) and mem_ops_scale fitted to the real blocks calibrate timed. So a model calibrate never ran
 is predicted from the shapes of its own operators. Without tables the scalar eta_comp applies to every FLOP.
 
-A text encoder's forward runs a few hundred tokens through many small layers: its host work can outlast its device
-work, so it takes the longer of the two (pipeline.py), the host work being its layers at the host cost of one as
-calibrate times it per architecture (`text_layer_host_us`, scaled by the reports' `host_margin`). On the host CPU
-(a text encoder placed there) GEMMs run at their shape's measured rate (`cpu_gemm_eta`) and memory passes at
-`cpu_mem_gbps`, plus the same host dispatch.
+The text encoders' operators and their price on the host CPU are the whole-pipeline extension's
+(chunkflow_planner.pipeline.text, .cpu); they use the GPU side of this model as it is.
 
 The FLOPs of a transformer block's operators add up to its F_block (flops.py, eqs. 12, 18, 22); the tests check it.
 Pure Python: no torch.
@@ -31,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
-    from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, TextEncoderSpec
+    from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec
 
 TFLOP = 1e12
 
@@ -123,7 +120,7 @@ class _Grid:
 _GRIDS: dict[int, tuple[object, _Grid]] = {}
 
 
-def _grid(table: list) -> _Grid:
+def efficiency_grid(table: list) -> _Grid:
     """The interpolator of a table (cached by identity; the table is kept alive with it)."""
     hit = _GRIDS.get(id(table))
     if hit is None or hit[0] is not table:
@@ -136,7 +133,7 @@ def eta_gemm(hw: HardwareSpec, m: float, n: float, k: float) -> float:
     """Fraction of P_peak a bf16 GEMM of this shape achieves: the measured table interpolated, else eta_comp."""
     if not hw.gemm_eta:
         return hw.eta_comp
-    return _grid(hw.gemm_eta)(m, n, k)
+    return efficiency_grid(hw.gemm_eta)(m, n, k)
 
 
 def eta_attn(hw: HardwareSpec, q: float, kv: float, masked: bool = False) -> float:
@@ -145,7 +142,7 @@ def eta_attn(hw: HardwareSpec, q: float, kv: float, masked: bool = False) -> flo
     table = hw.attn_eta_masked if masked and hw.attn_eta_masked else hw.attn_eta
     if not table:
         return hw.eta_comp
-    return _grid(table)(q, kv)
+    return efficiency_grid(table)(q, kv)
 
 
 def op_time(op: Op, hw: HardwareSpec) -> float:
@@ -161,27 +158,6 @@ def op_time(op: Op, hw: HardwareSpec) -> float:
 def ops_time(ops: list[Op], hw: HardwareSpec) -> float:
     """Seconds of a list of operators run one after the other on the GPU."""
     return sum(op_time(op, hw) for op in ops)
-
-
-def eta_cpu(hw: HardwareSpec, m: float, n: float, k: float) -> float:
-    """Fraction of cpu_tflops a bf16 matmul of this shape achieves on the host CPU (the measured table, else 1)."""
-    return _grid(hw.cpu_gemm_eta)(m, n, k) if hw.cpu_gemm_eta else 1.0
-
-
-def cpu_op_time(op: Op, hw: HardwareSpec) -> float:
-    """Seconds of one operator on the host CPU: GEMMs at their shape's measured rate, an attention as its two
-    matmuls (q x kv x head dim), memory passes at cpu_mem_gbps (free where unmeasured)."""
-    P = hw.cpu_tflops * TFLOP
-    if isinstance(op, Gemm):
-        return op.flops / (P * eta_cpu(hw, op.m, op.n, op.k))
-    if isinstance(op, Attention):
-        return op.flops / (P * eta_cpu(hw, op.q, op.kv, op.hd))
-    return op.nbytes / (hw.cpu_mem_gbps * 1e9) if hw.cpu_mem_gbps else 0.0
-
-
-def ops_time_cpu(ops: list[Op], hw: HardwareSpec) -> float:
-    """Seconds of a list of operators on the host CPU (cpu_op_time), the per-operator host cost not included."""
-    return sum(cpu_op_time(op, hw) for op in ops)
 
 
 def split(ops: list[Op], hw: HardwareSpec) -> tuple[float, float]:
@@ -266,24 +242,3 @@ def model_eta_curve(spec: ModelSpec, hw: HardwareSpec, points: int = 16) -> list
             t += g.count * ops_time(block_ops(spec, g, 1, S, L), hw)
         out.append((F / spec.n_blocks, min(1.0, F / (P * t))))
     return out
-
-
-# --------------------------------------------------------------------------------------- text encoders
-
-
-def text_encoder_ops(te: TextEncoderSpec, batch: float, tokens: float) -> list[Op]:
-    """The operators of one forward of a text encoder's layers over `tokens` tokens (embeddings and heads are
-    lookups; the vision tower of a VL encoder does not run for a text prompt)."""
-    a = te.shape()
-    d, ff, H, hd, kv = a["d"], a["ff"], a["heads"], a["head_dim"], a["kv_heads"]
-    M = batch * tokens
-    inner = H * hd
-    kv_inner = kv * hd
-    mlp = [Gemm(M, ff, d, 2 if a["gated"] else 1), Gemm(M, d, ff)]
-    layer = [
-        Gemm(M, inner, d), Gemm(M, kv_inner, d, 2), Gemm(M, d, inner),  # q, k, v, out
-        Attention(batch, H, tokens, tokens, hd),
-        *mlp,
-        MemPass(M * (20 * d + 6 * ff) * te.dtype_bytes + (3 * batch * H * tokens * tokens * 4 if a["eager_attention"] else 0)),
-    ]
-    return layer * a["layers"]

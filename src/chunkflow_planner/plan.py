@@ -99,7 +99,7 @@ class Baselines(_Section):
 
 
 class LoadPrediction(_Section):
-    """Building the pipeline from its checkpoint folder (chunkflow_planner/load.py)."""
+    """Building the pipeline from its checkpoint folder (chunkflow_planner/pipeline/load.py)."""
 
     read_bytes: int = Field(ge=0, description="bytes read from the checkpoint files (as stored)")
     read_bytes_source: str = Field("", description="where read_bytes comes from: the folder's headers (plan "
@@ -126,7 +126,7 @@ class PlanPrediction(Prediction):
 
 
 class PlanComponent(_Section):
-    """One component of the pipeline and where it runs (chunkflow_planner/pipeline.py)."""
+    """One component of the pipeline and where it runs (chunkflow_planner/pipeline/placement.py)."""
 
     name: str = Field(description="the pipeline attribute: text_encoder, transformer, transformer_2, vae, ...")
     kind: Literal["text_encoder", "transformer", "vae"]

@@ -1,4 +1,7 @@
-"""From a model, workload, hardware and constraints to a Plan: the planner's one entry point."""
+"""From a model, workload, hardware and constraints to a Plan: the planner's one entry point.
+
+It composes the two halves: the transformer-streaming core (policy, overlap, plan) and, where the model has a
+pipeline in the catalog, the whole-pipeline extension (chunkflow_planner.pipeline), which it alone calls."""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -37,11 +39,10 @@ from chunkflow_planner.plan import (
     PlanWorkload,
     Prediction,
 )
-from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, baselines, decide
+from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide
 from chunkflow_planner.workload import WorkloadError, tokens
-
-if TYPE_CHECKING:
-    from chunkflow_planner.pipeline import PipelineDecision
+from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
+from chunkflow_planner.pipeline.hostinfo import default_host_budget
 
 DEFAULT_HARDWARE = "h200"
 PROFILE_FILENAME = "hardware-profile.yaml"
@@ -141,12 +142,6 @@ def memory_margin(hw: HardwareSpec, mem_margin: float | None) -> float:
     return margin
 
 
-def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
-    """Whether the whole generation is planned: asked, in the catalog, on one GPU and with the catalog's volumes."""
-    return (pipeline and problem.spec.pipeline is not None and problem.sp == 1 and problem.prefetch_bytes is None
-            and problem.text_len is None)
-
-
 def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, max_slowdown: float | None,
                        target_step_time: float | None) -> Decision:
     """The transformer alone, its reason and its error naming the user's budget through `kept`."""
@@ -155,23 +150,6 @@ def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, m
     except Infeasible as exc:
         raise Infeasible(exc.facts, explain.step_infeasible(exc.facts, kept)) from None
     return replace(decision, reason=explain.step_reason(decision.facts, kept))
-
-
-def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_budget: int,
-                 max_slowdown: float | None, target_step_time: float | None, target_time: float | None,
-                 generation_slowdown: float | None) -> tuple[Decision, PipelineDecision]:
-    """The whole pipeline's placements, and the transformer's decision in it with the baselines of the plan; the
-    error names the user's budget through `kept`."""
-    from chunkflow_planner.pipeline import decide_pipeline
-
-    try:
-        whole = decide_pipeline(problem.spec, problem.workload, problem.hw, problem, usable, host_budget,
-                                max_slowdown, target_step_time, target_time, generation_slowdown)
-    except Infeasible as exc:
-        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept)) from None
-    base = baselines(problem, max_slowdown, target_step_time)
-    return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason,
-                    whole.facts), whole
 
 
 def critical_analysis(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, sp: int,
@@ -208,7 +186,7 @@ def make_plan(
 
     With `pipeline` (and a catalog pipeline for the model, SP 1) the whole generation is planned: placements of the
     text encoders, transformer and VAE under the GPU budget in every phase and `host_budget` (default: the memory
-    this machine's memory less a share for the system: hostinfo), against `target_time` or `generation_slowdown` x everything on the GPU if given.
+    this machine's memory less a share for the system: pipeline.hostinfo), against `target_time` or `generation_slowdown` x everything on the GPU if given.
     Otherwise the transformer alone, as the ChunkFlow paper does. `levers`: batched CFG and fp8 storage the policy
     may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights).
     `mem_margin` (default: the hardware's) keeps every predicted GPU peak under budget / (1 + mem_margin): the
@@ -224,8 +202,6 @@ def make_plan(
     problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
     whole = None
     if plans_pipeline(problem, pipeline):
-        from chunkflow_planner.hostinfo import default_host_budget
-
         host_source = "--host-mem-budget"
         if host_budget is None:
             host_budget, host_source = default_host_budget()
@@ -236,7 +212,7 @@ def make_plan(
     analysis = critical_analysis(spec, workload, hardware, sp, prefetch_bytes, text_len, decision.chosen.cfg)
     plan = assemble(spec, workload, hardware, problem, decision, analysis, budget, margin)
     if whole is not None:
-        plan = _with_pipeline(plan, spec, whole, read_bytes).model_copy(update={"host_memory_budget_source": host_source})
+        plan = with_pipeline(plan, spec, whole, read_bytes).model_copy(update={"host_memory_budget_source": host_source})
     return plan, decision, analysis
 
 
@@ -285,48 +261,3 @@ def _plan_analysis(analysis: OverlapAnalysis, hw: HardwareSpec) -> Analysis:
             nearest_valid=analysis.critical.nearest_valid, reason=analysis.critical.reason,
         ),
     )
-
-
-def load_prediction(spec: ModelSpec, e, read_bytes: int | None = None):
-    """The plan's LoadPrediction of the placement `e` (pipeline.PipelineEstimate); `read_bytes`: the checkpoint's
-    bytes as stored, if known (plan --weights)."""
-    from chunkflow_planner.load import T_load, load_estimate, load_parts
-    from chunkflow_planner.plan import LoadPrediction
-
-    est = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes)
-    return LoadPrediction(
-        read_bytes=int(est.read_bytes), time_cold_s=T_load(est, 0.0, e.hw), time_warm_s=T_load(est, 1.0, e.hw),
-        read_bytes_source=("the checkpoint folder's headers" if read_bytes is not None
-                           else "every component's parameters in its own dtype"),
-        parts_cold_s=load_parts(est, 0.0, e.hw), h2d_bytes=int(est.h2d_bytes), pinned_bytes=int(est.pinned_bytes),
-        fresh_bytes=int(est.fresh_bytes), pinned_while_reading_bytes=int(est.pinned_while_reading),
-        host_peak_bytes=int(est.host_peak_bytes))
-
-
-def _with_pipeline(plan: Plan, spec: ModelSpec, whole, read_bytes: int | None = None) -> Plan:
-    """The plan with the whole pipeline's placements, its load's and its phases' predictions."""
-    from chunkflow_planner.pipeline import PHASES
-    from chunkflow_planner.plan import PhasePrediction, PhasesPrediction, PlanComponent, PlanPipeline
-
-    e = whole.chosen
-    pl = e.placements
-    pipe = spec.pipeline
-    comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p)
-             for te, p in zip(pipe.text_encoders, pl.text_encoders)]
-    t_bytes = spec.nbytes
-    comps += [PlanComponent(name="transformer" if k == 0 else f"transformer_{k + 1}", kind="transformer", bytes=t_bytes,
-                            placement=pl.transformer) for k in range(pipe.experts)]
-    comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
-    phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, startup_s=e.phases[ph].startup_s,
-                                                     peak_memory_bytes=e.peak_memory(ph),
-                                                     allocated_bytes=int(e.phases[ph].allocated_bytes),
-                                                     parts_s=dict(e.phases[ph].detail))
-                                 for ph in PHASES})
-    pred = plan.prediction.model_copy(update=dict(
-        phases=phases, load=load_prediction(spec, e, read_bytes), generation_time_s=e.generation_time,
-        host_memory_bytes=e.host_memory,
-        host_memory={k: int(v) for k, v in e.host_bytes.items()}))
-    return plan.model_copy(update=dict(
-        pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,
-        host_memory_budget_bytes=whole.host_budget,
-        target_time_s=whole.target_s if math.isfinite(whole.target_s) else None))

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 sys.path.insert(0, "src")
-from chunkflow.calibrate_host import text_encoder_archs
+from chunkflow.commands.calibrate.host import text_encoder_archs
 
 
 def count_ops(fn):

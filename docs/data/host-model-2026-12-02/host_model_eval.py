@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/data/host-model-2026-12-02/host_model_eval.py > docs/data/host-model-2026-12-02/output.txt
 
-Each report's plan is predicted again as it ran (its placements and offload: chunkflow.calibrate.generation_estimate)
+Each report's plan is predicted again as it ran (its placements and offload: chunkflow.commands.calibrate.refit.generation_estimate)
 twice: by the model of commit BASELINE (its src/ extracted from git into a temporary folder and run in a
 subprocess) and by this checkout's, each on its own catalog entry `h200` (both refit from these reports) and on
 the profile embedded in the report's plan (the one it ran with; this checkout reads the older ones through the
@@ -50,7 +50,7 @@ def report_paths() -> list[str]:
 
 def predict_all(paths: list[str]) -> dict:
     """{profile kind: {report: {measured and predicted times}}} with the chunkflow on sys.path."""
-    from chunkflow.calibrate import generation_estimate
+    from chunkflow.commands.calibrate.refit import generation_estimate
     from chunkflow.reports import load_reports
     from chunkflow_planner.catalog import HardwareSpec, get_hardware
 
@@ -84,15 +84,15 @@ def ablations(paths: list[str]) -> list[str]:
     (`startup_s` keys `encode:<archs>`) against the encode phase's one, on the first generations; the decoded
     output's host copies (pipeline.OUTPUT_HOST_COPIES) against one copy, on the peak host memory, process_host_bytes
     refit for each (calibrate.refit_load, as `calibrate --from-report` does)."""
-    import chunkflow_planner.pipeline as pipeline
-    from chunkflow.calibrate import generation_estimate, refit_load
+    import chunkflow_planner.pipeline.decode as pipeline  # where output_host_bytes reads OUTPUT_HOST_COPIES
+    from chunkflow.commands.calibrate.refit import generation_estimate, refit_load
     from chunkflow.reports import load_reports
     from chunkflow_planner.catalog import get_hardware
 
     reps = [load_reports([p])[0] for p in paths]
     hw = get_hardware("h200")
     out = []
-    plain = hw.model_copy(update={"startup_s": {k: v for k, v in hw.startup_s.items() if ":" not in k}})
+    plain = hw.model_copy(update={"startup_s": {k: v for k, v in hw.pipeline.startup_s.items() if ":" not in k}})
     for name, h in (("per set of text encoders", hw), ("the encode phase's one only", plain)):
         errs = [sum(r.generation.first_phase_times_s.values()) / generation_estimate(r, h)[0].generation_time - 1
                 for r in reps if r.generation.warmup_generations and r.generation.first_phase_times_s]
@@ -106,7 +106,7 @@ def ablations(paths: list[str]) -> list[str]:
             pipeline.OUTPUT_HOST_COPIES = copies
             h = hw.model_copy(update=refit_load(hw, reps))
             errs = [r.generation.host_peak_bytes / generation_estimate(r, h)[0].host_memory - 1 for r in reps]
-            out.append(f"| output host copies {copies} (process_host_bytes refit: {h.process_host_bytes / 1e9:.2f} GB) "
+            out.append(f"| output host copies {copies} (process_host_bytes refit: {h.pipeline.process_host_bytes / 1e9:.2f} GB) "
                        f"| {len(errs)} reports | peak host memory {_stat(errs)} | |")
     finally:
         pipeline.OUTPUT_HOST_COPIES = kept

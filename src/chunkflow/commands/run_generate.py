@@ -108,7 +108,7 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
     on_bytes = (lambda done, total: progress("load", done, total)) if progress is not None else None
     built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling,
                            variant=o.variant, log=log, on_bytes=on_bytes)
-    comparable = (device.type == "cuda") != hw.device_is_host  # the plan's device is the one run on
+    comparable = (device.type == "cuda") != hw.pipeline.device_is_host  # the plan's device is the one run on
     load = load_result(built, plan, hw, folder, o.variant, comparable)
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
         f"{load.measured_time_s:.1f} s on {device}")
@@ -259,7 +259,7 @@ def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: 
     """The build's LoadResult: measured (built.load), and the plan's load predicted for the bytes it read and the
     share the page cache held (`comparable`: the run's device is the plan's kind, GPU or host)."""
     from chunkflow.reports import rel_error
-    from chunkflow_planner.load import LoadEstimate, T_load, load_parts
+    from chunkflow_planner.pipeline.load import LoadEstimate, T_load, load_parts
 
     m = built.load
     planned = {c.name: c.bytes for c in plan.pipeline.components} if plan.pipeline is not None else {}

@@ -152,7 +152,7 @@ def measured_of(timing: Timing, stats: dict | None) -> Measured:
 def make_report(env: dict, plan: Plan, run: RunConfig, hw, m: Measured, p: Predicted,
                 stats: dict | None) -> RunReport:
     """The run's report; errors only where the run's device is the kind the plan's hardware (`hw`) describes."""
-    comparable = run.device.startswith("cpu") == hw.device_is_host
+    comparable = run.device.startswith("cpu") == hw.pipeline.device_is_host
     err = RelErrors(step_time=rel_error(m.median_step_s, p.step_time_s) if comparable else None,
                     peak_memory=rel_error(m.peak_allocated_bytes, p.peak_memory_bytes) if comparable else None)
     hw_name = hw.name

@@ -3,7 +3,7 @@
 Every component is built on the meta device (models/components.py) and written once into its final place by
 `offload(source=...)`: from a local diffusers pipeline folder (`--weights`; every component checked before any is
 read, then read straight from its safetensors files, loading/), or from random weights with local tokenizers. Both
-go through the same placement code, so a loaded pipeline holds what a random one of the same plan holds. Placements (chunkflow_planner/pipeline.py) become offload handles:
+go through the same placement code, so a loaded pipeline holds what a random one of the same plan holds. Placements (chunkflow_planner/pipeline/placement.py) become offload handles:
 - `gpu`: `offload(mode="none")` on the device, never parked;
 - `phase`: the same, parked (in one pinned host allocation) outside its phase;
 - `stream`: `offload(...)` with the plan's setting (a text encoder: 16 MB chunks, its layers), parked outside;

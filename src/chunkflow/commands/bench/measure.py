@@ -160,7 +160,7 @@ def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Offl
         setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label,
                        weight_dtype=cfg.weight_dtype, fp8_cast=cfg.fp8_cast)
         # a GPU profile's prediction measured on the CPU is not compared (its error would mean nothing)
-        comparable = peak is not None or hw.device_is_host
+        comparable = peak is not None or hw.pipeline.device_is_host
         pred = dict(predicted_step_s=p.step_time_s,
                     err_step=(med - p.step_time_s) / p.step_time_s if comparable else math.nan,
                     predicted_peak_bytes=p.peak_memory_bytes,

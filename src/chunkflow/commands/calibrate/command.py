@@ -63,7 +63,7 @@ def calibrate_cmd(
         raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw and --weights measure: use "
                         "one or the other")
     if weights is not None:
-        from chunkflow.calibrate_disk import disk_folder
+        from chunkflow.commands.calibrate.disk import disk_folder
 
         disk_folder(weights)  # a missing folder or uncached Hub id fails before anything is measured
     check_output_file(out, "--out")
@@ -96,7 +96,7 @@ def _save_profile(new, out: str, header: str, default: bool) -> None:
     from chunkflow_planner.files import write_atomic
     from chunkflow_planner.planner import saved_profile_path
 
-    from chunkflow.calibrate import profile_changes, write_profile
+    from chunkflow.commands.calibrate.profile import profile_changes, write_profile
 
     path = saved_profile_path()
     previous = path.read_bytes() if default and path.is_file() else None
@@ -122,7 +122,8 @@ def _refit_profile(reports: list[str], profile: str | None):
     """(refitted profile, header) from run reports; notes printed. Reports that cannot describe a GPU are refused."""
     from chunkflow_planner.catalog import HardwareSpec, get_hardware
 
-    from chunkflow.calibrate import CalibrationError, check_refit_reports, read_reports, refit
+    from chunkflow.commands.calibrate.host import CalibrationError
+    from chunkflow.commands.calibrate.refit import check_refit_reports, read_reports, refit
 
     import glob
     import os
@@ -167,7 +168,7 @@ def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: f
 
     from chunkflow_planner.files import write_atomic
 
-    from chunkflow.calibrate import calibrate
+    from chunkflow.commands.calibrate.measure import calibrate
 
     rank0 = torchrun_rank() == 0
     with _progress() as bar:
@@ -194,19 +195,19 @@ def _print_profile(hw) -> None:
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
                 "encode_host_s", "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction",
                 "mem_margin", "disk_read_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
-        v = getattr(hw, key)
+        v = hw.figure(key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
-    t.add_row("process_host_bytes", format_bytes(hw.process_host_bytes))
-    if hw.startup_s:
-        t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.startup_s.items()))
-    if hw.text_layer_host_us:
-        t.add_row("text-encoder layer host", ", ".join(f"{a} {us:.0f} us" for a, us in hw.text_layer_host_us.items()))
+    t.add_row("process_host_bytes", format_bytes(hw.pipeline.process_host_bytes))
+    if hw.pipeline.startup_s:
+        t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.pipeline.startup_s.items()))
+    if hw.pipeline.text_layer_host_us:
+        t.add_row("text-encoder layer host", ", ".join(f"{a} {us:.0f} us" for a, us in hw.pipeline.text_layer_host_us.items()))
     if hw.eta_comp_curve:
         t.add_row("eta_comp(F)", "; ".join(f"{f:.2e}: {e:.3f}" for f, e in hw.eta_comp_curve))
     if hw.gemm_eta:
         t.add_row("GEMM / attention shapes", f"{len(hw.gemm_eta)} / {len(hw.attn_eta or [])} measured")
-    for name, fit in hw.vae_decode.items():
+    for name, fit in hw.pipeline.vae_decode.items():
         t.add_row(f"VAE {name}", f"{fit.mem_const / 1e9:.2f} GB + {fit.mem_per_px:.0f} B/px + {fit.mem_per_voxel:.1f} B/voxel; "
                   f"{fit.time_per_voxel * 1e9:.2f} ns/voxel" + (
                       "" if not fit.tiled else f"; tiled {fit.tiled.time_per_call * 1e3:.1f} ms/decoder call"

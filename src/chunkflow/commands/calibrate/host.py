@@ -1,4 +1,4 @@
-"""What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/pipeline.py): per
+"""What `chunkflow calibrate` measures of the host side of a generation (chunkflow_planner/pipeline/text.py): per
 text-encoder architecture, the host time of one layer of an eager forward on the GPU path (`text_layer_host_us`),
 and the host CPU's bf16 GEMM efficiency by shape and memory bandwidth (`cpu_gemm_eta`, `cpu_mem_gbps`;
 calibrate_ops' own measurements run on the CPU), the rates a text encoder placed on the CPU is priced by.
@@ -7,7 +7,7 @@ The host time is measured on the catalog's text encoders themselves, called as t
 attention mask, TextEncoderSpec.mask), with this machine's transformers: each architecture's class at a small width
 (its device work becomes negligible, what it dispatches does not change) and all its layers, one forward timed and
 divided by its layers. A generation's forwards run slower than these quiet ones (the host CPU's speed varies up to
-2x within a process): `calibrate --from-report` measures by how much (HardwareSpec.host_margin).
+2x within a process): `calibrate --from-report` measures by how much (PipelineProfile.host_margin).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK
     the peak is the best of `cpu_tflops` (the square matmul) and the grid, eta is against it."""
     import torch
 
-    from chunkflow.calibrate_ops import gemm_rates
+    from chunkflow.commands.calibrate.ops import gemm_rates
 
     rates = gemm_rates(torch.device("cpu"), ms, nks, warmup=1, repeats=3)
     peak = max([cpu_tflops] + [r[3] for r in rates])
@@ -162,7 +162,7 @@ def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[di
     """Profile fields of the host side (module docstring) and the raw measurements."""
     import torch
 
-    from chunkflow.calibrate_ops import measure_hbm
+    from chunkflow.commands.calibrate.ops import measure_hbm
 
     text = measure_text_host(device)
     small = dict(ms=(16, 64), nks=(64, 128)) if cpu_smoke else {}

@@ -49,11 +49,11 @@ class LoadEstimate:
 def BW_read(cached: float, hw: HardwareSpec) -> float | None:
     """Bytes per second reading checkpoint files of which a share `cached` is in the page cache (eq. L2); None where
     the profile has no measured disk rate."""
-    if hw.disk_read_gbps is None:
+    if hw.pipeline.disk_read_gbps is None:
         return None
-    cache = hw.page_cache_gbps if hw.page_cache_gbps is not None else hw.disk_read_gbps
+    cache = hw.pipeline.page_cache_gbps if hw.pipeline.page_cache_gbps is not None else hw.pipeline.disk_read_gbps
     c = min(1.0, max(0.0, cached))
-    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.disk_read_gbps * GB))
+    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.pipeline.disk_read_gbps * GB))
 
 
 def T_load(est: LoadEstimate, cached: float, hw: HardwareSpec) -> float | None:
@@ -72,15 +72,15 @@ def load_parts(est: LoadEstimate, cached: float, hw: HardwareSpec) -> dict[str, 
     if bw is None:
         return {}
     read = est.read_bytes / bw
-    parts = {"startup": hw.load_startup_s, "read": read}
-    if not hw.device_is_host:
+    parts = {"startup": hw.pipeline.load_startup_s, "read": read}
+    if not hw.pipeline.device_is_host:
         parts["to device"] = est.h2d_bytes / (hw.h2d_gbps * GB)
-        if hw.pin_gbps is not None:  # what the reads do not hide: the locking they outlast, then the parked homes'
+        if hw.pipeline.pin_gbps is not None:  # what the reads do not hide: the locking they outlast, then the parked homes'
             during = min(est.pinned_while_reading, est.pinned_bytes)
-            parts["pin"] = (max(0.0, during / (hw.pin_gbps * GB) - read)
-                            + (est.pinned_bytes - during) / (hw.pin_gbps * GB))
-    if hw.host_fault_gbps is not None and est.fresh_bytes:
-        parts["new memory"] = est.fresh_bytes / (hw.host_fault_gbps * GB)
+            parts["pin"] = (max(0.0, during / (hw.pipeline.pin_gbps * GB) - read)
+                            + (est.pinned_bytes - during) / (hw.pipeline.pin_gbps * GB))
+    if hw.pipeline.host_fault_gbps is not None and est.fresh_bytes:
+        parts["new memory"] = est.fresh_bytes / (hw.pipeline.host_fault_gbps * GB)
     return parts
 
 
@@ -140,14 +140,14 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         parked = max(parked, vae)
     total = sum(te.nbytes for te in pipe.text_encoders) + experts * t_bytes + vae
     read = float(total if read_bytes is None else read_bytes)
-    if hw.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
+    if hw.pipeline.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
         # component's twice (the device's copy, then its parking)
         fresh = float(total) + sum(b for b, p in _placed_bytes(spec, placements, t_bytes, vae) if p == "phase")
         h2d = pinned = during = 0.0
-    staging = (not hw.device_is_host) if staging is None else staging
+    staging = (not hw.pipeline.device_is_host) if staging is None else staging
     host = sum(v for k, v in host_bytes.items() if k not in ("output", "device"))
     host += STAGING_BYTES if staging else 0.0
-    if hw.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
+    if hw.pipeline.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
         host += device_now + parked
     return LoadEstimate(read, h2d, pinned, host, fresh, during)
 

@@ -29,171 +29,34 @@ predicted hidden, and `startup_s` from generations run with --warmup (the first 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-import yaml
-from pydantic import ValidationError
-
-from chunkflow.calibrate_host import CalibrationError
+from chunkflow.commands.calibrate.fit import (
+    coll_bandwidth_gbps, contention_factor, eta_curve, fit_h2d, fit_vae_rows, forward_scale, scaled_curve,
+)
+from chunkflow.commands.calibrate.host import CalibrationError
+from chunkflow.commands.calibrate.profile import base_hardware, make_profile
 from chunkflow.launch import torchrun_world
 from chunkflow.timing import time_on, timing_event
-from chunkflow_planner.catalog import (EFFICIENCY_RANGE, PEAK_TFLOPS_RANGE, HardwareSpec, ModelSpec, Workload,
-                                      get_hardware, load_hardware)
+from chunkflow_planner.catalog import PEAK_TFLOPS_RANGE, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.predict import predict
 from chunkflow_planner.workload import tokens
+
+
+MB = 10**6
+
 
 MB = 10**6
 H2D_SIZES = tuple(c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+
+H2D_SIZES = tuple(c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256))
 H2D_TOTAL = 512 * MB
-
-
-
-
-# ------------------------------------------------------------------------------------------ pure fits
-
-
-@dataclass(frozen=True)
-class H2DFit:
-    t0_s: float  # per-copy start-up
-    bw_Bps: float  # asymptotic bytes per second
-
-    def time(self, C: float) -> float:
-        return self.t0_s + C / self.bw_Bps
-
-    def efficiency(self, C: float) -> float:
-        """Realised / asymptotic bandwidth of one C-byte copy."""
-        return (C / self.time(C)) / self.bw_Bps
-
-
-def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
-    """Least-squares fit of per-copy times t(C) = t0 + C / BW, in relative error (weights 1 / t).
-
-    Plain least squares would let the largest copies decide everything and leave t0 to noise; dividing each
-    equation by its t weighs every size alike. t0 is clamped at 0 (refit as pure bandwidth if negative).
-    """
-    if len(sizes) != len(times) or len(sizes) < 2:
-        raise CalibrationError("fit_h2d needs at least two (size, time) pairs of equal length")
-    if any(t <= 0 for t in times) or any(c <= 0 for c in sizes):
-        raise CalibrationError("fit_h2d needs positive sizes and times")
-    # minimise sum ((t0 + C a - t) / t)^2 over (t0, a): the 2x2 normal equations
-    w = [1.0 / t for t in times]
-    s11 = sum(wi * wi for wi in w)
-    s12 = sum(wi * wi * c for wi, c in zip(w, sizes))
-    s22 = sum(wi * wi * c * c for wi, c in zip(w, sizes))
-    b1 = sum(wi * wi * t for wi, t in zip(w, times))
-    b2 = sum(wi * wi * c * t for wi, c, t in zip(w, sizes, times))
-    det = s11 * s22 - s12 * s12
-    if det <= 0:
-        raise CalibrationError("fit_h2d needs at least two different sizes")
-    t0 = (b1 * s22 - b2 * s12) / det
-    a = (s11 * b2 - s12 * b1) / det
-    if t0 < 0 or a <= 0:
-        t0 = 0.0
-        a = b2 / s22
-    return H2DFit(t0, 1.0 / a)
-
-
-def eta_curve(flops: Sequence[float], times: Sequence[float], peak_flops: float) -> list[tuple[float, float]]:
-    """[F, eta] pairs sorted by F, eta = F / (P_peak t), clamped to (0, 1]; equal F values are merged (median)."""
-    if len(flops) != len(times) or not flops:
-        raise CalibrationError("eta_curve needs matching, non-empty FLOP and time lists")
-    by_f: dict[float, list[float]] = {}
-    for F, t in zip(flops, times):
-        if F <= 0 or t <= 0:
-            raise CalibrationError("eta_curve needs positive FLOPs and times")
-        by_f.setdefault(float(F), []).append(min(1.0, F / (peak_flops * t)))
-    return [(F, statistics.median(e)) for F, e in sorted(by_f.items())]
-
-
-def summary_eta(curve: Sequence[tuple[float, float]]) -> float:
-    """The scalar eta_comp kept next to the curve: its median."""
-    return float(statistics.median(e for _, e in curve))
-
-
-def coll_bandwidth_gbps(local_bytes: float, seconds: float) -> float:
-    """Per-GPU all-to-all GB/s as steptime.t_all_to_all uses it: the local tensor's bytes over the time."""
-    return local_bytes / seconds / 1e9
-
-
-def contention_factor(t_busy: float, t_idle: float) -> float:
-    """How many times slower a collective runs while H2D is in flight (at least 1)."""
-    return max(1.0, t_busy / t_idle)
-
-
-# --------------------------------------------------------------------------------------- the profile
-
-
-def base_hardware(device_name: str, world: int = 1, base: str | None = None) -> tuple[HardwareSpec, str]:
-    """The catalog entry whose unmeasured fields the profile inherits: `base`, else one matching the GPU name."""
-    if base:
-        return get_hardware(base), f"base {base} (as asked)"
-    name = device_name.lower().replace("nvidia", "").replace("geforce", "").strip()
-    hits = [hw for hw in load_hardware().values() if hw.name.split("-")[0] in name.replace(" ", "-").split("-")
-            or hw.name.split("-")[0] in name.replace(" ", "")]
-    if "pcie" not in name:
-        hits = [h for h in hits if "pcie" not in h.name] or hits
-    if hits:
-        best = sorted(hits, key=lambda h: (h.gpus != world, h.gpus))[0]
-        return best, f"base {best.name} (catalog match for {device_name!r})"
-    return get_hardware("h200"), f"base h200 (no catalog match for {device_name!r}: unmeasured fields are h200's)"
-
-
-def make_profile(base: HardwareSpec, *, name: str, peak_tflops: float, gemm_tflops: float | None,
-                 curve: list[tuple[float, float]], h2d: H2DFit, memory_bytes: int | None = None, gpus: int | None = None,
-                 coll_gbps: float | None = None, contention: float | None = None, peer_link: str | None = None,
-                 source: str = "") -> HardwareSpec:
-    """A HardwareSpec: the base entry with every measured field replaced (see the module docstring)."""
-    update: dict[str, Any] = dict(
-        name=name, description=f"calibrated by chunkflow calibrate ({base.name} base)", peak_tflops=peak_tflops,
-        gemm_tflops=gemm_tflops, eta_comp_curve=[(float(f), float(e)) for f, e in curve],
-        eta_comp=summary_eta(curve), h2d_link_gbps=h2d.bw_Bps / 1e9 * 1.0, eta_pref=1.0,
-        dma_startup_us=h2d.t0_s * 1e6, source=source,
-    )
-    for key, value in (("memory_bytes", memory_bytes), ("gpus", gpus), ("coll_gbps", coll_gbps),
-                       ("contention", contention), ("peer_link", peer_link)):
-        if value is not None:
-            update[key] = value
-    if gpus is not None and gpus > 1:
-        update["gpus_per_host_link"] = base.gpus_per_host_link
-    return HardwareSpec(**{**base.model_dump(), **update})
-
-
-def profile_yaml(hw: HardwareSpec, header: str = "") -> str:
-    lines = ["# chunkflow hardware profile (HardwareSpec); `chunkflow plan --hardware THIS_FILE` reads it."]
-    lines += [f"# {h}" for h in header.splitlines() if h]
-    return "\n".join(lines) + "\n" + yaml.safe_dump(hw.model_dump(mode="json"), sort_keys=False)
-
-
-def write_profile(hw: HardwareSpec, path: str | Path, header: str = "") -> Path:
-    """The profile as YAML at `path`, written atomically (its directory is created if missing)."""
-    from chunkflow_planner.files import write_atomic
-
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(path, profile_yaml(hw, header))
-
-
-PROFILE_FIELDS = ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref", "coll_gbps",
-                  "contention", "block_overhead_us", "memory_bytes", "peer_link", "startup_s", "encode_host_s",
-                  "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction", "mem_margin")
-
-
-def profile_changes(old: HardwareSpec, new: HardwareSpec) -> list[str]:
-    """`field old -> new` for every summary field that differs, and whether the eta_comp curves changed."""
-    out = [f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in PROFILE_FIELDS if getattr(old, k) != getattr(new, k)]
-    if old.eta_comp_curves != new.eta_comp_curves or old.eta_comp_curve != new.eta_comp_curve:
-        out.append("eta_comp curves changed")
-    return out or ["none"]
-
-
-# --------------------------------------------------------------------------------------- measurement
 
 
 @dataclass
@@ -367,31 +230,6 @@ def forward_points(spec: ModelSpec, hw: HardwareSpec, free_bytes: float | None, 
     return [mid] if top == mid else [mid, top]
 
 
-def compute_ratio(spec: ModelSpec, w: Workload, hw: HardwareSpec, cfg, measured_step_s: float,
-                  sp: int = 1) -> float | None:
-    """Predicted / measured compute of a step measured at `measured_step_s` (the measured step less the predicted
-    non-compute part); None where that leaves no compute: the factor an efficiency curve is scaled by."""
-    p = predict(spec, w, hw, cfg, sp)
-    comp = measured_step_s - (p.step_time_s - p.compute_s)
-    return p.compute_s / comp if comp > 0 else None
-
-
-def scaled_curve(curve: Sequence[tuple[float, float]], k: float) -> list[tuple[float, float]]:
-    """An eta_comp(F) curve with every efficiency times k (at most 1)."""
-    return [(f, min(1.0, e * k)) for f, e in curve]
-
-
-def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> float:
-    """Predicted / measured compute of whole forwards (geometric mean): the factor the model's curve is scaled by."""
-    from chunkflow_planner.offload import OffloadConfig
-
-    ks = [compute_ratio(spec, Workload(batch=r["batch"], frames=r["frames"], height=spec.default_workload.height,
-                                       width=spec.default_workload.width, steps=1, cfg_passes=1),
-                        hw, OffloadConfig(mode="none"), r["time_s"]) for r in rows]
-    ks = [k for k in ks if k is not None]
-    return _gmean(ks) if ks else 1.0
-
-
 def _whole_forwards(specs: list[ModelSpec], s: _Setup, hw: HardwareSpec, cpu_smoke: bool, progress: Progress,
                     log: Callable[[str], None]) -> tuple[dict[str, list[tuple[float, float]]], list[dict[str, Any]]]:
     """Each model's curve scaled to whole forwards where one fits on the GPU (module docstring), and the rows."""
@@ -559,9 +397,9 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     """The operator model's tables (GEMM and attention efficiency by shape, memory bandwidth), its memory-pass scale
     fitted to the blocks just timed, the device memory torch does not count, the CPU's matmul rate and this
     process's host memory: profile fields, and the raw rows."""
-    from chunkflow.calibrate_ops import (fit_mem_ops_scale, measure_attention_grid, measure_cpu_tflops,
+    from chunkflow.commands.calibrate.ops import (fit_mem_ops_scale, measure_attention_grid, measure_cpu_tflops,
                                          measure_fp8_cast, measure_gemm_grid, measure_hbm)
-    from chunkflow.calibrate_host import measure_host
+    from chunkflow.commands.calibrate.host import measure_host
     from chunkflow.runtime.fp8cast import cast_kernel_name
     small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
     gemm = measure_gemm_grid(s.device, peak, progress=progress, **small)
@@ -591,7 +429,7 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
 
 def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) -> dict | None:
     """The load's rates into `extra` (disk_read_gbps, page_cache_gbps; pin_gbps on a GPU); the raw rows."""
-    from chunkflow.calibrate_disk import (SAMPLE_BYTES, SMOKE_SAMPLE_BYTES, disk_folder, measure_disk, measure_fault,
+    from chunkflow.commands.calibrate.disk import (SAMPLE_BYTES, SMOKE_SAMPLE_BYTES, disk_folder, measure_disk, measure_fault,
                                           measure_load_startup, measure_pin)
 
     if weights is None and cpu_smoke:  # a smoke run's numbers mean nothing: leave the user's cache alone
@@ -646,27 +484,9 @@ def vae_owners() -> dict[str, ModelSpec]:
     return owners
 
 
-def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str) -> dict[str, Any]:
-    """The VaeDecodeFit (as a dict) of `spec`'s VAE from its measured decodes: untiled per voxel, tiled per decoder
-    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`)."""
-    from chunkflow.calibrate_ops import fit_vae
-    from chunkflow_planner.pipeline import decode_calls
-
-    fit = fit_vae(plain, spec.is_video, source)
-    if tiled:
-        calls = None
-        if spec.pipeline.vae.tiling is not None:
-            calls = lambda r: decode_calls(spec, Workload(  # noqa: E731
-                batch=r["batch"], frames=r["frames"], height=r["height"], width=r["width"], steps=1))
-            for r in tiled:
-                r["decoder_calls"] = calls(r)
-        fit["tiled"] = fit_vae(tiled, False, source + " (tiled)", calls)
-    return fit
-
-
 def _vae_fits(s, cpu_smoke: bool, progress, log):
     """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted."""
-    from chunkflow.calibrate_ops import measure_vae, vae_points
+    from chunkflow.commands.calibrate.ops import measure_vae, vae_points
 
     owners = vae_owners()
     if cpu_smoke:
@@ -729,7 +549,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
     extra["process_host_bytes"] = process_rss
     vae_fits, vae_raw = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [])
-    from chunkflow.calibrate_ops import measure_context_bytes
+    from chunkflow.commands.calibrate.ops import measure_context_bytes
 
     extra["context_bytes"] = measure_context_bytes(s.device)  # last: cuBLAS, cuDNN and their kernels are loaded
     from chunkflow.launch import torchrun_rank
@@ -767,314 +587,3 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
                operators=ops_raw, vae=vae_raw, forwards=forwards, disk=disk_raw)
     return Calibration(profile, raw)
-
-
-# ------------------------------------------------------------------------------------------- refit
-
-
-def check_refit_reports(reports: Sequence, paths: Sequence[str]) -> None:
-    """Refuse reports that cannot describe a GPU: runs on the CPU (their times say nothing about the profile's
-    GPU). Times are finite and positive already (the report schema)."""
-    for r in reports:
-        if r.run.device.startswith("cpu") or r.gpu.startswith("cpu"):
-            raise CalibrationError(f"the run report in {', '.join(paths)} was measured on the CPU ({r.gpu}); a refit "
-                                   "needs runs on the GPU the profile describes (nothing was changed)")
-
-
-def read_reports(paths: Sequence[str | Path]) -> list:
-    """RunReports from .json / .jsonl files (chunkflow.reports.load_reports), with CalibrationError for bad input."""
-    from chunkflow.reports import RunError, load_reports
-
-    try:
-        return load_reports(paths)
-    except RunError as exc:
-        raise CalibrationError(str(exc)) from None
-
-
-def _key(rep) -> tuple:
-    w = rep.plan.workload
-    return (rep.plan.model.name, w.batch, w.frames, w.height, w.width, w.cfg_passes, rep.run.sp_degree,
-            rep.run.offload.cfg_batched)
-
-
-def _gmean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
-def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]:
-    """eta_comp (scalar, curve, per-model curves) scaled by predicted / measured compute of the `none` runs."""
-    from chunkflow_planner.catalog import get_model
-
-    ks: dict[str, list[float]] = {}
-    for r in none.values():
-        spec = get_model(r.plan.model.name)
-        k = compute_ratio(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.measured.median_step_s,
-                          r.run.sp_degree)  # none, as it ran
-        if k is not None:
-            ks.setdefault(spec.name, []).append(k)
-    if not ks:
-        notes.append("no `none` run: eta_comp unchanged")
-        return {}
-    k = _gmean([x for xs in ks.values() for x in xs])
-    lowest = min([hw.eta_comp] + [e for _, e in hw.eta_comp_curve or []]) * k
-    if lowest < EFFICIENCY_RANGE[0]:
-        raise CalibrationError(
-            f"the `none` runs measured compute {1 / k:.3g}x slower than profile {hw.name!r} predicts, which puts "
-            f"eta_comp at {lowest:.2g}, below the {EFFICIENCY_RANGE[0]:g} a GPU plausibly reaches: were these "
-            "runs measured on this GPU? Refit from reports of this machine, or run `chunkflow calibrate`.")
-    update: dict[str, Any] = {"eta_comp": min(1.0, hw.eta_comp * k)}
-    if hw.eta_comp_curve:
-        update["eta_comp_curve"] = scaled_curve(hw.eta_comp_curve, k)
-    notes.append(f"eta_comp x{k:.3f} from {sum(map(len, ks.values()))} `none` run(s): "
-                 f"{hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
-    curves = dict(hw.eta_comp_curves)
-    for name, xs in ks.items():  # a model with its own curve is scaled by its own runs
-        if name in curves:
-            km = _gmean(xs)
-            curves[name] = scaled_curve(curves[name], km)
-            notes.append(f"eta_comp curve of {name} x{km:.3f} from {len(xs)} `none` run(s)")
-    if curves != hw.eta_comp_curves:
-        update["eta_comp_curves"] = curves
-    return update
-
-
-def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str]) -> dict[str, Any]:
-    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden."""
-    from chunkflow_planner.catalog import get_model
-
-    gaps = []
-    for r in reports:
-        if r.run.offload.mode == "none" or _key(r) not in none or r.run.offload.weight_dtype != "bf16":
-            continue  # an fp8 run's gap also holds the cast, which the step model counts as compute
-        spec = get_model(r.plan.model.name)
-        p = predict(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.run.sp_degree)
-        if p.prefetch_stall_s > 0.01 * p.step_time_s:
-            continue  # prefetch exposed: the gap is transfer, not overhead
-        n = (r.stats or {}).get("n_streamed_blocks") or spec.n_blocks
-        forwards = 1 if r.run.offload.cfg_batched else r.plan.workload.cfg_passes
-        gaps.append((r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * forwards))
-    if not gaps:
-        notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
-        return {}
-    overhead = max(0.0, statistics.median(gaps) * 1e6)
-    notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {overhead:.1f} from {len(gaps)} hidden-regime "
-                 "offload run(s)")
-    return {"block_overhead_us": overhead}
-
-
-def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
-    """startup_s per phase: the first generation of a process less a later one of the same process (generation
-    reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
-    (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
-    not measure keep the profile's value."""
-    from chunkflow_planner.catalog import encode_startup_key, get_model
-
-    gaps: dict[str, list[float]] = {}
-    for r in reports:
-        g = r.generation
-        if g is None or not g.first_phase_times_s:
-            continue
-        own = encode_startup_key(get_model(r.plan.model.name))
-        for phase, first in g.first_phase_times_s.items():
-            if phase in g.phases:
-                gap = max(0.0, first - g.phases[phase].measured_time_s)
-                gaps.setdefault(phase, []).append(gap)
-                if phase == "encode" and own is not None:
-                    gaps.setdefault(own, []).append(gap)
-    if not gaps:
-        return {}
-    startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}
-    n = max(map(len, gaps.values()))
-    notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
-                 + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
-    return {"startup_s": {**hw.startup_s, **startup}}
-
-
-def generation_estimate(r, hw: HardwareSpec):
-    """The pipeline estimate of a generation report's plan as it ran (its placements, its offload), on `hw`."""
-    from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.pipeline import Placements, estimate
-    from chunkflow_planner.policy import Problem
-
-    spec = get_model(r.plan.model.name)
-    w = r.plan.workload.to_workload().model_copy(update={"steps": r.generation.steps})
-    comps = r.plan.pipeline.components
-    pl = Placements(tuple(c.placement for c in comps if c.kind == "text_encoder"),
-                    next(c.placement for c in comps if c.kind == "transformer"),
-                    next(c.placement for c in comps if c.kind == "vae"), r.plan.pipeline.vae_tiling)
-    return estimate(spec, w, hw, pl, Problem(spec, w, hw).evaluate(r.run.offload)), w
-
-
-def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
-    """From generation reports (planned whole pipelines), the host-side and allocator terms of the phases:
-    - encode_host_s: measured encode less the text encoders' forwards, as measured where the report timed them
-      (`parts_s`, after a warm-up), else as predicted (median, at least 0);
-    - host_margin: how much longer the timed forwards of text encoders run on the GPU (kept there, or moved there
-      for the phase) that were bound by the host took than calibrate timed their layers (text_layer_host_us); one
-      ratio per encoder and report, their median (_host_ratios);
-    - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
-    - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
-      it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
-      (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md);
-    - mem_margin: the largest under-prediction of a phase's peak left with those terms (rounded up), which plans
-      then keep free.
-    Each measured phase is compared without its start-up where the report ran a warm-up generation."""
-    from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.pipeline import output_bytes, startup_of
-
-    gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
-    if not gens:
-        return {}
-    base = hw.model_copy(update={"encode_host_s": 0.0, "postprocess_gbps": 1e4, "alloc_slack": 0.0,
-                                 "startup_s": {}})
-    enc, post, slack, ratios = [], [], [], []
-    cold = 0  # reports of a process's first generation with no start-up known to take out
-    for r in gens:
-        e, w = generation_estimate(r, base)
-        g = r.generation
-        spec = get_model(r.plan.model.name)
-        start = {} if g.warmup_generations else {name: startup_of(spec, name, hw) for name in g.phases}
-        unknown = any(start.get(name, 0.0) is None for name in ("encode", "decode"))
-        cold += unknown
-        for name, m in g.phases.items():
-            t = m.measured_time_s - (start.get(name) or 0.0)
-            if name == "encode" and g.warmup_generations:
-                ratios += _host_ratios(spec, w, base, g.components, m.parts_s)
-            if unknown and name in ("encode", "decode"):
-                pass  # its time holds the start-up too: not a measure of the host work
-            elif (name == "encode" and g.warmup_generations and m.parts_s
-                  and len(m.measured_times_s) == len(next(iter(m.parts_s.values())))):
-                enc.append(max(0.0, statistics.median(  # each generation's time outside its encoders' forwards
-                    total - sum(p[i] for p in m.parts_s.values()) for i, total in enumerate(m.measured_times_s))))
-            elif name == "encode":
-                enc.append(max(0.0, t - e.phases["encode"].time_s))
-            elif name == "decode":
-                extra = t - e.phases["decode"].time_s + output_bytes(w) / (base.postprocess_gbps * 1e9)
-                if extra > 0:
-                    post.append(output_bytes(w) / 1e9 / extra)
-            act = e.phases[name].activation_bytes
-            if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
-                over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
-                slack.append(max(0.0, over / act))
-    update: dict[str, Any] = {}
-    if cold:
-        notes.append(f"{cold} generation report(s) without --warmup and no start-up in the profile: their encode and "
-                     "decode times were not used (they hold the start-up); run with --warmup 1")
-    if enc:
-        update["encode_host_s"] = statistics.median(enc)
-    else:
-        notes.append("encode_host_s unchanged: no encode phase to measure it from")
-    if ratios:
-        update["host_margin"] = statistics.median(ratios) * hw.host_margin
-    if post:
-        update["postprocess_gbps"] = statistics.median(post)
-    else:
-        notes.append("postprocess_gbps unchanged: no decode longer than the VAE's predicted decode")
-    if slack:
-        update["alloc_slack"] = statistics.median(slack)
-        update["reserve_fraction"] = 0.0
-    errors = _peak_errors(hw.model_copy(update=update), gens)
-    if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
-        update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
-    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
-    return update
-
-
-def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = None) -> dict[str, Any]:
-    """From generation reports, the host memory a process holds besides its components (`process_host_bytes`:
-    the measured host peak less the plan's other host bytes, recomputed on `hw`; median) and the load's start-up
-    (`load_startup_s`: a load from a folder less its predicted reads, copies and page-locking for the bytes it
-    read and the share the page cache held, eq. L1; median, at least 0; needs the profile's disk rate)."""
-    from chunkflow_planner.load import LoadEstimate, T_load
-
-    notes = [] if notes is None else notes
-    gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
-    process, startup = [], []
-    zero = hw.model_copy(update={"load_startup_s": 0.0})
-    for r in gens:
-        e, _ = generation_estimate(r, hw)
-        others = sum(v for k, v in e.host_bytes.items() if k != "process")
-        process.append(r.generation.host_peak_bytes - others)
-        ld, lp = r.generation.load, r.plan.prediction.load
-        if ld is not None and lp is not None and ld.read_bytes > 0:
-            est = LoadEstimate(ld.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
-                               lp.pinned_while_reading_bytes)
-            rest = T_load(est, ld.cached_fraction or 0.0, zero)
-            if rest is not None:
-                startup.append(max(0.0, ld.measured_time_s - rest))
-    update: dict[str, Any] = {}
-    if process and statistics.median(process) > 0:
-        update["process_host_bytes"] = int(statistics.median(process))
-    if startup:
-        update["load_startup_s"] = statistics.median(startup)
-    elif gens:
-        notes.append("load_startup_s unchanged: no load from a folder with a disk rate in the profile")
-    if update:
-        notes.append(f"from {len(gens)} generation report(s): " + ", ".join(
-            f"{k} {v:.4g}" for k, v in update.items()))
-    return update
-
-
-HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is the host's
-
-
-def _host_ratios(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
-                 parts: dict[str, list[float]]) -> list[float]:
-    """Timed forward / predicted host dispatch (pipeline.text_host_s on `hw`) of each text encoder run on the GPU
-    (`gpu`, or `phase` where the report timed its move apart) whose timed forwards (the median over the report's
-    generations) took HOST_BOUND x its predicted device time or more and whose architecture calibrate timed: one
-    value per encoder and report, so that no report weighs more for having measured more generations."""
-    from chunkflow_planner.pipeline import text_device_s, text_host_s
-
-    out = []
-    for te in spec.pipeline.text_encoders:
-        on_gpu = placements.get(te.component) == "gpu" or (
-            placements.get(te.component) == "phase" and f"{te.component} to device" in parts)
-        host = text_host_s(te, hw)
-        if not on_gpu or not parts.get(te.component) or host <= 0:
-            continue
-        t = statistics.median(parts[te.component]) / w.cfg_passes
-        if t >= HOST_BOUND * text_device_s(te, hw):
-            out.append(t / host)
-    return out
-
-
-def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:
-    """measured / predicted - 1 of every phase's peak GPU memory in generation reports, predicted on `hw`."""
-    errors = []
-    for r in gens:
-        e, _ = generation_estimate(r, hw)
-        for name, m in r.generation.phases.items():
-            if m.measured_peak_memory_bytes and e.peak_memory(name) > 0:
-                errors.append(m.measured_peak_memory_bytes / e.peak_memory(name) - 1)
-    return errors
-
-
-def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
-    """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
-
-    - eta_comp: each `none` report gives k = predicted compute / measured compute (measured step minus the
-      predicted non-compute part), with predictions recomputed on `hw`; the curve and scalar are scaled by the
-      geometric mean of k (capped at 1).
-    - block_overhead_us: each offload report with a `none` report of the same workload, predicted `hidden`,
-      gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
-    - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
-      measured one's; the median, at least 0.
-    - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
-    - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
-    """
-    notes: list[str] = []
-    none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
-    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
-              **_refit_startup(hw, reports, notes)}
-    update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
-    update.update(refit_load(hw.model_copy(update=update), reports, notes))
-    if update:
-        update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
-        try:
-            hw = HardwareSpec(**{**hw.model_dump(), **update})
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise CalibrationError(f"the refit gives {'.'.join(map(str, err['loc']))} outside its range "
-                                   f"({err['msg']}); these runs do not fit profile {hw.name!r}") from None
-    return hw, notes

@@ -1,0 +1,322 @@
+"""`chunkflow calibrate --from-report`: adjust a profile from `chunkflow run` reports (eta_comp from `none` runs, the
+block overhead, start-ups, the pipeline's host factors, the load's rates)."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from pydantic import ValidationError
+
+from chunkflow.commands.calibrate.fit import compute_ratio, gmean, scaled_curve
+from chunkflow.commands.calibrate.host import CalibrationError
+from chunkflow_planner.catalog import EFFICIENCY_RANGE, HardwareSpec, ModelSpec
+from chunkflow_planner.predict import predict
+
+
+def check_refit_reports(reports: Sequence, paths: Sequence[str]) -> None:
+    """Refuse reports that cannot describe a GPU: runs on the CPU (their times say nothing about the profile's
+    GPU). Times are finite and positive already (the report schema)."""
+    for r in reports:
+        if r.run.device.startswith("cpu") or r.gpu.startswith("cpu"):
+            raise CalibrationError(f"the run report in {', '.join(paths)} was measured on the CPU ({r.gpu}); a refit "
+                                   "needs runs on the GPU the profile describes (nothing was changed)")
+
+
+def read_reports(paths: Sequence[str | Path]) -> list:
+    """RunReports from .json / .jsonl files (chunkflow.reports.load_reports), with CalibrationError for bad input."""
+    from chunkflow.reports import RunError, load_reports
+
+    try:
+        return load_reports(paths)
+    except RunError as exc:
+        raise CalibrationError(str(exc)) from None
+
+
+def _key(rep) -> tuple:
+    w = rep.plan.workload
+    return (rep.plan.model.name, w.batch, w.frames, w.height, w.width, w.cfg_passes, rep.run.sp_degree,
+            rep.run.offload.cfg_batched)
+
+
+
+def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]:
+    """eta_comp (scalar, curve, per-model curves) scaled by predicted / measured compute of the `none` runs."""
+    from chunkflow_planner.catalog import get_model
+
+    ks: dict[str, list[float]] = {}
+    for r in none.values():
+        spec = get_model(r.plan.model.name)
+        k = compute_ratio(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.measured.median_step_s,
+                          r.run.sp_degree)  # none, as it ran
+        if k is not None:
+            ks.setdefault(spec.name, []).append(k)
+    if not ks:
+        notes.append("no `none` run: eta_comp unchanged")
+        return {}
+    k = gmean([x for xs in ks.values() for x in xs])
+    lowest = min([hw.eta_comp] + [e for _, e in hw.eta_comp_curve or []]) * k
+    if lowest < EFFICIENCY_RANGE[0]:
+        raise CalibrationError(
+            f"the `none` runs measured compute {1 / k:.3g}x slower than profile {hw.name!r} predicts, which puts "
+            f"eta_comp at {lowest:.2g}, below the {EFFICIENCY_RANGE[0]:g} a GPU plausibly reaches: were these "
+            "runs measured on this GPU? Refit from reports of this machine, or run `chunkflow calibrate`.")
+    update: dict[str, Any] = {"eta_comp": min(1.0, hw.eta_comp * k)}
+    if hw.eta_comp_curve:
+        update["eta_comp_curve"] = scaled_curve(hw.eta_comp_curve, k)
+    notes.append(f"eta_comp x{k:.3f} from {sum(map(len, ks.values()))} `none` run(s): "
+                 f"{hw.eta_comp:.3f} -> {update['eta_comp']:.3f}")
+    curves = dict(hw.eta_comp_curves)
+    for name, xs in ks.items():  # a model with its own curve is scaled by its own runs
+        if name in curves:
+            km = gmean(xs)
+            curves[name] = scaled_curve(curves[name], km)
+            notes.append(f"eta_comp curve of {name} x{km:.3f} from {len(xs)} `none` run(s)")
+    if curves != hw.eta_comp_curves:
+        update["eta_comp_curves"] = curves
+    return update
+
+
+def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str]) -> dict[str, Any]:
+    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden."""
+    from chunkflow_planner.catalog import get_model
+
+    gaps = []
+    for r in reports:
+        if r.run.offload.mode == "none" or _key(r) not in none or r.run.offload.weight_dtype != "bf16":
+            continue  # an fp8 run's gap also holds the cast, which the step model counts as compute
+        spec = get_model(r.plan.model.name)
+        p = predict(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.run.sp_degree)
+        if p.prefetch_stall_s > 0.01 * p.step_time_s:
+            continue  # prefetch exposed: the gap is transfer, not overhead
+        n = (r.stats or {}).get("n_streamed_blocks") or spec.n_blocks
+        forwards = 1 if r.run.offload.cfg_batched else r.plan.workload.cfg_passes
+        gaps.append((r.measured.median_step_s - none[_key(r)].measured.median_step_s) / (n * forwards))
+    if not gaps:
+        notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
+        return {}
+    overhead = max(0.0, statistics.median(gaps) * 1e6)
+    notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {overhead:.1f} from {len(gaps)} hidden-regime "
+                 "offload run(s)")
+    return {"block_overhead_us": overhead}
+
+
+def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
+    """startup_s per phase: the first generation of a process less a later one of the same process (generation
+    reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
+    (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
+    not measure keep the profile's value."""
+    from chunkflow_planner.catalog import encode_startup_key, get_model
+
+    gaps: dict[str, list[float]] = {}
+    for r in reports:
+        g = r.generation
+        if g is None or not g.first_phase_times_s:
+            continue
+        own = encode_startup_key(get_model(r.plan.model.name))
+        for phase, first in g.first_phase_times_s.items():
+            if phase in g.phases:
+                gap = max(0.0, first - g.phases[phase].measured_time_s)
+                gaps.setdefault(phase, []).append(gap)
+                if phase == "encode" and own is not None:
+                    gaps.setdefault(own, []).append(gap)
+    if not gaps:
+        return {}
+    startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}
+    n = max(map(len, gaps.values()))
+    notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
+                 + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
+    return {"startup_s": {**hw.pipeline.startup_s, **startup}}
+
+
+def generation_estimate(r, hw: HardwareSpec):
+    """The pipeline estimate of a generation report's plan as it ran (its placements, its offload), on `hw`."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.pipeline import Placements, estimate
+    from chunkflow_planner.policy import Problem
+
+    spec = get_model(r.plan.model.name)
+    w = r.plan.workload.to_workload().model_copy(update={"steps": r.generation.steps})
+    comps = r.plan.pipeline.components
+    pl = Placements(tuple(c.placement for c in comps if c.kind == "text_encoder"),
+                    next(c.placement for c in comps if c.kind == "transformer"),
+                    next(c.placement for c in comps if c.kind == "vae"), r.plan.pipeline.vae_tiling)
+    return estimate(spec, w, hw, pl, Problem(spec, w, hw).evaluate(r.run.offload)), w
+
+
+def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
+    """From generation reports (planned whole pipelines), the host-side and allocator terms of the phases:
+    - encode_host_s: measured encode less the text encoders' forwards, as measured where the report timed them
+      (`parts_s`, after a warm-up), else as predicted (median, at least 0);
+    - host_margin: how much longer the timed forwards of text encoders run on the GPU (kept there, or moved there
+      for the phase) that were bound by the host took than calibrate timed their layers (text_layer_host_us); one
+      ratio per encoder and report, their median (_host_ratios);
+    - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
+    - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
+      it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
+      (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md);
+    - mem_margin: the largest under-prediction of a phase's peak left with those terms (rounded up), which plans
+      then keep free.
+    Each measured phase is compared without its start-up where the report ran a warm-up generation."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.pipeline import output_bytes, startup_of
+
+    gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
+    if not gens:
+        return {}
+    base = hw.model_copy(update={"encode_host_s": 0.0, "postprocess_gbps": 1e4, "alloc_slack": 0.0,
+                                 "startup_s": {}})
+    enc, post, slack, ratios = [], [], [], []
+    cold = 0  # reports of a process's first generation with no start-up known to take out
+    for r in gens:
+        e, w = generation_estimate(r, base)
+        g = r.generation
+        spec = get_model(r.plan.model.name)
+        start = {} if g.warmup_generations else {name: startup_of(spec, name, hw) for name in g.phases}
+        unknown = any(start.get(name, 0.0) is None for name in ("encode", "decode"))
+        cold += unknown
+        for name, m in g.phases.items():
+            t = m.measured_time_s - (start.get(name) or 0.0)
+            if name == "encode" and g.warmup_generations:
+                ratios += _host_ratios(spec, w, base, g.components, m.parts_s)
+            if unknown and name in ("encode", "decode"):
+                pass  # its time holds the start-up too: not a measure of the host work
+            elif (name == "encode" and g.warmup_generations and m.parts_s
+                  and len(m.measured_times_s) == len(next(iter(m.parts_s.values())))):
+                enc.append(max(0.0, statistics.median(  # each generation's time outside its encoders' forwards
+                    total - sum(p[i] for p in m.parts_s.values()) for i, total in enumerate(m.measured_times_s))))
+            elif name == "encode":
+                enc.append(max(0.0, t - e.phases["encode"].time_s))
+            elif name == "decode":
+                extra = t - e.phases["decode"].time_s + output_bytes(w) / (base.pipeline.postprocess_gbps * 1e9)
+                if extra > 0:
+                    post.append(output_bytes(w) / 1e9 / extra)
+            act = e.phases[name].activation_bytes
+            if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
+                over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
+                slack.append(max(0.0, over / act))
+    update: dict[str, Any] = {}
+    if cold:
+        notes.append(f"{cold} generation report(s) without --warmup and no start-up in the profile: their encode and "
+                     "decode times were not used (they hold the start-up); run with --warmup 1")
+    if enc:
+        update["encode_host_s"] = statistics.median(enc)
+    else:
+        notes.append("encode_host_s unchanged: no encode phase to measure it from")
+    if ratios:
+        update["host_margin"] = statistics.median(ratios) * hw.pipeline.host_margin
+    if post:
+        update["postprocess_gbps"] = statistics.median(post)
+    else:
+        notes.append("postprocess_gbps unchanged: no decode longer than the VAE's predicted decode")
+    if slack:
+        update["alloc_slack"] = statistics.median(slack)
+        update["reserve_fraction"] = 0.0
+    errors = _peak_errors(hw.model_copy(update=update), gens)
+    if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
+        update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
+    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
+    return update
+
+
+def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = None) -> dict[str, Any]:
+    """From generation reports, the host memory a process holds besides its components (`process_host_bytes`:
+    the measured host peak less the plan's other host bytes, recomputed on `hw`; median) and the load's start-up
+    (`load_startup_s`: a load from a folder less its predicted reads, copies and page-locking for the bytes it
+    read and the share the page cache held, eq. L1; median, at least 0; needs the profile's disk rate)."""
+    from chunkflow_planner.pipeline.load import LoadEstimate, T_load
+
+    notes = [] if notes is None else notes
+    gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
+    process, startup = [], []
+    zero = hw.model_copy(update={"load_startup_s": 0.0})
+    for r in gens:
+        e, _ = generation_estimate(r, hw)
+        others = sum(v for k, v in e.host_bytes.items() if k != "process")
+        process.append(r.generation.host_peak_bytes - others)
+        ld, lp = r.generation.load, r.plan.prediction.load
+        if ld is not None and lp is not None and ld.read_bytes > 0:
+            est = LoadEstimate(ld.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
+                               lp.pinned_while_reading_bytes)
+            rest = T_load(est, ld.cached_fraction or 0.0, zero)
+            if rest is not None:
+                startup.append(max(0.0, ld.measured_time_s - rest))
+    update: dict[str, Any] = {}
+    if process and statistics.median(process) > 0:
+        update["process_host_bytes"] = int(statistics.median(process))
+    if startup:
+        update["load_startup_s"] = statistics.median(startup)
+    elif gens:
+        notes.append("load_startup_s unchanged: no load from a folder with a disk rate in the profile")
+    if update:
+        notes.append(f"from {len(gens)} generation report(s): " + ", ".join(
+            f"{k} {v:.4g}" for k, v in update.items()))
+    return update
+
+
+HOST_BOUND = 1.5  # a timed forward this many times its predicted device time is the host's
+
+
+def _host_ratios(spec: ModelSpec, w, hw: HardwareSpec, placements: dict[str, str],
+                 parts: dict[str, list[float]]) -> list[float]:
+    """Timed forward / predicted host dispatch (pipeline.text_host_s on `hw`) of each text encoder run on the GPU
+    (`gpu`, or `phase` where the report timed its move apart) whose timed forwards (the median over the report's
+    generations) took HOST_BOUND x its predicted device time or more and whose architecture calibrate timed: one
+    value per encoder and report, so that no report weighs more for having measured more generations."""
+    from chunkflow_planner.pipeline import text_device_s, text_host_s
+
+    out = []
+    for te in spec.pipeline.text_encoders:
+        on_gpu = placements.get(te.component) == "gpu" or (
+            placements.get(te.component) == "phase" and f"{te.component} to device" in parts)
+        host = text_host_s(te, hw)
+        if not on_gpu or not parts.get(te.component) or host <= 0:
+            continue
+        t = statistics.median(parts[te.component]) / w.cfg_passes
+        if t >= HOST_BOUND * text_device_s(te, hw):
+            out.append(t / host)
+    return out
+
+
+def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:
+    """measured / predicted - 1 of every phase's peak GPU memory in generation reports, predicted on `hw`."""
+    errors = []
+    for r in gens:
+        e, _ = generation_estimate(r, hw)
+        for name, m in r.generation.phases.items():
+            if m.measured_peak_memory_bytes and e.peak_memory(name) > 0:
+                errors.append(m.measured_peak_memory_bytes / e.peak_memory(name) - 1)
+    return errors
+
+
+def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
+    """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
+
+    - eta_comp: each `none` report gives k = predicted compute / measured compute (measured step minus the
+      predicted non-compute part), with predictions recomputed on `hw`; the curve and scalar are scaled by the
+      geometric mean of k (capped at 1).
+    - block_overhead_us: each offload report with a `none` report of the same workload, predicted `hidden`,
+      gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
+    - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
+      measured one's; the median, at least 0.
+    - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
+    - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
+    """
+    notes: list[str] = []
+    none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
+    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
+              **_refit_startup(hw, reports, notes)}
+    update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
+    update.update(refit_load(hw.model_copy(update=update), reports, notes))
+    if update:
+        update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
+        try:
+            hw = HardwareSpec(**{**hw.model_dump(), **update})
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise CalibrationError(f"the refit gives {'.'.join(map(str, err['loc']))} outside its range "
+                                   f"({err['msg']}); these runs do not fit profile {hw.name!r}") from None
+    return hw, notes

@@ -1,0 +1,75 @@
+"""The whole pipeline in the Plan: whether it is planned, its decision beside the transformer's baselines, and the
+plan's sections for its placements, its load and its phases (planner.make_plan calls these)."""
+
+from __future__ import annotations
+
+import math
+
+from chunkflow_planner.catalog import ModelSpec
+from chunkflow_planner.explain import MarginKept
+from chunkflow_planner.pipeline import explain
+from chunkflow_planner.pipeline.decide import PipelineDecision, decide_pipeline
+from chunkflow_planner.pipeline.load import T_load, load_estimate, load_parts
+from chunkflow_planner.pipeline.placement import PHASES, PipelineEstimate
+from chunkflow_planner.plan import LoadPrediction, PhasePrediction, PhasesPrediction, Plan, PlanComponent, PlanPipeline
+from chunkflow_planner.policy import Decision, Infeasible, Problem, baselines
+
+
+def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
+    """Whether the whole generation is planned: asked, in the catalog, on one GPU and with the catalog's volumes."""
+    return (pipeline and problem.spec.pipeline is not None and problem.sp == 1 and problem.prefetch_bytes is None
+            and problem.text_len is None)
+
+
+def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_budget: int,
+                 max_slowdown: float | None, target_step_time: float | None, target_time: float | None,
+                 generation_slowdown: float | None) -> tuple[Decision, PipelineDecision]:
+    """The whole pipeline's placements, and the transformer's decision in it with the baselines of the plan; the
+    error names the user's budget through `kept`."""
+    try:
+        whole = decide_pipeline(problem.spec, problem.workload, problem.hw, problem, usable, host_budget,
+                                max_slowdown, target_step_time, target_time, generation_slowdown)
+    except Infeasible as exc:
+        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept)) from None
+    base = baselines(problem, max_slowdown, target_step_time)
+    return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason,
+                    whole.facts), whole
+
+
+def load_prediction(spec: ModelSpec, e: PipelineEstimate, read_bytes: int | None = None) -> LoadPrediction:
+    """The plan's LoadPrediction of the placement `e` (placement.PipelineEstimate); `read_bytes`: the checkpoint's
+    bytes as stored, if known (plan --weights)."""
+    est = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes)
+    return LoadPrediction(
+        read_bytes=int(est.read_bytes), time_cold_s=T_load(est, 0.0, e.hw), time_warm_s=T_load(est, 1.0, e.hw),
+        read_bytes_source=("the checkpoint folder's headers" if read_bytes is not None
+                           else "every component's parameters in its own dtype"),
+        parts_cold_s=load_parts(est, 0.0, e.hw), h2d_bytes=int(est.h2d_bytes), pinned_bytes=int(est.pinned_bytes),
+        fresh_bytes=int(est.fresh_bytes), pinned_while_reading_bytes=int(est.pinned_while_reading),
+        host_peak_bytes=int(est.host_peak_bytes))
+
+
+def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_bytes: int | None = None) -> Plan:
+    """The plan with the whole pipeline's placements, its load's and its phases' predictions."""
+    e = whole.chosen
+    pl = e.placements
+    pipe = spec.pipeline
+    comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p)
+             for te, p in zip(pipe.text_encoders, pl.text_encoders)]
+    t_bytes = spec.nbytes
+    comps += [PlanComponent(name="transformer" if k == 0 else f"transformer_{k + 1}", kind="transformer", bytes=t_bytes,
+                            placement=pl.transformer) for k in range(pipe.experts)]
+    comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
+    phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, startup_s=e.phases[ph].startup_s,
+                                                     peak_memory_bytes=e.peak_memory(ph),
+                                                     allocated_bytes=int(e.phases[ph].allocated_bytes),
+                                                     parts_s=dict(e.phases[ph].detail))
+                                 for ph in PHASES})
+    pred = plan.prediction.model_copy(update=dict(
+        phases=phases, load=load_prediction(spec, e, read_bytes), generation_time_s=e.generation_time,
+        host_memory_bytes=e.host_memory,
+        host_memory={k: int(v) for k, v in e.host_bytes.items()}))
+    return plan.model_copy(update=dict(
+        pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,
+        host_memory_budget_bytes=whole.host_budget,
+        target_time_s=whole.target_s if math.isfinite(whole.target_s) else None))

@@ -1,0 +1,221 @@
+"""The whole-pipeline policy: every placement estimated (phases.py), the fastest that fits the GPU budget in every
+phase and the host budget and meets the generation's target, and the facts of the choice or of the shortfall
+(explain.py words them)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.memory import allocation_within
+from chunkflow_planner.pipeline import explain
+from chunkflow_planner.pipeline.decode import vae_fit
+from chunkflow_planner.pipeline.phases import estimate
+from chunkflow_planner.pipeline.placement import (
+    TEXT_PLACEMENTS,
+    TRANSFORMER_PLACEMENTS,
+    VAE_PLACEMENTS,
+    PipelineError,
+    PipelineEstimate,
+    Placements,
+)
+from chunkflow_planner.pipeline.text import TextCosts, text_costs
+from chunkflow_planner.policy import (
+    BATCHING_GAIN,
+    Facts,
+    Infeasible,
+    Lever,
+    Point,
+    Problem,
+    Setting,
+    Target,
+    best_of,
+    candidates,
+    chunk_tie,
+    levers_of,
+    setting,
+)
+
+
+@dataclass(frozen=True)
+class _Transformer:
+    """The transformer's candidates, evaluated once for every placement combination."""
+
+    none: Point  # no offload, the guidance passes as is fastest: the reference
+    points: list[Point]
+    target: float  # the step target of every point (Problem.target)
+    nones: tuple[Point, ...]  # no offload in every CFG evaluation the levers allow
+
+    def meets(self, p: Point) -> bool:
+        return p.step_time <= self.target
+
+
+def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
+    return _Transformer(problem.fastest_none(), candidates(problem), problem.target(max_slowdown, target_step_time),
+                        tuple(problem.none(b) for b in problem.levers.cfg_batched))
+
+
+def _pick_stream(cands: _Transformer, room: float) -> Point | None:
+    """The plan's rule for a streamed transformer in `room` allocated bytes: the smallest residency that meets the
+    step target (then the shortest step), else the fastest that fits."""
+    fits = [p for p in cands.points if p.memory.peak <= room]
+    if not fits:
+        return None
+    meet = [p for p in fits if cands.meets(p)]
+    if meet:  # the plan's policy order: smallest residency, bf16 before fp8, shortest step, chunk nearest 16 MB
+        return best_of(meet)
+    return min(fits, key=lambda p: (p.step_time, p.memory.peak, chunk_tie(p)))
+
+
+def _placements(spec: ModelSpec, hw: HardwareSpec) -> list[Placements]:
+    pipe = spec.pipeline
+    tilings = (False, True) if vae_fit(spec, hw).tiled is not None else (False,)
+    out = []
+    for tes in itertools.product(TEXT_PLACEMENTS, repeat=len(pipe.text_encoders)):
+        for tr in TRANSFORMER_PLACEMENTS:
+            for vae in VAE_PLACEMENTS:
+                for tiling in tilings:
+                    out.append(Placements(tuple(tes), tr, vae, tiling))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineFacts(Facts):
+    """The facts of the whole pipeline: `placement`, the estimate chosen (or, where none is feasible, the one
+    nearest the binding limit) and `transformer`, its transformer's point; `host_budget` against the placement's host
+    memory; `base_time_s`, the generation with everything on the GPU; the per-step target of a streamed transformer
+    (`step_target_s`), whether its point meets it (`step_met`) and its levers."""
+
+    placement: PipelineEstimate
+    transformer: Setting
+    host_budget: int
+    base_time_s: float
+    step_target_s: float
+    step_met: bool = True
+    levers: tuple[Lever, ...] = ()
+
+
+@dataclass(frozen=True)
+class PipelineDecision:
+    chosen: PipelineEstimate
+    baseline: PipelineEstimate  # everything on the GPU, no offload, no tiling: what the target is relative to
+    target_s: float
+    gpu_budget: int
+    host_budget: int
+    reason: str  # the facts in words (explain.py)
+    facts: PipelineFacts | None = None
+
+
+def _room(other_alloc: float, budget: int, hw: HardwareSpec, point: Point) -> float:
+    """Allocated bytes the transformer may use in the denoise phase inside `budget` beside `other_alloc` (what the
+    phase allocates besides it), with `point`'s activations' allocator slack (the slack of every candidate is about
+    the same, its activations barely depend on the offload)."""
+    return allocation_within(budget, point.memory.activations, hw) - other_alloc
+
+
+def generation_target(base: PipelineEstimate, target_time: float | None, generation_slowdown: float | None) -> float:
+    """The whole generation's target: `target_time`, else generation_slowdown x everything on the GPU, else none."""
+    if target_time is not None:
+        return target_time
+    return base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf
+
+
+def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transformer, costs: TextCosts,
+               gpu_budget: int) -> tuple[list[PipelineEstimate], dict[Placements, float]]:
+    """Every placement estimated: a transformer on the GPU or moved per phase in each CFG evaluation allowed, a
+    streamed one by the plan's rule in the room its placement leaves (returned per placement, allocated bytes)."""
+    seen: list[PipelineEstimate] = []
+    rooms: dict[Placements, float] = {}
+    for pl in _placements(spec, hw):
+        if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
+            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
+            continue
+        probe = estimate(spec, w, hw, pl, cands.none, costs)
+        other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
+        rooms[pl] = _room(other, gpu_budget, hw, cands.none)
+        point = _pick_stream(cands, rooms[pl])
+        if point is None:
+            point = min(cands.points, key=lambda p: p.memory.peak)
+        seen.append(estimate(spec, w, hw, pl, point, costs))
+    return seen, rooms
+
+
+def _fastest(fits: list[PipelineEstimate]) -> PipelineEstimate:
+    """The fastest placement, then the smallest; a whole transformer batches CFG only for a real gain."""
+    best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
+    if best.transformer.cfg.cfg_batched and best.placements.transformer in ("gpu", "phase"):
+        plain = [e for e in fits if e.placements == best.placements and not e.transformer.cfg.cfg_batched]
+        if plain and plain[0].generation_time <= best.generation_time * (1 + BATCHING_GAIN):
+            return plain[0]  # batching doubles the activations: only for a real gain
+    return best
+
+
+def _stream_levers(best: PipelineEstimate, cands: _Transformer, room: float, problem: Problem) -> tuple[Lever, ...]:
+    """The levers of a streamed transformer that meets the step target, against the points that do in its room."""
+    feasible = [p for p in cands.points if cands.meets(p) and p.memory.peak <= room]
+    return levers_of(best.transformer, feasible, problem.levers, cands.none)
+
+
+def _facts(e: PipelineEstimate, *, cands: _Transformer, base: PipelineEstimate, target: float, gpu_budget: int,
+           host_budget: int, binding: str | None, time_s: float | None = None,
+           levers: tuple[Lever, ...] = ()) -> PipelineFacts:
+    """The facts of placement `e` against the budgets and targets."""
+    return PipelineFacts(
+        binding=binding, budget=gpu_budget, need=e.gpu_need, target=Target(seconds=target), time_s=time_s,
+        placement=e, transformer=setting(e.transformer, cands.none), host_budget=host_budget,
+        base_time_s=base.generation_time, step_target_s=cands.target, step_met=cands.meets(e.transformer),
+        levers=levers)
+
+
+def _shortfall(best: PipelineEstimate | None, fits_gpu: list[PipelineEstimate], seen: list[PipelineEstimate],
+               facts_of: Callable[..., PipelineFacts]) -> PipelineFacts:
+    """Why no placement is feasible: latency binds where the fastest inside both budgets (`best`) misses the target,
+    host memory where some fit the GPU budget (`fits_gpu`) and none the host's, else GPU memory."""
+    if best is not None:
+        return facts_of(best, binding="latency", time_s=best.generation_time)
+    if fits_gpu:
+        return facts_of(min(fits_gpu, key=lambda e: e.host_memory), binding="host memory")
+    return facts_of(min(seen, key=lambda e: e.gpu_need), binding="memory")
+
+
+def decide_pipeline(
+    spec: ModelSpec,
+    w: Workload,
+    hw: HardwareSpec,
+    problem: Problem,
+    gpu_budget: int,
+    host_budget: int,
+    max_slowdown: float | None = 1.05,
+    target_step_time: float | None = None,
+    target_time: float | None = None,
+    generation_slowdown: float | None = None,
+) -> PipelineDecision:
+    """The fastest placement that fits the GPU budget (the device bytes checked) in every phase and the host budget,
+    and meets the latency target for the whole generation if one is set (`target_time`, or `generation_slowdown` x
+    everything on the GPU without offload); the transformer streamed by the plan's rule (the smallest residency
+    meeting max_slowdown x no offload per step, else the fastest that fits). Raises Infeasible naming the binding
+    constraint; the reason and the error word the facts as explain.py does without a margin."""
+    if spec.pipeline is None:
+        raise PipelineError(f"{spec.name} has no pipeline in the catalog; plan the transformer alone "
+                            "(--transformer-only)")
+    cands = transformer_candidates(problem, max_slowdown, target_step_time)
+    costs = text_costs(spec, w, hw)
+    base = estimate(spec, w, hw, Placements(("gpu",) * len(spec.pipeline.text_encoders), "gpu", "gpu", False),
+                    cands.none, costs)
+    target = generation_target(base, target_time, generation_slowdown)
+    facts_of = partial(_facts, cands=cands, base=base, target=target, gpu_budget=gpu_budget, host_budget=host_budget)
+    seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget)
+    fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
+    fits = [e for e in fits_gpu if e.host_memory <= host_budget]
+    best = _fastest(fits) if fits else None
+    if best is None or best.generation_time > target:
+        facts = _shortfall(best, fits_gpu, seen, facts_of)
+        raise Infeasible(facts, explain.pipeline_infeasible(facts))
+    streamed = best.placements.transformer == "stream" and cands.meets(best.transformer)
+    facts = facts_of(best, binding=None, time_s=best.generation_time,
+                     levers=_stream_levers(best, cands, rooms[best.placements], problem) if streamed else ())
+    return PipelineDecision(best, base, target, gpu_budget, host_budget, explain.pipeline_reason(facts), facts)

@@ -1,0 +1,72 @@
+"""Words for the whole pipeline's facts (pipeline.decide.PipelineFacts): the plan's reason for a placement and the
+Infeasible messages, in the words of the transformer's (chunkflow_planner.explain)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from chunkflow_planner.explain import MarginKept, budget_said, levers_said
+from chunkflow_planner.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from chunkflow_planner.pipeline.decide import PipelineFacts
+    from chunkflow_planner.pipeline.placement import PipelineEstimate
+
+
+RELIEF = {
+    "decode": "decode fewer frames or a smaller size (the VAE's activations scale with the output)",
+    "encode": "the text encoder cannot be made smaller than one streamed layer",
+    "denoise": "shrink the workload (fewer frames, smaller batch or resolution) or raise --sp",
+}
+
+
+def placement_said(e: PipelineEstimate) -> str:
+    """Where each component runs, the transformer by its offload where streamed."""
+    pl = e.placements
+    tr = pl.transformer if pl.transformer != "stream" else e.transformer.cfg.label
+    return (f"text encoder {'/'.join(pl.text_encoders)}, transformer {tr}, "
+            f"VAE {pl.vae}{' tiled' if pl.vae_tiling else ''}")
+
+
+def pipeline_reason(f: PipelineFacts) -> str:
+    """The plan's reason for the placement chosen, and for its transformer's point."""
+    e, t = f.placement, f.transformer
+    slow = f.time_s / f.base_time_s
+    goal = f", target {format_seconds(f.target.seconds)}" if math.isfinite(f.target.seconds) else ""
+    versus = f", {slow:.3f}x everything on the GPU" if not e.hw.pipeline.device_is_host and slow >= 0.995 else ""
+    why = (f"the fastest placement inside the budgets: {placement_said(e)}; {format_seconds(f.time_s)} "
+           f"per generation{versus}{goal}; its peak is the {e.binding_phase} phase")
+    if e.placements.transformer == "stream" and not f.step_met:
+        return why + (f"; no streamed setting inside the budget meets the step target "
+                      f"{format_seconds(f.step_target_s)} (--max-slowdown x no offload): the fastest that "
+                      f"fits takes {format_seconds(t.step_s)} a step, {t.slowdown:.3f}x")
+    if e.placements.transformer == "stream":
+        return why + levers_said(f.levers, t)
+    if t.cfg.cfg_batched:
+        return why + "; the guidance passes run as one batched forward (faster at this size)"
+    return why
+
+
+def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str:
+    """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory")."""
+    e = f.placement
+    gpu = budget_said(format_bytes(f.budget), kept, more=True)
+    if f.binding == "latency":
+        return (f"latency is the binding constraint: the fastest generation inside {gpu} of GPU and "
+                f"{format_bytes(f.host_budget)} of host memory takes {format_seconds(f.time_s)} ({placement_said(e)}), "
+                f"above the target {format_seconds(f.target.seconds)}. Raise --mem-budget, or relax --max-slowdown / "
+                "--target-time.")
+    if f.binding == "host memory":
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
+        return (f"host memory is the binding constraint: the placement needing the least host memory inside "
+                f"{gpu} of GPU memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
+                f"--host-mem-budget is {format_bytes(f.host_budget)}. "
+                + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
+                   if e.hw.pipeline.device_is_host else
+                   "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU."))
+    phase = e.binding_phase
+    return (f"GPU memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
+            f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "
+            f"{budget_said(format_bytes(f.budget), kept, stated=True)}. Raise --mem-budget, or {RELIEF[phase]}."
+            + (kept.needed(f.need) if kept else ""))
