@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 import sys
 
 from rich.table import Table
 import typer
 
 from chunkflow.commands.app import console, UserError, _command, _say
+from chunkflow.commands.options import Hardware, Height, Model, Variant, Width
 from chunkflow_planner.units import format_bytes, parse_duration, parse_size
 
 
@@ -52,69 +53,63 @@ def hardware_cmd() -> None:
                   markup=False)
 
 
-@_command("plan")
-def plan_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="catalog model name or alias (see `chunkflow models`)"),
-    frames: Optional[int] = typer.Option(None, help="video frames (1 mod the VAE's temporal factor)"),
-    batch: Optional[int] = typer.Option(None, help="batch size"),
-    height: Optional[int] = typer.Option(None, help="image/video height in pixels"),
-    width: Optional[int] = typer.Option(None, help="image/video width in pixels"),
-    steps: Optional[int] = typer.Option(None, help="denoising steps"),
-    sp: int = typer.Option(1, "--sp", help="Ulysses sequence-parallel degree"),
-    hardware: Optional[str] = typer.Option(None, help="catalog GPU (see `chunkflow hardware`) or a calibrated profile file"),
-    mem_budget: Optional[str] = typer.Option(None, help="GPU memory available, e.g. 24GB or 22GiB (default: the GPU's memory)"),
-    mem_margin: Optional[float] = typer.Option(None, help="share of --mem-budget kept free for the memory model's "
-                                               "error, e.g. 0.05 (default: the hardware profile's, measured; 0 plans "
-                                               "to the byte)"),
-    max_slowdown: Optional[float] = typer.Option(None, help="latency target relative to no offload: per step for the "
-                                                 "transformer (default 1.05) and, when given, for the whole generation"),
-    target_step_time: Optional[str] = typer.Option(None, help="absolute latency target per step, e.g. 1.2s"),
-    target_time: Optional[str] = typer.Option(None, help="latency target of the whole generation, e.g. 5min or 90s "
-                                              "(default: none, or --max-slowdown x everything on the GPU if given)"),
-    host_mem_budget: Optional[str] = typer.Option(None, help="host memory available, e.g. 64GB (default: what this "
-                                                  "machine has available now)"),
-    transformer_only: bool = typer.Option(False, "--transformer-only", help="plan the transformer alone (no text "
-                                          "encoder, VAE or host memory), as the ChunkFlow paper does"),
-    cfg_batching: str = typer.Option("auto", help="run a step's two guidance passes as one batched forward, so each "
-                                     "block is streamed once a step: auto (the planner decides), on, off"),
-    weight_dtype: str = typer.Option("auto", help="storage of the streamed weights: auto (bf16, or fp8_e4m3 where it "
-                                     "pays if --allow-fp8), bf16, fp8_e4m3 (lossy: half the host and H2D bytes)"),
-    allow_fp8: bool = typer.Option(False, "--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="write the plan JSON here"),
-    json_out: bool = typer.Option(False, "--json", help="print the plan JSON on stdout instead of tables"),
-    peak_tflops: Optional[float] = typer.Option(None, help="what-if: peak dense BF16 TFLOP/s"),
-    h2d_gbps: Optional[float] = typer.Option(None, help="what-if: effective per-GPU host-to-device GB/s (BW_h2d)"),
-    eta_comp: Optional[float] = typer.Option(None, help="what-if: compute efficiency factor"),
-    eta_pref: Optional[float] = typer.Option(None, help="what-if: prefetch efficiency factor"),
-    prefetch_bytes: Optional[str] = typer.Option(None, help="what-if: per-block prefetch volume, e.g. 520MB"),
-    text_len: Optional[int] = typer.Option(None, help="what-if: text context length L_ctx"),
-    weights: Optional[str] = typer.Option(None, help="the pipeline folder (or Hub id in the local cache) it will "
-                                          "load: its files' headers give the bytes the load reads, and it is "
-                                          "checked to hold this model's pipeline"),
-    variant: Optional[str] = typer.Option(None, help="with --weights: the variant files it will read, e.g. fp16"),
-) -> None:
-    """Predict step time and peak memory per offload mode and choose chunk size and residency."""
-    import math
+_Frames = Annotated[Optional[int], typer.Option(help="video frames (1 mod the VAE's temporal factor)")]
+_Batch = Annotated[Optional[int], typer.Option(help="batch size")]
+_Steps = Annotated[Optional[int], typer.Option(help="denoising steps")]
+_Sp = Annotated[int, typer.Option("--sp", help="Ulysses sequence-parallel degree")]
+_MemBudget = Annotated[Optional[str], typer.Option(help="GPU memory available, e.g. 24GB or 22GiB (default: the GPU's "
+                                                        "memory)")]
+_MemMargin = Annotated[Optional[float], typer.Option(help="share of --mem-budget kept free for the memory model's "
+                                                          "error, e.g. 0.05 (default: the hardware profile's, measured; "
+                                                          "0 plans to the byte)")]
+_MaxSlowdown = Annotated[Optional[float], typer.Option(help="latency target relative to no offload: per step for the "
+                                                            "transformer (default 1.05) and, when given, for the whole "
+                                                            "generation")]
+_TargetStepTime = Annotated[Optional[str], typer.Option(help="absolute latency target per step, e.g. 1.2s")]
+_TargetTime = Annotated[Optional[str], typer.Option(help="latency target of the whole generation, e.g. 5min or 90s "
+                                                         "(default: none, or --max-slowdown x everything on the GPU if "
+                                                         "given)")]
+_HostMemBudget = Annotated[Optional[str], typer.Option(help="host memory available, e.g. 64GB (default: what this "
+                                                            "machine has available now)")]
+_TransformerOnly = Annotated[bool, typer.Option("--transformer-only", help="plan the transformer alone (no text "
+                                                "encoder, VAE or host memory), as the ChunkFlow paper does")]
+_CfgBatching = Annotated[str, typer.Option(help="run a step's two guidance passes as one batched forward, so each "
+                                                "block is streamed once a step: auto (the planner decides), on, off")]
+_WeightDtype = Annotated[str, typer.Option(help="storage of the streamed weights: auto (bf16, or fp8_e4m3 where it "
+                                                "pays if --allow-fp8), bf16, fp8_e4m3 (lossy: half the host and H2D "
+                                                "bytes)")]
+_AllowFp8 = Annotated[bool, typer.Option("--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage")]
+_Out = Annotated[Optional[str], typer.Option("--out", "-o", help="write the plan JSON here")]
+_Json = Annotated[bool, typer.Option("--json", help="print the plan JSON on stdout instead of tables")]
+_PeakTflops = Annotated[Optional[float], typer.Option(help="what-if: peak dense BF16 TFLOP/s")]
+_H2dGbps = Annotated[Optional[float], typer.Option(help="what-if: effective per-GPU host-to-device GB/s (BW_h2d)")]
+_EtaComp = Annotated[Optional[float], typer.Option(help="what-if: compute efficiency factor")]
+_EtaPref = Annotated[Optional[float], typer.Option(help="what-if: prefetch efficiency factor")]
+_PrefetchBytes = Annotated[Optional[str], typer.Option(help="what-if: per-block prefetch volume, e.g. 520MB")]
+_TextLen = Annotated[Optional[int], typer.Option(help="what-if: text context length L_ctx")]
+_Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or Hub id in the local cache) it will "
+                                                      "load: its files' headers give the bytes the load reads, and it "
+                                                      "is checked to hold this model's pipeline")]
 
+
+@_command("plan")
+def plan_cmd(model: Model, frames: _Frames = None, batch: _Batch = None, height: Height = None, width: Width = None,
+             steps: _Steps = None, sp: _Sp = 1, hardware: Hardware = None, mem_budget: _MemBudget = None,
+             mem_margin: _MemMargin = None, max_slowdown: _MaxSlowdown = None,
+             target_step_time: _TargetStepTime = None, target_time: _TargetTime = None,
+             host_mem_budget: _HostMemBudget = None, transformer_only: _TransformerOnly = False,
+             cfg_batching: _CfgBatching = "auto", weight_dtype: _WeightDtype = "auto",
+             allow_fp8: _AllowFp8 = False, out: _Out = None, json_out: _Json = False,
+             peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, eta_comp: _EtaComp = None,
+             eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
+             weights: _Weights = None, variant: Variant = None) -> None:
+    """Predict step time and peak memory per offload mode and choose chunk size and residency."""
     from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.files import check_output_file
     from chunkflow_planner.planner import make_plan, resolve_hardware
     from chunkflow_planner.policy import Levers
     from chunkflow_planner.workload import make_workload
 
-    if max_slowdown is not None and target_step_time is not None:
-        raise UserError("give either --max-slowdown or --target-step-time, not both")
-    if max_slowdown is not None and not (math.isfinite(max_slowdown) and max_slowdown >= 1.0):
-        raise UserError(f"--max-slowdown is relative to no offload and must be a number >= 1.0, got {max_slowdown}")
-    if text_len is not None and text_len < 0:
-        raise UserError(f"--text-len must be >= 0, got {text_len}")
-    if mem_margin is not None and not (math.isfinite(mem_margin) and 0 <= mem_margin <= 0.5):
-        raise UserError(f"--mem-margin is a share of the budget between 0 and 0.5 (e.g. 0.05), got {mem_margin}")
-    if out:
-        from chunkflow_planner.files import check_distinct
-
-        check_output_file(out, "--out")
-        check_distinct({"--out": out}, {"--hardware": hardware if hardware and Path(hardware).exists() else None})
+    _check_plan_flags(max_slowdown, target_step_time, text_len, mem_margin, out, hardware)
     spec = get_model(model)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
     levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
@@ -128,16 +123,7 @@ def plan_cmd(
     if transformer_only and (gen_target is not None or host_budget is not None):
         raise UserError("--target-time and --host-mem-budget plan the whole pipeline; leave them out with "
                         "--transformer-only")
-    if variant is not None and weights is None:
-        raise UserError("--variant names the variant files of the folder --weights gives; add --weights")
-    read_bytes = None
-    if weights is not None:
-        from chunkflow.weights import resolve_weights
-        from chunkflow_planner.checkpoint import pipeline_read_bytes
-
-        if transformer_only or spec.pipeline is None:
-            raise UserError("--weights prices the load of a whole pipeline; leave it out with --transformer-only")
-        read_bytes = pipeline_read_bytes(resolve_weights(weights), spec, variant)
+    read_bytes = _read_bytes(spec, weights, variant, transformer_only)
     plan, decision, analysis = make_plan(
         spec, workload, resolved, sp=sp, budget=budget,
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
@@ -151,6 +137,45 @@ def plan_cmd(
         _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned for one GPU with "
              "the catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
              "components for their phase only")
+    _show_plan(plan, decision, analysis, out, json_out)
+
+
+def _check_plan_flags(max_slowdown: float | None, target_step_time: str | None, text_len: int | None,
+                      mem_margin: float | None, out: str | None, hardware: str | None) -> None:
+    """The flags `plan` checks by themselves (the rest are checked where they are parsed)."""
+    import math
+
+    from chunkflow_planner.files import check_distinct, check_output_file
+
+    if max_slowdown is not None and target_step_time is not None:
+        raise UserError("give either --max-slowdown or --target-step-time, not both")
+    if max_slowdown is not None and not (math.isfinite(max_slowdown) and max_slowdown >= 1.0):
+        raise UserError(f"--max-slowdown is relative to no offload and must be a number >= 1.0, got {max_slowdown}")
+    if text_len is not None and text_len < 0:
+        raise UserError(f"--text-len must be >= 0, got {text_len}")
+    if mem_margin is not None and not (math.isfinite(mem_margin) and 0 <= mem_margin <= 0.5):
+        raise UserError(f"--mem-margin is a share of the budget between 0 and 0.5 (e.g. 0.05), got {mem_margin}")
+    if out:
+        check_output_file(out, "--out")
+        check_distinct({"--out": out}, {"--hardware": hardware if hardware and Path(hardware).exists() else None})
+
+
+def _read_bytes(spec, weights: str | None, variant: str | None, transformer_only: bool) -> int | None:
+    """The bytes loading the --weights folder reads (its files' headers), or None without --weights."""
+    if variant is not None and weights is None:
+        raise UserError("--variant names the variant files of the folder --weights gives; add --weights")
+    if weights is None:
+        return None
+    from chunkflow.weights import resolve_weights
+    from chunkflow_planner.checkpoint import pipeline_read_bytes
+
+    if transformer_only or spec.pipeline is None:
+        raise UserError("--weights prices the load of a whole pipeline; leave it out with --transformer-only")
+    return pipeline_read_bytes(resolve_weights(weights), spec, variant)
+
+
+def _show_plan(plan, decision, analysis, out: str | None, json_out: bool) -> None:
+    """The plan to --out, then as JSON on stdout (--json) or as tables."""
     if out:
         plan.write(out)
     if json_out:

@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from chunkflow_planner.plan import Plan
-from chunkflow_planner.policy import MarginKept
+from chunkflow_planner.explain import MarginKept
 from chunkflow_planner.units import format_bytes, format_seconds
 
 
@@ -17,7 +17,7 @@ def _sci(x: float) -> str:
 
 def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noqa: ANN001 - planner types
     """The analysis, each mode's prediction, the chosen plan and one line saying why."""
-    w, hw, a = plan.workload, plan.hardware, plan.analysis
+    w, hw = plan.workload, plan.hardware
     shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
     console.print(
         f"[bold]{plan.model.name}[/] at {shape} ({w.tokens} tokens/sample), SP={plan.parallel.sp_degree}, "
@@ -25,7 +25,23 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         highlight=False,
     )
     console.print(escape(f"hardware: {hw.name} [{hw.source}]"), highlight=False)
+    console.print(_analysis_table(plan))
+    console.print(_modes_table(plan))
+    tie = tie_note(plan)
+    if tie:
+        console.print(tie, highlight=False)
+    total = plan.prediction.step_time_s * w.steps
+    console.print(f"[bold green]plan:[/] {_chosen_text(plan)}; budget {_budget_text(plan)}; target "
+                  f"{format_seconds(plan.target_step_time_s or 0)} per step; {w.steps} steps take about "
+                  f"{format_seconds(total)}", highlight=False)
+    console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
+    if plan.pipeline is not None:
+        print_pipeline(console, plan)
 
+
+def _analysis_table(plan: Plan) -> Table:
+    """The overlap analysis of paper section 3.1 at the plan's workload and setting."""
+    a = plan.analysis
     levers = [x for x, on in (("both guidance passes in one forward", plan.offload.cfg_batched),
                               ("fp8 weights", plan.offload.weight_dtype != "bf16")) if on]
     t = Table(title="Overlap analysis (per GPU, per block; paper section 3.1)"
@@ -42,8 +58,11 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     crit = a.critical
     crit_text = f"{crit.value:.1f} {crit.axis} (nearest valid {crit.nearest_valid})" if crit.value is not None else crit.reason
     t.add_row(f"critical {crit.axis}", crit_text, "where F_block reaches F*")
-    console.print(t)
+    return t
 
+
+def _modes_table(plan: Plan) -> Table:
+    """Step time and peak memory of no offload, layerwise streaming and the chosen setting."""
     m = Table(title="Predicted step time and peak GPU memory")
     for col in ("mode", "chunk", "residency", "step time", "vs none", "peak memory", "pinned host"):
         m.add_column(col, justify="right" if col not in ("mode",) else "left")
@@ -64,10 +83,12 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
             format_bytes(p.peak_memory_bytes),
             format_bytes(p.pinned_host_bytes) if p.pinned_host_bytes else "-",
         )
-    console.print(m)
-    tie = tie_note(plan)
-    if tie:
-        console.print(tie, highlight=False)
+    return m
+
+
+def _chosen_text(plan: Plan) -> str:
+    """The chosen setting in words: mode, chunk and residency, and the levers that apply."""
+    o, hw = plan.offload, plan.hardware
     chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
@@ -76,17 +97,17 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
             " (cast on the copy stream)" if o.weight_dtype != "bf16" and o.fp8_cast == "copy" else "")
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
+    return chosen
+
+
+def _budget_text(plan: Plan) -> str:
+    """The GPU budget, and what of it the plan used after the memory model's margin."""
     budget = format_bytes(plan.memory_budget_bytes) if plan.memory_budget_bytes else "-"
     if plan.memory_budget_bytes and plan.memory_margin:
         usable = MarginKept(plan.memory_budget_bytes, plan.memory_margin).usable
         budget += (f" (planned inside {format_bytes(usable)}: "
                    f"{plan.memory_margin:.1%} kept for the memory model's error)")
-    total = plan.prediction.step_time_s * w.steps
-    console.print(f"[bold green]plan:[/] {chosen}; budget {budget}; target {format_seconds(plan.target_step_time_s or 0)} "
-                  f"per step; {w.steps} steps take about {format_seconds(total)}", highlight=False)
-    console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
-    if plan.pipeline is not None:
-        print_pipeline(console, plan)
+    return budget
 
 
 def tie_note(plan: Plan) -> str | None:
@@ -200,6 +221,12 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
             console.print("note: random weights make noise, not a picture; to generate from a real checkpoint give "
                           "its pipeline folder or Hub id: chunkflow run --plan PLAN --weights DIR_OR_ID --prompt ...",
                           highlight=False, markup=False)
+    console.print(_generation_table(g, gpu))
+    _print_generation_notes(console, g, gpu)
+
+
+def _generation_table(g, gpu: bool) -> Table:  # noqa: ANN001 - reports.GenerationResult
+    """Each phase's time (and spread) measured, against the plan's time and peak GPU memory on a GPU."""
     which = (f", after {g.warmup_generations} warm-up generation(s): start-up excluded" if g.warmup_generations
              else ", the process's first: start-up included")
     many = g.measured_generations > 1
@@ -224,7 +251,11 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
         pred = g.predicted_generation_time_s
         total += [format_seconds(pred) if pred is not None else "-", _pct(g.generation_time_error), "", "", ""]
     t.add_row(*total)
-    console.print(t)
+    return t
+
+
+def _print_generation_notes(console: Console, g, gpu: bool) -> None:  # noqa: ANN001 - reports.GenerationResult
+    """Below the table: the first generation, where each phase's time went, the garbage collector, host memory."""
     if g.first_phase_times_s:
         console.print("first generation: " + ", ".join(f"{k} {format_seconds(v)}" for k, v in g.first_phase_times_s.items())
                       + f", {format_seconds(sum(g.first_phase_times_s.values()))} in all", highlight=False)

@@ -4,52 +4,56 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
 from chunkflow.commands.app import console, err_console, UserError, _command, _progress, _say
+from chunkflow.commands.options import Device, Variant
 from chunkflow.launch import torchrun_world
-from chunkflow_planner.units import format_bytes
+
+
+_Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`")]
+_Mode = Annotated[Optional[str], typer.Option(help="override the plan's mode: none, layerwise or chunkflow")]
+_ChunkSize = Annotated[Optional[str], typer.Option(help="override the chunk size, e.g. 16MB or 4KB")]
+_Residency = Annotated[Optional[float], typer.Option(help="override the residency, a fraction in [0, 1]")]
+_CfgBatched = Annotated[Optional[bool], typer.Option("--cfg-batched/--no-cfg-batched", help="override the plan: "
+                                                     "both guidance passes of a step in one forward, or one each")]
+_Fp8Cast = Annotated[Optional[str], typer.Option(help="override the plan's fp8 cast: compute (the compute stream, "
+                                                      "before each block) or copy (the copy stream, after its copies)")]
+_WeightDtype = Annotated[Optional[str], typer.Option(help="override the plan's weight storage: bf16 or fp8_e4m3 "
+                                                          "(lossy)")]
+_Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
+                                                      "weights); with --prompt also a Hub id in the local cache")]
+_Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
+                                                     "generations before the measured one (default 0: the process's "
+                                                     "first, start-up included, as the plan predicts; 1 with --repeat)")]
+_Steps = Annotated[Optional[int], typer.Option(help="timed denoising steps (default: the plan's steps, at most 5)")]
+_Repeat = Annotated[int, typer.Option(help="with --prompt: generations measured after the warm-up (which --repeat 2 "
+                                           "or more makes 1 by default); the report gives each phase's median and "
+                                           "every generation's time")]
+_Profile = Annotated[Optional[str], typer.Option(help="hardware profile or catalog GPU to predict with (default: the "
+                                                      "plan's)")]
+_Report = Annotated[str, typer.Option(help="where to write the JSON run report")]
+_Seed = Annotated[int, typer.Option(help="seed for random weights and inputs; with --prompt also the generator's, as "
+                                         "diffusers' torch.Generator(device).manual_seed(seed)")]
+_Prompt = Annotated[Optional[str], typer.Option(help="generate from this prompt with the whole pipeline (text "
+                                                     "encoders, transformer, VAE) placed as the plan says")]
+_NegativePrompt = Annotated[Optional[str], typer.Option(help="with --prompt: what to steer away from (CFG models)")]
+_Guidance = Annotated[Optional[float], typer.Option(help="with --prompt: guidance scale (default: the model's)")]
+_Out = Annotated[Optional[str], typer.Option("--out", "-o", help="with --prompt: write the result here, .mp4 (video) "
+                                                                 "or .png (image)")]
+_Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
+                                                      "with --prompt, else of the timed steps (to compare settings)")]
 
 
 @_command("run")
-def run_cmd(
-    plan: str = typer.Option(..., "--plan", "-p", help="plan file written by `chunkflow plan --out`"),
-    mode: Optional[str] = typer.Option(None, help="override the plan's mode: none, layerwise or chunkflow"),
-    chunk_size: Optional[str] = typer.Option(None, help="override the chunk size, e.g. 16MB or 4KB"),
-    residency: Optional[float] = typer.Option(None, help="override the residency, a fraction in [0, 1]"),
-    cfg_batched: Optional[bool] = typer.Option(None, "--cfg-batched/--no-cfg-batched", help="override the plan: "
-                                               "both guidance passes of a step in one forward, or one forward each"),
-    fp8_cast: Optional[str] = typer.Option(None, help="override the plan's fp8 cast: compute (the compute stream, "
-                                           "before each block) or copy (the copy stream, after its copies)"),
-    weight_dtype: Optional[str] = typer.Option(None, help="override the plan's weight storage: bf16 or fp8_e4m3 "
-                                               "(lossy)"),
-    device: Optional[str] = typer.Option(None, help="cuda (default when available), cuda:1 or cpu"),
-    weights: Optional[str] = typer.Option(None, help="local diffusers-format checkpoint directory (default: random weights)"),
-    variant: Optional[str] = typer.Option(None, help="with --weights: load the folder's variant files, e.g. fp16 "
-                                                     "(as diffusers' from_pretrained(variant=...)); a component "
-                                                     "without them loads its default files"),
-    warmup: Optional[int] = typer.Option(None, help="untimed warm-up steps (default 1); with --prompt, whole "
-                                         "generations before the measured one (default 0: the process's first, "
-                                         "start-up included, as the plan predicts; 1 with --repeat)"),
-    steps: Optional[int] = typer.Option(None, help="timed denoising steps (default: the plan's steps, at most 5)"),
-    repeat: int = typer.Option(1, help="with --prompt: generations measured after the warm-up (which --repeat 2 "
-                                       "or more makes 1 by default); the report gives each phase's median and "
-                                       "every generation's time"),
-    profile: Optional[str] = typer.Option(None, help="hardware profile or catalog GPU to predict with (default: the plan's)"),
-    report: str = typer.Option("run-report.json", help="where to write the JSON run report"),
-    seed: int = typer.Option(0, help="seed for random weights and inputs; with --prompt also the generator's, as "
-                                     "diffusers' torch.Generator(device).manual_seed(seed)"),
-    prompt: Optional[str] = typer.Option(None, help="generate from this prompt with the whole pipeline (text "
-                                                    "encoders, transformer, VAE) placed as the plan says"),
-    negative_prompt: Optional[str] = typer.Option(None, help="with --prompt: what to steer away from (CFG models)"),
-    guidance: Optional[float] = typer.Option(None, help="with --prompt: guidance scale (default: the model's)"),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="with --prompt: write the result here, .mp4 (video) "
-                                                               "or .png (image)"),
-    latents: Optional[str] = typer.Option(None, help="also save the final latents (safetensors): of the generation "
-                                          "with --prompt, else of the timed steps (to compare settings)"),
-) -> None:
+def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, residency: _Residency = None,
+            cfg_batched: _CfgBatched = None, fp8_cast: _Fp8Cast = None, weight_dtype: _WeightDtype = None,
+            device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
+            steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
+            seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
+            guidance: _Guidance = None, out: _Out = None, latents: _Latents = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -61,12 +65,9 @@ def run_cmd(
     Hugging Face cache (never downloaded); without --weights every component has random weights. Each phase
     (encode, denoise, decode) is measured against the plan; --steps then counts every step of the generation.
     """
-    import math
     import os
 
-    from chunkflow_planner.files import check_output_file
     from chunkflow_planner.plan import load_plan
-    from chunkflow_planner.predict import hardware_of
 
     p = load_plan(plan)
     cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
@@ -78,45 +79,14 @@ def run_cmd(
         warmup = (1 if repeat > 1 else 0) if generating else 1
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
                       seed=seed, repeat=repeat)
-    if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
-        raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
-    opts.check()  # bad options fail before anything is built
-    if generating:
-        if guidance is not None and not (math.isfinite(guidance) and guidance > 0):
-            raise UserError(f"--guidance must be a positive number, got {guidance}")
-        if torchrun_world() > 1:
-            raise UserError("--prompt runs on one GPU; leave torchrun out (sequence-parallel generation is not "
-                            "supported yet)")
-        if latents is not None:
-            check_output_file(latents, "--latents")
-        _check_generation(p, prompt, negative_prompt, out)
-    else:
-        if latents is not None:
-            check_output_file(latents, "--latents")
-            opts.latents = latents
-    folder = None
-    if weights is not None and generating:
-        from chunkflow.weights import resolve_weights
-
-        folder = resolve_weights(weights)  # a missing folder or uncached Hub id fails before anything is built
-    elif weights is not None:  # the synthetic steps read a transformer folder
-        folder = Path(weights).expanduser()
-    hardware_of(p, profile)
-    check_output_file(report, "--report")
-    from chunkflow_planner.files import check_distinct
-
-    check_distinct({"--out": out, "--report": report, "--latents": latents},
-                   {"--plan": plan, "--weights": folder, "--profile": profile if profile and Path(profile).exists()
-                    else None})
-
+    _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents)
     # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
     # allocates (the planner's reserve_fraction). Set before torch starts CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    from chunkflow.commands.plan_tables import print_run
-
     if generating:
         _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report)
         return
+    from chunkflow.commands.plan_tables import print_run
 
     with _progress() as bar:
         task = bar.add_task("denoising steps", total=None)
@@ -127,6 +97,44 @@ def run_cmd(
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}", markup=False)
+
+
+def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_prompt: str | None,
+               guidance: float | None, out: str | None, latents: str | None) -> None:
+    """Every option of `run` checked against the plan and each other before anything is built; sets
+    opts.latents for the synthetic steps."""
+    import math
+
+    from chunkflow_planner.files import check_distinct, check_output_file
+    from chunkflow_planner.predict import hardware_of
+
+    generating = prompt is not None
+    if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
+        raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
+    opts.check()  # bad options fail before anything is built
+    if latents is not None:
+        check_output_file(latents, "--latents")
+    if generating:
+        if guidance is not None and not (math.isfinite(guidance) and guidance > 0):
+            raise UserError(f"--guidance must be a positive number, got {guidance}")
+        if torchrun_world() > 1:
+            raise UserError("--prompt runs on one GPU; leave torchrun out (sequence-parallel generation is not "
+                            "supported yet)")
+        _check_generation(p, prompt, negative_prompt, out)
+    else:
+        opts.latents = latents
+    folder = None
+    if opts.weights is not None and generating:
+        from chunkflow.weights import resolve_weights
+
+        folder = resolve_weights(opts.weights)  # a missing folder or uncached Hub id fails before anything is built
+    elif opts.weights is not None:  # the synthetic steps read a transformer folder
+        folder = Path(opts.weights).expanduser()
+    hardware_of(p, opts.profile)
+    check_output_file(report, "--report")
+    check_distinct({"--out": out, "--report": report, "--latents": latents},
+                   {"--plan": plan, "--weights": folder,
+                    "--profile": opts.profile if opts.profile and Path(opts.profile).exists() else None})
 
 
 def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | None) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 import sys
 
 from rich.table import Table
 import typer
 
 from chunkflow.commands.app import console, UserError, _command, _progress
+from chunkflow.commands.options import Device, Hardware, Height, OptionalModel, Width
 from chunkflow.launch import torchrun_world
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES
 from chunkflow_planner.units import format_seconds, parse_size, short_bytes
@@ -103,40 +104,46 @@ def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
     return t
 
 
+_Frames = Annotated[Optional[str], typer.Option(help="video frame counts to sweep, e.g. 41,81,121")]
+_Batch = Annotated[Optional[str], typer.Option(help="batch sizes to sweep (image models), e.g. 1,4,8")]
+_Modes = Annotated[str, typer.Option(help="modes to run")]
+_Baselines = Annotated[str, typer.Option(help="other offloaders to measure at every value, after the modes: "
+                                              "diffusers-group (diffusers' group offloading, block level, streams)")]
+_Compile = Annotated[str, typer.Option("--compile", help="torch.compile the repeated blocks before offloading "
+                                       "(diffusers' compile_repeated_blocks): off, regional (fullgraph=False) or "
+                                       "regional-fullgraph")]
+_ChunkSizes = Annotated[str, typer.Option(help="chunkflow chunk sizes; the first is used across the workloads, all "
+                                               "of them at --chunk-at, e.g. 16MB,4MB,64MB,256MB")]
+_Residency = Annotated[str, typer.Option(help="chunkflow residencies; the first is used across the workloads, all "
+                                              "of them at --residency-at, e.g. 0,0.2,0.4,0.6")]
+_ChunkAt = Annotated[Optional[int], typer.Option(help="frames/batch of the chunk-size sweep (default: the middle "
+                                                      "one)")]
+_ResidencyAt = Annotated[Optional[int], typer.Option(help="frames/batch of the residency sweep (default: the "
+                                                          "smallest)")]
+_Warmup = Annotated[int, typer.Option(help="warm-up steps per point")]
+_Steps = Annotated[int, typer.Option(help="timed steps per point (median), one forward each")]
+_CommAware = Annotated[str, typer.Option(help="pace chunk copies around collectives (SP): on, off, or auto (on "
+                                              "unless the hardware's peer link is NVLink, as the planner does)")]
+_WeightDtype = Annotated[str, typer.Option(help="storage of the streamed weights in layerwise and chunkflow: bf16 "
+                                                "or fp8_e4m3 (lossy: half the H2D bytes; none runs the model as it "
+                                                "is)")]
+_Fp8Cast = Annotated[str, typer.Option(help="with fp8_e4m3: cast each streamed block on the compute stream before "
+                                            "it runs, or on the copy stream after its copies (copy)")]
+_Out = Annotated[str, typer.Option("--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots")]
+_Plots = Annotated[bool, typer.Option("--plots/--no-plots", help="draw the plots (needs matplotlib)")]
+_FromDir = Annotated[Optional[str], typer.Option("--from-dir", help="redraw plots and summary.md of an earlier bench "
+                                                                    "directory (no model is run; writes to --out)")]
+
+
 @_command("bench")
-def bench_cmd(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog model name or alias"),
-    frames: Optional[str] = typer.Option(None, help="video frame counts to sweep, e.g. 41,81,121"),
-    batch: Optional[str] = typer.Option(None, help="batch sizes to sweep (image models), e.g. 1,4,8"),
-    modes: str = typer.Option("none,layerwise,chunkflow", help="modes to run"),
-    baselines: str = typer.Option("", help="other offloaders to measure at every value, after the modes: "
-                                           "diffusers-group (diffusers' group offloading, block level, streams)"),
-    compile: str = typer.Option("off", "--compile", help="torch.compile the repeated blocks before offloading "
-                                "(diffusers' compile_repeated_blocks): off, regional (fullgraph=False) or "
-                                "regional-fullgraph"),
-    chunk_sizes: str = typer.Option(short_bytes(DEFAULT_CHUNK_BYTES), help="chunkflow chunk sizes; the first is used across the workloads, "
-                                                  "all of them at --chunk-at, e.g. 16MB,4MB,64MB,256MB"),
-    residency: str = typer.Option("0", help="chunkflow residencies; the first is used across the workloads, all "
-                                            "of them at --residency-at, e.g. 0,0.2,0.4,0.6"),
-    chunk_at: Optional[int] = typer.Option(None, help="frames/batch of the chunk-size sweep (default: the middle one)"),
-    residency_at: Optional[int] = typer.Option(None, help="frames/batch of the residency sweep (default: the smallest)"),
-    height: Optional[int] = typer.Option(None, help="height in pixels (default: the model's)"),
-    width: Optional[int] = typer.Option(None, help="width in pixels (default: the model's)"),
-    hardware: Optional[str] = typer.Option(None, help="catalog GPU or profile to predict with (default: saved profile, else h200)"),
-    device: Optional[str] = typer.Option(None, help="cuda (default when available) or cpu; under torchrun each rank's GPU"),
-    warmup: int = typer.Option(1, help="warm-up steps per point"),
-    steps: int = typer.Option(2, help="timed steps per point (median), one forward each"),
-    comm_aware: str = typer.Option("auto", help="pace chunk copies around collectives (SP): on, off, or auto "
-                                                "(on unless the hardware's peer link is NVLink, as the planner does)"),
-    weight_dtype: str = typer.Option("bf16", help="storage of the streamed weights in layerwise and chunkflow: bf16 "
-                                     "or fp8_e4m3 (lossy: half the H2D bytes; none runs the model as it is)"),
-    fp8_cast: str = typer.Option("compute", help="with fp8_e4m3: cast each streamed block on the compute stream "
-                                 "before it runs, or on the copy stream after its copies (copy)"),
-    out: str = typer.Option("bench", "--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots"),
-    plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the plots (needs matplotlib)"),
-    from_dir: Optional[str] = typer.Option(None, "--from-dir", help="redraw plots and summary.md of an earlier bench "
-                                                                     "directory (no model is run; writes to --out)"),
-) -> None:
+def bench_cmd(model: OptionalModel = None, frames: _Frames = None, batch: _Batch = None,
+              modes: _Modes = "none,layerwise,chunkflow", baselines: _Baselines = "", compile: _Compile = "off",
+              chunk_sizes: _ChunkSizes = short_bytes(DEFAULT_CHUNK_BYTES), residency: _Residency = "0",
+              chunk_at: _ChunkAt = None, residency_at: _ResidencyAt = None, height: Height = None,
+              width: Width = None, hardware: Hardware = None, device: Device = None, warmup: _Warmup = 1,
+              steps: _Steps = 2, comm_aware: _CommAware = "auto", weight_dtype: _WeightDtype = "bf16",
+              fp8_cast: _Fp8Cast = "compute", out: _Out = "bench", plots: _Plots = True,
+              from_dir: _FromDir = None) -> None:
     """Sweep frames or batch, modes, chunk size and residency for a model; write CSV, summary and plots.
 
     Under torchrun (`torchrun --nproc-per-node N -m chunkflow bench ...`) every rank runs the sweep with

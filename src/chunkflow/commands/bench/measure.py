@@ -79,6 +79,24 @@ def measure_point(model, handle, spec: ModelSpec, w, device, warmup: int, steps:
     return timing, _median(colls), _median(stalls), _median(fences), int(_median(counts))
 
 
+def _bench_model(spec: ModelSpec, bench: BenchSpec, device, sp: int):
+    """The sweep's transformer (random weights): block weights on the host, the rest on the device, compiled and
+    made sequence-parallel as the bench asks; each configuration offloads from here."""
+    import torch
+
+    from chunkflow.models.build import build_transformer
+
+    model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, config="none")
+    h0.remove()
+    if bench.compile != "off":  # compiled once, before offload: every configuration (and none) runs compiled blocks
+        model.compile_repeated_blocks(fullgraph=bench.compile == "regional-fullgraph")
+    if sp > 1:
+        from chunkflow.parallel import enable_sequence_parallel
+
+        enable_sequence_parallel(model, spec, sp)
+    return model
+
+
 def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp: int = 1,
               progress: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda s: None,
               on_row: Callable[[list[dict]], None] = lambda rows: None):
@@ -91,18 +109,10 @@ def run_bench(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, *, device, sp
     import torch
 
     import chunkflow
-    from chunkflow.models.build import build_transformer
     from chunkflow.runtime.storage import Fp8RoundedWeightsWarning
 
     cuda = device.type == "cuda"
-    model, h0 = build_transformer(spec, weights=None, dtype=torch.bfloat16, device=device, config="none")
-    h0.remove()  # block weights on the host, the rest on the device: each configuration offloads from here
-    if bench.compile != "off":  # compiled once, before offload: every configuration (and none) runs compiled blocks
-        model.compile_repeated_blocks(fullgraph=bench.compile == "regional-fullgraph")
-    if sp > 1:
-        from chunkflow.parallel import enable_sequence_parallel
-
-        enable_sequence_parallel(model, spec, sp)
+    model = _bench_model(spec, bench, device, sp)
     rows: list[dict] = []
     ref: dict[int, torch.Tensor] = {}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 from rich.table import Table
 import typer
@@ -12,72 +12,49 @@ from chunkflow.launch import torchrun_rank
 from chunkflow_planner.units import format_bytes
 
 
+_Models = Annotated[Optional[str], typer.Option("--model", "-m", help="catalog model(s) whose blocks set the eta_comp "
+                                               "curves, comma-separated (e.g. wan2.2,flux,hunyuan; default wan2.2); "
+                                               "each model listed gets its own curve")]
+_Out = Annotated[str, typer.Option("--out", "-o", help="write the hardware profile (YAML) here")]
+_Save = Annotated[Optional[bool], typer.Option("--save/--no-save", help="also save it as this machine's default "
+                                                                        "profile (default: yes, except --cpu-smoke)")]
+_CpuSmoke = Annotated[bool, typer.Option("--cpu-smoke", help="run every measurement tiny on the CPU (tests); the "
+                                                             "numbers mean nothing")]
+_FromReport = Annotated[Optional[list[str]], typer.Option("--from-report", help="refit instead of measuring: run "
+                                                          "report(s) (.json, or .jsonl with one per line); repeat the "
+                                                          "flag, or give a pattern: out/*-report.json")]
+_Profile = Annotated[Optional[str], typer.Option(help="with --from-report: the profile to refit (default: each "
+                                                      "report's own)")]
+_GemmSize = Annotated[int, typer.Option(help="n of the n^3 bf16 GEMM")]
+_PeakTflops = Annotated[Optional[float], typer.Option(help="P_peak to express eta against (default: the catalog GPU's "
+                                                           "datasheet peak)")]
+_Base = Annotated[Optional[str], typer.Option(help="catalog GPU whose unmeasured fields the profile inherits "
+                                                   "(default: by GPU name)")]
+_Raw = Annotated[Optional[str], typer.Option(help="also write the raw measurements as JSON here")]
+_Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeline folder (or Hub id in the local "
+                                                      "cache) is on, as the loader reads it, cold and warm (default: "
+                                                      "the Hugging Face cache's disk)")]
+_MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", show_default=False, help="with "
+                                                             "--from-report: more run reports (what an unquoted "
+                                                             "pattern, --from-report out/*-report.json, expands to)")]
+
+
 @_command("calibrate")
-def calibrate_cmd(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog model(s) whose blocks set the eta_comp "
-                                        "curves, comma-separated (e.g. wan2.2,flux,hunyuan; default wan2.2); each "
-                                        "model listed gets its own curve"),
-    out: str = typer.Option("profile.yaml", "--out", "-o", help="write the hardware profile (YAML) here"),
-    save: Optional[bool] = typer.Option(None, "--save/--no-save",
-                                        help="also save it as this machine's default profile (default: yes, except --cpu-smoke)"),
-    cpu_smoke: bool = typer.Option(False, "--cpu-smoke", help="run every measurement tiny on the CPU (tests); the numbers mean nothing"),
-    from_report: Optional[list[str]] = typer.Option(None, "--from-report",
-                                                    help="refit instead of measuring: run report(s) (.json, or .jsonl "
-                                                         "with one per line); repeat the flag, or give a pattern: "
-                                                         "out/*-report.json"),
-    profile: Optional[str] = typer.Option(None, help="with --from-report: the profile to refit (default: each report's own)"),
-    gemm_size: int = typer.Option(8192, help="n of the n^3 bf16 GEMM"),
-    peak_tflops: Optional[float] = typer.Option(None, help="P_peak to express eta against (default: the catalog GPU's datasheet peak)"),
-    base: Optional[str] = typer.Option(None, help="catalog GPU whose unmeasured fields the profile inherits (default: by GPU name)"),
-    raw: Optional[str] = typer.Option(None, help="also write the raw measurements as JSON here"),
-    weights: Optional[str] = typer.Option(None, help="time the disk this pipeline folder (or Hub id in the local "
-                                          "cache) is on, as the loader reads it, cold and warm (default: the "
-                                          "Hugging Face cache's disk)"),
-    more_reports: Optional[list[str]] = typer.Argument(None, metavar="REPORT", show_default=False,
-                                                       help="with --from-report: more run reports (what an unquoted "
-                                                            "pattern, --from-report out/*-report.json, expands to)"),
-) -> None:
+def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save = None, cpu_smoke: _CpuSmoke = False,
+                  from_report: _FromReport = None, profile: _Profile = None, gemm_size: _GemmSize = 8192,
+                  peak_tflops: _PeakTflops = None, base: _Base = None, raw: _Raw = None, weights: _Weights = None,
+                  more_reports: _MoreReports = None) -> None:
     """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
     all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses.
 
     Saving over this machine's default profile keeps the previous one beside it (hardware-profile.previous.yaml)
     and prints what changed."""
-    import math
-
-    from chunkflow_planner.files import check_output_file
-
-    if gemm_size < 1:
-        raise UserError(f"--gemm-size must be positive, got {gemm_size}")
     import os
 
+    from_report = _check_calibrate(model, cpu_smoke, from_report, more_reports, gemm_size, peak_tflops, raw, weights)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `run` measures
-    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
-        raise UserError(f"--peak-tflops must be a positive number, got {peak_tflops}")
-    if cpu_smoke and model is not None:
-        raise UserError("--cpu-smoke measures the tiny catalog model; leave --model out (it is for GPU runs)")
-    if more_reports and not from_report:
-        raise UserError(f"unexpected argument(s) {' '.join(more_reports)} (report files go after --from-report: "
-                        "`chunkflow calibrate --from-report out/*-report.json`)")
-    from_report = (from_report or []) + (more_reports or [])
-    if from_report and (cpu_smoke or model is not None or raw is not None or weights is not None):
-        raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw and --weights measure: use "
-                        "one or the other")
-    if weights is not None:
-        from chunkflow.commands.calibrate.disk import disk_folder
-
-        disk_folder(weights)  # a missing folder or uncached Hub id fails before anything is measured
-    check_output_file(out, "--out")
-    if raw:
-        check_output_file(raw, "--raw")
     default = save if save is not None else not cpu_smoke
-    from chunkflow_planner.files import check_distinct, check_output_dir
-    from chunkflow_planner.planner import config_dir, saved_profile_path
-
-    if default:  # where the default profile goes must take it, known before the measurement
-        check_output_dir(config_dir(), "chunkflow's config directory ($CHUNKFLOW_CONFIG_DIR)")
-    previous = saved_profile_path().with_name("hardware-profile.previous.yaml") if default else None
-    check_distinct({"--out": out, "--raw": raw, "the previous default profile": previous},
-                   {**{f"--from-report {r}": r for r in from_report}, "--profile": profile})
+    _check_outputs(out, raw, default, from_report, profile)
     if from_report:
         new, header = _refit_profile(from_report, profile)
     else:
@@ -87,6 +64,47 @@ def calibrate_cmd(
         new, header = measured
     _save_profile(new, out, header, default=default)
     _print_profile(new)
+
+
+def _check_calibrate(model: str | None, cpu_smoke: bool, from_report: list[str] | None,
+                     more_reports: list[str] | None, gemm_size: int, peak_tflops: float | None, raw: str | None,
+                     weights: str | None) -> list[str]:
+    """The measuring and refitting flags checked together; the run reports to refit from (flag and arguments)."""
+    import math
+
+    if gemm_size < 1:
+        raise UserError(f"--gemm-size must be positive, got {gemm_size}")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise UserError(f"--peak-tflops must be a positive number, got {peak_tflops}")
+    if cpu_smoke and model is not None:
+        raise UserError("--cpu-smoke measures the tiny catalog model; leave --model out (it is for GPU runs)")
+    if more_reports and not from_report:
+        raise UserError(f"unexpected argument(s) {' '.join(more_reports)} (report files go after --from-report: "
+                        "`chunkflow calibrate --from-report out/*-report.json`)")
+    reports = (from_report or []) + (more_reports or [])
+    if reports and (cpu_smoke or model is not None or raw is not None or weights is not None):
+        raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw and --weights measure: use "
+                        "one or the other")
+    if weights is not None:
+        from chunkflow.commands.calibrate.disk import disk_folder
+
+        disk_folder(weights)  # a missing folder or uncached Hub id fails before anything is measured
+    return reports
+
+
+def _check_outputs(out: str, raw: str | None, default: bool, reports: list[str], profile: str | None) -> None:
+    """Every file calibrate writes can be written, and none is one it reads, known before the measurement."""
+    from chunkflow_planner.files import check_distinct, check_output_dir, check_output_file
+    from chunkflow_planner.planner import config_dir, saved_profile_path
+
+    check_output_file(out, "--out")
+    if raw:
+        check_output_file(raw, "--raw")
+    if default:  # where the default profile goes must take it
+        check_output_dir(config_dir(), "chunkflow's config directory ($CHUNKFLOW_CONFIG_DIR)")
+    previous = saved_profile_path().with_name("hardware-profile.previous.yaml") if default else None
+    check_distinct({"--out": out, "--raw": raw, "the previous default profile": previous},
+                   {**{f"--from-report {r}": r for r in reports}, "--profile": profile})
 
 
 def _save_profile(new, out: str, header: str, default: bool) -> None:

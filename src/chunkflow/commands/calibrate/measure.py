@@ -438,7 +438,6 @@ def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) 
         folder, how = Path(tempfile.gettempdir()), "the temporary directory (--cpu-smoke)"
     else:
         folder, how = disk_folder(weights)
-    from chunkflow_planner.errors import ChunkflowError
 
     try:
         d = measure_disk(folder, SMOKE_SAMPLE_BYTES if cpu_smoke else SAMPLE_BYTES, log)
@@ -514,6 +513,41 @@ def _vae_fits(s, cpu_smoke: bool, progress, log):
     return fits, raw
 
 
+def _peak(gemm: float, given: float | None, catalog: HardwareSpec | None, cpu_smoke: bool) -> float:
+    """P_peak the efficiencies are expressed against: the one given, else the catalog GPU's datasheet peak, else
+    the measured GEMM rate; a rate too low for a profile to describe is refused (the smoke run's is raised)."""
+    peak = given or (catalog.peak_tflops if catalog is not None else gemm)
+    if peak >= PEAK_TFLOPS_RANGE[0]:
+        return peak
+    if not cpu_smoke:  # a machine too busy to measure (the smoke run's numbers mean nothing anyway)
+        raise CalibrationError(
+            f"the bf16 GEMM ran at {gemm * 1e3:.2f} GFLOP/s, below the {PEAK_TFLOPS_RANGE[0] * 1e3:g} GFLOP/s a "
+            "profile can describe: the device was too busy to time; run calibrate again when it is idle, or give "
+            "--peak-tflops")
+    return PEAK_TFLOPS_RANGE[0]
+
+
+def _source_note(date: str, s, gemm: float, peak: float, base_hw: HardwareSpec, matched: bool, curves: dict,
+                 h2d_rows: list[dict], coll: dict | None) -> str:
+    """The profile's `source`: how each of its figures was measured."""
+    sizes = len(next(iter(curves.values())))
+    return (f"chunkflow calibrate {date} on {s.name}: GEMM {s.gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
+            f"({'datasheet of ' + base_hw.name if peak == base_hw.peak_tflops and matched else 'measured GEMM'}); "
+            f"eta_comp curves from one block of {', '.join(curves)} at {sizes}+ sizes each, scaled to whole "
+            f"forwards where they fit; H2D t(C) = t0 + C/BW fitted over {len(h2d_rows)} chunk sizes "
+            f"({s.sizes[0] / 1e6:g}-{s.sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries the size effect)"
+            + (f"; all-to-all and contention over {s.world} GPUs" if coll else
+               f"; coll_gbps/contention from {base_hw.name}"))
+
+
+def _collectives(s, progress: Progress, log: Callable[[str], None]) -> dict:
+    """The all-to-all's rate over the torchrun world, alone and with H2D copies in flight."""
+    coll = measure_collectives(s.device, progress=progress)
+    log(f"all-to-all {coll['local_bytes'] / 1e6:.0f} MB: {coll['t_idle_s'] * 1e3:.3f} ms "
+        f"({coll['coll_gbps']:.0f} GB/s), with H2D in flight x{coll['contention']:.2f}")
+    return coll
+
+
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
               log: Callable[[str], None] = lambda s: None, vaes: bool = True, weights: str | None = None,
@@ -533,14 +567,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     log(f"bf16 GEMM {s.gemm_n}^3: {gemm:.1f} TFLOP/s")
     process_rss = _process_rss()
     matched = base is not None or "no catalog match" not in base_note
-    peak = peak_tflops or (base_hw.peak_tflops if matched and not cpu_smoke else gemm)
-    if peak < PEAK_TFLOPS_RANGE[0]:  # a machine too busy to measure (the smoke run's numbers mean nothing anyway)
-        if not cpu_smoke:
-            raise CalibrationError(
-                f"the bf16 GEMM ran at {gemm * 1e3:.2f} GFLOP/s, below the {PEAK_TFLOPS_RANGE[0] * 1e3:g} GFLOP/s a "
-                "profile can describe: the device was too busy to time; run calibrate again when it is idle, or give "
-                "--peak-tflops")
-        peak = PEAK_TFLOPS_RANGE[0]
+    peak = _peak(gemm, peak_tflops, base_hw if matched and not cpu_smoke else None, cpu_smoke)
     curves, blocks = _curves(specs, s, peak, cpu_smoke, progress, log)
     curve = curves[specs[0].name]
     h2d_rows = measure_h2d(s.device, s.sizes, s.total, progress=progress)
@@ -558,20 +585,11 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     # cold reads)
     disk_raw = _disk_rates(extra, s.device, cpu_smoke, weights, log) if disk and torchrun_rank() == 0 else None
     log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
-    coll = None
-    if s.world > 1:
-        coll = measure_collectives(s.device, progress=progress)
-        log(f"all-to-all {coll['local_bytes'] / 1e6:.0f} MB: {coll['t_idle_s'] * 1e3:.3f} ms "
-            f"({coll['coll_gbps']:.0f} GB/s), with H2D in flight x{coll['contention']:.2f}")
+    coll = _collectives(s, progress, log) if s.world > 1 else None
+    if coll is not None:
         peer_link = peer_link or _peer_link()
     date = datetime.date.today().isoformat()
-    src = (f"chunkflow calibrate {date} on {s.name}: GEMM {s.gemm_n}^3 {gemm:.0f} TFLOP/s; P_peak {peak:g} "
-           f"({'datasheet of ' + base_hw.name if peak == base_hw.peak_tflops and matched else 'measured GEMM'}); "
-           f"eta_comp curves from one block of {', '.join(curves)} at {len(curve)}+ sizes each, scaled to whole "
-           f"forwards where they fit; H2D t(C) = t0 + C/BW fitted over "
-           f"{len(h2d_rows)} chunk sizes ({s.sizes[0] / 1e6:g}-{s.sizes[-1] / 1e6:g} MB), eta_pref 1 (DMA term carries "
-           f"the size effect)" + (f"; all-to-all and contention over {s.world} GPUs" if coll else
-                                  f"; coll_gbps/contention from {base_hw.name}"))
+    src = _source_note(date, s, gemm, peak, base_hw, matched, curves, h2d_rows, coll)
     mem = torch.cuda.get_device_properties(s.device).total_memory if s.device.type == "cuda" else base_hw.memory_bytes
     profile = make_profile(
         base_hw, name=("cpu-smoke" if cpu_smoke else f"calibrated-{s.name.lower().replace(' ', '-')}"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import math
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -161,65 +162,89 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     - mem_margin: the largest under-prediction of a phase's peak left with those terms (rounded up), which plans
       then keep free.
     Each measured phase is compared without its start-up where the report ran a warm-up generation."""
-    from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.pipeline import output_bytes, startup_of
-
     gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
     if not gens:
         return {}
     base = hw.model_copy(update={"encode_host_s": 0.0, "postprocess_gbps": 1e4, "alloc_slack": 0.0,
                                  "startup_s": {}})
-    enc, post, slack, ratios = [], [], [], []
-    cold = 0  # reports of a process's first generation with no start-up known to take out
+    samples = _PhaseSamples()
     for r in gens:
-        e, w = generation_estimate(r, base)
-        g = r.generation
-        spec = get_model(r.plan.model.name)
-        start = {} if g.warmup_generations else {name: startup_of(spec, name, hw) for name in g.phases}
-        unknown = any(start.get(name, 0.0) is None for name in ("encode", "decode"))
-        cold += unknown
-        for name, m in g.phases.items():
-            t = m.measured_time_s - (start.get(name) or 0.0)
-            if name == "encode" and g.warmup_generations:
-                ratios += _host_ratios(spec, w, base, g.components, m.parts_s)
-            if unknown and name in ("encode", "decode"):
-                pass  # its time holds the start-up too: not a measure of the host work
-            elif (name == "encode" and g.warmup_generations and m.parts_s
-                  and len(m.measured_times_s) == len(next(iter(m.parts_s.values())))):
-                enc.append(max(0.0, statistics.median(  # each generation's time outside its encoders' forwards
-                    total - sum(p[i] for p in m.parts_s.values()) for i, total in enumerate(m.measured_times_s))))
-            elif name == "encode":
-                enc.append(max(0.0, t - e.phases["encode"].time_s))
-            elif name == "decode":
-                extra = t - e.phases["decode"].time_s + output_bytes(w) / (base.pipeline.postprocess_gbps * 1e9)
-                if extra > 0:
-                    post.append(output_bytes(w) / 1e9 / extra)
-            act = e.phases[name].activation_bytes
-            if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
-                over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
-                slack.append(max(0.0, over / act))
-    update: dict[str, Any] = {}
-    if cold:
-        notes.append(f"{cold} generation report(s) without --warmup and no start-up in the profile: their encode and "
-                     "decode times were not used (they hold the start-up); run with --warmup 1")
-    if enc:
-        update["encode_host_s"] = statistics.median(enc)
-    else:
-        notes.append("encode_host_s unchanged: no encode phase to measure it from")
-    if ratios:
-        update["host_margin"] = statistics.median(ratios) * hw.pipeline.host_margin
-    if post:
-        update["postprocess_gbps"] = statistics.median(post)
-    else:
-        notes.append("postprocess_gbps unchanged: no decode longer than the VAE's predicted decode")
-    if slack:
-        update["alloc_slack"] = statistics.median(slack)
-        update["reserve_fraction"] = 0.0
+        samples.add(r, base, hw)
+    update = samples.update(hw, notes)
     errors = _peak_errors(hw.model_copy(update=update), gens)
     if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
         update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
     notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
     return update
+
+
+@dataclass
+class _PhaseSamples:
+    """What each generation report says of the host-side and allocator terms (_refit_pipeline): one sample per
+    phase measured, their medians the refit."""
+
+    encode_host: list[float] = field(default_factory=list)
+    postprocess: list[float] = field(default_factory=list)
+    slack: list[float] = field(default_factory=list)
+    host_ratios: list[float] = field(default_factory=list)
+    cold: int = 0  # reports of a process's first generation with no start-up known to take out
+
+    def add(self, r, base: HardwareSpec, hw: HardwareSpec) -> None:
+        """The samples of one generation report `r`, against the estimate with the terms zeroed (`base`)."""
+        from chunkflow_planner.catalog import get_model
+        from chunkflow_planner.pipeline import startup_of
+
+        e, w = generation_estimate(r, base)
+        g = r.generation
+        spec = get_model(r.plan.model.name)
+        start = {} if g.warmup_generations else {name: startup_of(spec, name, hw) for name in g.phases}
+        unknown = any(start.get(name, 0.0) is None for name in ("encode", "decode"))
+        self.cold += unknown
+        for name, m in g.phases.items():
+            if name == "encode" and g.warmup_generations:
+                self.host_ratios += _host_ratios(spec, w, base, g.components, m.parts_s)
+            if not (unknown and name in ("encode", "decode")):  # else its time holds the start-up too
+                self._add_time(name, m, m.measured_time_s - (start.get(name) or 0.0), e, w, base,
+                               warm=bool(g.warmup_generations))
+            act = e.phases[name].activation_bytes
+            if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
+                over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
+                self.slack.append(max(0.0, over / act))
+
+    def _add_time(self, name: str, m, t: float, e, w, base: HardwareSpec, warm: bool) -> None:
+        """A phase's measured time `t` (start-up out) as a sample of the encode's host time or the output's rate."""
+        from chunkflow_planner.pipeline import output_bytes
+
+        if name == "encode" and warm and m.parts_s and len(m.measured_times_s) == len(next(iter(m.parts_s.values()))):
+            self.encode_host.append(max(0.0, statistics.median(  # each generation's time outside its encoders' forwards
+                total - sum(p[i] for p in m.parts_s.values()) for i, total in enumerate(m.measured_times_s))))
+        elif name == "encode":
+            self.encode_host.append(max(0.0, t - e.phases["encode"].time_s))
+        elif name == "decode":
+            extra = t - e.phases["decode"].time_s + output_bytes(w) / (base.pipeline.postprocess_gbps * 1e9)
+            if extra > 0:
+                self.postprocess.append(output_bytes(w) / 1e9 / extra)
+
+    def update(self, hw: HardwareSpec, notes: list[str]) -> dict[str, Any]:
+        """The profile fields the samples give (their medians); `notes` say which stay unchanged, and why."""
+        update: dict[str, Any] = {}
+        if self.cold:
+            notes.append(f"{self.cold} generation report(s) without --warmup and no start-up in the profile: their "
+                         "encode and decode times were not used (they hold the start-up); run with --warmup 1")
+        if self.encode_host:
+            update["encode_host_s"] = statistics.median(self.encode_host)
+        else:
+            notes.append("encode_host_s unchanged: no encode phase to measure it from")
+        if self.host_ratios:
+            update["host_margin"] = statistics.median(self.host_ratios) * hw.pipeline.host_margin
+        if self.postprocess:
+            update["postprocess_gbps"] = statistics.median(self.postprocess)
+        else:
+            notes.append("postprocess_gbps unchanged: no decode longer than the VAE's predicted decode")
+        if self.slack:
+            update["alloc_slack"] = statistics.median(self.slack)
+            update["reserve_fraction"] = 0.0
+        return update
 
 
 def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,24 @@
+"""The command-line options more than one command takes, declared once (typer.Option in an Annotated type).
+
+A command's own options sit at the top of its module in the same form, so that its signature reads as a list of
+names and types and its body does the work."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Model = Annotated[str, typer.Option("--model", "-m", help="catalog model name or alias (see `chunkflow models`)")]
+OptionalModel = Annotated[Optional[str], typer.Option("--model", "-m", help="catalog model name or alias (see "
+                                                                            "`chunkflow models`)")]
+Hardware = Annotated[Optional[str], typer.Option(help="catalog GPU (see `chunkflow hardware`) or a calibrated profile "
+                                                      "file (default: the profile `chunkflow calibrate` saved, else "
+                                                      "h200)")]
+Device = Annotated[Optional[str], typer.Option(help="cuda (default when available), cuda:1 or cpu; under torchrun "
+                                                    "each rank's GPU")]
+Variant = Annotated[Optional[str], typer.Option(help="with --weights: the folder's variant files, e.g. fp16 (as "
+                                                     "diffusers' from_pretrained(variant=...)); a component without "
+                                                     "them reads its default files")]
+Height = Annotated[Optional[int], typer.Option(help="image/video height in pixels (default: the model's)")]
+Width = Annotated[Optional[int], typer.Option(help="image/video width in pixels (default: the model's)")]
