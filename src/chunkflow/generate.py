@@ -193,80 +193,94 @@ def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | No
     return kw
 
 
+class _PhaseWatch:
+    """The hooks that see a pipeline call's phases go by: the first transformer forward ends encode, the VAE's
+    decode ends denoise, each text encoder's forward is timed (and unparked) on its own, every denoising step is
+    timed and its latents checked. `remove()` takes every hook off again."""
+
+    def __init__(self, built: BuiltPipeline, clock: _Clock, tell: Callable[[str], None], steps: int,
+                 on_step: Callable[[int, int], None] | None) -> None:
+        self.built, self.clock, self.tell, self.steps, self.on_step = built, clock, tell, steps, on_step
+        self.latents = None
+        self.step_times: list[float] = []
+        self._t_step: float | None = None
+        pipe = built.pipe
+        self._hooks = [getattr(pipe, name).register_forward_pre_hook(self._to_denoise, prepend=True)
+                       for name in built.names("transformer")]
+        for name in built.names("text_encoder"):  # first in, last out: a CPU one's moves of inputs and outputs inside
+            module = getattr(pipe, name)
+            self._hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: self._encoder_starts(name),
+                                                                prepend=True))
+            self._hooks.append(module.register_forward_hook(lambda m, a, out, name=name: clock.part_stop(name)))
+        self._vae = getattr(pipe, built.spec.pipeline.vae.component)
+        self._decode = self._vae.decode
+        self._vae.decode = self._decode_phase
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """What the pipeline call takes to report each step here."""
+        return {"callback_on_step_end": self._step_end, "callback_on_step_end_tensor_inputs": ["latents"]}
+
+    def _to_denoise(self, module, args) -> None:
+        if self.clock.current == "encode":
+            self.clock.stop()
+            self.built.park("text_encoder")
+            self.tell("denoise")
+            self.clock.start("denoise")
+            self._t_step = time.perf_counter()
+
+    def _encoder_starts(self, name: str) -> None:
+        self.clock.part_start(name)
+        handle = self.built.handles.get(name)
+        if handle is not None and handle.parked:  # what its own pre-hook would do next, timed apart
+            self.clock.part_move(f"{name} to device", handle.unpark)
+
+    def _decode_phase(self, *args, **kw):
+        if self.clock.current == "denoise":
+            self.clock.stop()
+            self.built.park("transformer")
+            self.tell("decode")
+            self.clock.start("decode")
+            self.built.unpark("vae")
+        return self._decode(*args, **kw)
+
+    def _step_end(self, p, i, t, cb_kwargs):
+        if self.built.device.type == "cuda":
+            torch.cuda.synchronize(self.built.device)
+        now = time.perf_counter()
+        self.step_times.append(now - self._t_step)
+        self._t_step = now
+        latents = self.latents = cb_kwargs.get("latents")
+        if not self.built.random_weights and latents is not None and not bool(torch.isfinite(latents).all()):
+            raise GenerationError(  # stop now, not after the decode: the rest would be NaN too
+                f"the latents hold NaN or infinite values after denoising step {i + 1} of {self.steps}: the "
+                "checkpoint's weights may hold NaN or inf (a damaged or badly converted file), or the model overflows "
+                "in its dtype; nothing was written")
+        if self.on_step is not None:
+            self.on_step(i + 1, self.steps)
+        return cb_kwargs
+
+    def remove(self) -> None:
+        del self._vae.decode  # the instance attribute goes; the class's method is back
+        for h in self._hooks:
+            h.remove()
+
+
 def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = None, guidance: float | None = None,
              steps: int | None = None, seed: int = 0, on_step: Callable[[int, int], None] | None = None,
              on_phase: Callable[[str], None] | None = None, cfg_batched: bool = False) -> Generation:
     """One generation of workload `w` from `prompt`, phase by phase (module docstring). `on_step(i, n)` hears of
     every denoising step, `on_phase(name)` of every phase as it begins. `cfg_batched`: both guidance passes of a
     step in one transformer forward (chunkflow.cfg.batch_cfg)."""
-    tell = on_phase or (lambda name: None)
     from chunkflow.hostmem import peak_rss_bytes
 
-    device = built.device
-    pipe = built.pipe
-    spec = built.spec
+    tell = on_phase or (lambda name: None)
+    device, pipe = built.device, built.pipe
     steps = steps or w.steps
     clock = _Clock(device)
-    cuda = device.type == "cuda"
     generator = torch.Generator(device=device).manual_seed(seed)
-    kwargs = call_kwargs(spec, w, prompt, negative, guidance, steps, generator)
-    state: dict[str, Any] = {"latents": None, "t_step": None, "steps": []}
-    hooks = []
-
-    def to_denoise(module, args):
-        if clock.current == "encode":
-            clock.stop()
-            built.park("text_encoder")
-            tell("denoise")
-            clock.start("denoise")
-            state["t_step"] = time.perf_counter()
-
-    for name in built.names("transformer"):
-        hooks.append(getattr(pipe, name).register_forward_pre_hook(to_denoise, prepend=True))
-
-    def encoder_starts(name: str) -> None:
-        clock.part_start(name)
-        handle = built.handles.get(name)
-        if handle is not None and handle.parked:  # what its own pre-hook would do next, timed apart
-            clock.part_move(f"{name} to device", handle.unpark)
-
-    for name in built.names("text_encoder"):  # first in, last out: a CPU one's moves of inputs and outputs inside
-        module = getattr(pipe, name)
-        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: encoder_starts(name), prepend=True))
-        hooks.append(module.register_forward_hook(lambda m, a, out, name=name: clock.part_stop(name)))
-
-    vae = getattr(pipe, spec.pipeline.vae.component)
-    decode = vae.decode
-
-    def decode_phase(*args, **kw):
-        if clock.current == "denoise":
-            clock.stop()
-            built.park("transformer")
-            tell("decode")
-            clock.start("decode")
-            built.unpark("vae")
-        return decode(*args, **kw)
-
-    def on_step_end(p, i, t, cb_kwargs):
-        if cuda:
-            torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        state["steps"].append(now - state["t_step"])
-        state["t_step"] = now
-        state["latents"] = cb_kwargs.get("latents")
-        latents = state["latents"]
-        if not built.random_weights and latents is not None and not bool(torch.isfinite(latents).all()):
-            raise GenerationError(  # stop now, not after the decode: the rest would be NaN too
-                f"the latents hold NaN or infinite values after denoising step {i + 1} of {steps}: the checkpoint's "
-                "weights may hold NaN or inf (a damaged or badly converted file), or the model overflows in its "
-                "dtype; nothing was written")
-        if on_step is not None:
-            on_step(i + 1, steps)
-        return cb_kwargs
-
-    kwargs["callback_on_step_end"] = on_step_end
-    kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
-    vae.decode = decode_phase
+    kwargs = call_kwargs(built.spec, w, prompt, negative, guidance, steps, generator)
+    watch = _PhaseWatch(built, clock, tell, steps, on_step)
+    kwargs.update(watch.call_kwargs())
     batching = None
     gc.callbacks.append(clock.on_gc)
     t0 = time.perf_counter()
@@ -282,16 +296,13 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
             clock.stop()
     finally:
         gc.callbacks.remove(clock.on_gc)
-        del vae.decode  # the instance attribute goes; the class's method is back
+        watch.remove()
         if batching is not None:
             batching.remove()
-        for h in hooks:
-            h.remove()
-        built.park("vae")
-        built.park("transformer")
-        built.park("text_encoder")
+        for name in ("vae", "transformer", "text_encoder"):
+            built.park(name)
     seconds = time.perf_counter() - t0
     frames = out.frames[0] if hasattr(out, "frames") else out.images
-    latents = state["latents"]
-    return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases, state["steps"],
-                      peak_rss_bytes(), seconds)
+    latents = watch.latents
+    return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases,
+                      watch.step_times, peak_rss_bytes(), seconds)

@@ -8,7 +8,6 @@ write these, neither is needed to read them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Sequence
 
@@ -19,6 +18,7 @@ from chunkflow_planner.files import FileError, read_text
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.predict import Predicted
+from chunkflow_planner.versioned import parse_json
 from chunkflow_planner.versioned import field_errors
 
 RUN_REPORT_SCHEMA_VERSION = 3
@@ -201,12 +201,7 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
         lines = [ln for ln in text.splitlines() if ln.strip()] if path.suffix == ".jsonl" else [text]
         for i, line in enumerate(lines):
             where = f"{str(path)!r}{f' line {i + 1}' if len(lines) > 1 else ''}"
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RunError(f"run report {where} is not JSON: {exc}") from None
-            except RecursionError:
-                raise RunError(f"run report {where} is nested too deeply to be a run report") from None
+            data = parse_json(line, f"run report {where}", RunError, "to be a run report")
             data = _upgrade(data) if isinstance(data, dict) else data
             if not isinstance(data, dict) or data.get("schema_version") != RUN_REPORT_SCHEMA_VERSION:
                 raise RunError(f"{where} is not a run report of schema_version {RUN_REPORT_SCHEMA_VERSION} "

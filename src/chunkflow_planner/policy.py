@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from chunkflow_planner import explain
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.explain import MarginKept  # noqa: F401 - where commands/plan_tables.py finds it
 from chunkflow_planner.memory import (
     MemoryEstimate,
     block_volumes,

@@ -26,12 +26,7 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
         text = read_text(path, what)
     except FileError as exc:
         raise error(str(exc)) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise error(f"{what} {str(path)!r} is not JSON: {exc}") from None
-    except RecursionError:
-        raise error(f"{what} {str(path)!r} is nested too deeply to be one chunkflow writes; {remedy}") from None
+    data = parse_json(text, f"{what} {str(path)!r}", error, f"to be one chunkflow writes; {remedy}")
     if not isinstance(data, dict):
         raise error(f"{what} {str(path)!r} must hold a JSON object")
     found = data.get("schema_version")
@@ -50,6 +45,17 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
             detail = f"it has a field {field!r} this chunkflow does not know (written by a newer one?)"
         raise error(f"{what} {str(path)!r} is malformed (not one this chunkflow understands): {detail}; "
                     f"{remedy}") from None
+
+
+def parse_json(text: str, where: str, error: type[Exception], deep: str) -> object:
+    """The JSON document `text` of the file named `where`; not JSON, or nested past Python's recursion limit,
+    raises `error` (`deep` ends the second message: what the file should have been)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where} is not JSON: {exc}") from None
+    except RecursionError:
+        raise error(f"{where} is nested too deeply {deep}") from None
 
 
 def field_errors(exc: ValidationError) -> str:

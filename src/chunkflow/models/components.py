@@ -13,7 +13,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -125,20 +124,8 @@ def text_encoder_component(te, dtype: torch.dtype, *, folder: Path | None = None
     if folder is None:
         module = meta_text_encoder(te, dtype)
         return Component(te.component, module, RandomSource(seed, gen_device, module))
-    path = _folder(folder, te.component)
-    what = f"{te.component} in {str(folder)!r}"
-    cfg = read_config(path, what)
-    _check_class(cfg, te.cls, what, path)
-    try:
-        module = meta_text_encoder(te, dtype, cfg)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{what}: its config.json does not make a {te.cls} ({exc}); download or save the "
-                              "pipeline again") from None
-    _check_size(module, te.total_params, what, te.cls, dict(te.config), cfg)
-    reader.watch(path)
-    ckpt = open_checkpoint(path, TRANSFORMERS_STEM, variant, convert_hint=te.cls, fallback=True)
-    source = CheckpointSource(ckpt, module, reader, what)
-    return Component(te.component, module, source, source.nbytes, ckpt.variant)
+    return _folder_component(te, lambda cfg: meta_text_encoder(te, dtype, cfg), folder, reader, variant,
+                             TRANSFORMERS_STEM)
 
 
 def vae_component(vae, dtype: torch.dtype, *, folder: Path | None = None, reader: FileReader | None = None,
@@ -148,17 +135,25 @@ def vae_component(vae, dtype: torch.dtype, *, folder: Path | None = None, reader
     if folder is None:
         module = meta_vae(vae, dtype)
         return Component(vae.component, module, RandomSource(seed, gen_device, module))
-    path = _folder(folder, vae.component)
-    what = f"{vae.component} in {str(folder)!r}"
+    return _folder_component(vae, lambda cfg: meta_vae(vae, dtype, cfg), folder, reader, variant, DIFFUSERS_STEM,
+                             rename=lambda k: k)
+
+
+def _folder_component(spec, make, folder: Path, reader: FileReader, variant: str | None, stem: str,
+                      **source_kw) -> Component:
+    """A catalog component (text encoder or VAE `spec`) of the pipeline folder: its config checked to make the
+    catalog's class at the catalog's size, `make(config)` its meta module, its files read by `reader`."""
+    path = _folder(folder, spec.component)
+    what = f"{spec.component} in {str(folder)!r}"
     cfg = read_config(path, what)
-    _check_class(cfg, vae.cls, what, path)
+    _check_class(cfg, spec.cls, what, path)
     try:
-        module = meta_vae(vae, dtype, cfg)
+        module = make(cfg)
     except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{what}: its config.json does not make a {vae.cls} ({exc}); download or save the "
+        raise CheckpointError(f"{what}: its config.json does not make a {spec.cls} ({exc}); download or save the "
                               "pipeline again") from None
-    _check_size(module, vae.total_params, what, vae.cls, dict(vae.config), cfg)
+    _check_size(module, spec.total_params, what, spec.cls, dict(spec.config), cfg)
     reader.watch(path)
-    ckpt = open_checkpoint(path, DIFFUSERS_STEM, variant, convert_hint=vae.cls, fallback=True)
-    source = CheckpointSource(ckpt, module, reader, what, rename=lambda k: k)
-    return Component(vae.component, module, source, source.nbytes, ckpt.variant)
+    ckpt = open_checkpoint(path, stem, variant, convert_hint=spec.cls, fallback=True)
+    source = CheckpointSource(ckpt, module, reader, what, **source_kw)
+    return Component(spec.component, module, source, source.nbytes, ckpt.variant)

@@ -202,50 +202,23 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     `on_bytes(done, total)` hears of the bytes read; `built.load` says how the build went."""
     import diffusers
 
-    from chunkflow.hostmem import peak_rss_bytes
+    from chunkflow.launch import torchrun_world
     from chunkflow.loading.reader import FileReader
 
     t0 = time.perf_counter()
     pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
     folder = Path(weights) if weights is not None else None
-    objects: dict[str, Any] = {}
-    if folder is not None:
-        extra = _folder_config(folder, pipe_spec)
-        for te in pipe_spec.text_encoders:
-            objects[te.tokenizer] = _load_tokenizer(folder, te.tokenizer)
-        objects["scheduler"] = _load_scheduler(folder, pipe_spec)
-    else:
-        extra = dict(pipe_spec.config)
-        for te in pipe_spec.text_encoders:
-            objects[te.tokenizer] = _local_tokenizer(te, pipe_spec)
-        objects["scheduler"] = getattr(diffusers, pipe_spec.scheduler.cls).from_config(pipe_spec.scheduler.config)
-    progress = {"done": 0, "total": 0}
-
-    def heard(n: int) -> None:
-        progress["done"] += n
-        if on_bytes is not None:
-            on_bytes(progress["done"], progress["total"])
-
+    objects, extra = _pipeline_objects(folder, pipe_spec)
+    counter = _ByteCounter(on_bytes)
     parts: list[tuple[str, Component]] = []
-    from chunkflow.launch import torchrun_world
-
     # several ranks read the same files: one's dropping the pages it brought in would make the others read them
     # from the disk again, so under torchrun the page cache keeps them
-    reader = FileReader(on_bytes=heard, keep_cache=torchrun_world() > 1)
+    reader = FileReader(on_bytes=counter.heard, keep_cache=torchrun_world() > 1)
     try:
         parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant)
-        if variant is not None:
-            plain = [c.name for _, c in parts if c.variant is None]
-            if len(plain) == len(parts):
-                raise CheckpointError(f"no component in {str(folder)!r} has {variant!r} variant files; leave "
-                                      "--variant out for the default weights")
-            if plain:
-                log(f"note: {', '.join(plain)} {'has' if len(plain) == 1 else 'have'} no {variant!r} variant files; "
-                    "their default files are read (as diffusers does)")
-        progress["total"] = sum(c.read_bytes for _, c in parts)
-        if on_bytes is not None:
-            on_bytes(0, progress["total"])
+        _check_variant(parts, folder, variant, log)
+        counter.begin(sum(c.read_bytes for _, c in parts))
         for kind, c in parts:
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
             handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)
@@ -261,13 +234,66 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         raise
     finally:
         reader.close()
-    st = reader.stats
-    built.load = LoadMeasurement(
-        seconds=time.perf_counter() - t0, read_bytes=st.bytes_read,
-        cached_bytes=st.bytes_cached if st.cache_known else None, read_seconds=st.seconds,
-        host_peak_bytes=peak_rss_bytes(),
-        component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts})
+    built.load = _load_measurement(built, parts, reader.stats, time.perf_counter() - t0)
     return built
+
+
+class _ByteCounter:
+    """The bytes a build has read so far, told to `on_bytes(done, total)` as they come."""
+
+    def __init__(self, on_bytes: Callable[[int, int], None] | None) -> None:
+        self.on_bytes, self.done, self.total = on_bytes, 0, 0
+
+    def begin(self, total: int) -> None:
+        self.total = total
+        if self.on_bytes is not None:
+            self.on_bytes(0, total)
+
+    def heard(self, n: int) -> None:
+        self.done += n
+        if self.on_bytes is not None:
+            self.on_bytes(self.done, self.total)
+
+
+def _pipeline_objects(folder: Path | None, pipe_spec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pipeline's tokenizers and scheduler (from the folder, or the catalog's), and the pipeline's own
+    config arguments."""
+    import diffusers
+
+    objects: dict[str, Any] = {}
+    if folder is not None:
+        for te in pipe_spec.text_encoders:
+            objects[te.tokenizer] = _load_tokenizer(folder, te.tokenizer)
+        objects["scheduler"] = _load_scheduler(folder, pipe_spec)
+        return objects, _folder_config(folder, pipe_spec)
+    for te in pipe_spec.text_encoders:
+        objects[te.tokenizer] = _local_tokenizer(te, pipe_spec)
+    objects["scheduler"] = getattr(diffusers, pipe_spec.scheduler.cls).from_config(pipe_spec.scheduler.config)
+    return objects, dict(pipe_spec.config)
+
+
+def _check_variant(parts: list[tuple[str, Component]], folder: Path | None, variant: str | None, log) -> None:
+    """A --variant some component has; the components without it named (they read their default files)."""
+    if variant is None:
+        return
+    plain = [c.name for _, c in parts if c.variant is None]
+    if len(plain) == len(parts):
+        raise CheckpointError(f"no component in {str(folder)!r} has {variant!r} variant files; leave "
+                              "--variant out for the default weights")
+    if plain:
+        log(f"note: {', '.join(plain)} {'has' if len(plain) == 1 else 'have'} no {variant!r} variant files; "
+            "their default files are read (as diffusers does)")
+
+
+def _load_measurement(built: BuiltPipeline, parts: list[tuple[str, Component]], st, seconds: float) -> LoadMeasurement:
+    """How the build went: its time, the bytes read (and found in the page cache), the host peak, each
+    component's bytes where it now is."""
+    from chunkflow.hostmem import peak_rss_bytes
+
+    return LoadMeasurement(
+        seconds=seconds, read_bytes=st.bytes_read, cached_bytes=st.bytes_cached if st.cache_known else None,
+        read_seconds=st.seconds, host_peak_bytes=peak_rss_bytes(),
+        component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts})
 
 
 def held_bytes(handle: OffloadHandle) -> int:

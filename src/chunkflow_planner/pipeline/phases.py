@@ -38,7 +38,6 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     evaluate many placements quickly)."""
     pipe = spec.pipeline
     costs = costs if costs is not None else text_costs(spec, w, hw)
-    bw = hw.h2d_gbps * GB
     vae_bytes = pipe.vae.nbytes
     t_model = spec.nbytes
     always = 0.0  # bytes on the GPU in every phase
@@ -56,11 +55,21 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     host["vae"] = 0.0 if pl.vae == "gpu" else float(vae_bytes)
     host["output"] = output_host_bytes(w)
 
-    # encode: the encoders one after another; those placed `phase` or `stream` stay on the device until the phase
-    # ends (a pipeline may call one twice, for the negative prompt), their activations come and go
+    enc = _encode(spec, hw, pl, text, always)
+    den = _denoise(spec, w, hw, pl, point, always)
+    dec = _decode(spec, w, hw, pl, always)
+    phases = {"encode": enc, "denoise": den, "decode": dec}
+    if hw.pipeline.device_is_host:  # the device's peak is host memory too
+        host["device"] = max(ph.allocated_bytes for ph in phases.values())
+    return PipelineEstimate(pl, point, phases, host, hw)
+
+
+def _encode(spec: ModelSpec, hw: HardwareSpec, pl: Placements, text: list, always: float) -> Phase:
+    """The encode phase: the encoders one after another; those placed `phase` or `stream` stay on the device until
+    the phase ends (a pipeline may call one twice, for the negative prompt), their activations come and go."""
     enc = Phase()
     held = 0.0
-    for te, p, (t, dev, _, move) in zip(pipe.text_encoders, pl.text_encoders, text):
+    for te, p, (t, dev, _, move) in zip(spec.pipeline.text_encoders, pl.text_encoders, text):
         enc.time_s += t
         enc.detail[te.component] = t - move  # its forwards; a parked one's move to the device on its own
         if move:
@@ -73,34 +82,39 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     enc.detail["host"] = hw.pipeline.encode_host_s
     enc.allocated_bytes = always + held + enc.activation_bytes
     _add_startup(enc, "encode", hw, spec)
+    return enc
 
-    # denoise: the transformer's plan (one expert at a time); parked outside, so it copies its device part back
+
+def _denoise(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, always: float) -> Phase:
+    """The denoise phase: the transformer's plan (one expert at a time); parked outside, so it copies its device
+    part back."""
     den = Phase()
-    steps = w.steps
-    den.detail["steps"] = steps * point.step_time
+    bw = hw.h2d_gbps * GB
+    den.detail["steps"] = w.steps * point.step_time
     if pl.transformer == "phase":
-        den.detail["unpark"] = pipe.experts * t_model / bw
+        den.detail["unpark"] = spec.pipeline.experts * spec.nbytes / bw
     elif pl.transformer == "stream":
-        den.detail["unpark"] = pipe.experts * _unpark_bytes(spec, point) / bw
+        den.detail["unpark"] = spec.pipeline.experts * _unpark_bytes(spec, point) / bw
     den.time_s = sum(den.detail.values())
-    den.allocated_bytes = (always - (t_model if pl.transformer == "gpu" else 0.0)) + point.memory.peak
+    den.allocated_bytes = (always - (spec.nbytes if pl.transformer == "gpu" else 0.0)) + point.memory.peak
     den.activation_bytes = point.memory.activations
     _add_startup(den, "denoise", hw, spec)
+    return den
 
-    # decode: the VAE's measured fit
+
+def _decode(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, always: float) -> Phase:
+    """The decode phase: the VAE's measured fit, after its move to the device if it is placed per phase."""
     dec = Phase()
+    vae_bytes = spec.pipeline.vae.nbytes
     t_dec, act = decode_cost(spec, w, hw, pl.vae_tiling)
     dec.detail["vae"] = t_dec
     if pl.vae == "phase":
-        dec.detail["unpark"] = vae_bytes / bw
+        dec.detail["unpark"] = vae_bytes / (hw.h2d_gbps * GB)
     dec.time_s = sum(dec.detail.values())
     dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
     dec.activation_bytes = act
     _add_startup(dec, "decode", hw, spec)
-    phases = {"encode": enc, "denoise": den, "decode": dec}
-    if hw.pipeline.device_is_host:  # the device's peak is host memory too
-        host["device"] = max(ph.allocated_bytes for ph in phases.values())
-    return PipelineEstimate(pl, point, phases, host, hw)
+    return dec
 
 
 def startup_of(spec: ModelSpec, phase: str, hw: HardwareSpec) -> float | None:

@@ -17,7 +17,8 @@ from chunkflow_planner.pipeline.cpu import ops_time_cpu
 from chunkflow_planner.pipeline.placement import TEXT_PLACEMENTS
 
 if TYPE_CHECKING:
-    from chunkflow_planner.catalog import HardwareSpec, ModelSpec, TextEncoderSpec, Workload
+    from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
+    from chunkflow_planner.components import TextEncoderSpec
 
 TEXT_STREAM_CHUNK = 16 * 10**6
 
