@@ -1,4 +1,4 @@
-"""Tables for docs/checkpoint-h200.md from the run reports of scripts/gpu_h200_checkpoint.sh: per pipeline and page
+"""Tables for docs/checkpoint-h200.md from the run reports of docs/data/h200-checkpoint/gpu_h200_checkpoint.sh: per pipeline and page
 cache state, the load (measured against the plan) beside diffusers' own from_pretrained + .to("cuda") of the same
 folder, the host peak, every phase's peak GPU memory against the budget, denoise and generation time against the
 plan, and whether the latents equal diffusers'.

@@ -1,4 +1,4 @@
-"""Tables for docs/levers.md from what `scripts/gpu_h200_levers.sh` leaves (a `levers/` directory of run reports,
+"""Tables for docs/levers.md from what `docs/data/h200-levers/gpu_h200_levers.sh` leaves (a `levers/` directory of run reports,
 final latents, plans and two bench sweeps): every measured point with the planner's prediction next to it, the
 batched-CFG difference against the unbatched run, and the measured crossover frame count in bf16 and fp8.
 

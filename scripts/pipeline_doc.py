@@ -1,4 +1,4 @@
-"""Tables for docs/pipeline-h200.md from `chunkflow run --prompt` reports (scripts/gpu_h200_pipeline.sh): per
+"""Tables for docs/pipeline-h200.md from `chunkflow run --prompt` reports (docs/data/h200-pipeline/gpu_h200_pipeline.sh): per
 phase the measured time and peak GPU memory against the plan, for the measured generation (after `--warmup`
 generations: start-up excluded) and the process's first one (start-up included), and peak host memory.
 

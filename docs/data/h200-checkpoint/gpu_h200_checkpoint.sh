@@ -6,10 +6,10 @@
 # .to("cuda") of the same folder for comparison (time, host peak, latents); and the synthetic denoising steps of the
 # plan with the loaded transformer and with random weights (is a slower denoise the machine's or the load's?).
 #
-#   PARTS="calibrate wan22-5b" bash scripts/gpu_h200_checkpoint.sh OUT_DIR      # call 1
-#   PROFILE=p.yaml PARTS="wan21-14b" bash scripts/gpu_h200_checkpoint.sh OUT_DIR  # call 2 (64 GB of disk: one
+#   PARTS="calibrate wan22-5b" bash docs/data/h200-checkpoint/gpu_h200_checkpoint.sh OUT_DIR      # call 1
+#   PROFILE=p.yaml PARTS="wan21-14b" bash docs/data/h200-checkpoint/gpu_h200_checkpoint.sh OUT_DIR  # call 2 (64 GB of disk: one
 #                                                                                # 40 GB pipeline at a time)
-#   QUICK=1 bash scripts/gpu_h200_checkpoint.sh OUT_DIR   # the tiny pipeline on the CPU: a dry run of every step
+#   QUICK=1 bash docs/data/h200-checkpoint/gpu_h200_checkpoint.sh OUT_DIR   # the tiny pipeline on the CPU: a dry run of every step
 #   STATES=warm LOADS_ONLY=1 ...   # only the warm run, without the steps and diffusers comparisons (a re-measure)
 #
 # Plans, reports and logs land in WORK/checkpoint and are packed into OUT_DIR/checkpoint.tgz after every step; each
@@ -20,9 +20,9 @@ work=${WORK:-/tmp/chunkflow-evidence}
 data=${DATA:-/tmp/chunkflow-weights}
 out=$work/checkpoint
 mkdir -p "$out" "$dest" "$data"
-here=$(dirname "$0")
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
 cf=${CHUNKFLOW:-python3 -m chunkflow}
-source "$here/run_step.sh"  # run NAME DEADLINE_S ARGS...
+source "$repo/scripts/run_step.sh"  # run NAME DEADLINE_S ARGS...
 after_run() { tar czf "$dest/checkpoint.tgz" --exclude='*.safetensors' -C "$work" checkpoint; }
 wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 prof=$out/profile.yaml
@@ -42,7 +42,7 @@ pipeline() {  # pipeline NAME MODEL DEADLINE_S PLAN_ARGS...
   local name=$1 model=$2 deadline=$3; shift 3
   local folder=$data/$name dev=() ref=1
   [ -n "${QUICK:-}" ] && dev=(--device cpu) && ref=
-  step "$name-save" 600 python3 "$here/save_pipeline.py" "$model" "$folder"
+  step "$name-save" 600 python3 "$repo/scripts/save_pipeline.py" "$model" "$folder"
   du -sh "$folder"/* > "$out/$name-folder.log" 2>&1
   if [ ! -f "$prof" ]; then
     if [ -n "${QUICK:-}" ]; then
@@ -57,7 +57,7 @@ pipeline() {  # pipeline NAME MODEL DEADLINE_S PLAN_ARGS...
   [ -f "$out/$name-plan.json" ] || return
   for state in ${STATES:-cold warm}; do
     if [ "$state" = cold ]; then
-      step "$name-drop" 60 python3 "$here/drop_cache.py" "$folder"
+      step "$name-drop" 60 python3 "$repo/scripts/drop_cache.py" "$folder"
     else
       find -L "$folder" -type f -exec cat {} + > /dev/null  # every file in the page cache: a warm load
     fi
@@ -72,12 +72,12 @@ pipeline() {  # pipeline NAME MODEL DEADLINE_S PLAN_ARGS...
   run "$name-steps-random" 240 run --plan "$out/$name-plan.json" --steps 3 "${dev[@]}" \
       --report "$out/$name-steps-random.json"
   if [ -n "$ref" ]; then
-    step "$name-diffusers-drop" 60 python3 "$here/drop_cache.py" "$folder"
+    step "$name-diffusers-drop" 60 python3 "$repo/scripts/drop_cache.py" "$folder"
     local shape; shape=$(python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workload']; \
 print(f\"--frames {w['frames']} --height {w['height']} --width {w['width']} --steps {w['steps']} --batch {w['batch']}\")" \
         "$out/$name-plan.json")
     # shellcheck disable=SC2086
-    step "$name-diffusers" "$deadline" python3 "$here/diffusers_load.py" "$model" "$folder" $shape --prompt "$prompt" \
+    step "$name-diffusers" "$deadline" python3 "$repo/scripts/diffusers_load.py" "$model" "$folder" $shape --prompt "$prompt" \
         --negative-prompt "$negative" --guidance 5 --seed 0 --latents "$out/$name-cold-latents.safetensors" \
         --out "$out/$name-diffusers.json"
   fi

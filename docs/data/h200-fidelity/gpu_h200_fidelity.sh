@@ -6,8 +6,8 @@
 #   soak      chunkflow run: 500 denoising steps of two forwards (1000 consecutive forwards) at r = 0.3,
 #             memory after every step in the run report
 #
-#   bash scripts/gpu_h200_fidelity.sh OUT_DIR            # on one GPU; about 8 minutes on an H200
-#   QUICK=1 bash scripts/gpu_h200_fidelity.sh OUT_DIR    # the tiny model on the CPU: a dry run of every step
+#   bash docs/data/h200-fidelity/gpu_h200_fidelity.sh OUT_DIR            # on one GPU; about 8 minutes on an H200
+#   QUICK=1 bash docs/data/h200-fidelity/gpu_h200_fidelity.sh OUT_DIR    # the tiny model on the CPU: a dry run of every step
 #
 # Each step has a deadline; everything is packed into OUT_DIR/fidelity.tgz.
 set -uo pipefail
@@ -15,7 +15,8 @@ out=${1:-${OUT:-out}}/fidelity
 mkdir -p "$out"
 cf=${CHUNKFLOW:-python3 -m chunkflow}
 profile=${PROFILE:-profiles/h200-calibrated.yaml}
-source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+source "$repo/scripts/run_step.sh"  # run NAME DEADLINE_S ARGS...
 if [ -n "${QUICK:-}" ]; then
   model=(--model tiny); big=(--frames 5,9); small=(--frames 5); steps=20; profile=h200
 else

@@ -4,15 +4,16 @@
 # copy stream (the compute-stream sweep is crossover-fp8_e4m3 of gpu_h200_levers.sh), and `chunkflow run` of both
 # at r = 0 on the levers plans (41 and 81 frames), latents kept to check both give the same bits.
 #
-#   PROFILE=docs/data/h200-pipeline-2/profile.yaml PLANS=docs/data/h200-levers bash scripts/gpu_h200_fp8_cast.sh OUT
-#   QUICK=1 bash scripts/gpu_h200_fp8_cast.sh OUT   # the tiny model on the CPU: a dry run of every step
+#   PROFILE=docs/data/h200-pipeline-2/profile.yaml PLANS=docs/data/h200-levers bash docs/data/h200-heldout/gpu_h200_fp8_cast.sh OUT
+#   QUICK=1 bash docs/data/h200-heldout/gpu_h200_fp8_cast.sh OUT   # the tiny model on the CPU: a dry run of every step
 set -uo pipefail
 dest=${1:-${OUT:-out}}
 work=${WORK:-/tmp/chunkflow-evidence}
 out=$work/fp8-cast
 mkdir -p "$out" "$dest"
 cf=${CHUNKFLOW:-python3 -m chunkflow}
-source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+source "$repo/scripts/run_step.sh"  # run NAME DEADLINE_S ARGS...
 after_run() { tar czf "$dest/fp8-cast.tgz" -C "$work" --exclude='*.safetensors' fp8-cast; }
 if [ -n "${QUICK:-}" ]; then
   model=tiny; size=(--height 64 --width 64); frames=(5 9); sweep=5,9,13; warmup=0; steps=2; dev=(--device cpu)

@@ -2,9 +2,9 @@
 # Issue 15's evidence on one H200, through the product: below the critical point, batched CFG and fp8 weight
 # storage against no offload, full offload and the residency the planner picked before the levers existed.
 #
-#   bash scripts/gpu_h200_levers.sh OUT_DIR          # one GPU; about 15 minutes on an H200
-#   QUICK=1 bash scripts/gpu_h200_levers.sh OUT_DIR  # the tiny model on the CPU: a dry run of every step
-#   PROFILE=p.yaml PARTS="41 81 crossover qwen" bash scripts/gpu_h200_levers.sh OUT_DIR
+#   bash docs/data/h200-levers/gpu_h200_levers.sh OUT_DIR          # one GPU; about 15 minutes on an H200
+#   QUICK=1 bash docs/data/h200-levers/gpu_h200_levers.sh OUT_DIR  # the tiny model on the CPU: a dry run of every step
+#   PROFILE=p.yaml PARTS="41 81 crossover qwen" bash docs/data/h200-levers/gpu_h200_levers.sh OUT_DIR
 #       # a calibrated profile instead of calibrating, and only the parts named (to split the work in parts)
 #
 # 1. `chunkflow calibrate` (the fp8 cast rate is part of the profile).
@@ -25,7 +25,8 @@ work=${WORK:-/tmp/chunkflow-evidence}
 out=$work/levers
 mkdir -p "$out" "$dest"
 cf=${CHUNKFLOW:-python3 -m chunkflow}
-source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+source "$repo/scripts/run_step.sh"  # run NAME DEADLINE_S ARGS...
 after_run() { tar czf "$dest/levers.tgz" -C "$work" levers; }
 measure() {  # measure NAME DEADLINE_S PLAN RUN_FLAGS...: one `chunkflow run` of a plan, its report kept
   local name=$1 deadline=$2 plan=$3; shift 3

@@ -4,9 +4,9 @@
 # `chunkflow plan` under its GPU budget and `chunkflow run --prompt`, which reports every phase measured against
 # the plan. docs/pipeline-h200.md is written from what it leaves.
 #
-#   bash scripts/gpu_h200_pipeline.sh OUT_DIR          # one GPU; about 11 minutes on an H200
-#   QUICK=1 bash scripts/gpu_h200_pipeline.sh OUT_DIR  # the tiny pipelines on the CPU: a dry run of every step
-#   PROFILE=p.yaml ONLY="wan21-14b-81 wan22-a14b-81" bash scripts/gpu_h200_pipeline.sh OUT_DIR
+#   bash docs/data/h200-pipeline/gpu_h200_pipeline.sh OUT_DIR          # one GPU; about 11 minutes on an H200
+#   QUICK=1 bash docs/data/h200-pipeline/gpu_h200_pipeline.sh OUT_DIR  # the tiny pipelines on the CPU: a dry run of every step
+#   PROFILE=p.yaml ONLY="wan21-14b-81 wan22-a14b-81" bash docs/data/h200-pipeline/gpu_h200_pipeline.sh OUT_DIR
 #       # a calibrated profile instead of calibrating, and only the pipelines named (to split the work in parts)
 #
 # Every generation runs twice in its process (`--warmup 1`): the report compares the second with the plan less its
@@ -24,7 +24,8 @@ media=$work/media
 mkdir -p "$out" "$media" "$dest"
 pack() { ls -la "$media" > "$out/media.log"; tar czf "$dest/pipeline.tgz" -C "$work" pipeline; }
 cf=${CHUNKFLOW:-python3 -m chunkflow}
-source "$(dirname "$0")/run_step.sh"  # run NAME DEADLINE_S ARGS...
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+source "$repo/scripts/run_step.sh"  # run NAME DEADLINE_S ARGS...
 after_run() { pack; }
 generate() {  # generate NAME DEADLINE_S SUFFIX PLAN_ARGS...: plan it under the profile, then generate from a prompt
   local name=$1 deadline=$2 suffix=$3; shift 3

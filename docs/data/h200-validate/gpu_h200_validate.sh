@@ -4,30 +4,30 @@
 #   calibrate  `chunkflow calibrate` (tiled VAE decodes now timed per decoder call at two resolutions); the profile
 #              every later part plans with (or PROFILE=p.yaml: a profile an earlier call wrote)
 #   qwen       issue 15: Qwen-Image 1328x1328 in 24 GB planned at --max-slowdown 1.10 and run, with no offload for
-#              reference (scripts/gpu_h200_levers.sh, part qwen)
+#              reference (docs/data/h200-levers/gpu_h200_levers.sh, part qwen)
 #   denoise    Wan2.2-TI2V-5B 480x832 x121: the synthetic steps of the plan whose pipeline denoise ran 11% over the
 #              step model, offloaded as planned and not offloaded (is the gap the pipeline's or the step model's?)
-#   pipelines  issue 14: whole pipelines planned with the profile, then generated (scripts/gpu_h200_pipeline.sh;
+#   pipelines  issue 14: whole pipelines planned with the profile, then generated (docs/data/h200-pipeline/gpu_h200_pipeline.sh;
 #              ONLY="..." names them)
 #
-#   PARTS="calibrate qwen denoise pipelines" ONLY="flux-1024 wan22-5b-81" bash scripts/gpu_h200_validate.sh OUT_DIR
-#   QUICK=1 bash scripts/gpu_h200_validate.sh OUT_DIR   # the tiny model on the CPU: a dry run of every step
+#   PARTS="calibrate qwen denoise pipelines" ONLY="flux-1024 wan22-5b-81" bash docs/data/h200-validate/gpu_h200_validate.sh OUT_DIR
+#   QUICK=1 bash docs/data/h200-validate/gpu_h200_validate.sh OUT_DIR   # the tiny model on the CPU: a dry run of every step
 set -uo pipefail
 dest=${1:-${OUT:-out}}
 root=${WORK:-/tmp/chunkflow-evidence}
 work=$root/validate
 mkdir -p "$work" "$dest"
-here=$(dirname "$0")
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
 cf=${CHUNKFLOW:-python3 -m chunkflow}
 out=$work
-source "$here/run_step.sh"  # run NAME DEADLINE_S ARGS...
+source "$repo/scripts/run_step.sh"  # run NAME DEADLINE_S ARGS...
 after_run() { tar czf "$dest/validate.tgz" --exclude='*.safetensors' -C "$root" validate; }
 wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 prof=$work/profile.yaml
 [ -n "${PROFILE:-}" ] && cp "$PROFILE" "$prof"
 if wanted cast && [ -z "${QUICK:-}" ]; then
   echo "[$(date +%T)] pytest tests/test_fp8cast.py" | tee "$work/cast-tests.log"
-  (cd "$here/.." && timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8cast.py) 2>&1 | tee -a "$work/cast-tests.log"
+  (cd "$repo" && timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8cast.py) 2>&1 | tee -a "$work/cast-tests.log"
   echo "[$(date +%T)] cast-tests exit ${PIPESTATUS[0]}" | tee -a "$work/cast-tests.log"
   # the kernel's launch shape, and PyTorch's copy, at calibrate's measurement (GB/s of bf16 written)
   python3 - <<'PY' 2>&1 | tee -a "$work/cast-tests.log"
@@ -51,10 +51,10 @@ if wanted calibrate && [ ! -f "$prof" ]; then
   fi
 fi
 if wanted qwen; then
-  WORK=$root PROFILE=$prof PARTS=qwen bash "$here/gpu_h200_levers.sh" "$dest"
+  WORK=$root PROFILE=$prof PARTS=qwen bash "$repo/docs/data/h200-levers/gpu_h200_levers.sh" "$dest"
 fi
 if wanted pipelines; then
-  WORK=$root PROFILE=$prof ONLY="${ONLY:-}" bash "$here/gpu_h200_pipeline.sh" "$dest"
+  WORK=$root PROFILE=$prof ONLY="${ONLY:-}" bash "$repo/docs/data/h200-pipeline/gpu_h200_pipeline.sh" "$dest"
 fi
 if wanted denoise; then
   if [ -n "${QUICK:-}" ]; then
@@ -62,7 +62,7 @@ if wanted denoise; then
         --out "$work/denoise-plan.json"
     plan=$work/denoise-plan.json; dev=(--device cpu); n=(--warmup 0 --steps 2)
   else
-    plan=$here/../docs/data/h200-heldout/pipeline/wan22-5b-480-121-plan.json; dev=(); n=(--warmup 1 --steps 3)
+    plan=$repo/docs/data/h200-heldout/pipeline/wan22-5b-480-121-plan.json; dev=(); n=(--warmup 1 --steps 3)
   fi
   run denoise-offload 150 run --plan "$plan" --profile "$prof" "${n[@]}" "${dev[@]}" \
       --report "$work/denoise-offload-report.json"
