@@ -35,6 +35,7 @@ Fp8Cast = Literal["compute", "copy"]
 FP8_CASTS: tuple[str, ...] = ("compute", "copy")  # where a streamed block's fp8 weights become its compute dtype
 FP8_BYTES_PER_PARAM = 1
 DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
+DISK_RING_BLOCKS = 2  # disk tier: page-locked ring buffers, one disk block's streamed bytes each; reads run this far ahead
 PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
 
 
@@ -49,6 +50,14 @@ def resident_bytes(V: int | float, C: int | float, r: float) -> int | float:
     k = math.floor(r * V / C)
     below, above = min(k * C, V), min((k + 1) * C, V)
     return above if (above - r * V) <= (r * V - below) else below
+
+
+def disk_block_indices(n_blocks: int, disk_blocks: int) -> list[int]:
+    """The blocks whose streamed bytes the disk tier keeps in the checkpoint's files: `disk_blocks` of the
+    `n_blocks`, spread evenly over the forward, so that each read overlaps the blocks between two disk blocks (the
+    planner and the runtime use this one rule)."""
+    k = max(0, min(int(disk_blocks), n_blocks))
+    return [math.floor((i + 0.5) * n_blocks / k) for i in range(k)] if k else []
 
 
 def _chunk(value: Any) -> int:
@@ -95,13 +104,15 @@ class OffloadConfig(BaseModel):
     weight_dtype: WeightDtype = "bf16"
     fp8_cast: Fp8Cast = "compute"  # fp8 storage: cast on the compute stream before the block runs, or on the copy
     # stream right after the block's copies (off the compute path, at the cost of a second cast buffer)
+    disk_blocks: int = 0  # blocks whose streamed bytes stay in the checkpoint's files (the disk tier), read each forward
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
-                 weight_dtype: str = "bf16", fp8_cast: str = "compute") -> None:
+                 weight_dtype: str = "bf16", fp8_cast: str = "compute", disk_blocks: int = 0) -> None:
         try:
             super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
-                             cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast)
+                             cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast,
+                             disk_blocks=disk_blocks)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -133,6 +144,15 @@ class OffloadConfig(BaseModel):
             raise OffloadConfigError(f"fp8_cast {fp8_cast!r} says where fp8-stored weights are cast; with weight_dtype "
                                      "bf16 nothing is cast. Store the weights in fp8 too (weight_dtype fp8_e4m3, "
                                      "--weight-dtype fp8_e4m3), or leave fp8_cast out")
+        disk = data.get("disk_blocks", 0)
+        if isinstance(disk, bool) or not isinstance(disk, int) or disk < 0:
+            raise OffloadConfigError(f"disk_blocks is a count of blocks (0 or more), got {disk!r}")
+        if disk and mode == "none":
+            raise OffloadConfigError("disk_blocks keeps streamed bytes on disk; mode none streams nothing. Use mode "
+                                     "layerwise or chunkflow")
+        if disk and weight_dtype != "bf16":
+            raise OffloadConfigError("the disk tier reads the checkpoint's bytes as they are; fp8 storage casts them. "
+                                     "Use weight_dtype bf16 with disk_blocks")
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -145,12 +165,13 @@ class OffloadConfig(BaseModel):
             chunk = DEFAULT_CHUNK_BYTES if given is None else _chunk(given)
             r = 0.0 if residency is None else _residency(residency)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
-                "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast}
+                "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast,
+                "disk_blocks": disk}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
                        residency: float | None = None, comm_aware: bool | None = None, *,
                        cfg_batched: bool | None = None, weight_dtype: str | None = None,
-                       fp8_cast: str | None = None) -> "OffloadConfig":
+                       fp8_cast: str | None = None, disk_blocks: int | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
         storage only to a mode that streams. A chunk size or residency given for a mode without them is refused
@@ -174,6 +195,8 @@ class OffloadConfig(BaseModel):
             cfg_batched=self.cfg_batched if cfg_batched is None else cfg_batched,
             weight_dtype=dtype,
             fp8_cast=fp8_cast if fp8_cast is not None else (self.fp8_cast if dtype != "bf16" else "compute"),
+            disk_blocks=(disk_blocks if disk_blocks is not None
+                         else self.disk_blocks if new_mode != "none" and dtype == "bf16" else 0),
         )
 
     @classmethod
@@ -199,7 +222,8 @@ class OffloadConfig(BaseModel):
     def levers_label(self) -> str:
         """` cfg-batched`, ` fp8` and ` cast-on-copy` where set (empty without levers): the tail of `label`."""
         fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
-        return (" cfg-batched" if self.cfg_batched else "") + fp8
+        disk = f" disk={self.disk_blocks}" if self.disk_blocks else ""
+        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.

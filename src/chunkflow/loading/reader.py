@@ -73,10 +73,11 @@ class FileReader:
     the files' remaining added pages are dropped and the staging buffers freed."""
 
     def __init__(self, threads: int = READ_THREADS, piece_bytes: int = PIECE_BYTES, keep_cache: bool = False,
-                 on_bytes: Callable[[int], None] | None = None):
+                 on_bytes: Callable[[int], None] | None = None, drop_all: bool = False):
         self.threads = max(1, int(threads))
         self.piece = max(4096, int(piece_bytes)) // 4096 * 4096
         self.keep_cache = keep_cache
+        self.drop_all = drop_all  # drop every page a read touches, cached before or not (the disk tier's reads)
         self.on_bytes = on_bytes
         self.stats = ReadStats()
         self._files: dict[Path, _Open] = {}
@@ -92,6 +93,8 @@ class FileReader:
         f = self._files.get(path)
         if f is None:
             f = self._files[path] = _Open(path, self.keep_cache)
+            if self.drop_all:
+                f.cache.before = None  # as if nothing were cached: release() drops every page of a range
             self.stats.files += 1
             self.stats.cache_known &= f.cache.known
         return f

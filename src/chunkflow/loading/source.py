@@ -200,3 +200,33 @@ class CheckpointSource:
 
     def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None:
         self.reader.read_tensor(self.where[name], out)
+
+    def disk_files(self) -> "CheckpointFiles":
+        """What the runtime's disk tier reads each forward (runtime/disk.py): these records, through a reader of its
+        own that leaves nothing it reads in the page cache."""
+        return CheckpointFiles(dict(self.where))
+
+
+class CheckpointFiles:
+    """The disk tier's view of a checkpoint (runtime/disk.DiskFiles): each tensor's record by its name in the module,
+    and raw byte ranges read with the loader's parallel preadv, their pages dropped after each read."""
+
+    def __init__(self, where: dict[str, TensorRecord]):
+        self.where = where
+        self.reader = FileReader(drop_all=True)
+
+    def record(self, name: str) -> TensorRecord | None:
+        return self.where.get(name)
+
+    def read_range(self, path, begin: int, nbytes: int, out: torch.Tensor) -> None:
+        self.reader.read_into(path, begin, nbytes, out)
+
+    def read_tensor(self, rec: TensorRecord, out: torch.Tensor) -> None:
+        """A (small) tensor in another dtype than the file's: its bytes read as they are, then cast (no staging
+        buffers kept for the reader's threads)."""
+        raw = torch.empty(rec.nbytes, dtype=torch.uint8)
+        self.reader.read_into(rec.file, rec.begin, rec.nbytes, raw)
+        out.copy_(raw.view(getattr(torch, rec.dtype_name)).view(out.shape))
+
+    def close(self) -> None:
+        self.reader.close()

@@ -27,11 +27,12 @@ from torch import nn
 
 from chunkflow.runtime.casting import FP8_NO_NEW_MODULES, Fp8Storage
 from chunkflow.runtime.comm import CollectiveTap, CommAwareness, CommPacer
+from chunkflow.runtime.disk import DiskTier
 from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.fp8cast import cast_kernel_name
 from chunkflow.runtime.hooks import HANDLE_KEY, BlockHook, hook_module, hook_part, unhook_module, unhook_part
-from chunkflow.runtime.layout import BlockLayout, block_layouts, block_spans, store_bytes
+from chunkflow.runtime.layout import BlockLayout, block_layouts, block_spans, place_in_store, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.parking import Parking, TurnTaking, take_turns
@@ -90,7 +91,7 @@ class OffloadHandle:
     """State of one offloaded module. Made by `offload()`; undo with `remove()`."""
 
     def __init__(self, module: nn.Module, cfg: OffloadConfig, device: torch.device,
-                 blocks: list[tuple[str, nn.Module]]):
+                 blocks: list[tuple[str, nn.Module]], disk: DiskTier | None = None):
         self.module = module
         self.cfg = cfg
         self.device = device
@@ -112,9 +113,10 @@ class OffloadHandle:
         self.casting = Fp8Storage(fp8, on_copy=cfg.fp8_cast == "copy") if fp8 is not None else None
         self.writes = WriteWatch() if cfg.streams else None
         self.comm = CommAwareness()
+        self.disk = disk  # the disk tier (runtime/disk.py), where the setting keeps some blocks' tails on disk
         # the parts, in the order they are attached and closed (detached in reverse); None: not used by this setting
-        self.features: list[HandleFeature] = [f for f in (self.parking, self.casting, self.writes, self.comm)
-                                              if f is not None]
+        self.features: list[HandleFeature] = [f for f in (self.parking, self.casting, self.writes, self.comm,
+                                                          self.disk) if f is not None]
         # one forward at a time (two threads sharing the module would share its slots): held through the root's
         # call (hooks._root_call), around each block's, and by park, unpark, apply and remove; `take_turns` gives
         # the modules taking turns one lock. `depth`: forwards of the module running in the thread holding it
@@ -168,6 +170,11 @@ class OffloadHandle:
         layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast)
         if first:
             _warn_rounded(self.cfg, layouts)
+        if self.disk is not None:  # the disk blocks' tails checked against their files, the store without them
+            if first:
+                self.disk.note_records(tensors, source)
+            self.disk.prepare(layouts, pin=self.device.type == "cuda")
+            place_in_store(layouts)
         return layouts
 
     def _fill(self, layouts: list[BlockLayout], tensors: list[ModuleTensor], source: TensorSource | None) -> None:
@@ -176,7 +183,7 @@ class OffloadHandle:
         store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda",
                           ranges=block_spans(layouts)) if self.cfg.streams else None
         try:
-            self.non_block = fill(layouts, store, tensors, self.device, source)
+            self.non_block = fill(layouts, store, tensors, self.device, source, self.disk)
             if store is not None:
                 store.wait()
         except BaseException:
@@ -194,7 +201,7 @@ class OffloadHandle:
         """The streamer (device buffers, the first block prefetched) and the block hooks."""
         features = self.casting.block_casts(self.layouts, self.device) if self.casting is not None else []
         backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
-        self.streamer = Streamer(self.layouts, self.store, self.device, backend, features)
+        self.streamer = Streamer(self.layouts, self.store, self.device, backend, features, self.disk)
         self.streamer.fill_resident_and_start()
         self.hooks = [BlockHook(self, b.index, b.module) for b in self.layouts]
 
@@ -280,6 +287,8 @@ class OffloadHandle:
     def sync(self) -> None:
         """Bring the device copies up to date with writes to the blocks since the last forward (writes.py)."""
         relayout, dirty = self.writes.collect()
+        if self.disk is not None and dirty and self.disk.demote(dirty):
+            relayout = True  # a disk block written: its values move to the host store (the file is never written)
         if relayout:
             self._relayout()
         elif dirty:
@@ -417,6 +426,7 @@ class OffloadHandle:
         slot = s.slots[0].numel() if s is not None and s.slots else 0
         nb = sum(t.get().numel() * t.get().element_size() for t in self.non_block)
         cast_bytes = self.casting.buffer_bytes() if self.casting is not None and s is not None else 0
+        d = self.disk
         return OffloadStats(
             mode=self.cfg.mode,
             device=str(self.device),
@@ -443,6 +453,11 @@ class OffloadHandle:
             fp8_tensors=self.casting.tensor_count(L) if self.casting is not None else 0,
             cast_buffer_bytes=cast_bytes,
             fp8_cast_kernel=cast_kernel_name(self.device) if self.casting is not None else "",
+            disk_blocks=len(d.order) if d is not None else 0,
+            disk_bytes_per_step=d.tail_bytes(L) if d is not None else 0,
+            disk_bytes_read=d.bytes_read if d is not None else 0,
+            disk_read_stall_s=d.stall_s if d is not None else 0.0,
+            disk_ring_bytes=d.ring.nbytes if d is not None and d.ring is not None else 0,
         )
 
     # ---- the end
@@ -513,6 +528,22 @@ class OffloadHandle:
                     t.set_buffer(gone)
 
 
+def _disk_tier(cfg: OffloadConfig, named: list, source: TensorSource | None) -> DiskTier | None:
+    """The disk tier the setting asks for, reading the files `source` knows; an error where it knows none."""
+    if not cfg.disk_blocks:
+        return None
+    from chunkflow_planner.offload import disk_block_indices
+
+    opener = getattr(source, "disk_files", None)
+    if opener is None:
+        raise OffloadError(f"disk_blocks={cfg.disk_blocks} keeps blocks' weights in the checkpoint's files, but this "
+                           "module's weights come from no file chunkflow reads: load it from its folder through "
+                           "chunkflow (`chunkflow run --weights DIR`, chunkflow.models.build), or leave disk_blocks out")
+    if cfg.disk_blocks > len(named):
+        raise OffloadError(f"disk_blocks={cfg.disk_blocks} but the module has {len(named)} blocks")
+    return DiskTier(set(disk_block_indices(len(named), cfg.disk_blocks)), opener())
+
+
 def discard(handle: OffloadHandle) -> None:
     """`handle.discard()`: end the handle, leaving its module without weights (see there)."""
     handle.discard()
@@ -520,7 +551,8 @@ def discard(handle: OffloadHandle) -> None:
 
 def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = None, chunk_size=None,
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
-            fp8_cast: str | None = None, device: str | torch.device | None = "cuda", blocks=None,
+            fp8_cast: str | None = None, disk_blocks: int | None = None,
+            device: str | torch.device | None = "cuda", blocks=None,
             source: TensorSource | None = None) -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
@@ -532,7 +564,9 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     float8 and cast back on the device before each block runs, as diffusers' `enable_layerwise_casting` does; lossy,
     halves host memory and copied bytes), `fp8_cast` (with fp8: 'compute', the default, casts each block on the
     compute stream before it runs; 'copy' casts it on the copy stream right after its copies, off the compute
-    path, with a second block-sized cast buffer).
+    path, with a second block-sized cast buffer), `disk_blocks` (that many blocks, spread over the forward, keep their
+    streamed bytes in the checkpoint's files and are read from disk each forward, runtime/disk.py; needs a loader's
+    `source` that knows the files).
     Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
     needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
     from the catalog for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
@@ -542,13 +576,13 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     module = unwrap_module(module)
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, blocks=blocks, mode=mode, chunk_size=chunk_size, residency=residency,
-                         comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast)
+                         comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast, disk_blocks=disk_blocks)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     check_parameters(named)
     if cfg.streams:
         check_no_layerwise_casting(module)
-    handle = OffloadHandle(module, cfg, dev, named)
+    handle = OffloadHandle(module, cfg, dev, named, _disk_tier(cfg, named, source))
     handle._attach(source, first=True)
     if cfg.streams:
         hook_module(module, handle, root=True)  # .to() and copies go through the handle

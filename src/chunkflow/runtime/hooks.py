@@ -58,7 +58,11 @@ def _exit(hook) -> None:
 
 def _run_block(self, base, hook, args, kwargs):
     """The block's own call between its enter (tensors bound to the device) and exit (back to the host)."""
-    _enter(hook)
+    try:
+        _enter(hook)
+    except BaseException:  # the next block's prefetch failed (a disk read): the slot is given back all the same
+        _exit(hook)
+        raise
     try:
         if _in_backward() and torch.is_grad_enabled():  # recomputed for backward: what autograd saves of its weights
             _own_copies(hook)  # must outlive the slot they are bound to (the next block's copies refill it)

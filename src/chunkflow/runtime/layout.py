@@ -71,6 +71,12 @@ class BlockLayout:
     straddle_start: int = 0  # R'_l: start of the first tensor not wholly resident (R_l if none straddles)
     slot_start: int = 0  # A_l: byte of the block that sits at slot[0]
     chunks: list[tuple[int, int]] = field(default_factory=list)  # H2D ranges covering [R_l, V_l)
+    on_disk: bool = False  # the disk tier keeps [R_l, V_l) in the checkpoint's files (runtime/disk.py)
+
+    @property
+    def host_extent(self) -> int:
+        """Bytes of the host store this block takes: all of it, or its resident head when its tail is on disk."""
+        return self.resident_bytes if self.on_disk else self.nbytes
 
     @property
     def streamed_bytes(self) -> int:
@@ -204,14 +210,20 @@ def block_layouts(root: nn.Module, blocks: list[tuple[str, nn.Module]], chunk_by
     pack_block."""
     owned = owned_tensors(root, [m for _, m in blocks])
     layouts = []
-    host = 0
     for i, ((name, m), entries) in enumerate(zip(blocks, owned)):
         b = pack_block(i, name, m, entries, cast)
         split_residency(b, chunk_bytes, residency)
+        layouts.append(b)
+    return place_in_store(layouts)
+
+
+def place_in_store(layouts: list[BlockLayout]) -> list[BlockLayout]:
+    """Each block's offset in the one host store (ALIGN-aligned), by its host extent (a disk block: its head)."""
+    host = 0
+    for b in layouts:
         host = align_up(host)
         b.host_offset = host
-        host += b.nbytes
-        layouts.append(b)
+        host += b.host_extent
     return layouts
 
 
@@ -226,4 +238,4 @@ def store_bytes(layouts: list[BlockLayout]) -> int:
     if not layouts:
         return 0
     last = layouts[-1]
-    return last.host_offset + last.nbytes
+    return last.host_offset + last.host_extent

@@ -33,6 +33,11 @@ class OffloadStats:
     cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into: one block's worth; with
     # fp8_cast "copy" one per slot, and one more where some blocks do not stream (they are cast on the compute stream)
     fp8_cast_kernel: str = ""  # with fp8 storage on a device: the kernel that casts, triton or torch (runtime/fp8cast.py)
+    disk_blocks: int = 0  # blocks whose streamed bytes are read from the checkpoint's files each forward
+    disk_bytes_per_step: int = 0  # bytes a full forward reads from disk
+    disk_bytes_read: int = 0  # bytes read from disk so far
+    disk_read_stall_s: float = 0.0  # seconds the copy stream's issuer waited for a read to finish
+    disk_ring_bytes: int = 0  # page-locked ring buffers the reads land in
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,5 +52,7 @@ class OffloadStats:
                 + f", {format_bytes(self.streamed_bytes_per_step)} a forward; {format_bytes(self.resident_bytes)} "
                 f"resident ({self.achieved_residency:.0%}); {format_bytes(self.host_bytes)} in host memory"
                 + (f" ({format_bytes(self.pinned_bytes)} pinned)" if self.pinned_bytes else "")
+                + (f"; {self.disk_blocks} blocks read from disk ({format_bytes(self.disk_bytes_per_step)} a forward, "
+                   f"{format_bytes(self.disk_ring_bytes)} ring)" if self.disk_blocks else "")
                 + f"; {format_bytes(self.device_buffer_bytes + self.non_block_bytes)} on the device; "
                 f"{self.forwards} forwards so far")

@@ -128,10 +128,11 @@ def host_view(host: HostStore, b: BlockLayout, t: TensorEntry) -> torch.Tensor:
 class _Pending:
     """A block whose prefetch has begun but whose chunks are not all enqueued yet."""
 
-    __slots__ = ("block", "slot", "chunks", "next")
+    __slots__ = ("block", "slot", "chunks", "next", "src", "src_at")
 
-    def __init__(self, block: int, slot: int, chunks):
+    def __init__(self, block: int, slot: int, chunks, src: torch.Tensor | None = None, src_at: int = 0):
         self.block, self.slot, self.chunks, self.next = block, slot, chunks, 0
+        self.src, self.src_at = src, src_at  # a disk block's ring buffer, holding its bytes from src_at on
 
     @property
     def left(self) -> int:
@@ -148,8 +149,9 @@ class Streamer:
     """
 
     def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend,
-                 features: list[BlockFeature] | None = None):
+                 features: list[BlockFeature] | None = None, disk=None):
         self.layouts = layouts
+        self.disk = disk  # the disk tier (runtime/disk.py) where some blocks' tails are on disk, else None
         self.features = list(features or [])  # called around each block (fp8 casts); empty: nothing to call
         self.host = host
         self.device = device
@@ -167,7 +169,8 @@ class Streamer:
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
         # resident buffer and a slot inside it.
-        self.host_views = [[(t, host_view(host, b, t)) for t in b.tensors] for b in layouts]
+        self.host_views = [[(t, disk.view(t) if b.on_disk and t.end > b.resident_bytes else host_view(host, b, t))
+                            for t in b.tensors] for b in layouts]
         self.resident = torch.empty(0, dtype=torch.uint8, device=device)
         self.slots: list[torch.Tensor] = []
         self.resident_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
@@ -274,11 +277,12 @@ class Streamer:
             slot[lo - A : hi - A].copy_(self.resident[roff + lo : roff + hi], non_blocking=self.backend.non_blocking)
             self.bytes_d2d += hi - lo
 
-    def _copy_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor) -> None:
+    def _copy_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor, p: _Pending) -> None:
         if self.obs is not None:
             self.obs.chunk_copy(b.index, lo, hi, "h2d", self.backend.copy_stream)
         A = b.slot_start
-        slot[lo - A : hi - A].copy_(self.host.view(b.host_offset + lo, hi - lo), non_blocking=self.backend.non_blocking)
+        src = self.host.view(b.host_offset + lo, hi - lo) if p.src is None else p.src[lo - p.src_at : hi - p.src_at]
+        slot[lo - A : hi - A].copy_(src, non_blocking=self.backend.non_blocking)
         self.bytes_h2d += hi - lo
 
     # ---- hot path
@@ -292,7 +296,7 @@ class Streamer:
             if self.obs is not None:
                 self.obs.copy_stream_waits("slot", s)
             self._copy_head(b, self.slots[s])
-        self.pending = _Pending(l, s, b.chunks)
+        self.pending = _Pending(l, s, b.chunks, *(self.disk.acquire(l) if b.on_disk else ()))
         self.slot_of[l] = s
 
     def pump(self, n: int) -> int:
@@ -308,7 +312,7 @@ class Streamer:
             self.pacer.before_chunks()
         with be.on(be.copy_stream):
             for lo, hi in p.chunks[p.next : p.next + k]:
-                self._copy_chunk(b, lo, hi, slot)
+                self._copy_chunk(b, lo, hi, slot, p)
         p.next += k
         return k
 
@@ -318,6 +322,10 @@ class Streamer:
         if p is None:
             return
         self.pump(p.left)
+        if p.src is not None:  # its ring buffer may take the next read once these copies are done
+            copied = self.backend.event()
+            copied.record(self.backend.copy_stream)
+            self.disk.release(p.block, copied)
         for f in self.features:
             f.copies_done(self, p.block, p.slot)
         self.ready[p.block].record(self.backend.copy_stream)

@@ -101,9 +101,11 @@ def _real_parameter(t: ModuleTensor) -> None:
 
 
 def fill(layouts: list[BlockLayout], store: HostStore | None, tensors: list[ModuleTensor], device: torch.device,
-         source: TensorSource | None) -> list[ModuleTensor]:
+         source: TensorSource | None, disk=None) -> list[ModuleTensor]:
     """Write every tensor into its home, in module order: block tensors into the host store, the rest onto the
-    device. Values come from `source` where it provides them, else from the tensor. Returns the non-block tensors."""
+    device. Values come from `source` where it provides them, else from the tensor. A disk block's tail tensors
+    (`disk`, runtime/disk.py) are bound to their bytes in the file instead, the resident part of one straddling
+    R_l copied from there into the store. Returns the non-block tensors."""
     where = {id(current(e)): (b, e) for b in layouts for e in b.tensors}
     non_block: list[ModuleTensor] = []
     with torch.no_grad(), torch.inference_mode(False):
@@ -114,6 +116,12 @@ def fill(layouts: list[BlockLayout], store: HostStore | None, tensors: list[Modu
             hit = where.get(id(cur))
             if t.is_param and (cur.device.type == "meta" or (hit is not None and cur.is_inference())):
                 _real_parameter(t)
+            if hit is not None and hit[0].on_disk and hit[1].end > hit[0].resident_bytes:
+                b, e = hit
+                if e.offset < b.resident_bytes:  # straddling R_l: its head is resident, from the file
+                    store.view(b.host_offset + e.offset, b.resident_bytes - e.offset).copy_(disk.head(b, e))
+                bind(e, disk.view(e))
+                continue
             if hit is not None:
                 b, e = hit
                 dst = store.view(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
