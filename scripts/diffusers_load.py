@@ -1,5 +1,8 @@
 """diffusers alone, for comparison with `chunkflow run --weights`: time `Pipeline.from_pretrained(DIR).to(device)`
 and the process's host peak, then generate with the call chunkflow makes and compare the latents with chunkflow's.
+With `--disk-offload TMP`, diffusers' own disk offload instead of `.to(device)`: the transformer(s) and text encoder
+group-offloaded block by block with streams and `offload_to_disk_path=TMP`, the VAE on the GPU (tiled with --tiled);
+the generation then decodes too, as `chunkflow run --prompt` does.
 
     python3 scripts/diffusers_load.py wan2.2 DIR --frames 41 --height 480 --width 832 --steps 4 --prompt "..." \
         [--negative-prompt ...] [--guidance 5] [--seed 0] [--latents chunkflow-latents.safetensors] --out r.json
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--guidance", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--latents", default=None, help="chunkflow's latents (run --latents) to compare with")
+    ap.add_argument("--disk-offload", default=None, help="diffusers' group offloading to this folder on disk")
+    ap.add_argument("--tiled", action="store_true", help="with --disk-offload: tiled VAE decode")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     spec = get_model(a.model)
@@ -40,23 +45,32 @@ def main() -> None:
     t0 = time.perf_counter()
     pipe = getattr(diffusers, spec.pipeline.cls).from_pretrained(a.folder, torch_dtype=dtypes)
     t1 = time.perf_counter()
-    pipe.to("cuda")
+    if a.disk_offload:
+        _disk_offload(pipe, spec, a.disk_offload, a.tiled)
+    else:
+        pipe.to("cuda")
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     host_after_load = peak_rss_bytes()
     pipe.set_progress_bar_config(disable=True)
     kw = call_kwargs(spec, w, a.prompt, a.negative_prompt, a.guidance, w.steps,
                      torch.Generator("cuda").manual_seed(a.seed))
-    kw["output_type"] = "latent"
+    kw["output_type"] = "np" if a.disk_offload else "latent"
+    if a.disk_offload:
+        kw["callback_on_step_end"] = _keep_latents
+        kw["callback_on_step_end_tensor_inputs"] = ["latents"]
+    torch.cuda.reset_peak_memory_stats()
     t3 = time.perf_counter()
     with torch.no_grad():
         out = pipe(**kw)
     torch.cuda.synchronize()
-    latents = out.frames if hasattr(out, "frames") else out.images
+    latents = _kept["latents"] if a.disk_offload else (out.frames if hasattr(out, "frames") else out.images)
     result = dict(model=spec.name, folder=a.folder, from_pretrained_s=t1 - t0, to_device_s=t2 - t1,
                   load_s=t2 - t0, host_peak_after_load_bytes=host_after_load, generation_s=time.perf_counter() - t3,
                   host_peak_bytes=peak_rss_bytes(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  diffusers=diffusers.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name())
+                  diffusers=diffusers.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+                  gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(), host_now_bytes=_rss_now(),
+                  disk_offload=a.disk_offload)
     if a.latents:
         from safetensors.torch import load_file
 
@@ -68,6 +82,37 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
+
+
+_kept: dict = {}
+
+
+def _keep_latents(pipe, i, t, kw):
+    _kept["latents"] = kw["latents"]
+    return kw
+
+
+def _rss_now() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _disk_offload(pipe, spec, folder: str, tiled: bool) -> None:
+    """diffusers' best disk offload: block-level group offloading with streams, each group's weights on disk."""
+    from diffusers.hooks import apply_group_offloading
+
+    dev = torch.device("cuda")
+    names = [n for n in ("transformer", "transformer_2") if getattr(pipe, n, None) is not None]
+    names += [te.component for te in spec.pipeline.text_encoders]
+    for name in names:
+        apply_group_offloading(getattr(pipe, name), onload_device=dev, offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+                               offload_to_disk_path=f"{folder}/{name}")
+    pipe.vae.to(dev)
+    if tiled:
+        pipe.vae.enable_tiling()
 
 
 if __name__ == "__main__":

@@ -217,3 +217,80 @@ def test_peak_resident_memory_stays_inside_the_ring_while_the_weights_are_on_dis
     # on the CPU the "device" is host memory too: the ring, both slots, the loader's staging and the activations
     assert disk["peak"] - disk["base"] < 0.5 * weights, disk
     assert host["peak"] - host["base"] > 0.9 * weights, host
+
+
+# ------------------------------------------------------------------------------------------------ planner and CLI
+
+
+def _plan_h200(host_gb: float, rate: float | None, **kw):
+    from chunkflow_planner.catalog import get_hardware
+    from chunkflow_planner.planner import ResolvedHardware, make_plan
+    from chunkflow_planner.workload import make_workload
+
+    spec = get_model("wan2.1-14b")
+    hw = get_hardware("h200").model_copy(update={"disk_read_gbps": rate})
+    w = make_workload(spec, frames=81, height=720, width=1280, steps=kw.pop("steps", 50))
+    return make_plan(spec, w, ResolvedHardware(hw, "test"), budget=24 * 10**9, host_budget=int(host_gb * 1e9),
+                     **kw)[0]
+
+
+def test_the_planner_keeps_the_fewest_blocks_on_disk_that_fit_the_host_budget():
+    from chunkflow_planner.memory import estimate_memory
+    from chunkflow_planner.policy import Infeasible
+
+    with pytest.raises(Infeasible, match="calibrate --weights"):  # no disk rate: it says how to get one
+        _plan_h200(32, None)
+    plan = _plan_h200(32, 1.5)
+    k = plan.offload.disk_blocks
+    spec = get_model("wan2.1-14b")
+    assert 0 < k < spec.n_blocks and plan.prediction.host_memory_bytes <= 32e9
+    assert plan.prediction.disk_read_gbps == 1.5 and "on disk" in plan.reason
+    fewer = plan.offload.with_overrides(disk_blocks=k - 1)  # one block fewer would not fit
+    w = plan.workload.to_workload()
+    held = estimate_memory(spec, w, plan.offload).pinned_host - estimate_memory(spec, w, fewer).pinned_host
+    assert held < 0 and plan.prediction.host_memory_bytes - held > 32e9
+    per_forward = estimate_memory(spec, w, plan.offload).disk_read
+    assert plan.prediction.disk_read_bytes_per_step == per_forward * w.cfg_passes
+    assert _plan_h200(64, 1.5).offload.disk_blocks < k  # more host memory, fewer blocks on disk
+
+
+def test_a_slow_disk_is_priced_and_the_shortfall_names_the_rate_that_would_do():
+    from chunkflow_planner.policy import Infeasible
+
+    fast = _plan_h200(32, 1.5, steps=4)
+    assert fast.prediction.disk_stall_s == 0
+    slow = _plan_h200(32, 0.05, steps=4)  # 50 MB/s: the reads cannot hide
+    assert slow.prediction.disk_stall_s > 0 and slow.prediction.step_time_s > fast.prediction.step_time_s
+    with pytest.raises(Infeasible, match=r"a disk of [0-9.]+ GB/s would hide it"):
+        _plan_h200(32, 0.05, steps=4, target_time=fast.prediction.generation_time_s * 1.01)
+
+
+def test_run_with_a_disk_plan_reads_the_files_and_matches_the_host_plan(cli, workdir):
+    pytest.importorskip("transformers")
+    from pipelines import one_thread, save_catalog_pipeline
+    from safetensors.torch import load_file
+
+    folder = save_catalog_pipeline("tiny", workdir / "tiny")
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB", "--out", "host.json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(Path("host.json").read_text())
+    for c in plan["pipeline"]["components"]:
+        c["placement"] = "stream" if c["kind"] == "transformer" else c["placement"]
+    plan["offload"].update(mode="chunkflow", chunk_bytes=16000, residency=0.3)
+    Path("host.json").write_text(json.dumps(plan))
+    plan["offload"]["disk_blocks"] = 2
+    plan["hardware"]["spec"]["disk_read_gbps"] = 1.0  # what `calibrate --weights` measures: the run predicts with it
+    Path("disk.json").write_text(json.dumps(plan))
+    said = cli("run", "--plan", "disk.json", "--prompt", "a cat")
+    assert said.exit_code == 2 and "--weights" in said.output  # the files it reads must be given
+    outs = {}
+    for name in ("host", "disk"):
+        with one_thread():
+            result = cli("run", "--plan", f"{name}.json", "--weights", folder, "--prompt", "a cat", "--seed", "5",
+                         "--latents", f"{name}.safetensors", "--report", f"{name}-report.json")
+        assert result.exit_code == 0, result.output
+        outs[name] = load_file(f"{name}.safetensors")["latents"]
+    assert torch.equal(outs["disk"], outs["host"])
+    stats = json.loads(Path("disk-report.json").read_text())["stats"]
+    assert stats["disk_blocks"] == 2 and stats["disk_bytes_read"] >= stats["disk_bytes_per_step"] > 0
+    assert "blocks read from the checkpoint's files" in " ".join(result.output.split())

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
-from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, disk_block_indices
 from chunkflow_planner.workload import per_forward, tokens
 
 # per token and hidden unit, with per-token timesteps (Wan2.2-TI2V): the (6, d) modulation projection in bf16 held
@@ -40,6 +40,8 @@ class MemoryEstimate:
     activations: float
     pinned_host: float
     cast_buffer: float = 0.0  # fp8 storage: one block's weights in bf16, the cast's target (two: cast on copy)
+    disk_read: float = 0.0  # disk tier: bytes a forward reads from the checkpoint's files (not in pinned_host)
+    disk_ring: float = 0.0  # disk tier: the page-locked ring the reads land in (in pinned_host)
 
     @property
     def peak(self) -> int:
@@ -101,4 +103,15 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         streams = [v - r > 0 for v, r in zip(V, resident)]
         cast = (2.0 * max((f for f, s in zip(full, streams) if s), default=0.0)
                 + max((f for f, s in zip(full, streams) if not s), default=0.0))
-    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, float(sum(V)), cast)
+    disk_read, ring = disk_bytes(V, resident, cfg)
+    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act,
+                          float(sum(V)) - disk_read + ring, cast, disk_read, ring)
+
+
+def disk_bytes(V: list[float], resident: list[float], cfg: OffloadConfig) -> tuple[float, float]:
+    """(bytes a forward reads from disk, bytes of the ring they land in): the disk blocks' streamed tails V_l - R_l
+    (offload.disk_block_indices), and DISK_RING_BLOCKS buffers of the largest (no paper equation: the third tier)."""
+    tails = [V[l] - resident[l] for l in disk_block_indices(len(V), cfg.disk_blocks)]
+    if not tails:
+        return 0.0, 0.0
+    return float(sum(tails)), float(min(DISK_RING_BLOCKS, len(tails)) * max(tails))

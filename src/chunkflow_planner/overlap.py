@@ -86,6 +86,19 @@ def F_star(P_peak: float, eta_comp: float, B_pref: float, BW_h2d: float, eta_pre
     return eta_comp * P_peak * T_pref(B_pref, BW_h2d, eta_pref)
 
 
+def T_disk(B_disk: float, BW_disk: float) -> float:
+    """Eq. 2 for the third link: reading B_disk bytes of the checkpoint's files at the disk's cold rate BW_disk
+    (bytes/s, measured by `chunkflow calibrate --weights` with the loader's reader threads)."""
+    return B_disk / BW_disk
+
+
+def F_star_disk(P_peak: float, eta_comp: float, B_disk: float, BW_disk: float, spacing: float) -> float:
+    """Eq. 4 for the disk link: the compute per block that hides a disk block's read of B_disk bytes when one block in
+    `spacing` reads from disk (disk blocks spread evenly, offload.disk_block_indices): a read overlaps the compute of
+    the `spacing` blocks from one disk block to the next, so F_block >= eta_comp P_peak T_disk / spacing."""
+    return eta_comp * P_peak * T_disk(B_disk, BW_disk) / spacing
+
+
 def I_block(F_block: float, B_pref: float) -> float:
     """Eq. 5: operational intensity of a block against its prefetch volume (FLOP per byte)."""
     return F_block / B_pref

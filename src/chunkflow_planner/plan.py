@@ -89,6 +89,10 @@ class Prediction(_Section):
     step_time_s: float
     peak_memory_bytes: int
     pinned_host_bytes: int = 0
+    disk_read_bytes_per_step: int = Field(0, ge=0, description="the disk tier's reads a step (offload.disk_blocks' "
+                                          "streamed bytes, each forward)")
+    disk_read_gbps: float | None = Field(None, description="the disk's cold read rate the disk tier was priced at")
+    disk_stall_s: float = Field(0.0, ge=0, description="what a step waits for the disk beyond its own time")
 
 
 class Baselines(_Section):

@@ -125,8 +125,14 @@ def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
         raise WorkloadError(f"--sp {sp} needs {sp} GPUs; hardware {hw.name!r} lists {hw.gpus}. Pick another --hardware.")
 
 
-def _prediction(p: Point) -> Prediction:
-    return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak, pinned_host_bytes=int(p.memory.pinned_host))
+def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Prediction:
+    """A point's prediction; with a disk tier, its reads a step (`passes` forwards unless CFG is batched)."""
+    disk = {}
+    if p.cfg.disk_blocks and hw is not None:
+        disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * (1 if p.cfg.cfg_batched else passes)),
+                    disk_read_gbps=hw.pipeline.disk_read_gbps, disk_stall_s=p.time.disk_stall)
+    return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
+                      pinned_host_bytes=int(p.memory.pinned_host), **disk)
 
 
 def usable_budget(budget: int, margin: float) -> int:
@@ -238,7 +244,7 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
         analysis=_plan_analysis(analysis, hw),
         offload=chosen.cfg.with_overrides(comm_aware=problem.aware),
         prediction=PlanPrediction(
-            **_prediction(chosen).model_dump(),
+            **_prediction(chosen, hw, workload.cfg_passes).model_dump(),
             baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise),
                                 none_cfg_batched=decision.none.cfg.cfg_batched),
         ),

@@ -27,10 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.memory import block_volumes
+from chunkflow_planner.memory import block_volumes, disk_bytes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
-from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
+from chunkflow_planner.overlap import GB, T_comp_hw, T_disk, T_pref, eta_samples
 from chunkflow_planner.workload import per_forward, tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
@@ -46,11 +47,13 @@ class StepTime:
     prefetch_stall: float = 0.0
     contention_stall: float = 0.0
     overhead: float = 0.0
+    disk_stall: float = 0.0  # disk tier: what a forward waits for its reads beyond its own time
     per_block: list[float] = field(default_factory=list, repr=False)
 
     @property
     def total(self) -> float:
-        return self.compute + self.collective + self.prefetch_stall + self.contention_stall + self.overhead
+        return (self.compute + self.collective + self.prefetch_stall + self.contention_stall + self.overhead
+                + self.disk_stall)
 
 
 def t_all_to_all(spec: ModelSpec, group: BlockGroup, w: Workload, hw: HardwareSpec, sp: int) -> float:
@@ -147,6 +150,26 @@ def step_time(
         out.contention_stall += cont
         out.overhead += over
         out.per_block.append(wall)
-    for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead"):
+    out.disk_stall = disk_stall(sum(out.per_block), V, cfg, hw)
+    for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead", "disk_stall"):
         setattr(out, name, getattr(out, name) * passes)
     return out
+
+
+class DiskRateUnknown(ChunkflowError):
+    """A disk tier priced with a profile that has no disk read rate."""
+
+
+def disk_stall(forward_s: float, V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> float:
+    """What one forward of `forward_s` seconds waits for the disk tier: the reader reads every disk block's tail
+    (memory.disk_bytes) once a forward, one block ahead of its copies, on a link of its own, so the forward takes
+    the longer of its own time and the reads (T_disk); the first read of a forward overlaps the previous one's last
+    blocks. Raises DiskRateUnknown where the profile has no disk rate."""
+    if not cfg.disk_blocks:
+        return 0.0
+    rate = hw.pipeline.disk_read_gbps
+    if rate is None:
+        raise DiskRateUnknown("the profile has no disk read rate to price the disk tier: run `chunkflow calibrate "
+                              "--weights DIR` on this machine (it times the disk the checkpoint is on)")
+    read, _ = disk_bytes(V, [cfg.resident_bytes(v) for v in V], cfg)
+    return max(0.0, T_disk(read, rate * GB) - forward_s)

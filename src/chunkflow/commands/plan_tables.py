@@ -162,6 +162,13 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
     console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
                   f"{format_bytes(plan.host_memory_budget_bytes or 0)} ({where}{hint})", highlight=False)
+    if plan.offload.disk_blocks:
+        console.print(f"disk: {plan.offload.disk_blocks} of {plan.model.n_blocks} blocks keep their streamed bytes in "
+                      f"the checkpoint's files, {format_bytes(pp.disk_read_bytes_per_step)} read a step at "
+                      f"{pp.disk_read_gbps:.2f} GB/s"
+                      + (f", {format_seconds(pp.disk_stall_s)} of the step waiting for them" if pp.disk_stall_s
+                         else ", hidden behind the step") + " (run it with --weights: the files are read each step)",
+                      highlight=False)
     if pp.load is not None:
         console.print(plan_load_line(pp.load), highlight=False)
 
@@ -212,7 +219,9 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     console.print("placements: " + ", ".join(f"{k} {v}" for k, v in g.components.items())
                   + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
     gpu = not report.run.device.startswith("cpu")
-    streamed = stream_line(report.stats, g.steps)
+    pp, o = report.plan.prediction, report.plan.offload
+    forwards = 1 if o.cfg_batched else report.plan.workload.cfg_passes
+    streamed = stream_line(report.stats, g.steps, pp.disk_read_bytes_per_step // forwards or None)
     if streamed:
         console.print(streamed, highlight=False, markup=False)
     if g.load is not None:
@@ -283,7 +292,7 @@ def _print_generation_notes(console: Console, g, gpu: bool) -> None:  # noqa: AN
                       highlight=False)
 
 
-def stream_line(stats: dict | None, steps: int) -> str:
+def stream_line(stats: dict | None, steps: int, planned_disk: int | None = None) -> str:
     """What the transformer's offload did: blocks streamed from host memory, bytes a step, what stayed on the
     device (empty where nothing streamed)."""
     if not stats or not stats.get("n_streamed_blocks"):
@@ -297,7 +306,22 @@ def stream_line(stats: dict | None, steps: int) -> str:
             + (f" of {stats['target_residency']:.0%} asked: whole chunks of each block"
                if abs(stats.get("achieved_residency", 0) - stats.get("target_residency", 0)) > 0.01 else "")
             + "), "
-            f"{format_bytes(stats.get('pinned_bytes') or stats.get('host_bytes', 0))} in host memory")
+            f"{format_bytes(stats.get('pinned_bytes') or stats.get('host_bytes', 0))} in host memory"
+            + disk_text(stats, planned_disk))
+
+
+def disk_text(stats: dict, planned_per_forward: int | None = None) -> str:
+    """The disk tier's part of the offload's line: blocks read from disk, bytes a forward as measured (what was read
+    over the forwards run, the reads ahead included) against the plan's where given, the reads' stall (empty
+    without a disk tier)."""
+    if not stats.get("disk_blocks"):
+        return ""
+    measured = stats.get("disk_bytes_read", 0) / max(stats.get("forwards", 0), 1)
+    plan = f" (plan: {format_bytes(planned_per_forward)})" if planned_per_forward else ""
+    return (f"; {stats['disk_blocks']} blocks read from the checkpoint's files: {format_bytes(measured)} a forward"
+            f"{plan}, {format_bytes(stats.get('disk_bytes_read', 0))} in all, "
+            f"{format_seconds(stats.get('disk_read_stall_s', 0.0))} waiting for reads, "
+            f"{format_bytes(stats.get('disk_ring_bytes', 0))} ring")
 
 
 def load_line(ld) -> str:  # noqa: ANN001 - chunkflow.commands.run_generate.LoadResult

@@ -109,6 +109,9 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     from chunkflow_planner.predict import hardware_of
 
     generating = prompt is not None
+    if p.offload.disk_blocks and opts.weights is None:
+        raise UserError(f"the plan keeps {p.offload.disk_blocks} blocks' weights on disk, read each step from the "
+                        "checkpoint's files: give the folder with --weights DIR (or plan with more host memory)")
     if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
         raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
     opts.check()  # bad options fail before anything is built

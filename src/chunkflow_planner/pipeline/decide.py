@@ -124,10 +124,36 @@ def generation_target(base: PipelineEstimate, target_time: float | None, generat
     return base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf
 
 
+def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, costs: TextCosts,
+               host_budget: int, problem: Problem) -> PipelineEstimate | None:
+    """A streamed transformer's placement inside `host_budget` with the fewest disk blocks (the disk tier: their
+    streamed bytes read from the checkpoint's files each forward); every block on disk where even that does not fit
+    (the least host memory there is, for the shortfall's facts); None where the profile has no disk rate. Host
+    memory falls as disk blocks are added: the count is bisected."""
+    if hw.pipeline.disk_read_gbps is None or point.cfg.mode == "none" or point.cfg.weight_dtype != "bf16":
+        return None
+    def at(k: int) -> PipelineEstimate:
+        return estimate(spec, w, hw, pl, problem.evaluate(point.cfg.with_overrides(disk_blocks=k)), costs)
+
+    lo, hi = 1, spec.n_blocks
+    every = at(hi)
+    if every.host_memory > host_budget:
+        return every
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if at(mid).host_memory <= host_budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return at(lo)
+
+
 def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transformer, costs: TextCosts,
-               gpu_budget: int) -> tuple[list[PipelineEstimate], dict[Placements, float]]:
+               gpu_budget: int, host_budget: int, problem: Problem) -> tuple[list[PipelineEstimate],
+                                                                               dict[Placements, float]]:
     """Every placement estimated: a transformer on the GPU or moved per phase in each CFG evaluation allowed, a
-    streamed one by the plan's rule in the room its placement leaves (returned per placement, allocated bytes)."""
+    streamed one by the plan's rule in the room its placement leaves (returned per placement, allocated bytes),
+    and, where that streamed placement is over the host budget, with the fewest disk blocks that bring it inside."""
     seen: list[PipelineEstimate] = []
     rooms: dict[Placements, float] = {}
     for pl in _placements(spec, hw):
@@ -140,7 +166,12 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         point = _pick_stream(cands, rooms[pl])
         if point is None:
             point = min(cands.points, key=lambda p: p.memory.peak)
-        seen.append(estimate(spec, w, hw, pl, point, costs))
+        e = estimate(spec, w, hw, pl, point, costs)
+        seen.append(e)
+        if e.host_memory > host_budget and e.gpu_need <= gpu_budget:
+            disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem)
+            if disk is not None:
+                seen.append(disk)
     return seen, rooms
 
 
@@ -208,7 +239,7 @@ def decide_pipeline(
                     cands.none, costs)
     target = generation_target(base, target_time, generation_slowdown)
     facts_of = partial(_facts, cands=cands, base=base, target=target, gpu_budget=gpu_budget, host_budget=host_budget)
-    seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget)
+    seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget, host_budget, problem)
     fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
     fits = [e for e in fits_gpu if e.host_memory <= host_budget]
     best = _fastest(fits) if fits else None

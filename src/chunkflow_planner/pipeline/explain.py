@@ -29,6 +29,23 @@ def placement_said(e: PipelineEstimate) -> str:
             f"VAE {pl.vae}{' tiled' if pl.vae_tiling else ''}")
 
 
+def disk_said(e: PipelineEstimate) -> str:
+    """The disk tier of a streamed transformer in words (empty without one): what it reads, at what rate, whether
+    the reads hide behind the step, and the disk rate that would hide them."""
+    p = e.transformer
+    if not p.cfg.disk_blocks:
+        return ""
+    rate = e.hw.pipeline.disk_read_gbps
+    said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes on disk (the host budget holds the rest): "
+            f"{format_bytes(p.memory.disk_read)} read each forward at {rate:.2f} GB/s")
+    stall = p.time.disk_stall
+    if stall <= 0:
+        return said + ", hidden behind the compute"
+    busy = p.time.total - stall  # the step without waiting: the reads take busy + stall, so hiding them needs
+    return said + (f", {format_seconds(stall)} a step exposed (a disk of {rate * (busy + stall) / busy:.2f} GB/s "
+                   "would hide it)")
+
+
 def pipeline_reason(f: PipelineFacts) -> str:
     """The plan's reason for the placement chosen, and for its transformer's point."""
     e, t = f.placement, f.transformer
@@ -40,9 +57,9 @@ def pipeline_reason(f: PipelineFacts) -> str:
     if e.placements.transformer == "stream" and not f.step_met:
         return why + (f"; no streamed setting inside the budget meets the step target "
                       f"{format_seconds(f.step_target_s)} (--max-slowdown x no offload): the fastest that "
-                      f"fits takes {format_seconds(t.step_s)} a step, {t.slowdown:.3f}x")
+                      f"fits takes {format_seconds(t.step_s)} a step, {t.slowdown:.3f}x" + disk_said(e))
     if e.placements.transformer == "stream":
-        return why + levers_said(f.levers, t)
+        return why + levers_said(f.levers, t) + disk_said(e)
     if t.cfg.cfg_batched:
         return why + "; the guidance passes run as one batched forward (faster at this size)"
     return why
@@ -55,8 +72,9 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str
     if f.binding == "latency":
         return (f"latency is the binding constraint: the fastest generation inside {gpu} of GPU and "
                 f"{format_bytes(f.host_budget)} of host memory takes {format_seconds(f.time_s)} ({placement_said(e)}), "
-                f"above the target {format_seconds(f.target.seconds)}. Raise --mem-budget, or relax --max-slowdown / "
-                "--target-time.")
+                f"above the target {format_seconds(f.target.seconds)}{disk_said(e)}. Raise --mem-budget, or relax "
+                "--max-slowdown / --target-time" + (", or use a faster disk" if e.transformer.time.disk_stall > 0
+                                                    else "") + ".")
     if f.binding == "host memory":
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
         return (f"host memory is the binding constraint: the placement needing the least host memory inside "
@@ -64,9 +82,23 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str
                 f"--host-mem-budget is {format_bytes(f.host_budget)}. "
                 + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
                    if e.hw.pipeline.device_is_host else
-                   "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU."))
+                   "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU")
+                + _disk_remedy(e))
     phase = e.binding_phase
     return (f"GPU memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
             f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "
             f"{budget_said(format_bytes(f.budget), kept, stated=True)}. Raise --mem-budget, or {RELIEF[phase]}."
             + (kept.needed(f.need) if kept else ""))
+
+
+def _disk_remedy(e: PipelineEstimate) -> str:
+    """What the disk tier could still do where host memory binds."""
+    if e.hw.pipeline.device_is_host:
+        return ""
+    if e.hw.pipeline.disk_read_gbps is None:
+        return (", or time this machine's disk (`chunkflow calibrate --weights DIR`) so that the plan can keep "
+                "blocks' weights on disk, read each step.")
+    if e.transformer.cfg.disk_blocks:
+        return (f" (already with {e.transformer.cfg.disk_blocks} blocks' streamed bytes on disk: what remains is the "
+                "process, the other components and the blocks' resident heads).")
+    return "."
