@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--latents", default=None, help="chunkflow's latents (run --latents) to compare with")
     ap.add_argument("--disk-offload", default=None, help="diffusers' group offloading to this folder on disk")
     ap.add_argument("--tiled", action="store_true", help="with --disk-offload: tiled VAE decode")
+    ap.add_argument("--drop-folder-after-load", action="store_true",
+                    help="delete the folder's weight files once loaded (room on a small disk for diffusers' own)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     spec = get_model(a.model)
@@ -45,6 +47,11 @@ def main() -> None:
     t0 = time.perf_counter()
     pipe = getattr(diffusers, spec.pipeline.cls).from_pretrained(a.folder, torch_dtype=dtypes)
     t1 = time.perf_counter()
+    if a.drop_folder_after_load:
+        import pathlib
+
+        for f in pathlib.Path(a.folder).glob("*/*.safetensors"):
+            f.unlink()
     if a.disk_offload:
         _disk_offload(pipe, spec, a.disk_offload, a.tiled)
     else:
