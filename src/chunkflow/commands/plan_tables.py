@@ -320,7 +320,8 @@ def disk_text(stats: dict, planned_per_forward: int | None = None) -> str:
     plan = f" (plan: {format_bytes(planned_per_forward)})" if planned_per_forward else ""
     return (f"; {stats['disk_blocks']} blocks read from the checkpoint's files: {format_bytes(measured)} a forward"
             f"{plan}, {format_bytes(stats.get('disk_bytes_read', 0))} in all, "
-            f"{format_seconds(stats.get('disk_read_stall_s', 0.0))} waiting for reads, "
+            f"the copy issuer waited {format_seconds(stats.get('disk_read_stall_s', 0.0))} for reads (the GPU runs what "
+            "was queued meanwhile), "
             f"{format_bytes(stats.get('disk_ring_bytes', 0))} ring")
 
 
