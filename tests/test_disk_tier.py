@@ -265,9 +265,9 @@ def test_a_slow_disk_is_priced_and_the_shortfall_names_the_rate_that_would_do():
         _plan_h200(32, 0.05, steps=4, target_time=fast.prediction.generation_time_s * 1.01)
 
 
-def test_run_with_a_disk_plan_reads_the_files_and_matches_the_host_plan(cli, workdir):
+def test_run_with_a_disk_plan_reads_the_files_and_matches_the_host_plan(cli, workdir, monkeypatch):
     pytest.importorskip("transformers")
-    from pipelines import one_thread, save_catalog_pipeline
+    from pipelines import as_hub_cache, one_thread, save_catalog_pipeline
     from safetensors.torch import load_file
 
     folder = save_catalog_pipeline("tiny", workdir / "tiny")
@@ -294,3 +294,13 @@ def test_run_with_a_disk_plan_reads_the_files_and_matches_the_host_plan(cli, wor
     stats = json.loads(Path("disk-report.json").read_text())["stats"]
     assert stats["disk_blocks"] == 2 and stats["disk_bytes_read"] >= stats["disk_bytes_per_step"] > 0
     assert "blocks read from the checkpoint's files" in " ".join(result.output.split())
+    # from a Hugging Face cache: the snapshot's files are symlinks to blobs, read and checked through them
+    as_hub_cache(folder, workdir / "hub", "someone/tiny-wan")
+    monkeypatch.setenv("HF_HUB_CACHE", str(workdir / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with one_thread():
+        result = cli("run", "--plan", "disk.json", "--weights", "someone/tiny-wan", "--prompt", "a cat", "--seed", "5",
+                     "--latents", "cache.safetensors", "--report", "cache-report.json")
+    assert result.exit_code == 0, result.output
+    assert torch.equal(load_file("cache.safetensors")["latents"], outs["host"])
+    assert json.loads(Path("cache-report.json").read_text())["stats"]["disk_bytes_read"] > 0
