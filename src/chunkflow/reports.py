@@ -63,6 +63,9 @@ class LoadResult(BaseModel):
     weights: str = Field(description="the pipeline folder read, or 'random' (weights drawn in place, nothing read)")
     variant: str | None = None
     measured_time_s: float
+    startup_s: float | None = Field(None, description="of measured_time_s, the part before the first byte was read "
+                                    "(or drawn): imports, tokenizers and scheduler, the modules built on the meta "
+                                    "device, the folder checked")
     read_bytes: int = 0
     cached_fraction: float | None = Field(None, description="share of the bytes read that the page cache held "
                                           "before the load (None: not known on this system)")
@@ -80,6 +83,27 @@ class LoadResult(BaseModel):
     @property
     def read_gbps(self) -> float | None:
         return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds > 0 else None
+
+
+class OutputPixels(BaseModel):
+    """What the written output's 8-bit pixels hold: the range of nearly all of them, and whether every pixel is a
+    shade of grey (its channels within 2 levels of each other)."""
+
+    low: int = Field(ge=0, le=255, description="the 1st percentile of every channel of every pixel")
+    high: int = Field(ge=0, le=255, description="the 99th percentile")
+    grey: bool
+
+    @property
+    def flat(self) -> bool:
+        """Nearly one colour: 98% of the values within 8 levels."""
+        return self.high - self.low <= 8
+
+    def said(self, what: str = "picture") -> str:
+        """What the output (a `what`: picture, clip) looks like, in words."""
+        if self.flat:
+            return (f"a flat {'grey' if self.grey else 'single-colour'} {what} (pixels {self.low}-{self.high} of "
+                    "255)")
+        return f"noise (pixels {self.low}-{self.high} of 255)"
 
 
 class GenerationResult(BaseModel):
@@ -108,6 +132,7 @@ class GenerationResult(BaseModel):
     first_parts_s: dict[str, dict[str, float]] | None = Field(
         None, description="with --warmup: the first generation's timed components per phase (PhaseResult.parts_s)")
     load: LoadResult | None = Field(None, description="building the pipeline, measured against the plan")
+    output_pixels: OutputPixels | None = Field(None, description="what the output written (--out) holds")
 
 
 class MemorySample(BaseModel):

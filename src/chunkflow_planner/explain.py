@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from chunkflow_planner.units import format_bytes, format_seconds
+from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
 if TYPE_CHECKING:
     from chunkflow_planner.policy import Lever, Setting, StepFacts, Target
@@ -53,9 +53,11 @@ def budget_said(shown: str, kept: MarginKept | None, *, stated: bool = False, mo
     return f"{shown}, {format_bytes(kept.given)} less {kept._kept}" + ("," if more else "")
 
 
-def target_said(target: Target) -> str:
-    """The step target, with the slowdown over no offload it was set at."""
-    return format_seconds(target.seconds) + (f" ({target.slowdown:.2f}x no offload)" if target.slowdown else "")
+def target_said(target: Target, against: float | None = None) -> str:
+    """The step target, with the slowdown over no offload it was set at; with the digits that tell it from
+    `against` (a step time the sentence compares with it) where plain rounding would not."""
+    shown = format_seconds(target.seconds) if against is None else format_seconds_apart(target.seconds, against)[0]
+    return shown + (f" ({target.slowdown:.2f}x no offload)" if target.slowdown else "")
 
 
 # ----------------------------------------------------------------------------------------------- levers
@@ -131,7 +133,8 @@ def step_infeasible(f: StepFacts, kept: MarginKept | None = None) -> str:
                 + (kept.needed(f.need) if kept else ""))
     c = f.chosen
     return (f"latency is the binding constraint: the fastest plan inside "
-            f"{budget_said(format_bytes(f.budget), kept, more=True)} takes {format_seconds(c.step_s)} per step "
+            f"{budget_said(format_bytes(f.budget), kept, more=True)} takes "
+            f"{format_seconds_apart(c.step_s, f.target.seconds)[0]} per step "
             f"(residency {c.cfg.residency:.0%}, {format_bytes(c.cfg.chunk_bytes)} chunks), "
-            f"above the target {target_said(f.target)}. The smallest memory any plan needs is {format_bytes(f.need)}. "
+            f"above the target {target_said(f.target, c.step_s)}. The smallest memory any plan needs is {format_bytes(f.need)}. "
             "Raise --mem-budget or relax --max-slowdown / --target-step-time." + hint)

@@ -64,6 +64,17 @@ class PlanHardware(_Section):
     peer_link: str = "none"
     spec: dict | None = Field(None, description="the full hardware profile planned with (HardwareSpec fields)")
 
+    @property
+    def device_is_host(self) -> bool:
+        """Whether the plan's 'GPU' is the host CPU (chunkflow's CPU mode): its device memory is host memory, its
+        times are nominal, nothing is page-locked."""
+        return bool((self.spec or {}).get("device_is_host"))
+
+    @property
+    def device_word(self) -> str:
+        """What the plan's words call the device: 'GPU', or 'device' where it is the host CPU."""
+        return "device" if self.device_is_host else "GPU"
+
 
 class Critical(_Section):
     axis: Literal["frames", "batch"]

@@ -129,3 +129,23 @@ def format_seconds(t: float) -> str:
     if a < 3600.0:
         return f"{t / 60:.1f} min"
     return f"{t / 3600:.2f} h"
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """A transfer rate for people, in the unit its size calls for: 850.00 KB/s, 12.40 MB/s, 1.52 GB/s."""
+    return format_bytes(bytes_per_s) + "/s"
+
+
+def format_seconds_apart(a: float, b: float) -> tuple[str, str]:
+    """Two durations formatted so that different values never read the same (a target and a time compared with it):
+    format_seconds, with more digits where it would round both to one text."""
+    fa, fb = format_seconds(a), format_seconds(b)
+    if fa != fb or a == b or not (math.isfinite(a) and math.isfinite(b)):
+        return fa, fb
+    scale = next(((s, u) for s, u in ((1e-6, "us"), (1e-3, "ms"), (1.0, "s")) if max(abs(a), abs(b)) < s * 1000),
+                 (1.0, "s"))
+    for digits in range(2, 10):
+        fa, fb = f"{a / scale[0]:.{digits}f} {scale[1]}", f"{b / scale[0]:.{digits}f} {scale[1]}"
+        if fa != fb:
+            break
+    return fa, fb

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.explain import MarginKept
-from chunkflow_planner.units import format_bytes, format_seconds
+from chunkflow_planner.units import format_bytes, format_rate, format_seconds, format_seconds_apart
 
 
 def _sci(x: float) -> str:
@@ -25,14 +25,19 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         highlight=False,
     )
     console.print(escape(f"hardware: {hw.name} [{hw.source}]"), highlight=False)
+    if hw.device_is_host:
+        console.print("note: a plan for the CPU (chunkflow's CPU mode, the same runtime with synchronous copies): "
+                      "its times are nominal figures, not predictions; its memory is host memory, and that is "
+                      "planned for", highlight=False)
     console.print(_analysis_table(plan))
     console.print(_modes_table(plan))
     tie = tie_note(plan)
     if tie:
         console.print(tie, highlight=False)
     total = plan.prediction.step_time_s * w.steps
-    console.print(f"[bold green]plan:[/] {_chosen_text(plan)}; budget {_budget_text(plan)}; target "
-                  f"{format_seconds(plan.target_step_time_s or 0)} per step; {w.steps} steps take about "
+    target, step = format_seconds_apart(plan.target_step_time_s or 0, plan.prediction.step_time_s)
+    console.print(f"[bold green]plan:[/] {_chosen_text(plan)}; {hw.device_word} budget {_budget_text(plan)}; target "
+                  f"{target} per step, {step} predicted; {w.steps} steps take about "
                   f"{format_seconds(total)}", highlight=False)
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
     if plan.pipeline is not None:
@@ -44,7 +49,7 @@ def _analysis_table(plan: Plan) -> Table:
     a = plan.analysis
     levers = [x for x, on in (("both guidance passes in one forward", plan.offload.cfg_batched),
                               ("fp8 weights", plan.offload.weight_dtype != "bf16")) if on]
-    t = Table(title="Overlap analysis (per GPU, per block; paper section 3.1)"
+    t = Table(title=f"Overlap analysis (per {plan.hardware.device_word}, per block; paper section 3.1)"
               + (f"\nof the plan's setting: {', '.join(levers)}" if levers else ""))
     t.add_column("quantity")
     t.add_column("value", justify="right")
@@ -63,8 +68,9 @@ def _analysis_table(plan: Plan) -> Table:
 
 def _modes_table(plan: Plan) -> Table:
     """Step time and peak memory of no offload, layerwise streaming and the chosen setting."""
-    m = Table(title="Predicted step time and peak GPU memory")
-    for col in ("mode", "chunk", "residency", "step time", "vs none", "peak memory", "pinned host"):
+    host = plan.hardware.device_is_host  # nothing is page-locked on the CPU: the streamed weights are a host store
+    m = Table(title=f"Predicted step time and peak {plan.hardware.device_word} memory")
+    for col in ("mode", "chunk", "residency", "step time", "vs none", "peak memory", "host store" if host else "pinned host"):
         m.add_column(col, justify="right" if col not in ("mode",) else "left")
     base = plan.prediction.baselines.none.step_time_s
     bl = plan.prediction.baselines
@@ -76,7 +82,8 @@ def _modes_table(plan: Plan) -> Table:
     for name, chunk, res, p in rows:
         m.add_row(
             name,
-            format_bytes(chunk) if chunk else "-",
+            ("whole block" if chunk >= plan.analysis.prefetch_bytes_per_block else format_bytes(chunk)) if chunk
+            else "-",
             f"{res:.0%}" if res is not None else "-",
             format_seconds(p.step_time_s),
             f"{p.step_time_s / base:.3f}x",
@@ -89,7 +96,8 @@ def _modes_table(plan: Plan) -> Table:
 def _chosen_text(plan: Plan) -> str:
     """The chosen setting in words: mode, chunk and residency, and the levers that apply."""
     o, hw = plan.offload, plan.hardware
-    chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}, residency {o.residency:.0%}" if o.mode == "chunkflow" else "")
+    chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}{_chunk_cap(plan)}, residency {o.residency:.0%}"
+                                 if o.mode == "chunkflow" else "")
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
     if o.mode != "none":
@@ -98,6 +106,15 @@ def _chosen_text(plan: Plan) -> str:
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
     return chosen
+
+
+def _chunk_cap(plan: Plan) -> str:
+    """What a chunk larger than a block means (empty where a block is several chunks): a copy never crosses a
+    block, so each block is one chunk and the budget holds the block, not the chunk size."""
+    block = plan.analysis.prefetch_bytes_per_block
+    if plan.offload.chunk_bytes < block:
+        return ""
+    return f" (capped at the block: each block's {format_bytes(block)} streamed is one chunk)"
 
 
 def _budget_text(plan: Plan) -> str:
@@ -134,8 +151,11 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     c = Table(title="Components (the whole pipeline)")
     for col in ("component", "kind", "weights", "placement"):
         c.add_column(col, justify="right" if col == "weights" else "left")
-    what = {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
-            "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU"}
+    what = ({"gpu": "on the device (the CPU) throughout", "phase": "on the device (the CPU) for its phase only",
+             "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU"}
+            if plan.hardware.device_is_host else
+            {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
+             "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU"})
     for comp in plan.pipeline.components:
         where = what[comp.placement]
         if comp.kind == "transformer" and comp.placement == "stream":
@@ -144,9 +164,11 @@ def print_pipeline(console: Console, plan: Plan) -> None:
             where += ", tiled decode"
         c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where)
     console.print(c)
-    t = Table(title="Predicted generation, phase by phase (peak GPU memory = allocation + what the allocator holds "
-              "beyond it + CUDA context)")
-    for col in ("phase", "time", "peak GPU memory"):
+    dev = plan.hardware.device_word
+    t = Table(title="Predicted generation, phase by phase " + (
+        "(peak device memory: the allocation, which on the CPU is host memory)" if plan.hardware.device_is_host else
+        "(peak GPU memory = allocation + what the allocator holds beyond it + CUDA context)"))
+    for col in ("phase", "time", f"peak {dev} memory"):
         t.add_column(col, justify="left" if col == "phase" else "right")
     for name in ("encode", "denoise", "decode"):
         ph = getattr(pp.phases, name)
@@ -159,9 +181,13 @@ def print_pipeline(console: Console, plan: Plan) -> None:
                       "(a later generation in the same process is that much faster)", highlight=False)
     host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
     where = plan.host_memory_budget_source or "budget"
-    hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
-    console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
-                  f"{format_bytes(plan.host_memory_budget_bytes or 0)} ({where}{hint})", highlight=False)
+    if plan.host_memory_budget_bytes is None:
+        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} needed ({host}); {where}",
+                      highlight=False)
+    else:
+        hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
+        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
+                      f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint})", highlight=False)
     if plan.offload.disk_blocks:
         console.print(f"disk: {plan.offload.disk_blocks} of {plan.model.n_blocks} blocks keep their streamed bytes in "
                       f"the checkpoint's files, {format_bytes(pp.disk_read_bytes_per_step)} read a step at "
@@ -170,11 +196,14 @@ def print_pipeline(console: Console, plan: Plan) -> None:
                          else ", hidden behind the step") + " (run it with --weights: the files are read each step)",
                       highlight=False)
     if pp.load is not None:
-        console.print(plan_load_line(pp.load), highlight=False)
+        console.print(plan_load_line(pp.load, plan.hardware.device_is_host), highlight=False)
 
 
-def plan_load_line(ld) -> str:  # noqa: ANN001 - plan.LoadPrediction
+def plan_load_line(ld, device_is_host: bool = False) -> str:  # noqa: ANN001 - plan.LoadPrediction
     """The plan's load: time from cold files and from the page cache, and the host memory it holds."""
+    if device_is_host:
+        return (f"load: {format_bytes(ld.read_bytes)} read ({ld.read_bytes_source}); host memory "
+                f"{format_bytes(ld.host_peak_bytes)} at its end")
     if ld.time_cold_s is None:
         when = "time not predicted (the profile has no disk rate: `chunkflow calibrate --weights DIR` measures one)"
     else:
@@ -216,22 +245,30 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
     console.print(f"[bold]{report.plan.model.name}[/] at {shape}, {g.steps} steps, on {report.gpu}: "
                   f"{escape(repr(g.prompt))}", highlight=False)
-    console.print("placements: " + ", ".join(f"{k} {v}" for k, v in g.components.items())
-                  + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
     gpu = not report.run.device.startswith("cpu")
+    word = (lambda where: where) if gpu else (lambda where: "device (the CPU)" if where == "gpu" else where)
+    console.print("placements: " + ", ".join(f"{k} {word(v)}" for k, v in g.components.items())
+                  + (", VAE tiled" if g.vae_tiling else ""), highlight=False)
     pp, o = report.plan.prediction, report.plan.offload
     forwards = 1 if o.cfg_batched else report.plan.workload.cfg_passes
     streamed = stream_line(report.stats, g.steps, pp.disk_read_bytes_per_step // forwards or None)
     if streamed:
         console.print(streamed, highlight=False, markup=False)
     if g.load is not None:
-        console.print(load_line(g.load), highlight=False, markup=False)
+        console.print(load_line(g.load, gpu), highlight=False, markup=False)
         if g.load.weights == "random":
-            console.print("note: random weights make noise, not a picture; to generate from a real checkpoint give "
-                          "its pipeline folder or Hub id: chunkflow run --plan PLAN --weights DIR_OR_ID --prompt ...",
-                          highlight=False, markup=False)
+            console.print(random_output_note(g.output_pixels, w.frames > 1), highlight=False, markup=False)
     console.print(_generation_table(g, gpu))
     _print_generation_notes(console, g, gpu)
+
+
+def random_output_note(pixels, video: bool) -> str:  # noqa: ANN001 - reports.OutputPixels or None
+    """What random weights gave (the output's pixels, where one was written) and what a real checkpoint gives."""
+    what = "clip" if video else "picture"
+    got = f"the output is {pixels.said(what)}" if pixels is not None else f"the output is not a real {what}"
+    why = (": a random VAE decodes any latents to nearly one colour" if pixels is not None and pixels.flat else "")
+    return (f"note: the weights are random, so {got}{why}; a real checkpoint gives the video or image the prompt "
+            "describes: chunkflow run --plan PLAN --weights DIR_OR_HUB_ID --prompt ...")
 
 
 def _generation_table(g, gpu: bool) -> Table:  # noqa: ANN001 - reports.GenerationResult
@@ -286,10 +323,10 @@ def _print_generation_notes(console: Console, g, gpu: bool) -> None:  # noqa: AN
         line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"
     console.print(line, highlight=False)
     if not gpu:
-        also = ("; host memory is (the CPU's 'device' memory is host memory)" if g.predicted_host_memory_bytes
-                is not None else "")
-        console.print(f"note: measured on the CPU; the plan's times are for a GPU, so they are not compared here{also}.",
-                      highlight=False)
+        also = ("; host memory is compared (on the CPU the device's memory is host memory)"
+                if g.predicted_host_memory_bytes is not None else "")
+        console.print("note: measured on the CPU; the plan's times are nominal figures or a GPU's, so they are not "
+                      f"compared here{also}.", highlight=False)
 
 
 def stream_line(stats: dict | None, steps: int, planned_disk: int | None = None) -> str:
@@ -301,6 +338,8 @@ def stream_line(stats: dict | None, steps: int, planned_disk: int | None = None)
     return (f"transformer: {stats['n_streamed_blocks']} of {stats['n_blocks']} blocks streamed from host memory "
             f"({stats['mode']}"
             + (f", {format_bytes(stats['chunk_bytes'])} chunks" if stats.get("chunk_bytes") else "")
+            + (": each block one chunk" if stats.get("chunk_bytes") and stats["chunk_bytes"] * stats["n_streamed_blocks"]
+               >= stats.get("bytes_offloaded", 0) else "")
             + f"): {format_bytes(per_step)} copied a step, {format_bytes(stats.get('resident_bytes', 0))} of its blocks "
             f"kept on the device ({stats.get('achieved_residency', 0):.0%}"
             + (f" of {stats['target_residency']:.0%} asked: whole chunks of each block"
@@ -325,18 +364,24 @@ def disk_text(stats: dict, planned_per_forward: int | None = None) -> str:
             f"{format_bytes(stats.get('disk_ring_bytes', 0))} ring")
 
 
-def load_line(ld) -> str:  # noqa: ANN001 - chunkflow.commands.run_generate.LoadResult
-    """The build: its time against the plan's for what it read, the read rate, the host peak at its end."""
+def load_line(ld, gpu: bool = True) -> str:  # noqa: ANN001 - chunkflow.commands.run_generate.LoadResult
+    """The build: its time (the start-up before the first read apart) against the plan's for what it read, the read
+    rate, the host peak at its end."""
+    startup = ld.startup_s or 0.0
+    line = f"load: {format_seconds(ld.measured_time_s)}"
+    if startup > 0:
+        line += (f" ({format_seconds(startup)} of start-up: imports, tokenizers, the modules built"
+                 + (", the folder checked" if ld.weights != "random" else "") + ")")
     if ld.weights == "random":
-        line = f"load: random weights drawn in place in {format_seconds(ld.measured_time_s)}"
+        line += f"; random weights drawn in place in {format_seconds(max(ld.measured_time_s - startup, 0.0))}"
     else:
         cached = ("" if ld.cached_fraction is None
                   else f", {ld.cached_fraction:.0%} of it in the page cache before")
-        rate = f" at {ld.read_gbps:.2f} GB/s" if ld.read_gbps else ""
-        line = (f"load: {format_seconds(ld.measured_time_s)}, {format_bytes(ld.read_bytes)} read{rate}{cached}")
+        rate = f" at {format_rate(ld.read_bytes / ld.read_seconds)}" if ld.read_seconds > 0 else ""
+        line += (f"; {format_bytes(ld.read_bytes)} read in {format_seconds(ld.read_seconds)}{rate}{cached}")
         if ld.predicted_time_s is not None:
-            line += f" (predicted {format_seconds(ld.predicted_time_s)}, {_pct(ld.time_error)})"
-        elif ld.predicted_host_peak_bytes is not None:
+            line += f" (load predicted {format_seconds(ld.predicted_time_s)}, {_pct(ld.time_error)})"
+        elif ld.predicted_host_peak_bytes is not None and gpu:
             line += " (time not predicted: the profile has no disk rate; `chunkflow calibrate --weights DIR`)"
     line += f"; host memory at its end {format_bytes(ld.host_peak_bytes)}"
     if ld.predicted_host_peak_bytes is not None:

@@ -186,11 +186,17 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
     with bar:
         tasks: dict[str, int] = {}  # a bar (and a clock) for each phase: the load's bytes, the steps of denoise
 
+        def finish() -> None:
+            """The phases begun are over: full bars, and a count only where it counted something."""
+            for task in tasks.values():
+                t = bar.tasks[task]
+                if not t.finished:
+                    bar.update(task, completed=t.total or 1, total=t.total or 1, count=t.fields["count"] or "done")
+                    bar.stop_task(task)
+
         def progress(phase: str, i: int | None, n: int | None) -> None:
             if phase not in tasks:
-                for name, task in tasks.items():  # the phase before is over
-                    bar.update(task, completed=bar.tasks[task].total or 1, total=bar.tasks[task].total or 1)
-                    bar.stop_task(task)
+                finish()  # the phase before is over
                 tasks[phase] = bar.add_task(phase, total=None, count="")
             if phase == "load":
                 count = f"{format_bytes(i or 0)} of {format_bytes(n or 0)}" if n else "random weights"
@@ -199,6 +205,7 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
             bar.update(tasks[phase], completed=i or 0, total=n or None, count=count)
 
         rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
+        finish()
     rep.write(report)
     print_generation(console, rep)
     if out:

@@ -63,11 +63,14 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         runs = _generations(setup, cfg, o, g, progress, log)
     finally:
         setup.built.discard()  # the run is done with it: free, do not copy the weights back
+    pixels = None
     if g.out:
-        _write_output(g.out, runs.last.output, setup.spec, setup.built.random_weights, log)
+        pixels = _write_output(g.out, runs.last.output, setup.spec, setup.built.random_weights, log)
     if g.latents and runs.last.latents is not None:
         save_latents(g.latents, runs.last.latents)
-    return _report(plan, cfg, o, g, setup, runs)
+    report = _report(plan, cfg, o, g, setup, runs)
+    report.generation.output_pixels = pixels
+    return report
 
 
 @dataclass
@@ -164,8 +167,9 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
         tag = (f"warm-up {i + 1}/{o.warmup}: " if k < 0 else f"generation {k + 1}/{o.repeat}: " if o.repeat > 1
                else "")
         cb = (lambda i, n, tag=tag: progress(tag + "denoise", i, n)) if progress is not None else None
-        done = {"encode": None, "denoise": 0, "decode": steps}  # the bar counts denoising steps
-        phase = (lambda name, tag=tag: progress(tag + name, done[name], steps)) if progress is not None else None
+        counted = {"denoise": steps}  # a bar counts denoising steps; encode and decode have nothing to count
+        phase = ((lambda name, tag=tag: progress(tag + name, 0 if name in counted else None, counted.get(name)))
+                 if progress is not None else None)
         gen = generate(setup.built, setup.w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps,
                        seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
         if i == 0 and o.warmup:
@@ -268,13 +272,14 @@ def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: 
     pred_t, parts, pred_host = None, {}, None
     if lp is not None and comparable:
         pred_host = lp.host_peak_bytes
-        if folder is not None:
+        if folder is not None and not hw.pipeline.device_is_host:  # a CPU plan's times are nominal, not predictions
             est = LoadEstimate(m.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
                                lp.pinned_while_reading_bytes)
             pred_t = T_load(est, cached or 0.0, hw)
             parts = load_parts(est, cached or 0.0, hw)
     return LoadResult(
         weights=str(folder) if folder is not None else "random", variant=variant, measured_time_s=m.seconds,
+        startup_s=m.startup_seconds,
         read_bytes=m.read_bytes, cached_fraction=cached, read_seconds=m.read_seconds,
         host_peak_bytes=m.host_peak_bytes, component_bytes=m.component_bytes, planned_component_bytes=planned,
         predicted_time_s=pred_t, predicted_parts_s=parts, predicted_host_peak_bytes=pred_host,
@@ -323,22 +328,29 @@ def expected_time(p, warmup: int) -> float:
     return p.time_s - (p.startup_s if warmup else 0.0)
 
 
-def _write_output(out: str, frames, spec, random_weights: bool, log) -> None:
+def _write_output(out: str, frames, spec, random_weights: bool, log) -> "OutputPixels":
+    """Write the video or image(s); what their 8-bit pixels hold (OutputPixels), for saying what was written."""
     import numpy as np
 
-    from chunkflow.media import write_media
+    from chunkflow.media import to_uint8_frames, write_media
+    from chunkflow.reports import OutputPixels
 
     arr = frames.float().cpu().numpy() if hasattr(frames, "cpu") else np.asarray(frames, dtype=np.float32)
     if random_weights and not np.isfinite(arr).all():
         log("note: the random weights produced non-finite pixels; they are written as 0")
         arr = np.nan_to_num(arr, nan=0.0, posinf=1.0, neginf=0.0)
+    px = to_uint8_frames(arr)
+    lo, hi = (int(v) for v in np.percentile(px, [1, 99]))
+    pixels = OutputPixels(low=lo, high=hi, grey=bool(np.abs(px.astype(np.int16) - px.mean(axis=-1, keepdims=True)
+                                                             .astype(np.int16)).max() <= 2))
     if spec.is_video:
         write_media(out, arr, fps=spec.pipeline.fps or 16)
-        return
+        return pixels
     if arr.ndim == 4 and arr.shape[0] > 1:
         stem, suffix = os.path.splitext(out)
         for i, img in enumerate(arr):
             write_media(f"{stem}-{i}{suffix}", img)
         log(f"{arr.shape[0]} images written as {stem}-0{suffix} ... {stem}-{arr.shape[0] - 1}{suffix}")
-        return
+        return pixels
     write_media(out, arr)
+    return pixels

@@ -151,9 +151,11 @@ def measured_of(timing: Timing, stats: dict | None) -> Measured:
 
 def make_report(env: dict, plan: Plan, run: RunConfig, hw, m: Measured, p: Predicted,
                 stats: dict | None) -> RunReport:
-    """The run's report; errors only where the run's device is the kind the plan's hardware (`hw`) describes."""
+    """The run's report; errors only where the run's device is the kind the plan's hardware (`hw`) describes, and
+    a time's only where the plan's times are predictions (a CPU plan's are nominal figures)."""
     comparable = run.device.startswith("cpu") == hw.pipeline.device_is_host
-    err = RelErrors(step_time=rel_error(m.median_step_s, p.step_time_s) if comparable else None,
+    timed = comparable and not hw.pipeline.device_is_host
+    err = RelErrors(step_time=rel_error(m.median_step_s, p.step_time_s) if timed else None,
                     peak_memory=rel_error(m.peak_allocated_bytes, p.peak_memory_bytes) if comparable else None)
     hw_name = hw.name
     return RunReport(**env, hardware=hw_name, plan=plan, run=run, measured=m, predicted=p, rel_error=err, stats=stats)

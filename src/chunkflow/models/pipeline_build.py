@@ -141,6 +141,7 @@ class LoadMeasurement:
     bytes each component holds."""
 
     seconds: float
+    startup_seconds: float = 0.0  # before the first byte was read or drawn: imports, tokenizers, modules, checks
     read_bytes: int = 0
     cached_bytes: int | None = 0  # None: the page cache's state could not be told
     read_seconds: float = 0.0
@@ -218,6 +219,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     try:
         parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant)
         _check_variant(parts, folder, variant, log)
+        t_first = time.perf_counter()
         counter.begin(sum(c.read_bytes for _, c in parts))
         for kind, c in parts:
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
@@ -234,7 +236,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         raise
     finally:
         reader.close()
-    built.load = _load_measurement(built, parts, reader.stats, time.perf_counter() - t0)
+    built.load = _load_measurement(built, parts, reader.stats, time.perf_counter() - t0, t_first - t0)
     return built
 
 
@@ -285,13 +287,14 @@ def _check_variant(parts: list[tuple[str, Component]], folder: Path | None, vari
             "their default files are read (as diffusers does)")
 
 
-def _load_measurement(built: BuiltPipeline, parts: list[tuple[str, Component]], st, seconds: float) -> LoadMeasurement:
+def _load_measurement(built: BuiltPipeline, parts: list[tuple[str, Component]], st, seconds: float,
+                      startup: float) -> LoadMeasurement:
     """How the build went: its time, the bytes read (and found in the page cache), the host peak, each
     component's bytes where it now is."""
     from chunkflow.hostmem import peak_rss_bytes
 
     return LoadMeasurement(
-        seconds=seconds, read_bytes=st.bytes_read, cached_bytes=st.bytes_cached if st.cache_known else None,
+        seconds=seconds, startup_seconds=startup, read_bytes=st.bytes_read, cached_bytes=st.bytes_cached if st.cache_known else None,
         read_seconds=st.seconds, host_peak_bytes=peak_rss_bytes(),
         component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts})
 

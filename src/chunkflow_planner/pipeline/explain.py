@@ -7,7 +7,8 @@ import math
 from typing import TYPE_CHECKING
 
 from chunkflow_planner.explain import MarginKept, budget_said, levers_said
-from chunkflow_planner.units import format_bytes, format_seconds
+from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET
+from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
 if TYPE_CHECKING:
     from chunkflow_planner.pipeline.decide import PipelineFacts
@@ -24,9 +25,10 @@ RELIEF = {
 def placement_said(e: PipelineEstimate) -> str:
     """Where each component runs, the transformer by its offload where streamed."""
     pl = e.placements
-    tr = pl.transformer if pl.transformer != "stream" else e.transformer.cfg.label
-    return (f"text encoder {'/'.join(pl.text_encoders)}, transformer {tr}, "
-            f"VAE {pl.vae}{' tiled' if pl.vae_tiling else ''}")
+    word = (lambda where: "device" if where == "gpu" else where) if e.hw.pipeline.device_is_host else (lambda w: w)
+    tr = word(pl.transformer) if pl.transformer != "stream" else e.transformer.cfg.label
+    return (f"text encoder {'/'.join(map(word, pl.text_encoders))}, transformer {tr}, "
+            f"VAE {word(pl.vae)}{' tiled' if pl.vae_tiling else ''}")
 
 
 def disk_said(e: PipelineEstimate) -> str:
@@ -55,9 +57,10 @@ def pipeline_reason(f: PipelineFacts) -> str:
     why = (f"the fastest placement inside the budgets: {placement_said(e)}; {format_seconds(f.time_s)} "
            f"per generation{versus}{goal}; its peak is the {e.binding_phase} phase")
     if e.placements.transformer == "stream" and not f.step_met:
+        target, step = format_seconds_apart(f.step_target_s, t.step_s)
         return why + (f"; no streamed setting inside the budget meets the step target "
-                      f"{format_seconds(f.step_target_s)} (--max-slowdown x no offload): the fastest that "
-                      f"fits takes {format_seconds(t.step_s)} a step, {t.slowdown:.3f}x" + disk_said(e))
+                      f"{target} (--max-slowdown x no offload): the fastest that "
+                      f"fits takes {step} a step, {t.slowdown:.3f}x no offload" + disk_said(e))
     if e.placements.transformer == "stream":
         return why + levers_said(f.levers, t) + disk_said(e)
     if t.cfg.cfg_batched:
@@ -70,22 +73,25 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str
     e = f.placement
     gpu = budget_said(format_bytes(f.budget), kept, more=True)
     if f.binding == "latency":
-        return (f"latency is the binding constraint: the fastest generation inside {gpu} of GPU and "
-                f"{format_bytes(f.host_budget)} of host memory takes {format_seconds(f.time_s)} ({placement_said(e)}), "
-                f"above the target {format_seconds(f.target.seconds)}{disk_said(e)}. Raise --mem-budget, or relax "
+        took, target = format_seconds_apart(f.time_s, f.target.seconds)
+        host = ("no host budget" if f.host_budget >= UNCHECKED_HOST_BUDGET
+                else f"{format_bytes(f.host_budget)} of host memory")
+        return (f"latency is the binding constraint: the fastest generation inside {gpu} of {e.hw_word} memory and "
+                f"{host} takes {took} ({placement_said(e)}), "
+                f"above the target {target}{disk_said(e)}. Raise --mem-budget, or relax "
                 "--max-slowdown / --target-time" + (", or use a faster disk" if e.transformer.time.disk_stall > 0
                                                     else "") + ".")
     if f.binding == "host memory":
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
         return (f"host memory is the binding constraint: the placement needing the least host memory inside "
-                f"{gpu} of GPU memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
+                f"{gpu} of {e.hw_word} memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
                 f"--host-mem-budget is {format_bytes(f.host_budget)}. "
                 + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
                    if e.hw.pipeline.device_is_host else
                    "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU")
                 + _disk_remedy(e))
     phase = e.binding_phase
-    return (f"GPU memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
+    return (f"{e.hw_word} memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
             f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "
             f"{budget_said(format_bytes(f.budget), kept, stated=True)}. Raise --mem-budget, or {RELIEF[phase]}."
             + (kept.needed(f.need) if kept else ""))

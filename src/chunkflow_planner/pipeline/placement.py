@@ -67,6 +67,11 @@ class PipelineEstimate:
         return device_need(ph.allocated_bytes, ph.activation_bytes, self.hw)
 
     @property
+    def hw_word(self) -> str:
+        """What messages call the device: 'GPU', or 'device' where it is the host CPU."""
+        return "device" if self.hw.pipeline.device_is_host else "GPU"
+
+    @property
     def gpu_need(self) -> int:
         return max(self.peak_memory(p) for p in PHASES)
 
