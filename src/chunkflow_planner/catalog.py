@@ -148,6 +148,18 @@ class ModelSpec(_Strict):
         """Bytes of every parameter as the loaded model holds them: dtype_bytes each, float32 for fp32_params."""
         return (self.total_params - self.fp32_params) * self.dtype_bytes + 4 * self.fp32_params
 
+    def component_bytes(self) -> dict[str, int]:
+        """Component -> bytes of the whole pipeline as the plan counts them, each in the dtype it runs in: the text
+        encoders, every expert transformer (Wan2.2-A14B has two), the VAE; the transformer alone without a
+        pipeline."""
+        if self.pipeline is None:
+            return {"transformer": self.nbytes}
+        pipe = self.pipeline
+        out = {te.component: te.nbytes for te in pipe.text_encoders}
+        out.update({"transformer" if k == 0 else f"transformer_{k + 1}": self.nbytes for k in range(pipe.experts)})
+        out[pipe.vae.component] = pipe.vae.nbytes
+        return out
+
     @property
     def non_block_bytes(self) -> int:
         return self.nbytes - self.block_bytes_total

@@ -138,7 +138,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         h2d += 2 * vae
         pinned += vae
         parked = max(parked, vae)
-    total = sum(te.nbytes for te in pipe.text_encoders) + experts * t_bytes + vae
+    total = sum(spec.component_bytes().values())
     read = float(total if read_bytes is None else read_bytes)
     if hw.pipeline.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
         # component's twice (the device's copy, then its parking)
