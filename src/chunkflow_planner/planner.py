@@ -42,7 +42,7 @@ from chunkflow_planner.plan import (
 from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide
 from chunkflow_planner.workload import WorkloadError, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
-from chunkflow_planner.pipeline.hostinfo import default_host_budget
+from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
 
 DEFAULT_HARDWARE = "h200"
 PROFILE_FILENAME = "hardware-profile.yaml"
@@ -65,6 +65,10 @@ def saved_profile_path() -> Path:
 class ResolvedHardware:
     spec: HardwareSpec
     source: str  # "catalog:h200", "profile:/path", "default:h200"
+    # whether it describes the machine the planner runs on (the saved profile, the default, the CPU itself): only
+    # then is this machine's memory the plan's host budget by default
+    this_machine: bool = True
+    named: str | None = None  # what --hardware said
 
 
 def resolve_hardware(
@@ -86,9 +90,11 @@ def resolve_hardware(
         lo, hi = ranges[key]
         if value is not None and not (math.isfinite(value) and lo <= value <= hi):
             raise CatalogError(f"--{key.replace('_', '-')} must be between {lo:g} and {hi:g}, got {value}")
+    this_machine = True
     if name:
         spec = get_hardware(name)
         source = f"profile:{name}" if spec.name.lower() != name.lower() else f"catalog:{spec.name}"
+        this_machine = spec.pipeline.device_is_host or _is_saved_profile(name)
     elif saved_profile_path().exists():
         try:
             spec = load_profile(saved_profile_path())
@@ -111,7 +117,25 @@ def resolve_hardware(
         except ValidationError as e:
             raise CatalogError(f"the overrides give an invalid hardware profile: {e.errors()[0]['msg']}") from None
         source += " with overrides " + ", ".join(f"{k}={v:g}" for k, v in update.items())
-    return ResolvedHardware(spec, source)
+    return ResolvedHardware(spec, source, this_machine, name or None)
+
+
+def _is_saved_profile(name: str) -> bool:
+    """Whether --hardware NAME is the profile `chunkflow calibrate` saved on this machine (given by its path)."""
+    try:
+        return Path(name).is_file() and Path(name).resolve() == saved_profile_path().resolve()
+    except OSError:
+        return False
+
+
+def host_budget_of(hardware: ResolvedHardware) -> tuple[int | None, str]:
+    """(bytes or None, how they were chosen) of the host budget a plan gets without --host-mem-budget: this
+    machine's memory less a share for the system where the plan is for this machine; none (nothing checked, the
+    memory needed printed) where --hardware names another, whose RAM the catalog does not know."""
+    if hardware.this_machine:
+        return default_host_budget()
+    return None, (f"no host budget checked: --hardware {hardware.named} names another machine, and this one's "
+                  "memory says nothing of its RAM; give --host-mem-budget to plan inside one")
 
 
 def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
@@ -210,15 +234,18 @@ def make_plan(
     if plans_pipeline(problem, pipeline):
         host_source = "--host-mem-budget"
         if host_budget is None:
-            host_budget, host_source = default_host_budget()
-        decision, whole = decide_whole(problem, usable, kept, host_budget, max_slowdown, target_step_time,
-                                       target_time, generation_slowdown)
+            host_budget, host_source = host_budget_of(hardware)
+        decision, whole = decide_whole(problem, usable, kept, UNCHECKED_HOST_BUDGET if host_budget is None
+                                       else host_budget, max_slowdown, target_step_time, target_time,
+                                       generation_slowdown)
     else:
         decision = decide_transformer(problem, usable, kept, max_slowdown, target_step_time)
     analysis = critical_analysis(spec, workload, hardware, sp, prefetch_bytes, text_len, decision.chosen.cfg)
     plan = assemble(spec, workload, hardware, problem, decision, analysis, budget, margin)
     if whole is not None:
-        plan = with_pipeline(plan, spec, whole, read_bytes).model_copy(update={"host_memory_budget_source": host_source})
+        plan = with_pipeline(plan, spec, whole, read_bytes).model_copy(update={
+            "host_memory_budget_source": host_source,
+            **({"host_memory_budget_bytes": None} if host_budget is None else {})})
     return plan, decision, analysis
 
 

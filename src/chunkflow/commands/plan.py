@@ -19,17 +19,22 @@ def models_cmd() -> None:
     """List the model catalog (models.yaml)."""
     from chunkflow_planner.catalog import load_models
 
-    table = Table(title="Models (models.yaml)")
-    for col in ("name", "aliases", "blocks x width", "weights", "default workload"):
-        table.add_column(col, no_wrap=col in ("name", "weights"))
+    table = Table(title="Models (models.yaml): weights in the dtypes a plan runs them in")
+    for col in ("name", "aliases", "blocks x width", "transformer", "pipeline", "default workload"):
+        table.add_column(col, no_wrap=col in ("name", "transformer", "pipeline"),
+                         justify="right" if col in ("transformer", "pipeline") else "left")
     for spec in load_models().values():
         blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks) + f" x {spec.d}"
         w = spec.default_workload
         wl = f"{w.width}x{w.height}" + (f" x{w.frames}" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
-        total = spec.nbytes + (sum(te.nbytes for te in spec.pipeline.text_encoders) + spec.pipeline.vae.nbytes
-                               if spec.pipeline is not None else 0)
-        table.add_row(spec.name, ", ".join(spec.aliases), blocks, format_bytes(total), wl)
+        experts = spec.pipeline.experts if spec.pipeline is not None else 1
+        transformer = (f"{experts} x " if experts > 1 else "") + format_bytes(spec.nbytes)
+        table.add_row(spec.name, ", ".join(spec.aliases), blocks, transformer,
+                      format_bytes(sum(spec.component_bytes().values())), wl)
     console.print(table)
+    console.print("pipeline: the text encoders, every transformer (Wan2.2-A14B has two experts) and the VAE, what "
+                  "`chunkflow plan` loads; host memory needs the process on top (`chunkflow plan` prints it)",
+                  markup=False)
 
 
 @_command("hardware")
@@ -69,8 +74,9 @@ _TargetStepTime = Annotated[Optional[str], typer.Option(help="absolute latency t
 _TargetTime = Annotated[Optional[str], typer.Option(help="latency target of the whole generation, e.g. 5min or 90s "
                                                          "(default: none, or --max-slowdown x everything on the GPU if "
                                                          "given)")]
-_HostMemBudget = Annotated[Optional[str], typer.Option(help="host memory available, e.g. 64GB (default: what this "
-                                                            "machine has available now)")]
+_HostMemBudget = Annotated[Optional[str], typer.Option(help="host memory available, e.g. 64GB (default: this "
+                                                            "machine's memory less 10% where the plan is for this "
+                                                            "machine; none checked where --hardware names another)")]
 _TransformerOnly = Annotated[bool, typer.Option("--transformer-only", help="plan the transformer alone (no text "
                                                 "encoder, VAE or host memory), as the ChunkFlow paper does")]
 _CfgBatching = Annotated[str, typer.Option(help="run a step's two guidance passes as one batched forward, so each "

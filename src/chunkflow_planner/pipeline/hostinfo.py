@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 SYSTEM_SHARE = 0.10  # of the machine's memory, kept for the system, the desktop and other programs
+UNCHECKED_HOST_BUDGET = 2**62  # the host budget the policy is given where none is known: nothing binds
 
 
 def _meminfo(key: str) -> int | None:
