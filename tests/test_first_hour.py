@@ -194,3 +194,18 @@ def test_a_plan_for_another_machine_does_not_take_this_ones_ram(cli, workdir):
     cpu = cli("plan", "--model", "demo", "--hardware", "cpu", "--out", "cpu.json")
     assert cpu.exit_code == 0
     assert json.loads((workdir / "cpu.json").read_text())["host_memory_budget_bytes"] == default_host_budget()[0]
+
+
+def test_a_synthetic_cpu_run_of_a_cpu_plan_compares_no_time(cli, workdir, monkeypatch):
+    """`chunkflow run --plan` without a prompt (the transformer's steps) on a CPU plan: no time error in the report,
+    no GPU in the table, the host store measured against the plan's, and a note saying the times are nominal."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", "7MB", "--out", "p.json").exit_code == 0
+    r = cli("run", "--plan", "p.json", "--report", "r.json")
+    assert r.exit_code == 0, r.output
+    out = _flat(r.stdout)
+    report = json.loads((workdir / "r.json").read_text())
+    assert report["rel_error"]["step_time"] is None
+    assert "GPU" not in out and "pinned" not in out
+    assert re.search(r"host store \(not page-locked\) │ [\d.]+ MB │ [\d.]+ MB", out), out
+    assert "its times are nominal figures, not predictions, so they are not compared" in out

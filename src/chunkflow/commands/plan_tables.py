@@ -416,15 +416,23 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.rep
         f"on {report.gpu} (SP={r.sp_degree}); {r.steps} timed step(s) after {r.warmup} warm-up",
         highlight=False,
     )
+    host = report.plan.hardware.device_is_host  # a CPU plan: nominal times, device memory is host memory
     t = Table(title=f"Measured vs predicted (hardware profile {escape(report.hardware)}, regime {p.regime})")
     for col in ("quantity", "measured", "predicted", "error"):
         t.add_column(col, justify="left" if col == "quantity" else "right")
-    t.add_row("step time (median)", format_seconds(m.median_step_s), format_seconds(p.step_time_s), _pct(e.step_time))
-    peak = format_bytes(m.peak_allocated_bytes) if m.peak_allocated_bytes is not None else "- (no GPU)"
-    t.add_row("peak GPU memory (allocated)", peak, format_bytes(p.peak_memory_bytes), _pct(e.peak_memory))
+    t.add_row("step time (median)", format_seconds(m.median_step_s),
+              "- (nominal)" if host else format_seconds(p.step_time_s), _pct(e.step_time))
+    dev = report.plan.hardware.device_word
+    peak = (format_bytes(m.peak_allocated_bytes) if m.peak_allocated_bytes is not None
+            else "- (not measured)" if host else "- (no GPU)")
+    t.add_row(f"peak {dev} memory (allocated)", peak, format_bytes(p.peak_memory_bytes), _pct(e.peak_memory))
     if m.peak_reserved_bytes is not None:
-        t.add_row("peak GPU memory (reserved)", format_bytes(m.peak_reserved_bytes), "-", "-")
-    t.add_row("pinned host memory", format_bytes(m.pinned_host_bytes), format_bytes(p.pinned_host_bytes), "-")
+        t.add_row(f"peak {dev} memory (reserved)", format_bytes(m.peak_reserved_bytes), "-", "-")
+    if host:
+        held = (report.stats or {}).get("host_bytes", 0)
+        t.add_row("host store (not page-locked)", format_bytes(held), format_bytes(p.pinned_host_bytes), "-")
+    else:
+        t.add_row("pinned host memory", format_bytes(m.pinned_host_bytes), format_bytes(p.pinned_host_bytes), "-")
     if m.achieved_residency is not None and o.mode == "chunkflow":
         t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{o.residency:.1%}", "-")
     console.print(t)
@@ -434,7 +442,11 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.rep
                   highlight=False)
     if len(m.memory_trace) > 1:
         console.print(memory_drift(m.memory_trace), highlight=False)
-    if r.device.startswith("cpu"):
+    if r.device.startswith("cpu") and host:
+        console.print("note: a plan for the CPU: its times are nominal figures, not predictions, so they are not "
+                      "compared; this run checks the pipeline end to end and what it holds in host memory.",
+                      highlight=False, markup=False)
+    elif r.device.startswith("cpu"):
         console.print(f"note: the prediction is for the GPU profile {report.plan.hardware.name!r}; on the CPU this run "
                       "checks the pipeline end to end, not the planner's accuracy (run it on that GPU for that).",
-                      highlight=False)
+                      highlight=False, markup=False)
