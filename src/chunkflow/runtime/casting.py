@@ -29,7 +29,7 @@ from chunkflow.runtime.storage import (
     cast_tensors,
     check_fits,
 )
-from chunkflow.runtime.streamer import bind, current
+from chunkflow.runtime.streamer import bind, current, storage_refs
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource
 
 if TYPE_CHECKING:  # annotations only
@@ -61,6 +61,9 @@ class BlockCasts(BlockFeature):
         self.casting: int | None = None  # the block whose fp8 tensors occupy the cast buffer now
         self.slot_buffers: list[torch.Tensor] = []  # on_copy: one cast buffer per slot
         self.slot_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor, torch.Tensor]]] = {}
+        self.buffer_refs = 0  # references to the cast buffer's memory its views hold (more: someone kept one)
+        self.slot_refs: list[int] = []
+        self.slot_of: dict[int, int] = {}
 
     def _on_copy(self, b: BlockLayout) -> bool:
         return self.on_copy and b.is_streamed
@@ -73,6 +76,17 @@ class BlockCasts(BlockFeature):
     def allocate(self, streamer: Streamer) -> None:
         """The cast buffer and each block's views in it; on_copy: a cast buffer per slot and, per (streamed block,
         slot), each fp8 tensor's source (its slot or resident view) and target (in that slot's cast buffer)."""
+        self._new_buffer()
+        self.slot_buffers = [torch.empty(self.slot_buffer_bytes, dtype=torch.uint8, device=self.device)
+                             for _ in range(2 if self.slot_buffer_bytes else 0)]
+        self.slot_views = {}
+        for s in range(len(self.slot_buffers)):
+            self.slot_renewed(streamer, s)
+        self.slot_refs = [storage_refs(buf) for buf in self.slot_buffers]
+        self.slot_of = {}  # running blocks cast into a slot's cast buffer, and that slot
+
+    def _new_buffer(self) -> None:
+        """The compute-stream cast buffer and each block's views in it."""
         self.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
         self.views = []
         for b in self.layouts:
@@ -83,13 +97,14 @@ class BlockCasts(BlockFeature):
                 off += t.compute_nbytes
             self.views.append(views)
         self.casting = None
-        self.slot_buffers = [torch.empty(self.slot_buffer_bytes, dtype=torch.uint8, device=self.device)
-                             for _ in range(2 if self.slot_buffer_bytes else 0)]
-        self.slot_views = {}
-        for b in self.layouts:
-            if self.slot_buffers and b.is_streamed and b.cast_tensors():
-                for s, buf in enumerate(self.slot_buffers):
-                    self.slot_views[(b.index, s)] = self._slot_casts(streamer, b, s, buf)
+        self.buffer_refs = storage_refs(self.buffer)
+
+    def slot_renewed(self, streamer: Streamer, slot: int) -> None:
+        """Slot `slot`'s cast sources are views of the streamer's (new) slot."""
+        if self.slot_buffers:
+            for b in self.layouts:
+                if b.is_streamed and b.cast_tensors():
+                    self.slot_views[(b.index, slot)] = self._slot_casts(streamer, b, slot, self.slot_buffers[slot])
 
     @staticmethod
     def _slot_casts(streamer: Streamer, b: BlockLayout, s: int, buf: torch.Tensor) -> list:
@@ -107,6 +122,7 @@ class BlockCasts(BlockFeature):
         self.casting = None
         self.slot_buffers = []
         self.slot_views = {}
+        self.slot_of = {}
 
     # ---- around each block (hot path)
 
@@ -123,6 +139,7 @@ class BlockCasts(BlockFeature):
         if casts:  # cast on the copy stream already (copies_done), into the cast buffer of the block's slot
             for t, _, dst in casts:
                 bind(t, dst)
+            self.slot_of[block] = slot
         elif self.views[block]:
             self._cast(block)
 
@@ -140,8 +157,17 @@ class BlockCasts(BlockFeature):
             self.casting = l
 
     def exited(self, streamer: Streamer, block: int) -> None:
+        """The block's cast buffer is free again; one something still refers to (a weight taken inside the forward
+        without a copy) is left to it with the block's values, and a new one made (as the streamer does for slots)."""
         if self.casting == block:
             self.casting = None
+            if storage_refs(self.buffer) > self.buffer_refs:
+                self._new_buffer()
+        s = self.slot_of.pop(block, None)
+        if s is not None and storage_refs(self.slot_buffers[s]) > self.slot_refs[s]:
+            self.slot_buffers[s] = torch.empty(self.slot_buffer_bytes, dtype=torch.uint8, device=self.device)
+            self.slot_renewed(streamer, s)
+            self.slot_refs[s] = storage_refs(self.slot_buffers[s])
 
 
 class Fp8Storage(HandleFeature):

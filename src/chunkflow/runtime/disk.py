@@ -10,8 +10,11 @@ bring into the page cache (FileReader), so host memory holds the ring, not the w
 
 Outside its forward a tail tensor is a private, copy-on-write map of its bytes in the file: a normal tensor with the
 file's values that costs no memory until read. The files are checked when the tier is made (readable, long enough,
-each tensor where its header says, in the dtype the block stores) and before every read (size, modification time,
-inode): a checkpoint changed after offload is an error, never other weights. A write to a tail tensor (peft's merge,
+each tensor where its header says, in the dtype the block stores) and before and after every read: its size,
+modification time and inode, and the kernel's word that no process wrote it (runtime/filewatch.py: a rewrite in place
+with its modification time restored is seen too). A checkpoint changed after offload is an error at the next forward,
+`state_dict()` or `remove()`, never other weights. Not seen: writes through another process's shared map of the file,
+or from another machine on a network file system that keep size and times (a documented limit). A write to a tail tensor (peft's merge,
 load_state_dict) or a new tensor inside a disk block moves that block to the host tier at the next forward (its
 current values copied into the host store, a warning saying so): the file is never written and never disagrees.
 """
@@ -30,8 +33,9 @@ import torch
 
 from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.feature import HandleFeature
+from chunkflow.runtime.filewatch import FileWatch
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
-from chunkflow.runtime.store import HostStore
+from chunkflow.runtime.store import HostStore, own_storage
 from chunkflow_planner.checkpoint import TensorRecord
 from chunkflow_planner.offload import DISK_RING_BLOCKS
 
@@ -104,6 +108,8 @@ class DiskTier(HandleFeature):
         self.reads = 0
         self.stall_s = 0.0
         self.demoted: set[int] = set()
+        self._watch = FileWatch()
+        self._state_hooks: list = []  # state_dict() of a disk block checks its files first
 
     # ---- set-up: before the host store is filled
 
@@ -208,11 +214,37 @@ class DiskTier(HandleFeature):
         state = _state(path)
         if self._states.setdefault(path, state) != state:
             raise self._changed(path)
+        self._watch.add(path)
+        if path in self._watch.changed():
+            raise self._changed(path)
 
     def _changed(self, path: Path) -> DiskTierError:
         return DiskTierError(f"{str(path)!r} changed after the model was offloaded with part of its weights read "
-                             "from it (its size, modification time or inode differ); its weights are no longer the "
-                             "model's. Offload (load) the model again")
+                             "from it (written, or its size, modification time or inode differ); its weights are no "
+                             "longer the model's. Offload (load) the model again, or handle.discard() to drop it")
+
+    def verify(self) -> None:
+        """Every file still as it was offloaded (state and the kernel's word); DiskTierError naming one that is not."""
+        self._unchanged(list(self._states))
+
+    def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
+        """A dtype change of the module (`mapping`) is refused where it would change a tensor the disk tier reads from
+        its file (the file holds the old dtype; the block would have to move to host memory whole), before anything
+        changes."""
+        hit = [(b, e) for b in layouts if b.index in self.parts for e in b.tensors
+               if e.end > b.resident_bytes and e.dtype in mapping]
+        if not hit:
+            return
+        from chunkflow_planner.units import format_bytes
+
+        b, e = hit[0]
+        held = sum(layouts[l].nbytes - self.tail[l] for l in self.order)
+        raise DiskTierError(
+            f"cannot change {b.name}.{e.name} from {str(e.dtype).removeprefix('torch.')} to "
+            f"{str(mapping[e.dtype]).removeprefix('torch.')}: {len(self.order)} block(s) keep their weights in the "
+            f"checkpoint's files in the dtype they have now, and a change would need all of them in host memory "
+            f"({format_bytes(held)}); nothing was changed. Load the model in the dtype you want "
+            "(`torch_dtype=` / `chunkflow run` plans it), or offload it without disk blocks")
 
     def _rec(self, e: TensorEntry) -> TensorRecord:
         return self._records[(id(e.owners[0][0]), e.owners[0][1])]
@@ -221,8 +253,9 @@ class DiskTier(HandleFeature):
         """Tail tensor e of a disk block outside its forward: its bytes in the file, mapped copy-on-write (a converted
         copy in host memory where the file stores another dtype)."""
         rec = self._rec(e)
-        if getattr(torch, rec.dtype_name, None) == e.dtype and rec.nbytes == e.nbytes:
-            return self._maps[rec.file][rec.begin:rec.end].view(e.dtype).view(e.shape)
+        if getattr(torch, rec.dtype_name, None) == e.dtype and rec.nbytes == e.nbytes:  # a storage of its own, as
+            # the host store's views have (HostStore.alias)
+            return own_storage(self._maps[rec.file][rec.begin:rec.end]).view(e.dtype).view(e.shape)
         key = (id(e.owners[0][0]), e.owners[0][1])
         if key not in self._held:
             held = torch.empty(e.shape, dtype=e.dtype)
@@ -237,14 +270,23 @@ class DiskTier(HandleFeature):
     # ---- the handle's part
 
     def attach(self, handle: OffloadHandle) -> None:
-        """Say which blocks moved to the host tier since the last layout."""
+        """Say which blocks moved to the host tier since the last layout; a disk block's state_dict() checks the files
+        first (outside a forward its tail tensors read them)."""
+        self._state_hooks = [handle.layouts[l].module.register_state_dict_pre_hook(self._before_state_dict)
+                             for l in self.order]
         if self.demoted:
             warn_user(f"chunkflow: block(s) {', '.join(map(str, sorted(self.demoted)))} hold tensors the checkpoint's "
                       "files do not (a LoRA layer?) or were written; their weights now live in host memory, not on "
                       "disk", DiskTierWarning)
             self.demoted = set()
 
+    def _before_state_dict(self, module, prefix, keep_vars) -> None:
+        self.verify()
+
     def detach(self, handle: OffloadHandle) -> None:
+        for h in self._state_hooks:
+            h.remove()
+        self._state_hooks = []
         self.stop()
         if self.ring is not None:
             self.ring.release()
@@ -257,6 +299,7 @@ class DiskTier(HandleFeature):
             self._pool.shutdown(wait=True)
             self._pool = None
         self.files.close()
+        self._watch.close()
         self._maps = {}
 
     def demote(self, blocks: set[int]) -> bool:
@@ -291,7 +334,10 @@ class DiskTier(HandleFeature):
         return entry
 
     def _unchanged(self, paths) -> None:
+        written = self._watch.changed()
         for path in paths:
+            if path in written:
+                raise self._changed(path)
             try:
                 state = _state(path)
             except OSError:

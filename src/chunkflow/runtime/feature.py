@@ -50,3 +50,7 @@ class BlockFeature:
 
     def exited(self, streamer: Streamer, block: int) -> None:
         """`block` ran and released its slot; its tensors are bound to the host store next."""
+
+    def slot_renewed(self, streamer: Streamer, slot: int) -> None:
+        """The streamer took a new buffer for `slot` (the old one is held by a tensor taken inside a forward):
+        views of it must be made again."""

@@ -253,42 +253,82 @@ class OffloadHandle:
                   ) -> None:
         """Lay the blocks out again from the module as it is now (new tensors included), with `dtypes` applied to
         every tensor if given, on `device` if given. Host memory holds the old store and the new one for the time
-        of the copy."""
+        of the copy. Whole or not at all: where the new layout fails, every tensor is put back as it was (dtype,
+        device, values) and laid out as before, and the error raised."""
         compute = self._block_compute_dtypes()
+        before: list[tuple[ModuleTensor, torch.Tensor, torch.Tensor]] = []  # (tensor, object, its data before)
+        was_device = self.device
         with torch.inference_mode(False), torch.no_grad():
             old = self._detach(to_host=True)
-            if device is not None:
-                self.device = device
-            if dtypes or compute:  # fp8-stored tensors become their compute dtype again (then stored anew)
-                dtypes = dtypes or {}
-                for t in all_tensors(self.module):
-                    cur = t.get()
-                    own = compute.get(id(cur), cur.dtype)
-                    new = cur.to(dtypes.get(own, own))
-                    if t.is_param:
-                        bind_data(cur, new)
-                    else:
-                        t.set_buffer(new)
-            self._attach()
-            if old is not None:
-                old.release()
+            try:
+                if device is not None:
+                    self.device = device
+                if dtypes or compute:  # fp8-stored tensors become their compute dtype again (then stored anew)
+                    dtypes = dtypes or {}
+                    for t in all_tensors(self.module):
+                        cur = t.get()
+                        own = compute.get(id(cur), cur.dtype)
+                        new = cur.to(dtypes.get(own, own))
+                        if new is cur:
+                            continue
+                        before.append((t, cur, raw_data(cur) if t.is_param else cur))
+                        if t.is_param:
+                            bind_data(cur, new)
+                        else:
+                            t.set_buffer(new)
+                self._attach()
+            except BaseException:
+                self._undo_relayout(before, was_device)
+                raise
+            finally:
+                if old is not None:
+                    old.release()
         self.relayouts += 1
+
+    def _undo_relayout(self, before: list, device: torch.device) -> None:
+        """A failed re-layout: every converted tensor back to what it was, laid out as before (a new store holding
+        the old values)."""
+        for t, cur, data in before:
+            if t.is_param:
+                bind_data(cur, data)
+            else:
+                t.set_buffer(data)
+        self.device = device
+        partial = self._detach(to_host=True) if self.streamer is not None or self.store is not None else None
+        self._attach()
+        if partial is not None:
+            partial.release()
 
     # ---- forwards (the block hooks call these)
 
     def enter_block(self, l: int) -> None:
         if l == 0:  # a forward starts: carry writes made since the last one to the device
             self.sync()
+        elif self.writes is not None:
+            stale = self.writes.stale(l)  # written earlier in this forward (by a hook): its prefetched copies are old
+            if stale and self.layouts[l].on_disk:  # its file is not what was written: the written tensors are
+                self.streamer.enter(l)  # copied over the file's bytes, and the block leaves the disk at the next
+                self.streamer.copy_in(l, stale)  # forward
+                self.writes.touched.add(l)
+                self.refreshes += 1
+                return
+            if stale:
+                self.streamer.refresh({l})
+                self.refreshes += 1
         self.streamer.enter(l)
 
     def exit_block(self, l: int) -> None:
+        written = self.writes.written(l) if self.writes is not None else []
+        if written:  # the block wrote its own tensors' device copies: the host store, the truth, takes them
+            self.streamer.write_back(l, written)
         self.streamer.exit(l)
 
     def sync(self) -> None:
         """Bring the device copies up to date with writes to the blocks since the last forward (writes.py)."""
         relayout, dirty = self.writes.collect()
-        if self.disk is not None and dirty and self.disk.demote(dirty):
-            relayout = True  # a disk block written: its values move to the host store (the file is never written)
+        if self.disk is not None and (dirty or self.writes.replaced) and self.disk.demote(dirty | self.writes.replaced):
+            relayout = True  # a disk block written or given new tensors: its values move to the host store (the file
+            # is never written, and no longer holds them)
         if relayout:
             self._relayout()
         elif dirty:
@@ -319,6 +359,8 @@ class OffloadHandle:
         device (no weights), as it leaves a plain module."""
         self.unpark()
         target, mapping = self._conversion(fn, all_tensors(self.module))
+        if self.disk is not None and mapping:
+            self.disk.check_dtypes(self.layouts, mapping)  # before anything changes: the files hold one dtype
         if target is not None and target.type == "meta":
             self.discard()
             return self.module
@@ -471,6 +513,8 @@ class OffloadHandle:
         if self.depth or (self.streamer is not None and self.streamer.bound):
             raise OffloadError("handle.remove() was called inside a forward of the offloaded module (nothing was "
                                "changed); remove it between forwards")
+        if self.disk is not None:  # the weights read from files are given back as the files hold them: unchanged
+            self.disk.verify()
         self._teardown(restore=True)
 
     @_locked

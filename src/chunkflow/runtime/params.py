@@ -63,8 +63,11 @@ class OffloadedParameter(nn.Parameter):
         if tracker is not None:
             home = tracker.check_data(self, value)  # raises for another shape or dtype
             tracker.touch(self)
-            if home is not None:  # copy into the host view it is bound to: the store stays the truth
+            if home is not None:  # copy into the host view: the store stays the truth
                 home.copy_(value)
+                bound = _DATA.__get__(self)
+                if bound.data_ptr() != home.data_ptr():  # inside a forward: its device copy too, for the rest of it
+                    bound.copy_(value)
                 return
         _DATA.__set__(self, value)
 

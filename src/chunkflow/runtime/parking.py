@@ -117,7 +117,7 @@ class Parking(HandleFeature):
         out = []
         for t, off, n in zip(tensors, offsets, sizes):
             cur = t.get()
-            out.append(self.store.view(off, n).view(cur.dtype).view(cur.shape))
+            out.append(self.store.alias(off, n).view(cur.dtype).view(cur.shape))
         return out
 
     def unpark(self, handle: OffloadHandle) -> None:

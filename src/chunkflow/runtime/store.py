@@ -24,6 +24,12 @@ class HostStoreError(ChunkflowError):
     pass
 
 
+def own_storage(flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor's bytes as a tensor with a storage of its own, aliasing them (through numpy, which
+    keeps `flat`'s memory alive as long as the alias lives)."""
+    return torch.from_numpy(flat.numpy()) if flat.numel() else flat.clone()
+
+
 class HostStore:
     def __init__(self, nbytes: int, pin: bool, ranges: list[tuple[int, int]] | None = None):
         self.nbytes = nbytes
@@ -73,6 +79,12 @@ class HostStore:
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.data[offset : offset + nbytes]
+
+    def alias(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The same bytes as `view`, as a tensor with a storage of its own (nothing copied; it keeps the store's memory
+        alive): what a block tensor is outside its forward, so that code grouping tensors by storage (save_pretrained's
+        shards, torch.save, safetensors' shared-tensor check) sees each tensor apart, as without offload."""
+        return own_storage(self.data[offset : offset + nbytes])
 
     def release(self) -> None:
         """Unregister (if pinned) and drop the bytes. Callers make sure no copy still reads them."""

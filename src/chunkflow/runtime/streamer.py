@@ -101,6 +101,14 @@ class CudaBackend:
 # --------------------------------------------------------------------------------------------- streamer
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # (torch >= 2.1): references to a tensor's storage
+
+
+def storage_refs(buf: torch.Tensor) -> int:
+    """How many tensors (views included) refer to `buf`'s memory now; 0 where torch cannot say."""
+    return _USE_COUNT(buf.untyped_storage()._cdata) if _USE_COUNT is not None else 0
+
+
 def _typed_view(buf: torch.Tensor, offset: int, t: TensorEntry) -> torch.Tensor:
     return buf[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
 
@@ -121,8 +129,9 @@ def bind(t: TensorEntry, data: torch.Tensor) -> None:
 
 
 def host_view(host: HostStore, b: BlockLayout, t: TensorEntry) -> torch.Tensor:
-    """Tensor t of block b as it lies in the host store: its true shape, dtype and values."""
-    return _typed_view(host.data, b.host_offset + t.offset, t)
+    """Tensor t of block b as it lies in the host store: its true shape, dtype and values, with a storage of its own
+    (HostStore.alias)."""
+    return host.alias(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape)
 
 
 class _Pending:
@@ -173,6 +182,8 @@ class Streamer:
                             for t in b.tensors] for b in layouts]
         self.resident = torch.empty(0, dtype=torch.uint8, device=device)
         self.slots: list[torch.Tensor] = []
+        self.slot_refs: list[int] = []  # references to each slot's memory the streamer and its features hold
+        self.slots_given = 0  # slots left to a tensor taken from a block's weights inside its forward
         self.resident_views: list[list[tuple[TensorEntry, torch.Tensor]]] = []
         self.slot_views: dict[tuple[int, int], list[tuple[TensorEntry, torch.Tensor]]] = {}
         self._alloc_device()
@@ -198,15 +209,33 @@ class Streamer:
         self.resident_views = [[(t, _typed_view(self.resident, roff + t.offset, t)) for t in b.resident_tensors()]
                                for b, roff in zip(self.layouts, self.res_offset)]
         self.slot_views = {}
+        for s in range(2):
+            self._slot_views(s)
+        for f in self.features:
+            f.allocate(self)
+        self.slot_refs = [storage_refs(buf) for buf in self.slots]
+
+    def _slot_views(self, s: int) -> None:
+        """Every streamed block's views in slot s."""
+        buf = self.slots[s]
         for b in self.layouts:
-            if not b.is_streamed:
-                continue
-            for s, buf in enumerate(self.slots):
+            if b.is_streamed:
                 self.slot_views[(b.index, s)] = [
                     (t, _typed_view(buf, t.offset - b.slot_start, t)) for t in b.streamed_tensors()
                 ]
-        for f in self.features:
-            f.allocate(self)
+
+    def _keep_if_held(self, s: int) -> None:
+        """Slot s was just left by a block: if something beyond the streamer still refers to its memory (a tensor
+        taken from the block's weights inside its forward, `w = layer.weight.detach()` in a hook), that tensor keeps
+        the slot with the block's values, as it would keep the weight's memory without offload, and the streamer
+        takes a new slot instead of overwriting them with the next block's."""
+        if self.slot_refs and storage_refs(self.slots[s]) > self.slot_refs[s]:
+            self.slots[s] = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self._slot_views(s)
+            for f in self.features:
+                f.slot_renewed(self, s)
+            self.slot_refs[s] = storage_refs(self.slots[s])
+            self.slots_given += 1
 
     def _drop_device(self) -> None:
         """Drop the device buffers, their views and the features' buffers (copies finished)."""
@@ -264,6 +293,27 @@ class Streamer:
                     self.finish()
                 self.schedule(l, s)
         cs.wait_stream(be.copy_stream)
+
+    def write_back(self, l: int, positions: list[int]) -> None:
+        """Block l (running) wrote these of its tensors (positions in its tensor list) through their device copies:
+        the host store takes their values (cast to the stored dtype where it is fp8), after the compute stream's work
+        that wrote them."""
+        for j in positions:
+            t, view = self.host_views[l][j]
+            cur = current(t)
+            dev = raw_data(cur) if t.is_param else cur
+            if dev.data_ptr() != view.data_ptr():
+                view.copy_(dev)
+
+    def copy_in(self, l: int, positions: list[int]) -> None:
+        """Block l (entered) holds old device copies of these of its tensors: their host views' values, on the compute
+        stream, before the block runs."""
+        for j in positions:
+            t, view = self.host_views[l][j]
+            cur = current(t)
+            dev = raw_data(cur) if t.is_param else cur
+            if dev.data_ptr() != view.data_ptr():
+                dev.copy_(view)
 
     # ---- copies (on the copy stream)
 
@@ -368,13 +418,17 @@ class Streamer:
             bind(t, (raw_data(cur) if t.is_param else cur).clone())
 
     def exit(self, l: int) -> None:
-        """Block l ran (or raised): release its slot, and its tensors are host views again."""
-        if l in self.bound:
+        """Block l ran (or raised): release its slot, and its tensors are host views again (the slot kept for whatever
+        still refers to it: `_keep_if_held`)."""
+        s = self.bound.get(l)
+        if s is not None:
             self.after(l)
         for f in self.features:
             f.exited(self, l)
         for t, view in self.host_views[l]:
             bind(t, view)
+        if s is not None:
+            self._keep_if_held(s)
 
     def before(self, l: int) -> None:
         if l == self.ring[0]:

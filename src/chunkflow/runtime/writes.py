@@ -7,7 +7,13 @@ At the start of each forward the handle asks `collect()`:
   through `state_dict()` tensors or through `.data`, as peft's merges do) or whose `.data` was assigned are
   refreshed: their device copies are made again from the host bytes;
 - a module, parameter or buffer registered inside a block (LoRA injected or unloaded, `load_state_dict(assign=
-  True)`), or a tensor replaced behind torch's back, means the blocks are laid out again, new tensors included.
+  True)`, `block.linear.weight = nn.Parameter(w)`), or a tensor replaced behind torch's back (`swap_tensors`),
+  means the blocks are laid out again, new tensors included; the blocks it happened in are `replaced` (a disk
+  block among them leaves the disk: its file no longer holds its values).
+Writes inside a forward are seen block by block (`stale`, `written`): a write to a block not yet run in this forward
+went to its host view, so its device copies are made again as it is entered; a write to the running block's own
+tensors went to their device copies, which are written back to the host store as it exits (the store stays the
+truth, and the next forward, or remove(), sees the write).
 A `.data` assignment of another shape or dtype is refused before anything changes. `WriteWatch` is a handle's part
 (runtime/feature.py): it watches each layout's blocks and listens to torch's registrations while the handle lives.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -24,6 +31,8 @@ from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.layout import BlockLayout
 from chunkflow.runtime.params import OffloadedParameter, raw_data, unwrap, wrap
 from chunkflow.runtime.streamer import current
+
+_DETACH = torch._C.TensorBase.detach
 
 if TYPE_CHECKING:  # annotations only
     from chunkflow.runtime.handle import OffloadHandle
@@ -35,6 +44,11 @@ class WriteWatch(HandleFeature):
     def __init__(self):
         self.touched: set[int] = set()  # blocks whose parameters' .data was assigned
         self.changed = False  # a registration inside a block: lay out again
+        self.replaced: set[int] = set()  # blocks with a tensor or module registered or replaced since the last layout
+        self._block_of_module: dict[int, int] = {}  # id(module inside a block) -> block index
+        self._by_block: dict[int, list[int]] = {}  # block index -> indices of its entries
+        self._objs: dict[int, list] = {}  # block index -> its tensors (the objects watched), in layout order
+        self._vers: dict[int, list[int]] = {}  # block index -> their versions as last noted
         self._block_of: dict[int, int] = {}  # id(parameter) -> block index
         self._home_of: dict[int, object] = {}  # id(parameter) -> its host view
         self._name_of: dict[int, str] = {}
@@ -82,8 +96,15 @@ class WriteWatch(HandleFeature):
         every tensor is bound to its host view."""
         self.touched.clear()
         self.changed = False
+        self.replaced = set()
         for b, views in zip(layouts, host_views):
             self._module_ids.update(id(m) for m in b.module.modules())
+            self._block_of_module.update({id(m): b.index for m in b.module.modules()})
+            self._by_block[b.index] = list(range(len(self._entries), len(self._entries) + len(views)))
+            # plain detached aliases: they share each tensor's version counter (across the runtime's rebinding) and
+            # read it several times faster than the Parameter subclass, whose getters go through __torch_function__
+            self._objs[b.index] = [_DETACH(current(t)) for t, _ in views]
+            self._vers[b.index] = [o._version for o in self._objs[b.index]]
             for t, view in views:
                 obj = current(t)
                 owner, attr = t.owners[0]
@@ -103,6 +124,7 @@ class WriteWatch(HandleFeature):
         self._classes, self._entries = [], []
         self._block_of, self._home_of, self._name_of = {}, {}, {}
         self._module_ids = set()
+        self._block_of_module, self._by_block, self._objs, self._vers = {}, {}, {}, {}
         self.touched.clear()
 
     # ---- what the parameters report (WriteTracker)
@@ -137,6 +159,7 @@ class WriteWatch(HandleFeature):
             raise OffloadError(self.refuse_new.format(name=name))  # torch asks before assigning: nothing changed
         if id(module) in self._module_ids:
             self.changed = True
+            self.replaced.add(self._block_of_module[id(module)])
 
     # ---- at the start of a forward
 
@@ -151,7 +174,41 @@ class WriteWatch(HandleFeature):
                 # replaced without a registration (`m._parameters[name] = x`), or its contents swapped
                 # (`torch.utils.swap_tensors`, e.g. a LoRA hot-swap to a larger rank)
                 relayout = True
+                self.replaced.add(block)
             elif now._version != version:
                 dirty.add(block)
                 self._entries[i] = (owner, attr, obj, now._version, block)
+        for block, objs in self._objs.items():  # the forward's block checks start from here too
+            self._vers[block] = [o._version for o in objs]
         return relayout, dirty
+
+    # ---- inside a forward, block by block
+
+    def _moved(self, block: int) -> list[int]:
+        """Positions (in the block's tensors) of those written since their versions were last noted: the hot path,
+        a version read each (a tensor replaced meanwhile is the next forward's `collect`'s)."""
+        vers = self._vers.get(block, ())
+        return [j for j, o in enumerate(self._objs.get(block, ())) if o._version != vers[j]]
+
+    def stale(self, block: int) -> list[int]:
+        """Positions of a block's tensors written in this forward before it runs (through their host views): their
+        device copies must be made again. The writes are noted as carried (here and for the next `collect`)."""
+        moved = self._moved(block)
+        if moved:
+            objs, vers = self._objs[block], self._vers[block]
+            for j in moved:
+                vers[j] = objs[j]._version
+                owner, attr, obj, _, b = self._entries[self._by_block[block][j]]
+                self._entries[self._by_block[block][j]] = (owner, attr, obj, obj._version, b)
+        return moved
+
+    def written(self, block: int) -> list[int]:
+        """Positions of the running block's tensors written during its forward, through their device copies: to be
+        written back to the host store. Noted for the rest of this forward only: the next forward's `collect` sees
+        them and makes the block's device copies again from the store (or moves a disk block to host memory)."""
+        moved = self._moved(block)
+        if moved:
+            objs, vers = self._objs[block], self._vers[block]
+            for j in moved:
+                vers[j] = objs[j]._version
+        return moved
