@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.utils.parametrize  # noqa: F401 (torch.nn.utils.parametrize below)
 from torch import nn
 
 pytest.importorskip("diffusers")
@@ -74,8 +75,25 @@ def _replace_in_dict(m):
     lin._parameters["weight"] = nn.Parameter(torch.full_like(lin.weight.detach(), -0.01))
 
 
+def _delete_and_register(m):
+    lin = m.blocks[0].ffn.net[2]
+    w = lin.weight
+    del lin.weight
+    lin.register_parameter("weight", nn.Parameter(w.detach() * 2))
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def _parametrize(m):
+    torch.nn.utils.parametrize.register_parametrization(m.blocks[1].ffn.net[2], "weight", _Double())
+
+
 @pytest.mark.parametrize("tier", list(TIERS))
-@pytest.mark.parametrize("op", [_replace_by_attribute, _load_assign, _swap_tensors, _replace_in_dict],
+@pytest.mark.parametrize("op", [_replace_by_attribute, _load_assign, _swap_tensors, _replace_in_dict,
+                                _delete_and_register, _parametrize],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_replaced_parameter_is_used_in_every_tier(folder, tier, op):
     """A disk block used to keep reading its file: the new parameter was ignored and remove() gave the file's back."""
