@@ -54,16 +54,17 @@ def _normalize(cfg: dict) -> dict:
 
 def check_transformer_config(path: Path, spec) -> None:
     """The folder's config.json is the catalog model's: its class, and every constructor argument both name."""
-    from chunkflow_planner.checkpoint import CheckpointError, read_config
+    from chunkflow_planner.checkpoint import CheckpointError, read_config, shown
 
     cfg = read_config(path, f"transformer {str(path)!r}")
     cls = cfg.get("_class_name")
     if cls is not None and cls != spec.diffusers.cls:
-        raise CheckpointError(f"{str(path)!r} holds a {cls}, but {spec.name} is a {spec.diffusers.cls}")
+        raise CheckpointError(f"{str(path)!r} holds a {shown(cls)}, but {spec.name} is a {spec.diffusers.cls}; point "
+                              "--weights at that model's folder")
     mine, theirs = _normalize(dict(spec.diffusers.config)), _normalize(cfg)
     diff = [k for k in mine if k in theirs and mine[k] != theirs[k]]
     if diff:
-        detail = ", ".join(f"{k}: catalog {mine[k]!r} vs file {theirs[k]!r}" for k in diff)
+        detail = ", ".join(f"{k}: catalog {shown(mine[k])} vs file {shown(theirs[k])}" for k in diff)
         raise CheckpointError(f"config.json in {str(path)!r} does not match catalog entry {spec.name}: {detail}")
 
 
