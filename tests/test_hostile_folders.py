@@ -212,6 +212,29 @@ def test_another_scheduler_the_pipeline_can_drive_is_used_as_diffusers_uses_it(c
     assert torch.equal(load_file("l.safetensors")["latents"], want)
 
 
+def _fast_tokenizer_file(folder: Path, target: str | None = None) -> None:
+    """tokenizer_config.json naming a fast tokenizer file in the VAE's folder ('../vae/tokenizer.1.json'): garbage,
+    or a link to `target`."""
+    outside = folder / "vae" / "tokenizer.1.json"
+    if target is None:
+        outside.write_text("{garbage")
+    else:
+        os.symlink(target, outside)
+    _edit_json(folder / "tokenizer" / "tokenizer_config.json", fast_tokenizer_files=["../vae/tokenizer.1.json"])
+
+
+def test_a_tokenizer_config_naming_a_file_outside_its_folder_is_refused(cli, workdir, plan, pipe):
+    """transformers joins tokenizer_config.json's fast_tokenizer_files to the folder as given and reads what they
+    name, wherever it is (here: garbage in the VAE's folder); chunkflow refuses before transformers reads it."""
+    import transformers
+
+    _fast_tokenizer_file(pipe)
+    with pytest.raises(json.JSONDecodeError):
+        transformers.T5Tokenizer.from_pretrained(pipe / "tokenizer", local_files_only=True)
+    _run_cli(cli, workdir, pipe, "tokenizer_config.json names fast tokenizer file(s) ../vae/tokenizer.1.json that "
+             "are not files of its folder")
+
+
 def test_a_slot_the_plan_does_not_load_is_said_and_nothing_is_made_from_it(cli, workdir, plan, pipe):
     _index(pipe, image_encoder=["transformers", "CLIPVisionModel"])
     with _watching() as made:
@@ -469,6 +492,8 @@ BOMBS = {
                                     "tokenizer.json' is a character device"),
     "a FIFO tokenizer config": (lambda f: _fifo(f / "tokenizer" / "tokenizer_config.json"), "is a FIFO"),
     "an 8 GiB tokenizer.json": (lambda f: _sparse(f / "tokenizer" / "tokenizer.json"), "bytes, over the"),
+    "/dev/zero as a fast tokenizer file outside": (lambda f: _fast_tokenizer_file(f, "/dev/zero"),
+                                                   "names fast tokenizer file(s) ../vae/tokenizer.1.json"),
     "a FIFO as the weights": (lambda f: _fifo(_vae_file(f)), "is not a regular file"),
     "/dev/zero as the weights": (lambda f: _link(_vae_file(f), "/dev/zero"), "is not a regular file"),
     "an 8 GiB shard index": (lambda f: (_vae_file(f).rename(f / "vae" / "s.safetensors"),

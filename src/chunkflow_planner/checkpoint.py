@@ -20,7 +20,7 @@ from chunkflow_planner.errors import ChunkflowError
 
 __all__ = ["CheckpointError", "TensorRecord", "Checkpoint", "open_checkpoint", "read_header", "DTYPE_BYTES",
            "DIFFUSERS_STEM", "TRANSFORMERS_STEM", "PICKLE_SUFFIXES", "read_config", "read_json", "shown",
-           "MAX_JSON_BYTES"]
+           "MAX_JSON_BYTES", "plain_name"]
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"  # diffusers' SAFETENSORS_WEIGHTS_NAME, less ".safetensors"
 TRANSFORMERS_STEM = "model"  # transformers' SAFE_WEIGHTS_NAME, less ".safetensors"
@@ -316,7 +316,7 @@ def _choose(path: Path, stem: str, files: list[str], indexes: list[str],
     raise CheckpointError(f"{where} has no {std_index} or {std_file}; give a diffusers-format model directory")
 
 
-def _plain_name(name: str) -> bool:
+def plain_name(name: str) -> bool:
     """A file name of the folder itself: no separator, no NUL, not '.' or '..', at most NAME_MAX bytes."""
     try:
         fits = len(name.encode("utf-8")) <= NAME_MAX
@@ -334,7 +334,7 @@ def _read_index(path: Path, index: str) -> dict[str, str]:
         raise CheckpointError(f"index {index} in {str(path)!r} has no weight_map of tensor name -> shard file; "
                               "download it again or re-save the model with save_pretrained")
     shards = sorted(set(wm.values()))
-    bad = [s for s in shards if not _plain_name(s)]
+    bad = [s for s in shards if not plain_name(s)]
     if bad:
         raise CheckpointError(f"index {index} in {str(path)!r} names shard(s) {few_names(bad)} outside the "
                               f"directory or longer than a file name ({NAME_MAX} bytes); shard names must be plain "

@@ -1,14 +1,15 @@
 """A pipeline folder's tokenizers and scheduler, made from the classes models/slots.py checked, their files checked
 first: every file of a tokenizer folder a regular file of a bounded size (transformers reads them whole: a FIFO
-blocks it, /dev/zero never ends), a scheduler config read bounded with its integers and lists bounded (a scheduler
-sizes its tables by them). Local files only; nothing is downloaded.
+blocks it, /dev/zero never ends), and no file outside it named by its tokenizer_config.json; a scheduler config
+read bounded with its integers and lists bounded (a scheduler sizes its tables by them). Local files only; nothing
+is downloaded.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from chunkflow_planner.checkpoint import CheckpointError, read_config, shown
+from chunkflow_planner.checkpoint import CheckpointError, few_names, plain_name, read_config, read_json, shown
 from chunkflow_planner.files import irregular_kind
 
 __all__ = ["load_tokenizer", "load_scheduler"]
@@ -50,6 +51,22 @@ def _check_tokenizer_files(path: Path, what: str) -> None:
                                       "a tokenizer file may; download or save the pipeline again")
 
 
+def _check_tokenizer_config(path: Path, what: str) -> None:
+    """The files tokenizer_config.json makes transformers read are files of the tokenizer folder: its
+    `fast_tokenizer_files` are joined to the folder's path as given, so '../vae/tokenizer.1.json' or an absolute
+    path would be read from anywhere, past the checks above."""
+    if not (path / "tokenizer_config.json").exists():
+        return
+    cfg = read_json(path / "tokenizer_config.json", f"{what}: tokenizer_config.json")
+    named = cfg.get("fast_tokenizer_files", [])
+    names = named if isinstance(named, list) else [named]
+    outside = [str(n) for n in names if not (isinstance(n, str) and plain_name(n) and (path / n).is_file())]
+    if outside:
+        raise CheckpointError(f"{what}: tokenizer_config.json names fast tokenizer file(s) {few_names(outside)} that "
+                              "are not files of its folder (transformers would read them from wherever they point); "
+                              "the folder is damaged or not to be trusted: download or save the pipeline again")
+
+
 def load_tokenizer(folder: Path, name: str, cls: type):
     """The folder's tokenizer `name` made by `cls` (slots.py checked it is a transformers tokenizer), its files
     checked first; local files only."""
@@ -58,6 +75,7 @@ def load_tokenizer(folder: Path, name: str, cls: type):
                               "or save it again")
     what = f"tokenizer {name} in {str(folder)!r}"
     _check_tokenizer_files(folder / name, what)
+    _check_tokenizer_config(folder / name, what)
     try:
         return cls.from_pretrained(folder / name, local_files_only=True)
     except Exception as exc:  # transformers raises many kinds for a damaged tokenizer folder
