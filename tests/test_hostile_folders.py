@@ -335,6 +335,20 @@ def test_a_name_of_any_length_or_character_is_one_short_escaped_line(cli, workdi
     assert "characters)" in line or len(line) < 600
 
 
+@pytest.mark.parametrize("weights", ["/tmp/" + "a" * 300, "a/" * 3000], ids=["a name over 255 bytes", "a long path"])
+@pytest.mark.parametrize("command", ["run a generation", "run the steps", "plan"])
+def test_a_weights_path_the_file_system_cannot_look_up_is_one_line(cli, workdir, plan, weights, command):
+    """Before: an internal OSError (ENAMETOOLONG) from the first look at the path."""
+    args = {"run a generation": ["run", "--plan", plan, "--weights", weights, "--prompt", "x"],
+            "run the steps": ["run", "--plan", plan, "--weights", weights, "--steps", "1"],
+            "plan": ["plan", "--model", "tiny", "--hardware", "cpu", "--weights", weights, "--out", "p2.json"]}[command]
+    result = cli(*args)
+    said = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(said) == 1, result.output[-2000:]
+    assert "cannot be looked up: File name too long" in said[0] and "characters)" in said[0]
+    assert "internal error" not in result.output and not (workdir / "p2.json").exists()
+
+
 # ---------------------------------------------------------------------------------- safetensors headers
 
 

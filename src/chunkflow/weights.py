@@ -72,6 +72,16 @@ def resolve_weights(source: str) -> Path:
     source = str(source).strip()
     if not source:
         raise WeightsError("--weights is empty; give a diffusers pipeline folder or a Hub id org/name")
+    try:
+        return _resolve(source)
+    except OSError as exc:  # a name longer than the file system takes (ENAMETOOLONG), a loop of links, ...
+        from chunkflow_planner.checkpoint import shown
+
+        raise WeightsError(f"--weights {shown(source)} cannot be looked up: {exc.strerror or exc}; give a diffusers "
+                           "pipeline folder or a Hub id org/name") from None
+
+
+def _resolve(source: str) -> Path:
     local = Path(source).expanduser()
     if local.is_dir():
         return _check_pipeline_folder(local.absolute(), repr(source))

@@ -20,7 +20,7 @@ from chunkflow_planner.errors import ChunkflowError
 
 __all__ = ["CheckpointError", "TensorRecord", "Checkpoint", "open_checkpoint", "read_header", "DTYPE_BYTES",
            "DIFFUSERS_STEM", "TRANSFORMERS_STEM", "PICKLE_SUFFIXES", "read_config", "read_json", "shown",
-           "MAX_JSON_BYTES", "plain_name"]
+           "MAX_JSON_BYTES", "plain_name", "is_dir"]
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"  # diffusers' SAFETENSORS_WEIGHTS_NAME, less ".safetensors"
 TRANSFORMERS_STEM = "model"  # transformers' SAFE_WEIGHTS_NAME, less ".safetensors"
@@ -316,6 +316,16 @@ def _choose(path: Path, stem: str, files: list[str], indexes: list[str],
     raise CheckpointError(f"{where} has no {std_index} or {std_file}; give a diffusers-format model directory")
 
 
+def is_dir(path: Path) -> bool:
+    """Whether `path` is a directory; a path the system cannot look up (a name over 255 bytes, a loop of links) is
+    a CheckpointError saying so, not an OSError."""
+    try:
+        return path.is_dir()
+    except OSError as exc:
+        raise CheckpointError(f"{shown(str(path))} cannot be looked up: {exc.strerror or exc}; give a "
+                              "diffusers-format model directory") from None
+
+
 def plain_name(name: str) -> bool:
     """A file name of the folder itself: no separator, no NUL, not '.' or '..', at most NAME_MAX bytes."""
     try:
@@ -386,7 +396,7 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
     `variant` file gives its default files (as a diffusers pipeline's `from_pretrained(variant=...)` does for a
     component saved without the variant); `Checkpoint.variant` says which were read."""
     path = Path(folder)
-    if not path.is_dir():
+    if not is_dir(path):
         raise CheckpointError(f"weights {str(path)!r} is not a directory; give a diffusers-format model directory")
     if variant is not None and (not isinstance(variant, str) or not variant or any(c in variant for c in "./\\")):
         raise CheckpointError(f"variant {variant!r} is not a variant name; give one like 'fp16', or None")

@@ -74,9 +74,9 @@ def transformer_source(path: Path, spec, module: nn.Module, reader, variant: str
     run: the config (check_transformer_config), the files (chunkflow_planner.checkpoint.open_checkpoint: an index,
     variants, shards, as `ModelMixin.from_pretrained` chooses them) and the tensors (loading/source.py)."""
     from chunkflow.loading.source import CheckpointSource
-    from chunkflow_planner.checkpoint import DIFFUSERS_STEM, CheckpointError, open_checkpoint
+    from chunkflow_planner.checkpoint import DIFFUSERS_STEM, CheckpointError, is_dir, open_checkpoint
 
-    if not path.is_dir():
+    if not is_dir(path):
         raise CheckpointError(f"weights {str(path)!r} is not a directory; give a diffusers-format model directory")
     check_transformer_config(path, spec)
     reader.watch(path)
