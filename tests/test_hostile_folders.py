@@ -455,6 +455,40 @@ def test_a_config_that_does_not_make_the_plans_model_is_refused_before_any_read(
     _run_cli(cli, workdir, pipe, say, f"{component} in")
 
 
+def test_no_catalog_models_own_config_is_refused_as_saved_or_as_the_library_saves_it_again():
+    """The control of the size check: every catalog text encoder's and VAE's config, as its checkpoint saved it
+    (the catalog's copy) and as this transformers / diffusers would save it again (every default and derived
+    value written out, the newer layout), passes."""
+    import warnings
+
+    import transformers
+
+    from chunkflow.models.components import meta_vae, text_encoder_reference, vae_reference
+    from chunkflow.models.config_bounds import check_config_size
+    from chunkflow_planner.catalog import load_models
+
+    seen: set[str] = set()
+    for spec in load_models().values():
+        if spec.pipeline is None:
+            continue
+        for te in spec.pipeline.text_encoders:
+            if json.dumps([te.cls, te.config], sort_keys=True) in seen:
+                continue
+            seen.add(json.dumps([te.cls, te.config], sort_keys=True))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                made = getattr(transformers, te.cls).config_class.from_dict(dict(te.config))
+            for cfg in (dict(te.config), json.loads(made.to_json_string(use_diff=False))):
+                check_config_size(cfg, text_encoder_reference(te), spec.name, te.cls)
+        vae = spec.pipeline.vae
+        if vae.name not in seen:
+            seen.add(vae.name)
+            resaved = json.loads(json.dumps(dict(meta_vae(vae, torch.bfloat16).config), default=list))
+            for cfg in (dict(vae.config), resaved):
+                check_config_size(cfg, vae_reference(vae), spec.name, vae.cls)
+    assert len(seen) >= 8
+
+
 # ------------------------------------------------------------ bombs and hangs: in a process of their own
 
 

@@ -120,13 +120,23 @@ def _check_class(cfg: dict, cls: str, what: str, path: Path) -> None:
 
 
 def text_encoder_reference(te) -> dict:
-    """The config the catalog's text encoder is built from: its catalog config over its config class's defaults."""
+    """The config the catalog's text encoder is built from: its catalog config (as the checkpoint saved it) over
+    the config transformers makes of it (every default and derived value, in this transformers' layout: UMT5's
+    num_decoder_layers is its num_layers, Qwen2.5-VL's text settings move into text_config)."""
+    import logging
+
     import transformers
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        defaults = getattr(transformers, te.cls).config_class().to_dict()
-    return reference_config(defaults, dict(te.config))
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            made = getattr(transformers, te.cls).config_class.from_dict(dict(te.config)).to_dict()
+    finally:
+        quiet.setLevel(level)
+    return reference_config(made, dict(te.config))
 
 
 def vae_reference(vae) -> dict:
