@@ -25,6 +25,7 @@ UNKNOWN_LIST = 64  # entries of a list under a name the reference holds no list 
 
 
 def _is_int(v: object) -> bool:
+    """An integer that is not a boolean (True sizes nothing)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -67,6 +68,7 @@ class _Limits:
 
 
 def _where(where: str) -> str:
+    """A key's path as errors show it: plain when it is a short dotted name, else quoted and cut short."""
     return where if len(where) <= 80 and where.replace(".", "").replace("[", "").replace("]", "").replace(
         "_", "").isalnum() and where.isascii() else shown(where)
 

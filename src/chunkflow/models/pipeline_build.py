@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from chunkflow.models.components import Component, text_encoder_component, vae_component
+from chunkflow.models.slots import FolderSlots, check_slots
 from chunkflow.api import offload
 from chunkflow.runtime.handle import OffloadError, OffloadHandle, take_turns
 from chunkflow_planner.checkpoint import CheckpointError
@@ -206,7 +207,6 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
 
     from chunkflow.launch import torchrun_world
     from chunkflow.loading.reader import FileReader
-    from chunkflow.models.slots import check_slots
 
     t0 = time.perf_counter()
     pipe_spec = spec.pipeline
@@ -261,7 +261,8 @@ class _ByteCounter:
             self.on_bytes(self.done, self.total)
 
 
-def _pipeline_objects(folder: Path | None, pipe_spec, slots) -> tuple[dict[str, Any], dict[str, Any]]:
+def _pipeline_objects(folder: Path | None, pipe_spec,
+                      slots: FolderSlots | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The pipeline's tokenizers and scheduler (from the folder, of the classes `slots` checked; or the
     catalog's), and the pipeline's own config arguments."""
     import diffusers

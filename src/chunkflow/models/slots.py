@@ -52,6 +52,7 @@ class FolderSlots:
 
 
 def _where(folder: Path) -> str:
+    """How errors name the file: model_index.json in '<folder>'."""
     return f"model_index.json in {str(folder)!r}"
 
 
@@ -66,6 +67,7 @@ def _model_slots(spec) -> dict[str, tuple[str, str]]:
 
 
 def _check_models(folder: Path, declared: dict[str, tuple[str, str]], spec) -> None:
+    """Each model slot of the plan's pipeline declared, with the catalog's class of the catalog's library."""
     for name, (lib, cls) in _model_slots(spec).items():
         if name not in declared:
             raise CheckpointError(f"{_where(folder)} names no {name}; the pipeline folder is incomplete: download "
@@ -90,6 +92,7 @@ def _library_class(library: str, name: str):
 
 
 def _tokenizer_class(folder: Path, slot: str, declared: dict[str, tuple[str, str]]) -> type:
+    """The transformers tokenizer class the folder declares for `slot`, checked to be one."""
     import transformers
 
     if slot not in declared:
@@ -111,6 +114,7 @@ def _tokenizer_class(folder: Path, slot: str, declared: dict[str, tuple[str, str
 
 
 def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cls: str) -> type:
+    """The diffusers scheduler class the folder declares, checked to offer what `pipe_cls` calls of it."""
     import diffusers
 
     if "scheduler" not in declared:
