@@ -44,8 +44,9 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _check_pipeline_folder(folder: Path, shown: str) -> Path:
-    """`folder` if it holds model_index.json, else the error saying what it is instead."""
-    if (folder / MODEL_INDEX).is_file():
+    """`folder` if it holds model_index.json (whatever kind of file: reading it says what is wrong with it), else
+    the error saying what it is instead."""
+    if (folder / MODEL_INDEX).exists():
         return folder
     msg = f"--weights {shown}: {str(folder)!r} is not a diffusers pipeline folder ({MODEL_INDEX} missing)"
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors*")):
@@ -71,6 +72,16 @@ def resolve_weights(source: str) -> Path:
     source = str(source).strip()
     if not source:
         raise WeightsError("--weights is empty; give a diffusers pipeline folder or a Hub id org/name")
+    try:
+        return _resolve(source)
+    except OSError as exc:  # a name longer than the file system takes (ENAMETOOLONG), a loop of links, ...
+        from chunkflow_planner.checkpoint import shown
+
+        raise WeightsError(f"--weights {shown(source)} cannot be looked up: {exc.strerror or exc}; give a diffusers "
+                           "pipeline folder or a Hub id org/name") from None
+
+
+def _resolve(source: str) -> Path:
     local = Path(source).expanduser()
     if local.is_dir():
         return _check_pipeline_folder(local.absolute(), repr(source))
@@ -129,26 +140,43 @@ def _revision_note(cache: Path, repo_id: str, revision: str | None) -> str:
     return f" at revision {revision}" + (f" (cached: {', '.join(have)})" if have else "")
 
 
+MAX_NAME = 128  # characters of a class, library or component name in model_index.json (real ones: under 64)
+_CLASS = re.compile(rf"[A-Za-z_][A-Za-z0-9_]{{0,{MAX_NAME - 1}}}")
+_LIBRARY = re.compile(rf"[A-Za-z_][A-Za-z0-9_.]{{0,{MAX_NAME - 1}}}")  # a module: "diffusers", "onnxruntime.training"
+
+
 def _model_index(folder: Path) -> dict[str, Any]:
+    """model_index.json of `folder`, read bounded (a regular file of at most MAX_JSON_BYTES) and checked to be a
+    JSON object naming its pipeline class."""
+    from chunkflow_planner.checkpoint import MAX_JSON_BYTES, shown
+    from chunkflow_planner.files import read_bounded
+
     path = Path(folder).expanduser() / MODEL_INDEX
-    if not path.is_file():
+    if not path.exists():
         raise WeightsError(f"{str(Path(folder))!r} is not a diffusers pipeline folder ({MODEL_INDEX} missing)")
+    raw = read_bounded(path, repr(str(path)), MAX_JSON_BYTES, error=WeightsError,
+                       fix="re-download or re-save the pipeline")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise WeightsError(f"{str(path)!r} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
                            "re-download or re-save the pipeline") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WeightsError(f"{str(path)!r} cannot be read ({exc}); re-download or re-save the pipeline") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WeightsError(f"{str(path)!r} cannot be read ({str(exc)[:200]}); re-download or re-save the pipeline"
+                           ) from None
     except RecursionError:
         raise WeightsError(f"{str(path)!r} is nested too deeply to be a model_index.json; re-download or re-save the "
                            "pipeline") from None
     if not isinstance(data, dict):
         raise WeightsError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; "
                            "re-download or re-save the pipeline")
-    if not isinstance(data.get("_class_name"), str) or not data["_class_name"]:
+    cls = data.get("_class_name")
+    if not isinstance(cls, str) or not cls:
         raise WeightsError(f"{str(path)!r} has no \"_class_name\" (the pipeline class); "
                            "is it a diffusers model_index.json? re-download or re-save the pipeline")
+    if not _CLASS.fullmatch(cls):
+        raise WeightsError(f"{str(path)!r}: \"_class_name\" is {shown(cls)}, not the name of a pipeline class "
+                           f"(letters, digits and '_', at most {MAX_NAME}); re-download or re-save the pipeline")
     return data
 
 
@@ -160,8 +188,13 @@ def pipeline_class_name(folder: Path) -> str:
 def pipeline_components(folder: Path) -> dict[str, tuple[str, str]]:
     """model_index.json's components: name -> (library, class name), e.g. "transformer" -> ("diffusers",
     "WanTransformer3DModel"). Entries starting with "_", absent components ([null, null]) and plain pipeline
-    settings (numbers, booleans, strings, such as Wan 2.2's "boundary_ratio") are left out."""
+    settings (numbers, booleans, strings, such as Wan 2.2's "boundary_ratio") are left out. Every component's
+    name, library and class must be names (identifiers of at most MAX_NAME characters): nothing else is looked up
+    or shown."""
+    from chunkflow_planner.checkpoint import shown
+
     data = _model_index(folder)
+    path = Path(folder) / MODEL_INDEX
     out: dict[str, tuple[str, str]] = {}
     for name, value in data.items():
         if name.startswith("_") or not isinstance(value, list):
@@ -169,8 +202,15 @@ def pipeline_components(folder: Path) -> dict[str, tuple[str, str]]:
         if value == [None, None]:
             continue
         if len(value) != 2 or not all(isinstance(v, str) and v for v in value):
-            path = Path(folder) / MODEL_INDEX
-            raise WeightsError(f"{str(path)!r}: component {name!r} is {json.dumps(value)}; expected "
+            raise WeightsError(f"{str(path)!r}: component {shown(name)} is {shown(json.dumps(value))}; expected "
                                "[library, class name] such as [\"diffusers\", \"AutoencoderKL\"]")
+        if not _CLASS.fullmatch(name):
+            raise WeightsError(f"{str(path)!r}: component name {shown(name)} is not a name (letters, digits and '_', "
+                               f"at most {MAX_NAME}); re-download or re-save the pipeline")
+        bad = [v for v, pattern in ((value[0], _LIBRARY), (value[1], _CLASS)) if not pattern.fullmatch(v)]
+        if bad:
+            raise WeightsError(f"{str(path)!r}: component {shown(name)} is {shown(json.dumps(value))}, and "
+                               f"{shown(bad[0])} is not a name (letters, digits and '_', at most {MAX_NAME}); "
+                               "re-download or re-save the pipeline")
         out[name] = (value[0], value[1])
     return out

@@ -19,13 +19,18 @@ from typing import Any
 from chunkflow_planner.errors import ChunkflowError
 
 __all__ = ["CheckpointError", "TensorRecord", "Checkpoint", "open_checkpoint", "read_header", "DTYPE_BYTES",
-           "DIFFUSERS_STEM", "TRANSFORMERS_STEM", "PICKLE_SUFFIXES", "read_config"]
+           "DIFFUSERS_STEM", "TRANSFORMERS_STEM", "PICKLE_SUFFIXES", "read_config", "read_json", "shown",
+           "MAX_JSON_BYTES", "plain_name", "is_dir"]
 
 DIFFUSERS_STEM = "diffusion_pytorch_model"  # diffusers' SAFETENSORS_WEIGHTS_NAME, less ".safetensors"
 TRANSFORMERS_STEM = "model"  # transformers' SAFE_WEIGHTS_NAME, less ".safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _ST = ".safetensors"
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header
+# a folder's JSON files (model_index.json, config.json, scheduler_config.json, a shard index): the largest real ones
+# are an index of a few MB (a model of tens of thousands of tensors); anything over this is not such a file
+MAX_JSON_BYTES = 32 * 2**20
+NAME_MAX = 255  # bytes of a file name (Linux, macOS, Windows)
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
 DTYPE_BYTES: dict[str, tuple[str, int]] = {
@@ -89,13 +94,29 @@ def _advise(fd: int, advice: str, length: int = 0) -> None:
             pass
 
 
-def read_header(path: str | Path) -> dict[str, TensorRecord]:
-    """The tensors of one safetensors file, from its header alone, each checked to lie inside the file."""
-    path = Path(path)
+def _refused(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{str(path)!r} has a safetensors header that does not describe its bytes ({why}); "
+                           "safetensors itself refuses such a file: it is damaged or crafted, download or save it "
+                           "again")
+
+
+def _read_head(path: Path) -> tuple[bytes, int]:
+    """The raw JSON header of a safetensors file and the file's size; the file checked to be a regular one before
+    it is opened (a FIFO would block the open, a device read for ever)."""
+    from chunkflow_planner.files import irregular_kind
+
     try:
-        size = path.stat().st_size
-        with open(path, "rb", buffering=0) as f:
-            _advise(f.fileno(), "POSIX_FADV_RANDOM")  # no read-ahead: the header alone comes into the page cache
+        kind = irregular_kind(os.stat(path).st_mode)
+        if kind is not None:
+            raise CheckpointError(f"{str(path)!r} is {kind}, not a safetensors file; download or save the model again")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            kind, size = irregular_kind(st.st_mode), st.st_size
+            if kind is not None:
+                raise CheckpointError(f"{str(path)!r} is {kind}, not a safetensors file; download or save the model "
+                                      "again")
+            _advise(fd, "POSIX_FADV_RANDOM")  # no read-ahead: the header alone comes into the page cache
             # (the loader drops it with the rest it read: FileReader.watch notes the cache's state before)
             head = f.read(8)
             if len(head) < 8:
@@ -104,41 +125,102 @@ def read_header(path: str | Path) -> dict[str, TensorRecord]:
             if n > MAX_HEADER or 8 + n > size:
                 raise _damaged(path, f"a header of {n} bytes in a file of {size}")
             raw = f.read(n)
-
     except OSError as exc:
         raise CheckpointError(f"{str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    if len(raw) < n:
+        raise _damaged(path, f"{8 + len(raw)} bytes read of a header of {n}")
+    return raw, size
+
+
+def _no_duplicates(path: Path):
+    """A json object hook that refuses a name given twice (json.loads would keep the last one silently)."""
+
+    def pairs(items: list) -> dict:
+        out = dict(items)
+        if len(out) != len(items):
+            seen: set = set()
+            twice = next(k for k, _ in items if k in seen or seen.add(k))
+            raise _refused(path, f"the name {shown(twice)} is given twice")
+        return out
+
+    return pairs
+
+
+def _record(path: Path, key: str, entry: object, base: int) -> TensorRecord:
+    """One header entry as a record: a known dtype, a shape of non-negative integers, offsets that fit it."""
     try:
-        header = json.loads(raw.decode("utf-8"))
+        dtype, shape, (a, b) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]  # type: ignore[index]
+        ints = all(type(v) is int for v in (*shape, a, b))  # bool is an int to Python, not to safetensors
+        ok = ints and dtype in DTYPE_BYTES and all(d >= 0 for d in shape) and 0 <= a <= b
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise _damaged(path, f"tensor {shown(key)} has a malformed header entry")
+    nbytes = math.prod(shape) * DTYPE_BYTES[dtype][1]
+    if b - a != nbytes:
+        raise _refused(path, f"tensor {shown(key)} is {dtype} {shown(list(shape))}, {nbytes:,} bytes, but its "
+                             f"offsets [{a}, {b}) hold {b - a:,}")
+    return TensorRecord(key, path, dtype, shape, base + a, b - a)
+
+
+def _check_coverage(path: Path, records: list[TensorRecord], base: int, size: int) -> None:
+    """The tensors' bytes follow one another from the header's end to the file's end: no overlap (two tensors
+    sharing bytes), no gap and nothing after the last, as safetensors requires (a file of hidden bytes is refused)."""
+    at = base
+    for rec in sorted(records, key=lambda r: (r.begin, r.end)):
+        if rec.begin != at:
+            why = ("overlaps the tensor before it" if rec.begin < at
+                   else f"leaves {rec.begin - at:,} bytes unused before it")
+            raise _refused(path, f"tensor {shown(rec.key)} at [{rec.begin - base}, {rec.end - base}) {why}")
+        at = rec.end
+    if at > size:
+        raise _damaged(path, f"its tensors end at byte {at:,} of a file of {size:,}")
+    if at < size:
+        raise _refused(path, f"{size - at:,} bytes after the last tensor belong to none")
+
+
+def read_header(path: str | Path) -> dict[str, TensorRecord]:
+    """The tensors of one safetensors file, from its header alone, checked as safetensors checks them: a regular
+    file, a JSON object of distinct names, each a known dtype and shape whose bytes fit its offsets, the tensors
+    covering the data exactly (no overlap, no gap, nothing after the last)."""
+    path = Path(path)
+    raw, size = _read_head(path)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates(path))
+    except CheckpointError:  # a name given twice (a ValueError too)
+        raise
     except (UnicodeDecodeError, ValueError) as exc:
-        raise _damaged(path, f"its header is not JSON: {exc}") from None
+        raise _damaged(path, f"its header is not JSON: {str(exc)[:200]}") from None
+    except RecursionError:
+        raise _damaged(path, "its header is nested too deeply to be one") from None
     if not isinstance(header, dict):
         raise _damaged(path, "its header is not a JSON object")
-    base = 8 + n
-    out: dict[str, TensorRecord] = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (a, b) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            ok = (dtype in DTYPE_BYTES and all(isinstance(d, int) and d >= 0 for d in shape)
-                  and isinstance(a, int) and isinstance(b, int) and 0 <= a <= b)
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise _damaged(path, f"tensor {key!r} has a malformed header entry")
-        if b - a != math.prod(shape) * DTYPE_BYTES[dtype][1] or base + b > size:
-            raise _damaged(path, f"tensor {key!r}'s bytes [{a}, {b}) do not fit its shape or the file ({size} bytes)")
-        out[key] = TensorRecord(key, path, dtype, shape, base + a, b - a)
-    return out
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _damaged(path, "its __metadata__ is not an object of strings")
+    base = 8 + len(raw)
+    records = [_record(path, key, entry, base) for key, entry in header.items() if key != "__metadata__"]
+    _check_coverage(path, records, base, size)
+    return {r.key: r for r in records}
 
 
 # ----------------------------------------------------------------------------------------- file names
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """A value from a file as an error shows it: its repr (a string quoted and escaped), cut to `limit` characters
+    with its length said, so a name of a megabyte (or holding control characters) is one short, printable line."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value):,} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def few_names(items, limit: int = 5) -> str:
-    items = list(items)
+    """Up to `limit` names, each cut short (`shown` past 120 characters), then how many more."""
+    items = [str(i) for i in items]
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
+    return ", ".join(i if len(i) <= 120 and i.isprintable() else shown(i, 120) for i in items[:limit]) + more
 
 
 def _add_variant(name: str, variant: str | None) -> str:
@@ -234,21 +316,39 @@ def _choose(path: Path, stem: str, files: list[str], indexes: list[str],
     raise CheckpointError(f"{where} has no {std_index} or {std_file}; give a diffusers-format model directory")
 
 
+def is_dir(path: Path) -> bool:
+    """Whether `path` is a directory; a path the system cannot look up (a name over 255 bytes, a loop of links) is
+    a CheckpointError saying so, not an OSError."""
+    try:
+        return path.is_dir()
+    except OSError as exc:
+        raise CheckpointError(f"{shown(str(path))} cannot be looked up: {exc.strerror or exc}; give a "
+                              "diffusers-format model directory") from None
+
+
+def plain_name(name: str) -> bool:
+    """A file name of the folder itself: no separator, no NUL, not '.' or '..', at most NAME_MAX bytes."""
+    try:
+        fits = len(name.encode("utf-8")) <= NAME_MAX
+    except UnicodeEncodeError:  # a lone surrogate: no file has that name
+        return False
+    return (fits and name not in {"", ".", ".."} and not any(c in name for c in "/\\\0")
+            and Path(name).name == name)
+
+
 def _read_index(path: Path, index: str) -> dict[str, str]:
     """The index's weight_map, checked: well formed, shard names plain file names, every shard present."""
-    try:
-        data = json.loads((path / index).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"index {index} in {str(path)!r} cannot be read ({exc}); download it again") from None
-    wm = data.get("weight_map") if isinstance(data, dict) else None
+    data = read_json(path / index, f"index {index} in {str(path)!r}")
+    wm = data.get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise CheckpointError(f"index {index} in {str(path)!r} has no weight_map of tensor name -> shard file; "
                               "download it again or re-save the model with save_pretrained")
     shards = sorted(set(wm.values()))
-    bad = [s for s in shards if s in {"", ".", ".."} or Path(s).name != s or "\\" in s]
+    bad = [s for s in shards if not plain_name(s)]
     if bad:
-        raise CheckpointError(f"index {index} in {str(path)!r} names shard(s) {few_names(bad)} outside the directory; "
-                              "shard names must be plain file names: the index is damaged or not to be trusted")
+        raise CheckpointError(f"index {index} in {str(path)!r} names shard(s) {few_names(bad)} outside the "
+                              f"directory or longer than a file name ({NAME_MAX} bytes); shard names must be plain "
+                              "file names: the index is damaged or not to be trusted")
     missing = [s for s in shards if not (path / s).is_file()]
     if missing:
         raise CheckpointError(f"index {index} in {str(path)!r} names shard file(s) {few_names(missing)} that are not in "
@@ -296,7 +396,7 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
     `variant` file gives its default files (as a diffusers pipeline's `from_pretrained(variant=...)` does for a
     component saved without the variant); `Checkpoint.variant` says which were read."""
     path = Path(folder)
-    if not path.is_dir():
+    if not is_dir(path):
         raise CheckpointError(f"weights {str(path)!r} is not a directory; give a diffusers-format model directory")
     if variant is not None and (not isinstance(variant, str) or not variant or any(c in variant for c in "./\\")):
         raise CheckpointError(f"variant {variant!r} is not a variant name; give one like 'fp16', or None")
@@ -304,6 +404,10 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
         entries = list(path.iterdir())
     except OSError as exc:
         raise CheckpointError(f"{str(path)!r} cannot be listed: {exc.strerror or exc}") from None
+    odd = sorted(p.name for p in entries if p.name.endswith(_ST) and p.exists() and not p.is_file() and not p.is_dir())
+    if odd:
+        raise CheckpointError(f"{str(path)!r}: {few_names(odd)} is not a regular file (a FIFO, a device or a socket); "
+                              "a checkpoint's weights are files: download or save the model again")
     files = sorted(p.name for p in entries if p.name.endswith(_ST) and p.is_file())
     indexes = sorted(p.name for p in entries if re.search(re.escape(_ST) + r"\..*json$", p.name) and p.is_file())
     dangling = sorted(p.name for p in entries if p.name.endswith(_ST) and p.is_symlink() and not p.exists())
@@ -335,8 +439,8 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
         if absent:
             raise CheckpointError(
                 f"{index} in {str(path)!r} places tensor(s) {few_names(absent)} in shards that do not hold them (e.g. "
-                f"{absent[0]!r} in {weight_map[absent[0]]}); the index does not match its shards: download or save "
-                "the checkpoint again")
+                f"{shown(absent[0])} in {shown(weight_map[absent[0]])}); the index does not match its shards: "
+                "download or save the checkpoint again")
         tensors = {k: headers[s][k] for k, s in weight_map.items()}
         chosen = tuple(shards)
     else:
@@ -345,22 +449,31 @@ def open_checkpoint(folder: str | Path, stem: str = DIFFUSERS_STEM, variant: str
     return Checkpoint(path, chosen, tensors, variant)
 
 
+def read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """A JSON object from a folder's file, read bounded (`files.read_bounded`: a regular file of at most `limit`
+    bytes); unreadable, malformed, nested too deeply or not an object is a CheckpointError naming it (`what`)."""
+    from chunkflow_planner.files import read_bounded
+
+    raw = read_bounded(path, what, limit, error=CheckpointError, fix="download or save the model again")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise CheckpointError(f"{what} cannot be read as JSON ({why}); download or save the model again") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} must hold a JSON object, not a {type(data).__name__}; download or save the "
+                              "model again")
+    return data
+
+
 def read_config(path: Path, what: str, name: str = "config.json") -> dict[str, Any]:
-    """A component folder's config file (`name`) as a dict; missing or malformed is a CheckpointError naming it."""
+    """A component folder's config file (`name`) as a dict, read bounded (`read_json`); missing or malformed is a
+    CheckpointError naming it."""
     cfg_path = path / name
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise CheckpointError(f"{what}: {str(path)!r} has no {name}; it is not a saved model folder "
                               "(save_pretrained writes one): download or save the pipeline again")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise CheckpointError(f"{what}: {name} in {str(path)!r} cannot be read as JSON ({why}); download or save "
-                              "the model again") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{what}: {name} in {str(path)!r} must hold a JSON object (the model's constructor "
-                              f"arguments), not a {type(cfg).__name__}")
-    return cfg
+    return read_json(cfg_path, f"{what}: {name} in {str(path)!r}")
 
 
 def pipeline_read_bytes(folder: str | Path, spec, variant: str | None = None) -> int:
@@ -370,7 +483,7 @@ def pipeline_read_bytes(folder: str | Path, spec, variant: str | None = None) ->
     index = read_config(folder, f"pipeline {str(folder)!r}", "model_index.json")
     pipe = spec.pipeline
     if index.get("_class_name") != pipe.cls:
-        raise CheckpointError(f"{str(folder)!r} holds a {index.get('_class_name')}, but {spec.name} runs a "
+        raise CheckpointError(f"{str(folder)!r} holds a {shown(index.get('_class_name'))}, but {spec.name} runs a "
                               f"{pipe.cls}; point --weights at that model's pipeline folder")
     parts = [("transformer", DIFFUSERS_STEM, spec.diffusers.cls)]
     parts += [(f"transformer_{k + 1}", DIFFUSERS_STEM, spec.diffusers.cls) for k in range(1, pipe.experts)]

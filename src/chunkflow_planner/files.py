@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -159,3 +160,47 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path).expanduser()
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+def irregular_kind(mode: int) -> str | None:
+    """What a file of `mode` is when it is not a regular file (None for a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def read_bounded(path: str | Path, what: str, limit: int, error: type[ChunkflowError] = FileError,
+                 fix: str = "give the path of a regular file") -> bytes:
+    """The bytes of the regular file at `path` (links followed), at most `limit` of them.
+
+    A FIFO, a device, a socket or a directory is refused from its `stat` alone, before it is opened (a FIFO's open
+    blocks until a writer comes, /dev/zero reads for ever, some devices act on an open). A file over `limit` bytes
+    is refused by its size, and at most `limit` + 1 bytes are read whatever the size said (a file that grows, or
+    one whose size is not its length). `what` names the file in errors ("model_index.json in '/models/wan'"), raised
+    as `error` and ending with `fix`, what to do."""
+    p = Path(path)
+    try:
+        kind = irregular_kind(os.stat(p).st_mode)
+        if kind is None:
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+            try:
+                st = os.fstat(fd)
+                kind = irregular_kind(st.st_mode)  # replaced since the stat: checked on what was opened
+                if kind is None and st.st_size <= limit:
+                    with os.fdopen(os.dup(fd), "rb") as f:
+                        data = f.read(limit + 1)
+                    if len(data) <= limit:
+                        return data
+                size = st.st_size
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        raise error(f"{what} cannot be read: {exc.strerror or exc}; {fix}") from None
+    if kind is not None:
+        raise error(f"{what} is {kind}, not a regular file, and is not read; {fix}")
+    raise error(f"{what} is over {limit:,} bytes ({max(size, limit + 1):,}), more than such a file holds: it is "
+                f"damaged or not what it claims to be, and is not read; {fix}")

@@ -52,12 +52,18 @@ class ReadStats:
 
 class _Open:
     def __init__(self, path: Path, keep_cache: bool):
-        try:
-            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        from chunkflow_planner.files import irregular_kind
+
+        try:  # O_NONBLOCK: a file replaced by a FIFO since its header was read fails here instead of blocking
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise CheckpointError(f"{str(path)!r} cannot be opened: {exc.strerror or exc}") from None
         self.path = path
         stat = os.fstat(self.fd)
+        kind = irregular_kind(stat.st_mode)
+        if kind is not None:
+            os.close(self.fd)
+            raise CheckpointError(f"{str(path)!r} is {kind}, not a safetensors file; download or save the model again")
         self.size = stat.st_size
         self.mtime_ns = stat.st_mtime_ns
         self.cache = PageCacheState(self.fd, self.size, keep=keep_cache)

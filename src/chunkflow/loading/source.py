@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from chunkflow.loading.reader import FileReader
-from chunkflow_planner.checkpoint import Checkpoint, CheckpointError, TensorRecord, few_names
+from chunkflow_planner.checkpoint import Checkpoint, CheckpointError, TensorRecord, few_names, shown
 
 __all__ = ["CheckpointSource", "tie_as_saved", "key_renamer"]
 
@@ -87,7 +87,8 @@ def key_renamer(module: nn.Module) -> Callable[[str], str]:
         new, converted = rename_source_key(key, renamings, converters, prefix, meta)
         if converted is not None:
             raise CheckpointError(
-                f"tensor {key!r} is saved in a layout that transformers converts when loading ({converted}); "
+                f"tensor {shown(key)} is saved in a layout that transformers converts when loading "
+                f"({shown(converted)}); "
                 "chunkflow reads each tensor as saved. Re-save the component once with this transformers: "
                 "`m = <Class>.from_pretrained(dir); m.save_pretrained(dir)`")
         return new

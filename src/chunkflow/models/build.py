@@ -54,16 +54,17 @@ def _normalize(cfg: dict) -> dict:
 
 def check_transformer_config(path: Path, spec) -> None:
     """The folder's config.json is the catalog model's: its class, and every constructor argument both name."""
-    from chunkflow_planner.checkpoint import CheckpointError, read_config
+    from chunkflow_planner.checkpoint import CheckpointError, read_config, shown
 
     cfg = read_config(path, f"transformer {str(path)!r}")
     cls = cfg.get("_class_name")
     if cls is not None and cls != spec.diffusers.cls:
-        raise CheckpointError(f"{str(path)!r} holds a {cls}, but {spec.name} is a {spec.diffusers.cls}")
+        raise CheckpointError(f"{str(path)!r} holds a {shown(cls)}, but {spec.name} is a {spec.diffusers.cls}; point "
+                              "--weights at that model's folder")
     mine, theirs = _normalize(dict(spec.diffusers.config)), _normalize(cfg)
     diff = [k for k in mine if k in theirs and mine[k] != theirs[k]]
     if diff:
-        detail = ", ".join(f"{k}: catalog {mine[k]!r} vs file {theirs[k]!r}" for k in diff)
+        detail = ", ".join(f"{k}: catalog {shown(mine[k])} vs file {shown(theirs[k])}" for k in diff)
         raise CheckpointError(f"config.json in {str(path)!r} does not match catalog entry {spec.name}: {detail}")
 
 
@@ -73,9 +74,9 @@ def transformer_source(path: Path, spec, module: nn.Module, reader, variant: str
     run: the config (check_transformer_config), the files (chunkflow_planner.checkpoint.open_checkpoint: an index,
     variants, shards, as `ModelMixin.from_pretrained` chooses them) and the tensors (loading/source.py)."""
     from chunkflow.loading.source import CheckpointSource
-    from chunkflow_planner.checkpoint import DIFFUSERS_STEM, CheckpointError, open_checkpoint
+    from chunkflow_planner.checkpoint import DIFFUSERS_STEM, CheckpointError, is_dir, open_checkpoint
 
-    if not path.is_dir():
+    if not is_dir(path):
         raise CheckpointError(f"weights {str(path)!r} is not a directory; give a diffusers-format model directory")
     check_transformer_config(path, spec)
     reader.watch(path)

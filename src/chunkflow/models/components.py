@@ -21,8 +21,9 @@ from chunkflow.loading.reader import FileReader
 from chunkflow.loading.source import CheckpointSource
 from chunkflow.runtime.tensors import TensorSource
 from chunkflow.models.meta import RandomSource, param_dtype, params_on_meta, swap_params
+from chunkflow.models.config_bounds import check_config_size, init_defaults, reference_config
 from chunkflow_planner.checkpoint import (DIFFUSERS_STEM, TRANSFORMERS_STEM, CheckpointError, open_checkpoint,
-                                         read_config)
+                                         read_config, shown)
 
 __all__ = ["Component", "text_encoder_component", "vae_component", "meta_text_encoder", "meta_vae", "distinct_params"]
 
@@ -45,7 +46,7 @@ def distinct_params(module: nn.Module) -> int:
 
 def _differences(catalog: dict, folder: dict, limit: int = 4) -> str:
     diff = [k for k in catalog if k in folder and catalog[k] != folder[k] and not k.startswith("_")]
-    return "; ".join(f"{k}: catalog {catalog[k]!r}, file {folder[k]!r}" for k in diff[:limit])
+    return "; ".join(f"{k}: catalog {shown(catalog[k])}, file {shown(folder[k])}" for k in diff[:limit])
 
 
 def _check_size(module: nn.Module, planned: int, what: str, cls: str, catalog_cfg: dict, cfg: dict) -> None:
@@ -110,10 +111,39 @@ def _folder(folder: Path, component: str) -> Path:
 
 def _check_class(cfg: dict, cls: str, what: str, path: Path) -> None:
     """The class a component's config names (transformers' `architectures`, diffusers' `_class_name`) is `cls`."""
-    named = cfg.get("_class_name") or (cfg.get("architectures") or [None])[0]
-    if isinstance(named, str) and named != cls:
-        raise CheckpointError(f"{what}: {str(path)!r} holds a {named} (config.json), but the plan's model runs a "
+    archs = cfg.get("architectures")
+    named = cfg.get("_class_name") or (archs[0] if isinstance(archs, list) and archs else archs)
+    if named is not None and named != cls:
+        shown_as = named if isinstance(named, str) and named.isidentifier() and len(named) <= 80 else shown(named)
+        raise CheckpointError(f"{what}: {str(path)!r} holds a {shown_as} (config.json), but the plan's model runs a "
                               f"{cls}; the pipeline folder is not the one the plan was made for")
+
+
+def text_encoder_reference(te) -> dict:
+    """The config the catalog's text encoder is built from: its catalog config (as the checkpoint saved it) over
+    the config transformers makes of it (every default and derived value, in this transformers' layout: UMT5's
+    num_decoder_layers is its num_layers, Qwen2.5-VL's text settings move into text_config)."""
+    import logging
+
+    import transformers
+
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            made = getattr(transformers, te.cls).config_class.from_dict(dict(te.config)).to_dict()
+    finally:
+        quiet.setLevel(level)
+    return reference_config(made, dict(te.config))
+
+
+def vae_reference(vae) -> dict:
+    """The config the catalog's VAE is built from: its catalog config over the class's constructor defaults."""
+    import diffusers
+
+    return reference_config(init_defaults(getattr(diffusers, vae.cls)), dict(vae.config))
 
 
 def text_encoder_component(te, dtype: torch.dtype, *, folder: Path | None = None, reader: FileReader | None = None,
@@ -124,8 +154,8 @@ def text_encoder_component(te, dtype: torch.dtype, *, folder: Path | None = None
     if folder is None:
         module = meta_text_encoder(te, dtype)
         return Component(te.component, module, RandomSource(seed, gen_device, module))
-    return _folder_component(te, lambda cfg: meta_text_encoder(te, dtype, cfg), folder, reader, variant,
-                             TRANSFORMERS_STEM)
+    return _folder_component(te, lambda cfg: meta_text_encoder(te, dtype, cfg), text_encoder_reference, folder,
+                             reader, variant, TRANSFORMERS_STEM)
 
 
 def vae_component(vae, dtype: torch.dtype, *, folder: Path | None = None, reader: FileReader | None = None,
@@ -135,23 +165,27 @@ def vae_component(vae, dtype: torch.dtype, *, folder: Path | None = None, reader
     if folder is None:
         module = meta_vae(vae, dtype)
         return Component(vae.component, module, RandomSource(seed, gen_device, module))
-    return _folder_component(vae, lambda cfg: meta_vae(vae, dtype, cfg), folder, reader, variant, DIFFUSERS_STEM,
-                             rename=lambda k: k)
+    return _folder_component(vae, lambda cfg: meta_vae(vae, dtype, cfg), vae_reference, folder, reader, variant,
+                             DIFFUSERS_STEM, rename=lambda k: k)
 
 
-def _folder_component(spec, make, folder: Path, reader: FileReader, variant: str | None, stem: str,
+def _folder_component(spec, make, reference, folder: Path, reader: FileReader, variant: str | None, stem: str,
                       **source_kw) -> Component:
     """A catalog component (text encoder or VAE `spec`) of the pipeline folder: its config checked to make the
-    catalog's class at the catalog's size, `make(config)` its meta module, its files read by `reader`."""
+    catalog's class no larger than the catalog's (`reference(spec)`, config_bounds.py) before `make(config)` builds
+    its meta module, which is then counted against the catalog's size; its files read by `reader`."""
     path = _folder(folder, spec.component)
     what = f"{spec.component} in {str(folder)!r}"
     cfg = read_config(path, what)
     _check_class(cfg, spec.cls, what, path)
+    check_config_size(cfg, reference(spec), what, spec.cls)
     try:
         module = make(cfg)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{what}: its config.json does not make a {spec.cls} ({exc}); download or save the "
-                              "pipeline again") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError,
+            ZeroDivisionError) as exc:  # what a class raises for settings it cannot take
+        why = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise CheckpointError(f"{what}: its config.json does not make a {spec.cls} ({type(exc).__name__}: {why}); "
+                              "download or save the pipeline again") from None
     _check_size(module, spec.total_params, what, spec.cls, dict(spec.config), cfg)
     reader.watch(path)
     ckpt = open_checkpoint(path, stem, variant, convert_hint=spec.cls, fallback=True)

@@ -1,8 +1,10 @@
 """Build a catalog model's whole diffusers pipeline with every component where the plan places it.
 
 Every component is built on the meta device (models/components.py) and written once into its final place by
-`offload(source=...)`: from a local diffusers pipeline folder (`--weights`; every component checked before any is
-read, then read straight from its safetensors files, loading/), or from random weights with local tokenizers. Both
+`offload(source=...)`: from a local diffusers pipeline folder (`--weights`; every class model_index.json names
+checked against what its slot may hold before anything is made from it (models/slots.py), every component's
+config, size and files checked before any is read, then each read straight from its safetensors files, loading/;
+the tokenizers and the scheduler last, models/folder_parts.py), or from random weights with local tokenizers. Both
 go through the same placement code, so a loaded pipeline holds what a random one of the same plan holds. Placements (chunkflow_planner/pipeline/placement.py) become offload handles:
 - `gpu`: `offload(mode="none")` on the device, never parked;
 - `phase`: the same, parked (in one pinned host allocation) outside its phase;
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from chunkflow.models.components import Component, text_encoder_component, vae_component
+from chunkflow.models.slots import FolderSlots, check_slots
 from chunkflow.api import offload
 from chunkflow.runtime.handle import OffloadError, OffloadHandle, take_turns
 from chunkflow_planner.checkpoint import CheckpointError
@@ -210,7 +213,9 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
     folder = Path(weights) if weights is not None else None
-    objects, extra = _pipeline_objects(folder, pipe_spec)
+    slots = check_slots(folder, spec) if folder is not None else None  # every class it names, before anything
+    for slot in slots.unloaded if slots is not None else []:
+        log(f"note: model_index.json names {slot}, which the plan's model does not use; it is not loaded")
     counter = _ByteCounter(on_bytes)
     parts: list[tuple[str, Component]] = []
     # several ranks read the same files: one's dropping the pages it brought in would make the others read them
@@ -219,6 +224,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     try:
         parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant)
         _check_variant(parts, folder, variant, log)
+        objects, extra = _pipeline_objects(folder, pipe_spec, slots)  # once every component's files are checked
         t_first = time.perf_counter()
         counter.begin(sum(c.read_bytes for _, c in parts))
         for kind, c in parts:
@@ -257,17 +263,20 @@ class _ByteCounter:
             self.on_bytes(self.done, self.total)
 
 
-def _pipeline_objects(folder: Path | None, pipe_spec) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The pipeline's tokenizers and scheduler (from the folder, or the catalog's), and the pipeline's own
-    config arguments."""
+def _pipeline_objects(folder: Path | None, pipe_spec,
+                      slots: FolderSlots | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pipeline's tokenizers and scheduler (from the folder, of the classes `slots` checked; or the
+    catalog's), and the pipeline's own config arguments."""
     import diffusers
+
+    from chunkflow.models.folder_parts import load_scheduler, load_tokenizer
 
     objects: dict[str, Any] = {}
     if folder is not None:
         for te in pipe_spec.text_encoders:
-            objects[te.tokenizer] = _load_tokenizer(folder, te.tokenizer)
-        objects["scheduler"] = _load_scheduler(folder, pipe_spec)
-        return objects, _folder_config(folder, pipe_spec)
+            objects[te.tokenizer] = load_tokenizer(folder, te.tokenizer, slots.tokenizers[te.tokenizer])
+        objects["scheduler"] = load_scheduler(folder, slots.scheduler)
+        return objects, dict(slots.settings)
     for te in pipe_spec.text_encoders:
         objects[te.tokenizer] = _local_tokenizer(te, pipe_spec)
     objects["scheduler"] = getattr(diffusers, pipe_spec.scheduler.cls).from_config(pipe_spec.scheduler.config)
@@ -315,73 +324,3 @@ def _local_tokenizer(te, pipe_spec):
 
         template = getattr(getattr(diffusers, pipe_spec.cls), "prompt_template_encode", None)
     return build_tokenizer(te.tokenizer_kind, te.tokens, template)
-
-
-def _folder_config(folder: Path, pipe_spec) -> dict[str, Any]:
-    """The pipeline's own settings in model_index.json (e.g. boundary_ratio, expand_timesteps) that its class takes,
-    after checking that the folder holds this catalog model's pipeline and that model_index.json names the
-    catalog's class for every component."""
-    import inspect
-
-    import diffusers
-
-    from chunkflow.weights import _model_index, pipeline_components
-    from chunkflow_planner.checkpoint import CheckpointError
-
-    index = _model_index(folder)
-    cls = index.get("_class_name")
-    if cls != pipe_spec.cls:
-        raise CheckpointError(f"{str(folder)!r} holds a {cls}, but the plan's model runs a {pipe_spec.cls}; point "
-                              "--weights at that model's pipeline folder")
-    declared = pipeline_components(folder)
-    want = {te.component: te.cls for te in pipe_spec.text_encoders}
-    want[pipe_spec.vae.component] = pipe_spec.vae.cls
-    for name, klass in want.items():
-        if name not in declared:
-            raise CheckpointError(f"model_index.json in {str(folder)!r} names no {name}; the pipeline folder is "
-                                  "incomplete: download or save it again")
-        if declared[name][1] != klass:
-            raise CheckpointError(f"model_index.json in {str(folder)!r} makes {name} a {declared[name][1]}, but the "
-                                  f"plan's model runs a {klass}; the folder holds another pipeline")
-    takes = set(inspect.signature(getattr(diffusers, pipe_spec.cls).__init__).parameters)
-    return {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list) and k in takes}
-
-
-def _load_tokenizer(folder: Path, name: str):
-    import transformers
-
-    from chunkflow.weights import pipeline_components
-    from chunkflow_planner.checkpoint import CheckpointError
-
-    lib, cls_name = pipeline_components(folder).get(name, ("transformers", "AutoTokenizer"))
-    cls = getattr(transformers, cls_name, transformers.AutoTokenizer)
-    if not (folder / name).is_dir():
-        raise CheckpointError(f"{str(folder)!r} has no {name}/ folder; the pipeline folder is incomplete: download "
-                              "or save it again")
-    try:
-        return cls.from_pretrained(folder / name)
-    except Exception as exc:  # transformers raises many kinds for a damaged tokenizer folder
-        raise CheckpointError(f"tokenizer {name} in {str(folder)!r} cannot be loaded "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); download or "
-                              "save the pipeline again") from None
-
-
-def _load_scheduler(folder: Path, pipe_spec):
-    import diffusers
-
-    from chunkflow.weights import pipeline_components
-    from chunkflow_planner.checkpoint import CheckpointError, read_config
-
-    _, cls_name = pipeline_components(folder).get("scheduler", ("diffusers", pipe_spec.scheduler.cls))
-    cls = getattr(diffusers, cls_name, None)
-    if cls is None or not hasattr(cls, "from_config"):
-        raise CheckpointError(f"model_index.json in {str(folder)!r} names scheduler class {cls_name!r}, which diffusers "
-                              f"{diffusers.__version__} does not have; fix model_index.json or upgrade diffusers")
-    path = folder / "scheduler"
-    config = read_config(path, f"scheduler in {str(folder)!r}", "scheduler_config.json")
-    try:
-        return cls.from_config(config)
-    except Exception as exc:  # a config diffusers cannot build the class from
-        raise CheckpointError(f"scheduler in {str(folder)!r}: {cls_name} cannot be made from its "
-                              f"scheduler_config.json ({type(exc).__name__}: {exc}); download or save the pipeline "
-                              "again") from None

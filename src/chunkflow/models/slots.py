@@ -1,0 +1,196 @@
+"""What each slot of a pipeline folder's model_index.json may hold, checked before anything is imported from the
+folder or built from it. A class name in model_index.json is looked up in its library and called
+(`from_config`, `from_pretrained`): a model class named as the scheduler builds a full-size model, a function named
+as a tokenizer runs. So every slot the plan's pipeline takes is checked first:
+
+- the pipeline (`_class_name`): the catalog's pipeline class;
+- transformers, text encoders, the VAE: the catalog's class, of the catalog's library;
+- tokenizers: a tokenizer class of transformers (a `PreTrainedTokenizerBase`). A class transformers lacks is
+  refused, as diffusers' `from_pretrained` refuses it ("`transformers` has no class ..."): no silent stand-in;
+- the scheduler: a diffusers scheduler (a `SchedulerMixin`) offering what the pipeline calls of its scheduler
+  (`set_timesteps` with the keywords the pipeline passes, `step`, `set_begin_index`: SCHEDULER_CALLS);
+- the pipeline's own settings its class takes (Wan's boundary_ratio, expand_timesteps): the catalog model's.
+
+A slot the plan's model does not have is refused when it is a transformer (the folder holds a model of more
+experts); any other (an image encoder for IP-adapters) is not loaded, and the build says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chunkflow_planner.checkpoint import CheckpointError, shown
+
+__all__ = ["FolderSlots", "check_slots", "SCHEDULER_METHODS", "SCHEDULER_KEYWORDS"]
+
+SCHEDULER_METHODS = ("set_timesteps", "step", "set_begin_index")  # what every catalog pipeline calls
+# the keywords each catalog pipeline passes to its scheduler's set_timesteps (through diffusers'
+# retrieve_timesteps, which refuses a scheduler whose set_timesteps does not take them); the tests read them from
+# the pipelines' own source
+SCHEDULER_KEYWORDS: dict[str, tuple[str, ...]] = {
+    "WanPipeline": (),
+    "FluxPipeline": ("sigmas", "mu"),
+    "QwenImagePipeline": ("sigmas", "mu"),
+    "HunyuanVideoPipeline": ("sigmas",),
+}
+_TRANSFORMER = re.compile(r"transformer(_\d+)?")
+
+
+@dataclass(frozen=True)
+class FolderSlots:
+    """The classes a folder's tokenizers and scheduler are made with, the pipeline's own settings, and the slots
+    left unloaded (each said as 'name (library Class)')."""
+
+    tokenizers: dict[str, type]
+    scheduler: type
+    settings: dict[str, Any]
+    unloaded: list[str] = field(default_factory=list)
+
+
+def _where(folder: Path) -> str:
+    """How errors name the file: model_index.json in '<folder>'."""
+    return f"model_index.json in {str(folder)!r}"
+
+
+def _model_slots(spec) -> dict[str, tuple[str, str]]:
+    """Slot -> (library, class) of the plan's model classes: transformers, text encoders, VAE."""
+    pipe = spec.pipeline
+    want = {"transformer": ("diffusers", spec.diffusers.cls)}
+    want.update({f"transformer_{k + 1}": ("diffusers", spec.diffusers.cls) for k in range(1, pipe.experts)})
+    want.update({te.component: ("transformers", te.cls) for te in pipe.text_encoders})
+    want[pipe.vae.component] = ("diffusers", pipe.vae.cls)
+    return want
+
+
+def _check_models(folder: Path, declared: dict[str, tuple[str, str]], spec) -> None:
+    """Each model slot of the plan's pipeline declared, with the catalog's class of the catalog's library."""
+    for name, (lib, cls) in _model_slots(spec).items():
+        if name not in declared:
+            raise CheckpointError(f"{_where(folder)} names no {name}; the pipeline folder is incomplete: download "
+                                  "or save it again")
+        if declared[name][1] != cls:
+            raise CheckpointError(f"{_where(folder)} makes {name} a {declared[name][1]}, but the plan's model runs a "
+                                  f"{cls}; the folder holds another pipeline")
+        if declared[name][0] != lib:
+            raise CheckpointError(f"{_where(folder)} makes {name} a {cls} of {declared[name][0]}; {cls} is a {lib} "
+                                  f"class: fix model_index.json ([\"{lib}\", \"{cls}\"]) or download the pipeline "
+                                  "again")
+
+
+def _library_class(library: str, name: str):
+    """`library`'s attribute `name`, or None (a name it lacks, or one whose import fails)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(library), name, None)
+    except Exception:  # a lazily imported module that cannot be imported here: the class is not available
+        return None
+
+
+def _tokenizer_class(folder: Path, slot: str, declared: dict[str, tuple[str, str]]) -> type:
+    """The transformers tokenizer class the folder declares for `slot`, checked to be one."""
+    import transformers
+
+    if slot not in declared:
+        raise CheckpointError(f"{_where(folder)} names no {slot}; the pipeline folder is incomplete: download or "
+                              "save it again")
+    lib, name = declared[slot]
+    if lib != "transformers":
+        raise CheckpointError(f"{_where(folder)} makes {slot} a {name} of {lib}; a tokenizer is a transformers "
+                              "class: fix model_index.json or download the pipeline again")
+    cls = _library_class("transformers", name)
+    if cls is None:
+        raise CheckpointError(f"{_where(folder)} makes {slot} a {name}, which transformers {transformers.__version__} "
+                              "does not have (diffusers refuses it too); upgrade transformers, or fix model_index.json")
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        raise CheckpointError(f"{_where(folder)} makes {slot} a {name}, which is not a tokenizer (a transformers "
+                              "PreTrainedTokenizerBase); nothing was made from it: fix model_index.json or download "
+                              "the pipeline again")
+    return cls
+
+
+def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cls: str) -> type:
+    """The diffusers scheduler class the folder declares, checked to offer what `pipe_cls` calls of it."""
+    import diffusers
+
+    if "scheduler" not in declared:
+        raise CheckpointError(f"{_where(folder)} names no scheduler; the pipeline folder is incomplete: download or "
+                              "save it again")
+    lib, name = declared["scheduler"]
+    if lib != "diffusers":
+        raise CheckpointError(f"{_where(folder)} makes the scheduler a {name} of {lib}; a scheduler is a diffusers "
+                              "class: fix model_index.json or download the pipeline again")
+    cls = _library_class("diffusers", name)
+    if cls is None:
+        raise CheckpointError(f"{_where(folder)} names scheduler class {name!r}, which diffusers "
+                              f"{diffusers.__version__} does not have; fix model_index.json or upgrade diffusers")
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.SchedulerMixin)):
+        raise CheckpointError(f"{_where(folder)} makes the scheduler a {name}, which is not a scheduler (a diffusers "
+                              "SchedulerMixin); nothing was made from it: fix model_index.json or download the "
+                              "pipeline again")
+    lacks = [m for m in SCHEDULER_METHODS if not callable(getattr(cls, m, None))]
+    if not lacks:
+        takes = inspect.signature(cls.set_timesteps).parameters
+        lacks = [f"set_timesteps({k}=...)" for k in SCHEDULER_KEYWORDS.get(pipe_cls, ()) if k not in takes]
+    if lacks:
+        raise CheckpointError(f"{_where(folder)} makes the scheduler a {name}, which lacks {', '.join(lacks)} that "
+                              f"{pipe_cls} calls; diffusers would fail in the middle of the generation: use a "
+                              "scheduler the pipeline can drive (its own, e.g. the one the model was published with)")
+    return cls
+
+
+def _settings(folder: Path, index: dict[str, Any], pipe_spec) -> dict[str, Any]:
+    """The pipeline's own settings model_index.json gives that its class takes, each the catalog model's."""
+    import diffusers
+
+    params = inspect.signature(getattr(diffusers, pipe_spec.cls).__init__).parameters
+    out = {}
+    for k, v in index.items():
+        if k.startswith("_") or isinstance(v, list) or k not in params:
+            continue
+        want = pipe_spec.config.get(k, params[k].default)
+        if k == "boundary_ratio" and pipe_spec.boundary_ratio is not None:
+            want = pipe_spec.boundary_ratio
+        if v != want or isinstance(v, bool) != isinstance(want, bool):  # 1 is not True here
+            raise CheckpointError(f"{_where(folder)} sets {k} to {shown(v)}, but the plan's model runs its "
+                                  f"{pipe_spec.cls} with {shown(want)}; the folder holds another model: point "
+                                  "--weights at the pipeline the plan was made for")
+        out[k] = v
+    return out
+
+
+def _unloaded(folder: Path, declared: dict[str, tuple[str, str]], loaded: set[str]) -> list[str]:
+    """The declared slots the plan's pipeline does not load; a transformer among them is refused."""
+    out = []
+    for name, (lib, cls) in declared.items():
+        if name in loaded:
+            continue
+        if _TRANSFORMER.fullmatch(name):
+            raise CheckpointError(f"{_where(folder)} names a {name} ({cls}), which the plan's model does not have; "
+                                  "the folder holds a model of more experts: point --weights at the pipeline the "
+                                  "plan was made for")
+        out.append(f"{name} ({lib} {cls})")
+    return out
+
+
+def check_slots(folder: Path, spec) -> FolderSlots:
+    """Every slot of `folder`'s model_index.json checked against what catalog model `spec`'s pipeline may hold
+    there (module docstring), before anything is made from the folder: the tokenizer and scheduler classes to make
+    them with, the pipeline's own settings, and the slots not loaded."""
+    from chunkflow.weights import _model_index, pipeline_components
+
+    pipe = spec.pipeline
+    index = _model_index(folder)
+    if index["_class_name"] != pipe.cls:
+        raise CheckpointError(f"{str(folder)!r} holds a {index['_class_name']}, but the plan's model runs a "
+                              f"{pipe.cls}; point --weights at that model's pipeline folder")
+    declared = pipeline_components(folder)
+    _check_models(folder, declared, spec)
+    tokenizers = {te.tokenizer: _tokenizer_class(folder, te.tokenizer, declared) for te in pipe.text_encoders}
+    scheduler = _scheduler_class(folder, declared, pipe.cls)
+    loaded = set(_model_slots(spec)) | set(tokenizers) | {"scheduler"}
+    return FolderSlots(tokenizers, scheduler, _settings(folder, index, pipe), _unloaded(folder, declared, loaded))
