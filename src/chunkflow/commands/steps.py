@@ -54,13 +54,13 @@ class Timing:
 
 
 def save_latents(path: str, latents) -> None:
-    """Final latents as safetensors ({"latents": ...}, on the CPU), written whole or not at all."""
-    from safetensors.torch import save_file
+    """Final latents as safetensors ({"latents": ...}, on the CPU), written whole or not at all (serialised here,
+    written by write_atomic: a full disk is a FileError naming `path`, not safetensors' own error)."""
+    from safetensors.torch import save
 
-    from chunkflow_planner.files import atomic_path
+    from chunkflow_planner.files import write_atomic
 
-    with atomic_path(path, ".safetensors") as tmp:
-        save_file({"latents": latents.detach().to("cpu").contiguous()}, tmp)
+    write_atomic(path, save({"latents": latents.detach().to("cpu").contiguous()}))
 
 
 def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: int, steps: int,

@@ -135,6 +135,11 @@ _FromDir = Annotated[Optional[str], typer.Option("--from-dir", help="redraw plot
                                                                     "directory (no model is run; writes to --out)")]
 
 
+# the files bench writes in --out (plots.py draws the PNGs), checked before the sweep
+OUTPUT_FILES = ("bench.csv", "bench.json", "summary.md", "bench.partial.csv", "step_time.png", "memory.png",
+                "breakdown.png", "chunk_size.png", "residency.png", "accuracy.png", "roofline.png")
+
+
 @_command("bench")
 def bench_cmd(model: OptionalModel = None, frames: _Frames = None, batch: _Batch = None,
               modes: _Modes = "none,layerwise,chunkflow", baselines: _Baselines = "", compile: _Compile = "off",
@@ -149,9 +154,11 @@ def bench_cmd(model: OptionalModel = None, frames: _Frames = None, batch: _Batch
     Under torchrun (`torchrun --nproc-per-node N -m chunkflow bench ...`) every rank runs the sweep with
     Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
     """
-    from chunkflow_planner.files import check_output_dir
+    from chunkflow_planner.files import check_output_dir, check_output_file
 
     check_output_dir(out, "--out")
+    for name in OUTPUT_FILES if Path(out).expanduser().is_dir() else ():  # each a new name or a file to replace
+        check_output_file(Path(out).expanduser() / name, "--out")
     if from_dir is not None:
         _bench_redraw(Path(from_dir), Path(out), plots)
         return

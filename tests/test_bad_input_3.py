@@ -1,0 +1,197 @@
+"""Hostile input, round three (issue 35): outputs that land on a full disk or on a device, FIFO or socket; plan,
+profile and report files that are not regular files or are far too large.
+
+Every hostile case ends with one clear line naming the file or field and what to do, exit code 2, before any
+model is built, with nothing left at the output's name (a file there before is left whole) and no temporary file."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _clear(result, code: int = 2, say: str | None = None) -> str:
+    said = " ".join(result.output.split())
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in said and "internal error" not in said, result.output
+    if say is not None:
+        assert say in said, said
+    return said
+
+
+def _no_temporaries(folder: Path) -> None:
+    left = [p.name for p in folder.rglob(".*") if p.is_file() and (".tmp" in p.name or p.name.endswith("tmp"))]
+    assert not left, left
+
+
+def _chunkflow(args: list[str], cwd: Path, file_size_limit: int | None = None,
+               timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -m chunkflow ARGS` in a process of its own (the timeout guards against a hang); with
+    `file_size_limit`, no file it writes can grow past that many bytes (RLIMIT_FSIZE), as on a disk that fills up:
+    Python ignores SIGXFSZ, so the write fails (EFBIG), and a program it starts (ffmpeg) is killed by SIGXFSZ."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(cwd / "config"), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+             ) if file_size_limit else None
+    return subprocess.run([sys.executable, "-m", "chunkflow", *map(str, args)], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout, preexec_fn=limit)
+
+
+def _said(p: subprocess.CompletedProcess) -> str:
+    return " ".join((p.stdout + p.stderr).split())
+
+
+@pytest.fixture
+def plan(cli, workdir) -> Path:
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    return workdir / "plan.json"
+
+
+# ------------------------------------------------------------------------------------- outputs: not a file
+
+
+def _node(path: Path, kind: str):
+    """A character device (a link to /dev/full), a FIFO or a listening socket at `path`; returns what to close."""
+    if kind == "device":
+        path.symlink_to("/dev/full")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        return sock
+    return None
+
+
+def _kind_of(path: Path) -> str:
+    mode = os.stat(path).st_mode
+    return "device" if stat.S_ISCHR(mode) else "fifo" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) \
+        else "other"
+
+
+OUTPUTS = {  # command -> (arguments with {} for the output, the output's name)
+    "plan --out": (["plan", "--model", "tiny", "--hardware", "cpu", "--out", "{}"], "o.json"),
+    "run --report": (["run", "--plan", "plan.json", "--report", "{}"], "o.json"),
+    "run --latents": (["run", "--plan", "plan.json", "--latents", "{}"], "o.safetensors"),
+    "run --prompt --out": (["run", "--plan", "plan.json", "--prompt", "a cat", "--out", "{}"], "o.mp4"),
+    "calibrate --out": (["calibrate", "--cpu-smoke", "--no-save", "--out", "{}"], "o.yaml"),
+    "calibrate --raw": (["calibrate", "--cpu-smoke", "--no-save", "--raw", "{}"], "o.json"),
+    "bench --out": (["bench", "--model", "tiny", "--frames", "5", "--out", "b"], "b/bench.csv"),
+}
+KIND_SAID = {"device": "is a character device", "fifo": "is a FIFO", "socket": "is a socket"}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_SAID))
+@pytest.mark.parametrize("command", sorted(OUTPUTS))
+def test_an_output_that_is_a_device_fifo_or_socket_is_refused_before_any_work(cli, workdir, plan, command, kind):
+    """Outputs are regular files or new names: anything else there (what /dev/full is, a FIFO, a socket) is
+    refused before the work, and left as it is (an atomic rename would have replaced the node)."""
+    args, name = OUTPUTS[command]
+    target = workdir / name
+    target.parent.mkdir(exist_ok=True)
+    sock = _node(target, kind)
+    try:
+        said = _clear(cli(*[a.replace("{}", name) for a in args]), 2, KIND_SAID[kind])
+        assert name in said and "new file name" in said, said
+        assert _kind_of(target) == kind and (kind != "device" or os.readlink(target) == "/dev/full")
+        assert "built" not in said and not (workdir / "run-report.json").exists()
+        _no_temporaries(workdir)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+# ------------------------------------------------------------------------------------- outputs: a full disk
+
+
+def test_a_full_disk_fails_plan_out_naming_the_file_and_leaving_nothing(cli, workdir, plan):
+    """`plan --out` on a disk that fills up: one line naming the file, exit 2, nothing at its name, and a plan
+    there before is left whole."""
+    p = _chunkflow(["plan", "--model", "tiny", "--hardware", "cpu", "--out", "new.json"], workdir, 2048)
+    said = _said(p)
+    assert p.returncode == 2 and "cannot write 'new.json': File too large" in said, said
+    assert "Plan written" not in said and "Traceback" not in said and not (workdir / "new.json").exists()
+    before = plan.read_bytes()
+    p = _chunkflow(["plan", "--model", "tiny", "--hardware", "cpu", "--frames", "9", "--out", "plan.json"], workdir,
+                   2048)
+    assert p.returncode == 2 and "left as it was" in _said(p) and plan.read_bytes() == before
+    _no_temporaries(workdir)
+
+
+@pytest.mark.slow
+def test_a_full_disk_fails_the_video_and_the_report_naming_the_file(cli, workdir, plan):
+    """`run --prompt --out v.mp4` on a disk that fills up (it printed ffmpeg's "No space left on device", then
+    "Written: v.mp4", exit 0, and left a 0-byte video): the encoder's failure is one line naming the video, exit 2,
+    no "Written:", no video and no report; a synthetic run's report likewise."""
+    p = _chunkflow(["run", "--plan", "plan.json", "--prompt", "a cat", "--out", "v.mp4", "--report", "r.json"],
+                   workdir, 4096, timeout=600)
+    said = _said(p)
+    assert p.returncode == 2 and "ffmpeg could not write 'v.mp4'" in said and "left as it was" in said, said
+    assert "Written" not in said and "Traceback" not in said
+    assert not (workdir / "v.mp4").exists() and not (workdir / "r.json").exists()
+    p = _chunkflow(["run", "--plan", "plan.json", "--steps", "1", "--report", "r.json"], workdir, 4096, timeout=600)
+    said = _said(p)
+    assert p.returncode == 2 and "cannot write 'r.json'" in said and "Run report written" not in said, said
+    assert not (workdir / "r.json").exists()
+    _no_temporaries(workdir)
+
+
+# --------------------------------------------------------------------------------- files read: not a file
+
+
+def _fifo_or_zero(workdir: Path, name: str, kind: str) -> str:
+    if kind == "fifo":
+        os.mkfifo(workdir / name)
+        return name
+    return "/dev/zero"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+@pytest.mark.parametrize("what", ["run --plan", "plan --hardware", "run --profile", "calibrate --from-report",
+                                  "bench --from-dir"])
+def test_a_file_read_that_is_a_fifo_or_a_device_is_refused_at_once(workdir, what, kind):
+    """`run --plan FIFO` blocked for ever and `run --plan /dev/zero` read 12.5 GB in 134 s: every file chunkflow reads
+    (plans, hardware profiles, run reports, bench files) must be a regular file, refused otherwise without reading
+    it, in a process of its own (the timeout guards against the hang)."""
+    p = _chunkflow(["plan", "--model", "tiny", "--hardware", "cpu", "--out", "plan.json"], workdir)
+    assert p.returncode == 0, _said(p)
+    if what == "bench --from-dir":
+        (workdir / "old").mkdir()
+        name = _fifo_or_zero(workdir, "old/bench.json", kind) if kind == "fifo" else None
+        if kind == "zero":
+            (workdir / "old" / "bench.json").symlink_to("/dev/zero")
+        args = ["bench", "--from-dir", "old", "--out", "new"]
+        shown = "old/bench.json"
+    else:
+        name = _fifo_or_zero(workdir, "x.yaml" if "hardware" in what or "profile" in what else "x.json", kind)
+        args = {"run --plan": ["run", "--plan", name],
+                "plan --hardware": ["plan", "--model", "tiny", "--hardware", name],
+                "run --profile": ["run", "--plan", "plan.json", "--profile", name],
+                "calibrate --from-report": ["calibrate", "--from-report", name, "--out", "p.yaml"]}[what]
+        shown = name
+    p = _chunkflow(args, workdir, timeout=60)
+    said = _said(p)
+    assert p.returncode == 2 and "Traceback" not in said, said
+    assert shown in said and ("is a FIFO" in said or "is a character device" in said), said
+    assert "regular file" in said and not (workdir / "p.yaml").exists() and not (workdir / "new").exists()
+
+
+def test_a_plan_or_profile_far_larger_than_any_chunkflow_writes_is_refused(cli, workdir):
+    """A (sparse) 65 MiB plan or profile is not one chunkflow wrote: refused by name, not parsed."""
+    for name in ("big.json", "big.yaml"):
+        with open(name, "wb") as f:
+            f.truncate(65 * 2**20)
+    _clear(cli("run", "--plan", "big.json"), 2, "plan file 'big.json' is larger than 64 MiB")
+    _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is larger than 64 MiB")
