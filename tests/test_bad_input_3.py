@@ -1,5 +1,6 @@
 """Hostile input, round three (issue 35): outputs that land on a full disk or on a device, FIFO or socket; plan,
-profile and report files that are not regular files or are far too large.
+profile and report files that are not regular files or are far too large; control characters from files and
+arguments on their way to the terminal.
 
 Every hostile case ends with one clear line naming the file or field and what to do, exit code 2, before any
 model is built, with nothing left at the output's name (a file there before is left whole) and no temporary file."""
@@ -195,3 +196,77 @@ def test_a_plan_or_profile_far_larger_than_any_chunkflow_writes_is_refused(cli, 
             f.truncate(65 * 2**20)
     _clear(cli("run", "--plan", "big.json"), 2, "plan file 'big.json' is larger than 64 MiB")
     _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is larger than 64 MiB")
+
+
+# -------------------------------------------------------------------------------- control characters
+
+
+HOSTILE = "\x1b[2J\x1b]0;t\x07\r\x9b31m\u202e"  # clear screen, set the title + BEL, CR, C1 CSI, bidi override
+SHOWN = "\\x1b[2J\\x1b]0;t\\x07\\r\\x9b31m\\u202e"  # as repr() shows them
+
+
+def _escaped(said: str) -> None:
+    assert not any(c in said for c in "\x1b\x07\r\x9b\u202e"), repr(said)
+
+
+def test_control_characters_in_arguments_and_files_reach_the_terminal_escaped(cli, workdir, plan):
+    """Every string from an argument or a file is shown with its control characters escaped, on every path:
+    an output path echoed, a missing plan named twice, a hardware profile's name in the plan's tables and JSON."""
+    name = f"a{HOSTILE}.json"
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--out", name)
+    said = _clear(result, 0, f"Plan written to a{SHOWN}.json")
+    _escaped(result.output)
+    assert Path(name).is_file()  # the file has the name asked for; only its display is escaped
+    result = cli("run", "--plan", f"gone{HOSTILE}.json")
+    said = _clear(result, 2)
+    _escaped(result.output)
+    assert said.count(f"gone{SHOWN}.json") == 2, said  # the file, and the hint that repeats it
+    profile = json.loads(plan.read_text())["hardware"]["spec"]
+    profile["name"] = f"gpu{HOSTILE}"
+    Path("hw.json").write_text(json.dumps(profile))
+    result = cli("plan", "--model", "tiny", "--hardware", "hw.json")
+    said = _clear(result, 0)
+    _escaped(result.output)
+    assert f"gpu{SHOWN}" in said
+    result = cli("plan", "--model", "tiny", "--hardware", "hw.json", "--json")
+    _clear(result, 0)
+    _escaped(result.output)
+    assert json.loads(result.stdout)["hardware"]["name"] == f"gpu{HOSTILE}"  # the same JSON document
+
+
+@pytest.mark.slow
+def test_a_class_name_holding_escape_sequences_is_shown_escaped(cli, workdir, plan, tmp_path_factory):
+    """A downloaded model_index.json whose `_class_name` holds ESC sequences (clear the screen, restyle it):
+    the error it causes shows them escaped, on one line; so does a run report's path."""
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("tiny", tmp_path_factory.mktemp("saved") / "tiny")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["_class_name"] = f"Evil{HOSTILE}\nPipeline"
+    (folder / "model_index.json").write_text(json.dumps(index))
+    result = cli("run", "--plan", plan, "--weights", folder, "--prompt", "a cat", "--out", "x.mp4")
+    said = _clear(result, 2, f"Evil{SHOWN}\\nPipeline")
+    _escaped(result.output)
+    assert len(result.output.strip().splitlines()) == 1 and not Path("x.mp4").exists(), said
+    result = cli("run", "--plan", plan, "--steps", "1", "--report", f"r{HOSTILE}.json")
+    _clear(result, 0, f"Run report written to r{SHOWN}.json")
+    _escaped(result.output)
+
+
+def test_warnings_and_library_log_lines_in_a_command_are_escaped(workdir):
+    """Warnings (chunkflow's warn_user, a library's warnings.warn) and log records (transformers' and diffusers'
+    loggers print tensor and class names from a checkpoint's files) come out escaped within a command, printed by
+    Python's own machinery in a process of its own, and are put back after it."""
+    code = (f"import logging, warnings\nfrom chunkflow.commands.terminal import escaped_output\n"
+            f"logging.basicConfig(format='%(message)s')\nhostile = {HOSTILE!r}\nwith escaped_output():\n"
+            "    warnings.warn(f'weights of {hostile} not used')\n"
+            "    logging.getLogger('transformers').warning('Some weights of %s were not used', 'model' + hostile)\n"
+            "assert logging.getLogRecordFactory() is logging.LogRecord\n"
+            "logging.getLogger('after').warning('raw' + hostile)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    inside, after = p.stderr.split("raw")
+    _escaped(inside)
+    assert f"weights of {SHOWN} not used" in inside and f"Some weights of model{SHOWN} were not used" in inside
+    assert after.startswith("\x1b[2J")  # outside a command, Python's own behaviour is left alone
