@@ -1,6 +1,6 @@
 """Hostile input, round three (issue 35): outputs that land on a full disk or on a device, FIFO or socket; plan,
-profile and report files that are not regular files or are far too large; control characters from files and
-arguments on their way to the terminal.
+profile and report files that are not regular files or are far too large; plans edited by hand past what their
+model or a real run allows; and control characters from files and arguments on their way to the terminal.
 
 Every hostile case ends with one clear line naming the file or field and what to do, exit code 2, before any
 model is built, with nothing left at the output's name (a file there before is left whole) and no temporary file."""
@@ -196,6 +196,111 @@ def test_a_plan_or_profile_far_larger_than_any_chunkflow_writes_is_refused(cli, 
             f.truncate(65 * 2**20)
     _clear(cli("run", "--plan", "big.json"), 2, "plan file 'big.json' is larger than 64 MiB")
     _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is larger than 64 MiB")
+
+
+# ------------------------------------------------------------------------------------- hand-edited plans
+
+
+def _set(data: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        data = data[key] if not key.isdigit() else data[int(key)]
+    data[int(last) if last.isdigit() else last] = value
+
+
+EDITS = [  # (field path, value, what the error says)
+    ("offload.disk_blocks", 99, "offload.disk_blocks is 99, but tiny-wan has 2 blocks"),
+    ("workload.steps", 10**9, "workload.steps is 1000000000, more than 100000"),
+    ("model.n_blocks", 10**9, "model.n_blocks is 1000000000, but tiny-wan in this chunkflow's catalog has 2"),
+    ("model.block_bytes_total", 1, "model.block_bytes_total is 1, but tiny-wan"),
+    ("model.non_block_bytes", 10**12, "model.non_block_bytes is 1000000000000, but tiny-wan"),
+    ("offload.chunk_bytes", 1, "offload.chunk_bytes 1 cuts tiny-wan's largest block"),
+    ("offload.residency", 1.5, "residency 1.5 must be in [0, 1]"),
+    ("offload.mode", "turbo", "unknown mode 'turbo'"),
+    ("offload.weight_dtype", "fp4", "unknown weight_dtype 'fp4'"),
+    ("workload.tokens", 5, "workload.tokens is 5, but 64x64 x5 is 32 tokens"),
+    ("workload.height", 64 * 10**4, "workload.tokens is 32, but 64x640000 x5"),
+    ("workload.batch", 10**5, "workload.batch is 100000, more than 1024"),
+    ("workload.cfg_passes", 3, "workload.cfg_passes"),
+    ("parallel.sp_degree", 10**9, "parallel.sp_degree 1000000000 does not divide"),
+    ("hardware.spec.peak_tflops", -1, "hardware.spec (the profile planned with) is malformed: peak_tflops"),
+    ("hardware.spec.memory_bytes", 0, "hardware.spec (the profile planned with) is malformed: memory_bytes"),
+    ("hardware.peak_tflops", 1e300, "hardware.peak_tflops"),
+    ("memory_budget_bytes", -5, "memory_budget_bytes"),
+    ("memory_margin", 7, "memory_margin"),
+    ("pipeline.components.0.name", "evil", "pipeline.components are 'evil', 'transformer', 'vae'"),
+    ("pipeline.components.1.bytes", 10**15, "pipeline component 'transformer' is a transformer of 1000000000000000"),
+    ("pipeline.components.2.placement", "moon", "pipeline.components.2.placement"),
+]
+
+
+@pytest.mark.parametrize("field, value, say", EDITS, ids=[e[0] for e in EDITS])
+def test_a_hand_edited_plan_is_refused_naming_the_file_and_field_before_anything_is_built(cli, workdir, plan, field,
+                                                                                          value, say):
+    """A plan is checked whole, against the catalog model it names, as it is read: `disk_blocks: 99` for a 2-block
+    model was refused only after a 144 s build, `steps: 10**9` ran silently, `n_blocks: 10**9` ran as if nothing
+    were wrong, `chunk_bytes: 1` crawled. Each is one line naming the file and the field, exit 2, nothing built
+    or written."""
+    data = json.loads(plan.read_text())
+    if field.startswith("offload.") and field != "offload.mode":
+        data["offload"].update(mode="chunkflow", chunk_bytes=4096, residency=0.0)  # a setting that streams
+    _set(data, field, value)
+    Path("e.json").write_text(json.dumps(data))
+    for extra in ([], ["--prompt", "a cat", "--out", "x.mp4"]):
+        said = _clear(cli("run", "--plan", "e.json", *extra), 2, say)
+        assert "plan file 'e.json'" in said and "built" not in said, said
+        assert not Path("run-report.json").exists() and not Path("x.mp4").exists()
+
+
+def test_a_workload_edited_past_the_plans_budget_is_refused(cli, workdir):
+    """Resolution and tokens edited together (consistent): the transformer the plan now describes needs more
+    device memory than the budget it was planned for, which no plan holds."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import PlanWorkload
+    from chunkflow_planner.workload import tokens
+
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--mem-budget", "1MB", "--transformer-only",
+                 "--out", "small.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(Path("small.json").read_text())
+    data["workload"].update(height=1024, width=1024)
+    data["workload"]["tokens"] = tokens(get_model("tiny"), PlanWorkload(**data["workload"]).to_workload())
+    Path("e.json").write_text(json.dumps(data))
+    said = _clear(cli("run", "--plan", "e.json"), 2, "more than the plan's budget of 1.00 MB")
+    assert "plan file 'e.json'" in said and "built" not in said
+
+
+@pytest.mark.parametrize("hardware", ["h200", "cpu"])
+def test_the_plans_chunkflow_plan_writes_pass_the_whole_check(cli, workdir, hardware):
+    """No false refusal: the plan of every catalog model at its default workload (the whole pipeline where it has
+    one) passes every check `run` makes of it."""
+    from chunkflow_planner.catalog import load_models
+    from chunkflow_planner.plan import load_plan
+
+    checked = 0
+    for name in load_models():
+        result = cli("plan", "--model", name, "--hardware", hardware, "--host-mem-budget", "4TB", "--out", "p.json")
+        if result.exit_code == 2 and "infeasible" in result.output:
+            continue
+        assert result.exit_code == 0, result.output
+        load_plan("p.json")
+        checked += 1
+    assert checked >= len(load_models()) // 2
+
+
+@pytest.mark.parametrize("args, say", [
+    (["plan", "--model", "tiny", "--steps", "100001"], "--steps must be at most 100000"),
+    (["plan", "--model", "tiny", "--height", "65536", "--width", "65536"], "more than 4194304"),
+    (["plan", "--model", "tiny", "--batch", "1025"], "--batch must be at most 1024"),
+    (["run", "--plan", "plan.json", "--mode", "chunkflow", "--chunk-size", "1B"], "--chunk-size 1 cuts tiny-wan's"),
+    (["bench", "--model", "tiny", "--frames", "5", "--chunk-sizes", "4KB,1B"], "--chunk-sizes 1 cuts tiny-wan's"),
+    (["bench", "--model", "tiny", "--frames", "5", "--steps", "1000000000"], "--steps must be in [1, 100000]"),
+])
+def test_flags_past_a_real_runs_bounds_are_refused_like_a_plan_field(cli, workdir, plan, args, say):
+    """What a plan may not hold, a flag may not ask for: `plan` never writes a plan `run` refuses, and `run`'s
+    overrides and `bench`'s sweep meet the plan's bounds."""
+    _clear(cli(*args), 2, say)
+    assert not Path("b").exists() and not Path("run-report.json").exists()
 
 
 # -------------------------------------------------------------------------------- control characters

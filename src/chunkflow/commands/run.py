@@ -67,11 +67,12 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     """
     import os
 
-    from chunkflow_planner.plan import load_plan
+    from chunkflow_planner.plan import check_setting, load_plan
 
     p = load_plan(plan)
     cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
                                    weight_dtype=weight_dtype, fp8_cast=fp8_cast)  # the flags are parsed here, once
+    check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's must
     from chunkflow.commands.steps import RunOptions, run_plan
 
     generating = prompt is not None

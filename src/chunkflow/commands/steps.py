@@ -27,9 +27,9 @@ from chunkflow.reports import Measured, MemorySample, RelErrors, RunConfig, RunE
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
+from chunkflow_planner.workload import MAX_STEPS  # denoising steps a run takes, as a plan's
 from chunkflow_planner.predict import Predicted, hardware_of, predict
 
-MAX_STEPS = 100_000  # denoising steps a run takes (pipelines use 4-100)
 MAX_SEED = 2**62
 DEFAULT_MAX_STEPS = 5
 
