@@ -114,6 +114,16 @@ def test_an_output_that_is_a_device_fifo_or_socket_is_refused_before_any_work(cl
             sock.close()
 
 
+def test_each_image_of_a_batch_is_an_output_checked_before_any_work(cli, workdir):
+    """An image model's batch goes to stem-0.png, stem-1.png, ...: each of those names is checked as --out is."""
+    result = cli("plan", "--model", "tiny-flux", "--hardware", "cpu", "--batch", "2", "--out", "f.json")
+    assert result.exit_code == 0, result.output
+    os.mkfifo("x-1.png")
+    said = _clear(cli("run", "--plan", "f.json", "--prompt", "a fox", "--out", "x.png"), 2, "'x-1.png' is a FIFO")
+    assert "built" not in said and not Path("x-0.png").exists() and not Path("x.png").exists()
+    assert stat.S_ISFIFO(os.lstat("x-1.png").st_mode)
+
+
 # ------------------------------------------------------------------------------------- outputs: a full disk
 
 

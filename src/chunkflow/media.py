@@ -17,7 +17,7 @@ import numpy as np
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.files import FileError, atomic_path, check_output_file, existing_file, write_atomic
 
-__all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uint8_frames", "write_media"]
+__all__ = ["MediaError", "check_media_path", "image_names", "read_image", "read_video", "to_uint8_frames", "write_media"]
 
 KINDS = {".mp4": "video", ".png": "image"}
 CRF = 18  # libx264 constant rate factor: visually lossless for ordinary viewing, files stay small
@@ -70,6 +70,15 @@ def check_media_path(path: str) -> str:
     if kind == "video":
         _video_backend()
     return kind
+
+
+def image_names(path: str, count: int) -> list[str]:
+    """Where `count` images of one generation go for `--out path`: the path itself for one, else `stem-0.png`,
+    `stem-1.png`, ... beside it."""
+    if count <= 1:
+        return [path]
+    stem, suffix = os.path.splitext(path)
+    return [f"{stem}-{i}{suffix}" for i in range(count)]
 
 
 def _video_backend() -> str:

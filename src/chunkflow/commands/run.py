@@ -163,9 +163,11 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
                         f"{'distilled into the model' if spec.pipeline.adapter == 'flux' else 'embedded'}: --guidance "
                         "sets it); leave --negative-prompt out")
     if out is not None:
-        from chunkflow.media import check_media_path
+        from chunkflow.media import check_media_path, image_names
 
         kind = check_media_path(out)
+        for name in image_names(out, p.workload.batch) if kind == "image" else ():  # a batch's images, each
+            check_media_path(name)
         if spec.is_video and kind != "video":
             raise UserError(f"{spec.name} makes videos; write --out to a .mp4 file (not {out!r})")
         if not spec.is_video and kind == "video":

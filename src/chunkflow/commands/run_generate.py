@@ -22,7 +22,6 @@ each phase's time in the collector is reported (`gc_s`).
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -326,7 +325,7 @@ def expected_time(p, warmup: int) -> float:
 def _write_output(out: str, frames, spec, random_weights: bool, log) -> None:
     import numpy as np
 
-    from chunkflow.media import write_media
+    from chunkflow.media import image_names, write_media
 
     arr = frames.float().cpu().numpy() if hasattr(frames, "cpu") else np.asarray(frames, dtype=np.float32)
     if random_weights and not np.isfinite(arr).all():
@@ -336,9 +335,9 @@ def _write_output(out: str, frames, spec, random_weights: bool, log) -> None:
         write_media(out, arr, fps=spec.pipeline.fps or 16)
         return
     if arr.ndim == 4 and arr.shape[0] > 1:
-        stem, suffix = os.path.splitext(out)
-        for i, img in enumerate(arr):
-            write_media(f"{stem}-{i}{suffix}", img)
-        log(f"{arr.shape[0]} images written as {stem}-0{suffix} ... {stem}-{arr.shape[0] - 1}{suffix}")
+        names = image_names(out, arr.shape[0])
+        for name, img in zip(names, arr):
+            write_media(name, img)
+        log(f"{arr.shape[0]} images written as {names[0]} ... {names[-1]}")
         return
     write_media(out, arr)
