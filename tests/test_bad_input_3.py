@@ -200,12 +200,13 @@ def test_a_file_read_that_is_a_fifo_or_a_device_is_refused_at_once(workdir, what
 
 
 def test_a_plan_or_profile_far_larger_than_any_chunkflow_writes_is_refused(cli, workdir):
-    """A (sparse) 65 MiB plan or profile is not one chunkflow wrote: refused by name, not parsed."""
-    for name in ("big.json", "big.yaml"):
+    """A (sparse) 65 MiB plan, or a 2 MiB profile (YAML: ~16 KB as calibrate writes it), is not one chunkflow
+    wrote: refused by name, not parsed."""
+    for name, size in (("big.json", 65 * 2**20), ("big.yaml", 2 * 2**20)):
         with open(name, "wb") as f:
-            f.truncate(65 * 2**20)
+            f.truncate(size)
     _clear(cli("run", "--plan", "big.json"), 2, "plan file 'big.json' is larger than 64 MiB")
-    _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is larger than 64 MiB")
+    _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is larger than 1 MiB")
 
 
 # ------------------------------------------------------------------------------------- hand-edited plans
