@@ -199,6 +199,18 @@ def test_a_file_read_that_is_a_fifo_or_a_device_is_refused_at_once(workdir, what
     assert "regular file" in said and not (workdir / "p.yaml").exists() and not (workdir / "new").exists()
 
 
+def test_a_plan_or_report_that_is_a_socket_is_refused_by_kind(cli, workdir):
+    """A socket cannot even be opened as a file: it is named for what it is, like a FIFO."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind("s.json")
+    try:
+        _clear(cli("run", "--plan", "s.json"), 2, "plan file 's.json' is a socket, not a file")
+        _clear(cli("calibrate", "--from-report", "s.json", "--out", "p.yaml"), 2, "'s.json' is a socket")
+    finally:
+        sock.close()
+    assert not Path("p.yaml").exists()
+
+
 def test_a_plan_or_profile_far_larger_than_any_chunkflow_writes_is_refused(cli, workdir):
     """A (sparse) 65 MiB plan, or a 2 MiB profile (YAML: ~16 KB as calibrate writes it), is not one chunkflow
     wrote: refused by name, not parsed."""

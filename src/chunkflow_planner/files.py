@@ -84,7 +84,7 @@ def existing_file(path: str | Path, what: str) -> Path:
 
 
 # Every file chunkflow reads as text (plans, hardware profiles, run reports, bench files) is far smaller than this:
-# a plan or profile is tens of KB, a run report of MAX_STEPS steps a few MB. A larger file is not one of them.
+# a plan or profile is tens of KB, a run report of MAX_STEPS steps about 20 MB. A larger file is not one of them.
 MAX_TEXT_BYTES = 64 * 2**20
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -96,12 +96,18 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def _check_regular(mode: int, p: Path, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise FileError(f"{what} {str(p)!r} is {file_kind(mode)}, not a file; give the path of a regular file")
+
+
 def read_text(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of the regular file at `path` ("what" names it in errors: "plan file", "hardware profile"),
     at most `max_bytes` long. A FIFO, device or socket is refused without reading it (one would block or never
     end), and so is a longer file."""
     p = existing_file(path, what)
     try:
+        _check_regular(os.stat(p).st_mode, p, what)  # before opening: a socket cannot even be opened
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except PermissionError:
         raise FileError(f"{what} {str(p)!r} cannot be read: permission denied (it exists; check its permissions)"
@@ -109,9 +115,7 @@ def read_text(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     except OSError as exc:
         raise FileError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FileError(f"{what} {str(p)!r} is {file_kind(mode)}, not a file; give the path of a regular file")
+        _check_regular(os.fstat(fd).st_mode, p, what)  # what was opened (it may have been replaced meanwhile)
         data = b""
         while len(data) <= max_bytes:  # the size read, not the size stat says: the file may grow meanwhile
             block = os.read(fd, max_bytes + 1 - len(data))
