@@ -17,7 +17,8 @@ import numpy as np
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.files import FileError, atomic_path, check_output_file, existing_file, write_atomic
 
-__all__ = ["MediaError", "check_media_path", "image_names", "read_image", "read_video", "to_uint8_frames", "write_media"]
+__all__ = ["MediaError", "check_media_path", "image_names", "read_image", "read_video", "to_uint8_frames",
+           "write_media"]
 
 KINDS = {".mp4": "video", ".png": "image"}
 CRF = 18  # libx264 constant rate factor: visually lossless for ordinary viewing, files stay small

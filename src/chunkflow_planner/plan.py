@@ -172,8 +172,9 @@ class Plan(_Section):
     pipeline: PlanPipeline | None = Field(None, description="placements of the whole pipeline (absent: the "
                                           "transformer was planned alone)")
     memory_budget_bytes: int | None = Field(None, gt=0)
-    memory_margin: float | None = Field(None, ge=0, le=0.5, description="share kept free for the memory model's error: every "
-                                        "predicted GPU peak is at most memory_budget_bytes / (1 + memory_margin)")
+    memory_margin: float | None = Field(None, ge=0, le=0.5, description="share kept free for the memory model's "
+                                        "error: every predicted GPU peak is at most memory_budget_bytes / (1 + "
+                                        "memory_margin)")
     host_memory_budget_bytes: int | None = Field(None, gt=0)
     host_memory_budget_source: str | None = Field(None, description="where the host budget came from: --host-mem-budget "
                                                   "or this machine's available memory when planned")

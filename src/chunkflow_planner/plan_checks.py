@@ -4,8 +4,9 @@ may edit (or be handed), and every field `run` acts on must describe a run that 
 The plan's description of the model (block count and bytes, the pipeline's components) must be the catalog's; its
 workload's token count must follow from its resolution and frames; its offload setting must fit the model (no
 more disk blocks than blocks, chunks no smaller than a run can stream); its steps, batch and tokens stay within
-the bounds `chunkflow plan` takes (workload.MAX_STEPS, MAX_BATCH, MAX_TOKENS); the transformer it describes must fit the budget it was planned for. Each
-check returns what is wrong ("field: why; what to do") or None; `chunkflow_planner.plan.check_plan` raises it.
+the bounds `chunkflow plan` takes (workload.MAX_STEPS, MAX_BATCH, MAX_TOKENS); the transformer it describes must
+fit the budget it was planned for. Each check returns what is wrong ("field: why; what to do") or None;
+`chunkflow_planner.plan.check_plan` raises it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 from chunkflow_planner.catalog import ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
 
-__all__ = ["MAX_BATCH", "MAX_STEPS", "MAX_TOKENS", "Workload", "WorkloadError", "make_workload", "tokens", "tokens_per_latent_frame", "latent_frames",
-           "per_forward"]
+__all__ = ["MAX_BATCH", "MAX_STEPS", "MAX_TOKENS", "Workload", "WorkloadError", "make_workload", "tokens",
+           "tokens_per_latent_frame", "latent_frames", "per_forward"]
 
 
 # Bounds of a workload, far beyond any real generation (`plan` refuses more; so does `run`, of a plan edited past them)

@@ -5,8 +5,9 @@ threads and pieces included; and on a GPU the rate of page-locking host memory, 
 The sample is the largest safetensors files in the folder (a pipeline folder given with `--weights`, else the
 Hugging Face cache), up to `sample_bytes`, found by a bounded walk that stays inside what was named
 (`sample_files`); where the folder has too few, or it is the temporary directory (never walked), a temporary file
-of that size is written there and removed after. A cold read needs the kernel to drop the sample's pages (`POSIX_FADV_DONTNEED`); where it
-cannot (another process maps them, a filesystem that keeps them), the rate measured is said to be warm.
+of that size is written there and removed after. A cold read needs the kernel to drop the sample's pages
+(`POSIX_FADV_DONTNEED`); where it cannot (another process maps them, a filesystem that keeps them), the rate
+measured is said to be warm.
 """
 
 from __future__ import annotations
