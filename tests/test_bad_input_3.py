@@ -147,7 +147,7 @@ def test_a_full_disk_fails_the_video_and_the_report_naming_the_file(cli, workdir
     "Written: v.mp4", exit 0, and left a 0-byte video): the encoder's failure is one line naming the video, exit 2,
     no "Written:", no video and no report; a synthetic run's report likewise."""
     p = _chunkflow(["run", "--plan", "plan.json", "--prompt", "a cat", "--out", "v.mp4", "--report", "r.json"],
-                   workdir, 4096, timeout=600)
+                   workdir, 1024, timeout=600)  # the tiny model's video is about 2 KB
     said = _said(p)
     assert p.returncode == 2 and "ffmpeg could not write 'v.mp4'" in said and "left as it was" in said, said
     assert "Written" not in said and "Traceback" not in said
