@@ -1,6 +1,10 @@
 """Calibration fits on synthetic measurements, the eta curve in the planner, the CPU smoke profile, refits."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -85,9 +89,22 @@ def test_profile_from_synthetic_fit_loads_in_plan(tmp_path):
     assert plan["hardware"]["spec"]["eta_comp_curve"] == [[1e12, 0.4], [1e13, 0.55]]
 
 
-def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path):
+def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path, monkeypatch):
+    # the temporary directory is everyone's: the smoke run times its disk with a file of its own and walks nothing
+    # there (a link to / or to itself anywhere under /tmp made that walk cover the file system, or never end)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp / "root").symlink_to("/")
+    (tmp / "self").symlink_to(tmp)
+    with open(tmp / "someone-elses.safetensors", "wb") as f:
+        f.truncate(2**27)  # larger than the smoke sample: it would be the sample if the folder were walked
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
     result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--raw", "raw.json"])
     assert result.exit_code == 0, result.output
+    disk = json.loads((tmp_path / "raw.json").read_text())["disk"]
+    assert disk["temporary"] and len(disk["files"]) == 1 and "--cpu-smoke" in disk["chosen_by"]
+    assert Path(disk["files"][0]).parent == tmp and ".chunkflow-calibrate-" in disk["files"][0]
+    assert sorted(p.name for p in tmp.iterdir()) == ["root", "self", "someone-elses.safetensors"]
     hw = load_profile(tmp_path / "smoke.yaml")
     assert hw.eta_comp_curve and len(hw.eta_comp_curve) >= 3 and hw.eta_pref == 1.0
     assert hw.h2d_link_gbps > 0 and hw.dma_startup_us >= 0
@@ -368,3 +385,80 @@ def test_a_negative_decode_intercept_gives_way_to_a_line_through_the_origin():
     assert fit["time_const"] == 0.0
     assert fit["time_per_call"] == pytest.approx(sum(r["time_s"] * r["n"] for r in rows) / sum(r["n"] ** 2 for r in rows))
     assert all(abs(fit["time_per_call"] * r["n"] / r["time_s"] - 1) < 0.2 for r in rows)
+
+
+# ------------------------------------------------------------------------------------- the disk's sample
+
+
+def _sampled(folder: Path, want: int = 2**40, entries: int | None = None) -> list[str]:
+    """calibrate's disk sample of `folder` (sample_files), in a process of its own: the timeout guards against a
+    walk that covers the file system or never ends. `entries`: the walk's bound, lowered."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = ("import json, sys\nfrom pathlib import Path\nfrom chunkflow.commands.calibrate import disk\n"
+            + (f"disk.MAX_WALK_ENTRIES = {entries}\n" if entries else "")
+            + f"print(json.dumps([str(p) for p, _ in disk.sample_files(Path({str(folder)!r}), {want})]))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def _file(path: Path, size: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def test_the_disk_sample_is_taken_only_from_the_folder_named(tmp_path):
+    """`calibrate --weights DIR` samples DIR's own safetensors files: links to directories are not followed (one
+    to /, one to DIR itself, one to a folder beside it), a link to a file only where it stays inside DIR, and no
+    FIFO, dangling link or loop of links is opened."""
+    w, outside = tmp_path / "w", tmp_path / "outside"
+    mine = _file(w / "transformer" / "a.safetensors", 2**20)
+    _file(w / "text_encoder" / "b.safetensors", 2**19)
+    big = _file(outside / "big.safetensors", 2**30)
+    (w / "root").symlink_to("/")
+    (w / "self").symlink_to(w)
+    (w / "transformer" / "up").symlink_to("..")
+    (w / "beside").symlink_to(outside)
+    (w / "transformer" / "leaves.safetensors").symlink_to(big)
+    (w / "transformer" / "same.safetensors").symlink_to("a.safetensors")
+    (w / "transformer" / "dangling.safetensors").symlink_to("nowhere")
+    (w / "transformer" / "cycle.safetensors").symlink_to("cycle.safetensors")
+    os.mkfifo(w / "transformer" / "fifo.safetensors")
+    assert _sampled(w) == [str(mine.resolve()), str((w / "text_encoder" / "b.safetensors").resolve())]
+    assert _sampled(w, want=1) == [str(mine.resolve())]  # the largest first, until the sample is covered
+
+
+def test_the_disk_sample_of_a_hub_snapshot_is_its_repos_blobs(tmp_path):
+    """A Hub id resolves to a cache snapshot whose files are links to the repo's blobs: those are the sample;
+    a snapshot link leaving the repo is not followed. The whole cache samples its blobs once each."""
+    repo = tmp_path / "hub" / "models--org--name"
+    blob = _file(repo / "blobs" / "0123abcd", 2**20)
+    elsewhere = _file(tmp_path / "elsewhere" / "x.safetensors", 2**30)
+    snap = repo / "snapshots" / "c0ffee"
+    (snap / "transformer").mkdir(parents=True)
+    (snap / "transformer" / "diffusion_pytorch_model.safetensors").symlink_to("../../../blobs/0123abcd")
+    (snap / "vae").mkdir()
+    (snap / "vae" / "diffusion_pytorch_model.safetensors").symlink_to(elsewhere)
+    assert _sampled(snap) == [str(blob.resolve())]
+    old = repo / "snapshots" / "beef"
+    (old / "transformer").mkdir(parents=True)
+    (old / "transformer" / "diffusion_pytorch_model.safetensors").symlink_to("../../../blobs/0123abcd")
+    assert _sampled(tmp_path / "hub") == [str(blob.resolve())]
+
+
+def test_the_disk_samples_walk_is_bounded(tmp_path):
+    """However large or deep the folder, the walk stops: after MAX_WALK_ENTRIES entries (lowered here) and below
+    MAX_WALK_DEPTH levels; what it found by then is the sample."""
+    from chunkflow.commands.calibrate.disk import MAX_WALK_DEPTH
+
+    for i in range(40):
+        _file(tmp_path / "wide" / f"{i:02d}.safetensors", 2**10 + i)
+    found = _sampled(tmp_path / "wide", entries=10)
+    assert 0 < len(found) <= 10
+    deep = tmp_path / "deep"
+    shallow = _file(deep / "a" / "b" / "s.safetensors", 10)
+    _file(deep.joinpath(*["d"] * (MAX_WALK_DEPTH + 2), "far.safetensors"), 2**20)
+    assert _sampled(deep) == [str(shallow.resolve())]

@@ -3,8 +3,11 @@ with the package's error before any work."""
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,23 +85,61 @@ def test_mp4_accepts_torch_tensor_pil_list_batch_of_one_and_upper_case_suffix(tm
         assert np.abs(got.astype(int) - ref.astype(int)).mean() < tol, name
 
 
-def test_mp4_replaces_an_existing_file_and_leaves_it_whole_when_ffmpeg_fails(tmp_path, monkeypatch):
-    import imageio_ffmpeg
+def _with_file_size_limit(code: str, limit: int, cwd) -> subprocess.CompletedProcess:
+    """Python `code` in a process whose files cannot grow past `limit` bytes (RLIMIT_FSIZE), a disk that fills
+    up: a write past it fails (EFBIG, Python ignoring SIGXFSZ), and ffmpeg started from it is killed by SIGXFSZ."""
+    import resource
 
-    out = tmp_path / "clip.mp4"
-    write_media(out, gradient(2, 16, 16), fps=4)
-    write_media(out, gradient(4, 16, 16), fps=4)
-    assert read_video(out).shape[0] == 4
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+
+
+NOISE = "np.random.default_rng(0).random((8, 64, 64, 3), dtype=np.float32)"  # far over 4 KB as H.264 or PNG
+
+
+@pytest.mark.parametrize("name", ["clip.mp4", "still.png"])
+def test_a_full_disk_is_an_error_naming_the_file_and_leaves_the_old_one_whole(tmp_path, name):
+    """A disk that fills up during the write (a file size limit here): ffmpeg's (or Pillow's) failure is a
+    MediaError/FileError naming the file, the file there before is left whole, and no temporary is left beside it."""
+    out = tmp_path / name
+    write_media(out, gradient(4, 16, 16) if name.endswith(".mp4") else gradient(1, 16, 16)[0], fps=4)
     before = out.read_bytes()
-
-    def broken(*args, **kwargs):
-        yield
-        raise OSError("[Errno 28] No space left on device")
-
-    monkeypatch.setattr(imageio_ffmpeg, "write_frames", broken)
-    with pytest.raises(MediaError, match="ffmpeg could not write"):
-        write_media(out, gradient(3, 16, 16), fps=4)
+    frames = NOISE if name.endswith(".mp4") else NOISE + "[0]"
+    code = ("import numpy as np\nfrom chunkflow.media import write_media\nfrom chunkflow_planner.errors import "
+            f"ChunkflowError\ntry:\n    write_media({name!r}, {frames}, fps=4)\nexcept ChunkflowError as e:\n"
+            "    print('refused:', e)\nelse:\n    print('written')\n")
+    p = _with_file_size_limit(code, 4096, tmp_path)
+    assert p.returncode == 0 and p.stdout.startswith("refused:"), (p.stdout, p.stderr)
+    assert f"{name!r}" in p.stdout and "left as it was" in p.stdout, p.stdout
     assert out.read_bytes() == before and no_temp_files(tmp_path)
+    (tmp_path / name).unlink()
+    p = _with_file_size_limit(code, 4096, tmp_path)  # no earlier file: none is left at the name
+    assert p.stdout.startswith("refused:") and not out.exists() and no_temp_files(tmp_path), p.stdout
+
+
+def test_a_device_fifo_or_socket_at_the_output_name_is_refused_before_writing(tmp_path):
+    """An output is a regular file or a new name: a character device (a link to /dev/full), a FIFO or a socket
+    there is refused before anything is encoded, and left as it is."""
+    import socket
+
+    (tmp_path / "dev.mp4").symlink_to("/dev/full")
+    os.mkfifo(tmp_path / "fifo.png")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock.mp4"))
+    try:
+        for name, kind in (("dev.mp4", "character device"), ("fifo.png", "FIFO"), ("sock.mp4", "socket")):
+            with pytest.raises(ChunkflowError, match=f"{name}.*is a {kind}.*new file name"):
+                check_media_path(str(tmp_path / name))
+            with pytest.raises(ChunkflowError, match=f"is a {kind}"):
+                write_media(tmp_path / name, gradient(1, 16, 16)[0], fps=4)
+        assert (tmp_path / "dev.mp4").is_symlink() and os.readlink(tmp_path / "dev.mp4") == "/dev/full"
+        assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo.png").st_mode)
+        assert stat.S_ISSOCK(os.lstat(tmp_path / "sock.mp4").st_mode)
+        assert no_temp_files(tmp_path)
+    finally:
+        sock.close()
 
 
 def test_png_round_trip_is_exact_and_matches_diffusers(tmp_path):

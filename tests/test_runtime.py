@@ -184,16 +184,20 @@ def test_bad_inputs_raise_and_leave_module_untouched(tmp_path):
     assert "does not exist" in _bad(m, plan=tmp_path / "nope.json", device="cpu", blocks=blocks)
 
 
-def _plan_for(name: str, **offload):
+def _plan_for(name: str, chunk_bytes: int = 4096, **offload):
+    """A plan for the catalog model `name` that describes it truly (load_plan compares the two)."""
+    from chunkflow_planner.catalog import get_model
     from chunkflow_planner.plan import Plan
 
+    spec = get_model(name)
     return Plan.model_validate({
-        "model": {"name": name, "n_blocks": 57, "block_bytes_total": 1, "non_block_bytes": 1},
+        "model": {"name": name, "n_blocks": spec.n_blocks, "block_bytes_total": spec.block_bytes_total,
+                  "non_block_bytes": spec.non_block_bytes},
         "workload": {"batch": 1, "frames": 1, "height": 1024, "width": 1024, "tokens": 4096, "steps": 28},
         "parallel": {}, "hardware": {"name": "h200", "peak_tflops": 1, "h2d_gbps": 1, "eta_comp": 1, "eta_pref": 1},
         "analysis": {"block_flops_per_gpu": 1, "prefetch_bytes_per_block": 1, "f_star": 1, "i_block": 1, "i_star": 1,
                      "t_comp_s": 1, "t_pref_s": 1, "regime": "hidden", "critical": {"axis": "batch", "value": None}},
-        "offload": {"mode": "chunkflow", "chunk_bytes": 4096, "residency": 0.25, **offload},
+        "offload": {"mode": "chunkflow", "chunk_bytes": chunk_bytes, "residency": 0.25, **offload},
         "prediction": {"step_time_s": 1, "peak_memory_bytes": 1,
                        "baselines": {"none": {"step_time_s": 1, "peak_memory_bytes": 1},
                                      "layerwise": {"step_time_s": 1, "peak_memory_bytes": 1}}},
@@ -201,7 +205,7 @@ def _plan_for(name: str, **offload):
 
 
 def test_plan_for_another_model_or_another_size_is_refused(tmp_path):
-    plan = _plan_for("FLUX.1-dev")
+    plan = _plan_for("FLUX.1-dev", chunk_bytes=16 * 10**6)
     m, blocks, kw = _wan()
     msg = _bad(m, plan=plan, device="cpu", blocks=blocks)
     assert "FLUX.1-dev" in msg and "WanTransformer3DModel" in msg
@@ -224,7 +228,9 @@ def test_a_plan_drives_the_module_it_was_made_for(tmp_path):
     kw = make_inputs(spec, None, torch.float32, "cpu", seed=1)
     ref = _run(m, kw)
     plan = _plan_for("tiny-wan").model_dump()
-    plan["workload"] = dict(spec.default_workload.model_dump(), tokens=1)
+    from chunkflow_planner.workload import tokens
+
+    plan["workload"] = dict(spec.default_workload.model_dump(), tokens=tokens(spec, spec.default_workload))
     path = tmp_path / "plan.json"
     path.write_text(__import__("json").dumps(plan))
     for source in (path, str(path), plan):  # a file path, or the plan as a dict

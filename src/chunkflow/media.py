@@ -3,9 +3,12 @@ atomically, and read them back. `check_media_path` checks where the output goes 
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,8 @@ import numpy as np
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.files import FileError, atomic_path, check_output_file, existing_file, write_atomic
 
-__all__ = ["MediaError", "check_media_path", "read_image", "read_video", "to_uint8_frames", "write_media"]
+__all__ = ["MediaError", "check_media_path", "image_names", "read_image", "read_video", "to_uint8_frames",
+           "write_media"]
 
 KINDS = {".mp4": "video", ".png": "image"}
 CRF = 18  # libx264 constant rate factor: visually lossless for ordinary viewing, files stay small
@@ -67,6 +71,15 @@ def check_media_path(path: str) -> str:
     if kind == "video":
         _video_backend()
     return kind
+
+
+def image_names(path: str, count: int) -> list[str]:
+    """Where `count` images of one generation go for `--out path`: the path itself for one, else `stem-0.png`,
+    `stem-1.png`, ... beside it."""
+    if count <= 1:
+        return [path]
+    stem, suffix = os.path.splitext(path)
+    return [f"{stem}-{i}{suffix}" for i in range(count)]
 
 
 def _video_backend() -> str:
@@ -188,7 +201,8 @@ def write_media(path: str | Path, frames: Any, fps: int | None = None) -> Path:
 
 
 def _write_mp4_cv2(p: Path, array: np.ndarray, fps: float) -> None:
-    """The fallback without imageio-ffmpeg: OpenCV's MPEG-4 part 2 writer, to a temporary file, then renamed."""
+    """The fallback without imageio-ffmpeg: OpenCV's MPEG-4 part 2 writer, to a temporary file, then renamed. OpenCV
+    says nothing of a failed write (a full disk), so the file is read back: every frame must be there."""
     import cv2
 
     _, h, w, _ = array.shape
@@ -199,34 +213,69 @@ def _write_mp4_cv2(p: Path, array: np.ndarray, fps: float) -> None:
         for frame in array:
             writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
         writer.release()
+        cap = cv2.VideoCapture(tmp)
+        frames = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) if cap.isOpened() else 0
+        cap.release()
+        if frames != len(array):
+            raise MediaError(f"OpenCV could not write {str(p)!r} whole ({frames} of {len(array)} frames in the file); "
+                             "it is left as it was: is there space on the disk?")
+
+
+def _mp4_command(exe: str, tmp: str, w: int, h: int, fps: float) -> list[str]:
+    """ffmpeg reading raw RGB frames of w x h on stdin and writing H.264 to `tmp` (write_media's docstring)."""
+    from fractions import Fraction
+
+    rate = str(Fraction(fps).limit_denominator())  # 24000/1001 stays exact
+    return [exe, "-y", "-nostdin", "-v", "error", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{w}x{h}",
+            "-pix_fmt", "rgb24", "-r", rate, "-i", "pipe:0", "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p",
+            "-crf", str(CRF), "-vf", _TO_YUV, *_BT709_TAGS, "-movflags", "+faststart", "-f", "mp4", tmp]
 
 
 def _write_mp4(p: Path, array: np.ndarray, fps: float) -> None:
+    """H.264 through imageio-ffmpeg's binary, run here so that its exit status and messages are checked: a failed
+    encode (a full disk, a file size limit, a missing encoder) is a MediaError naming `p`, and nothing is left
+    there (atomic_path)."""
     if _video_backend() == "cv2":
         _write_mp4_cv2(p, array, fps)
         return
-    ffmpeg = _imageio_ffmpeg()
+    exe = _imageio_ffmpeg().get_ffmpeg_exe()
     _, h, w, _ = array.shape
     pad_h, pad_w = h % 2, w % 2
     if pad_h or pad_w:
         array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-    h, w = h + pad_h, w + pad_w
     with atomic_path(p, ".tmp.mp4") as tmp:
-        writer = ffmpeg.write_frames(
-            tmp, (w, h), pix_fmt_in="rgb24", pix_fmt_out="yuv420p", fps=fps, codec="libx264", quality=None,
-            macro_block_size=1, ffmpeg_log_level="error",
-            output_params=["-crf", str(CRF), "-vf", _TO_YUV, *_BT709_TAGS, "-movflags", "+faststart", "-f", "mp4"])
+        code, said = _encode(_mp4_command(exe, tmp, w + pad_w, h + pad_h, fps), array)
+        if code != 0 or os.path.getsize(tmp) == 0:
+            why = said or (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
+            raise MediaError(f"ffmpeg could not write {str(p)!r} ({why}); it is left as it was: is there space on "
+                             "the disk, and does IMAGEIO_FFMPEG_EXE (if set) have libx264?")
+
+
+def _encode(cmd: list[str], array: np.ndarray) -> tuple[int, str]:
+    """Run ffmpeg `cmd`, feed it the frames, wait for it: (its exit status, the last line it printed). Its output is
+    kept, not printed (it echoes file names); it runs in a session of its own, so a terminal's Ctrl-C reaches this
+    process, which then stops it."""
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                                start_new_session=True)
         try:
-            writer.send(None)  # starts ffmpeg
             try:
                 for frame in array:
-                    writer.send(frame.tobytes())
-            finally:
-                writer.close()  # waits for ffmpeg to finish the file
-        except (OSError, RuntimeError) as exc:
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            raise MediaError(f"ffmpeg could not write {str(p)!r} ({lines[-1] if lines else type(exc).__name__}); "
-                             "is there space on the disk, and does IMAGEIO_FFMPEG_EXE (if set) have libx264?") from None
+                    proc.stdin.write(frame.tobytes())
+                proc.stdin.close()
+            except BrokenPipeError:  # ffmpeg stopped reading: its status and message say why
+                pass
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        log.seek(0)
+        lines = [ln.strip() for ln in log.read()[-4096:].decode(errors="replace").splitlines() if ln.strip()]
+    return code, lines[-1] if lines else ""
 
 
 def read_video(path: str | Path) -> np.ndarray:

@@ -590,7 +590,8 @@ def load_profile(path: Path) -> HardwareSpec:
     """A hardware profile file (what `chunkflow calibrate` writes), validated whole; errors name the file."""
     from chunkflow_planner.files import read_text
 
-    data = _read_yaml(read_text(path, "hardware profile"), f"hardware profile {str(path)!r}")
+    # a profile is ~16 KB (YAML, parsed in Python: a bound in tens of MB would take minutes to refuse)
+    data = _read_yaml(read_text(path, "hardware profile", max_bytes=2**20), f"hardware profile {str(path)!r}")
     version = data.get("schema_version", CATALOG_SCHEMA_VERSION)
     if version not in (1, CATALOG_SCHEMA_VERSION):  # version 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(

@@ -5,6 +5,7 @@ goes before any work."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -82,26 +83,66 @@ def existing_file(path: str | Path, what: str) -> Path:
     return p
 
 
-def read_text(path: str | Path, what: str) -> str:
-    """The UTF-8 text of the file at `path` ("what" names it in errors: "plan file", "hardware profile")."""
+# Every file chunkflow reads as text (plans, hardware profiles, run reports, bench files) is far smaller than this:
+# a plan or profile is tens of KB, a run report of MAX_STEPS steps about 20 MB. A larger file is not one of them.
+MAX_TEXT_BYTES = 64 * 2**20
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode that is not a regular file is, in words ("a FIFO (named pipe)")."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _check_regular(mode: int, p: Path, what: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise FileError(f"{what} {str(p)!r} is {file_kind(mode)}, not a file; give the path of a regular file")
+
+
+def read_text(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of the regular file at `path` ("what" names it in errors: "plan file", "hardware profile"),
+    at most `max_bytes` long. A FIFO, device or socket is refused without reading it (one would block or never
+    end), and so is a longer file."""
     p = existing_file(path, what)
     try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise FileError(f"{what} {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        _check_regular(os.stat(p).st_mode, p, what)  # before opening: a socket cannot even be opened
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except PermissionError:
         raise FileError(f"{what} {str(p)!r} cannot be read: permission denied (it exists; check its permissions)"
                         ) from None
     except OSError as exc:
         raise FileError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        _check_regular(os.fstat(fd).st_mode, p, what)  # what was opened (it may have been replaced meanwhile)
+        data = b""
+        while len(data) <= max_bytes:  # the size read, not the size stat says: the file may grow meanwhile
+            block = os.read(fd, max_bytes + 1 - len(data))
+            if not block:
+                break
+            data += block
+    except OSError as exc:
+        raise FileError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise FileError(f"{what} {str(p)!r} is larger than {max_bytes // 2**20} MiB, far more than any {what} "
+                        "chunkflow writes; give the right file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileError(f"{what} {str(p)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def check_output_file(path: str | Path, what: str) -> Path:
     """Where a file will be written, checked before any work: its directory exists and is writable, and the path
-    is not a directory."""
+    is a new name or a regular file (a directory, device, FIFO or socket there is refused: the write would replace
+    it)."""
     p = Path(path).expanduser()
     if p.is_dir():
         raise FileError(f"{what} {str(p)!r} is a directory; give a file name (e.g. {str(p / 'out.json')!r})")
+    _check_replaceable(p, what)
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise FileError(f"{what} {str(p)!r}: directory {str(parent)!r} does not exist; create it first")
@@ -114,7 +155,8 @@ def check_output_dir(path: str | Path, what: str) -> Path:
     """Where a directory of outputs will be created or filled, checked before any work."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
-        raise FileError(f"{what} {str(p)!r} is a file; give a directory (it is created if missing)")
+        kind = "a file" if p.is_file() else file_kind(p.stat().st_mode)
+        raise FileError(f"{what} {str(p)!r} is {kind}; give a directory (it is created if missing)")
     existing = p
     while not existing.exists():
         existing = existing.parent
@@ -134,13 +176,31 @@ def file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
+def _check_replaceable(p: Path, what: str) -> None:
+    """`p` is a new name (a dangling link too) or a regular file (through links): what a rename may replace."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise FileError(f"{what} {str(p)!r} is {file_kind(mode)}; an output is written as a regular file, and this "
+                        "would replace it: give a new file name (nothing was written)")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[str]:
     """Within: the name of an empty temporary file beside `path` for the caller to write. On a normal exit it is
     flushed to disk, given the permissions an ordinary write would give and renamed over `path`; on an error it is
-    removed and `path` is untouched. `suffix` lets a tool that goes by it (ffmpeg, OpenCV) see the format."""
+    removed and `path` is untouched. `suffix` lets a tool that goes by it (ffmpeg, OpenCV) see the format.
+
+    `path` must be a new name or a regular file (checked before and again just before the rename). A write that
+    fails (a full disk, a file size limit: an OSError within, or while flushing) is a FileError naming `path`."""
     p = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent if str(p.parent) else ".")
+    _check_replaceable(p, "output")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent if str(p.parent) else ".")
+    except OSError as exc:
+        raise _write_error(p, exc) from None
     os.close(fd)
     try:
         yield tmp
@@ -149,10 +209,25 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[str]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, file_mode(p))
+        _check_replaceable(p, "output")
         os.replace(tmp, p)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise _write_error(p, exc) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_error(p: Path, exc: OSError) -> FileError:
+    """The error of a write to `p` that failed with `exc` (atomic_path leaves `p` as it was)."""
+    hints = {errno.ENOSPC: "free some space or write it elsewhere",
+             errno.EDQUOT: "free some of your quota or write it elsewhere",
+             errno.EFBIG: "the file system or a limit on file size (ulimit -f) does not allow it; write it elsewhere",
+             errno.EROFS: "the file system is read-only; write it elsewhere",
+             errno.EACCES: "check the folder's permissions", errno.EPERM: "check the folder's permissions"}
+    hint = hints.get(exc.errno, "check the disk and the folder, or write it elsewhere")
+    return FileError(f"cannot write {str(p)!r}: {exc.strerror or exc}; it is left as it was ({hint})")
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chunkflow_planner.catalog import Workload
+from chunkflow_planner.catalog import EFFICIENCY_RANGE, H2D_GBPS_RANGE, PEAK_TFLOPS_RANGE, Workload
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.versioned import field_errors, read_versioned
@@ -54,13 +54,14 @@ class PlanParallel(_Section):
 
 
 class PlanHardware(_Section):
+    # the bounds of a hardware profile's (catalog.HardwareSpec): a plan without an embedded profile predicts with these
     name: str
     source: str = Field("", description="catalog, calibrated profile path, or default")
-    peak_tflops: float
-    h2d_gbps: float
-    eta_comp: float
-    eta_pref: float
-    memory_bytes: int | None = None
+    peak_tflops: float = Field(ge=PEAK_TFLOPS_RANGE[0], le=PEAK_TFLOPS_RANGE[1])
+    h2d_gbps: float = Field(gt=0, le=H2D_GBPS_RANGE[1])  # a link's rate shared by the GPUs on it
+    eta_comp: float = Field(ge=EFFICIENCY_RANGE[0], le=EFFICIENCY_RANGE[1])
+    eta_pref: float = Field(ge=EFFICIENCY_RANGE[0], le=EFFICIENCY_RANGE[1])
+    memory_bytes: int | None = Field(None, gt=0, le=2**60)
     peer_link: str = "none"
     spec: dict | None = Field(None, description="the full hardware profile planned with (HardwareSpec fields)")
 
@@ -181,10 +182,11 @@ class Plan(_Section):
     prediction: PlanPrediction
     pipeline: PlanPipeline | None = Field(None, description="placements of the whole pipeline (absent: the "
                                           "transformer was planned alone)")
-    memory_budget_bytes: int | None = None
-    memory_margin: float | None = Field(None, description="share kept free for the memory model's error: every "
-                                        "predicted GPU peak is at most memory_budget_bytes / (1 + memory_margin)")
-    host_memory_budget_bytes: int | None = None
+    memory_budget_bytes: int | None = Field(None, gt=0)
+    memory_margin: float | None = Field(None, ge=0, le=0.5, description="share kept free for the memory model's "
+                                        "error: every predicted GPU peak is at most memory_budget_bytes / (1 + "
+                                        "memory_margin)")
+    host_memory_budget_bytes: int | None = Field(None, gt=0)
     host_memory_budget_source: str | None = Field(None, description="where the host budget came from: --host-mem-budget "
                                                   "or this machine's available memory when planned")
     target_step_time_s: float | None = None
@@ -225,7 +227,9 @@ def load_plan(source: str | os.PathLike | dict | Plan) -> Plan:
 
 
 def check_plan(plan: Plan, where: str = "plan") -> None:
-    """The plan's model is in the catalog, its workload is one that model can run, its SP degree splits its heads."""
+    """The plan's model is in the catalog, its workload is one that model can run, its SP degree splits its heads,
+    and the rest of it fits that model within a real run's bounds (plan_checks): checked whole, before anything is
+    loaded, every error naming `where` and the field."""
     from chunkflow_planner.catalog import CatalogError, get_model
     from chunkflow_planner.workload import WorkloadError, validate
 
@@ -240,3 +244,19 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     if spec.heads % plan.parallel.sp_degree:
         raise PlanError(f"{where}: parallel.sp_degree {plan.parallel.sp_degree} does not divide {spec.name}'s "
                         f"{spec.heads} attention heads; re-plan with a valid --sp")
+    from chunkflow_planner.plan_checks import plan_problem
+
+    problem = plan_problem(plan, spec)
+    if problem is not None:
+        raise PlanError(f"{where}: {problem}")
+
+
+def check_setting(plan: Plan, cfg: OffloadConfig, flags: str) -> None:
+    """The offload setting a run makes of the plan's (`flags`: the overriding flags, e.g. "--chunk-size") fits the
+    plan's model as the plan's own must (plan_checks.offload_problem)."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan_checks import offload_problem
+
+    problem = offload_problem(cfg, get_model(plan.model.name), flags)
+    if problem is not None:
+        raise PlanError(problem)

@@ -5,8 +5,16 @@ from __future__ import annotations
 from chunkflow_planner.catalog import ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
 
-__all__ = ["Workload", "WorkloadError", "make_workload", "tokens", "tokens_per_latent_frame", "latent_frames",
-           "per_forward"]
+__all__ = ["MAX_BATCH", "MAX_STEPS", "MAX_TOKENS", "Workload", "WorkloadError", "make_workload", "tokens",
+           "tokens_per_latent_frame", "latent_frames", "per_forward"]
+
+
+# Bounds of a workload, far beyond any real generation (`plan` refuses more; so does `run`, of a plan edited past them)
+MAX_STEPS = 100_000  # denoising steps: pipelines use 4-100
+MAX_BATCH = 1024  # samples of one forward
+# tokens of one sample: Wan 720x1280 x 81 frames is 75,600, HunyuanVideo 720p x 129 frames 118,800 (before the
+# text); 2**22 is 35 times more
+MAX_TOKENS = 2**22
 
 
 class WorkloadError(ChunkflowError):
@@ -95,6 +103,14 @@ def make_workload(
             raise WorkloadError(f"--{key} must be at least 1, got {value}")
     if fields["cfg_passes"] not in (1, 2):
         raise WorkloadError(f"cfg passes must be 1 or 2, got {fields['cfg_passes']}")
+    if fields["steps"] > MAX_STEPS:
+        raise WorkloadError(f"--steps must be at most {MAX_STEPS} (pipelines use 4-100), got {fields['steps']}")
+    if fields["batch"] > MAX_BATCH:
+        raise WorkloadError(f"--batch must be at most {MAX_BATCH}, got {fields['batch']}")
     w = Workload(**fields)
     validate(spec, w)
+    if tokens(spec, w) > MAX_TOKENS:
+        raise WorkloadError(f"{w.width}x{w.height}" + (f" x{w.frames} frames" if spec.is_video else "") + f" is "
+                            f"{tokens(spec, w)} tokens a sample for {spec.name}, more than {MAX_TOKENS}: give a "
+                            "smaller size")
     return w

@@ -2,17 +2,20 @@
 
 One boundary for errors (`_command`): a ChunkflowError (bad input, an impossible request) is one line and exit
 code 2; an infeasible plan says which constraint binds, exit 2; anything else is a bug: a short message saying
-where to report it, exit 1, and the traceback only with `chunkflow --debug ...`. Every input is checked before
-any expensive work (output paths included), and every file is written atomically (chunkflow_planner.files).
+where to report it, exit 1, and the traceback only with `chunkflow --debug ...`. Whatever a command prints has its
+control characters escaped (commands.terminal): a file's or an argument's text cannot drive the terminal. Every
+input is checked before any expensive work (output paths included), and every file is written atomically
+(chunkflow_planner.files).
 """
 
 from __future__ import annotations
 import functools
 import sys
 import typer
-from rich.console import Console
 from chunkflow_planner import __version__
 from chunkflow_planner.errors import ChunkflowError
+
+from chunkflow.commands.terminal import SafeConsole, escaped_output, shown
 
 app = typer.Typer(
     add_completion=False,
@@ -20,8 +23,9 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Run large diffusion transformers with weights streamed from host memory in chunks.",
 )
-console = Console()
-err_console = Console(stderr=True, soft_wrap=True)
+# every string either prints has its control characters escaped (commands.terminal)
+console = SafeConsole()
+err_console = SafeConsole(stderr=True, soft_wrap=True)
 
 
 ISSUES_URL = "https://github.com/chunkflow/chunkflow/issues"
@@ -35,7 +39,8 @@ class UserError(ChunkflowError):
 def _fail(message: str, code: int = 2) -> None:
     from rich.markup import escape
 
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # the user's words, verbatim
+    # the user's words, verbatim but for markup and control characters; one line whatever a file put in them
+    err_console.print(f"[bold red]error:[/] {escape(shown(message, one_line=True))}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -58,7 +63,8 @@ def _command(name: str):
 
             note_interrupt(None)  # a command of its own (several may run in one process: tests, notebooks)
             try:
-                result = fn(*args, **kwargs)
+                with escaped_output():  # warnings and library log lines: escaped like every other string
+                    result = fn(*args, **kwargs)
                 if interrupted() is not None:  # a library swallowed the signal: still no success
                     raise KeyboardInterrupt
                 return result
@@ -89,7 +95,8 @@ def _command(name: str):
                 if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: stdout or an output on a full disk
                     _fail(f"no space left on the device to write to ({exc.filename or 'the output'}); free some "
                           "and run it again", code=1)
-                err_console.print(f"[bold red]internal error:[/] {escape(f'{type(exc).__name__}: {exc}')}\nThis is a bug in "
+                what = shown(f"{type(exc).__name__}: {exc}", one_line=True)
+                err_console.print(f"[bold red]internal error:[/] {escape(what)}\nThis is a bug in "
                                   f"chunkflow {__version__}; please report it at {ISSUES_URL} with the command. "
                                   "Run `chunkflow --debug ...` for the traceback.", highlight=False)
                 raise typer.Exit(1) from None

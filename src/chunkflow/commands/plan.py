@@ -10,6 +10,7 @@ from rich.table import Table
 import typer
 
 from chunkflow.commands.app import console, UserError, _command, _say
+from chunkflow.commands.terminal import json_shown
 from chunkflow.commands.options import Hardware, Height, Model, Variant, Width
 from chunkflow_planner.units import format_bytes, parse_duration, parse_size
 
@@ -185,7 +186,7 @@ def _show_plan(plan, decision, analysis, out: str | None, json_out: bool) -> Non
     if out:
         plan.write(out)
     if json_out:
-        sys.stdout.write(plan.to_json() + "\n")
+        sys.stdout.write(json_shown(plan.to_json()) + "\n")  # a name from a profile may hold control characters
         return
     from chunkflow.commands.plan_tables import print_plan
 

@@ -67,11 +67,12 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     """
     import os
 
-    from chunkflow_planner.plan import load_plan
+    from chunkflow_planner.plan import check_setting, load_plan
 
     p = load_plan(plan)
     cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
                                    weight_dtype=weight_dtype, fp8_cast=fp8_cast)  # the flags are parsed here, once
+    check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's must
     from chunkflow.commands.steps import RunOptions, run_plan
 
     generating = prompt is not None
@@ -162,9 +163,11 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
                         f"{'distilled into the model' if spec.pipeline.adapter == 'flux' else 'embedded'}: --guidance "
                         "sets it); leave --negative-prompt out")
     if out is not None:
-        from chunkflow.media import check_media_path
+        from chunkflow.media import check_media_path, image_names
 
         kind = check_media_path(out)
+        for name in image_names(out, p.workload.batch) if kind == "image" else ():  # a batch's images, each
+            check_media_path(name)
         if spec.is_video and kind != "video":
             raise UserError(f"{spec.name} makes videos; write --out to a .mp4 file (not {out!r})")
         if not spec.is_video and kind == "video":

@@ -22,7 +22,6 @@ each phase's time in the collector is reported (`gc_s`).
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -332,7 +331,7 @@ def _write_output(out: str, frames, spec, random_weights: bool, log) -> "OutputP
     """Write the video or image(s); what their 8-bit pixels hold (OutputPixels), for saying what was written."""
     import numpy as np
 
-    from chunkflow.media import to_uint8_frames, write_media
+    from chunkflow.media import image_names, to_uint8_frames, write_media
     from chunkflow.reports import OutputPixels
 
     arr = frames.float().cpu().numpy() if hasattr(frames, "cpu") else np.asarray(frames, dtype=np.float32)
@@ -347,10 +346,10 @@ def _write_output(out: str, frames, spec, random_weights: bool, log) -> "OutputP
         write_media(out, arr, fps=spec.pipeline.fps or 16)
         return pixels
     if arr.ndim == 4 and arr.shape[0] > 1:
-        stem, suffix = os.path.splitext(out)
-        for i, img in enumerate(arr):
-            write_media(f"{stem}-{i}{suffix}", img)
-        log(f"{arr.shape[0]} images written as {stem}-0{suffix} ... {stem}-{arr.shape[0] - 1}{suffix}")
+        names = image_names(out, arr.shape[0])
+        for name, img in zip(names, arr):
+            write_media(name, img)
+        log(f"{arr.shape[0]} images written as {names[0]} ... {names[-1]}")
         return pixels
     write_media(out, arr)
     return pixels

@@ -27,9 +27,9 @@ from chunkflow.reports import Measured, MemorySample, RelErrors, RunConfig, RunE
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
+from chunkflow_planner.workload import MAX_STEPS  # denoising steps a run takes, as a plan's
 from chunkflow_planner.predict import Predicted, hardware_of, predict
 
-MAX_STEPS = 100_000  # denoising steps a run takes (pipelines use 4-100)
 MAX_SEED = 2**62
 DEFAULT_MAX_STEPS = 5
 
@@ -54,13 +54,13 @@ class Timing:
 
 
 def save_latents(path: str, latents) -> None:
-    """Final latents as safetensors ({"latents": ...}, on the CPU), written whole or not at all."""
-    from safetensors.torch import save_file
+    """Final latents as safetensors ({"latents": ...}, on the CPU), written whole or not at all (serialised here,
+    written by write_atomic: a full disk is a FileError naming `path`, not safetensors' own error)."""
+    from safetensors.torch import save
 
-    from chunkflow_planner.files import atomic_path
+    from chunkflow_planner.files import write_atomic
 
-    with atomic_path(path, ".safetensors") as tmp:
-        save_file({"latents": latents.detach().to("cpu").contiguous()}, tmp)
+    write_atomic(path, save({"latents": latents.detach().to("cpu").contiguous()}))
 
 
 def denoise(model, spec: ModelSpec, w: Workload, inputs: dict, device, warmup: int, steps: int,

@@ -7,13 +7,14 @@ bench.json alone, so `chunkflow bench --from-dir DIR` redraws a GPU run on any m
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from chunkflow.commands.bench.choices import PlannerChoice, planner_choice
 from chunkflow.commands.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
 from chunkflow.commands.bench.sweep import BenchError, BenchMeta, BenchSpec
 from chunkflow_planner.catalog import HardwareSpec, get_model
-from chunkflow_planner.files import write_atomic
+from chunkflow_planner.files import FileError, read_text, write_atomic
 
 __all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "PlannerChoice", "planner_choice",
            "run_bench", "write_outputs", "load"]
@@ -49,7 +50,9 @@ def load(out: Path):
     if not csv.is_file():
         raise BenchError(f"{csv} not found next to {out / 'bench.json'}")
     try:
-        df = pd.read_csv(csv)
+        df = pd.read_csv(io.StringIO(read_text(csv, "bench CSV")))  # a regular file of bounded size
+    except FileError as exc:
+        raise BenchError(str(exc)) from None
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
         raise BenchError(f"{csv} cannot be read as the bench's CSV ({exc}); run chunkflow bench again") from None
     if df.empty:

@@ -33,7 +33,9 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
     from chunkflow.commands.bench.baselines import BASELINES, check_baseline
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.offload import MODES
+    from chunkflow_planner.plan_checks import offload_problem
     from chunkflow_planner.planner import resolve_hardware
+    from chunkflow_planner.workload import MAX_STEPS
 
     if model is None:
         raise UserError("give --model (or --from-dir to redraw an earlier run)")
@@ -57,8 +59,8 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
     chunks = list(dict.fromkeys(parse_size(c) for c in chunk_sizes.split(",") if c.strip()))
     if not chunks:
         raise UserError(f"--chunk-sizes needs positive sizes, got {chunk_sizes!r}")
-    if steps < 1 or warmup < 0:
-        raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {steps}, {warmup})")
+    if not 1 <= steps <= MAX_STEPS or not 0 <= warmup <= MAX_STEPS:
+        raise UserError(f"--steps must be in [1, {MAX_STEPS}] and --warmup in [0, {MAX_STEPS}] (got {steps}, {warmup})")
     if comm_aware not in ("auto", "on", "off"):
         raise UserError(f"--comm-aware must be on, off or auto, got {comm_aware!r}")
     if compile not in ("off", "regional", "regional-fullgraph"):
@@ -83,7 +85,9 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
     for v in {*values, bench.chunk_value, bench.residency_value}:
         bench.workload(spec, v)  # validates frames / batch / sizes
     for c in chunks:
-        bench.config("chunkflow", c)  # validates chunk sizes
+        problem = offload_problem(bench.config("chunkflow", c), spec, "--chunk-sizes")  # validates chunk sizes
+        if problem is not None:
+            raise UserError(problem)
     return spec, bench, hw
 
 
@@ -135,6 +139,11 @@ _FromDir = Annotated[Optional[str], typer.Option("--from-dir", help="redraw plot
                                                                     "directory (no model is run; writes to --out)")]
 
 
+# the files bench writes in --out (plots.py draws the PNGs), checked before the sweep
+OUTPUT_FILES = ("bench.csv", "bench.json", "summary.md", "bench.partial.csv", "step_time.png", "memory.png",
+                "breakdown.png", "chunk_size.png", "residency.png", "accuracy.png", "roofline.png")
+
+
 @_command("bench")
 def bench_cmd(model: OptionalModel = None, frames: _Frames = None, batch: _Batch = None,
               modes: _Modes = "none,layerwise,chunkflow", baselines: _Baselines = "", compile: _Compile = "off",
@@ -149,9 +158,11 @@ def bench_cmd(model: OptionalModel = None, frames: _Frames = None, batch: _Batch
     Under torchrun (`torchrun --nproc-per-node N -m chunkflow bench ...`) every rank runs the sweep with
     Ulysses sequence parallelism of degree N; predictions are for SP=N and rank 0 writes the results.
     """
-    from chunkflow_planner.files import check_output_dir
+    from chunkflow_planner.files import check_output_dir, check_output_file
 
     check_output_dir(out, "--out")
+    for name in OUTPUT_FILES if Path(out).expanduser().is_dir() else ():  # each a new name or a file to replace
+        check_output_file(Path(out).expanduser() / name, "--out")
     if from_dir is not None:
         _bench_redraw(Path(from_dir), Path(out), plots)
         return

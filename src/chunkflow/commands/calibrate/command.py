@@ -94,6 +94,8 @@ def _check_calibrate(model: str | None, cpu_smoke: bool, from_report: list[str] 
 
 def _check_outputs(out: str, raw: str | None, default: bool, reports: list[str], profile: str | None) -> None:
     """Every file calibrate writes can be written, and none is one it reads, known before the measurement."""
+    import os
+
     from chunkflow_planner.files import check_distinct, check_output_dir, check_output_file
     from chunkflow_planner.planner import config_dir, saved_profile_path
 
@@ -103,6 +105,9 @@ def _check_outputs(out: str, raw: str | None, default: bool, reports: list[str],
     if default:  # where the default profile goes must take it
         check_output_dir(config_dir(), "chunkflow's config directory ($CHUNKFLOW_CONFIG_DIR)")
     previous = saved_profile_path().with_name("hardware-profile.previous.yaml") if default else None
+    for path in (saved_profile_path(), previous) if default else ():
+        if os.path.lexists(path):  # what is there must be a file to replace (not a FIFO or device)
+            check_output_file(path, "the default profile" if path != previous else "the previous default profile")
     check_distinct({"--out": out, "--raw": raw, "the previous default profile": previous},
                    {**{f"--from-report {r}": r for r in reports}, "--profile": profile})
 

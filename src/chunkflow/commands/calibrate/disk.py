@@ -3,14 +3,17 @@ from the page cache first) and warm (from the page cache), read by the loader's 
 threads and pieces included; and on a GPU the rate of page-locking host memory, as the pinned stores are.
 
 The sample is the largest safetensors files in the folder (a pipeline folder given with `--weights`, else the
-Hugging Face cache), up to `sample_bytes`; where the folder has too few, a temporary file of that size is written
-there and removed after. A cold read needs the kernel to drop the sample's pages (`POSIX_FADV_DONTNEED`); where it
-cannot (another process maps them, a filesystem that keeps them), the rate measured is said to be warm.
+Hugging Face cache), up to `sample_bytes`, found by a bounded walk that stays inside what was named
+(`sample_files`); where the folder has too few, or it is the temporary directory (never walked), a temporary file
+of that size is written there and removed after. A cold read needs the kernel to drop the sample's pages
+(`POSIX_FADV_DONTNEED`); where it cannot (another process maps them, a filesystem that keeps them), the rate
+measured is said to be warm.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -22,18 +25,56 @@ BUFFER_BYTES = 256 * 2**20  # the reads land in one buffer of this size, over an
 COLD_AT_MOST = 0.05  # a sample with more than this share still cached after the drop is not cold
 
 
+# The walk for the sample is bounded: a pipeline folder holds tens of entries, a busy Hugging Face cache some
+# thousands; one holding more is sampled from the part walked. Diffusers folders nest two deep (component/file),
+# the cache four (models--org--name/snapshots/REV/component/file).
+MAX_WALK_ENTRIES = 100_000
+MAX_WALK_DEPTH = 8
+
+
+def sample_roots(folder: Path) -> list[Path]:
+    """Where a sampled file may lie: `folder` itself (links resolved), and for a Hugging Face cache snapshot
+    (.../models--org--name/snapshots/REV) its repo's blobs, which the snapshot's links point to."""
+    real = folder.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        roots.append(real.parent.parent / "blobs")
+    return roots
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
 def sample_files(folder: Path, want: int) -> list[tuple[Path, int]]:
-    """(path, bytes) of the largest *.safetensors files under `folder` (the cache's links followed), until `want`
-    bytes are covered."""
+    """(path, bytes) of the largest *.safetensors regular files under `folder`, until `want` bytes are covered.
+
+    Only what the user named is sampled: links to directories are not followed, a link to a file is followed only
+    where it stays inside `sample_roots(folder)`, a directory met twice (a bind mount's loop) is walked once, and
+    the walk stops after MAX_WALK_ENTRIES entries or MAX_WALK_DEPTH levels."""
+    roots = sample_roots(folder)
     found: dict[Path, int] = {}
-    for root, _, names in os.walk(folder, followlinks=True):
-        for name in names:
-            if name.endswith(".safetensors"):
-                path = Path(root) / name
-                try:
-                    found.setdefault(path.resolve(), path.stat().st_size)
-                except OSError:
-                    continue
+    seen: set[tuple[int, int]] = set()
+    stack, looked = [(roots[0], 0)], 0
+    while stack and looked < MAX_WALK_ENTRIES:
+        here, depth = stack.pop()
+        try:
+            st = os.stat(here)
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            with os.scandir(here) as entries:
+                for entry in entries:
+                    looked += 1
+                    if looked > MAX_WALK_ENTRIES:
+                        break
+                    if entry.is_dir(follow_symlinks=False):
+                        if depth < MAX_WALK_DEPTH:
+                            stack.append((Path(entry.path), depth + 1))
+                    elif entry.name.endswith(".safetensors"):
+                        _add_file(Path(entry.path), entry.is_symlink(), roots, found)
+        except OSError:  # a folder this user may not read, or one removed meanwhile
+            continue
     out, total = [], 0
     for path, size in sorted(found.items(), key=lambda kv: -kv[1]):
         if total >= want:
@@ -41,6 +82,22 @@ def sample_files(folder: Path, want: int) -> list[tuple[Path, int]]:
         out.append((path, size))
         total += size
     return out
+
+
+def _add_file(path: Path, link: bool, roots: list[Path], found: dict[Path, int]) -> None:
+    """`path` (resolved) into `found` with its size, if it is a regular file inside `roots`."""
+    try:
+        real = path.resolve(strict=True) if link else path
+    except (OSError, RuntimeError):  # a dangling link, a loop of links
+        return
+    if link and not _inside(real, roots):
+        return
+    try:
+        st = os.stat(real)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        found.setdefault(real, st.st_size)
 
 
 def _cached_share(files: list[tuple[Path, int]]) -> float | None:
@@ -108,10 +165,11 @@ def _write_sample(folder: Path, nbytes: int) -> Path:
     return Path(name)
 
 
-def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[str], None] = lambda s: None
-                 ) -> dict[str, Any]:
-    """The loader's cold and warm read rates (GB/s) on the disk holding `folder` (module docstring)."""
-    files = sample_files(folder, sample_bytes)
+def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[str], None] = lambda s: None,
+                 sample: bool = True) -> dict[str, Any]:
+    """The loader's cold and warm read rates (GB/s) on the disk holding `folder` (module docstring); `sample`
+    False: time a temporary file written there, without looking at the folder's files."""
+    files = sample_files(folder, sample_bytes) if sample else []
     temp = None
     if sum(s for _, s in files) < sample_bytes // 4:
         try:
@@ -202,17 +260,22 @@ def measure_load_startup() -> float:
     return float(p.stdout.strip().splitlines()[-1])
 
 
-def disk_folder(weights: str | None) -> tuple[Path, str]:
-    """The folder whose disk calibrate times: `--weights` (a folder, or a Hub id in the local cache), else the
-    Hugging Face cache, else the temporary directory; and how it was chosen."""
+def disk_folder(weights: str | None, cpu_smoke: bool = False) -> tuple[Path, str, bool]:
+    """The folder whose disk calibrate times, how it was chosen, and whether its safetensors files are the sample:
+    `--weights` (a folder, or a Hub id in the local cache: its snapshot, whose files are the cache's blobs), else
+    (not --cpu-smoke) the Hugging Face cache, else the temporary directory, timed with a temporary file of its own
+    (nothing in it is walked or read: it is everyone's)."""
     from chunkflow.weights import hub_cache_dir, resolve_weights
 
     if weights is not None:
         local = Path(weights).expanduser()
         if local.is_dir():
-            return local, "--weights"
-        return resolve_weights(weights), "--weights (the Hugging Face cache)"
+            return local, "--weights", True
+        return resolve_weights(weights), "--weights (the Hugging Face cache)", True
+    if cpu_smoke:  # a smoke run's numbers mean nothing: leave the user's cache alone
+        return Path(tempfile.gettempdir()), "the temporary directory (--cpu-smoke)", False
     cache = hub_cache_dir()
     if cache.is_dir():
-        return cache, "the Hugging Face cache"
-    return Path(tempfile.gettempdir()), "the temporary directory (no Hugging Face cache here: pass --weights DIR)"
+        return cache, "the Hugging Face cache", True
+    return (Path(tempfile.gettempdir()), "the temporary directory (no Hugging Face cache here: pass --weights DIR)",
+            False)

@@ -432,15 +432,9 @@ def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) 
     from chunkflow.commands.calibrate.disk import (SAMPLE_BYTES, SMOKE_SAMPLE_BYTES, disk_folder, measure_disk, measure_fault,
                                           measure_load_startup, measure_pin)
 
-    if weights is None and cpu_smoke:  # a smoke run's numbers mean nothing: leave the user's cache alone
-        import tempfile
-
-        folder, how = Path(tempfile.gettempdir()), "the temporary directory (--cpu-smoke)"
-    else:
-        folder, how = disk_folder(weights)
-
+    folder, how, sampled = disk_folder(weights, cpu_smoke)
     try:
-        d = measure_disk(folder, SMOKE_SAMPLE_BYTES if cpu_smoke else SAMPLE_BYTES, log)
+        d = measure_disk(folder, SMOKE_SAMPLE_BYTES if cpu_smoke else SAMPLE_BYTES, log, sample=sampled)
     except (OSError, ChunkflowError) as exc:
         log(f"disk not timed ({how}): {exc}; load times will not be predicted")
         return None
