@@ -204,7 +204,7 @@ def test_a_plan_or_report_that_is_a_socket_is_refused_by_kind(cli, workdir):
     sock = socket.socket(socket.AF_UNIX)
     sock.bind("s.json")
     try:
-        _clear(cli("run", "--plan", "s.json"), 2, "plan file 's.json' is a socket, not a file")
+        _clear(cli("run", "--plan", "s.json"), 2, "plan file 's.json' is a socket, not a regular file")
         _clear(cli("calibrate", "--from-report", "s.json", "--out", "p.yaml"), 2, "'s.json' is a socket")
     finally:
         sock.close()
@@ -217,8 +217,8 @@ def test_a_plan_or_profile_far_larger_than_any_chunkflow_writes_is_refused(cli, 
     for name, size in (("big.json", 65 * 2**20), ("big.yaml", 2 * 2**20)):
         with open(name, "wb") as f:
             f.truncate(size)
-    _clear(cli("run", "--plan", "big.json"), 2, "plan file 'big.json' is larger than 64 MiB")
-    _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is larger than 1 MiB")
+    _clear(cli("run", "--plan", "big.json"), 2, "plan file 'big.json' is over 67,108,864 bytes")
+    _clear(cli("plan", "--model", "tiny", "--hardware", "big.yaml"), 2, "'big.yaml' is over 1,048,576 bytes")
 
 
 # ------------------------------------------------------------------------------------- hand-edited plans

@@ -96,39 +96,16 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def _check_regular(mode: int, p: Path, what: str) -> None:
-    if not stat.S_ISREG(mode):
-        raise FileError(f"{what} {str(p)!r} is {file_kind(mode)}, not a file; give the path of a regular file")
-
-
 def read_text(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """The UTF-8 text of the regular file at `path` ("what" names it in errors: "plan file", "hardware profile"),
-    at most `max_bytes` long. A FIFO, device or socket is refused without reading it (one would block or never
-    end), and so is a longer file."""
+    at most `max_bytes` long (read_bounded: a FIFO, device or socket is refused without reading it, and so is a
+    longer file)."""
     p = existing_file(path, what)
-    try:
-        _check_regular(os.stat(p).st_mode, p, what)  # before opening: a socket cannot even be opened
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    except PermissionError:
-        raise FileError(f"{what} {str(p)!r} cannot be read: permission denied (it exists; check its permissions)"
-                        ) from None
-    except OSError as exc:
-        raise FileError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
-    try:
-        _check_regular(os.fstat(fd).st_mode, p, what)  # what was opened (it may have been replaced meanwhile)
-        data = b""
-        while len(data) <= max_bytes:  # the size read, not the size stat says: the file may grow meanwhile
-            block = os.read(fd, max_bytes + 1 - len(data))
-            if not block:
-                break
-            data += block
-    except OSError as exc:
-        raise FileError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise FileError(f"{what} {str(p)!r} is larger than {max_bytes // 2**20} MiB, far more than any {what} "
-                        "chunkflow writes; give the right file")
+    if not os.access(p, os.R_OK) and os.access(p.parent, os.X_OK) and p.is_file():
+        raise FileError(f"{what} {str(p)!r} cannot be read: permission denied (it exists; check its permissions)")
+    data = read_bounded(p, f"{what} {str(p)!r}", max_bytes,
+                        fix=f"give the right file (no {what} chunkflow writes is over {max_bytes // 2**20} MiB)"
+                        if max_bytes >= 2**20 else "give the right file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -237,15 +214,9 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     return Path(path).expanduser()
 
 
-_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
-
-
 def irregular_kind(mode: int) -> str | None:
-    """What a file of `mode` is when it is not a regular file (None for a regular file)."""
-    if stat.S_ISREG(mode):
-        return None
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    """What a file of `mode` is when it is not a regular file (file_kind; None for a regular file)."""
+    return None if stat.S_ISREG(mode) else file_kind(mode)
 
 
 def read_bounded(path: str | Path, what: str, limit: int, error: type[ChunkflowError] = FileError,
