@@ -18,22 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bad_input_2 import _clear, _no_temporaries  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _clear(result, code: int = 2, say: str | None = None) -> str:
-    said = " ".join(result.output.split())
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in said and "internal error" not in said, result.output
-    if say is not None:
-        assert say in said, said
-    return said
-
-
-def _no_temporaries(folder: Path) -> None:
-    left = [p.name for p in folder.rglob(".*") if p.is_file() and (".tmp" in p.name or p.name.endswith("tmp"))]
-    assert not left, left
 
 
 def _chunkflow(args: list[str], cwd: Path, file_size_limit: int | None = None,

@@ -294,26 +294,27 @@ class Streamer:
                 self.schedule(l, s)
         cs.wait_stream(be.copy_stream)
 
+    def _bound_and_host(self, l: int, positions: list[int]):
+        """(the data a tensor of block l is bound to now, its host view) for these positions, where they differ."""
+        for j in positions:
+            t, view = self.host_views[l][j]
+            cur = current(t)
+            dev = raw_data(cur) if t.is_param else cur
+            if dev.data_ptr() != view.data_ptr():
+                yield dev, view
+
     def write_back(self, l: int, positions: list[int]) -> None:
         """Block l (running) wrote these of its tensors (positions in its tensor list) through their device copies:
         the host store takes their values (cast to the stored dtype where it is fp8), after the compute stream's work
         that wrote them."""
-        for j in positions:
-            t, view = self.host_views[l][j]
-            cur = current(t)
-            dev = raw_data(cur) if t.is_param else cur
-            if dev.data_ptr() != view.data_ptr():
-                view.copy_(dev)
+        for dev, view in self._bound_and_host(l, positions):
+            view.copy_(dev)
 
     def copy_in(self, l: int, positions: list[int]) -> None:
         """Block l (entered) holds old device copies of these of its tensors: their host views' values, on the compute
         stream, before the block runs."""
-        for j in positions:
-            t, view = self.host_views[l][j]
-            cur = current(t)
-            dev = raw_data(cur) if t.is_param else cur
-            if dev.data_ptr() != view.data_ptr():
-                dev.copy_(view)
+        for dev, view in self._bound_and_host(l, positions):
+            dev.copy_(view)
 
     # ---- copies (on the copy stream)
 
