@@ -209,3 +209,16 @@ def test_a_synthetic_cpu_run_of_a_cpu_plan_compares_no_time(cli, workdir, monkey
     assert "GPU" not in out and "pinned" not in out
     assert re.search(r"host store \(not page-locked\) │ [\d.]+ MB │ [\d.]+ MB", out), out
     assert "its times are nominal figures, not predictions, so they are not compared" in out
+
+
+def test_a_bench_on_the_cpu_profile_compares_no_time(cli, workdir, monkeypatch):
+    """`chunkflow bench --hardware cpu` printed +72650% errors against the CPU profile's nominal times: no error is
+    computed or shown, and the summary says why."""
+    monkeypatch.setenv("COLUMNS", "200")
+    r = cli("bench", "--model", "tiny", "--frames", "5", "--hardware", "cpu", "--out", "b", "--no-plots")
+    assert r.exit_code == 0, r.output
+    assert "%" not in r.stdout.split("measured vs predicted")[-1], r.stdout
+    import pandas as pd
+
+    assert pd.read_csv(workdir / "b" / "bench.csv")["err_step"].isna().all()
+    assert "the profile `cpu`'s times are nominal figures" in (workdir / "b" / "summary.md").read_text()

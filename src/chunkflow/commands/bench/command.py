@@ -102,7 +102,8 @@ def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
         label = row_label(r["mode"], r["chunk_bytes"], r["residency"], r.get("weight_dtype", "bf16"),
                           r.get("fp8_cast", "compute"))
         xn = f"{r['measured_step_s'] / none[r['value']]:.3f}" if r["value"] in none else "-"
-        pred = "-" if r["predicted_step_s"] != r["predicted_step_s"] else format_seconds(r["predicted_step_s"])
+        pred = ("-" if r["predicted_step_s"] != r["predicted_step_s"] else "- (nominal)" if hw.pipeline.device_is_host
+                else format_seconds(r["predicted_step_s"]))
         err = "-" if r["err_step"] != r["err_step"] else f"{r['err_step']:+.1%}"
         t.add_row(str(r["value"]), label, format_seconds(r["measured_step_s"]), xn, pred, err, str(r["bit_identical"]))
     return t

@@ -169,8 +169,9 @@ def _row(spec: ModelSpec, bench: BenchSpec, hw: HardwareSpec, sp: int, cfg: Offl
         p = predict(spec, w, hw, cfg, sp)
         setting = dict(mode=cfg.mode, chunk_bytes=cfg.chunk_bytes, residency=cfg.residency, label=cfg.label,
                        weight_dtype=cfg.weight_dtype, fp8_cast=cfg.fp8_cast)
-        # a GPU profile's prediction measured on the CPU is not compared (its error would mean nothing)
-        comparable = peak is not None or hw.pipeline.device_is_host
+        # times are compared on a GPU with a GPU profile only: a GPU profile's prediction measured on the CPU, or the
+        # CPU profile's nominal times, would give an error that means nothing
+        comparable = peak is not None and not hw.pipeline.device_is_host
         pred = dict(predicted_step_s=p.step_time_s,
                     err_step=(med - p.step_time_s) / p.step_time_s if comparable else math.nan,
                     predicted_peak_bytes=p.peak_memory_bytes,

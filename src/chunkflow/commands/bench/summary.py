@@ -111,8 +111,10 @@ def summary_markdown(df, meta: BenchMeta, choice: PlannerChoice) -> str:
                    f"{_gb(r['pinned_bytes'])} | {_gb(r['host_rss_bytes'])} | {r['bit_identical']} |")
     out += ["", "## Planner accuracy", "",
             f"- step time: {step_errors.text()}" if compared else
-            f"- step time: not compared: measured on {meta.gpu}, predicted for the profile "
-            f"`{meta.hardware.get('name')}` (`--hardware cpu` predicts for this CPU)",
+            (f"- step time: not compared: the profile `cpu`'s times are nominal figures, not predictions"
+             if meta.hardware.get("device_is_host") else
+             f"- step time: not compared: measured on {meta.gpu}, predicted for the profile "
+             f"`{meta.hardware.get('name')}` (on a GPU, with that GPU's profile, it is)"),
             f"- peak memory: {peak_errors.text()}" if peak_errors.n else "- peak memory: not measured (no GPU)", ""]
     crit = df["critical"].dropna()
     if len(crit):
