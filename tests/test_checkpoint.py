@@ -470,6 +470,18 @@ def test_calibrate_times_the_disk_cold_and_warm(tmp_path):
     assert measure_fault(2**24) > 0
 
 
+def test_calibrate_prices_the_disk_at_the_rate_a_long_read_keeps():
+    """A disk that reads its first half from a burst allowance is priced at its second half's rate (what a full
+    checkpoint load sees), one that keeps its rate at the whole sample's, and the sample is large enough to see a
+    burst of a few gigabytes."""
+    from chunkflow.commands.calibrate.disk import SAMPLE_BYTES, TEMP_SAMPLE_BYTES, sustained_gbps
+
+    n = 8 * 10**9
+    assert sustained_gbps(n, seconds=4 / 2.0 + 4 / 1.2, tail_bytes=n // 2, tail_s=4 / 1.2) == pytest.approx(1.2)
+    assert sustained_gbps(n, seconds=8 / 1.5, tail_bytes=n // 2, tail_s=4 / 1.5) == pytest.approx(1.5)
+    assert SAMPLE_BYTES >= 8 * 10**9 and TEMP_SAMPLE_BYTES <= 2 * 10**9
+
+
 # ------------------------------------------------------------------------------------------- host memory
 
 
