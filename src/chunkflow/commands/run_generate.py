@@ -162,6 +162,8 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
         if freeze and i:  # what the last generation left alive joins the frozen objects, so a full collection
             gc.collect()  # inside the next one has only that generation's to scan (one in a Wan2.2-A14B
             gc.freeze()  # denoise took 318 ms with the pipeline alone frozen; what it spent them on is unknown)
+        if setup.built.prompts is not None:  # each generation measured whole, as the plan predicts it: its
+            setup.built.prompts.clear()  # prompt encoded again (a library caller's repeats reuse it; generate())
         if i == o.warmup:  # the handle's counters of the measured generations alone
             stats_before = handle.stats().as_dict()
         k = i - o.warmup
