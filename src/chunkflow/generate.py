@@ -65,6 +65,7 @@ class Generation:
     step_times_s: list[float]
     host_peak_bytes: int
     seconds: float
+    encode_cached: bool = False  # the prompt was encoded before in this process: no text encoder ran
 
 
 class _Clock:
@@ -283,6 +284,8 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     kwargs.update(watch.call_kwargs())
     batching = None
     gc.callbacks.append(clock.on_gc)
+    cache = built.prompts
+    hits, misses = (cache.hits, cache.misses) if cache is not None else (0, 0)
     t0 = time.perf_counter()
     try:
         if cfg_batched:
@@ -304,5 +307,6 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     seconds = time.perf_counter() - t0
     frames = out.frames[0] if hasattr(out, "frames") else out.images
     latents = watch.latents
+    cached = cache is not None and cache.hits > hits and cache.misses == misses
     return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases,
-                      watch.step_times, peak_rss_bytes(), seconds)
+                      watch.step_times, peak_rss_bytes(), seconds, cached)

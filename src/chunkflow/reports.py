@@ -72,6 +72,8 @@ class LoadResult(BaseModel):
     read_seconds: float = Field(0.0, description="seconds inside the reads")
     host_peak_bytes: int = Field(description="the process's peak resident memory at the load's end")
     component_bytes: dict[str, int] = Field(default_factory=dict, description="bytes each component holds")
+    disk_component_bytes: dict[str, int] = Field(default_factory=dict, description="components placed on disk: "
+                                                 "their bytes, left in the checkpoint's files (not read at load)")
     planned_component_bytes: dict[str, int] = Field(default_factory=dict)
     predicted_time_s: float | None = Field(None, description="the plan's load time for these bytes and this cache "
                                            "share")
@@ -132,6 +134,11 @@ class GenerationResult(BaseModel):
     first_parts_s: dict[str, dict[str, float]] | None = Field(
         None, description="with --warmup: the first generation's timed components per phase (PhaseResult.parts_s)")
     load: LoadResult | None = Field(None, description="building the pipeline, measured against the plan")
+    encode_cached: list[bool] = Field(default_factory=list, description="each measured generation: its prompt was "
+                                      "encoded before in this process, so the encode phase ran no text encoder")
+    disk_read_bytes: dict[str, int] = Field(default_factory=dict, description="components that keep weights in the "
+                                            "checkpoint's files: bytes read from them over the whole run (warm-up "
+                                            "included)")
     output_pixels: OutputPixels | None = Field(None, description="what the output written (--out) holds")
 
 

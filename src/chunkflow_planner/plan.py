@@ -147,7 +147,7 @@ class PlanComponent(_Section):
     name: str = Field(description="the pipeline attribute: text_encoder, transformer, transformer_2, vae, ...")
     kind: Literal["text_encoder", "transformer", "vae"]
     bytes: int = Field(ge=0, description="parameter bytes")
-    placement: Literal["gpu", "phase", "stream", "cpu"]
+    placement: Literal["gpu", "phase", "stream", "cpu", "disk"]
 
 
 class PlanPipeline(_Section):

@@ -132,6 +132,7 @@ class _Runs:
     first_parts: dict[str, dict[str, float]] | None
     stats: dict
     last: Any  # chunkflow.generate.Generation
+    encode_cached: list[bool]  # per measured generation: its encode ran no text encoder (the prompt cache)
 
 
 def _generations(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
@@ -154,12 +155,15 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
     handle = setup.built.handles["transformer"]
     first = first_parts = gen = None
     measured: list = []
+    cached: list[bool] = []
     stats_before: dict = {}
     for i in range(o.warmup + o.repeat):
         gen = None  # an earlier output must not sit in host memory while the next generation runs
         if freeze and i:  # what the last generation left alive joins the frozen objects, so a full collection
             gc.collect()  # inside the next one has only that generation's to scan (one in a Wan2.2-A14B
             gc.freeze()  # denoise took 318 ms with the pipeline alone frozen; what it spent them on is unknown)
+        if setup.built.prompts is not None:  # each generation measured whole, as the plan predicts it: its
+            setup.built.prompts.clear()  # prompt encoded again (a library caller's repeats reuse it; generate())
         if i == o.warmup:  # the handle's counters of the measured generations alone
             stats_before = handle.stats().as_dict()
         k = i - o.warmup
@@ -176,8 +180,11 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
             first_parts = {name: m.parts_s for name, m in gen.phases.items() if m.parts_s}
             log("first generation (start-up included): "
                 + ", ".join(f"{name} {t:.3f} s" for name, t in first.items()))
+        if gen.encode_cached:
+            log(f"{tag}encode: the prompt was encoded before in this process; no text encoder ran")
         if k >= 0:
             measured.append((gen.phases, gen.step_times_s))
+            cached.append(gen.encode_cached)
             if o.repeat > 1:
                 log(f"generation {k + 1}/{o.repeat}: "
                     + ", ".join(f"{name} {m.time_s:.3f} s" for name, m in gen.phases.items()))
@@ -185,7 +192,10 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
     for key in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
         if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
             stats[key] -= stats_before[key]
-    return _Runs(measured, first, first_parts, stats, gen)
+    for name, n in setup.built.disk_reads().items():
+        log(f"{name}: {format_bytes(n)} read from the checkpoint's files over the run "
+            f"({setup.placements.get(name, 'stream')}; its weights are not held in host memory)")
+    return _Runs(measured, first, first_parts, stats, gen, cached)
 
 
 def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: _Setup, runs: _Runs):
@@ -232,7 +242,8 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: _Setup
         host_memory_error=rel_error(host_peak, pred_host) if comparable and pred_host else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
         warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
-        first_phase_times_s=runs.first, first_parts_s=runs.first_parts, load=setup.load)
+        first_phase_times_s=runs.first, first_parts_s=runs.first_parts, load=setup.load,
+        encode_cached=runs.encode_cached, disk_read_bytes=setup.built.disk_reads())
     return report
 
 
@@ -281,6 +292,7 @@ def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: 
         startup_s=m.startup_seconds,
         read_bytes=m.read_bytes, cached_fraction=cached, read_seconds=m.read_seconds,
         host_peak_bytes=m.host_peak_bytes, component_bytes=m.component_bytes, planned_component_bytes=planned,
+        disk_component_bytes=m.disk_component_bytes,
         predicted_time_s=pred_t, predicted_parts_s=parts, predicted_host_peak_bytes=pred_host,
         time_error=rel_error(m.seconds, pred_t) if pred_t is not None else None,
         host_error=rel_error(m.host_peak_bytes, pred_host) if pred_host is not None else None)

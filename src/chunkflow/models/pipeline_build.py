@@ -9,7 +9,13 @@ go through the same placement code, so a loaded pipeline holds what a random one
 - `gpu`: `offload(mode="none")` on the device, never parked;
 - `phase`: the same, parked (in one pinned host allocation) outside its phase;
 - `stream`: `offload(...)` with the plan's setting (a text encoder: 16 MB chunks, its layers), parked outside;
-- `cpu`: on the CPU; its inputs are moved there and its outputs back to the device around each forward.
+- `cpu`: on the CPU; its inputs are moved there and its outputs back to the device around each forward;
+- `disk`: host memory holds none of it between uses: its weights stay in the checkpoint's safetensors files (needs
+  `--weights`) and are read when it runs. A text encoder or a transformer is streamed with every block's tail read
+  from the files each forward (runtime/tiers/disk.py; a text encoder in 16 MB chunks, a transformer with the plan's
+  setting), a VAE is whole on the device for its phase; the tensors outside the blocks are parked in the files
+  (`offload(park_to="disk")`) and read back to the device when it runs. The load reads none of its bytes (it checks
+  its files and headers).
 Experts (Wan2.2-A14B's `transformer` and `transformer_2`) take turns on the device (`take_turns`).
 """
 
@@ -24,6 +30,7 @@ import torch
 from torch import nn
 
 from chunkflow.models.components import Component, text_encoder_component, vae_component
+from chunkflow.models.prompt_cache import PromptCache
 from chunkflow.models.slots import FolderSlots, check_slots
 from chunkflow.api import offload
 from chunkflow.runtime.handle import OffloadError, OffloadHandle, take_turns
@@ -46,6 +53,17 @@ class BuiltPipeline:
     hooks: list = field(default_factory=list)
     random_weights: bool = True
     load: "LoadMeasurement | None" = None  # how the build went (build_pipeline)
+    prompts: "PromptCache | None" = None  # the text encoders' outputs kept for prompts already encoded
+
+    def disk_reads(self) -> dict[str, int]:
+        """Bytes each component read from the checkpoint's files since it was built (its blocks' tails and its
+        parked tensors), for the components that keep any of their weights on disk."""
+        out = {}
+        for name, h in self.handles.items():
+            st = h.stats()
+            if st.disk_blocks or st.park_to == "disk":
+                out[name] = st.disk_bytes_read + st.disk_unpark_bytes_read
+        return out
 
     def names(self, kind: str) -> list[str]:
         """Component names of a kind: text_encoder, transformer or vae."""
@@ -57,9 +75,10 @@ class BuiltPipeline:
         return [pipe.vae.component]
 
     def park(self, kind: str) -> None:
-        """Park the components of `kind` placed `phase` or `stream` (their device memory back to the allocator)."""
+        """Park the components of `kind` placed `phase`, `stream` or `disk` (their device memory back to the
+        allocator)."""
         for n in self.names(kind):
-            if self.placements.get(n) in ("phase", "stream"):
+            if self.placements.get(n) in ("phase", "stream", "disk"):
                 self.handles[n].park()
 
     def unpark(self, kind: str) -> None:
@@ -69,6 +88,9 @@ class BuiltPipeline:
 
     def remove(self) -> None:
         """Every hook and handle off; components back as they were built (block tensors on the CPU)."""
+        if self.prompts is not None:
+            self.prompts.remove()
+            self.prompts = None
         for h in self.hooks:
             h.remove()
         self.hooks = []
@@ -81,6 +103,9 @@ class BuiltPipeline:
         weights): for a run that is done with the pipeline. Its modules are left on the meta device."""
         from chunkflow.runtime.handle import discard
 
+        if self.prompts is not None:
+            self.prompts.remove()
+            self.prompts = None
         for h in self.hooks:
             h.remove()
         self.hooks = []
@@ -126,12 +151,34 @@ def _place(module: nn.Module, placement: str, device: torch.device, cfg: Offload
         handle = offload(module, "none", device=device, source=source)
     elif placement == "stream":
         handle = offload(module, cfg, device=device, source=source, blocks=blocks)
+    elif placement == "disk":
+        handle = _on_disk(module, cfg, device, source, blocks)
     else:
         raise OffloadError(f"unknown placement {placement!r}")
     if placement != "gpu":
         handle.park()
     return handle, []
 
+
+def _on_disk(module: nn.Module, cfg: OffloadConfig | None, device: torch.device, source, blocks=None
+             ) -> OffloadHandle:
+    """`module` placed `disk`: streamed with every block's tail in the checkpoint's files where `cfg` streams (its
+    weights as the files hold them: bf16 storage), whole on the device for its phase otherwise; the tensors outside
+    the blocks parked in the files. Returned parked."""
+    from chunkflow.models.adapters import find_blocks
+
+    if source is None or getattr(source, "disk_files", None) is None:
+        raise OffloadError(f"{type(module).__name__} is placed on disk, read from the checkpoint's files when it runs, "
+                           "but its weights come from no file: give the pipeline folder (`chunkflow run --weights "
+                           "DIR`), or plan it in host memory")
+    if cfg is not None and cfg.streams:
+        n = len(blocks if blocks is not None else find_blocks(module))
+        cfg = cfg.with_overrides(disk_blocks=n, weight_dtype="bf16", fp8_cast="compute")
+        handle = offload(module, cfg, device=device, source=source, blocks=blocks, park_to="disk")
+    else:
+        handle = offload(module, "none", device=device, source=source, park_to="disk")
+    handle.park()
+    return handle
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -150,6 +197,7 @@ class LoadMeasurement:
     read_seconds: float = 0.0
     host_peak_bytes: int = 0
     component_bytes: dict[str, int] = field(default_factory=dict)
+    disk_component_bytes: dict[str, int] = field(default_factory=dict)  # placed `disk`: left in the files, not read
 
 
 def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch.dtype, device: torch.device,
@@ -181,6 +229,10 @@ def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch
 def _place_component(kind: str, c: Component, where: str, device: torch.device, transformer_cfg: OffloadConfig,
                      vae_tiling: bool) -> tuple[OffloadHandle, list, str]:
     """One prepared component offloaded where the plan puts it: (handle, extra hooks, what to log)."""
+    if kind == "transformer" and where == "disk":
+        cfg = transformer_cfg if transformer_cfg.streams else TEXT_STREAM
+        handle = _on_disk(c.module, cfg, device, c.source)
+        return handle, [], f"disk ({handle.cfg.label})"
     if kind == "transformer":
         cfg = transformer_cfg if where == "stream" else OffloadConfig("none")
         handle = offload(c.module, cfg, device=device, source=c.source)
@@ -190,7 +242,7 @@ def _place_component(kind: str, c: Component, where: str, device: torch.device, 
     if kind == "text_encoder":
         handle, hooks = _place(c.module, where, device, TEXT_STREAM, c.source)
         return handle, hooks, where
-    handle, hooks = _place(c.module, "phase" if where == "phase" else "gpu", device, None, c.source)
+    handle, hooks = _place(c.module, where if where in ("phase", "disk") else "gpu", device, None, c.source)
     if vae_tiling:
         c.module.enable_tiling()
     return handle, hooks, where + (" (tiled decode)" if vae_tiling else "")
@@ -226,7 +278,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         _check_variant(parts, folder, variant, log)
         objects, extra = _pipeline_objects(folder, pipe_spec, slots)  # once every component's files are checked
         t_first = time.perf_counter()
-        counter.begin(sum(c.read_bytes for _, c in parts))
+        counter.begin(sum(c.read_bytes for _, c in parts if placements.get(c.name) != "disk"))  # disk: not read
         for kind, c in parts:
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
             handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)
@@ -237,6 +289,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
             built.hooks.append(take_turns(*[built.handles[n] for n in built.names("transformer")]))
         built.pipe = getattr(diffusers, pipe_spec.cls)(**objects, **extra)
         built.pipe.set_progress_bar_config(disable=True)
+        built.prompts = PromptCache(built.pipe, built.names("text_encoder"))
     except BaseException:
         built.discard()  # nothing is copied back: what was loaded is dropped (a full host copy, else)
         raise
@@ -305,7 +358,9 @@ def _load_measurement(built: BuiltPipeline, parts: list[tuple[str, Component]], 
     return LoadMeasurement(
         seconds=seconds, startup_seconds=startup, read_bytes=st.bytes_read, cached_bytes=st.bytes_cached if st.cache_known else None,
         read_seconds=st.seconds, host_peak_bytes=peak_rss_bytes(),
-        component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts})
+        component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts},
+        disk_component_bytes={c.name: held_bytes(built.handles[c.name]) for _, c in parts
+                              if built.placements.get(c.name) == "disk"})
 
 
 def held_bytes(handle: OffloadHandle) -> int:

@@ -1,6 +1,6 @@
 """The two seams a runtime feature plugs into: the handle's lifetime and a streamed block's boundaries.
 
-A feature (fp8 storage, write watching, communication awareness, parking; a disk tier next) is one small object in a
+A feature (fp8 storage, write watching, communication awareness, parking, the tiers of runtime/tiers/) is one small object in a
 module of its own. `HandleFeature` is what the handle calls on it: `attach` each time the blocks are laid out and
 streaming starts (at offload and after every re-layout), `detach` before that layout goes, `close` once when the
 handle ends. `BlockFeature` is what the streamer calls where a feature acts on the device around each block: the

@@ -27,12 +27,11 @@ from torch import nn
 
 from chunkflow.runtime.casting import FP8_NO_NEW_MODULES, Fp8Storage
 from chunkflow.runtime.comm import CollectiveTap, CommAwareness, CommPacer
-from chunkflow.runtime.disk import DiskTier
 from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.fp8cast import cast_kernel_name
 from chunkflow.runtime.hooks import HANDLE_KEY, BlockHook, hook_module, hook_part, unhook_module, unhook_part
-from chunkflow.runtime.layout import BlockLayout, block_layouts, block_spans, place_in_store, store_bytes
+from chunkflow.runtime.layout import BlockLayout, block_layouts, block_spans, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.parking import Parking, TurnTaking, take_turns
@@ -49,6 +48,7 @@ from chunkflow.runtime.storage import check_no_layerwise_casting, storage_dtype
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
+from chunkflow.runtime.tiers import Tier, park_home, tiers_for
 from chunkflow.runtime.writes import WriteWatch
 from chunkflow_planner.offload import OffloadConfig
 
@@ -91,7 +91,7 @@ class OffloadHandle:
     """State of one offloaded module. Made by `offload()`; undo with `remove()`."""
 
     def __init__(self, module: nn.Module, cfg: OffloadConfig, device: torch.device,
-                 blocks: list[tuple[str, nn.Module]], disk: DiskTier | None = None):
+                 blocks: list[tuple[str, nn.Module]], tiers: list[Tier] | None = None, park=None):
         self.module = module
         self.cfg = cfg
         self.device = device
@@ -109,14 +109,15 @@ class OffloadHandle:
         self._origin: dict[tuple[int, str], torch.device] = {}  # (id(owner), attr) -> device before offload
         self._home: torch.device = torch.device("cpu")  # where tensors new since offload go at remove()
         fp8 = storage_dtype(cfg.weight_dtype)
-        self.parking = Parking()
+        self.parking = Parking(park) if park is not None else Parking()
         self.casting = Fp8Storage(fp8, on_copy=cfg.fp8_cast == "copy") if fp8 is not None else None
         self.writes = WriteWatch() if cfg.streams else None
         self.comm = CommAwareness()
-        self.disk = disk  # the disk tier (runtime/disk.py), where the setting keeps some blocks' tails on disk
+        # where the blocks' tails live (runtime/tiers/): each block is taken by the first tier that claims it
+        self.tiers: list[Tier] = list(tiers or [])
         # the parts, in the order they are attached and closed (detached in reverse); None: not used by this setting
-        self.features: list[HandleFeature] = [f for f in (self.parking, self.casting, self.writes, self.comm,
-                                                          self.disk) if f is not None]
+        self.features: list[HandleFeature] = [f for f in (self.parking, self.casting, self.writes, self.comm)
+                                              if f is not None] + self.tiers
         # one forward at a time (two threads sharing the module would share its slots): held through the root's
         # call (hooks._root_call), around each block's, and by park, unpark, apply and remove; `take_turns` gives
         # the modules taking turns one lock. `depth`: forwards of the module running in the thread holding it
@@ -149,8 +150,9 @@ class OffloadHandle:
             self._origin = {(id(t.owners[0][0]), t.owners[0][1]): home(t.device) for t in tensors}
             self._home = home(tensors[0].device) if tensors else torch.device("cpu")
         layouts = self._lay_out(tensors, source, first)
+        skip = self.parking.starts_parked(self._outside(layouts, tensors)) if first else frozenset()
         with torch.inference_mode(False):
-            self._fill(layouts, tensors, source)
+            self._fill(layouts, tensors, source, skip)
             if self.cfg.streams:
                 self._start_streaming()
             for f in self.features:
@@ -167,23 +169,32 @@ class OffloadHandle:
         cast = self.casting.plan(self.module, self.blocks) if self.casting is not None else {}
         if first and self.casting is not None:
             self.casting.check_values(tensors, source)
-        layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast)
+        layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast,
+                                self._tier_of)
         if first:
             _warn_rounded(self.cfg, layouts)
-        if self.disk is not None:  # the disk blocks' tails checked against their files, the store without them
-            if first:
-                self.disk.note_records(tensors, source)
-            self.disk.prepare(layouts, pin=self.device.type == "cuda")
-            place_in_store(layouts)
+        for t in self.tiers:
+            t.laid_out(layouts, pin=self.device.type == "cuda")
         return layouts
 
-    def _fill(self, layouts: list[BlockLayout], tensors: list[ModuleTensor], source: TensorSource | None) -> None:
+    def _tier_of(self, b: BlockLayout) -> Tier:
+        """The first tier that takes block b's tail (the host tier, last, takes any)."""
+        return next(t for t in self.tiers if t.claim(b))
+
+    @staticmethod
+    def _outside(layouts: list[BlockLayout], tensors: list[ModuleTensor]) -> list[ModuleTensor]:
+        """The tensors no block owns."""
+        owned = {id(current(e)) for b in layouts for e in b.tensors}
+        return [t for t in tensors if id(t.get()) not in owned]
+
+    def _fill(self, layouts: list[BlockLayout], tensors: list[ModuleTensor], source: TensorSource | None,
+              skip: frozenset[str] = frozenset()) -> None:
         """A new host store holding the blocks' bytes (page-locked span by span while they are written: a loader's
         reads overlap the locking), every other tensor on the device (fp8-stored layers in fp8)."""
         store = HostStore(store_bytes(layouts), pin=self.device.type == "cuda",
                           ranges=block_spans(layouts)) if self.cfg.streams else None
         try:
-            self.non_block = fill(layouts, store, tensors, self.device, source, self.disk)
+            self.non_block = fill(layouts, store, tensors, self.device, source, skip)
             if store is not None:
                 store.wait()
         except BaseException:
@@ -201,7 +212,7 @@ class OffloadHandle:
         """The streamer (device buffers, the first block prefetched) and the block hooks."""
         features = self.casting.block_casts(self.layouts, self.device) if self.casting is not None else []
         backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
-        self.streamer = Streamer(self.layouts, self.store, self.device, backend, features, self.disk)
+        self.streamer = Streamer(self.layouts, self.store, self.device, backend, features)
         self.streamer.fill_resident_and_start()
         self.hooks = [BlockHook(self, b.index, b.module) for b in self.layouts]
 
@@ -306,9 +317,10 @@ class OffloadHandle:
             self.sync()
         elif self.writes is not None:
             stale = self.writes.stale(l)  # written earlier in this forward (by a hook): its prefetched copies are old
-            if stale and self.layouts[l].on_disk:  # its file is not what was written: the written tensors are
-                self.streamer.enter(l)  # copied over the file's bytes, and the block leaves the disk at the next
-                self.streamer.copy_in(l, stale)  # forward
+            b = self.layouts[l]
+            if stale and b.host_extent < b.nbytes:  # its tail's source is not what was written (not the store): the
+                self.streamer.enter(l)  # written tensors are copied over its bytes, and the block leaves its tier at
+                self.streamer.copy_in(l, stale)  # the next forward
                 self.writes.touched.add(l)
                 self.refreshes += 1
                 return
@@ -326,9 +338,10 @@ class OffloadHandle:
     def sync(self) -> None:
         """Bring the device copies up to date with writes to the blocks since the last forward (writes.py)."""
         relayout, dirty = self.writes.collect()
-        if self.disk is not None and (dirty or self.writes.replaced) and self.disk.demote(dirty | self.writes.replaced):
-            relayout = True  # a disk block written or given new tensors: its values move to the host store (the file
-            # is never written, and no longer holds them)
+        hit = dirty | self.writes.replaced
+        if hit and any([t.demote(hit) for t in self.tiers]):
+            relayout = True  # a block written or given new tensors where its tier cannot hold them (a file, never
+            # written): its values move to the host store
         if relayout:
             self._relayout()
         elif dirty:
@@ -359,8 +372,9 @@ class OffloadHandle:
         device (no weights), as it leaves a plain module."""
         self.unpark()
         target, mapping = self._conversion(fn, all_tensors(self.module))
-        if self.disk is not None and mapping:
-            self.disk.check_dtypes(self.layouts, mapping)  # before anything changes: the files hold one dtype
+        if mapping:
+            for t in self.tiers:  # before anything changes (files hold one dtype)
+                t.check_dtypes(self.layouts, mapping)
         if target is not None and target.type == "meta":
             self.discard()
             return self.module
@@ -468,7 +482,6 @@ class OffloadHandle:
         slot = s.slots[0].numel() if s is not None and s.slots else 0
         nb = sum(t.get().numel() * t.get().element_size() for t in self.non_block)
         cast_bytes = self.casting.buffer_bytes() if self.casting is not None and s is not None else 0
-        d = self.disk
         return OffloadStats(
             mode=self.cfg.mode,
             device=str(self.device),
@@ -495,11 +508,8 @@ class OffloadHandle:
             fp8_tensors=self.casting.tensor_count(L) if self.casting is not None else 0,
             cast_buffer_bytes=cast_bytes,
             fp8_cast_kernel=cast_kernel_name(self.device) if self.casting is not None else "",
-            disk_blocks=len(d.order) if d is not None else 0,
-            disk_bytes_per_step=d.tail_bytes(L) if d is not None else 0,
-            disk_bytes_read=d.bytes_read if d is not None else 0,
-            disk_read_stall_s=d.stall_s if d is not None else 0.0,
-            disk_ring_bytes=d.ring.nbytes if d is not None and d.ring is not None else 0,
+            **{k: v for t in self.tiers for k, v in t.stats(L).items()},
+            **self.parking.stats(),
         )
 
     # ---- the end
@@ -513,8 +523,8 @@ class OffloadHandle:
         if self.depth or (self.streamer is not None and self.streamer.bound):
             raise OffloadError("handle.remove() was called inside a forward of the offloaded module (nothing was "
                                "changed); remove it between forwards")
-        if self.disk is not None:  # the weights read from files are given back as the files hold them: unchanged
-            self.disk.verify()
+        for t in self.tiers:  # weights read from elsewhere are given back as they are there: unchanged
+            t.verify()
         self._teardown(restore=True)
 
     @_locked
@@ -572,22 +582,6 @@ class OffloadHandle:
                     t.set_buffer(gone)
 
 
-def _disk_tier(cfg: OffloadConfig, named: list, source: TensorSource | None) -> DiskTier | None:
-    """The disk tier the setting asks for, reading the files `source` knows; an error where it knows none."""
-    if not cfg.disk_blocks:
-        return None
-    from chunkflow_planner.offload import disk_block_indices
-
-    opener = getattr(source, "disk_files", None)
-    if opener is None:
-        raise OffloadError(f"disk_blocks={cfg.disk_blocks} keeps blocks' weights in the checkpoint's files, but this "
-                           "module's weights come from no file chunkflow reads: load it from its folder through "
-                           "chunkflow (`chunkflow run --weights DIR`, chunkflow.models.build), or leave disk_blocks out")
-    if cfg.disk_blocks > len(named):
-        raise OffloadError(f"disk_blocks={cfg.disk_blocks} but the module has {len(named)} blocks")
-    return DiskTier(set(disk_block_indices(len(named), cfg.disk_blocks)), opener())
-
-
 def discard(handle: OffloadHandle) -> None:
     """`handle.discard()`: end the handle, leaving its module without weights (see there)."""
     handle.discard()
@@ -597,7 +591,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
             fp8_cast: str | None = None, disk_blocks: int | None = None,
             device: str | torch.device | None = "cuda", blocks=None,
-            source: TensorSource | None = None) -> OffloadHandle:
+            source: TensorSource | None = None, park_to: str = "host") -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
     The setting: `config` (an OffloadConfig, a plan object or `plan.json` path, or a mode name) or `plan=`, and/or
@@ -609,8 +603,11 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     halves host memory and copied bytes), `fp8_cast` (with fp8: 'compute', the default, casts each block on the
     compute stream before it runs; 'copy' casts it on the copy stream right after its copies, off the compute
     path, with a second block-sized cast buffer), `disk_blocks` (that many blocks, spread over the forward, keep their
-    streamed bytes in the checkpoint's files and are read from disk each forward, runtime/disk.py; needs a loader's
-    `source` that knows the files).
+    streamed bytes in the checkpoint's files and are read from disk each forward, runtime/tiers/disk.py; needs a
+    loader's `source` that knows the files), `park_to` (where the tensors outside the blocks go while the module is
+    parked: 'host', the default, a pinned host copy; 'disk', left in the checkpoint's files and read back to the
+    device at the next forward, so host memory holds none of them: offload() then returns the module parked, its
+    files checked but not read; needs a loader's `source` as `disk_blocks` does).
     Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
     needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
     from the catalog for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
@@ -626,7 +623,8 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     check_parameters(named)
     if cfg.streams:
         check_no_layerwise_casting(module)
-    handle = OffloadHandle(module, cfg, dev, named, _disk_tier(cfg, named, source))
+    tiers = tiers_for(cfg, module, len(named), source) if cfg.streams else []
+    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source))
     handle._attach(source, first=True)
     if cfg.streams:
         hook_module(module, handle, root=True)  # .to() and copies go through the handle
@@ -634,4 +632,6 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
         for m in handle.submodules:  # ... and a part's own .to() too (refused: the handle owns device and dtypes)
             hook_part(m, handle)
     module.__dict__[HANDLE_KEY] = handle
+    if handle.parking.home.starts_held:  # its non-block tensors were never read: parked until its first forward
+        handle.park()
     return handle

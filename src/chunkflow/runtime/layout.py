@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from chunkflow_planner.offload import resident_bytes
+
+if TYPE_CHECKING:  # annotations only
+    from chunkflow.runtime.tiers.base import Tier
 
 ALIGN = 256
 
@@ -71,12 +75,12 @@ class BlockLayout:
     straddle_start: int = 0  # R'_l: start of the first tensor not wholly resident (R_l if none straddles)
     slot_start: int = 0  # A_l: byte of the block that sits at slot[0]
     chunks: list[tuple[int, int]] = field(default_factory=list)  # H2D ranges covering [R_l, V_l)
-    on_disk: bool = False  # the disk tier keeps [R_l, V_l) in the checkpoint's files (runtime/disk.py)
+    tier: Tier | None = None  # where [R_l, V_l) lives and how its chunks reach the device (runtime/tiers/)
 
     @property
     def host_extent(self) -> int:
-        """Bytes of the host store this block takes: all of it, or its resident head when its tail is on disk."""
-        return self.resident_bytes if self.on_disk else self.nbytes
+        """Bytes of the host store this block takes (its tier says: all of it, or only its resident head)."""
+        return self.tier.host_extent(self)
 
     @property
     def streamed_bytes(self) -> int:
@@ -205,20 +209,22 @@ def split_residency(b: BlockLayout, chunk_bytes: int | None, residency: float) -
 
 
 def block_layouts(root: nn.Module, blocks: list[tuple[str, nn.Module]], chunk_bytes: int | None,
-                  residency: float, cast: dict[int, torch.dtype] | None = None) -> list[BlockLayout]:
-    """The layouts of all blocks, with host offsets in one store (each block's range ALIGN-aligned); `cast` as in
-    pack_block."""
+                  residency: float, cast: dict[int, torch.dtype] | None, tier_of: Callable[[BlockLayout], Tier]
+                  ) -> list[BlockLayout]:
+    """The layouts of all blocks, each with its tier (`tier_of(b)`, asked once b is packed and split) and its offset
+    in the one host store (each block's range ALIGN-aligned); `cast` as in pack_block."""
     owned = owned_tensors(root, [m for _, m in blocks])
     layouts = []
     for i, ((name, m), entries) in enumerate(zip(blocks, owned)):
         b = pack_block(i, name, m, entries, cast)
         split_residency(b, chunk_bytes, residency)
+        b.tier = tier_of(b)
         layouts.append(b)
     return place_in_store(layouts)
 
 
 def place_in_store(layouts: list[BlockLayout]) -> list[BlockLayout]:
-    """Each block's offset in the one host store (ALIGN-aligned), by its host extent (a disk block: its head)."""
+    """Each block's offset in the one host store (ALIGN-aligned), by its host extent (what its tier keeps there)."""
     host = 0
     for b in layouts:
         host = align_up(host)

@@ -2,9 +2,11 @@
 it back at its next forward; `take_turns` parks the others before one of several modules runs (e.g. the two experts
 of Wan2.2-A14B).
 
-While parked the streamer's resident buffer and slots are given back and the non-block tensors sit in host memory:
-one allocation (pinned on CUDA), kept for the next park, where a tensor not written since the last unpark is not
-copied again. The block tensors stay in the host store, as between any two forwards.
+While parked the streamer's resident buffer and slots are given back and the non-block tensors sit in their park
+home (runtime/tiers/): by default host memory, one allocation (pinned on CUDA) kept for the next park, where a tensor
+not written since the last unpark is not copied again; with `offload(park_to="disk")` the checkpoint's files, read
+back to the device at the next forward. The block tensors stay where their tiers keep them, as between any two
+forwards.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 
 from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.hooks import handle_of
-from chunkflow.runtime.store import HostStore
+from chunkflow.runtime.tiers import HostParking, ParkHome
 
 if TYPE_CHECKING:  # annotations only
     from chunkflow.runtime.handle import OffloadHandle
@@ -45,97 +47,57 @@ def _unpark_before_forward(module: nn.Module, args) -> None:
 
 
 class Parking(HandleFeature):
-    """The park state of one handle: the forward pre-hook that unparks, the host homes of the non-block tensors
-    while parked, and what they held at the last unpark."""
+    """The park state of one handle: the forward pre-hook that unparks, and the home of the non-block tensors while
+    parked (runtime/tiers/: a pinned host copy, `HostParking`, by default; the checkpoint's files, `DiskParking`)."""
 
-    def __init__(self):
+    def __init__(self, home: ParkHome | None = None):
         self.resume: torch.utils.hooks.RemovableHandle | None = None  # while parked: the forward pre-hook
-        self.store: HostStore | None = None  # host homes of the non-block tensors while parked
-        self.store_device: torch.device | None = None  # the device the store's tensors were copied to and from
-        self.versions: list[tuple[int, int]] | None = None  # (version, data_ptr) of each at the last unpark
+        self.home = home if home is not None else HostParking()
 
     @property
     def parked(self) -> bool:
         return self.resume is not None
 
+    def starts_parked(self, tensors) -> frozenset[str]:
+        """At offload: names of the non-block tensors the home holds already (not read: offload() parks)."""
+        return frozenset(self.home.starts_parked(tensors))
+
     def attach(self, handle: OffloadHandle) -> None:
-        self.versions = None  # new non-block tensors: each is copied at the next park
+        self.home.attach(handle)
 
     def close(self, handle: OffloadHandle, restore: bool) -> None:
-        """restore: unparked first (the non-block tensors leave the park store); else the hooks only go."""
+        """restore: unparked first (the non-block tensors leave their park home); else the hooks only go."""
         if restore:
             self.unpark(handle)
         else:
             self._unhook(handle.module)
         self.release_store()
+        self.home.close(handle, restore)
 
     def release_store(self) -> None:
-        """Free the park store (the next park makes another), once any copy out of it has finished."""
-        if self.store is not None:
-            if self.store_device is not None and self.store_device.type == "cuda":
-                torch.cuda.synchronize(self.store_device)
-            self.store.release()
-            self.store = None
+        """Free what the park home keeps between parks (the next park makes it again)."""
+        self.home.release_store()
+
+    def stats(self) -> dict:
+        return self.home.stats()
 
     def park(self, handle: OffloadHandle) -> None:
-        """Device buffers given back, the non-block tensors in host memory, the unpark hook on (see the module)."""
+        """Device buffers given back, the non-block tensors in their home, the unpark hook on (see the module)."""
         if handle.streamer is not None:
             handle.streamer.release_device()
-        self._move_to_host(handle.non_block, handle.device)
+        self.home.park(handle.non_block, handle.device)
         if handle.device.type == "cuda":
             torch.cuda.synchronize(handle.device)
         self.resume = handle.module.register_forward_pre_hook(_unpark_before_forward)
         if "_hf_hook" not in handle.module.__dict__:  # tell diffusers where this module's inputs go while parked
             handle.module.__dict__["_hf_hook"] = ExecutionDevice(handle.device)
 
-    def _move_to_host(self, tensors, device: torch.device) -> None:
-        views = self._views(tensors, device)
-        with torch.no_grad(), torch.inference_mode(False):
-            for t, host, version in zip(tensors, views, self.versions or [None] * len(views)):
-                cur = t.get()
-                if version is None or (cur._version, cur.data_ptr()) != version or cur.device == host.device:
-                    host.copy_(cur.detach())
-                if t.is_param:
-                    cur.data = host
-                else:
-                    t.set_buffer(host)
-
-    def _views(self, tensors, device: torch.device) -> list[torch.Tensor]:
-        """Host homes of the non-block tensors while parked: views of one host allocation (pinned on CUDA)."""
-        sizes = [t.get().numel() * t.get().element_size() for t in tensors]
-        offsets, total = [], 0
-        for n in sizes:
-            total = -(-total // 256) * 256
-            offsets.append(total)
-            total += n
-        if self.store is None or self.store.nbytes != total:
-            if self.store is not None:
-                self.store.release()
-            self.store = HostStore(total, pin=device.type == "cuda")
-            self.store_device = device
-            self.versions = None
-        out = []
-        for t, off, n in zip(tensors, offsets, sizes):
-            cur = t.get()
-            out.append(self.store.alias(off, n).view(cur.dtype).view(cur.shape))
-        return out
-
     def unpark(self, handle: OffloadHandle) -> None:
         """Everything back on the device (nothing to do when not parked)."""
         if self.resume is None:
             return
         self._unhook(handle.module)
-        versions = []
-        with torch.no_grad(), torch.inference_mode(False):
-            for t in handle.non_block:
-                cur = t.get()
-                dev = cur.detach().to(handle.device, non_blocking=handle.device.type == "cuda", copy=True)
-                if t.is_param:
-                    cur.data = dev
-                else:
-                    t.set_buffer(dev)
-                versions.append((t.get()._version, t.get().data_ptr()))
-        self.versions = versions
+        self.home.unpark(handle.non_block, handle.device)
         if handle.streamer is not None:
             with torch.inference_mode(False):  # a forward under inference_mode may unpark: normal tensors still
                 handle.streamer.acquire_device()

@@ -38,6 +38,9 @@ class OffloadStats:
     disk_bytes_read: int = 0  # bytes read from disk so far
     disk_read_stall_s: float = 0.0  # seconds the copy stream's issuer waited for a read to finish
     disk_ring_bytes: int = 0  # page-locked ring buffers the reads land in
+    park_to: str = "host"  # where the tensors outside the blocks wait while parked: host memory or the files (disk)
+    disk_park_bytes: int = 0  # of those, bytes left in the checkpoint's files while parked (park_to disk)
+    disk_unpark_bytes_read: int = 0  # bytes read from the files by unparks so far
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -128,20 +128,14 @@ def bind(t: TensorEntry, data: torch.Tensor) -> None:
             m._buffers[attr] = data
 
 
-def host_view(host: HostStore, b: BlockLayout, t: TensorEntry) -> torch.Tensor:
-    """Tensor t of block b as it lies in the host store: its true shape, dtype and values, with a storage of its own
-    (HostStore.alias)."""
-    return host.alias(b.host_offset + t.offset, t.nbytes).view(t.dtype).view(t.shape)
-
-
 class _Pending:
     """A block whose prefetch has begun but whose chunks are not all enqueued yet."""
 
     __slots__ = ("block", "slot", "chunks", "next", "src", "src_at")
 
-    def __init__(self, block: int, slot: int, chunks, src: torch.Tensor | None = None, src_at: int = 0):
+    def __init__(self, block: int, slot: int, chunks, src: torch.Tensor, src_at: int):
         self.block, self.slot, self.chunks, self.next = block, slot, chunks, 0
-        self.src, self.src_at = src, src_at  # a disk block's ring buffer, holding its bytes from src_at on
+        self.src, self.src_at = src, src_at  # where its tier keeps its bytes: byte lo of the block at src[lo - src_at]
 
     @property
     def left(self) -> int:
@@ -158,9 +152,8 @@ class Streamer:
     """
 
     def __init__(self, layouts: list[BlockLayout], host: HostStore, device: torch.device, backend,
-                 features: list[BlockFeature] | None = None, disk=None):
+                 features: list[BlockFeature] | None = None):
         self.layouts = layouts
-        self.disk = disk  # the disk tier (runtime/disk.py) where some blocks' tails are on disk, else None
         self.features = list(features or [])  # called around each block (fp8 casts); empty: nothing to call
         self.host = host
         self.device = device
@@ -178,8 +171,7 @@ class Streamer:
         self.next_of = {l: self.ring[(i + 1) % len(self.ring)] for i, l in enumerate(self.ring)}
         # Precomputed views: binding a block is a list of `p.data = view`. Host views outside the forward, the
         # resident buffer and a slot inside it.
-        self.host_views = [[(t, disk.view(t) if b.on_disk and t.end > b.resident_bytes else host_view(host, b, t))
-                            for t in b.tensors] for b in layouts]
+        self.host_views = [[(t, b.tier.view(host, b, t)) for t in b.tensors] for b in layouts]
         self.resident = torch.empty(0, dtype=torch.uint8, device=device)
         self.slots: list[torch.Tensor] = []
         self.slot_refs: list[int] = []  # references to each slot's memory the streamer and its features hold
@@ -332,8 +324,7 @@ class Streamer:
         if self.obs is not None:
             self.obs.chunk_copy(b.index, lo, hi, "h2d", self.backend.copy_stream)
         A = b.slot_start
-        src = self.host.view(b.host_offset + lo, hi - lo) if p.src is None else p.src[lo - p.src_at : hi - p.src_at]
-        slot[lo - A : hi - A].copy_(src, non_blocking=self.backend.non_blocking)
+        slot[lo - A : hi - A].copy_(p.src[lo - p.src_at : hi - p.src_at], non_blocking=self.backend.non_blocking)
         self.bytes_h2d += hi - lo
 
     # ---- hot path
@@ -347,7 +338,7 @@ class Streamer:
             if self.obs is not None:
                 self.obs.copy_stream_waits("slot", s)
             self._copy_head(b, self.slots[s])
-        self.pending = _Pending(l, s, b.chunks, *(self.disk.acquire(l) if b.on_disk else ()))
+        self.pending = _Pending(l, s, b.chunks, *b.tier.acquire(self.host, b))  # its source, once a block
         self.slot_of[l] = s
 
     def pump(self, n: int) -> int:
@@ -373,10 +364,11 @@ class Streamer:
         if p is None:
             return
         self.pump(p.left)
-        if p.src is not None:  # its ring buffer may take the next read once these copies are done
+        tier = self.layouts[p.block].tier
+        if tier.recycles:  # its source buffer may take the next block's bytes once these copies are done
             copied = self.backend.event()
             copied.record(self.backend.copy_stream)
-            self.disk.release(p.block, copied)
+            tier.release(p.block, copied)
         for f in self.features:
             f.copies_done(self, p.block, p.slot)
         self.ready[p.block].record(self.backend.copy_stream)

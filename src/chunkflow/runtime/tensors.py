@@ -4,6 +4,7 @@ back at remove()."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,12 +101,30 @@ def _real_parameter(t: ModuleTensor) -> None:
         m._parameters[attr] = new
 
 
+def _write(t: ModuleTensor, e, cur: torch.Tensor, source: TensorSource | None, dst: torch.Tensor) -> None:
+    """Block tensor t's value into `dst` (its stored shape and dtype): from `source` if given, else its own."""
+    m0, a0 = t.owners[0]
+    if e.compute_dtype is not None:  # fp8 storage: the value in its own dtype, then cast
+        value = cur.detach()
+        if source is not None:  # a loader's value, seen only now (the module's own were checked at offload())
+            value = torch.empty(e.shape, dtype=e.compute_dtype)
+            source.fill(t.name, m0, a0, value)
+            check_fits(t.name, value, e.dtype)
+        dst.copy_(value)
+    elif source is not None:
+        source.fill(t.name, m0, a0, dst)
+    else:
+        dst.copy_(cur.detach())
+
+
 def fill(layouts: list[BlockLayout], store: HostStore | None, tensors: list[ModuleTensor], device: torch.device,
-         source: TensorSource | None, disk=None) -> list[ModuleTensor]:
+         source: TensorSource | None, skip: frozenset[str] = frozenset()) -> list[ModuleTensor]:
     """Write every tensor into its home, in module order: block tensors into the host store, the rest onto the
-    device. Values come from `source` where it provides them, else from the tensor. A disk block's tail tensors
-    (`disk`, runtime/disk.py) are bound to their bytes in the file instead, the resident part of one straddling
-    R_l copied from there into the store. Returns the non-block tensors."""
+    device. Values come from `source` where it provides them, else from the tensor. A block tensor whose tier
+    supplies it (runtime/tiers/: a tail kept elsewhere; the tier is given the writer of its value, which it may use
+    or not) is bound to the tier's view of it instead. `skip`:
+    non-block tensors whose values are not read (offload() returns the module parked, their park home holding
+    them). Returns the non-block tensors."""
     where = {id(current(e)): (b, e) for b in layouts for e in b.tensors}
     non_block: list[ModuleTensor] = []
     with torch.no_grad(), torch.inference_mode(False):
@@ -116,32 +135,21 @@ def fill(layouts: list[BlockLayout], store: HostStore | None, tensors: list[Modu
             hit = where.get(id(cur))
             if t.is_param and (cur.device.type == "meta" or (hit is not None and cur.is_inference())):
                 _real_parameter(t)
-            if hit is not None and hit[0].on_disk and hit[1].end > hit[0].resident_bytes:
-                b, e = hit
-                if e.offset < b.resident_bytes:  # straddling R_l: its head is resident, from the file
-                    store.view(b.host_offset + e.offset, b.resident_bytes - e.offset).copy_(disk.head(b, e))
-                bind(e, disk.view(e))
-                continue
             if hit is not None:
                 b, e = hit
+                write = functools.partial(_write, t, e, cur, source if from_source else None)
+                if b.tier.supply(store, b, e, write):  # its tier holds its values: bound to the tier's view
+                    bind(e, b.tier.view(store, b, e))
+                    continue
                 dst = store.view(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
-                if e.compute_dtype is not None:  # fp8 storage: the value in its own dtype, then cast
-                    value = cur.detach()
-                    if from_source:  # a loader's value, seen only now (the module's own were checked at offload())
-                        value = torch.empty(e.shape, dtype=e.compute_dtype)
-                        source.fill(t.name, m0, a0, value)
-                        check_fits(t.name, value, e.dtype)
-                    dst.copy_(value)
-                elif from_source:
-                    source.fill(t.name, m0, a0, dst)
-                else:
-                    dst.copy_(cur.detach())
+                write(dst)
                 bind(e, dst)  # from now on the tensor is its view of the host store
                 continue
             non_block.append(t)
             if from_source:
                 real = torch.empty(cur.shape, dtype=cur.dtype, device=device)
-                source.fill(t.name, m0, a0, real)
+                if t.name not in skip:
+                    source.fill(t.name, m0, a0, real)
                 if t.is_param:
                     t.get().data = real
                 else:

@@ -1,0 +1,124 @@
+"""The seam for where a block's streamed tail [R_l, V_l) lives and how its chunks reach the device.
+
+Every block keeps its resident head [0, R_l) in the host store (copied to the device's resident buffer once); a
+tier owns the tail. The handle asks each tier, in the registry's order (runtime/tiers/__init__.py), whether it takes
+a block while the layout is made (`claim`), so a layout is built once with every block's tier known; the host tier
+takes whatever no other tier did. The rest of the runtime talks to a block's tier through `BlockLayout.tier` only:
+
+- layout:   `host_extent(b)` is the host-store bytes the block takes (its place in the store);
+- filling:  `supply(store, b, e, write)` says whether the tier holds tensor e (else its value is written into the
+            store), writing its bytes in the head, if any, into the store;
+- outside the forward: `view(store, b, e)` is what tensor e is (a view of the store, a map of a file, ...);
+- streaming: `acquire(store, b)` once per block prefetch gives a flat uint8 source and the block byte it starts at,
+            so chunk [lo, hi) is `src[lo - at : hi - at]` with no per-chunk dispatch; a tier whose source is reused
+            (`recycles`) is told by `release(l, copied)` when an event on the copy stream follows the block's copies.
+
+A tier is a HandleFeature too (attach, detach, close), with `verify` (its backing still as it was), `demote` (blocks
+written or given new tensors leave it at the next layout), `check_dtypes` (a dtype change it cannot hold, refused
+before anything changes) and `stats` (its OffloadStats fields).
+
+A tier may also keep a module's non-block tensors while it is parked (runtime/parking.py): `ParkHome`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import torch
+
+from chunkflow.runtime.feature import HandleFeature
+
+if TYPE_CHECKING:  # annotations only
+    from chunkflow.runtime.handle import OffloadHandle
+    from chunkflow.runtime.layout import BlockLayout, TensorEntry
+    from chunkflow.runtime.store import HostStore
+    from chunkflow.runtime.tensors import ModuleTensor
+
+
+class Tier(HandleFeature):
+    """Where some blocks' streamed tails live (module docstring). Subclasses set `name` and override what differs
+    from the host store's way."""
+
+    name: ClassVar[str] = ""
+    recycles: ClassVar[bool] = False  # the source `acquire` gives is reused: `release` follows the block's copies
+
+    @classmethod
+    def for_setting(cls, cfg, module, n_blocks: int, source) -> Tier | None:
+        """This tier for an offload of `n_blocks` blocks with setting `cfg` and the loader's `source`, or None where
+        the setting does not use it. Raises OffloadError where it asks for the tier but cannot have it."""
+        return None
+
+    def claim(self, b: BlockLayout) -> bool:
+        """Whether this tier takes block b's tail (b is packed and split, not yet placed in the store)."""
+        return False
+
+    def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
+        """The layout is made (each block's tier set): buffers and checks, before anything is written. `pin`: the
+        device is a GPU (host buffers the copy stream reads are page-locked)."""
+
+    def host_extent(self, b: BlockLayout) -> int:
+        """Bytes of the host store block b takes."""
+        return b.nbytes
+
+    def supply(self, store: HostStore, b: BlockLayout, e: TensorEntry, write: Callable[[torch.Tensor], None]
+               ) -> bool:
+        """At fill: whether this tier holds tensor e (it is then bound to `view`), its bytes in the head, if any,
+        written into the store here. `write(out)` writes e's value (the loader's or the module's) into `out`, a
+        tensor of e's stored shape and dtype, for a tier that keeps a copy of it."""
+        return False
+
+    def view(self, store: HostStore, b: BlockLayout, e: TensorEntry) -> torch.Tensor:
+        """Tensor e of block b outside its forward: its true shape, dtype and values, with a storage of its own."""
+        return store.alias(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
+
+    def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
+        """Block b's tail as a flat uint8 source and the block byte at its index 0 (may wait for a read)."""
+        return store.data, -b.host_offset
+
+    def release(self, l: int, copied) -> None:
+        """Block l's copies from its source are enqueued, `copied` recorded after them (only where `recycles`)."""
+
+    def demote(self, blocks: set[int]) -> bool:
+        """Blocks written or given new tensors leave this tier at the next layout; whether any of its own did."""
+        return False
+
+    def verify(self) -> None:
+        """Raise where what the tier reads changed since offload."""
+
+    def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
+        """Raise, before anything changes, where the dtype change `mapping` would change a tensor it cannot hold."""
+
+    def stats(self, layouts: list[BlockLayout]) -> dict:
+        """Its fields of OffloadStats."""
+        return {}
+
+
+class ParkHome(HandleFeature):
+    """Where a parked module's non-block tensors live until its next forward (runtime/parking.py). `park` binds
+    each to its home (values as they are now), `unpark` puts each back on the device with those values."""
+
+    name: ClassVar[str] = ""
+    starts_held: bool = False  # it holds tensors that were never read (`starts_parked`): offload() parks at once
+
+    @classmethod
+    def for_setting(cls, park_to: str, source) -> ParkHome | None:
+        """This home where `park_to` names it (the loader's `source` for its values), else None."""
+        return None
+
+    def starts_parked(self, tensors: list[ModuleTensor]) -> set[str]:
+        """At offload: names of the non-block tensors this home holds already (not read onto the device: offload()
+        returns the module parked)."""
+        return set()
+
+    def park(self, tensors: list[ModuleTensor], device: torch.device) -> None:
+        raise NotImplementedError
+
+    def unpark(self, tensors: list[ModuleTensor], device: torch.device) -> None:
+        raise NotImplementedError
+
+    def release_store(self) -> None:
+        """Free what the home keeps between parks."""
+
+    def stats(self) -> dict:
+        return {}
+
