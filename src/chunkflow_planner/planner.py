@@ -154,7 +154,7 @@ def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Pr
     disk = {}
     if p.cfg.disk_blocks and hw is not None:
         disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * (1 if p.cfg.cfg_batched else passes)),
-                    disk_read_gbps=hw.pipeline.disk_read_gbps, disk_stall_s=p.time.disk_stall)
+                    disk_read_gbps=hw.disk_read_gbps, disk_stall_s=p.time.disk_stall)
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
                       pinned_host_bytes=int(p.memory.pinned_host), **disk)
 

@@ -130,7 +130,7 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
     streamed bytes read from the checkpoint's files each forward); every block on disk where even that does not fit
     (the least host memory there is, for the shortfall's facts); None where the profile has no disk rate. Host
     memory falls as disk blocks are added: the count is bisected."""
-    if hw.pipeline.disk_read_gbps is None or point.cfg.mode == "none" or point.cfg.weight_dtype != "bf16":
+    if hw.disk_read_gbps is None or point.cfg.mode == "none" or point.cfg.weight_dtype != "bf16":
         return None
     def at(k: int) -> PipelineEstimate:
         return estimate(spec, w, hw, pl, problem.evaluate(point.cfg.with_overrides(disk_blocks=k)), costs)

@@ -37,7 +37,7 @@ def disk_said(e: PipelineEstimate) -> str:
     p = e.transformer
     if not p.cfg.disk_blocks:
         return ""
-    rate = e.hw.pipeline.disk_read_gbps
+    rate = e.hw.disk_read_gbps
     said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes on disk (the host budget holds the rest): "
             f"{format_bytes(p.memory.disk_read)} read each forward at {rate:.2f} GB/s")
     stall = p.time.disk_stall
@@ -101,7 +101,7 @@ def _disk_remedy(e: PipelineEstimate) -> str:
     """What the disk tier could still do where host memory binds."""
     if e.hw.pipeline.device_is_host:
         return ""
-    if e.hw.pipeline.disk_read_gbps is None:
+    if e.hw.disk_read_gbps is None:
         return (", or time this machine's disk (`chunkflow calibrate --weights DIR`) so that the plan can keep "
                 "blocks' weights on disk, read each step.")
     if e.transformer.cfg.disk_blocks:

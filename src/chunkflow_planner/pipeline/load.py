@@ -49,11 +49,11 @@ class LoadEstimate:
 def BW_read(cached: float, hw: HardwareSpec) -> float | None:
     """Bytes per second reading checkpoint files of which a share `cached` is in the page cache (eq. L2); None where
     the profile has no measured disk rate."""
-    if hw.pipeline.disk_read_gbps is None:
+    if hw.disk_read_gbps is None:
         return None
-    cache = hw.pipeline.page_cache_gbps if hw.pipeline.page_cache_gbps is not None else hw.pipeline.disk_read_gbps
+    cache = hw.pipeline.page_cache_gbps if hw.pipeline.page_cache_gbps is not None else hw.disk_read_gbps
     c = min(1.0, max(0.0, cached))
-    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.pipeline.disk_read_gbps * GB))
+    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.disk_read_gbps * GB))
 
 
 def T_load(est: LoadEstimate, cached: float, hw: HardwareSpec) -> float | None:
