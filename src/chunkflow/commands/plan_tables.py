@@ -149,20 +149,23 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     """Where each component runs, each phase's time and peak GPU memory, host memory against its budget."""
     pp = plan.prediction
     c = Table(title="Components (the whole pipeline)")
-    for col in ("component", "kind", "weights", "placement"):
-        c.add_column(col, justify="right" if col == "weights" else "left")
+    disk = any(comp.disk_read_bytes for comp in plan.pipeline.components)
+    for col in ("component", "kind", "weights", "placement") + (("disk reads",) if disk else ()):
+        c.add_column(col, justify="right" if col in ("weights", "disk reads") else "left")
+    on_disk = {"disk": "on disk: read from the checkpoint's files at its phase, no host copy"}
     what = ({"gpu": "on the device (the CPU) throughout", "phase": "on the device (the CPU) for its phase only",
-             "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU"}
+             "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU", **on_disk}
             if plan.hardware.device_is_host else
             {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
-             "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU"})
+             "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU", **on_disk})
     for comp in plan.pipeline.components:
         where = what[comp.placement]
-        if comp.kind == "transformer" and comp.placement == "stream":
+        if comp.kind == "transformer" and comp.placement in ("stream", "disk"):
             where += f" ({plan.offload.label})"
         if comp.kind == "vae" and plan.pipeline.vae_tiling:
             where += ", tiled decode"
-        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where)
+        reads = (format_bytes(comp.disk_read_bytes) if comp.disk_read_bytes else "-",) if disk else ()
+        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where, *reads)
     console.print(c)
     dev = plan.hardware.device_word
     t = Table(title="Predicted generation, phase by phase " + (
@@ -188,7 +191,13 @@ def print_pipeline(console: Console, plan: Plan) -> None:
         hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
         console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
                       f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint})", highlight=False)
-    if plan.offload.disk_blocks:
+    if pp.disk_read_bytes_per_generation:
+        rate = plan.hardware.spec.get("disk_read_gbps") if plan.hardware.spec else None
+        console.print(f"disk reads: {format_bytes(pp.disk_read_bytes_per_generation)} a generation from the "
+                      "checkpoint's files" + (f" at {rate:.2f} GB/s" if rate else "")
+                      + " (run it with --weights: they are read from there)", highlight=False)
+    if plan.offload.disk_blocks and any(c.kind == "transformer" and c.placement in ("stream", "disk")
+                                        for c in plan.pipeline.components):
         console.print(f"disk: {plan.offload.disk_blocks} of {plan.model.n_blocks} blocks keep their streamed bytes in "
                       f"the checkpoint's files, {format_bytes(pp.disk_read_bytes_per_step)} read a step at "
                       f"{pp.disk_read_gbps:.2f} GB/s"

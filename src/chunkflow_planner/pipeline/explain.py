@@ -56,6 +56,15 @@ def pipeline_reason(f: PipelineFacts) -> str:
     versus = f", {slow:.3f}x everything on the GPU" if not e.hw.pipeline.device_is_host and slow >= 0.995 else ""
     why = (f"the fastest placement inside the budgets: {placement_said(e)}; {format_seconds(f.time_s)} "
            f"per generation{versus}{goal}; its peak is the {e.binding_phase} phase")
+    if f.disk_passed is not None:
+        q = f.disk_passed
+        why = (f"the placement inside the budgets that reads the least from disk among those near the fastest: "
+               f"{placement_said(e)}; {format_seconds(f.time_s)} per generation{versus}{goal}, reading "
+               f"{format_bytes(e.disk_read)} from disk a generation; its peak is the {e.binding_phase} phase; "
+               f"{placement_said(q)} would take {format_seconds(q.generation_time)} "
+               f"({q.generation_time / f.time_s - 1:+.1%}) but reads {format_bytes(q.disk_read)} from disk (what is "
+               "read once a generation goes to disk before what is read every step: a disk's rate varies more "
+               "than the host link's)")
     if e.placements.transformer == "stream" and not f.step_met:
         target, step = format_seconds_apart(f.step_target_s, t.step_s)
         return why + (f"; no streamed setting inside the budget meets the step target "
