@@ -108,6 +108,12 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
                           float(sum(V)) - disk_read + ring, cast, disk_read, ring)
 
 
+def host_need(m: MemoryEstimate, hw: HardwareSpec) -> float:
+    """Host bytes the transformer alone holds: its pinned store (with a disk tier, the disk blocks' heads and the
+    ring) and what the process holds besides weights (process_host_bytes)."""
+    return float(m.pinned_host + hw.pipeline.process_host_bytes)
+
+
 def disk_bytes(V: list[float], resident: list[float], cfg: OffloadConfig) -> tuple[float, float]:
     """(bytes a forward reads from disk, bytes of the ring they land in): the disk blocks' streamed tails V_l - R_l
     (offload.disk_block_indices), and DISK_RING_BLOCKS buffers of the largest (no paper equation: the third tier)."""

@@ -23,14 +23,15 @@ def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
 
 def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_budget: int,
                  max_slowdown: float | None, target_step_time: float | None, target_time: float | None,
-                 generation_slowdown: float | None) -> tuple[Decision, PipelineDecision]:
+                 generation_slowdown: float | None,
+                 host_kept: tuple[int, float] | None = None) -> tuple[Decision, PipelineDecision]:
     """The whole pipeline's placements, and the transformer's decision in it with the baselines of the plan; the
-    error names the user's budget through `kept`."""
+    error names the user's budgets through `kept` and `host_kept` (the user's host bytes and the margin kept)."""
     try:
         whole = decide_pipeline(problem.spec, problem.workload, problem.hw, problem, usable, host_budget,
                                 max_slowdown, target_step_time, target_time, generation_slowdown)
     except Infeasible as exc:
-        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept)) from None
+        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept, host_kept)) from None
     base = baselines(problem, max_slowdown, target_step_time)
     return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason,
                     whole.facts), whole

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from chunkflow_planner.explain import MarginKept, budget_said, levers_said
+from chunkflow_planner.explain import MarginKept, budget_said, host_budget_said, levers_said
+from chunkflow_planner.explain import disk_said as core_disk_said
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET
 from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
@@ -32,20 +33,8 @@ def placement_said(e: PipelineEstimate) -> str:
 
 
 def disk_said(e: PipelineEstimate) -> str:
-    """The disk tier of a streamed transformer in words (empty without one): what it reads, at what rate, whether
-    the reads hide behind the step, and the disk rate that would hide them."""
-    p = e.transformer
-    if not p.cfg.disk_blocks:
-        return ""
-    rate = e.hw.disk_read_gbps
-    said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes on disk (the host budget holds the rest): "
-            f"{format_bytes(p.memory.disk_read)} read each forward at {rate:.2f} GB/s")
-    stall = p.time.disk_stall
-    if stall <= 0:
-        return said + ", hidden behind the compute"
-    busy = p.time.total - stall  # the step without waiting: the reads take busy + stall, so hiding them needs
-    return said + (f", {format_seconds(stall)} a step exposed (a disk of {rate * (busy + stall) / busy:.2f} GB/s "
-                   "would hide it)")
+    """The disk tier of a streamed transformer in words (empty without one): explain.disk_said."""
+    return core_disk_said(e.transformer, e.hw.disk_read_gbps)
 
 
 def pipeline_reason(f: PipelineFacts) -> str:
@@ -77,8 +66,10 @@ def pipeline_reason(f: PipelineFacts) -> str:
     return why
 
 
-def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str:
-    """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory")."""
+def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
+                        host_kept: tuple[int, float] | None = None) -> str:
+    """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory");
+    `host_kept`: the user's host budget and the margin kept of it (f.host_budget is what is left)."""
     e = f.placement
     gpu = budget_said(format_bytes(f.budget), kept, more=True)
     if f.binding == "latency":
@@ -94,7 +85,8 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
         return (f"host memory is the binding constraint: the placement needing the least host memory inside "
                 f"{gpu} of {e.hw_word} memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
-                f"--host-mem-budget is {format_bytes(f.host_budget)}. "
+                f"--host-mem-budget is "
+                f"{host_budget_said(*host_kept) if host_kept else format_bytes(f.host_budget)}. "
                 + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
                    if e.hw.pipeline.device_is_host else
                    "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU")
