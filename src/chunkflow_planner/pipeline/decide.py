@@ -106,6 +106,8 @@ class PipelineFacts(Facts):
     step_met: bool = True
     levers: tuple[Lever, ...] = ()
     disk_passed: PipelineEstimate | None = None  # a faster placement that reads more from disk, within DISK_TIE
+    disk_would: PipelineEstimate | None = None  # host memory binds, no disk rate known: the plan at SUPPOSED_DISK_GBPS
+    disk_meets_gbps: float | None = None  # latency binds with disk reads: the disk rate that would meet the target
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,47 @@ def _shortfall(best: PipelineEstimate | None, fits_gpu: list[PipelineEstimate], 
     return facts_of(min(seen, key=lambda e: e.gpu_need), binding="memory")
 
 
+SUPPOSED_DISK_GBPS = 1.5  # what a shortfall supposes without a disk rate: the H200 host's NVMe as calibrate measured
+# it (issue 36, 2026-12-02)
+
+
+def _disk_facts(facts: PipelineFacts, spec: ModelSpec, w: Workload, problem: Problem, target: float,
+                asked: dict) -> PipelineFacts:
+    """A shortfall's facts with what the disk tier would do: where host memory binds and the disk's rate is unknown,
+    the plan at SUPPOSED_DISK_GBPS; where latency binds and the placement reads from disk, the rate that would meet
+    the target."""
+    hw = problem.hw
+    if hw.pipeline.device_is_host:
+        return facts
+    if facts.binding == "host memory" and not disk_known(hw):
+        supposed = hw.model_copy(update={"disk_read_gbps": SUPPOSED_DISK_GBPS})
+        try:
+            would = decide_pipeline(spec, w, supposed, replace(problem, hw=supposed), **asked)
+        except Infeasible:
+            return facts
+        return replace(facts, disk_would=would.chosen)
+    if facts.binding == "latency" and facts.placement.disk_read > 0:
+        return replace(facts, disk_meets_gbps=_rate_meeting(facts.placement, spec, w, problem, target))
+    return facts
+
+
+def _rate_meeting(e: PipelineEstimate, spec: ModelSpec, w: Workload, problem: Problem, target: float) -> float | None:
+    """The disk rate (GB/s) at which placement `e` meets `target`, bisected on a log scale; None where no disk
+    would (the time is not the disk's)."""
+    def time_at(gbps: float) -> float:
+        hw = problem.hw.model_copy(update={"disk_read_gbps": gbps})
+        point = replace(problem, hw=hw).evaluate(e.transformer.cfg)
+        return estimate(spec, w, hw, e.placements, point, text_costs(spec, w, hw)).generation_time
+
+    lo, hi = problem.hw.disk_read_gbps, 1e4
+    if time_at(hi) > target:
+        return None
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if time_at(mid) <= target else (mid, hi)
+    return hi
+
+
 def decide_pipeline(
     spec: ModelSpec,
     w: Workload,
@@ -267,11 +310,14 @@ def decide_pipeline(
     seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget, host_budget, problem)
     fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
     fits = [e for e in fits_gpu if e.host_memory <= host_budget]
-    best = _fastest(fits) if fits else None
     quickest = min(fits, key=lambda e: e.generation_time) if fits else None
-    if best is None or best.generation_time > target:
-        facts = _shortfall(best, fits_gpu, seen, facts_of)
+    if quickest is None or quickest.generation_time > target:
+        facts = _disk_facts(_shortfall(quickest, fits_gpu, seen, facts_of), spec, w, problem, target,
+                            dict(gpu_budget=gpu_budget, host_budget=host_budget, max_slowdown=max_slowdown,
+                                 target_step_time=target_step_time, target_time=target_time,
+                                 generation_slowdown=generation_slowdown))
         raise Infeasible(facts, explain.pipeline_infeasible(facts))
+    best = _fastest([e for e in fits if e.generation_time <= target])
     streamed = best.placements.transformer == "stream" and cands.meets(best.transformer)
     facts = facts_of(best, binding=None, time_s=best.generation_time,
                      levers=_stream_levers(best, cands, rooms[best.placements], problem) if streamed else ())

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from chunkflow_planner.explain import MarginKept, budget_said, host_budget_said, levers_said
 from chunkflow_planner.explain import disk_said as core_disk_said
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET
+from chunkflow_planner.tiers import DISK_RATE_REMEDY
 from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
 if TYPE_CHECKING:
@@ -79,8 +80,10 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
         return (f"latency is the binding constraint: the fastest generation inside {gpu} of {e.hw_word} memory and "
                 f"{host} takes {took} ({placement_said(e)}), "
                 f"above the target {target}{disk_said(e)}. Raise --mem-budget, or relax "
-                "--max-slowdown / --target-time" + (", or use a faster disk" if e.transformer.time.disk_stall > 0
-                                                    else "") + ".")
+                "--max-slowdown / --target-time" + (
+                    f", or use a faster disk: {format_bytes(e.disk_read)} read from disk a generation, a disk of "
+                    f"{f.disk_meets_gbps:.2f} GB/s would meet the target" if f.disk_meets_gbps is not None else
+                    ", or use a faster disk" if e.disk_read > 0 else "") + ".")
     if f.binding == "host memory":
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
         return (f"host memory is the binding constraint: the placement needing the least host memory inside "
@@ -90,7 +93,7 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
                 + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
                    if e.hw.pipeline.device_is_host else
                    "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU")
-                + _disk_remedy(e))
+                + _disk_remedy(e, f))
     phase = e.binding_phase
     return (f"{e.hw_word} memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
             f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "
@@ -98,13 +101,23 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
             + (kept.needed(f.need) if kept else ""))
 
 
-def _disk_remedy(e: PipelineEstimate) -> str:
-    """What the disk tier could still do where host memory binds."""
+def _disk_remedy(e: PipelineEstimate, f: PipelineFacts) -> str:
+    """What the disk tier could still do where host memory binds: with no disk rate known, what would go to disk at
+    a supposed rate (and how to give the real one)."""
     if e.hw.pipeline.device_is_host:
         return ""
     if e.hw.disk_read_gbps is None:
-        return (", or time this machine's disk (`chunkflow calibrate --weights DIR`) so that the plan can keep "
-                "blocks' weights on disk, read each step.")
+        would = f.disk_would
+        if would is None:
+            return f", or use the disk tier: {DISK_RATE_REMEDY}."
+        on_disk = [k for k, v in would.disk_bytes.items() if v > 0]
+        blocks = would.transformer.cfg.disk_blocks
+        what = ", ".join(k if not k.startswith("transformer") or would.placements.transformer == "disk"
+                         else f"{blocks} {k} blocks" for k in on_disk)
+        return (f". With the disk tier it would fit: at a disk of {would.hw.disk_read_gbps:.2f} GB/s (supposed) "
+                f"{what} on disk, {format_bytes(would.disk_read)} read a generation, "
+                f"{format_seconds(would.generation_time)} per generation, {format_bytes(would.host_memory)} of host "
+                f"memory ({placement_said(would)}); {DISK_RATE_REMEDY}.")
     if e.transformer.cfg.disk_blocks:
         return (f" (already with {e.transformer.cfg.disk_blocks} blocks' streamed bytes on disk: what remains is the "
                 "process, the other components and the blocks' resident heads).")
