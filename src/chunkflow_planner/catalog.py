@@ -110,7 +110,7 @@ class ModelSpec(_Strict):
     total_params: int = Field(gt=0, description="all parameters of the transformer (meta instantiation)")
     fp32_params: int = Field(0, ge=0, description="of those, the parameters its class keeps in float32 whatever the "
                              "model's dtype (diffusers' _keep_in_fp32_modules: Wan's time embedder, modulation tables "
-                             "and norms); counted outside the blocks")
+                             "and norms); those inside a block are priced in its bytes (block_bytes)")
     default_workload: Workload
     activation: ActivationModel = ActivationModel()
     diffusers: DiffusersSpec
@@ -137,7 +137,22 @@ class ModelSpec(_Strict):
         return block_params(group.arch, self)
 
     def block_bytes(self, group: BlockGroup) -> int:
-        return self.block_params(group) * self.dtype_bytes
+        """Bytes of one block of `group` as the built model holds it: dtype_bytes a parameter, float32 for those its
+        class keeps in float32 (params.block_fp32_params; the runtime's layout of the block has the same bytes)."""
+        from chunkflow_planner.params import block_fp32_params
+
+        fp32 = block_fp32_params(group.arch, self)
+        return (self.block_params(group) - fp32) * self.dtype_bytes + 4 * fp32
+
+    def block_stored_bytes(self, group: BlockGroup, fp8: bool) -> int:
+        """Bytes of one block of `group` in the host store: its bytes, or with fp8 storage one byte for each
+        parameter fp8 casts and its own bytes for those it keeps (params.fp8_kept_params)."""
+        if not fp8:
+            return self.block_bytes(group)
+        from chunkflow_planner.params import block_fp32_params, fp8_kept_params
+
+        kept, fp32 = fp8_kept_params(group.arch, self), block_fp32_params(group.arch, self)
+        return (self.block_params(group) - kept) + (kept - fp32) * self.dtype_bytes + 4 * fp32
 
     @property
     def block_bytes_total(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.memory import block_volumes, disk_bytes
+from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
 from chunkflow_planner.tiers import DiskRateUnknown, read_s  # noqa: F401 (DiskRateUnknown: its old home)
@@ -127,7 +127,8 @@ def step_time(
     groups = spec.block_sequence()
     V = block_volumes(spec) if prefetch_bytes is None else [float(prefetch_bytes)] * len(groups)
     cast = [0.0] * len(groups) if cfg.weight_dtype == "bf16" else [v / (hw.cast_gbps * GB) for v in V]
-    V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
+    V = (stored_volumes(spec, cfg) if prefetch_bytes is None
+         else [cfg.stored_bytes(v, spec.dtype_bytes) for v in V])
     # fp8_cast "copy": a streamed block is cast on the copy stream after its copies (the runtime casts a block
     # that does not stream on the compute stream)
     on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
