@@ -9,7 +9,7 @@ transformer's step model (steptime.py) for denoising and the VAE's decode fit (d
 from __future__ import annotations
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, encode_startup_key
-from chunkflow_planner.offload import DISK_RING_BLOCKS
+from chunkflow_planner.offload import DISK_RING_BLOCKS, disk_block_indices
 from chunkflow_planner.pipeline.decode import decode_cost, output_host_bytes
 from chunkflow_planner.pipeline.placement import ON_DISK, Phase, PipelineEstimate, Placements
 from chunkflow_planner.tiers import read_s
@@ -128,7 +128,25 @@ def _denoise(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     den.allocated_bytes = (always - (spec.nbytes if pl.transformer == "gpu" else 0.0)) + point.memory.peak
     den.activation_bytes = point.memory.activations
     _add_startup(den, "denoise", hw, spec)
+    first = spec.pipeline.experts * _disk_first_read(point, hw)
+    if first > 0:  # a start-up of the first generation: later ones find the read-ahead of the one before
+        den.detail["disk first read"] = first
+        den.startup_s += first
+        den.time_s += first
     return den
+
+
+def _disk_first_read(point: Point, hw: HardwareSpec) -> float:
+    """Seconds a process's first forward of a transformer with disk blocks waits for its first disk block: nothing
+    is read ahead yet (runtime/disk.py restarts its reader at that block), so its tail's read is exposed but for
+    the blocks computed before it. Later forwards, and later generations, find it read ahead."""
+    k = point.cfg.disk_blocks
+    if not k:
+        return 0.0
+    n = len(point.time.per_block)
+    first = disk_block_indices(n, k)[0]
+    tail = point.memory.disk_read / k  # the disk blocks' mean tail (alike blocks: their tail)
+    return max(0.0, read_s(tail, "disk", hw) - sum(point.time.per_block[:first]))
 
 
 def _decode(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, always: float) -> Phase:
