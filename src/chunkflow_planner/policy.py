@@ -258,15 +258,17 @@ def best_of(points: list[Point]) -> Point:
     return best
 
 
-def fewest_disk_blocks(problem: Problem, point: Point, fits, priced=None):
+def fewest_disk_blocks(problem: Problem, point: Point, fits, priced=None, evaluate=None):
     """`point` with the fewest disk blocks (offload.disk_block_indices: their streamed tails read from the
     checkpoint's files each forward, tiers.py) for which `fits(point)` holds, priced by `priced` (default: the point
     itself); with every block on disk where none fits (the least host memory there is, for a shortfall's facts).
-    Host memory falls as disk blocks are added, so the count is bisected."""
+    Host memory falls as disk blocks are added, so the count is bisected. `evaluate`: problem.evaluate, or a cache
+    of it where many placements bisect the same point."""
     priced = priced or (lambda p: p)
+    evaluate = evaluate or problem.evaluate
 
     def at(k: int) -> Point:
-        return problem.evaluate(point.cfg.with_overrides(disk_blocks=k))
+        return evaluate(point.cfg.with_overrides(disk_blocks=k))
 
     lo, hi = 1, problem.spec.n_blocks
     every = at(hi)

@@ -141,7 +141,7 @@ def _disk_ok(point: Point) -> bool:
 
 
 def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, costs: TextCosts,
-               host_budget: int, problem: Problem) -> PipelineEstimate | None:
+               host_budget: int, problem: Problem, evaluate=None) -> PipelineEstimate | None:
     """A streamed transformer's placement inside `host_budget` with the fewest disk blocks (the disk tier: their
     streamed bytes read from the checkpoint's files each forward); every block on disk where even that does not fit
     (the least host memory there is, for the shortfall's facts); None where the profile has no disk rate. Host
@@ -149,7 +149,7 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
     if not disk_known(hw) or not _disk_ok(point):
         return None
     return fewest_disk_blocks(problem, point, lambda p: estimate(spec, w, hw, pl, p, costs).host_memory <= host_budget,
-                              lambda p: estimate(spec, w, hw, pl, p, costs))
+                              lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
 
 
 def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transformer, costs: TextCosts,
@@ -162,7 +162,13 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
     seen: list[PipelineEstimate] = []
     rooms: dict[Placements, float] = {}
     picked: dict[float, Point] = {}  # the streamed point by room: placements that leave the same room share it
-    all_disk: dict[OffloadConfig, Point] = {}
+    evaluated: dict[OffloadConfig, Point] = {}  # points with disk blocks, shared by the placements that try them
+
+    def evaluate(cfg: OffloadConfig) -> Point:
+        if cfg not in evaluated:
+            evaluated[cfg] = problem.evaluate(cfg)
+        return evaluated[cfg]
+
     for pl in _placements(spec, hw):
         if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
             seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
@@ -177,14 +183,13 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         if pl.transformer == ON_DISK:
             if not _disk_ok(point):
                 continue
-            if point.cfg not in all_disk:
-                all_disk[point.cfg] = problem.evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks))
-            seen.append(estimate(spec, w, hw, pl, all_disk[point.cfg], costs))
+            seen.append(estimate(spec, w, hw, pl, evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks)),
+                                 costs))
             continue
         e = estimate(spec, w, hw, pl, point, costs)
         seen.append(e)
         if e.host_memory > host_budget and e.gpu_need <= gpu_budget:
-            disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem)
+            disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:
                 seen.append(disk)
     return seen, rooms
