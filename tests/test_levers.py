@@ -351,7 +351,10 @@ def test_levers_in_the_prediction():
     assert batched.step_time_s < 0.6 * base.step_time_s  # exposed: one stream a step instead of two
     assert batched.compute_s == pytest.approx(base.compute_s, rel=0.1)  # the same FLOPs
     assert batched.peak_memory_bytes > base.peak_memory_bytes  # twice the activations
-    assert fp8.pinned_host_bytes == pytest.approx(base.pinned_host_bytes / 2, rel=1e-9)
+    # one byte a cast weight; the norms and Wan's modulation table fp8 storage keeps (params.fp8_kept_params) as
+    # they are: a little over half
+    assert fp8.pinned_host_bytes == sum(spec.block_stored_bytes(g, True) for g in spec.block_sequence())
+    assert base.pinned_host_bytes / 2 < fp8.pinned_host_bytes < 1.001 * base.pinned_host_bytes / 2
     assert fp8.compute_s > base.compute_s  # the cast is paid on the compute path
 
 
@@ -736,7 +739,7 @@ def test_cast_buffers_with_some_blocks_streamed_and_others_resident():
     """fp8_cast="copy" with blocks that stream and blocks wholly resident: a cast buffer per slot for the first, the
     compute stream's one for the others; the planner counts the same three."""
     from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.memory import block_volumes, estimate_memory
+    from chunkflow_planner.memory import cast_volumes, estimate_memory, stored_volumes
 
     m, blocks, kw = flux()
     h = chunkflow.offload(m, mode="chunkflow", chunk_size=50000, residency=0.5, weight_dtype="fp8_e4m3",
@@ -749,9 +752,9 @@ def test_cast_buffers_with_some_blocks_streamed_and_others_resident():
         warnings.simplefilter("ignore")
         h.remove()
     spec = get_model("flux")
-    full = block_volumes(spec)
-    cfg = OffloadConfig("chunkflow", "8MB", 0.988, weight_dtype="fp8_e4m3", fp8_cast="copy")
-    stored = [cfg.stored_bytes(v) for v in full]
+    cfg = OffloadConfig("chunkflow", "16MB", 0.975, weight_dtype="fp8_e4m3", fp8_cast="copy")
+    full = cast_volumes(spec)  # the cast tensors in bf16: what a cast buffer holds (cast_extent)
+    stored = stored_volumes(spec, cfg)
     streams = [v - cfg.resident_bytes(v) > 0 for v in stored]
     assert any(streams) and not all(streams)
     expected = 2 * max(f for f, s in zip(full, streams) if s) + max(f for f, s in zip(full, streams) if not s)

@@ -110,7 +110,7 @@ class ModelSpec(_Strict):
     total_params: int = Field(gt=0, description="all parameters of the transformer (meta instantiation)")
     fp32_params: int = Field(0, ge=0, description="of those, the parameters its class keeps in float32 whatever the "
                              "model's dtype (diffusers' _keep_in_fp32_modules: Wan's time embedder, modulation tables "
-                             "and norms); counted outside the blocks")
+                             "and norms); those inside a block are priced in its bytes (block_bytes)")
     default_workload: Workload
     activation: ActivationModel = ActivationModel()
     diffusers: DiffusersSpec
@@ -137,7 +137,22 @@ class ModelSpec(_Strict):
         return block_params(group.arch, self)
 
     def block_bytes(self, group: BlockGroup) -> int:
-        return self.block_params(group) * self.dtype_bytes
+        """Bytes of one block of `group` as the built model holds it: dtype_bytes a parameter, float32 for those its
+        class keeps in float32 (params.block_fp32_params; the runtime's layout of the block has the same bytes)."""
+        from chunkflow_planner.params import block_fp32_params
+
+        fp32 = block_fp32_params(group.arch, self)
+        return (self.block_params(group) - fp32) * self.dtype_bytes + 4 * fp32
+
+    def block_stored_bytes(self, group: BlockGroup, fp8: bool) -> int:
+        """Bytes of one block of `group` in the host store: its bytes, or with fp8 storage one byte for each
+        parameter fp8 casts and its own bytes for those it keeps (params.fp8_kept_params)."""
+        if not fp8:
+            return self.block_bytes(group)
+        from chunkflow_planner.params import block_fp32_params, fp8_kept_params
+
+        kept, fp32 = fp8_kept_params(group.arch, self), block_fp32_params(group.arch, self)
+        return (self.block_params(group) - kept) + (kept - fp32) * self.dtype_bytes + 4 * fp32
 
     @property
     def block_bytes_total(self) -> int:
@@ -295,9 +310,6 @@ class PipelineProfile(_Strict):
               "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
               "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
               "with --warmup")
-    disk_read_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
-                                         "the page cache does not hold, with its reader threads, from the disk the "
-                                         "weights are on (calibrate); unset: a plan does not predict load times")
     page_cache_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
                                           "the page cache holds (calibrate); unset: the disk's rate")
     pin_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of page-locking host memory (cudaHostRegister "
@@ -324,6 +336,22 @@ def lift_pipeline(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(nested, PipelineProfile):
         nested = nested.model_dump()
     out["pipeline"] = {**(nested if isinstance(nested, dict) else {}), **flat}
+    return out
+
+
+CORE_FROM_PIPELINE = ("disk_read_gbps",)  # once PipelineProfile's, now the core's (issue 36: the disk is a tier)
+
+
+def _core_from_pipeline(data: dict[str, Any]) -> dict[str, Any]:
+    """A mapping whose nested `pipeline` still holds a figure the core now owns, with that figure moved up (the file
+    is flat, so only mappings built in code hold it nested)."""
+    nested = data.get("pipeline")
+    if not isinstance(nested, dict) or not any(k in nested for k in CORE_FROM_PIPELINE):
+        return data
+    out = {**data, "pipeline": {k: v for k, v in nested.items() if k not in CORE_FROM_PIPELINE}}
+    for k in CORE_FROM_PIPELINE:
+        if k in nested and out.get(k) is None:
+            out[k] = nested[k]
     return out
 
 
@@ -378,6 +406,16 @@ class HardwareSpec(_Strict):
     alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
                                "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
                                "measured from reports")
+    disk_read_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s checkpoint files the page cache does "
+                                         "not hold are read at, from the disk the weights are on: the disk tier's "
+                                         "link (tiers.py) and the load's (`chunkflow calibrate --weights DIR` "
+                                         "measures it; `plan --disk-gbps` supposes one); unset: nothing is planned "
+                                         "on disk and load times are not predicted")
+    host_mem_margin: float = Field(0.02, ge=0, le=0.5, description="the share by which a plan keeps its predicted "
+                                   "host peak below --host-mem-budget (peak <= budget / (1 + host_mem_margin)), for "
+                                   "the host model's error: the default is the largest under-prediction measured, "
+                                   "a Wan2.2-TI2V-5B generation planned at 19.72 GB that held 20.07 GB on an H200 "
+                                   "host (issue 36, 2026-12-02), rounded up")
     mem_margin: float = Field(0.12, ge=0, le=0.5, description="the share by which a plan keeps its predicted GPU "
                               "peak below the budget (peak <= budget / (1 + mem_margin)), for the memory model's error: "
                               "the largest under-prediction of a phase's peak in generation reports, measured by "
@@ -394,7 +432,7 @@ class HardwareSpec(_Strict):
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("schema_version", 1) == 1:
             data = migrate_v1(data)
-        return lift_pipeline(data) if isinstance(data, dict) else data
+        return lift_pipeline(_core_from_pipeline(data)) if isinstance(data, dict) else data
 
     @model_serializer(mode="wrap")
     def _flatten(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

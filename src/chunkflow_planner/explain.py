@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
 if TYPE_CHECKING:
-    from chunkflow_planner.policy import Lever, Setting, StepFacts, Target
+    from chunkflow_planner.policy import Lever, Point, Setting, StepFacts, Target
 
 
 @dataclass(frozen=True)
@@ -138,3 +138,41 @@ def step_infeasible(f: StepFacts, kept: MarginKept | None = None) -> str:
             f"(residency {c.cfg.residency:.0%}, {format_bytes(c.cfg.chunk_bytes)} chunks), "
             f"above the target {target_said(f.target, c.step_s)}. The smallest memory any plan needs is {format_bytes(f.need)}. "
             "Raise --mem-budget or relax --max-slowdown / --target-step-time." + hint)
+
+
+# ------------------------------------------------------------------------------------------------ the disk tier
+
+
+def disk_said(p: Point, rate: float | None) -> str:
+    """The disk tier of a streamed transformer's point in words (empty without one): what it reads, at what rate,
+    whether the reads hide behind the step, and the disk rate that would hide them."""
+    if not p.cfg.disk_blocks:
+        return ""
+    said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes on disk (the host budget holds the rest): "
+            f"{format_bytes(p.memory.disk_read)} read each forward at {rate:.2f} GB/s")
+    stall = p.time.disk_stall
+    if stall <= 0:
+        return said + ", hidden behind the compute"
+    busy = p.time.total - stall  # the step without waiting: the reads take busy + stall, so hiding them needs
+    return said + (f", {format_seconds(stall)} a step exposed (a disk of {rate * (busy + stall) / busy:.2f} GB/s "
+                   "would hide it)")
+
+
+def host_budget_said(budget: int, margin: float) -> str:
+    """The host budget a message names: the user's, and what the plan keeps of it for the host model's error."""
+    if margin <= 0:
+        return format_bytes(budget)
+    return (f"{format_bytes(budget)} ({format_bytes(int(budget / (1 + margin)))} after the {margin:.1%} kept for "
+            "the host model's error)")
+
+
+def host_infeasible(need: float, budget: int, margin: float, disk_blocks: int, n_blocks: int,
+                    no_disk: str | None) -> str:
+    """Why the transformer alone does not fit the host budget: what it needs, and what the disk tier did or would
+    do (`no_disk`: why it was not used, e.g. no disk rate known)."""
+    where = (f" even with {disk_blocks} of {n_blocks} blocks' streamed bytes on disk (what remains is the process "
+             "and the blocks' resident heads and ring)" if disk_blocks else "")
+    return (f"host memory is the binding constraint: the transformer's pinned store and the process need "
+            f"{format_bytes(need)}{where} and --host-mem-budget is {host_budget_said(budget, margin)}. "
+            "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU"
+            + (f"; {no_disk}" if no_disk else "") + ".")

@@ -87,6 +87,31 @@ def block_volumes(spec: ModelSpec) -> list[int]:
     return list(hit[1])
 
 
+_STORED: dict[int, tuple[ModelSpec, list[int]]] = {}
+
+
+def stored_volumes(spec: ModelSpec, cfg: OffloadConfig) -> list[float]:
+    """Each block's bytes in the host store under `cfg`: V_l, or with fp8 storage the bytes of its cast and kept
+    tensors (catalog.ModelSpec.block_stored_bytes), as the runtime's layout packs them."""
+    if cfg.weight_dtype == "bf16":
+        return [float(v) for v in block_volumes(spec)]
+    hit = _STORED.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(_STORED) > 256:
+            _STORED.clear()
+        hit = (spec, [spec.block_stored_bytes(g, True) for g in spec.block_sequence()])
+        _STORED[id(spec)] = hit
+    return [float(v) for v in hit[1]]
+
+
+def cast_volumes(spec: ModelSpec) -> list[float]:
+    """Each block's tensors fp8 storage casts, in their compute dtype: the cast buffer one block needs."""
+    from chunkflow_planner.params import fp8_kept_params
+
+    return [float((spec.block_params(g) - fp8_kept_params(g.arch, spec)) * spec.dtype_bytes)
+            for g in spec.block_sequence()]
+
+
 def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1) -> MemoryEstimate:
     """Peak GPU memory and pinned host bytes of running `w` under `cfg` (per GPU)."""
     V = block_volumes(spec)
@@ -94,10 +119,12 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
     if cfg.mode == "none":
         return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0)
     full = V
-    V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
+    V = stored_volumes(spec, cfg)
     resident = [cfg.resident_bytes(v) for v in V]
     slot = max(v - r for v, r in zip(V, resident))
-    cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(full))  # the cast's target: one block in bf16
+    if cfg.weight_dtype != "bf16":  # the cast's target: one block's cast tensors in bf16 (not the ones kept)
+        full = cast_volumes(spec)
+    cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(full))
     if cfg.weight_dtype != "bf16" and cfg.fp8_cast == "copy":
         # a cast buffer per slot for the blocks that stream, and the compute stream's one for those that do not
         streams = [v - r > 0 for v, r in zip(V, resident)]
@@ -106,6 +133,12 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
     disk_read, ring = disk_bytes(V, resident, cfg)
     return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act,
                           float(sum(V)) - disk_read + ring, cast, disk_read, ring)
+
+
+def host_need(m: MemoryEstimate, hw: HardwareSpec) -> float:
+    """Host bytes the transformer alone holds: its pinned store (with a disk tier, the disk blocks' heads and the
+    ring) and what the process holds besides weights (process_host_bytes)."""
+    return float(m.pinned_host + hw.pipeline.process_host_bytes)
 
 
 def disk_bytes(V: list[float], resident: list[float], cfg: OffloadConfig) -> tuple[float, float]:

@@ -92,13 +92,6 @@ def T_disk(B_disk: float, BW_disk: float) -> float:
     return B_disk / BW_disk
 
 
-def F_star_disk(P_peak: float, eta_comp: float, B_disk: float, BW_disk: float, spacing: float) -> float:
-    """Eq. 4 for the disk link: the compute per block that hides a disk block's read of B_disk bytes when one block in
-    `spacing` reads from disk (disk blocks spread evenly, offload.disk_block_indices): a read overlaps the compute of
-    the `spacing` blocks from one disk block to the next, so F_block >= eta_comp P_peak T_disk / spacing."""
-    return eta_comp * P_peak * T_disk(B_disk, BW_disk) / spacing
-
-
 def I_block(F_block: float, B_pref: float) -> float:
     """Eq. 5: operational intensity of a block against its prefetch volume (FLOP per byte)."""
     return F_block / B_pref

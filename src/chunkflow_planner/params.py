@@ -147,6 +147,37 @@ def qwen_double(spec: ModelSpec) -> int:
     return img_mod + attn + img_mlp + txt_mod + txt_mlp
 
 
+def block_fp32_params(arch: str, spec: ModelSpec) -> int:
+    """Of a block's parameters, those its class keeps in float32 in a bf16 model (diffusers' _keep_in_fp32_modules
+    matched inside the block): Wan's scale_shift_table and norm2; none elsewhere."""
+    if arch != "wan_dit":
+        return 0
+    return 6 * spec.d + (2 * spec.d if _config(spec, "cross_attn_norm", True) else 0)
+
+
+def fp8_kept_params(arch: str, spec: ModelSpec) -> int:
+    """Of a block's parameters, those fp8 storage keeps in their own dtype: diffusers' layerwise casting (the
+    runtime's runtime/storage.cast_layers) casts only linear and convolution layers, and skips every module named
+    like *norm*, so the AdaLayerNorm modulation linears of FLUX and HunyuanVideo (a fifth to a third of their
+    blocks), the qk norms and Wan's modulation table stay as they are."""
+    d, hd = spec.d, _head_dim(spec)
+    if arch == "wan_dit":
+        added = d if _config(spec, "added_kv_proj_dim", None) is not None else 0
+        return 4 * d + added + block_fp32_params(arch, spec)
+    if arch == "flux_double":
+        return 2 * linear(d, 6 * d) + 4 * hd
+    if arch == "flux_single":
+        return linear(d, 3 * d) + 2 * hd
+    qk = _qk_norm(_config(spec, "qk_norm", "rms_norm"), hd)
+    if arch == "hunyuan_double":
+        return 2 * linear(d, 6 * d) + 4 * qk
+    if arch == "hunyuan_single":
+        return linear(d, 3 * d) + 2 * qk
+    if arch == "qwen_double":
+        return 4 * _qk_norm("rms_norm", hd)
+    raise ValueError(f"unknown block arch {arch!r}; known: {', '.join(BLOCK_PARAMS)}")
+
+
 BLOCK_PARAMS: dict[str, Callable[[ModelSpec], int]] = {
     "wan_dit": wan_dit,
     "flux_double": flux_double,

@@ -139,6 +139,8 @@ class PlanPrediction(Prediction):
     generation_time_s: float | None = Field(None, ge=0)
     host_memory_bytes: int | None = Field(None, ge=0)
     host_memory: dict[str, int] | None = Field(None, description="host bytes by what holds them")
+    disk_read_bytes_per_generation: int = Field(0, ge=0, description="bytes every component on the disk tier reads "
+                                                "from the checkpoint's files in one generation")
 
 
 class PlanComponent(_Section):
@@ -147,7 +149,12 @@ class PlanComponent(_Section):
     name: str = Field(description="the pipeline attribute: text_encoder, transformer, transformer_2, vae, ...")
     kind: Literal["text_encoder", "transformer", "vae"]
     bytes: int = Field(ge=0, description="parameter bytes")
-    placement: Literal["gpu", "phase", "stream", "cpu", "disk"]
+    placement: Literal["gpu", "phase", "stream", "cpu", "disk"] = Field(description="where it runs: on the GPU "
+                                                                        "throughout, moved per phase, streamed, on "
+                                                                        "the CPU, or read from the checkpoint's files "
+                                                                        "(disk)")
+    disk_read_bytes: int = Field(0, ge=0, description="bytes it reads from the checkpoint's files a generation (its "
+                                 "disk tier; 0 for a plan made before the disk tier was planned per component)")
 
 
 class PlanPipeline(_Section):
@@ -187,6 +194,9 @@ class Plan(_Section):
                                         "error: every predicted GPU peak is at most memory_budget_bytes / (1 + "
                                         "memory_margin)")
     host_memory_budget_bytes: int | None = Field(None, gt=0)
+    host_memory_margin: float | None = Field(None, ge=0, le=0.5, description="share of the host budget kept free "
+                                             "for the host model's error: the predicted host peak is at most "
+                                             "host_memory_budget_bytes / (1 + host_memory_margin)")
     host_memory_budget_source: str | None = Field(None, description="where the host budget came from: --host-mem-budget "
                                                   "or this machine's available memory when planned")
     target_step_time_s: float | None = None

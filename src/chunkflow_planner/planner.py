@@ -39,12 +39,15 @@ from chunkflow_planner.plan import (
     PlanWorkload,
     Prediction,
 )
-from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide
+from chunkflow_planner.memory import host_need
+from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide, fewest_disk_blocks
+from chunkflow_planner.tiers import DISK_RATE_REMEDY, disk_known
 from chunkflow_planner.workload import WorkloadError, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
 
 DEFAULT_HARDWARE = "h200"
+DISK_GBPS_RANGE = (0.01, 1e4)  # GB/s: a network share to a RAID of NVMe drives
 PROFILE_FILENAME = "hardware-profile.yaml"
 
 
@@ -78,15 +81,17 @@ def resolve_hardware(
     h2d_gbps: float | None = None,
     eta_comp: float | None = None,
     eta_pref: float | None = None,
+    disk_gbps: float | None = None,
 ) -> ResolvedHardware:
     """The hardware to plan for: a catalog name or profile path, else the saved profile, else the default.
 
-    What-if overrides replace single figures; `h2d_gbps` is the effective per-GPU BW_h2d.
+    What-if overrides replace single figures; `h2d_gbps` is the effective per-GPU BW_h2d, `disk_gbps` the disk's
+    cold read rate BW_disk (the disk tier's link, tiers.py).
     """
     ranges = {"peak_tflops": PEAK_TFLOPS_RANGE, "h2d_gbps": H2D_GBPS_RANGE, "eta_comp": EFFICIENCY_RANGE,
-              "eta_pref": EFFICIENCY_RANGE}
+              "eta_pref": EFFICIENCY_RANGE, "disk_gbps": DISK_GBPS_RANGE}
     for key, value in (("peak_tflops", peak_tflops), ("h2d_gbps", h2d_gbps), ("eta_comp", eta_comp),
-                       ("eta_pref", eta_pref)):
+                       ("eta_pref", eta_pref), ("disk_gbps", disk_gbps)):
         lo, hi = ranges[key]
         if value is not None and not (math.isfinite(value) and lo <= value <= hi):
             raise CatalogError(f"--{key.replace('_', '-')} must be between {lo:g} and {hi:g}, got {value}")
@@ -106,7 +111,8 @@ def resolve_hardware(
         spec = get_hardware(DEFAULT_HARDWARE)
         source = f"default:{DEFAULT_HARDWARE} (no --hardware and no calibrated profile on this machine)"
     update: dict[str, float] = {}
-    for key, value in (("peak_tflops", peak_tflops), ("eta_comp", eta_comp), ("eta_pref", eta_pref)):
+    for key, value in (("peak_tflops", peak_tflops), ("eta_comp", eta_comp), ("eta_pref", eta_pref),
+                       ("disk_read_gbps", disk_gbps)):
         if value is not None:
             update[key] = value
     if h2d_gbps is not None:
@@ -154,7 +160,7 @@ def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Pr
     disk = {}
     if p.cfg.disk_blocks and hw is not None:
         disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * (1 if p.cfg.cfg_batched else passes)),
-                    disk_read_gbps=hw.pipeline.disk_read_gbps, disk_stall_s=p.time.disk_stall)
+                    disk_read_gbps=hw.disk_read_gbps, disk_stall_s=p.time.disk_stall)
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
                       pinned_host_bytes=int(p.memory.pinned_host), **disk)
 
@@ -172,14 +178,60 @@ def memory_margin(hw: HardwareSpec, mem_margin: float | None) -> float:
     return margin
 
 
+def host_memory_margin(hw: HardwareSpec, host_mem_margin: float | None) -> float:
+    """The share of the host budget kept for the host model's error: `host_mem_margin`, else the hardware's."""
+    margin = hw.host_mem_margin if host_mem_margin is None else host_mem_margin
+    if not (math.isfinite(margin) and 0 <= margin <= 0.5):
+        raise CatalogError(f"the host memory margin must be between 0 and 0.5 (a share of the budget), got {margin}")
+    return margin
+
+
 def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, max_slowdown: float | None,
-                       target_step_time: float | None) -> Decision:
-    """The transformer alone, its reason and its error naming the user's budget through `kept`."""
+                       target_step_time: float | None, host_budget: int | None = None,
+                       host_margin: float = 0.0) -> Decision:
+    """The transformer alone, its reason and its error naming the user's budget through `kept`; with `host_budget`,
+    its pinned store and the process inside it less `host_margin`, with the fewest disk blocks that bring a streamed
+    point inside (the disk tier, tiers.py)."""
     try:
         decision = decide(problem, usable, max_slowdown, target_step_time)
     except Infeasible as exc:
         raise Infeasible(exc.facts, explain.step_infeasible(exc.facts, kept)) from None
-    return replace(decision, reason=explain.step_reason(decision.facts, kept))
+    decision = replace(decision, reason=explain.step_reason(decision.facts, kept))
+    return decision if host_budget is None else _within_host(problem, decision, host_budget, host_margin)
+
+
+def _within_host(problem: Problem, decision: Decision, host_budget: int, margin: float) -> Decision:
+    """The decision with its point inside the host budget (less the margin): as is where it fits, else with the
+    fewest disk blocks that fit; Infeasible (host memory binds) where even every block on disk does not, or where the
+    disk tier cannot be used (no disk rate known, no streaming, fp8 storage)."""
+    hw = problem.hw
+    usable = int(host_budget / (1 + margin))
+    chosen = decision.chosen
+
+    def fits(p: Point) -> bool:
+        return host_need(p.memory, hw) <= usable
+
+    if fits(chosen):
+        return decision
+    n = problem.spec.n_blocks
+    if chosen.cfg.mode == "none" or chosen.cfg.weight_dtype != "bf16":
+        raise _host_infeasible(decision, chosen, host_budget, margin, n, "the disk tier keeps streamed bf16 blocks "
+                               "only (the plan streams nothing, or stores fp8)", hw)
+    if not disk_known(hw):
+        raise _host_infeasible(decision, chosen, host_budget, margin, n, "the disk tier could keep blocks' streamed "
+                               f"bytes in the checkpoint's files: {DISK_RATE_REMEDY}", hw)
+    disk = fewest_disk_blocks(problem, chosen, fits)
+    if not fits(disk):
+        raise _host_infeasible(decision, disk, host_budget, margin, n, None, hw)
+    return replace(decision, chosen=disk, reason=decision.reason + explain.disk_said(disk, hw.disk_read_gbps))
+
+
+def _host_infeasible(decision: Decision, p: Point, budget: int, margin: float, n_blocks: int,
+                     no_disk: str | None, hw: HardwareSpec) -> Infeasible:
+    """Host memory binds for the transformer alone at point `p` (the least host memory tried)."""
+    return Infeasible(replace(decision.facts, binding="host memory"),
+                      explain.host_infeasible(host_need(p.memory, hw), budget, margin, p.cfg.disk_blocks, n_blocks,
+                                              no_disk))
 
 
 def critical_analysis(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, sp: int,
@@ -211,6 +263,7 @@ def make_plan(
     levers: Levers | None = None,
     mem_margin: float | None = None,
     read_bytes: int | None = None,
+    host_mem_margin: float | None = None,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
@@ -221,7 +274,10 @@ def make_plan(
     may choose (default: batched CFG considered where the model has two guidance passes, bf16 weights).
     `mem_margin` (default: the hardware's) keeps every predicted GPU peak under budget / (1 + mem_margin): the
     memory model's measured error, so that a plan that fits on paper fits the card. `read_bytes`: the checkpoint's
-    bytes as stored, where the folder is known (the load's prediction; default: the parameters' own bytes)."""
+    bytes as stored, where the folder is known (the load's prediction; default: the parameters' own bytes).
+    `host_mem_margin` (default: the hardware's) keeps the predicted host peak under host_budget / (1 +
+    host_mem_margin), the host model's measured error. The transformer alone is held to `host_budget` only where one
+    is given (its pinned store and the process), with the fewest disk blocks that fit where the disk rate is known."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
@@ -230,22 +286,29 @@ def make_plan(
     kept = MarginKept(budget, margin) if margin > 0 else None  # how the messages name it
     levers = Levers.of(workload.cfg_passes) if levers is None else levers
     problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
+    host_margin = host_memory_margin(hw, host_mem_margin)
     whole = None
     if plans_pipeline(problem, pipeline):
         host_source = "--host-mem-budget"
         if host_budget is None:
             host_budget, host_source = host_budget_of(hardware)
-        decision, whole = decide_whole(problem, usable, kept, UNCHECKED_HOST_BUDGET if host_budget is None
-                                       else host_budget, max_slowdown, target_step_time, target_time,
-                                       generation_slowdown)
+        host_usable = UNCHECKED_HOST_BUDGET if host_budget is None else int(host_budget / (1 + host_margin))
+        decision, whole = decide_whole(problem, usable, kept, host_usable, max_slowdown, target_step_time,
+                                       target_time, generation_slowdown,
+                                       None if host_budget is None else (host_budget, host_margin))
     else:
-        decision = decide_transformer(problem, usable, kept, max_slowdown, target_step_time)
+        decision = decide_transformer(problem, usable, kept, max_slowdown, target_step_time, host_budget, host_margin)
     analysis = critical_analysis(spec, workload, hardware, sp, prefetch_bytes, text_len, decision.chosen.cfg)
     plan = assemble(spec, workload, hardware, problem, decision, analysis, budget, margin)
     if whole is not None:
         plan = with_pipeline(plan, spec, whole, read_bytes).model_copy(update={
-            "host_memory_budget_source": host_source,
-            **({"host_memory_budget_bytes": None} if host_budget is None else {})})
+            "host_memory_budget_source": host_source, "host_memory_budget_bytes": host_budget,
+            "host_memory_margin": None if host_budget is None else host_margin})
+    elif host_budget is not None:
+        pred = plan.prediction.model_copy(update={"host_memory_bytes": int(host_need(decision.chosen.memory, hw))})
+        plan = plan.model_copy(update={"prediction": pred, "host_memory_budget_bytes": host_budget,
+                                       "host_memory_budget_source": "--host-mem-budget",
+                                       "host_memory_margin": host_margin})
     return plan, decision, analysis
 
 

@@ -258,6 +258,31 @@ def best_of(points: list[Point]) -> Point:
     return best
 
 
+def fewest_disk_blocks(problem: Problem, point: Point, fits, priced=None, evaluate=None):
+    """`point` with the fewest disk blocks (offload.disk_block_indices: their streamed tails read from the
+    checkpoint's files each forward, tiers.py) for which `fits(point)` holds, priced by `priced` (default: the point
+    itself); with every block on disk where none fits (the least host memory there is, for a shortfall's facts).
+    Host memory falls as disk blocks are added, so the count is bisected. `evaluate`: problem.evaluate, or a cache
+    of it where many placements bisect the same point."""
+    priced = priced or (lambda p: p)
+    evaluate = evaluate or problem.evaluate
+
+    def at(k: int) -> Point:
+        return evaluate(point.cfg.with_overrides(disk_blocks=k))
+
+    lo, hi = 1, problem.spec.n_blocks
+    every = at(hi)
+    if not fits(every):
+        return priced(every)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(at(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return priced(at(lo))
+
+
 def residency_grid(spec: ModelSpec, chunk_bytes: int) -> list[float]:
     """Residencies in chunk-sized steps: k / n for k = 0..n, n = chunks in the largest block."""
     n = max(1, math.ceil(max(block_volumes(spec)) / chunk_bytes))

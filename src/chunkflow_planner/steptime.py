@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
-from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.memory import block_volumes, disk_bytes
+from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
-from chunkflow_planner.overlap import GB, T_comp_hw, T_disk, T_pref, eta_samples
+from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
+from chunkflow_planner.tiers import DiskRateUnknown, read_s  # noqa: F401 (DiskRateUnknown: its old home)
 from chunkflow_planner.workload import per_forward, tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
@@ -127,7 +127,8 @@ def step_time(
     groups = spec.block_sequence()
     V = block_volumes(spec) if prefetch_bytes is None else [float(prefetch_bytes)] * len(groups)
     cast = [0.0] * len(groups) if cfg.weight_dtype == "bf16" else [v / (hw.cast_gbps * GB) for v in V]
-    V = [cfg.stored_bytes(v, spec.dtype_bytes) for v in V]
+    V = (stored_volumes(spec, cfg) if prefetch_bytes is None
+         else [cfg.stored_bytes(v, spec.dtype_bytes) for v in V])
     # fp8_cast "copy": a streamed block is cast on the copy stream after its copies (the runtime casts a block
     # that does not stream on the compute stream)
     on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
@@ -156,20 +157,12 @@ def step_time(
     return out
 
 
-class DiskRateUnknown(ChunkflowError):
-    """A disk tier priced with a profile that has no disk read rate."""
-
-
 def disk_stall(forward_s: float, V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> float:
     """What one forward of `forward_s` seconds waits for the disk tier: the reader reads every disk block's tail
     (memory.disk_bytes) once a forward, one block ahead of its copies, on a link of its own, so the forward takes
-    the longer of its own time and the reads (T_disk); the first read of a forward overlaps the previous one's last
-    blocks. Raises DiskRateUnknown where the profile has no disk rate."""
+    the longer of its own time and the reads (T_disk at the disk tier's rate, tiers.py); the first read of a forward
+    overlaps the previous one's last blocks. Raises tiers.DiskRateUnknown where the profile has no disk rate."""
     if not cfg.disk_blocks:
         return 0.0
-    rate = hw.pipeline.disk_read_gbps
-    if rate is None:
-        raise DiskRateUnknown("the profile has no disk read rate to price the disk tier: run `chunkflow calibrate "
-                              "--weights DIR` on this machine (it times the disk the checkpoint is on)")
     read, _ = disk_bytes(V, [cfg.resident_bytes(v) for v in V], cfg)
-    return max(0.0, T_disk(read, rate * GB) - forward_s)
+    return max(0.0, read_s(read, "disk", hw) - forward_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Optional
+import math
 import sys
 
 from rich.table import Table
@@ -77,7 +78,11 @@ _TargetTime = Annotated[Optional[str], typer.Option(help="latency target of the 
                                                          "given)")]
 _HostMemBudget = Annotated[Optional[str], typer.Option(help="host memory available, e.g. 64GB (default: this "
                                                             "machine's memory less 10% where the plan is for this "
-                                                            "machine; none checked where --hardware names another)")]
+                                                            "machine; none checked where --hardware names another, "
+                                                            "or with --transformer-only)")]
+_HostMemMargin = Annotated[Optional[float], typer.Option(help="share of --host-mem-budget kept free for the host "
+                                                              "model's error, e.g. 0.05 (default: the hardware "
+                                                              "profile's, measured; 0 plans to the byte)")]
 _TransformerOnly = Annotated[bool, typer.Option("--transformer-only", help="plan the transformer alone (no text "
                                                 "encoder, VAE or host memory), as the ChunkFlow paper does")]
 _CfgBatching = Annotated[str, typer.Option(help="run a step's two guidance passes as one batched forward, so each "
@@ -90,6 +95,9 @@ _Out = Annotated[Optional[str], typer.Option("--out", "-o", help="write the plan
 _Json = Annotated[bool, typer.Option("--json", help="print the plan JSON on stdout instead of tables")]
 _PeakTflops = Annotated[Optional[float], typer.Option(help="what-if: peak dense BF16 TFLOP/s")]
 _H2dGbps = Annotated[Optional[float], typer.Option(help="what-if: effective per-GPU host-to-device GB/s (BW_h2d)")]
+_DiskGbps = Annotated[Optional[float], typer.Option(help="what-if: the disk's cold read rate in GB/s (BW_disk), for "
+                                                        "the disk tier before anything is downloaded or calibrated "
+                                                        "(`chunkflow calibrate --weights DIR` measures it)")]
 _EtaComp = Annotated[Optional[float], typer.Option(help="what-if: compute efficiency factor")]
 _EtaPref = Annotated[Optional[float], typer.Option(help="what-if: prefetch efficiency factor")]
 _PrefetchBytes = Annotated[Optional[str], typer.Option(help="what-if: per-block prefetch volume, e.g. 520MB")]
@@ -104,10 +112,12 @@ def plan_cmd(model: Model, frames: _Frames = None, batch: _Batch = None, height:
              steps: _Steps = None, sp: _Sp = 1, hardware: Hardware = None, mem_budget: _MemBudget = None,
              mem_margin: _MemMargin = None, max_slowdown: _MaxSlowdown = None,
              target_step_time: _TargetStepTime = None, target_time: _TargetTime = None,
-             host_mem_budget: _HostMemBudget = None, transformer_only: _TransformerOnly = False,
+             host_mem_budget: _HostMemBudget = None, host_mem_margin: _HostMemMargin = None,
+             transformer_only: _TransformerOnly = False,
              cfg_batching: _CfgBatching = "auto", weight_dtype: _WeightDtype = "auto",
              allow_fp8: _AllowFp8 = False, out: _Out = None, json_out: _Json = False,
-             peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, eta_comp: _EtaComp = None,
+             peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, disk_gbps: _DiskGbps = None,
+             eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
              weights: _Weights = None, variant: Variant = None) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency."""
@@ -117,26 +127,28 @@ def plan_cmd(model: Model, frames: _Frames = None, batch: _Batch = None, height:
     from chunkflow_planner.workload import make_workload
 
     _check_plan_flags(max_slowdown, target_step_time, text_len, mem_margin, out, hardware)
+    if host_mem_margin is not None and not (math.isfinite(host_mem_margin) and 0 <= host_mem_margin <= 0.5):
+        raise UserError(f"--host-mem-margin is a share of the host budget between 0 and 0.5 (e.g. 0.05), got "
+                        f"{host_mem_margin}")
     spec = get_model(model)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
     levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
     resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
-                                eta_pref=eta_pref)
+                                eta_pref=eta_pref, disk_gbps=disk_gbps)
     budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
     target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
     gen_target = parse_duration(target_time, "--target-time") if target_time is not None else None
     host_budget = parse_size(host_mem_budget, "--host-mem-budget") if host_mem_budget is not None else None
     pbytes = parse_size(prefetch_bytes, "--prefetch-bytes") if prefetch_bytes is not None else None
-    if transformer_only and (gen_target is not None or host_budget is not None):
-        raise UserError("--target-time and --host-mem-budget plan the whole pipeline; leave them out with "
-                        "--transformer-only")
+    if transformer_only and gen_target is not None:
+        raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
     read_bytes = _read_bytes(spec, weights, variant, transformer_only)
     plan, decision, analysis = make_plan(
         spec, workload, resolved, sp=sp, budget=budget,
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
         target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
         host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
-        mem_margin=mem_margin, read_bytes=read_bytes,
+        mem_margin=mem_margin, read_bytes=read_bytes, host_mem_margin=host_mem_margin,
     )
     if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
         flags = [f for f, given in (("--sp", sp > 1), ("--prefetch-bytes", pbytes is not None),

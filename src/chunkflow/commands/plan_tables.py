@@ -42,6 +42,8 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
     if plan.pipeline is not None:
         print_pipeline(console, plan)
+    else:
+        print_host_alone(console, plan)
 
 
 def _analysis_table(plan: Plan) -> Table:
@@ -145,24 +147,51 @@ def tie_note(plan: Plan) -> str | None:
             "parallelism, where its copies pause around the collectives.")
 
 
+def print_host_alone(console: Console, plan: Plan) -> None:
+    """The transformer alone against a host budget, and its disk tier (nothing without --host-mem-budget)."""
+    pp = plan.prediction
+    if plan.host_memory_budget_bytes is None:
+        return
+    console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} (the pinned store and the process) of "
+                  f"{format_bytes(plan.host_memory_budget_bytes)} (--host-mem-budget"
+                  + (f", planned inside {format_bytes(int(plan.host_memory_budget_bytes / (1 + plan.host_memory_margin)))}"
+                     f": {plan.host_memory_margin:.1%} kept for the host model's error" if plan.host_memory_margin
+                     else "") + ")", highlight=False)
+    if plan.offload.disk_blocks:
+        console.print(disk_blocks_line(plan), highlight=False)
+
+
+def disk_blocks_line(plan: Plan) -> str:
+    """The transformer's disk blocks: how many, the bytes a step reads and whether they hide."""
+    pp = plan.prediction
+    return (f"disk: {plan.offload.disk_blocks} of {plan.model.n_blocks} blocks keep their streamed bytes in "
+            f"the checkpoint's files, {format_bytes(pp.disk_read_bytes_per_step)} read a step at "
+            f"{pp.disk_read_gbps:.2f} GB/s"
+            + (f", {format_seconds(pp.disk_stall_s)} of the step waiting for them" if pp.disk_stall_s
+               else ", hidden behind the step") + " (run it with --weights: the files are read each step)")
+
+
 def print_pipeline(console: Console, plan: Plan) -> None:
     """Where each component runs, each phase's time and peak GPU memory, host memory against its budget."""
     pp = plan.prediction
     c = Table(title="Components (the whole pipeline)")
-    for col in ("component", "kind", "weights", "placement"):
-        c.add_column(col, justify="right" if col == "weights" else "left")
+    disk = any(comp.disk_read_bytes for comp in plan.pipeline.components)
+    for col in ("component", "kind", "weights", "placement") + (("disk reads",) if disk else ()):
+        c.add_column(col, justify="right" if col in ("weights", "disk reads") else "left")
+    on_disk = {"disk": "on disk: read from the checkpoint's files at its phase, no host copy"}
     what = ({"gpu": "on the device (the CPU) throughout", "phase": "on the device (the CPU) for its phase only",
-             "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU"}
+             "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU", **on_disk}
             if plan.hardware.device_is_host else
             {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
-             "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU"})
+             "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU", **on_disk})
     for comp in plan.pipeline.components:
         where = what[comp.placement]
-        if comp.kind == "transformer" and comp.placement == "stream":
+        if comp.kind == "transformer" and comp.placement in ("stream", "disk"):
             where += f" ({plan.offload.label})"
         if comp.kind == "vae" and plan.pipeline.vae_tiling:
             where += ", tiled decode"
-        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where)
+        reads = (format_bytes(comp.disk_read_bytes) if comp.disk_read_bytes else "-",) if disk else ()
+        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where, *reads)
     console.print(c)
     dev = plan.hardware.device_word
     t = Table(title="Predicted generation, phase by phase " + (
@@ -186,15 +215,18 @@ def print_pipeline(console: Console, plan: Plan) -> None:
                       highlight=False)
     else:
         hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
+        kept = (f", planned inside {format_bytes(int(plan.host_memory_budget_bytes / (1 + plan.host_memory_margin)))}: "
+                f"{plan.host_memory_margin:.1%} kept for the host model's error" if plan.host_memory_margin else "")
         console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
-                      f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint})", highlight=False)
-    if plan.offload.disk_blocks:
-        console.print(f"disk: {plan.offload.disk_blocks} of {plan.model.n_blocks} blocks keep their streamed bytes in "
-                      f"the checkpoint's files, {format_bytes(pp.disk_read_bytes_per_step)} read a step at "
-                      f"{pp.disk_read_gbps:.2f} GB/s"
-                      + (f", {format_seconds(pp.disk_stall_s)} of the step waiting for them" if pp.disk_stall_s
-                         else ", hidden behind the step") + " (run it with --weights: the files are read each step)",
-                      highlight=False)
+                      f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint}{kept})", highlight=False)
+    if pp.disk_read_bytes_per_generation:
+        rate = plan.hardware.spec.get("disk_read_gbps") if plan.hardware.spec else None
+        console.print(f"disk reads: {format_bytes(pp.disk_read_bytes_per_generation)} a generation from the "
+                      "checkpoint's files" + (f" at {rate:.2f} GB/s" if rate else "")
+                      + " (run it with --weights: they are read from there)", highlight=False)
+    if plan.offload.disk_blocks and any(c.kind == "transformer" and c.placement in ("stream", "disk")
+                                        for c in plan.pipeline.components):
+        console.print(disk_blocks_line(plan), highlight=False)
     if pp.load is not None:
         console.print(plan_load_line(pp.load, plan.hardware.device_is_host), highlight=False)
 

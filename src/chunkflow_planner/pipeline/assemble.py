@@ -23,14 +23,15 @@ def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
 
 def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_budget: int,
                  max_slowdown: float | None, target_step_time: float | None, target_time: float | None,
-                 generation_slowdown: float | None) -> tuple[Decision, PipelineDecision]:
+                 generation_slowdown: float | None,
+                 host_kept: tuple[int, float] | None = None) -> tuple[Decision, PipelineDecision]:
     """The whole pipeline's placements, and the transformer's decision in it with the baselines of the plan; the
-    error names the user's budget through `kept`."""
+    error names the user's budgets through `kept` and `host_kept` (the user's host bytes and the margin kept)."""
     try:
         whole = decide_pipeline(problem.spec, problem.workload, problem.hw, problem, usable, host_budget,
                                 max_slowdown, target_step_time, target_time, generation_slowdown)
     except Infeasible as exc:
-        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept)) from None
+        raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept, host_kept)) from None
     base = baselines(problem, max_slowdown, target_step_time)
     return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason,
                     whole.facts), whole
@@ -54,12 +55,16 @@ def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_byt
     e = whole.chosen
     pl = e.placements
     pipe = spec.pipeline
-    comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p)
+    disk = {k: int(v) for k, v in e.disk_bytes.items()}
+    comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p,
+                           disk_read_bytes=disk.get(te.component, 0))
              for te, p in zip(pipe.text_encoders, pl.text_encoders)]
     t_bytes = spec.nbytes
-    comps += [PlanComponent(name="transformer" if k == 0 else f"transformer_{k + 1}", kind="transformer", bytes=t_bytes,
-                            placement=pl.transformer) for k in range(pipe.experts)]
-    comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae))
+    names = ["transformer" if k == 0 else f"transformer_{k + 1}" for k in range(pipe.experts)]
+    comps += [PlanComponent(name=n, kind="transformer", bytes=t_bytes, placement=pl.transformer,
+                            disk_read_bytes=disk.get(n, 0)) for n in names]
+    comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae,
+                               disk_read_bytes=disk.get(pipe.vae.component, 0)))
     phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, startup_s=e.phases[ph].startup_s,
                                                      peak_memory_bytes=e.peak_memory(ph),
                                                      allocated_bytes=int(e.phases[ph].allocated_bytes),
@@ -68,7 +73,7 @@ def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_byt
     pred = plan.prediction.model_copy(update=dict(
         phases=phases, load=load_prediction(spec, e, read_bytes), generation_time_s=e.generation_time,
         host_memory_bytes=e.host_memory,
-        host_memory={k: int(v) for k, v in e.host_bytes.items()}))
+        host_memory={k: int(v) for k, v in e.host_bytes.items()}, disk_read_bytes_per_generation=sum(disk.values())))
     return plan.model_copy(update=dict(
         pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,
         host_memory_budget_bytes=whole.host_budget,

@@ -7,15 +7,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.memory import allocation_within
+from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.pipeline import explain
 from chunkflow_planner.pipeline.decode import vae_fit
 from chunkflow_planner.pipeline.phases import estimate
 from chunkflow_planner.pipeline.placement import (
+    ON_DISK,
     TEXT_PLACEMENTS,
     TRANSFORMER_PLACEMENTS,
     VAE_PLACEMENTS,
@@ -24,6 +26,7 @@ from chunkflow_planner.pipeline.placement import (
     Placements,
 )
 from chunkflow_planner.pipeline.text import TextCosts, text_costs
+from chunkflow_planner.tiers import disk_known
 from chunkflow_planner.policy import (
     BATCHING_GAIN,
     Facts,
@@ -36,6 +39,7 @@ from chunkflow_planner.policy import (
     best_of,
     candidates,
     chunk_tie,
+    fewest_disk_blocks,
     levers_of,
     setting,
 )
@@ -72,12 +76,16 @@ def _pick_stream(cands: _Transformer, room: float) -> Point | None:
 
 
 def _placements(spec: ModelSpec, hw: HardwareSpec) -> list[Placements]:
+    """Every placement of the pipeline's components; on disk only where the disk's rate is known."""
     pipe = spec.pipeline
     tilings = (False, True) if vae_fit(spec, hw).tiled is not None else (False,)
+    known = disk_known(hw)
+    text, tr_places, vaes = ([p for p in places if p != ON_DISK or known]
+                             for places in (TEXT_PLACEMENTS, TRANSFORMER_PLACEMENTS, VAE_PLACEMENTS))
     out = []
-    for tes in itertools.product(TEXT_PLACEMENTS, repeat=len(pipe.text_encoders)):
-        for tr in TRANSFORMER_PLACEMENTS:
-            for vae in VAE_PLACEMENTS:
+    for tes in itertools.product(text, repeat=len(pipe.text_encoders)):
+        for tr in tr_places:
+            for vae in vaes:
                 for tiling in tilings:
                     out.append(Placements(tuple(tes), tr, vae, tiling))
     return out
@@ -97,6 +105,9 @@ class PipelineFacts(Facts):
     step_target_s: float
     step_met: bool = True
     levers: tuple[Lever, ...] = ()
+    disk_passed: PipelineEstimate | None = None  # a faster placement that reads more from disk, within DISK_TIE
+    disk_would: PipelineEstimate | None = None  # host memory binds, no disk rate known: the plan at SUPPOSED_DISK_GBPS
+    disk_meets_gbps: float | None = None  # latency binds with disk reads: the disk rate that would meet the target
 
 
 @dataclass(frozen=True)
@@ -124,28 +135,21 @@ def generation_target(base: PipelineEstimate, target_time: float | None, generat
     return base.generation_time * generation_slowdown if generation_slowdown is not None else math.inf
 
 
+def _disk_ok(point: Point) -> bool:
+    """Whether a streamed point can keep blocks on disk: it streams, and in the checkpoint's own dtype."""
+    return point.cfg.mode != "none" and point.cfg.weight_dtype == "bf16"
+
+
 def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, costs: TextCosts,
-               host_budget: int, problem: Problem) -> PipelineEstimate | None:
+               host_budget: int, problem: Problem, evaluate=None) -> PipelineEstimate | None:
     """A streamed transformer's placement inside `host_budget` with the fewest disk blocks (the disk tier: their
     streamed bytes read from the checkpoint's files each forward); every block on disk where even that does not fit
     (the least host memory there is, for the shortfall's facts); None where the profile has no disk rate. Host
-    memory falls as disk blocks are added: the count is bisected."""
-    if hw.pipeline.disk_read_gbps is None or point.cfg.mode == "none" or point.cfg.weight_dtype != "bf16":
+    memory falls as disk blocks are added: the count is bisected (policy.fewest_disk_blocks)."""
+    if not disk_known(hw) or not _disk_ok(point):
         return None
-    def at(k: int) -> PipelineEstimate:
-        return estimate(spec, w, hw, pl, problem.evaluate(point.cfg.with_overrides(disk_blocks=k)), costs)
-
-    lo, hi = 1, spec.n_blocks
-    every = at(hi)
-    if every.host_memory > host_budget:
-        return every
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if at(mid).host_memory <= host_budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return at(lo)
+    return fewest_disk_blocks(problem, point, lambda p: estimate(spec, w, hw, pl, p, costs).host_memory <= host_budget,
+                              lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
 
 
 def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transformer, costs: TextCosts,
@@ -153,9 +157,18 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
                                                                                dict[Placements, float]]:
     """Every placement estimated: a transformer on the GPU or moved per phase in each CFG evaluation allowed, a
     streamed one by the plan's rule in the room its placement leaves (returned per placement, allocated bytes),
-    and, where that streamed placement is over the host budget, with the fewest disk blocks that bring it inside."""
+    and, where that streamed placement is over the host budget, with the fewest disk blocks that bring it inside;
+    a transformer on disk is that streamed point with every block on disk."""
     seen: list[PipelineEstimate] = []
     rooms: dict[Placements, float] = {}
+    picked: dict[float, Point] = {}  # the streamed point by room: placements that leave the same room share it
+    evaluated: dict[OffloadConfig, Point] = {}  # points with disk blocks, shared by the placements that try them
+
+    def evaluate(cfg: OffloadConfig) -> Point:
+        if cfg not in evaluated:
+            evaluated[cfg] = problem.evaluate(cfg)
+        return evaluated[cfg]
+
     for pl in _placements(spec, hw):
         if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
             seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
@@ -163,21 +176,40 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         probe = estimate(spec, w, hw, pl, cands.none, costs)
         other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
         rooms[pl] = _room(other, gpu_budget, hw, cands.none)
-        point = _pick_stream(cands, rooms[pl])
-        if point is None:
-            point = min(cands.points, key=lambda p: p.memory.peak)
+        if rooms[pl] not in picked:
+            point = _pick_stream(cands, rooms[pl])
+            picked[rooms[pl]] = point if point is not None else min(cands.points, key=lambda p: p.memory.peak)
+        point = picked[rooms[pl]]
+        if pl.transformer == ON_DISK:
+            if not _disk_ok(point):
+                continue
+            seen.append(estimate(spec, w, hw, pl, evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks)),
+                                 costs))
+            continue
         e = estimate(spec, w, hw, pl, point, costs)
         seen.append(e)
         if e.host_memory > host_budget and e.gpu_need <= gpu_budget:
-            disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem)
+            disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:
                 seen.append(disk)
     return seen, rooms
 
 
+DISK_TIE = 0.05  # placements this close to the fastest are ranked by the bytes they read from disk
+
+
 def _fastest(fits: list[PipelineEstimate]) -> PipelineEstimate:
-    """The fastest placement, then the smallest; a whole transformer batches CFG only for a real gain."""
+    """The fastest placement, then the smallest; a whole transformer batches CFG only for a real gain. Where the
+    fastest reads from disk, a placement within DISK_TIE of its time that reads fewer bytes from disk a generation
+    is taken instead (then the fastest of those): a disk's rate varies with the page cache and with other readers
+    more than a host link's, and the disk tier's plans were the least accurate measured (a generation reading 18
+    transformer blocks from disk each forward ran 13.9% over its plan on an H200, issue 36), so the placement that
+    reads what it needs once (a text encoder, the VAE) is preferred to one that reads blocks every step."""
     best = min(fits, key=lambda e: (round(e.generation_time, 6), e.gpu_need, e.host_memory))
+    if best.disk_read > 0:
+        near = [e for e in fits if e.generation_time <= best.generation_time * (1 + DISK_TIE)]
+        best = min(near, key=lambda e: (round(e.disk_read, -6), round(e.generation_time, 6), e.gpu_need,
+                                        e.host_memory))
     if best.transformer.cfg.cfg_batched and best.placements.transformer in ("gpu", "phase"):
         plain = [e for e in fits if e.placements == best.placements and not e.transformer.cfg.cfg_batched]
         if plain and plain[0].generation_time <= best.generation_time * (1 + BATCHING_GAIN):
@@ -213,6 +245,47 @@ def _shortfall(best: PipelineEstimate | None, fits_gpu: list[PipelineEstimate], 
     return facts_of(min(seen, key=lambda e: e.gpu_need), binding="memory")
 
 
+SUPPOSED_DISK_GBPS = 1.5  # what a shortfall supposes without a disk rate: the H200 host's NVMe as calibrate measured
+# it (issue 36, 2026-12-02)
+
+
+def _disk_facts(facts: PipelineFacts, spec: ModelSpec, w: Workload, problem: Problem, target: float,
+                asked: dict) -> PipelineFacts:
+    """A shortfall's facts with what the disk tier would do: where host memory binds and the disk's rate is unknown,
+    the plan at SUPPOSED_DISK_GBPS; where latency binds and the placement reads from disk, the rate that would meet
+    the target."""
+    hw = problem.hw
+    if hw.pipeline.device_is_host:
+        return facts
+    if facts.binding == "host memory" and not disk_known(hw):
+        supposed = hw.model_copy(update={"disk_read_gbps": SUPPOSED_DISK_GBPS})
+        try:
+            would = decide_pipeline(spec, w, supposed, replace(problem, hw=supposed), **asked)
+        except Infeasible:
+            return facts
+        return replace(facts, disk_would=would.chosen)
+    if facts.binding == "latency" and facts.placement.disk_read > 0:
+        return replace(facts, disk_meets_gbps=_rate_meeting(facts.placement, spec, w, problem, target))
+    return facts
+
+
+def _rate_meeting(e: PipelineEstimate, spec: ModelSpec, w: Workload, problem: Problem, target: float) -> float | None:
+    """The disk rate (GB/s) at which placement `e` meets `target`, bisected on a log scale; None where no disk
+    would (the time is not the disk's)."""
+    def time_at(gbps: float) -> float:
+        hw = problem.hw.model_copy(update={"disk_read_gbps": gbps})
+        point = replace(problem, hw=hw).evaluate(e.transformer.cfg)
+        return estimate(spec, w, hw, e.placements, point, text_costs(spec, w, hw)).generation_time
+
+    lo, hi = problem.hw.disk_read_gbps, 1e4
+    if time_at(hi) > target:
+        return None
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if time_at(mid) <= target else (mid, hi)
+    return hi
+
+
 def decide_pipeline(
     spec: ModelSpec,
     w: Workload,
@@ -242,11 +315,17 @@ def decide_pipeline(
     seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget, host_budget, problem)
     fits_gpu = [e for e in seen if e.gpu_need <= gpu_budget]
     fits = [e for e in fits_gpu if e.host_memory <= host_budget]
-    best = _fastest(fits) if fits else None
-    if best is None or best.generation_time > target:
-        facts = _shortfall(best, fits_gpu, seen, facts_of)
+    quickest = min(fits, key=lambda e: e.generation_time) if fits else None
+    if quickest is None or quickest.generation_time > target:
+        facts = _disk_facts(_shortfall(quickest, fits_gpu, seen, facts_of), spec, w, problem, target,
+                            dict(gpu_budget=gpu_budget, host_budget=host_budget, max_slowdown=max_slowdown,
+                                 target_step_time=target_step_time, target_time=target_time,
+                                 generation_slowdown=generation_slowdown))
         raise Infeasible(facts, explain.pipeline_infeasible(facts))
+    best = _fastest([e for e in fits if e.generation_time <= target])
     streamed = best.placements.transformer == "stream" and cands.meets(best.transformer)
     facts = facts_of(best, binding=None, time_s=best.generation_time,
                      levers=_stream_levers(best, cands, rooms[best.placements], problem) if streamed else ())
+    if quickest.generation_time < best.generation_time * (1 - 1e-6):  # the disk tie (_fastest) passed it over
+        facts = replace(facts, disk_passed=quickest)
     return PipelineDecision(best, base, target, gpu_budget, host_budget, explain.pipeline_reason(facts), facts)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from chunkflow_planner.explain import MarginKept, budget_said, levers_said
+from chunkflow_planner.explain import MarginKept, budget_said, host_budget_said, levers_said
+from chunkflow_planner.explain import disk_said as core_disk_said
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET
+from chunkflow_planner.tiers import DISK_RATE_REMEDY
 from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
 if TYPE_CHECKING:
@@ -32,20 +34,8 @@ def placement_said(e: PipelineEstimate) -> str:
 
 
 def disk_said(e: PipelineEstimate) -> str:
-    """The disk tier of a streamed transformer in words (empty without one): what it reads, at what rate, whether
-    the reads hide behind the step, and the disk rate that would hide them."""
-    p = e.transformer
-    if not p.cfg.disk_blocks:
-        return ""
-    rate = e.hw.pipeline.disk_read_gbps
-    said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes on disk (the host budget holds the rest): "
-            f"{format_bytes(p.memory.disk_read)} read each forward at {rate:.2f} GB/s")
-    stall = p.time.disk_stall
-    if stall <= 0:
-        return said + ", hidden behind the compute"
-    busy = p.time.total - stall  # the step without waiting: the reads take busy + stall, so hiding them needs
-    return said + (f", {format_seconds(stall)} a step exposed (a disk of {rate * (busy + stall) / busy:.2f} GB/s "
-                   "would hide it)")
+    """The disk tier of a streamed transformer in words (empty without one): explain.disk_said."""
+    return core_disk_said(e.transformer, e.hw.disk_read_gbps)
 
 
 def pipeline_reason(f: PipelineFacts) -> str:
@@ -56,6 +46,15 @@ def pipeline_reason(f: PipelineFacts) -> str:
     versus = f", {slow:.3f}x everything on the GPU" if not e.hw.pipeline.device_is_host and slow >= 0.995 else ""
     why = (f"the fastest placement inside the budgets: {placement_said(e)}; {format_seconds(f.time_s)} "
            f"per generation{versus}{goal}; its peak is the {e.binding_phase} phase")
+    if f.disk_passed is not None:
+        q = f.disk_passed
+        why = (f"the placement inside the budgets that reads the least from disk among those near the fastest: "
+               f"{placement_said(e)}; {format_seconds(f.time_s)} per generation{versus}{goal}, reading "
+               f"{format_bytes(e.disk_read)} from disk a generation; its peak is the {e.binding_phase} phase; "
+               f"{placement_said(q)} would take {format_seconds(q.generation_time)} "
+               f"({q.generation_time / f.time_s - 1:+.1%}) but reads {format_bytes(q.disk_read)} from disk (what is "
+               "read once a generation goes to disk before what is read every step: a disk's rate varies more "
+               "than the host link's)")
     if e.placements.transformer == "stream" and not f.step_met:
         target, step = format_seconds_apart(f.step_target_s, t.step_s)
         return why + (f"; no streamed setting inside the budget meets the step target "
@@ -68,8 +67,10 @@ def pipeline_reason(f: PipelineFacts) -> str:
     return why
 
 
-def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str:
-    """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory")."""
+def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
+                        host_kept: tuple[int, float] | None = None) -> str:
+    """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory");
+    `host_kept`: the user's host budget and the margin kept of it (f.host_budget is what is left)."""
     e = f.placement
     gpu = budget_said(format_bytes(f.budget), kept, more=True)
     if f.binding == "latency":
@@ -79,17 +80,20 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str
         return (f"latency is the binding constraint: the fastest generation inside {gpu} of {e.hw_word} memory and "
                 f"{host} takes {took} ({placement_said(e)}), "
                 f"above the target {target}{disk_said(e)}. Raise --mem-budget, or relax "
-                "--max-slowdown / --target-time" + (", or use a faster disk" if e.transformer.time.disk_stall > 0
-                                                    else "") + ".")
+                "--max-slowdown / --target-time" + (
+                    f", or use a faster disk: {format_bytes(e.disk_read)} read from disk a generation, a disk of "
+                    f"{f.disk_meets_gbps:.2f} GB/s would meet the target" if f.disk_meets_gbps is not None else
+                    ", or use a faster disk" if e.disk_read > 0 else "") + ".")
     if f.binding == "host memory":
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
         return (f"host memory is the binding constraint: the placement needing the least host memory inside "
                 f"{gpu} of {e.hw_word} memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
-                f"--host-mem-budget is {format_bytes(f.host_budget)}. "
+                f"--host-mem-budget is "
+                f"{host_budget_said(*host_kept) if host_kept else format_bytes(f.host_budget)}. "
                 + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
                    if e.hw.pipeline.device_is_host else
                    "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU")
-                + _disk_remedy(e))
+                + _disk_remedy(e, f))
     phase = e.binding_phase
     return (f"{e.hw_word} memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
             f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "
@@ -97,13 +101,23 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None) -> str
             + (kept.needed(f.need) if kept else ""))
 
 
-def _disk_remedy(e: PipelineEstimate) -> str:
-    """What the disk tier could still do where host memory binds."""
+def _disk_remedy(e: PipelineEstimate, f: PipelineFacts) -> str:
+    """What the disk tier could still do where host memory binds: with no disk rate known, what would go to disk at
+    a supposed rate (and how to give the real one)."""
     if e.hw.pipeline.device_is_host:
         return ""
-    if e.hw.pipeline.disk_read_gbps is None:
-        return (", or time this machine's disk (`chunkflow calibrate --weights DIR`) so that the plan can keep "
-                "blocks' weights on disk, read each step.")
+    if e.hw.disk_read_gbps is None:
+        would = f.disk_would
+        if would is None:
+            return f", or use the disk tier: {DISK_RATE_REMEDY}."
+        on_disk = [k for k, v in would.disk_bytes.items() if v > 0]
+        blocks = would.transformer.cfg.disk_blocks
+        what = ", ".join(k if not k.startswith("transformer") or would.placements.transformer == "disk"
+                         else f"{blocks} {k} blocks" for k in on_disk)
+        return (f". With the disk tier it would fit: at a disk of {would.hw.disk_read_gbps:.2f} GB/s (supposed) "
+                f"{what} on disk, {format_bytes(would.disk_read)} read a generation, "
+                f"{format_seconds(would.generation_time)} per generation, {format_bytes(would.host_memory)} of host "
+                f"memory ({placement_said(would)}); {DISK_RATE_REMEDY}.")
     if e.transformer.cfg.disk_blocks:
         return (f" (already with {e.transformer.cfg.disk_blocks} blocks' streamed bytes on disk: what remains is the "
                 "process, the other components and the blocks' resident heads).")

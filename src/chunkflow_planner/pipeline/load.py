@@ -49,11 +49,11 @@ class LoadEstimate:
 def BW_read(cached: float, hw: HardwareSpec) -> float | None:
     """Bytes per second reading checkpoint files of which a share `cached` is in the page cache (eq. L2); None where
     the profile has no measured disk rate."""
-    if hw.pipeline.disk_read_gbps is None:
+    if hw.disk_read_gbps is None:
         return None
-    cache = hw.pipeline.page_cache_gbps if hw.pipeline.page_cache_gbps is not None else hw.pipeline.disk_read_gbps
+    cache = hw.pipeline.page_cache_gbps if hw.pipeline.page_cache_gbps is not None else hw.disk_read_gbps
     c = min(1.0, max(0.0, cached))
-    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.pipeline.disk_read_gbps * GB))
+    return 1.0 / (c / (cache * GB) + (1.0 - c) / (hw.disk_read_gbps * GB))
 
 
 def T_load(est: LoadEstimate, cached: float, hw: HardwareSpec) -> float | None:
@@ -102,6 +102,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     h2d = pinned = during = 0.0  # during: bytes of host stores, locked while their blocks are read
     device_now = 0.0  # device bytes that stay (gpu), and the largest one parked after its load (phase)
     parked = fresh = 0.0
+    unread = 0.0  # bytes on the disk tier: read at their phase, not at the load
     for te, p in zip(pipe.text_encoders, placements.text_encoders):
         layers, rest = _text_encoder_split(te)
         if p == "cpu":
@@ -117,8 +118,16 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
             h2d += 2 * rest
             pinned += layers + rest
             during += layers
+        elif p == "disk":  # read at its phase, not at the load: only its ring is page-locked
+            unread += te.nbytes
+            pinned += host_bytes.get(te.component, 0.0)
     m = transformer_memory
-    if placements.transformer == "gpu":
+    if placements.transformer == "disk":  # its resident heads read into the pinned store; the rest at its turns
+        h2d += experts * m.resident_block_weights
+        pinned += experts * m.pinned_host
+        during += experts * m.pinned_host
+        unread += experts * (t_bytes - m.resident_block_weights)
+    elif placements.transformer == "gpu":
         h2d += experts * t_bytes
         device_now += experts * t_bytes
     elif placements.transformer == "phase":
@@ -126,12 +135,16 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         pinned += experts * t_bytes
         parked = max(parked, t_bytes)
     else:
-        # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host memory
+        # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host memory;
+        # disk blocks' tails stay in the files
         h2d += experts * (2 * m.non_block_weights + m.resident_block_weights)
         pinned += experts * (m.pinned_host + spec.non_block_bytes)
         during += experts * m.pinned_host
+        unread += experts * m.disk_read
     vae = float(pipe.vae.nbytes)
-    if placements.vae == "gpu":
+    if placements.vae == "disk":
+        unread += vae
+    elif placements.vae == "gpu":
         h2d += vae
         device_now += vae
     else:
@@ -139,7 +152,8 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         pinned += vae
         parked = max(parked, vae)
     total = sum(spec.component_bytes().values())
-    read = float(total if read_bytes is None else read_bytes)
+    # what stays on disk is not read at the load (read_bytes, from the headers, is scaled by the same share)
+    read = float(total if read_bytes is None else read_bytes) * max(0.0, 1.0 - unread / total)
     if hw.pipeline.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
         # component's twice (the device's copy, then its parking)
         fresh = float(total) + sum(b for b, p in _placed_bytes(spec, placements, t_bytes, vae) if p == "phase")

@@ -9,27 +9,33 @@ transformer's step model (steptime.py) for denoising and the VAE's decode fit (d
 from __future__ import annotations
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, encode_startup_key
-from chunkflow_planner.overlap import GB
+from chunkflow_planner.offload import DISK_RING_BLOCKS, disk_block_indices
 from chunkflow_planner.pipeline.decode import decode_cost, output_host_bytes
-from chunkflow_planner.pipeline.placement import Phase, PipelineEstimate, Placements
+from chunkflow_planner.pipeline.placement import ON_DISK, Phase, PipelineEstimate, Placements
+from chunkflow_planner.tiers import read_s
 from chunkflow_planner.pipeline.text import TextCosts, text_act_bytes, text_costs
 from chunkflow_planner.policy import Point
 
 
 def _transformer_host(spec: ModelSpec, placement: str, point: Point) -> float:
     """Host bytes of the transformer(s): none on the GPU, a full copy when moved per phase, the pinned store
-    (halved by fp8 storage) plus the non-block tensors when streamed."""
+    (halved by fp8 storage; a disk tier's ring for its disk blocks' tails) plus the non-block tensors when streamed,
+    the pinned store alone on disk (its non-block tensors are read from the files at its turn)."""
     if placement == "gpu":
         return 0.0
     if placement == "stream":
         return float((spec.non_block_bytes + point.memory.pinned_host) * spec.pipeline.experts)
+    if placement == ON_DISK:
+        return float(point.memory.pinned_host * spec.pipeline.experts)
     return float(spec.nbytes * spec.pipeline.experts)
 
 
-def _unpark_bytes(spec: ModelSpec, point: Point) -> float:
-    """Bytes one expert copies to the device when it takes its turn: non-block tensors and resident chunks."""
+def _unpark_s(spec: ModelSpec, placement: str, point: Point, hw: HardwareSpec) -> float:
+    """Seconds one expert takes to reach the device when it takes its turn: its non-block tensors (from pinned host
+    memory, or from the files on disk) and its resident chunks (pinned host memory)."""
     m = point.memory
-    return m.non_block_weights + m.resident_block_weights
+    return (read_s(m.non_block_weights, "disk" if placement == ON_DISK else "host", hw)
+            + read_s(m.resident_block_weights, "host", hw))
 
 
 def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point,
@@ -52,7 +58,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     if pl.vae == "gpu":
         always += vae_bytes
     host["transformer"] = _transformer_host(spec, pl.transformer, point)
-    host["vae"] = 0.0 if pl.vae == "gpu" else float(vae_bytes)
+    host["vae"] = 0.0 if pl.vae in ("gpu", ON_DISK) else float(vae_bytes)
     host["output"] = output_host_bytes(w)
 
     enc = _encode(spec, hw, pl, text, always)
@@ -61,7 +67,31 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     phases = {"encode": enc, "denoise": den, "decode": dec}
     if hw.pipeline.device_is_host:  # the device's peak is host memory too
         host["device"] = max(ph.allocated_bytes for ph in phases.values())
-    return PipelineEstimate(pl, point, phases, host, hw)
+    return PipelineEstimate(pl, point, phases, host, hw, _disk_reads(spec, w, pl, point))
+
+
+def _disk_reads(spec: ModelSpec, w: Workload, pl: Placements, point: Point) -> dict[str, float]:
+    """Bytes each component reads from the checkpoint's files a generation: a text encoder on disk its layers at
+    each forward and its other tensors once; the VAE on disk once; a transformer's disk blocks' tails every forward,
+    plus the reader's read-ahead of DISK_RING_BLOCKS tails at the end of each expert's turn (for a forward that
+    does not come: measured on an H200, docs/data/h200-disk: 4 x 19 + 2 tails read in a 2-step generation), plus,
+    on disk, its non-block tensors at its turn."""
+    out: dict[str, float] = {}
+    for te, p in zip(spec.pipeline.text_encoders, pl.text_encoders):
+        if p == ON_DISK:
+            layers = te.layer_params * te.dtype_bytes * te.shape()["layers"]
+            out[te.component] = w.cfg_passes * layers + (te.nbytes - layers)
+    k = point.cfg.disk_blocks
+    if k and pl.transformer in ("stream", ON_DISK):
+        forwards = w.steps * (1 if point.cfg.cfg_batched else w.cfg_passes)
+        per_expert = point.memory.disk_read * (forwards / spec.pipeline.experts + min(DISK_RING_BLOCKS, k) / k)
+        if pl.transformer == ON_DISK:
+            per_expert += point.memory.non_block_weights
+        for i in range(spec.pipeline.experts):
+            out["transformer" if i == 0 else f"transformer_{i + 1}"] = per_expert
+    if pl.vae == ON_DISK:
+        out[spec.pipeline.vae.component] = float(spec.pipeline.vae.nbytes)
+    return out
 
 
 def _encode(spec: ModelSpec, hw: HardwareSpec, pl: Placements, text: list, always: float) -> Phase:
@@ -73,8 +103,8 @@ def _encode(spec: ModelSpec, hw: HardwareSpec, pl: Placements, text: list, alway
         enc.time_s += t
         enc.detail[te.component] = t - move  # its forwards; a parked one's move to the device on its own
         if move:
-            enc.detail[f"{te.component} to device"] = move
-        if p in ("phase", "stream"):
+            enc.detail[f"{te.component} {'from disk' if p == ON_DISK else 'to device'}"] = move
+        if p in ("phase", "stream", ON_DISK):
             held += dev - text_act_bytes(te)
         if p != "cpu":
             enc.activation_bytes = max(enc.activation_bytes, text_act_bytes(te))
@@ -89,29 +119,49 @@ def _denoise(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     """The denoise phase: the transformer's plan (one expert at a time); parked outside, so it copies its device
     part back."""
     den = Phase()
-    bw = hw.h2d_gbps * GB
     den.detail["steps"] = w.steps * point.step_time
     if pl.transformer == "phase":
-        den.detail["unpark"] = spec.pipeline.experts * spec.nbytes / bw
-    elif pl.transformer == "stream":
-        den.detail["unpark"] = spec.pipeline.experts * _unpark_bytes(spec, point) / bw
+        den.detail["unpark"] = spec.pipeline.experts * read_s(spec.nbytes, "host", hw)
+    elif pl.transformer in ("stream", ON_DISK):
+        den.detail["unpark"] = spec.pipeline.experts * _unpark_s(spec, pl.transformer, point, hw)
     den.time_s = sum(den.detail.values())
     den.allocated_bytes = (always - (spec.nbytes if pl.transformer == "gpu" else 0.0)) + point.memory.peak
     den.activation_bytes = point.memory.activations
     _add_startup(den, "denoise", hw, spec)
+    first = spec.pipeline.experts * _disk_first_read(point, hw)
+    if first > 0:  # a start-up of the first generation: later ones find the read-ahead of the one before
+        den.detail["disk first read"] = first
+        den.startup_s += first
+        den.time_s += first
     return den
 
 
+def _disk_first_read(point: Point, hw: HardwareSpec) -> float:
+    """Seconds a process's first forward of a transformer with disk blocks waits for its first disk block: nothing
+    is read ahead yet (runtime/disk.py restarts its reader at that block), so its tail's read is exposed but for
+    the blocks computed before it. Later forwards, and later generations, find it read ahead."""
+    k = point.cfg.disk_blocks
+    if not k:
+        return 0.0
+    n = len(point.time.per_block)
+    first = disk_block_indices(n, k)[0]
+    tail = point.memory.disk_read / k  # the disk blocks' mean tail (alike blocks: their tail)
+    return max(0.0, read_s(tail, "disk", hw) - sum(point.time.per_block[:first]))
+
+
 def _decode(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, always: float) -> Phase:
-    """The decode phase: the VAE's measured fit, after its move to the device if it is placed per phase."""
+    """The decode phase: the VAE's measured fit, after its move to the device if it is placed per phase (from pinned
+    host memory) or on disk (read from the files)."""
     dec = Phase()
     vae_bytes = spec.pipeline.vae.nbytes
     t_dec, act = decode_cost(spec, w, hw, pl.vae_tiling)
     dec.detail["vae"] = t_dec
     if pl.vae == "phase":
-        dec.detail["unpark"] = vae_bytes / (hw.h2d_gbps * GB)
+        dec.detail["unpark"] = read_s(vae_bytes, "host", hw)
+    elif pl.vae == ON_DISK:
+        dec.detail["from disk"] = read_s(vae_bytes, "disk", hw)
     dec.time_s = sum(dec.detail.values())
-    dec.allocated_bytes = always + (vae_bytes if pl.vae == "phase" else 0.0) + act
+    dec.allocated_bytes = always + (vae_bytes if pl.vae in ("phase", ON_DISK) else 0.0) + act
     dec.activation_bytes = act
     _add_startup(dec, "decode", hw, spec)
     return dec

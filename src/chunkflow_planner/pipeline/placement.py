@@ -6,7 +6,11 @@ Placements:
 - `phase`: in (pinned) host memory, on the GPU for its own phase only (chunkflow parks it outside);
 - `stream`: chunkflow streams its layers from pinned host memory (the transformer as the plan says; a text
   encoder layer by layer), parked outside its phase;
-- `cpu`: runs on the CPU (text encoders).
+- `cpu`: runs on the CPU (text encoders);
+- `disk`: read from the checkpoint's own files at its phase, nothing of it kept in host memory (tiers.py): a text
+  encoder streamed layer by layer with every layer read at each use and its other tensors read at its phase, the
+  VAE read whole onto the GPU at the decode, a transformer streamed with every block's tail on disk and its other
+  tensors read at its turn. Offered only where the disk's rate is known (HardwareSpec.disk_read_gbps).
 The VAE may decode tiled.
 
 Per phase the prediction is its time and its peak GPU memory, where peak memory is what runs out: torch's peak
@@ -24,9 +28,10 @@ from chunkflow_planner.memory import device_need
 from chunkflow_planner.policy import Point
 
 PHASES = ("encode", "denoise", "decode")
-TEXT_PLACEMENTS = ("gpu", "phase", "stream", "cpu")
-TRANSFORMER_PLACEMENTS = ("gpu", "phase", "stream")
-VAE_PLACEMENTS = ("gpu", "phase")
+TEXT_PLACEMENTS = ("gpu", "phase", "stream", "cpu", "disk")
+TRANSFORMER_PLACEMENTS = ("gpu", "phase", "stream", "disk")
+VAE_PLACEMENTS = ("gpu", "phase", "disk")
+ON_DISK = "disk"  # the placement whose weights stay in the checkpoint's files
 
 
 class PipelineError(ChunkflowError):
@@ -59,6 +64,11 @@ class PipelineEstimate:
     phases: dict[str, Phase]
     host_bytes: dict[str, float]
     hw: HardwareSpec
+    disk_bytes: dict[str, float] = field(default_factory=dict)  # bytes each component reads from disk a generation
+
+    @property
+    def disk_read(self) -> float:
+        return sum(self.disk_bytes.values())
 
     def peak_memory(self, phase: str) -> int:
         """Device memory in use at the phase's peak: allocation, the allocator's slack over the activations (what

@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING
 from chunkflow_planner.ops import Attention, Gemm, MemPass, Op, ops_time
 from chunkflow_planner.overlap import GB
 from chunkflow_planner.pipeline.cpu import ops_time_cpu
-from chunkflow_planner.pipeline.placement import TEXT_PLACEMENTS
+from chunkflow_planner.pipeline.placement import ON_DISK, TEXT_PLACEMENTS
+from chunkflow_planner.tiers import disk_known, read_s
 
 if TYPE_CHECKING:
     from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
     from chunkflow_planner.components import TextEncoderSpec
 
 TEXT_STREAM_CHUNK = 16 * 10**6
+TEXT_DISK_RING = 2  # a text encoder on disk reads its layers into a page-locked ring of two of its largest
 
 TextCosts = dict[tuple[int, str], tuple[float, float, float, float]]
 
@@ -86,17 +88,25 @@ def _text_cost(te: TextEncoderSpec, placement: str, passes: int,
         return passes * t_fwd, te.nbytes + act, 0.0, 0.0
     if placement == "phase":
         return passes * t_fwd + te.nbytes / bw, te.nbytes + act, float(te.nbytes), te.nbytes / bw
-    # stream: each layer waits for the longer of its compute and its transfer; non-layer tensors come back once
+    # stream: each layer waits for the longer of its compute and its transfer; non-layer tensors come back once.
+    # disk: the same, each layer read from the files at each use (a ring of two layers in host memory) and the
+    # non-layer tensors read from the files once a phase (tiers.py)
     layers = te.shape()["layers"]
     layer_bytes = te.layer_params * te.dtype_bytes
     rest = te.nbytes - layers * layer_bytes
     t_layer = t_fwd / layers
-    per_fwd = layers * max(t_layer, layer_bytes / bw + math.ceil(layer_bytes / TEXT_STREAM_CHUNK) * hw.dma_startup_us * 1e-6)
+    copy = layer_bytes / bw + math.ceil(layer_bytes / TEXT_STREAM_CHUNK) * hw.dma_startup_us * 1e-6
+    if placement == "disk":
+        per_fwd = layers * max(t_layer, read_s(layer_bytes, "disk", hw), copy)
+        move = read_s(rest, "disk", hw)
+        return passes * per_fwd + move, rest + 2 * layer_bytes + act, TEXT_DISK_RING * layer_bytes, move
+    per_fwd = layers * max(t_layer, copy)
     return passes * per_fwd + rest / bw, rest + 2 * layer_bytes + act, float(te.nbytes), rest / bw
 
 
 def text_costs(spec: ModelSpec, w: Workload, hw: HardwareSpec) -> TextCosts:
-    """(seconds, device bytes, host bytes, seconds moving to the device) of every text encoder in every placement:
-    (index, placement) -> cost."""
+    """(seconds, device bytes, host bytes, seconds moving to the device) of every text encoder in every placement
+    (on disk only where the disk's rate is known): (index, placement) -> cost."""
+    places = [p for p in TEXT_PLACEMENTS if p != ON_DISK or disk_known(hw)]
     return {(i, p): _text_cost(te, p, w.cfg_passes, hw)
-            for i, te in enumerate(spec.pipeline.text_encoders) for p in TEXT_PLACEMENTS}
+            for i, te in enumerate(spec.pipeline.text_encoders) for p in places}
