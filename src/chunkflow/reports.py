@@ -137,8 +137,10 @@ class GenerationResult(BaseModel):
     encode_cached: list[bool] = Field(default_factory=list, description="each measured generation: its prompt was "
                                       "encoded before in this process, so the encode phase ran no text encoder")
     disk_read_bytes: dict[str, int] = Field(default_factory=dict, description="components that keep weights in the "
-                                            "checkpoint's files: bytes read from them over the whole run (warm-up "
-                                            "included)")
+                                            "checkpoint's files: bytes read from them a measured generation (their "
+                                            "mean; the load's and warm-ups' reads not counted)")
+    predicted_disk_read_bytes: dict[str, int] = Field(default_factory=dict, description="the plan's reads from the "
+                                                      "checkpoint's files a generation, by component")
     output_pixels: OutputPixels | None = Field(None, description="what the output written (--out) holds")
 
 

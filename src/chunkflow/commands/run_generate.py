@@ -87,6 +87,7 @@ class _Setup:
     built: Any  # BuiltPipeline
     load: LoadResult
     comparable: bool  # the run's device is the plan's kind (GPU or host)
+    planned_disk_reads: dict[str, int]  # component -> bytes the plan reads from its files a generation
 
 
 def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
@@ -119,7 +120,9 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
         if want and have > want * 1.01:
             log(f"note: {name} holds {format_bytes(have)}, the plan counted {format_bytes(want)}; its memory "
                 "predictions are short by the difference")
-    return _Setup(spec, hw, w, device, folder, placements, tiling, built, load, comparable)
+    planned_reads = {c.name: c.disk_read_bytes for c in plan.pipeline.components if c.disk_read_bytes} \
+        if plan.pipeline is not None else {}
+    return _Setup(spec, hw, w, device, folder, placements, tiling, built, load, comparable, planned_reads)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class _Runs:
     stats: dict
     last: Any  # chunkflow.generate.Generation
     encode_cached: list[bool]  # per measured generation: its encode ran no text encoder (the prompt cache)
+    disk_reads: dict[str, int]  # component -> bytes it read from the checkpoint's files a measured generation
 
 
 def _generations(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
@@ -157,6 +161,7 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
     measured: list = []
     cached: list[bool] = []
     stats_before: dict = {}
+    reads_before: dict[str, int] = {}
     for i in range(o.warmup + o.repeat):
         gen = None  # an earlier output must not sit in host memory while the next generation runs
         if freeze and i:  # what the last generation left alive joins the frozen objects, so a full collection
@@ -166,6 +171,7 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
             setup.built.prompts.clear()  # prompt encoded again (a library caller's repeats reuse it; generate())
         if i == o.warmup:  # the handle's counters of the measured generations alone
             stats_before = handle.stats().as_dict()
+            reads_before = setup.built.disk_reads()
         k = i - o.warmup
         tag = (f"warm-up {i + 1}/{o.warmup}: " if k < 0 else f"generation {k + 1}/{o.repeat}: " if o.repeat > 1
                else "")
@@ -192,10 +198,14 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
     for key in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
         if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
             stats[key] -= stats_before[key]
-    for name, n in setup.built.disk_reads().items():
-        log(f"{name}: {format_bytes(n)} read from the checkpoint's files over the run "
-            f"({setup.placements.get(name, 'stream')}; its weights are not held in host memory)")
-    return _Runs(measured, first, first_parts, stats, gen, cached)
+    reads = {name: (n - reads_before.get(name, 0)) // max(1, len(measured))
+             for name, n in setup.built.disk_reads().items()}
+    for name, n in reads.items():
+        want = setup.planned_disk_reads.get(name)
+        plan_text = f", planned {format_bytes(want)}" if want else ""
+        log(f"{name}: {format_bytes(n)} read from the checkpoint's files a generation{plan_text} "
+            f"({setup.placements.get(name, 'stream')})")
+    return _Runs(measured, first, first_parts, stats, gen, cached, reads)
 
 
 def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: _Setup, runs: _Runs):
@@ -243,7 +253,8 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: _Setup
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
         warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
         first_phase_times_s=runs.first, first_parts_s=runs.first_parts, load=setup.load,
-        encode_cached=runs.encode_cached, disk_read_bytes=setup.built.disk_reads())
+        encode_cached=runs.encode_cached, disk_read_bytes=runs.disk_reads,
+        predicted_disk_read_bytes=setup.planned_disk_reads)
     return report
 
 

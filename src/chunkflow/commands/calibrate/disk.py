@@ -5,8 +5,8 @@ threads and pieces included; and on a GPU the rate of page-locking host memory, 
 The sample is the largest safetensors files in the folder (a pipeline folder given with `--weights`, else the
 Hugging Face cache), up to `sample_bytes`, found by a bounded walk that stays inside what was named (`sample_files`);
 where the folder has too few, or it is the temporary directory (never walked), a temporary file (at most
-TEMP_SAMPLE_BYTES) is written there and removed after. The sample is 8 GB and its cold rate the slower of the whole
-sample's and its second half's: a cloud disk reads its first gigabytes from a burst allowance (on one H200 machine a
+TEMP_SAMPLE_BYTES) is written there and removed after. The sample is 8 GB, read cold as a load reads (dropping the pages it
+read), and its cold rate the slower of the whole sample's and its second half's: a cloud disk reads its first gigabytes from a burst allowance (on one H200 machine a
 2 GB sample timed 1.70 GB/s where a 27 GB load read at 1.21 GB/s, docs/disk-h200.md), and a plan needs the rate a
 full load keeps up. A cold read needs the kernel to drop the sample's pages
 (`POSIX_FADV_DONTNEED`); where it cannot (another process maps them, a filesystem that keeps them), the rate
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 SAMPLE_BYTES = 8 * 10**9
+WARM_SAMPLE_BYTES = 2 * 10**9  # the page cache's rate is steady: timed on this much
 TEMP_SAMPLE_BYTES = 2 * 10**9  # a file calibrate writes itself: no more of the user's disk than this
 SMOKE_SAMPLE_BYTES = 64 * 2**20
 BUFFER_BYTES = 256 * 2**20  # the reads land in one buffer of this size, over and over
@@ -132,16 +133,17 @@ def _drop(files: list[tuple[Path, int]]) -> None:
             os.close(fd)
 
 
-def _read_all(files: list[tuple[Path, int]], nbytes: int) -> tuple[float, int, float]:
-    """Seconds the loader's reader takes to read the first `nbytes` of the files (keeping their pages cached), and
-    the bytes and seconds of its second half (the reads after the one that crosses the middle)."""
+def _read_all(files: list[tuple[Path, int]], nbytes: int, keep_cache: bool) -> tuple[float, int, float]:
+    """Seconds the loader's reader takes to read the first `nbytes` of the files (dropping the pages it read, as the
+    loader and the disk tier do, unless `keep_cache`), and the bytes and seconds of its second half (the reads after
+    the one that crosses the middle)."""
     import torch
 
     from chunkflow.loading.reader import FileReader
 
     buf = torch.empty(min(BUFFER_BYTES, max(nbytes, 1)), dtype=torch.uint8)
     left, half = nbytes, None
-    with FileReader(keep_cache=True) as reader:
+    with FileReader(keep_cache=keep_cache) as reader:
         t0 = time.perf_counter()
         for path, size in files:
             off = 0
@@ -199,8 +201,10 @@ def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[
         nbytes = min(sample_bytes, sum(s for _, s in files))
         _drop(files)
         left = _cached_share(files)
-        cold, tail_bytes, tail_s = _read_all(files, nbytes)
-        warm, _, _ = _read_all(files, nbytes)
+        cold, tail_bytes, tail_s = _read_all(files, nbytes, keep_cache=False)  # as a load or the disk tier reads
+        warm_bytes = min(nbytes, WARM_SAMPLE_BYTES)
+        _read_all(files, warm_bytes, keep_cache=True)  # brought into the page cache, then timed from there
+        warm, _, _ = _read_all(files, warm_bytes, keep_cache=True)
         _drop(files)  # the sample's pages were brought in by calibrate: give them back
     finally:
         if temp is not None:
@@ -208,7 +212,7 @@ def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[
     cold_ok = left is not None and left <= COLD_AT_MOST
     out = dict(folder=str(folder), files=[str(p) for p, _ in files], sample_bytes=nbytes, temporary=temp is not None,
                cached_after_drop=left, cold_s=cold, cold_tail=[tail_bytes, tail_s], warm_s=warm,
-               page_cache_gbps=nbytes / warm / 1e9, cold_whole_gbps=nbytes / cold / 1e9,
+               page_cache_gbps=warm_bytes / warm / 1e9, cold_whole_gbps=nbytes / cold / 1e9,
                disk_read_gbps=sustained_gbps(nbytes, cold, tail_bytes, tail_s) if cold_ok else None)
     if cold_ok:
         log(f"disk ({folder}): {nbytes / 1e9:.2f} GB read cold at {out['disk_read_gbps']:.2f} GB/s sustained "
