@@ -188,6 +188,7 @@ def test_the_planners_bytes_are_the_runtime_layouts(name):
     from chunkflow.runtime.casting import Fp8Storage
     from chunkflow.runtime.layout import block_layouts
     from chunkflow.runtime.resolve import resolve_blocks
+    from chunkflow.runtime.tiers.host import HostTier
     from chunkflow_planner.memory import block_volumes, cast_volumes, estimate_memory, stored_volumes
     from chunkflow_planner.offload import disk_block_indices
 
@@ -196,14 +197,15 @@ def test_the_planners_bytes_are_the_runtime_layouts(name):
     blocks = resolve_blocks(m, [getattr(m, g.diffusers_list) for g in spec.blocks])
     k = spec.n_blocks * 3 // 5
     cfg = OffloadConfig("chunkflow", "16MB", 0.25, disk_blocks=k)
-    lay = block_layouts(m, blocks, cfg.chunk_bytes, cfg.residency)
+    host = HostTier()
+    lay = block_layouts(m, blocks, cfg.chunk_bytes, cfg.residency, None, lambda b: host)
     assert [b.nbytes for b in lay] == block_volumes(spec)
     tails = sum(lay[l].nbytes - lay[l].resident_bytes for l in disk_block_indices(len(lay), k))
     w = spec.default_workload
     assert estimate_memory(spec, w, cfg).disk_read == tails
     fp8 = OffloadConfig("chunkflow", "16MB", 0.0, weight_dtype="fp8_e4m3")
     cast = Fp8Storage(torch.float8_e4m3fn, on_copy=False).plan(m, blocks)
-    lay8 = block_layouts(m, blocks, fp8.chunk_bytes, fp8.residency, cast)
+    lay8 = block_layouts(m, blocks, fp8.chunk_bytes, fp8.residency, cast, lambda b: host)
     assert [b.nbytes for b in lay8] == stored_volumes(spec, fp8)
     assert [b.cast_extent for b in lay8] == cast_volumes(spec)
 
