@@ -105,6 +105,30 @@ def test_every_layout_gives_diffusers_latents_and_reports_its_load(cli, workdir,
     assert "load:" in result.output and "read" in result.output
 
 
+def test_a_run_reports_each_disk_components_reads_a_generation(cli, workdir, folders):
+    """Components the plan leaves on disk: the report gives what each read from its files in one measured generation
+    (not the load's or a warm-up's reads), beside what the plan says, and the latents are those of diffusers."""
+    plan = _plan(cli, {"text_encoder": "disk", "vae": "disk", "transformer": "stream"})
+    data = json.loads(Path(plan).read_text())
+    for c in data["pipeline"]["components"]:
+        c["disk_read_bytes"] = 1000 if c["placement"] == "disk" else 0
+    Path(plan).write_text(json.dumps(data))
+    reads = {}
+    for repeat in ("1", "2"):
+        with one_thread():
+            result = cli("run", "--plan", plan, "--weights", str(folders["plain"]), "--prompt", PROMPT,
+                         "--negative-prompt", NEGATIVE, "--seed", "11", "--latents", "l.safetensors", "--report",
+                         "r.json", "--warmup", "1", "--repeat", repeat)
+        assert result.exit_code == 0, result.output
+        assert torch.equal(load_file("l.safetensors")["latents"], _reference(folders["plain"], 11))
+        gen = json.loads(Path("r.json").read_text())["generation"]
+        reads[repeat] = gen["disk_read_bytes"]
+        assert gen["predicted_disk_read_bytes"] == {"text_encoder": 1000, "vae": 1000}
+    assert set(reads["1"]) == {"text_encoder", "vae"} and all(n > 0 for n in reads["1"].values())
+    assert reads["2"] == reads["1"]  # a generation's reads, whatever the number of generations measured
+    assert "read from the checkpoint's files a generation, planned" in result.output
+
+
 def test_variant_pipeline_differs_from_its_default_weights(folders):
     assert not torch.equal(_reference(folders["variant"], 1, "fp16"), _reference(folders["variant"], 1))
 

@@ -411,11 +411,13 @@ class HardwareSpec(_Strict):
                                          "link (tiers.py) and the load's (`chunkflow calibrate --weights DIR` "
                                          "measures it; `plan --disk-gbps` supposes one); unset: nothing is planned "
                                          "on disk and load times are not predicted")
-    host_mem_margin: float = Field(0.02, ge=0, le=0.5, description="the share by which a plan keeps its predicted "
+    host_mem_margin: float = Field(0.05, ge=0, le=0.5, description="the share by which a plan keeps its predicted "
                                    "host peak below --host-mem-budget (peak <= budget / (1 + host_mem_margin)), for "
                                    "the host model's error: the default is the largest under-prediction measured, "
-                                   "a Wan2.2-TI2V-5B generation planned at 19.72 GB that held 20.07 GB on an H200 "
-                                   "host (issue 36, 2026-12-02), rounded up")
+                                   "FLUX.1-dev with fp8 storage planned at 25.92 GB that held 27.14 GB on an H200 "
+                                   "host (+4.7%; Wan2.2-TI2V-5B +3.3%, Wan2.1-14B +1.0%, 2026-12-03, "
+                                   "docs/tiers-h200.md: the process grows while a first generation loads CUDA's "
+                                   "libraries), rounded up")
     mem_margin: float = Field(0.12, ge=0, le=0.5, description="the share by which a plan keeps its predicted GPU "
                               "peak below the budget (peak <= budget / (1 + mem_margin)), for the memory model's error: "
                               "the largest under-prediction of a phase's peak in generation reports, measured by "

@@ -7,6 +7,8 @@
 #     latents kept for a bit-for-bit comparison.
 #   part `save14b 14b`: Wan2.1-T2V-14B at 720x1280 x81, --mem-budget 24GB --host-mem-budget 32GB (issue 29's case,
 #     docs/disk-h200.md), with the profile of part 1.
+#   part `saveflux flux`: FLUX.1-dev at 1024x1024 under --mem-budget 6GB --allow-fp8, the host unbounded: fp8
+#     storage's host memory against the plan's.
 #   part `ab`: a same-machine A/B of the hot path before (OLD_SRC) and after the tier seam (chunkflow bench).
 #   PARTS="save5b calibrate 5b" bash docs/data/h200-tiers/gpu_h200_tiers.sh OUT_DIR     # call 1
 #   PARTS="save14b 14b ab" bash docs/data/h200-tiers/gpu_h200_tiers.sh OUT_DIR         # call 2 (same machine or not)
@@ -65,6 +67,14 @@ fi
 if wanted 14b; then
   STEPS14=${STEPS14:-2}
   steps=$STEPS14 plan_run disk14b "$data/wan21-14b" 32GB wan2.1-14b 24GB --frames 81 --height 720 --width 1280
+  after_run
+fi
+if wanted saveflux; then
+  rm -rf "$data"/*
+  step saveflux 300 python3 "$repo/scripts/save_pipeline.py" flux "$data/flux"; after_run
+fi
+if wanted flux; then  # fp8 storage's host memory as held (issue 36: 26.98 GB held against 22.69 GB planned)
+  steps=${STEPSFLUX:-28} plan_run fp8flux "$data/flux" 1TB flux 6GB --height 1024 --width 1024 --allow-fp8
   after_run
 fi
 if wanted ab; then

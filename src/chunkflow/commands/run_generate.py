@@ -88,6 +88,7 @@ class _Setup:
     load: LoadResult
     comparable: bool  # the run's device is the plan's kind (GPU or host)
     planned_disk_reads: dict[str, int]  # component -> bytes the plan reads from its files a generation
+    plan_steps: int  # the steps the plan was made for (the run may run others)
 
 
 def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
@@ -122,7 +123,8 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
                 "predictions are short by the difference")
     planned_reads = {c.name: c.disk_read_bytes for c in plan.pipeline.components if c.disk_read_bytes} \
         if plan.pipeline is not None else {}
-    return _Setup(spec, hw, w, device, folder, placements, tiling, built, load, comparable, planned_reads)
+    return _Setup(spec, hw, w, device, folder, placements, tiling, built, load, comparable, planned_reads,
+                  plan.workload.steps)
 
 
 @dataclass
@@ -203,6 +205,8 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
     for name, n in reads.items():
         want = setup.planned_disk_reads.get(name)
         plan_text = f", planned {format_bytes(want)}" if want else ""
+        if want and setup.w.steps != setup.plan_steps:  # a transformer's reads grow with the steps
+            plan_text += f" for the plan's {setup.plan_steps} steps"
         log(f"{name}: {format_bytes(n)} read from the checkpoint's files a generation{plan_text} "
             f"({setup.placements.get(name, 'stream')})")
     return _Runs(measured, first, first_parts, stats, gen, cached, reads)
