@@ -129,6 +129,13 @@ def test_a_run_reports_each_disk_components_reads_a_generation(cli, workdir, fol
     assert "read from the checkpoint's files a generation, planned" in result.output
 
 
+def test_a_plan_with_a_component_on_disk_needs_the_folder(cli, workdir):
+    plan = _plan(cli, {"text_encoder": "disk"})
+    result = cli("run", "--plan", plan, "--prompt", PROMPT)
+    assert result.exit_code == 2 and "text_encoder" in result.output and "--weights DIR" in result.output
+    assert "load" not in result.output  # refused before anything is built
+
+
 def test_variant_pipeline_differs_from_its_default_weights(folders):
     assert not torch.equal(_reference(folders["variant"], 1, "fp16"), _reference(folders["variant"], 1))
 

@@ -113,6 +113,10 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     if p.offload.disk_blocks and opts.weights is None:
         raise UserError(f"the plan keeps {p.offload.disk_blocks} blocks' weights on disk, read each step from the "
                         "checkpoint's files: give the folder with --weights DIR (or plan with more host memory)")
+    on_disk = [c.name for c in p.pipeline.components if c.placement == "disk"] if p.pipeline is not None else []
+    if generating and on_disk and opts.weights is None:
+        raise UserError(f"the plan reads {', '.join(on_disk)} from the checkpoint's files when it runs (placement "
+                        "disk): give the folder with --weights DIR (or plan with more host memory)")
     if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
         raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
     opts.check()  # bad options fail before anything is built
