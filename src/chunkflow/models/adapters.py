@@ -1,8 +1,10 @@
-"""Catalog-driven block discovery: a class name -> its ordered block lists, read from models.yaml.
+"""A module's blocks: the catalog's lists for its class, else found in the module (models/discover.py).
 
 No per-model code: every catalog entry whose `diffusers.cls` is the module's class contributes its
 `blocks[*].diffusers_list` attributes, in order; a text encoder class (`pipeline.text_encoders[*].cls`) its
-`block_list` (a dotted path, e.g. encoder.block).
+`block_list` (a dotted path, e.g. encoder.block). For a catalog class the lists found in the module are a check on
+the catalog's: where they differ, a warning names both (the catalog's lists are used). Any other class's blocks are
+the lists found, in attribute order; the runtime checks that order on the first forward (runtime/order.py).
 """
 
 from __future__ import annotations
@@ -46,18 +48,30 @@ def _attr(module: nn.Module, dotted: str):
 
 
 def find_blocks(module: nn.Module, specs=None) -> list[nn.Module]:
-    """The module's blocks in execution order; LookupError (with what to do) when they can't be found."""
+    """The module's blocks in their declared order (the catalog's, else the module's attribute order); LookupError
+    (with what to do) when neither names any."""
+    from chunkflow.models.discover import block_lists, discover_blocks
+
     cls = type(module).__name__
     names = block_list_names(cls, specs)
     if not names:
-        raise LookupError(
-            f"no catalog entry for class {cls}, so its blocks are unknown; pass blocks=[...] "
-            "(e.g. blocks=[model.blocks] or [model.transformer_blocks, model.single_transformer_blocks])"
-        )
+        return discover_blocks(module)
     out: list[nn.Module] = []
     for n in names:
         lst = _attr(module, n)
         if not isinstance(lst, nn.ModuleList):
             raise LookupError(f"{cls} has no ModuleList attribute {n!r} named by the catalog; pass blocks=[...]")
         out.extend(lst)
+    _check_catalog(module, names, block_lists(module))
     return out
+
+
+def _check_catalog(module: nn.Module, names: list[str], found: dict[str, nn.ModuleList]) -> None:
+    """Warn where the block lists found in the module are not the catalog's (by object: a dotted alternative
+    `a|b` names whichever the module has)."""
+    listed = {id(_attr(module, n)) for n in names}
+    if found and {id(lst) for lst in found.values()} != listed:
+        from chunkflow.runtime.errors import warn_user
+
+        warn_user(f"chunkflow: the catalog lists {type(module).__name__}'s blocks as {', '.join(names)}, but the "
+                  f"module's block lists are {', '.join(found)}; the catalog's are used (pass blocks=[...] to choose)")
