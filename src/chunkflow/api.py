@@ -1,5 +1,6 @@
-"""`chunkflow.offload`: the runtime's offload() with the module's blocks found from the catalog (models/adapters.py)
-when the caller does not list them, so that the runtime itself only ever receives a block list."""
+"""`chunkflow.offload`: the runtime's offload() with the module's blocks found from the catalog, or in the module
+for a class the catalog does not know (models/adapters.py, models/discover.py), when the caller does not list them,
+so that the runtime itself only ever receives a block list."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ __all__ = ["offload"]
 
 def offload(module, config=None, *, blocks=None, **keywords: Any):
     """Stream `module`'s blocks from pinned host memory (chunkflow.runtime.handle.offload, whose keywords it takes);
-    `blocks` default: the block lists models.yaml names for the module's class."""
+    `blocks` default: the block lists models.yaml names for the module's class, else those found in the module
+    (models/discover.py); their order is checked on the first forward (runtime/order.py)."""
     from chunkflow.models.adapters import find_blocks
     from chunkflow.runtime.errors import OffloadError
     from chunkflow.runtime.handle import offload as stream

@@ -33,6 +33,7 @@ from chunkflow.runtime.fp8cast import cast_kernel_name
 from chunkflow.runtime.hooks import HANDLE_KEY, BlockHook, hook_module, hook_part, unhook_module, unhook_part
 from chunkflow.runtime.layout import BlockLayout, block_layouts, block_spans, store_bytes
 from chunkflow.runtime.observe import Observer, Observers
+from chunkflow.runtime.order import ExecutionOrder
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.parking import Parking, TurnTaking, take_turns
 from chunkflow.runtime.resolve import (
@@ -105,6 +106,8 @@ class OffloadHandle:
         self.obs: Observer | None = None  # the observers as one (None: none attached)
         self.refreshes = 0
         self.relayouts = 0
+        self.reorders = 0  # re-layouts into the order the first forward entered the blocks (runtime/order.py)
+        self.order = ExecutionOrder()
         self.removed = False
         self._origin: dict[tuple[int, str], torch.device] = {}  # (id(owner), attr) -> device before offload
         self._home: torch.device = torch.device("cpu")  # where tensors new since offload go at remove()
@@ -313,7 +316,8 @@ class OffloadHandle:
     # ---- forwards (the block hooks call these)
 
     def enter_block(self, l: int) -> None:
-        if l == 0:  # a forward starts: carry writes made since the last one to the device
+        first = self.order.enter(l) if self.depth else False  # the first block of a forward not checked yet
+        if l == 0 or first:  # a forward starts: carry writes made since the last one to the device
             self.sync()
         elif self.writes is not None:
             stale = self.writes.stale(l)  # written earlier in this forward (by a hook): its prefetched copies are old
@@ -328,6 +332,22 @@ class OffloadHandle:
                 self.streamer.refresh({l})
                 self.refreshes += 1
         self.streamer.enter(l)
+
+    def forward_done(self) -> None:
+        """A top-level forward of the module completed: the first one's block order is checked, and where it is
+        not the layout's the blocks are laid out again in the order they ran (runtime/order.py)."""
+        if self.depth != 1 or self.order.checked or self.streamer is None:
+            return
+        order = self.order.done(len(self.layouts))
+        if order is not None:
+            was = self.blocks
+            self.blocks = [self.blocks[l] for l in order]
+            try:
+                self._relayout()
+            except BaseException:
+                self.blocks = was
+                raise
+            self.reorders += 1
 
     def exit_block(self, l: int) -> None:
         written = self.writes.written(l) if self.writes is not None else []
@@ -504,6 +524,7 @@ class OffloadHandle:
             comm_aware=s is not None and s.pacer is not None,
             refreshes=self.refreshes,
             relayouts=self.relayouts,
+            reorders=self.reorders,
             weight_dtype=self.cfg.weight_dtype,
             fp8_tensors=self.casting.tensor_count(L) if self.casting is not None else 0,
             cast_buffer_bytes=cast_bytes,
@@ -610,7 +631,9 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     files checked but not read; needs a loader's `source` as `disk_blocks` does).
     Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
     needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
-    from the catalog for the module's class). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic, synchronous copies).
+    from the catalog or in the module); the first forward's order is checked and the blocks laid out again in the
+    order they ran where it differs (runtime/order.py). `device`: 'cuda' (default), 'cuda:1' or 'cpu' (same logic,
+    synchronous copies).
     `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
     offloaded through the module it wraps.
     """

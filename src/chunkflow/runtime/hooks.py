@@ -8,10 +8,11 @@ between untouched: a compiled region never sees a copy, an event or a rebinding,
 its guards see parameters of the same shape, dtype and device on every block and every call (one graph for all
 blocks of a class). The model code never learns it is offloaded.
 
-The first block's enter also lets the handle bring device copies up to date with writes made since the last
-forward (`handle.sync()`, runtime/writes.py). The root module's class is swapped too, for its `_apply` (`.to()`,
-`.half()`, `.cuda()`), which goes through the handle: a dtype change is applied to the host store, a device
-change refused before anything moves. Swapped classes refuse deepcopy and pickling with a clear error.
+The root's call tells the handle when a forward begins and when it completed (the first one's block order is
+checked then, runtime/order.py). The first block's enter also lets the handle bring device copies up to date with
+writes made since the last forward (`handle.sync()`, runtime/writes.py). The root module's class is swapped too, for
+its `_apply` (`.to()`, `.half()`, `.cuda()`), which goes through the handle: a dtype change is applied to the host
+store, a device change refused before anything moves. Swapped classes refuse deepcopy and pickling with a clear error.
 
 Swapped classes are made once per original class (`functools.cache`: the same class object for every block of a
 kind, which dynamo's guards need); `remove()` puts the original class back. A swapped class compares equal to, and
@@ -211,6 +212,13 @@ def unhook_part(module: nn.Module) -> None:
 def _forward_begins(handle) -> None:
     handle.lock.acquire()  # a forward in another thread waits here for the one running to end
     handle.depth += 1
+    if handle.depth == 1:
+        handle.order.begin()
+
+
+@torch.compiler.disable
+def _forward_done(handle) -> None:
+    handle.forward_done()
 
 
 @torch.compiler.disable
@@ -227,7 +235,9 @@ def _root_call(self, *args, **kwargs):
         return type(self)._chunkflow_base.__call__(self, *args, **kwargs)
     _forward_begins(handle)
     try:
-        return type(self)._chunkflow_base.__call__(self, *args, **kwargs)
+        out = type(self)._chunkflow_base.__call__(self, *args, **kwargs)
+        _forward_done(handle)
+        return out
     finally:
         _forward_ends(handle)
 

@@ -27,7 +27,8 @@ class OffloadStats:
     h2d_bytes_issued: int  # H2D bytes enqueued so far
     comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
     refreshes: int = 0  # forwards that re-copied blocks to the device after writes while offloaded
-    relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change)
+    relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change, the order they ran in)
+    reorders: int = 0  # of those, into the order the first forward entered the blocks (runtime/order.py)
     weight_dtype: str = "bf16"  # storage of the blocks' weights: bf16 (as the model holds them) or fp8_e4m3
     fp8_tensors: int = 0  # block tensors stored in fp8 (cast to their compute dtype at each block's forward)
     cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into: one block's worth; with

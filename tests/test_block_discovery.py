@@ -1,0 +1,277 @@
+"""Blocks found, not listed (issue 37): `offload(model)` without `blocks=` on diffusers DiT classes outside the
+catalog, exact and removed cleanly; the blocks' execution order checked on the first forward (a wrong declared
+order re-laid out, never copied twice again); the catalog's lists checked against the ones found."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import chunkflow  # noqa: E402
+from chunkflow import OffloadError  # noqa: E402
+from chunkflow.models.adapters import find_blocks  # noqa: E402
+from chunkflow.models.discover import block_lists  # noqa: E402
+from chunkflow.probes import ChunkLog  # noqa: E402
+from pipelines import one_thread  # noqa: E402
+from tiny import MODULES as CATALOGUED  # noqa: E402
+from tiny_uncatalogued import MODELS, build  # noqa: E402
+
+# the block lists each class holds, in the order its forward runs them (read from diffusers' forward code)
+RUN_ORDER = {"sd3": ["transformer_blocks"], "cogvideox": ["transformer_blocks"], "ltx_video": ["transformer_blocks"],
+             "sana": ["transformer_blocks"], "lumina2": ["context_refiner", "noise_refiner", "layers"],
+             "mochi": ["transformer_blocks"], "allegro": ["transformer_blocks"], "skyreels_v2": ["blocks"],
+             "wan_vace": ["vace_blocks", "blocks"], "cogview4": ["transformer_blocks"],
+             "chroma": ["transformer_blocks", "single_transformer_blocks"]}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _run(m, kw):
+    with torch.no_grad():
+        return m(**kw)[0]
+
+
+def _state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _same_state(m, before) -> bool:
+    now = m.state_dict()
+    return now.keys() == before.keys() and all(torch.equal(now[k], before[k]) and now[k].dtype == before[k].dtype
+                                               for k in before)
+
+
+def _entered(m, kw) -> list[str]:
+    """The blocks' names in the order a plain forward enters them (forward pre-hooks, no offload)."""
+    names = {id(b): f"{n}.{i}" for n, lst in block_lists(m).items() for i, b in enumerate(lst)}
+    seen: list[str] = []
+    hooks = [b.register_forward_pre_hook(lambda mod, a: seen.append(names[id(mod)])) for lst in block_lists(m).values()
+             for b in lst]
+    _run(m, kw)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _per_forward(h, m, kw, ref) -> int:
+    """Host-to-device bytes the streamer enqueued during one forward (its output checked exact): every streamed byte
+    once where the layout is the order the blocks run in (the last block prefetches the next forward's first)."""
+    with h.observing(ChunkLog()) as (log,):
+        assert torch.equal(_run(m, kw), ref)
+    return sum(c.end - c.start for c in log if c.kind == "h2d")
+
+
+def test_at_least_eight_uncatalogued_classes():
+    from chunkflow_planner.catalog import load_models
+
+    catalog = {s.diffusers.cls for s in load_models().values()}
+    classes = {type(build(n)[0]).__name__ for n in MODELS}
+    assert len(classes) >= 8 and not classes & catalog
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_lists_found(name):
+    m, _ = build(name)
+    assert sorted(block_lists(m)) == sorted(RUN_ORDER[name])
+    found = find_blocks(m)
+    assert len(found) == sum(len(getattr(m, n)) for n in RUN_ORDER[name])
+    big = sum(p.numel() for b in found for p in b.parameters())
+    assert big > 0.3 * sum(p.numel() for p in m.parameters())  # tiny configs: embeddings weigh more than at scale
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_offload_without_blocks_exact_and_removed(name):
+    m, kw = build(name)
+    ref = _run(m, kw)
+    state = _state(m)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=4096, residency=0.25, device="cpu")
+    assert h.stats().n_blocks == sum(len(getattr(m, n)) for n in RUN_ORDER[name])
+    assert torch.equal(_run(m, kw), ref)  # the first forward: the order it enters the blocks is checked
+    # the layout is the order the blocks ran in: each later forward copies every streamed byte once
+    assert [b.name for b in h.layouts] == _entered(build(name)[0], kw)  # a plain copy: same class, same weights
+    for _ in range(2):
+        assert _per_forward(h, m, kw, ref) == h.stats().streamed_bytes_per_step
+    h.remove()
+    assert _same_state(m, state)
+    assert not any("_chunkflow_base" in type(x).__dict__ for x in m.modules())
+    assert torch.equal(_run(m, kw), ref)
+
+
+@pytest.mark.parametrize("name", ["wan_vace", "lumina2"])
+def test_print_order_is_not_run_order(name):
+    """Wan-VACE's vace_blocks and Lumina2's refiners run in another order than they are registered: the first
+    forward lays them out as they ran, once, and later forwards copy no block twice."""
+    m, kw = build(name)
+    ref = _run(m, kw)
+    ran = _entered(m, kw)
+    assert ran != [f"{n}.{i}" for n, lst in block_lists(m).items() for i in range(len(lst))]
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, device="cpu")
+    assert torch.equal(_run(m, kw), ref)
+    st = h.stats()
+    assert (st.reorders, st.relayouts) == (1, 1)
+    assert [b.name for b in h.layouts] == ran
+    for _ in range(2):
+        assert _per_forward(h, m, kw, ref) == h.stats().streamed_bytes_per_step
+    assert h.stats().reorders == 1  # checked once
+    h.remove()
+
+
+@pytest.mark.parametrize("name,wrong", [
+    ("sd3", lambda m: list(reversed(m.transformer_blocks))),
+    ("chroma", lambda m: [m.single_transformer_blocks, m.transformer_blocks]),
+    ("cogvideox", lambda m: [m.transformer_blocks[1], m.transformer_blocks[0], m.transformer_blocks[2]]),
+])
+def test_wrong_declared_order_relaid_out(name, wrong):
+    m, kw = build(name)
+    ref = _run(m, kw)
+    state = _state(m)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, device="cpu", blocks=wrong(m))
+    streamed = h.stats().streamed_bytes_per_step
+    first = _per_forward(h, m, kw, ref)
+    assert first > streamed  # the declared order made the first forward copy blocks it then evicted unused...
+    assert h.stats().reorders == 1
+    assert [b.name for b in h.layouts] == _entered(build(name)[0], kw)
+    for _ in range(2):  # ... and never again
+        assert _per_forward(h, m, kw, ref) == streamed
+    h.remove()
+    assert _same_state(m, state)
+
+
+def test_layerwise_mode_reorders_too():
+    m, kw = build("sana")
+    ref = _run(m, kw)
+    h = chunkflow.offload(m, mode="layerwise", device="cpu", blocks=list(reversed(m.transformer_blocks)))
+    assert torch.equal(_run(m, kw), ref)
+    assert h.stats().reorders == 1
+    assert _per_forward(h, m, kw, ref) == h.stats().streamed_bytes_per_step
+    h.remove()
+
+
+def test_skipped_block_keeps_the_layout_and_breaks_nothing():
+    """SD3's skip_layers leaves a block out of the forward: the order of the rest is the layout's, nothing is laid
+    out again, and a later forward that runs every block is exact."""
+    m, kw = build("sd3")
+    ref_skip = _run(m, {**kw, "skip_layers": [1]})
+    ref = _run(m, kw)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, device="cpu")
+    assert torch.equal(_run(m, {**kw, "skip_layers": [1]}), ref_skip)
+    assert h.stats().reorders == 0
+    for _ in range(2):
+        assert _per_forward(h, m, kw, ref) == h.stats().streamed_bytes_per_step
+    h.remove()
+
+
+def test_order_checked_after_a_failed_first_forward():
+    """A first forward that raises is not the one checked: the next complete one is."""
+    m, kw = build("wan_vace")
+    ref = _run(m, kw)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, device="cpu")
+    bad = {**kw, "control_hidden_states": kw["control_hidden_states"][:, :3]}  # wrong channel count
+    with pytest.raises(RuntimeError):
+        _run(m, bad)
+    assert h.stats().reorders == 0
+    assert torch.equal(_run(m, kw), ref)
+    assert h.stats().reorders == 1
+    assert _per_forward(h, m, kw, ref) == h.stats().streamed_bytes_per_step
+    h.remove()
+
+
+def test_block_run_twice_is_said():
+    """A model that runs a block twice in one forward is exact, and told that its weights are copied each time."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for b in [self.blocks[0], self.blocks[1], self.blocks[0], self.blocks[2]]:
+                x = b(x)
+            return (x,)
+
+    torch.manual_seed(0)
+    m = Twice().eval()
+    x = torch.randn(2, 8)
+    ref = _run(m, {"x": x})
+    h = chunkflow.offload(m, mode="layerwise", device="cpu")
+    with pytest.warns(UserWarning, match="more than once"):
+        assert torch.equal(_run(m, {"x": x}), ref)
+    assert h.stats().reorders == 0
+    h.remove()
+
+
+def test_no_block_list_asks_for_blocks():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(OffloadError, match="blocks="):
+        chunkflow.offload(m, device="cpu")
+
+
+@pytest.mark.parametrize("name", list(CATALOGUED))
+def test_catalog_lists_match_the_lists_found(name):
+    m, blocks, _ = CATALOGUED[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        found = find_blocks(m)
+    assert [id(b) for b in found] == [id(b) for lst in blocks for b in lst]
+
+
+def test_catalog_that_differs_is_warned():
+    from chunkflow_planner.catalog import get_model
+
+    m, blocks, _ = CATALOGUED["flux"]()
+    spec = get_model("FLUX.1-dev")
+    half = spec.model_copy(update={"blocks": spec.blocks[:1]})  # a catalog that forgot the single blocks
+    with pytest.warns(UserWarning, match="single_transformer_blocks"):
+        found = find_blocks(m, [half])
+    assert [id(b) for b in found] == [id(b) for b in m.transformer_blocks]
+
+
+def test_write_before_the_first_forward_seen_by_a_block_run_before_block_0():
+    """Wan-VACE's first block to run is vace_blocks.0, laid out after `blocks` (attribute order): a write made before
+    the first forward to its resident head reaches the device before it runs, and the re-layout after that forward
+    keeps it."""
+    m, kw = build("wan_vace")
+    plain, _ = build("wan_vace")
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, residency=0.5, device="cpu")  # heads on the device
+    for model in (m, plain):
+        with torch.no_grad():
+            for p in model.vace_blocks[0].parameters():
+                p.mul_(1.5)
+    ref = _run(plain, kw)
+    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(_run(m, kw), ref)
+    h.remove()
+
+
+def test_forward_without_blocks_is_not_the_one_checked():
+    """A forward that enters no block (a model whose forward can return early) leaves the check to the next."""
+
+    class Early(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x, skip=False):
+            if not skip:
+                for b in reversed(self.blocks):
+                    x = b(x)
+            return (x,)
+
+    torch.manual_seed(0)
+    m = Early().eval()
+    x = torch.randn(2, 8)
+    ref = _run(m, {"x": x})
+    h = chunkflow.offload(m, mode="layerwise", device="cpu")
+    _run(m, {"x": x, "skip": True})
+    assert torch.equal(_run(m, {"x": x}), ref)
+    assert h.stats().reorders == 1
+    assert [b.name for b in h.layouts] == ["blocks.2", "blocks.1", "blocks.0"]
+    h.remove()
