@@ -275,3 +275,36 @@ def test_forward_without_blocks_is_not_the_one_checked():
     assert h.stats().reorders == 1
     assert [b.name for b in h.layouts] == ["blocks.2", "blocks.1", "blocks.0"]
     h.remove()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_backward_through_the_first_forward_after_it_was_relaid_out(checkpointing):
+    """The first forward is laid out again as soon as it ends, before its backward: the blocks recomputed for that
+    backward are bound to their own weights in the new layout (gradients as without offload)."""
+
+    def step(offloaded: bool):
+        m, kw = build("wan_vace")
+        m.train().requires_grad_(True)
+        if checkpointing:
+            m.enable_gradient_checkpointing()
+        h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, device="cpu") if offloaded else None
+        on_host = []  # blocks that ran with weights still in the host store (on CUDA: a device error, or worse)
+
+        def bound(block, args):
+            if h is not None and not h.removed:
+                host = h.store.data.untyped_storage().data_ptr()
+                on_host.extend(p.untyped_storage().data_ptr() == host for p in block.parameters())
+
+        hooks = [b.register_forward_pre_hook(bound) for lst in block_lists(m).values() for b in lst]
+        m(**kw)[0].square().mean().backward()
+        for hk in hooks:
+            hk.remove()
+        assert h is None or (on_host and not any(on_host))
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        if h is not None:
+            assert h.stats().reorders == 1
+            h.remove()
+        return grads
+
+    ref, got = step(False), step(True)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)

@@ -111,9 +111,18 @@ def _block_call(self, *args, **kwargs):
             # The block is checkpointed instead (nothing of it saved; recomputed, weights brought back, for backward)
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(lambda *a, **k: _run_block(self, base, hook, a, k), *args, use_reentrant=False,
-                              **kwargs)
+            return checkpoint(lambda *a, **k: _rerun_block(self, base, a, k), *args, use_reentrant=False, **kwargs)
         return _run_block(self, base, hook, args, kwargs)
+
+
+def _rerun_block(self, base, args, kwargs):
+    """A checkpointed block's run, forward or recomputed for backward, through the hook it has at that time: the
+    blocks may have been laid out again in between (the first forward's order, runtime/order.py), and a hook's index
+    is its block's place in the layout it was made for."""
+    hook = self.__dict__.get(_HOOK)
+    if hook is None:  # removed since: the block holds its own weights again
+        return base.__call__(self, *args, **kwargs)
+    return _run_block(self, base, hook, args, kwargs)
 
 
 @functools.cache
