@@ -308,3 +308,45 @@ def test_backward_through_the_first_forward_after_it_was_relaid_out(checkpointin
 
     ref, got = step(False), step(True)
     assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
+
+
+def test_reorder_with_blocks_read_from_disk(tmp_path):
+    """The re-layout keeps the disk tier (tiny-wan's two blocks both on disk): blocks still read from the
+    checkpoint's files, exact, one copy of each streamed byte per forward after the first, the module given back as
+    it was."""
+    pytest.importorskip("safetensors")
+    from diffusers import WanTransformer3DModel
+
+    from chunkflow.loading.reader import FileReader
+    from chunkflow.models.build import transformer_module, transformer_source
+    from chunkflow.models.inputs import make_inputs
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+
+    spec = get_model("tiny-wan")
+    torch.manual_seed(0)
+    plain = WanTransformer3DModel(**spec.diffusers.config).eval()
+    plain.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="30KB")
+    kw = make_inputs(spec, None, torch.float32, "cpu", seed=1)
+    ref = _run(plain, kw)
+
+    def offloaded(order):
+        m = transformer_module(spec, torch.float32)
+        reader = FileReader()
+        h = chunkflow.offload(m, OffloadConfig("chunkflow", "4KB", 0.0, disk_blocks=2), device="cpu",
+                              blocks=order(m), source=transformer_source(tmp_path, spec, m, reader, None))
+        reader.close()
+        assert torch.equal(_run(m, kw), ref)
+        reads = []
+        for _ in range(2):
+            before = h.stats().disk_bytes_read
+            assert _per_forward(h, m, kw, ref) == h.stats().streamed_bytes_per_step
+            reads.append(h.stats().disk_bytes_read - before)
+        return m, h, reads
+
+    m, h, reads = offloaded(lambda m: list(reversed(m.blocks)))
+    st = h.stats()
+    assert (st.reorders, st.disk_blocks) == (1, 2) and [b.name for b in h.layouts] == ["blocks.0", "blocks.1"]
+    assert all(r > 0 for r in reads)  # the files still read each forward (how much when: the reader's read-ahead)
+    h.remove()
+    assert _same_state(m, plain.state_dict())
