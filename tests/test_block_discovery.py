@@ -350,3 +350,21 @@ def test_reorder_with_blocks_read_from_disk(tmp_path):
     assert all(r > 0 for r in reads)  # the files still read each forward (how much when: the reader's read-ahead)
     h.remove()
     assert _same_state(m, plain.state_dict())
+
+
+def test_reorder_with_fp8_storage():
+    """fp8-stored blocks laid out again in the order they ran give what the same storage gives in the right order."""
+
+    def outputs(order):
+        m, kw = build("sd3")
+        h = chunkflow.offload(m, mode="chunkflow", chunk_size=2048, device="cpu", weight_dtype="fp8_e4m3",
+                              blocks=order(m))
+        outs = [_run(m, kw) for _ in range(2)]
+        st = h.stats()
+        h.remove()
+        return outs, st
+
+    right, _ = outputs(lambda m: [m.transformer_blocks])
+    wrong, st = outputs(lambda m: list(reversed(m.transformer_blocks)))
+    assert st.reorders == 1 and st.fp8_tensors > 0
+    assert all(torch.equal(a, b) for a, b in zip(right, wrong))
