@@ -105,9 +105,16 @@ def test_every_layout_gives_diffusers_latents_and_reports_its_load(cli, workdir,
     assert "load:" in result.output and "read" in result.output
 
 
-def test_a_run_reports_each_disk_components_reads_a_generation(cli, workdir, folders):
-    """Components the plan leaves on disk: the report gives what each read from its files in one measured generation
-    (not the load's or a warm-up's reads), beside what the plan says, and the latents are those of diffusers."""
+@pytest.mark.parametrize("layout", ["plain", "cache"])
+def test_a_run_reports_each_disk_components_reads_a_generation(cli, workdir, folders, monkeypatch, layout):
+    """Components the plan leaves on disk, from a saved folder or a Hugging Face cache (whose files are links to its
+    blobs): the report gives what each read from its files in one measured generation (not the load's or a warm-up's
+    reads), beside what the plan says, and the latents are those of diffusers."""
+    weights = str(folders["plain"])
+    if layout == "cache":
+        monkeypatch.setenv("HF_HUB_CACHE", str(folders["cache"].parents[2]))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        weights = REPO
     plan = _plan(cli, {"text_encoder": "disk", "vae": "disk", "transformer": "stream"})
     data = json.loads(Path(plan).read_text())
     for c in data["pipeline"]["components"]:
@@ -116,7 +123,7 @@ def test_a_run_reports_each_disk_components_reads_a_generation(cli, workdir, fol
     reads = {}
     for repeat in ("1", "2"):
         with one_thread():
-            result = cli("run", "--plan", plan, "--weights", str(folders["plain"]), "--prompt", PROMPT,
+            result = cli("run", "--plan", plan, "--weights", weights, "--prompt", PROMPT,
                          "--negative-prompt", NEGATIVE, "--seed", "11", "--latents", "l.safetensors", "--report",
                          "r.json", "--warmup", "1", "--repeat", repeat)
         assert result.exit_code == 0, result.output
