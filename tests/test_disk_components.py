@@ -25,6 +25,8 @@ import chunkflow  # noqa: E402
 from chunkflow.generate import generate  # noqa: E402
 from chunkflow.models.pipeline_build import build_pipeline  # noqa: E402
 from chunkflow.runtime.disk import DiskTierWarning  # noqa: E402
+from chunkflow.runtime.tiers.disk import READ_PIECE  # noqa: E402
+from chunkflow_planner.offload import DISK_RING_BLOCKS  # noqa: E402
 from chunkflow.runtime.errors import OffloadError  # noqa: E402
 from chunkflow_planner.catalog import get_model  # noqa: E402
 from chunkflow_planner.offload import OffloadConfig  # noqa: E402
@@ -66,10 +68,10 @@ def save(spec, folder: Path, seed: int = 3) -> Path:
     return folder
 
 
-def run(spec, folder: Path, placements: dict[str, str], prompt: str = PROMPT, **kw):
+def run(spec, folder: Path, placements: dict[str, str], prompt: str = PROMPT, steps: int = 2, **kw):
     with one_thread():
         built = build_pipeline(spec, placements, STREAM, CPU, weights=folder)
-        gen = generate(built, make_workload(spec, steps=2), prompt, steps=2, seed=5, **kw)
+        gen = generate(built, make_workload(spec, steps=steps), prompt, steps=steps, seed=5, **kw)
     return built, gen
 
 
@@ -121,16 +123,47 @@ def test_two_experts_on_different_tiers_match_both_on_the_device(tmp_path):
     spec = two_experts(get_model("tiny"))
     folder = save(spec, tmp_path / "a14b")
     assert (folder / "transformer_2").is_dir()
-    built, want = run(spec, folder, {"text_encoder": "gpu", "transformer": "gpu", "transformer_2": "gpu", "vae": "gpu"})
+    steps = 5  # the flow-shifted schedule gives the high-noise expert most steps: in 2, the other one never ran
+    built, want = run(spec, folder, {"text_encoder": "gpu", "transformer": "gpu", "transformer_2": "gpu", "vae": "gpu"},
+                      steps=steps)
     built.remove()
     for placements in ({"transformer": "stream", "transformer_2": "disk"},
                        {"transformer": "disk", "transformer_2": "phase"}):
-        built, got = run(spec, folder, {"text_encoder": "phase", "vae": "phase", **placements})
+        built, got = run(spec, folder, {"text_encoder": "phase", "vae": "phase", **placements}, steps=steps)
         assert torch.equal(got.latents, want.latents), placements
         disk = next(n for n, p in placements.items() if p == "disk")
-        assert set(built.disk_reads()) == {disk} and built.disk_reads()[disk] > 0  # both experts ran
+        assert set(built.disk_reads()) == {disk} and built.disk_reads()[disk] > 0
+        assert built.handles[disk].stats().forwards > 0  # both experts ran (what a disk one reads, it reads running)
         assert built.handles[disk].stats().disk_blocks == len(built.handles[disk].layouts)
         built.remove()
+
+
+def test_a_text_encoder_on_disk_reads_each_layer_once_a_forward_and_nothing_while_parked(tmp_path):
+    """Each encode reads every layer's tail once and the parked tensors once. What the reader reads ahead for a
+    forward that does not come (after the phase's last one) stops when the encoder parks: here, on the CPU, a layer's
+    compute outlasts its read, so the read-ahead of the ring and the next forward's first layer finish before the
+    park; on a GPU, where the layers run faster than the disk, the park cuts them short (three layers, 1.16 GB, were
+    read after the park on an H200, docs/tiers-h200.md). A module built parked reads nothing until it runs."""
+    spec = get_model("medium-wan")
+    folder = save(spec, tmp_path / "w")
+    with one_thread():
+        built = build_pipeline(spec, {"text_encoder": "disk", "transformer": "gpu", "vae": "gpu"}, STREAM, CPU,
+                               weights=folder)
+    handle = built.handles["text_encoder"]
+    tier = next(t for t in handle.tiers if t.name == "disk")
+    tails = [b.nbytes - b.resident_bytes for b in handle.layouts]
+    assert len(tails) == 12 and tier.bytes_read <= READ_PIECE  # the build's start of a read, cancelled at its park
+    parked = handle.stats().disk_unpark_bytes_read
+    for prompt in (PROMPT, PROMPT + " at dusk"):  # a new prompt each time (one encoded before is not again)
+        before = built.disk_reads()["text_encoder"]
+        with one_thread():
+            generate(built, make_workload(spec, steps=1), prompt, steps=1, seed=5)  # the prompt and a negative one
+        read = built.disk_reads()["text_encoder"] - before
+        rest = handle.stats().disk_unpark_bytes_read - parked
+        parked += rest
+        assert rest > 0 and not tier._reads  # parked again: nothing reads ahead
+        assert 2 * sum(tails) + rest <= read <= 2 * sum(tails) + rest + (DISK_RING_BLOCKS + 1) * max(tails)
+    built.remove()
 
 
 def test_a_prompt_already_encoded_is_not_encoded_again(tiny):

@@ -241,6 +241,8 @@ class Streamer:
     def release_device(self) -> None:
         """Give the device buffers back (a park): copies finish first; tensors stay bound to their host views."""
         self.backend.synchronize()
+        for tier in {id(b.tier): b.tier for b in self.layouts if b.is_streamed}.values():
+            tier.pause()  # no reads ahead for a forward that may be a phase away
         self.pending = None
         self.slot_of = {}
         self.bound = {}
@@ -262,8 +264,8 @@ class Streamer:
             for t, view in self.host_views[b.index]:
                 bind(t, view)
         self.backend.synchronize()  # slots and resident buffer were produced on the compute stream
-        if self.ring:
-            self.schedule(self.ring[0], 0)
+        if self.ring and self.layouts[self.ring[0]].tier.prepare(self.layouts[self.ring[0]]):
+            self.schedule(self.ring[0], 0)  # else its read goes on and its forward's first block takes it
 
     def refresh(self, blocks: set[int]) -> None:
         """The host bytes of `blocks` changed (a write while offloaded): copy their resident heads to the device
@@ -451,6 +453,8 @@ class Streamer:
             return
         self._evict(other)
         nxt = self.next_of[l]  # the last block prefetches the first, for the next forward
+        if nxt == self.ring[0] and not self.layouts[nxt].tier.prepare(self.layouts[nxt]):
+            return  # its read is not done: block l runs meanwhile, the next forward's first block waits if it must
         if self.pacer is None:
             self.schedule(nxt, other)
         else:

@@ -71,6 +71,13 @@ class Tier(HandleFeature):
         """Tensor e of block b outside its forward: its true shape, dtype and values, with a storage of its own."""
         return store.alias(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
 
+    def prepare(self, b: BlockLayout) -> bool:
+        """Start bringing block b's tail within reach; whether `acquire` would give it without waiting."""
+        return True
+
+    def pause(self) -> None:
+        """The module is parked: stop whatever is brought ahead for the next forward."""
+
     def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
         """Block b's tail as a flat uint8 source and the block byte at its index 0 (may wait for a read)."""
         return store.data, -b.host_offset

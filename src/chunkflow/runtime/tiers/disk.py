@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,14 @@ from chunkflow_planner.offload import DISK_RING_BLOCKS
 
 if TYPE_CHECKING:  # annotations only
     from chunkflow.runtime.handle import OffloadHandle
+
+
+READ_PIECE = 16 << 20  # a tail is read in pieces this large, so that a read no longer wanted stops within one (11 ms
+# at 1.44 GB/s, the H200 host's NVMe, docs/tiers-h200.md)
+
+
+class _Cancelled(Exception):
+    """A read ended before its end: no longer wanted (stop(cancel=True))."""
 
 
 class DiskTierError(OffloadError):
@@ -136,6 +145,7 @@ class DiskTier(Tier):
         self._reads: dict[int, tuple[Future, int]] = {}  # disk block -> (its read, the ring entry it fills)
         self._free: list[int] = []  # ring entries no read holds
         self._consumed: dict[int, object] = {}  # ring entry -> copy-stream event after its last copy
+        self._cancel = threading.Event()  # set: the read in progress ends at its next piece (stop(cancel=True))
         self.bytes_read = 0
         self.reads = 0
         self.stall_s = 0.0
@@ -371,8 +381,14 @@ class DiskTier(Tier):
                     self.ring.view(base + p.at, src.numel() - p.skip).copy_(src[p.skip:])
                     continue
                 n = p.rec.nbytes - p.skip
-                self.files.read_range(p.rec.file, p.rec.begin + p.skip, n, self.ring.view(base + p.at, n))
-                self.bytes_read += n
+                for a in range(0, n, READ_PIECE):  # in pieces: a read no longer wanted ends at the next one
+                    if self._cancel.is_set():
+                        raise _Cancelled
+                    k = min(READ_PIECE, n - a)
+                    self.files.read_range(p.rec.file, p.rec.begin + p.skip + a, k, self.ring.view(base + p.at + a, k))
+                    self.bytes_read += k
+        except _Cancelled:
+            raise
         except Exception:
             self._unchanged(paths)  # a file changed under the read: say that, not what the read met
             raise
@@ -397,12 +413,24 @@ class DiskTier(Tier):
         self._reads[l] = (self._pool.submit(self._read, l, entry, self._consumed.pop(entry, None)), entry)
 
     def _restart(self, l: int) -> None:
-        """Reads from block l on (none in flight was for it: the first forward, or blocks out of order)."""
-        self.stop()
+        """Reads from block l on (none in flight was for it: the first forward, or blocks out of order; those in
+        flight are for other blocks: cancelled)."""
+        self.stop(cancel=True)
         self._free = list(range(min(DISK_RING_BLOCKS, len(self.order))))
         i = self.order.index(l)
         for k in range(len(self._free)):
             self._submit(self.order[(i + k) % len(self.order)])
+
+    def prepare(self, b: BlockLayout) -> bool:
+        """Block b's read started if none is in flight for it; whether it is done (acquire would not wait)."""
+        if b.index not in self._reads:
+            self._restart(b.index)
+        return self._reads[b.index][0].done()
+
+    def pause(self) -> None:
+        """Parked: the reads ahead are not wanted until the next forward (which reads again from its first block):
+        those not started are cancelled, the one in progress ends at its next piece."""
+        self.stop(cancel=True)
 
     def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
         """Block l's tail bytes, read (waiting for the read: a stall), and R_l: chunk [lo, hi) is at lo - R_l."""
@@ -432,13 +460,19 @@ class DiskTier(Tier):
         if nxt not in self._reads:
             self._submit(nxt)
 
-    def stop(self) -> None:
-        """No read in flight (each waited for, its error dropped: the next acquire reads again)."""
+    def stop(self, cancel: bool = False) -> None:
+        """No read in flight (each waited for, its error dropped: the next acquire reads again); `cancel`: those not
+        started are dropped and the one in progress ends at its next piece."""
+        if cancel:
+            self._cancel.set()
+            for fut, _ in self._reads.values():
+                fut.cancel()
         for fut, _ in self._reads.values():
             try:
                 fut.result()
-            except Exception:
+            except BaseException:  # an error, _Cancelled or CancelledError
                 pass
+        self._cancel.clear()
         self._reads = {}
         self._consumed = {}
 
