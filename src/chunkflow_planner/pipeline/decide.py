@@ -15,6 +15,7 @@ from chunkflow_planner.memory import allocation_within
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.pipeline import explain
 from chunkflow_planner.pipeline.decode import vae_fit
+from chunkflow_planner.pipeline.experts import expert_steps
 from chunkflow_planner.pipeline.phases import estimate
 from chunkflow_planner.pipeline.placement import (
     ON_DISK,
@@ -152,12 +153,14 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
                               lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
 
 
-def _one_on_disk(spec: ModelSpec, pl: Placements) -> list[Placements]:
-    """A streamed placement of several experts with one of them on disk, for each expert (the policy's time picks
-    which: the one that runs fewer steps reads its blocks at fewer forwards)."""
+def _one_on_disk(spec: ModelSpec, w: Workload, pl: Placements) -> list[Placements]:
+    """A streamed placement of several experts with one of them on disk, for each expert, the one that runs the
+    fewest steps first (the policy's time picks which: that one reads its blocks at fewer forwards; where times
+    tie, the first is kept)."""
     n = spec.pipeline.experts
+    steps = expert_steps(spec.pipeline, w.steps)
     return [replace(pl, experts=tuple(ON_DISK if j == i else "stream" for j in range(n)))
-            for i in range(n)] if n > 1 else []
+            for i in sorted(range(n), key=lambda i: steps[i])] if n > 1 else []
 
 
 def _mixed(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, costs: TextCosts,
@@ -218,7 +221,7 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
             disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:
                 seen.append(disk)
-            for mixed in _one_on_disk(spec, pl):  # an expert on disk before every expert's blocks
+            for mixed in _one_on_disk(spec, w, pl):  # an expert on disk before every expert's blocks
                 rooms[mixed] = rooms[pl]
                 m = _mixed(spec, w, hw, mixed, point, costs, host_budget, problem, evaluate)
                 if m is not None:
