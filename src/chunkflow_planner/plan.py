@@ -155,6 +155,8 @@ class PlanComponent(_Section):
                                                                         "(disk)")
     disk_read_bytes: int = Field(0, ge=0, description="bytes it reads from the checkpoint's files a generation (its "
                                  "disk tier; 0 for a plan made before the disk tier was planned per component)")
+    steps: int | None = Field(None, ge=0, description="an expert's share of the denoising steps (a pipeline of "
+                              "several experts; none for a plan made before the experts were planned apart)")
 
 
 class PlanPipeline(_Section):

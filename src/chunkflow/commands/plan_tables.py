@@ -171,6 +171,14 @@ def disk_blocks_line(plan: Plan) -> str:
                else ", hidden behind the step") + " (run it with --weights: the files are read each step)")
 
 
+def expert_offload(plan: Plan, placement: str):  # noqa: ANN201 - offload.OffloadConfig
+    """The offload a transformer placed `placement` runs: the plan's, with every block on disk where it is on disk
+    beside a streamed expert (the runtime's `disk` placement)."""
+    on_disk = placement == "disk" and any(c.kind == "transformer" and c.placement == "stream"
+                                          for c in plan.pipeline.components)
+    return plan.offload.with_overrides(disk_blocks=plan.model.n_blocks) if on_disk else plan.offload
+
+
 def print_pipeline(console: Console, plan: Plan) -> None:
     """Where each component runs, each phase's time and peak GPU memory, host memory against its budget."""
     pp = plan.prediction
@@ -187,7 +195,9 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     for comp in plan.pipeline.components:
         where = what[comp.placement]
         if comp.kind == "transformer" and comp.placement in ("stream", "disk"):
-            where += f" ({plan.offload.label})"
+            where += f" ({expert_offload(plan, comp.placement).label})"
+        if comp.steps is not None:
+            where += f"; {comp.steps} of {plan.workload.steps} steps"
         if comp.kind == "vae" and plan.pipeline.vae_tiling:
             where += ", tiled decode"
         reads = (format_bytes(comp.disk_read_bytes) if comp.disk_read_bytes else "-",) if disk else ()

@@ -40,7 +40,8 @@ def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_bu
 def load_prediction(spec: ModelSpec, e: PipelineEstimate, read_bytes: int | None = None) -> LoadPrediction:
     """The plan's LoadPrediction of the placement `e` (placement.PipelineEstimate); `read_bytes`: the checkpoint's
     bytes as stored, if known (plan --weights)."""
-    est = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes)
+    est = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes,
+                        expert_memory=[(r.placement, r.point.memory) for r in e.experts] or None)
     return LoadPrediction(
         read_bytes=int(est.read_bytes), time_cold_s=T_load(est, 0.0, e.hw), time_warm_s=T_load(est, 1.0, e.hw),
         read_bytes_source=("the checkpoint folder's headers" if read_bytes is not None
@@ -59,10 +60,9 @@ def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_byt
     comps = [PlanComponent(name=te.component, kind="text_encoder", bytes=te.nbytes, placement=p,
                            disk_read_bytes=disk.get(te.component, 0))
              for te, p in zip(pipe.text_encoders, pl.text_encoders)]
-    t_bytes = spec.nbytes
-    names = ["transformer" if k == 0 else f"transformer_{k + 1}" for k in range(pipe.experts)]
-    comps += [PlanComponent(name=n, kind="transformer", bytes=t_bytes, placement=pl.transformer,
-                            disk_read_bytes=disk.get(n, 0)) for n in names]
+    comps += [PlanComponent(name=r.name, kind="transformer", bytes=spec.nbytes, placement=r.placement,
+                            disk_read_bytes=disk.get(r.name, 0), steps=r.steps if pipe.experts > 1 else None)
+              for r in e.experts]
     comps.append(PlanComponent(name=pipe.vae.component, kind="vae", bytes=pipe.vae.nbytes, placement=pl.vae,
                                disk_read_bytes=disk.get(pipe.vae.component, 0)))
     phases = PhasesPrediction(**{ph: PhasePrediction(time_s=e.phases[ph].time_s, startup_s=e.phases[ph].startup_s,

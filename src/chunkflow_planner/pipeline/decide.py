@@ -15,6 +15,7 @@ from chunkflow_planner.memory import allocation_within
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.pipeline import explain
 from chunkflow_planner.pipeline.decode import vae_fit
+from chunkflow_planner.pipeline.experts import expert_steps
 from chunkflow_planner.pipeline.phases import estimate
 from chunkflow_planner.pipeline.placement import (
     ON_DISK,
@@ -152,6 +153,34 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
                               lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
 
 
+def _one_on_disk(spec: ModelSpec, w: Workload, pl: Placements) -> list[Placements]:
+    """A streamed placement of several experts with one of them on disk, for each expert, the one that runs the
+    fewest steps first (the policy's time picks which: that one reads its blocks at fewer forwards; where times
+    tie, the first is kept)."""
+    n = spec.pipeline.experts
+    steps = expert_steps(spec.pipeline, w.steps)
+    return [replace(pl, experts=tuple(ON_DISK if j == i else "stream" for j in range(n)))
+            for i in sorted(range(n), key=lambda i: steps[i])] if n > 1 else []
+
+
+def _mixed(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, costs: TextCosts,
+           host_budget: int, problem: Problem, evaluate) -> PipelineEstimate | None:
+    """Experts placed as `pl` says (one on disk, every block read from the files at its forwards; the others
+    streamed at `point`) inside `host_budget`, the streamed ones with the fewest disk blocks that bring it inside
+    (as _with_disk); None where the profile has no disk rate or the point cannot keep blocks on disk."""
+    if not disk_known(hw) or not _disk_ok(point):
+        return None
+    disk_point = evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks))
+
+    def priced(p: Point) -> PipelineEstimate:
+        return estimate(spec, w, hw, pl, p, costs, disk_point)
+
+    e = priced(point)
+    if e.host_memory <= host_budget:
+        return e
+    return fewest_disk_blocks(problem, point, lambda p: priced(p).host_memory <= host_budget, priced, evaluate)
+
+
 def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transformer, costs: TextCosts,
                gpu_budget: int, host_budget: int, problem: Problem) -> tuple[list[PipelineEstimate],
                                                                                dict[Placements, float]]:
@@ -192,6 +221,11 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
             disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:
                 seen.append(disk)
+            for mixed in _one_on_disk(spec, w, pl):  # an expert on disk before every expert's blocks
+                rooms[mixed] = rooms[pl]
+                m = _mixed(spec, w, hw, mixed, point, costs, host_budget, problem, evaluate)
+                if m is not None:
+                    seen.append(m)
     return seen, rooms
 
 
@@ -274,8 +308,10 @@ def _rate_meeting(e: PipelineEstimate, spec: ModelSpec, w: Workload, problem: Pr
     would (the time is not the disk's)."""
     def time_at(gbps: float) -> float:
         hw = problem.hw.model_copy(update={"disk_read_gbps": gbps})
-        point = replace(problem, hw=hw).evaluate(e.transformer.cfg)
-        return estimate(spec, w, hw, e.placements, point, text_costs(spec, w, hw)).generation_time
+        at = replace(problem, hw=hw)
+        disk = at.evaluate(e.transformer.cfg.with_overrides(disk_blocks=spec.n_blocks)) if e.placements.mixed else None
+        return estimate(spec, w, hw, e.placements, at.evaluate(e.transformer.cfg), text_costs(spec, w, hw),
+                        disk).generation_time
 
     lo, hi = problem.hw.disk_read_gbps, 1e4
     if time_at(hi) > target:

@@ -29,8 +29,24 @@ def placement_said(e: PipelineEstimate) -> str:
     pl = e.placements
     word = (lambda where: "device" if where == "gpu" else where) if e.hw.pipeline.device_is_host else (lambda w: w)
     tr = word(pl.transformer) if pl.transformer != "stream" else e.transformer.cfg.label
-    return (f"text encoder {'/'.join(map(word, pl.text_encoders))}, transformer {tr}, "
+    if pl.mixed:  # each expert's own, with its share of the steps
+        tr = ", ".join(f"{r.name} {r.point.cfg.label if r.placement == 'stream' else word(r.placement)} "
+                       f"({r.steps} steps)" for r in e.experts)
+    else:
+        tr = f"transformer {tr}"
+    return (f"text encoder {'/'.join(map(word, pl.text_encoders))}, {tr}, "
             f"VAE {word(pl.vae)}{' tiled' if pl.vae_tiling else ''}")
+
+
+def experts_said(e: PipelineEstimate) -> str:
+    """Why the experts are placed apart (empty where they are not): the one on disk runs fewer steps."""
+    if not e.placements.mixed:
+        return ""
+    disk = [r for r in e.experts if r.placement == "disk"]
+    return "".join(f"; {r.name} runs {r.steps} of {sum(x.steps for x in e.experts)} steps and reads every block "
+                   f"from the checkpoint's files at each of its forwards ({format_bytes(e.disk_bytes.get(r.name, 0))} "
+                   "a generation), the other expert streams from pinned host memory (what is read less often goes "
+                   "to disk first)" for r in disk)
 
 
 def disk_said(e: PipelineEstimate) -> str:
@@ -55,6 +71,7 @@ def pipeline_reason(f: PipelineFacts) -> str:
                f"({q.generation_time / f.time_s - 1:+.1%}) but reads {format_bytes(q.disk_read)} from disk (what is "
                "read once a generation goes to disk before what is read every step: a disk's rate varies more "
                "than the host link's)")
+    why += experts_said(e)
     if e.placements.transformer == "stream" and not f.step_met:
         target, step = format_seconds_apart(f.step_target_s, t.step_s)
         return why + (f"; no streamed setting inside the budget meets the step target "
@@ -112,8 +129,8 @@ def _disk_remedy(e: PipelineEstimate, f: PipelineFacts) -> str:
             return f", or use the disk tier: {DISK_RATE_REMEDY}."
         on_disk = [k for k, v in would.disk_bytes.items() if v > 0]
         blocks = would.transformer.cfg.disk_blocks
-        what = ", ".join(k if not k.startswith("transformer") or would.placements.transformer == "disk"
-                         else f"{blocks} {k} blocks" for k in on_disk)
+        placed = {r.name: r.placement for r in would.experts}
+        what = ", ".join(k if placed.get(k, "disk") == "disk" else f"{blocks} {k} blocks" for k in on_disk)
         return (f". With the disk tier it would fit: at a disk of {would.hw.disk_read_gbps:.2f} GB/s (supposed) "
                 f"{what} on disk, {format_bytes(would.disk_read)} read a generation, "
                 f"{format_seconds(would.generation_time)} per generation, {format_bytes(would.host_memory)} of host "

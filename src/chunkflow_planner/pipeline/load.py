@@ -23,7 +23,9 @@ write for the rest (B_fresh: components on the CPU, and everything where the dev
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec
 from chunkflow_planner.overlap import GB
@@ -90,14 +92,23 @@ def _text_encoder_split(te) -> tuple[float, float]:
     return float(layers), float(te.nbytes - layers)
 
 
+def _experts(placements, memory, n: int, expert_memory) -> list[tuple[str, Any]]:
+    """(placement, memory.MemoryEstimate) of each of `n` experts: `expert_memory` where given, else `memory` at
+    each expert's placement."""
+    if expert_memory is not None:
+        return list(expert_memory)
+    return [(p, memory) for p in placements.of_experts(n)]
+
+
 def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: dict[str, float], hw: HardwareSpec,
-                  read_bytes: float | None = None, staging: bool | None = None) -> LoadEstimate:
+                  read_bytes: float | None = None, staging: bool | None = None,
+                  expert_memory: Sequence[tuple[str, Any]] | None = None) -> LoadEstimate:
     """What loading `spec`'s pipeline placed as `placements` (pipeline.Placements) moves: `transformer_memory` is
     the streamed transformer's memory.MemoryEstimate, `host_bytes` the plan's host memory by holder. `read_bytes`:
     the checkpoint's bytes as stored (default: every component's parameters in its own dtype). `staging`: whether
-    the reader's staging buffers are used (default: on a GPU, where every device tensor passes through them)."""
+    the reader's staging buffers are used (default: on a GPU, where every device tensor passes through them).
+    `expert_memory`: each expert's (placement, MemoryEstimate) where they differ (PipelineEstimate.experts)."""
     pipe = spec.pipeline
-    experts = pipe.experts
     t_bytes = float(spec.nbytes)
     h2d = pinned = during = 0.0  # during: bytes of host stores, locked while their blocks are read
     device_now = 0.0  # device bytes that stay (gpu), and the largest one parked after its load (phase)
@@ -121,26 +132,26 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
         elif p == "disk":  # read at its phase, not at the load: only its ring is page-locked
             unread += te.nbytes
             pinned += host_bytes.get(te.component, 0.0)
-    m = transformer_memory
-    if placements.transformer == "disk":  # its resident heads read into the pinned store; the rest at its turns
-        h2d += experts * m.resident_block_weights
-        pinned += experts * m.pinned_host
-        during += experts * m.pinned_host
-        unread += experts * (t_bytes - m.resident_block_weights)
-    elif placements.transformer == "gpu":
-        h2d += experts * t_bytes
-        device_now += experts * t_bytes
-    elif placements.transformer == "phase":
-        h2d += 2 * experts * t_bytes
-        pinned += experts * t_bytes
-        parked = max(parked, t_bytes)
-    else:
-        # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host memory;
-        # disk blocks' tails stay in the files
-        h2d += experts * (2 * m.non_block_weights + m.resident_block_weights)
-        pinned += experts * (m.pinned_host + spec.non_block_bytes)
-        during += experts * m.pinned_host
-        unread += experts * m.disk_read
+    for where, m in _experts(placements, transformer_memory, pipe.experts, expert_memory):
+        if where == "disk":  # its resident heads read into the pinned store; the rest at its turns
+            h2d += m.resident_block_weights
+            pinned += m.pinned_host
+            during += m.pinned_host
+            unread += t_bytes - m.resident_block_weights
+        elif where == "gpu":
+            h2d += t_bytes
+            device_now += t_bytes
+        elif where == "phase":
+            h2d += 2 * t_bytes
+            pinned += t_bytes
+            parked = max(parked, t_bytes)
+        else:
+            # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host
+            # memory; disk blocks' tails stay in the files
+            h2d += 2 * m.non_block_weights + m.resident_block_weights
+            pinned += m.pinned_host + spec.non_block_bytes
+            during += m.pinned_host
+            unread += m.disk_read
     vae = float(pipe.vae.nbytes)
     if placements.vae == "disk":
         unread += vae
@@ -169,5 +180,5 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
 def _placed_bytes(spec: ModelSpec, placements, t_bytes: float, vae: float) -> list[tuple[float, str]]:
     pipe = spec.pipeline
     out = [(float(te.nbytes), p) for te, p in zip(pipe.text_encoders, placements.text_encoders)]
-    out += [(t_bytes, placements.transformer)] * pipe.experts
+    out += [(t_bytes, p) for p in placements.of_experts(pipe.experts)]
     return out + [(vae, placements.vae)]

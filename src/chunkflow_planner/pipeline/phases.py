@@ -11,23 +11,36 @@ from __future__ import annotations
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, encode_startup_key
 from chunkflow_planner.offload import DISK_RING_BLOCKS, disk_block_indices
 from chunkflow_planner.pipeline.decode import decode_cost, output_host_bytes
-from chunkflow_planner.pipeline.placement import ON_DISK, Phase, PipelineEstimate, Placements
+from chunkflow_planner.pipeline.experts import expert_names, expert_steps
+from chunkflow_planner.pipeline.placement import ON_DISK, ExpertRun, Phase, PipelineEstimate, Placements
 from chunkflow_planner.tiers import read_s
 from chunkflow_planner.pipeline.text import TextCosts, text_act_bytes, text_costs
 from chunkflow_planner.policy import Point
 
 
 def _transformer_host(spec: ModelSpec, placement: str, point: Point) -> float:
-    """Host bytes of the transformer(s): none on the GPU, a full copy when moved per phase, the pinned store
-    (halved by fp8 storage; a disk tier's ring for its disk blocks' tails) plus the non-block tensors when streamed,
-    the pinned store alone on disk (its non-block tensors are read from the files at its turn)."""
+    """Host bytes of one expert (or the transformer): none on the GPU, a full copy when moved per phase, the pinned
+    store (halved by fp8 storage; a disk tier's ring for its disk blocks' tails) plus the non-block tensors when
+    streamed, the pinned store alone on disk (its non-block tensors are read from the files at its turn)."""
     if placement == "gpu":
         return 0.0
     if placement == "stream":
-        return float((spec.non_block_bytes + point.memory.pinned_host) * spec.pipeline.experts)
+        return float(spec.non_block_bytes + point.memory.pinned_host)
     if placement == ON_DISK:
-        return float(point.memory.pinned_host * spec.pipeline.experts)
-    return float(spec.nbytes * spec.pipeline.experts)
+        return float(point.memory.pinned_host)
+    return float(spec.nbytes)
+
+
+def expert_runs(spec: ModelSpec, w: Workload, pl: Placements, point: Point,
+                disk_point: Point | None = None) -> tuple[ExpertRun, ...]:
+    """Each expert's placement, point and steps (experts.expert_steps): `point`, or `disk_point` (the same setting
+    with every block on disk) for one placed on disk beside a streamed one."""
+    if pl.mixed and disk_point is None:
+        raise ValueError("experts placed differently need the disk expert's point (disk_point)")
+    places = pl.of_experts(spec.pipeline.experts)
+    return tuple(ExpertRun(name, p, disk_point if pl.mixed and p == ON_DISK else point, steps)
+                 for name, p, steps in zip(expert_names(spec.pipeline.experts), places,
+                                           expert_steps(spec.pipeline, w.steps)))
 
 
 def _unpark_s(spec: ModelSpec, placement: str, point: Point, hw: HardwareSpec) -> float:
@@ -39,10 +52,11 @@ def _unpark_s(spec: ModelSpec, placement: str, point: Point, hw: HardwareSpec) -
 
 
 def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point,
-             costs: TextCosts | None = None) -> PipelineEstimate:
+             costs: TextCosts | None = None, disk_point: Point | None = None) -> PipelineEstimate:
     """Phases, times and memory of one placement with the transformer at `point` (`costs`: text_costs(), to
-    evaluate many placements quickly)."""
+    evaluate many placements quickly; `disk_point`: an expert's on disk beside a streamed one, expert_runs)."""
     pipe = spec.pipeline
+    runs = expert_runs(spec, w, pl, point, disk_point)
     costs = costs if costs is not None else text_costs(spec, w, hw)
     vae_bytes = pipe.vae.nbytes
     t_model = spec.nbytes
@@ -57,38 +71,35 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         always += t_model
     if pl.vae == "gpu":
         always += vae_bytes
-    host["transformer"] = _transformer_host(spec, pl.transformer, point)
+    host["transformer"] = sum(_transformer_host(spec, r.placement, r.point) for r in runs)
     host["vae"] = 0.0 if pl.vae in ("gpu", ON_DISK) else float(vae_bytes)
     host["output"] = output_host_bytes(w)
 
     enc = _encode(spec, hw, pl, text, always)
-    den = _denoise(spec, w, hw, pl, point, always)
+    den = _denoise(spec, hw, pl, runs, always)
     dec = _decode(spec, w, hw, pl, always)
     phases = {"encode": enc, "denoise": den, "decode": dec}
     if hw.pipeline.device_is_host:  # the device's peak is host memory too
         host["device"] = max(ph.allocated_bytes for ph in phases.values())
-    return PipelineEstimate(pl, point, phases, host, hw, _disk_reads(spec, w, pl, point))
+    return PipelineEstimate(pl, point, phases, host, hw, _disk_reads(spec, w, pl, runs), runs)
 
 
-def _disk_reads(spec: ModelSpec, w: Workload, pl: Placements, point: Point) -> dict[str, float]:
+def _disk_reads(spec: ModelSpec, w: Workload, pl: Placements, runs: tuple[ExpertRun, ...]) -> dict[str, float]:
     """Bytes each component reads from the checkpoint's files a generation: a text encoder on disk its layers at
-    each forward and its other tensors once; the VAE on disk once; a transformer's disk blocks' tails every forward,
-    plus the reader's read-ahead of DISK_RING_BLOCKS tails at the end of each expert's turn (for a forward that
+    each forward and its other tensors once; the VAE on disk once; an expert's disk blocks' tails at each of its own
+    forwards, plus the reader's read-ahead of DISK_RING_BLOCKS tails at the end of its turn (for a forward that
     does not come: measured on an H200, docs/data/h200-disk: 4 x 19 + 2 tails read in a 2-step generation), plus,
-    on disk, its non-block tensors at its turn."""
+    on disk, its non-block tensors at its turn; an expert that runs no step reads nothing."""
     out: dict[str, float] = {}
     for te, p in zip(spec.pipeline.text_encoders, pl.text_encoders):
         if p == ON_DISK:
             layers = te.layer_params * te.dtype_bytes * te.shape()["layers"]
             out[te.component] = w.cfg_passes * layers + (te.nbytes - layers)
-    k = point.cfg.disk_blocks
-    if k and pl.transformer in ("stream", ON_DISK):
-        forwards = w.steps * (1 if point.cfg.cfg_batched else w.cfg_passes)
-        per_expert = point.memory.disk_read * (forwards / spec.pipeline.experts + min(DISK_RING_BLOCKS, k) / k)
-        if pl.transformer == ON_DISK:
-            per_expert += point.memory.non_block_weights
-        for i in range(spec.pipeline.experts):
-            out["transformer" if i == 0 else f"transformer_{i + 1}"] = per_expert
+    for r in runs:
+        k = r.point.cfg.disk_blocks
+        if k and r.placement in ("stream", ON_DISK) and r.steps:
+            reads = r.point.memory.disk_read * (r.forwards(w.cfg_passes) + min(DISK_RING_BLOCKS, k) / k)
+            out[r.name] = reads + (r.point.memory.non_block_weights if r.placement == ON_DISK else 0.0)
     if pl.vae == ON_DISK:
         out[spec.pipeline.vae.component] = float(spec.pipeline.vae.nbytes)
     return out
@@ -115,20 +126,24 @@ def _encode(spec: ModelSpec, hw: HardwareSpec, pl: Placements, text: list, alway
     return enc
 
 
-def _denoise(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point, always: float) -> Phase:
-    """The denoise phase: the transformer's plan (one expert at a time); parked outside, so it copies its device
-    part back."""
+def _denoise(spec: ModelSpec, hw: HardwareSpec, pl: Placements, runs: tuple[ExpertRun, ...],
+             always: float) -> Phase:
+    """The denoise phase: each expert's steps at its point, one expert at a time, each brought to the device at its
+    turn (an expert that runs no step takes none); parked outside, so it copies its device part back."""
     den = Phase()
-    den.detail["steps"] = w.steps * point.step_time
-    if pl.transformer == "phase":
-        den.detail["unpark"] = spec.pipeline.experts * read_s(spec.nbytes, "host", hw)
-    elif pl.transformer in ("stream", ON_DISK):
-        den.detail["unpark"] = spec.pipeline.experts * _unpark_s(spec, pl.transformer, point, hw)
+    turns = [r for r in runs if r.steps]
+    den.detail["steps"] = sum(r.steps * r.point.step_time for r in runs)
+    unpark = sum(read_s(spec.nbytes, "host", hw) if r.placement == "phase" else _unpark_s(spec, r.placement,
+                                                                                          r.point, hw)
+                 for r in turns if r.placement != "gpu")
+    if any(r.placement != "gpu" for r in runs):
+        den.detail["unpark"] = unpark
     den.time_s = sum(den.detail.values())
-    den.allocated_bytes = (always - (spec.nbytes if pl.transformer == "gpu" else 0.0)) + point.memory.peak
-    den.activation_bytes = point.memory.activations
+    den.allocated_bytes = ((always - (spec.nbytes if pl.transformer == "gpu" else 0.0))
+                           + max(r.point.memory.peak for r in runs))
+    den.activation_bytes = max(r.point.memory.activations for r in runs)
     _add_startup(den, "denoise", hw, spec)
-    first = spec.pipeline.experts * _disk_first_read(point, hw)
+    first = sum(_disk_first_read(r.point, hw) for r in turns)
     if first > 0:  # a start-up of the first generation: later ones find the read-ahead of the one before
         den.detail["disk first read"] = first
         den.startup_s += first

@@ -11,7 +11,10 @@ Placements:
   encoder streamed layer by layer with every layer read at each use and its other tensors read at its phase, the
   VAE read whole onto the GPU at the decode, a transformer streamed with every block's tail on disk and its other
   tensors read at its turn. Offered only where the disk's rate is known (HardwareSpec.disk_read_gbps).
-The VAE may decode tiled.
+The VAE may decode tiled. A pipeline of several experts (Wan2.2-A14B) places each: all as `transformer` says, or,
+where `experts` gives each its own, the one that runs fewer steps `disk` beside the other `stream` (it reads its
+blocks at fewer forwards: the disk before what is read every step; the runtime streams both with one setting, the
+disk one with every block on disk).
 
 Per phase the prediction is its time and its peak GPU memory, where peak memory is what runs out: torch's peak
 allocation, what the allocator keeps of freed activations (`alloc_slack`; memory.device_need) and the device memory
@@ -40,10 +43,46 @@ class PipelineError(ChunkflowError):
 
 @dataclass(frozen=True)
 class Placements:
+    """Every component's placement; `transformer` is its point's (every expert's unless `experts` gives each its
+    own, in the pipeline's order: transformer, transformer_2)."""
+
     text_encoders: tuple[str, ...]
     transformer: str
     vae: str
     vae_tiling: bool
+    experts: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, text_encoders: tuple[str, ...], experts: tuple[str, ...], vae: str, vae_tiling: bool) -> Placements:
+        """The placements with each expert's own (a plan's components): `transformer` the streamed one's where they
+        differ."""
+        if len(set(experts)) <= 1:
+            return cls(text_encoders, experts[0], vae, vae_tiling)
+        point_of = next((p for p in experts if p != ON_DISK), experts[0])
+        return cls(text_encoders, point_of, vae, vae_tiling, tuple(experts))
+
+    def of_experts(self, n: int) -> tuple[str, ...]:
+        """The placement of each of `n` experts."""
+        return self.experts or (self.transformer,) * n
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the experts are placed differently."""
+        return len(set(self.experts)) > 1
+
+
+@dataclass(frozen=True)
+class ExpertRun:
+    """One expert in a generation: its placement, its transformer point and the denoising steps it runs."""
+
+    name: str
+    placement: str
+    point: Point
+    steps: int
+
+    def forwards(self, cfg_passes: int) -> int:
+        """Its forwards a generation: a step's guidance passes, one where batched."""
+        return self.steps * (1 if self.point.cfg.cfg_batched else cfg_passes)
 
 
 @dataclass
@@ -65,6 +104,7 @@ class PipelineEstimate:
     host_bytes: dict[str, float]
     hw: HardwareSpec
     disk_bytes: dict[str, float] = field(default_factory=dict)  # bytes each component reads from disk a generation
+    experts: tuple[ExpertRun, ...] = ()  # each expert's placement, point and steps
 
     @property
     def disk_read(self) -> float:

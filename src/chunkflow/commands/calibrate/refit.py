@@ -142,10 +142,12 @@ def generation_estimate(r, hw: HardwareSpec):
     spec = get_model(r.plan.model.name)
     w = r.plan.workload.to_workload().model_copy(update={"steps": r.generation.steps})
     comps = r.plan.pipeline.components
-    pl = Placements(tuple(c.placement for c in comps if c.kind == "text_encoder"),
-                    next(c.placement for c in comps if c.kind == "transformer"),
-                    next(c.placement for c in comps if c.kind == "vae"), r.plan.pipeline.vae_tiling)
-    return estimate(spec, w, hw, pl, Problem(spec, w, hw).evaluate(r.run.offload)), w
+    pl = Placements.of(tuple(c.placement for c in comps if c.kind == "text_encoder"),
+                       tuple(c.placement for c in comps if c.kind == "transformer"),
+                       next(c.placement for c in comps if c.kind == "vae"), r.plan.pipeline.vae_tiling)
+    problem = Problem(spec, w, hw)
+    disk = problem.evaluate(r.run.offload.with_overrides(disk_blocks=spec.n_blocks)) if pl.mixed else None
+    return estimate(spec, w, hw, pl, problem.evaluate(r.run.offload), disk_point=disk), w
 
 
 def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
