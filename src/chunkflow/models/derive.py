@@ -414,7 +414,7 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
     pt = config.get("patch_size_t") or (config["patch_size"][0] if isinstance(config.get("patch_size"), (list, tuple))
                                         else 1)
     if fam.packed:
-        p = 2 * (p or 1)
+        p = 2  # the pipeline packs 2x2 latent patches (FLUX's patch_size 1) or the class patches 2x2 (Qwen-Image's 2)
     in_ch = config.get("in_channels") or config.get("in_dim")
     notes: list[str] = []
     untimed: list[str] = []
@@ -516,7 +516,7 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
             name=label, description=f"{cls.__name__} derived from {source}", d=d, f=f, heads=heads,
             text_len=text_len, patch=(int(pt or 1), int(p or 1), int(p or 1)), vae_spatial=vae_spatial,
             vae_temporal=vae_temporal, latent_channels=latent, dtype_bytes=RUN_DTYPE_BYTES, blocks=groups,
-            total_params=total, fp32_params=fp32,
+            total_params=total, fp32_params=fp32, **({"activation": fam.activation} if fam.activation else {}),
             default_workload=dict(height=want["height"], width=want["width"], frames=want["frames"],
                                   steps=want["steps"], cfg_passes=cfg_passes),
             diffusers=dict(cls=cls.__name__, config=clean, inputs=fam.inputs, cp_plan=fam.cp_plan,

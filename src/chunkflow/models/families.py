@@ -24,6 +24,7 @@ class Family:
     adapter: str = "generic"  # components.PipelineAdapter
     masked_attention: bool = False
     cp_plan: str | None = None
+    activation: dict | None = None  # catalog.ActivationModel's fields (None: the planner's default)
 
 
 _FAMILIES: dict[str, Family] = {
@@ -59,14 +60,14 @@ def catalog_family(cls: str):
 
 
 def family(cls: str) -> Family:
-    """The family adapter of transformer class `cls`: its own, with the catalog's input builder, pipeline adapter
-    and masking where the catalog knows the class."""
+    """The family adapter of transformer class `cls`: its own, with the catalog's input builder, pipeline adapter,
+    masking and activation model (measured for the class) where the catalog knows the class."""
     fam = _FAMILIES.get(cls, Family())
     spec = catalog_family(cls)
     if spec is None:
         return fam
     return replace(fam, inputs=spec.diffusers.inputs, masked_attention=spec.diffusers.masked_attention,
-                   cp_plan=spec.diffusers.cp_plan,
+                   cp_plan=spec.diffusers.cp_plan, activation=spec.activation.model_dump(),
                    adapter=spec.pipeline.adapter if spec.pipeline is not None else fam.adapter)
 
 
