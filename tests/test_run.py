@@ -82,8 +82,8 @@ def test_bad_options(args, message):
 
 def test_bad_plans(tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
-    (tmp_path / "v2.json").write_text(json.dumps(dict(plan, schema_version=2)))
-    _bad(["--plan", "v2.json"], "schema_version 2")
+    (tmp_path / "v9.json").write_text(json.dumps(dict(plan, schema_version=9)))
+    _bad(["--plan", "v9.json"], "schema_version 9")
     plan["model"]["name"] = "Imaginary-9B"
     (tmp_path / "unknown.json").write_text(json.dumps(plan))
     _bad(["--plan", "unknown.json", "--steps", "1"], "not in the catalog")

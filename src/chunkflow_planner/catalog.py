@@ -57,6 +57,23 @@ class BlockGroup(_Strict):
     arch: BlockArch = Field(description="exact layer layout, used to derive the parameter count")
     count: int = Field(gt=0)
     diffusers_list: str = Field(description="attribute of the diffusers model holding this nn.ModuleList")
+    first: int = Field(0, ge=0, description="index in that list of this group's first block (a derived entry splits "
+                       "a list where its blocks' sizes change, e.g. SD3's last block, which has no context output)")
+    params: int | None = Field(None, gt=0, description="parameters of one block, measured on the meta device (an "
+                               "entry derived from a folder); unset: derived from `arch` (params.py)")
+    fp32_params: int | None = Field(None, ge=0, description="of `params`, those the class keeps in float32 "
+                                    "(measured with `params`)")
+    fp8_kept_params: int | None = Field(None, ge=0, description="of `params`, those fp8 storage keeps in their own "
+                                        "dtype (norms, modulation; measured with `params`)")
+
+    @model_validator(mode="after")
+    def _measured_whole(self) -> "BlockGroup":
+        given = [self.params is not None, self.fp32_params is not None, self.fp8_kept_params is not None]
+        if any(given) and not all(given):
+            raise ValueError("a measured block gives params, fp32_params and fp8_kept_params together")
+        if self.params is not None and max(self.fp32_params, self.fp8_kept_params) > self.params:
+            raise ValueError("fp32_params and fp8_kept_params are shares of params")
+        return self
 
 
 class Workload(_Strict):
@@ -80,8 +97,9 @@ class ActivationModel(_Strict):
 class DiffusersSpec(_Strict):
     cls: str = Field(description="diffusers class name, e.g. WanTransformer3DModel")
     config: dict[str, Any] = Field(description="constructor config (the checkpoint's config.json)")
-    inputs: Literal["wan", "flux", "hunyuan_video", "qwen_image"] = Field(
-        description="which input builder makes latents, timestep and text states for this class"
+    inputs: Literal["wan", "flux", "hunyuan_video", "qwen_image", "generic"] = Field(
+        description="which input builder makes latents, timestep and text states for this class (generic: a "
+        "derived entry's class, driven through its diffusers pipeline)"
     )
     cp_plan: Literal["hunyuan_video"] | None = Field(
         None, description="chunkflow's own context-parallel plan, for a class diffusers ships without one"
@@ -89,6 +107,16 @@ class DiffusersSpec(_Strict):
     masked_attention: bool = Field(False, description="the class hands its joint attention a key-padding mask for the "
                                    "text (SDPA then runs a masked kernel, slower than flash attention: the operator "
                                    "model prices it with the masked table, HardwareSpec.attn_eta_masked)")
+
+
+class Derived(_Strict):
+    """Where an entry derived from a folder came from (chunkflow/models/derive.py), and what of it no calibration
+    has timed."""
+
+    source: str = Field(description="the folder (or Hub id) it was derived from")
+    untimed: list[str] = Field(default_factory=list, description="parts priced from their shapes with a margin, "
+                               "never timed by a calibration (uncatalogued text encoders, VAE)")
+    notes: list[str] = Field(default_factory=list, description="what was assumed where the folder did not say")
 
 
 class ModelSpec(_Strict):
@@ -115,6 +143,7 @@ class ModelSpec(_Strict):
     activation: ActivationModel = ActivationModel()
     diffusers: DiffusersSpec
     pipeline: PipelineSpec | None = Field(None, description="the rest of the diffusers pipeline (text encoders, VAE)")
+    derived: Derived | None = Field(None, description="set on an entry derived from a folder, not written by hand")
 
     @property
     def is_video(self) -> bool:
@@ -131,17 +160,27 @@ class ModelSpec(_Strict):
         return sum(g.count for g in self.blocks)
 
     def block_params(self, group: BlockGroup) -> int:
-        """Parameters of one block of `group`, derived from the architecture."""
+        """Parameters of one block of `group`: measured (a derived entry), else derived from the architecture."""
         from chunkflow_planner.params import block_params
 
-        return block_params(group.arch, self)
+        return group.params if group.params is not None else block_params(group.arch, self)
+
+    def block_fp32_params(self, group: BlockGroup) -> int:
+        """Of one block's parameters, those its class keeps in float32 (measured, else params.block_fp32_params)."""
+        from chunkflow_planner.params import block_fp32_params
+
+        return group.fp32_params if group.fp32_params is not None else block_fp32_params(group.arch, self)
+
+    def block_fp8_kept_params(self, group: BlockGroup) -> int:
+        """Of one block's parameters, those fp8 storage keeps (measured, else params.fp8_kept_params)."""
+        from chunkflow_planner.params import fp8_kept_params
+
+        return group.fp8_kept_params if group.fp8_kept_params is not None else fp8_kept_params(group.arch, self)
 
     def block_bytes(self, group: BlockGroup) -> int:
         """Bytes of one block of `group` as the built model holds it: dtype_bytes a parameter, float32 for those its
         class keeps in float32 (params.block_fp32_params; the runtime's layout of the block has the same bytes)."""
-        from chunkflow_planner.params import block_fp32_params
-
-        fp32 = block_fp32_params(group.arch, self)
+        fp32 = self.block_fp32_params(group)
         return (self.block_params(group) - fp32) * self.dtype_bytes + 4 * fp32
 
     def block_stored_bytes(self, group: BlockGroup, fp8: bool) -> int:
@@ -149,9 +188,7 @@ class ModelSpec(_Strict):
         parameter fp8 casts and its own bytes for those it keeps (params.fp8_kept_params)."""
         if not fp8:
             return self.block_bytes(group)
-        from chunkflow_planner.params import block_fp32_params, fp8_kept_params
-
-        kept, fp32 = fp8_kept_params(group.arch, self), block_fp32_params(group.arch, self)
+        kept, fp32 = self.block_fp8_kept_params(group), self.block_fp32_params(group)
         return (self.block_params(group) - kept) + (kept - fp32) * self.dtype_bytes + 4 * fp32
 
     @property

@@ -12,10 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-TextEncoderArch = Literal["t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl"]
+# "other": a class none of these describes, in an entry derived from a folder: priced from its measured shape
+TextEncoderArch = Literal["t5_encoder", "umt5_encoder", "clip_text", "llama", "qwen2_5_vl", "other"]
 TextMask = Literal["padded", "full", "none"]
-TokenizerKind = Literal["t5", "clip", "llama3", "qwen2"]
-PipelineAdapter = Literal["wan", "flux", "hunyuan_video", "qwen_image"]
+TokenizerKind = Literal["t5", "clip", "llama3", "qwen2", "folder"]  # folder: the pipeline folder's own tokenizer
+PipelineAdapter = Literal["wan", "flux", "hunyuan_video", "qwen_image", "generic"]  # generic: a derived entry's
 
 
 class _Strict(BaseModel):
@@ -125,6 +126,16 @@ class TextEncoderSpec(_Strict):
                            "tokens, then padding), `full` (every token real) or `none` (no mask); transformers "
                            "dispatches different operators for each")
     dtype_bytes: int = Field(2, gt=0)
+    measured: dict[str, Any] | None = Field(None, description="arch `other` (a derived entry): its shape as shape() "
+                                            "gives it, measured on the meta device, and `layer_params`")
+    margin: float = Field(1.0, ge=1.0, le=4.0, description="factor on its modelled time and activations: above 1 "
+                          "for a class no calibration has timed, priced from its shapes")
+
+    @model_validator(mode="after")
+    def _other_measured(self) -> "TextEncoderSpec":
+        if self.arch == "other" and self.measured is None:
+            raise ValueError("a text encoder of arch `other` needs its measured shape")
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -132,10 +143,14 @@ class TextEncoderSpec(_Strict):
 
     @property
     def layer_params(self) -> int:
+        if self.measured is not None:
+            return int(self.measured["layer_params"])
         return encoder_params(self.arch, self.config)[1]
 
     def shape(self) -> dict[str, Any]:
         """d, ff, heads, head_dim, kv_heads, layers, gated, eager_attention: what the operator model needs."""
+        if self.measured is not None:
+            return {k: v for k, v in self.measured.items() if k != "layer_params"}
         c = self.config
         if self.arch in ("t5_encoder", "umt5_encoder"):
             return dict(d=c["d_model"], ff=c["d_ff"], heads=c["num_heads"], head_dim=c["d_kv"], kv_heads=c["num_heads"],

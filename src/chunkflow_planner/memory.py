@@ -106,9 +106,7 @@ def stored_volumes(spec: ModelSpec, cfg: OffloadConfig) -> list[float]:
 
 def cast_volumes(spec: ModelSpec) -> list[float]:
     """Each block's tensors fp8 storage casts, in their compute dtype: the cast buffer one block needs."""
-    from chunkflow_planner.params import fp8_kept_params
-
-    return [float((spec.block_params(g) - fp8_kept_params(g.arch, spec)) * spec.dtype_bytes)
+    return [float((spec.block_params(g) - spec.block_fp8_kept_params(g)) * spec.dtype_bytes)
             for g in spec.block_sequence()]
 
 

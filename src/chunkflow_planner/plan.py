@@ -11,12 +11,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chunkflow_planner.catalog import EFFICIENCY_RANGE, H2D_GBPS_RANGE, PEAK_TFLOPS_RANGE, Workload
+from chunkflow_planner.catalog import EFFICIENCY_RANGE, H2D_GBPS_RANGE, PEAK_TFLOPS_RANGE, ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.versioned import field_errors, read_versioned
 
-PLAN_SCHEMA_VERSION = 1
+# 2: model.spec, the whole entry of a model derived from a folder (issue 37). A version 1 plan reads as it is: its
+# model is the catalog's (model_of).
+PLAN_SCHEMA_VERSION = 2
+OLDER_PLAN_VERSIONS = (1,)
 
 
 class PlanError(ChunkflowError):
@@ -32,6 +35,18 @@ class PlanModel(_Section):
     n_blocks: int = Field(gt=0)
     block_bytes_total: int = Field(gt=0)
     non_block_bytes: int = Field(ge=0)
+    spec: ModelSpec | None = Field(None, description="the whole model entry, for a model derived from its folder "
+                                   "(`plan --weights DIR`); absent: the catalog's entry named `name`")
+
+
+def model_of(plan: "Plan") -> ModelSpec:
+    """The model a plan was made for: the entry it embeds (derived from a folder), else the catalog's by name
+    (CatalogError when this chunkflow's catalog has no such model). Every reader of a plan's model asks this."""
+    if plan.model.spec is not None:
+        return plan.model.spec
+    from chunkflow_planner.catalog import get_model
+
+    return get_model(plan.model.name)
 
 
 class PlanWorkload(_Section):
@@ -220,7 +235,7 @@ def load_plan(source: str | os.PathLike | dict | Plan) -> Plan:
     if isinstance(source, Plan):
         plan, where = source, "plan"
     elif isinstance(source, dict):
-        if source.get("schema_version", PLAN_SCHEMA_VERSION) != PLAN_SCHEMA_VERSION:
+        if source.get("schema_version", PLAN_SCHEMA_VERSION) not in (PLAN_SCHEMA_VERSION, *OLDER_PLAN_VERSIONS):
             raise PlanError(f"plan has schema_version {source.get('schema_version')!r}; this chunkflow reads "
                             f"version {PLAN_SCHEMA_VERSION}")
         try:
@@ -230,7 +245,7 @@ def load_plan(source: str | os.PathLike | dict | Plan) -> Plan:
     elif isinstance(source, (str, os.PathLike)):
         path = Path(source)
         plan = read_versioned(path, Plan, PLAN_SCHEMA_VERSION, what="plan file", error=PlanError,
-                              remedy=f"write it with `chunkflow plan --out {path}`")
+                              remedy=f"write it with `chunkflow plan --out {path}`", older=OLDER_PLAN_VERSIONS)
         where = f"plan file {str(path)!r}"
     else:
         raise PlanError(f"a plan is the path of a plan file, a dict or a Plan, not {type(source).__name__}")
@@ -239,14 +254,14 @@ def load_plan(source: str | os.PathLike | dict | Plan) -> Plan:
 
 
 def check_plan(plan: Plan, where: str = "plan") -> None:
-    """The plan's model is in the catalog, its workload is one that model can run, its SP degree splits its heads,
+    """The plan's model is in the catalog (or embedded in it), its workload is one that model can run, its SP degree splits its heads,
     and the rest of it fits that model within a real run's bounds (plan_checks): checked whole, before anything is
     loaded, every error naming `where` and the field."""
-    from chunkflow_planner.catalog import CatalogError, get_model
+    from chunkflow_planner.catalog import CatalogError
     from chunkflow_planner.workload import WorkloadError, validate
 
     try:
-        spec = get_model(plan.model.name)
+        spec = model_of(plan)
     except CatalogError as exc:
         raise PlanError(f"{where}: its model {plan.model.name!r} is not in the catalog of this chunkflow ({exc})") from None
     try:
@@ -266,9 +281,8 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
 def check_setting(plan: Plan, cfg: OffloadConfig, flags: str) -> None:
     """The offload setting a run makes of the plan's (`flags`: the overriding flags, e.g. "--chunk-size") fits the
     plan's model as the plan's own must (plan_checks.offload_problem)."""
-    from chunkflow_planner.catalog import get_model
     from chunkflow_planner.plan_checks import offload_problem
 
-    problem = offload_problem(cfg, get_model(plan.model.name), flags)
+    problem = offload_problem(cfg, model_of(plan), flags)
     if problem is not None:
         raise PlanError(problem)

@@ -319,7 +319,8 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
     chosen = decision.chosen
     return Plan(
         model=PlanModel(
-            name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes
+            name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes,
+            spec=spec if spec.derived is not None else None,  # a derived entry travels with its plan (model_of)
         ),
         workload=PlanWorkload(
             batch=workload.batch, frames=workload.frames, height=workload.height, width=workload.width,

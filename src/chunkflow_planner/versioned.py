@@ -12,9 +12,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def read_versioned(path: Path, model: type[M], version: int, *, what: str, remedy: str,
-                   error: type[Exception]) -> M:
-    """`model` from the JSON file at `path`, whose `schema_version` must be `version`; anything else raises
-    `error` with a message naming the file (`what`) and what to do (`remedy`)."""
+                   error: type[Exception], older: tuple[int, ...] = ()) -> M:
+    """`model` from the JSON file at `path`, whose `schema_version` must be `version` (or one of the `older` ones
+    the model still reads as they are); anything else raises `error` with a message naming the file (`what`) and
+    what to do (`remedy`)."""
     from chunkflow_planner.files import FileError, read_text
 
     from chunkflow_planner.files import not_there
@@ -30,7 +31,7 @@ def read_versioned(path: Path, model: type[M], version: int, *, what: str, remed
     if not isinstance(data, dict):
         raise error(f"{what} {str(path)!r} must hold a JSON object")
     found = data.get("schema_version")
-    if found != version:
+    if found != version and found not in older:
         raise error(f"{what} {str(path)!r} has schema_version {found!r}; this chunkflow reads version {version}. "
                     f"{remedy[0].upper()}{remedy[1:]}.")
     try:

@@ -12,14 +12,26 @@ import typer
 
 from chunkflow.commands.app import console, UserError, _command, _say
 from chunkflow.commands.terminal import json_shown
-from chunkflow.commands.options import Hardware, Height, Model, Variant, Width
+from chunkflow.commands.options import Hardware, Height, Variant, Width
 from chunkflow_planner.units import format_bytes, parse_duration, parse_size
 
 
+_Describe = Annotated[Optional[str], typer.Option(
+    "--describe", metavar="DIR", help="derive the model entry of a diffusers folder chunkflow has never seen (a "
+    "pipeline folder with model_index.json, a Hub id in the local cache, a transformer folder or its config.json) "
+    "and print it in models.yaml's format, to paste into a catalog")]
+
+
 @_command("models")
-def models_cmd() -> None:
-    """List the model catalog (models.yaml)."""
+def models_cmd(describe: _Describe = None) -> None:
+    """List the model catalog (models.yaml), or with --describe DIR the entry derived from a folder."""
     from chunkflow_planner.catalog import load_models
+
+    if describe is not None:
+        from chunkflow.models.derive import derive_model, describe_yaml
+
+        sys.stdout.write(describe_yaml(derive_model(describe)))
+        return
 
     table = Table(title="Models (models.yaml): weights in the dtypes a plan runs them in")
     for col in ("name", "aliases", "blocks x width", "transformer", "pipeline", "default workload"):
@@ -60,6 +72,9 @@ def hardware_cmd() -> None:
                   markup=False)
 
 
+_PlanModel = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="catalog model name or alias (see `chunkflow models`), or a diffusers folder / Hub id in the "
+    "local cache to derive the model from (default: the --weights folder's)")]
 _Frames = Annotated[Optional[int], typer.Option(help="video frames (1 mod the VAE's temporal factor)")]
 _Batch = Annotated[Optional[int], typer.Option(help="batch size")]
 _Steps = Annotated[Optional[int], typer.Option(help="denoising steps")]
@@ -108,7 +123,7 @@ _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or H
 
 
 @_command("plan")
-def plan_cmd(model: Model, frames: _Frames = None, batch: _Batch = None, height: Height = None, width: Width = None,
+def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = None, height: Height = None, width: Width = None,
              steps: _Steps = None, sp: _Sp = 1, hardware: Hardware = None, mem_budget: _MemBudget = None,
              mem_margin: _MemMargin = None, max_slowdown: _MaxSlowdown = None,
              target_step_time: _TargetStepTime = None, target_time: _TargetTime = None,
@@ -120,8 +135,8 @@ def plan_cmd(model: Model, frames: _Frames = None, batch: _Batch = None, height:
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
              weights: _Weights = None, variant: Variant = None) -> None:
-    """Predict step time and peak memory per offload mode and choose chunk size and residency."""
-    from chunkflow_planner.catalog import get_model
+    """Predict step time and peak memory per offload mode and choose chunk size and residency; with --weights DIR
+    (or --model DIR) and no catalog model, for the model derived from that folder."""
     from chunkflow_planner.planner import make_plan, resolve_hardware
     from chunkflow_planner.policy import Levers
     from chunkflow_planner.workload import make_workload
@@ -130,7 +145,10 @@ def plan_cmd(model: Model, frames: _Frames = None, batch: _Batch = None, height:
     if host_mem_margin is not None and not (math.isfinite(host_mem_margin) and 0 <= host_mem_margin <= 0.5):
         raise UserError(f"--host-mem-margin is a share of the host budget between 0 and 0.5 (e.g. 0.05), got "
                         f"{host_mem_margin}")
-    spec = get_model(model)
+    spec = _model_spec(model, weights, dict(height=height, width=width, frames=frames, steps=steps,
+                                            text_len=text_len))
+    if spec.derived is not None:
+        text_len = None  # the derived entry's own text length (--text-len went into it)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
     levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
     resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
@@ -179,6 +197,27 @@ def _check_plan_flags(max_slowdown: float | None, target_step_time: str | None, 
         check_distinct({"--out": out}, {"--hardware": hardware if hardware and Path(hardware).exists() else None})
 
 
+def _model_spec(model: str | None, weights: str | None, given: dict):
+    """The catalog's model named by --model; else the entry derived from the folder or Hub id --model names, or
+    --weights gives without --model (models/derive.py: the only path here that imports torch)."""
+    from chunkflow_planner.catalog import CatalogError, get_model
+
+    if model is None and weights is None:
+        raise UserError("give --model (a catalog model, see `chunkflow models`) or --weights DIR (a diffusers "
+                        "pipeline folder or a Hub id in the local cache, for the model derived from it)")
+    if model is not None:
+        try:
+            return get_model(model)
+        except CatalogError:
+            from chunkflow.models.derive import looks_like_folder
+
+            if not looks_like_folder(model):
+                raise
+    from chunkflow.models.derive import derive_model
+
+    return derive_model(model if model is not None else weights, given)
+
+
 def _read_bytes(spec, weights: str | None, variant: str | None, transformer_only: bool) -> int | None:
     """The bytes loading the --weights folder reads (its files' headers), or None without --weights."""
     if variant is not None and weights is None:
@@ -188,6 +227,8 @@ def _read_bytes(spec, weights: str | None, variant: str | None, transformer_only
     from chunkflow.weights import resolve_weights
     from chunkflow_planner.checkpoint import pipeline_read_bytes
 
+    if spec.derived is not None and spec.pipeline is None:
+        return None  # a transformer folder: the transformer is planned alone
     if transformer_only or spec.pipeline is None:
         raise UserError("--weights prices the load of a whole pipeline; leave it out with --transformer-only")
     return pipeline_read_bytes(resolve_weights(weights), spec, variant)
@@ -203,5 +244,14 @@ def _show_plan(plan, decision, analysis, out: str | None, json_out: bool) -> Non
     from chunkflow.commands.plan_tables import print_plan
 
     print_plan(console, plan, decision, analysis)
+    derived = plan.model.spec.derived if plan.model.spec is not None else None
+    if derived is not None:
+        console.print(f"Model derived from {derived.source} (no catalog entry; the plan file carries it)",
+                      markup=False)
+        if derived.untimed:
+            console.print("Not timed by any calibration (priced from their shapes, with a margin): "
+                          + "; ".join(derived.untimed), markup=False)
+        for note in derived.notes:
+            console.print(f"Assumed: {note}", markup=False)
     if out:
         console.print(f"Plan written to {out}", markup=False)

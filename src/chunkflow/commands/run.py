@@ -150,9 +150,9 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
     negative prompt only where the pipeline uses one, a video file for a video model and an image for an image
     model."""
     from chunkflow.generate import takes_negative_prompt
-    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import model_of
 
-    spec = get_model(p.model.name)
+    spec = model_of(p)
     for flag, text in (("--prompt", prompt), ("--negative-prompt", negative_prompt)):
         if text is None:
             continue

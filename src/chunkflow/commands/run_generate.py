@@ -97,10 +97,10 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow.reports import RunError
     from chunkflow.weights import resolve_weights
-    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import model_of
     from chunkflow_planner.predict import hardware_of
 
-    spec = get_model(plan.model.name)
+    spec = model_of(plan)
     if spec.pipeline is None:
         raise RunError(f"{spec.name} has no pipeline in the catalog; run without --prompt for the synthetic benchmark")
     hw = hardware_of(plan, o.profile)

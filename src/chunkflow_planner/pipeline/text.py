@@ -52,26 +52,35 @@ def text_act_bytes(te: TextEncoderSpec) -> float:
     act = n * (6 * a["d"] + 2 * a["ff"]) * te.dtype_bytes
     if a["eager_attention"]:
         act += 2 * a["heads"] * n * n * 4
-    return act
+    return act * te.margin
 
 
 def text_device_s(te: TextEncoderSpec, hw: HardwareSpec) -> float:
     """Seconds one forward of a text encoder keeps the GPU busy: its operators' device time (ops.py)."""
-    return ops_time(text_encoder_ops(te, 1, te.tokens), hw)
+    return ops_time(text_encoder_ops(te, 1, te.tokens), hw) * te.margin
+
+
+def layer_host_us(te: TextEncoderSpec, hw: HardwareSpec) -> float:
+    """Host microseconds of one layer's dispatch: calibrate's for its architecture; for an architecture calibrate
+    never timed (`other`, a derived entry's), the dearest one it timed, times the encoder's margin."""
+    table = hw.pipeline.text_layer_host_us
+    if te.arch in table:
+        return table[te.arch]
+    return max(table.values(), default=0.0) * te.margin if te.arch == "other" else 0.0
 
 
 def text_host_s(te: TextEncoderSpec, hw: HardwareSpec) -> float:
     """Host seconds one eager forward of a text encoder dispatches in a generation: its layers at the host cost of
     one as calibrate timed it for its architecture (PipelineProfile.text_layer_host_us; 0 where unmeasured), times the
     reports' host_margin."""
-    return te.shape()["layers"] * hw.pipeline.text_layer_host_us.get(te.arch, 0.0) * 1e-6 * hw.pipeline.host_margin
+    return te.shape()["layers"] * layer_host_us(te, hw) * 1e-6 * hw.pipeline.host_margin
 
 
 def text_forward_s(te: TextEncoderSpec, hw: HardwareSpec, on_cpu: bool = False) -> float:
     """Seconds of one forward of a text encoder: on the GPU the longer of its device time and its host dispatch,
     on the CPU its operators' time at the CPU's measured rates plus that dispatch (text_host_s, ops.py)."""
     if on_cpu:
-        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) + text_host_s(te, hw)
+        return ops_time_cpu(text_encoder_ops(te, 1, te.tokens), hw) * te.margin + text_host_s(te, hw)
     return max(text_device_s(te, hw), text_host_s(te, hw))
 
 

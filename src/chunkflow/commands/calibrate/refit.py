@@ -46,11 +46,11 @@ def _key(rep) -> tuple:
 
 def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]:
     """eta_comp (scalar, curve, per-model curves) scaled by predicted / measured compute of the `none` runs."""
-    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import model_of
 
     ks: dict[str, list[float]] = {}
     for r in none.values():
-        spec = get_model(r.plan.model.name)
+        spec = model_of(r.plan)
         k = compute_ratio(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.measured.median_step_s,
                           r.run.sp_degree)  # none, as it ran
         if k is not None:
@@ -83,13 +83,13 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
 
 def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str]) -> dict[str, Any]:
     """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden."""
-    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import model_of
 
     gaps = []
     for r in reports:
         if r.run.offload.mode == "none" or _key(r) not in none or r.run.offload.weight_dtype != "bf16":
             continue  # an fp8 run's gap also holds the cast, which the step model counts as compute
-        spec = get_model(r.plan.model.name)
+        spec = model_of(r.plan)
         p = predict(spec, r.plan.workload.to_workload(), hw, r.run.offload, r.run.sp_degree)
         if p.prefetch_stall_s > 0.01 * p.step_time_s:
             continue  # prefetch exposed: the gap is transfer, not overhead
@@ -110,14 +110,15 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dic
     reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
     (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
     not measure keep the profile's value."""
-    from chunkflow_planner.catalog import encode_startup_key, get_model
+    from chunkflow_planner.catalog import encode_startup_key
+    from chunkflow_planner.plan import model_of
 
     gaps: dict[str, list[float]] = {}
     for r in reports:
         g = r.generation
         if g is None or not g.first_phase_times_s:
             continue
-        own = encode_startup_key(get_model(r.plan.model.name))
+        own = encode_startup_key(model_of(r.plan))
         for phase, first in g.first_phase_times_s.items():
             if phase in g.phases:
                 gap = max(0.0, first - g.phases[phase].measured_time_s)
@@ -135,11 +136,11 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dic
 
 def generation_estimate(r, hw: HardwareSpec):
     """The pipeline estimate of a generation report's plan as it ran (its placements, its offload), on `hw`."""
-    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import model_of
     from chunkflow_planner.pipeline import Placements, estimate
     from chunkflow_planner.policy import Problem
 
-    spec = get_model(r.plan.model.name)
+    spec = model_of(r.plan)
     w = r.plan.workload.to_workload().model_copy(update={"steps": r.generation.steps})
     comps = r.plan.pipeline.components
     pl = Placements.of(tuple(c.placement for c in comps if c.kind == "text_encoder"),
@@ -193,12 +194,12 @@ class _PhaseSamples:
 
     def add(self, r, base: HardwareSpec, hw: HardwareSpec) -> None:
         """The samples of one generation report `r`, against the estimate with the terms zeroed (`base`)."""
-        from chunkflow_planner.catalog import get_model
+        from chunkflow_planner.plan import model_of
         from chunkflow_planner.pipeline import startup_of
 
         e, w = generation_estimate(r, base)
         g = r.generation
-        spec = get_model(r.plan.model.name)
+        spec = model_of(r.plan)
         start = {} if g.warmup_generations else {name: startup_of(spec, name, hw) for name in g.phases}
         unknown = any(start.get(name, 0.0) is None for name in ("encode", "decode"))
         self.cold += unknown
