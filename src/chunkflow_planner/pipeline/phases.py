@@ -67,8 +67,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
         host[te.component] = h
         if p == "gpu":
             always += te.nbytes
-    if pl.transformer == "gpu":
-        always += t_model
+    always += t_model * sum(r.placement == "gpu" for r in runs)  # every expert on the GPU is there in every phase
     if pl.vae == "gpu":
         always += vae_bytes
     host["transformer"] = sum(_transformer_host(spec, r.placement, r.point) for r in runs)
