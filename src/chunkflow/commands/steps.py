@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from chunkflow.launch import torchrun_world
 from chunkflow.reports import Measured, MemorySample, RelErrors, RunConfig, RunError, RunReport, rel_error
-from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload, get_model
+from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload
+from chunkflow.models.plan_model import model_of
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.workload import MAX_STEPS  # denoising steps a run takes, as a plan's
@@ -227,7 +228,7 @@ def run_plan(plan: Plan, cfg: OffloadConfig, o: RunOptions, progress: Callable[[
         raise RunError("--repeat counts measured generations and needs --prompt; a synthetic run times --steps "
                        "denoising steps")
     try:
-        spec = get_model(plan.model.name)
+        spec = model_of(plan)
     except CatalogError as exc:
         raise RunError(f"the plan's model {plan.model.name!r} is not in the catalog: {exc}") from None
     hw = hardware_of(plan, o.profile)

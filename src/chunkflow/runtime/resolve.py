@@ -51,14 +51,14 @@ def _flat(blocks) -> list[nn.Module]:
 def _plan_config(plan, module: nn.Module, blocks) -> OffloadConfig:
     """A plan's offload setting, after checking that the plan was made for this module's model: its class, and
     its architecture (the number of blocks and their parameters; a plan for a 5B model does not fit a 1.3B one)."""
-    from chunkflow_planner.catalog import get_model
+    from chunkflow.models.plan_model import model_of
     from chunkflow_planner.plan import load_plan
 
     try:
         p = load_plan(plan)
     except (ValueError, TypeError) as exc:
         raise OffloadError(str(exc)) from None
-    spec = get_model(p.model.name)  # load_plan checked it is in the catalog
+    spec = model_of(p)  # load_plan checked it is in the catalog
     cls = type(module).__name__
     if spec.diffusers.cls != cls:
         raise OffloadError(f"the plan is for {p.model.name} ({spec.diffusers.cls}) but the module is a {cls}; "
