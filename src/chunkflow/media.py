@@ -370,9 +370,14 @@ def load_input_image(path: str | Path):
             return im.convert("RGB")
     except MediaError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise MediaError(f"--image {str(p)!r} is not an image PIL can read (or declares one too large to decode); "
-                         f"{fix}") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # its header, before any pixel
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"declares {int(found.group(1)):,} pixels" if found else "declares too many pixels"
+        raise MediaError(f"--image {str(p)!r} {size}, beyond what an input image may be (at most {MAX_IMAGE_SIDE} "
+                         f"a side, {MAX_IMAGE_PIXELS // 2**20} megapixels); the pipeline resizes it to the plan's "
+                         "size anyway: give it smaller") from None
+    except UnidentifiedImageError:
+        raise MediaError(f"--image {str(p)!r} is not an image PIL can read; {fix}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated or damaged image data
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise MediaError(f"--image {str(p)!r} cannot be decoded ({why}); {fix}") from None

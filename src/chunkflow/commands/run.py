@@ -167,7 +167,7 @@ def _check_pipeline(p, folder: Path | None, image: str | None):
     if folder is not None:
         check_folder(spec, folder, image=image is not None)
     else:
-        run_class(spec.pipeline.cls, None, image is not None)
+        run_class(spec.pipeline.cls, None, image is not None, spec=spec)
     if image is None:
         return None
     from chunkflow.media import load_input_image
@@ -193,8 +193,8 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
         if not text.strip():
             raise UserError(f"{flag} is empty; give the words to {'generate' if flag == '--prompt' else 'avoid'}")
     if negative_prompt is not None and not takes_negative_prompt(spec):
-        raise UserError(f"{spec.name}'s pipeline takes no negative prompt (its guidance is "
-                        f"{'distilled into the model' if spec.pipeline.adapter == 'flux' else 'embedded'}: --guidance "
+        how = "distilled into the model" if getattr(spec.pipeline, "adapter", None) == "flux" else "embedded"
+        raise UserError(f"{spec.name}'s pipeline takes no negative prompt (its guidance is {how}: --guidance "
                         "sets it); leave --negative-prompt out")
     if out is not None:
         from chunkflow.media import check_media_path, image_names

@@ -167,7 +167,45 @@ def _runs_alone(cls: type, base: type) -> bool:
     return need <= _init_parameters(base)
 
 
-def run_class(planned: str, folder_cls: str | None, image: bool, where: str = "the folder") -> type:
+def _wan_image_to_video(spec, settings: dict) -> str | None:
+    """Wan image-to-video without expand_timesteps (Wan2.1-I2V) gives its transformer the latents, a mask (one
+    channel per frame of a latent frame) and the image's latents: 2 z + 4 channels; a text-to-video transformer takes
+    z. With expand_timesteps (Wan2.2-TI2V) the image's latents replace the first frame's: z channels."""
+    if settings.get("expand_timesteps"):
+        return None
+    z = spec.pipeline.vae.config.get("z_dim", spec.latent_channels)
+    want = 2 * z + (spec.vae_temporal or 4)
+    have = spec.diffusers.config.get("in_channels")
+    if have == want:
+        return None
+    return (f"{spec.name}'s transformer takes {have} input channels, a Wan image-to-video transformer {want} (the "
+            "latents, the first frame's mask and the image's latents): it is a text-to-video model; plan an "
+            "image-to-video one (Wan2.1-I2V, or Wan2.2-TI2V, whose expand_timesteps animates an image)")
+
+
+# what an image pipeline needs of the plan's model that its signature does not say, by the pipeline class
+IMAGE_CHECKS = {"WanImageToVideoPipeline": _wan_image_to_video}
+
+
+def _check_imports(cls: type) -> None:
+    """The packages the pipeline's prompt cleaning needs are installed: diffusers imports some only where they are
+    (ftfy) and some pipelines call them regardless (Wan image-to-video's basic_clean), which would fail in the
+    middle of the run. Tried on a word, before anything is loaded."""
+    import sys
+
+    clean = getattr(sys.modules.get(cls.__module__), "basic_clean", None)
+    if not callable(clean):
+        return
+    try:
+        clean("a")
+    except NameError as exc:
+        name = getattr(exc, "name", None) or str(exc)
+        raise PipelineClassError(f"{cls.__name__} cleans its prompts with the Python package {name}, which is not "
+                                 f"installed: pip install {name}") from None
+
+
+def run_class(planned: str, folder_cls: str | None, image: bool, where: str = "the folder", spec=None,
+              settings: dict | None = None) -> type:
     """The diffusers pipeline class a run makes: the plan's (`planned`), or the folder's (`folder_cls`, its
     model_index.json's `_class_name`) where that is one of the plan's image family and an image is given (a FLUX
     Kontext folder for a FLUX plan); given an image and a class that takes none, its one image sibling the same
@@ -195,6 +233,11 @@ def run_class(planned: str, folder_cls: str | None, image: bool, where: str = "t
         cls = family[0]
     if not image and needs_image(cls):
         raise PipelineClassError(f"{cls.__name__} animates or edits an image: give it with --image PATH")
+    _check_imports(cls)
+    check = IMAGE_CHECKS.get(cls.__name__) if image and spec is not None else None
+    why = check(spec, settings if settings is not None else dict(spec.pipeline.config)) if check else None
+    if why:
+        raise PipelineClassError(why)
     return cls
 
 

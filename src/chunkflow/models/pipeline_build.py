@@ -298,7 +298,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     from chunkflow.models.adapters import run_class
 
     slots = check_slots(folder, spec, image) if folder is not None else None  # every class it names, first
-    pipe_cls = slots.pipeline if slots is not None else run_class(pipe_spec.cls, None, image)
+    pipe_cls = slots.pipeline if slots is not None else run_class(pipe_spec.cls, None, image, spec=spec)
     for slot in slots.unloaded if slots is not None else []:
         log(f"note: model_index.json names {slot}, which the plan's model does not use; it is not loaded")
     counter = _ByteCounter(on_bytes)

@@ -123,6 +123,33 @@ def _tokenizer_class(folder: Path, slot: str, declared: dict[str, tuple[str, str
     return cls
 
 
+def scheduler_calls(pipe_cls: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the scheduler methods, the keywords of its set_timesteps) the diffusers pipeline class's `__call__` calls,
+    read from its source (retrieve_timesteps calls set_timesteps with the keywords it is given): what a pipeline
+    outside the catalog asks of its scheduler. None asked where the source cannot be read."""
+    import ast
+    import textwrap
+
+    import diffusers
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(diffusers, pipe_cls).__call__)))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return ("set_timesteps", "step"), ()
+    called, keywords = {"set_timesteps", "step"}, set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and ast.unparse(f.value) == "self.scheduler":
+            called.add(f.attr)
+            if f.attr == "set_timesteps":
+                keywords |= {k.arg for k in node.keywords if k.arg}
+        if isinstance(f, ast.Name) and f.id == "retrieve_timesteps":
+            keywords |= {k.arg for k in node.keywords if k.arg}
+    return tuple(sorted(called)), tuple(sorted(keywords - {"device", "num_inference_steps"}))
+
+
 def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cls: str) -> type:
     """The diffusers scheduler class the folder declares, checked to offer what `pipe_cls` calls of it."""
     import diffusers
@@ -142,10 +169,12 @@ def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cl
         raise CheckpointError(f"{_where(folder)} makes the scheduler a {name}, which is not a scheduler (a diffusers "
                               "SchedulerMixin); nothing was made from it: fix model_index.json or download the "
                               "pipeline again")
-    lacks = [m for m in SCHEDULER_METHODS if not callable(getattr(cls, m, None))]
+    methods, keywords = ((SCHEDULER_METHODS, SCHEDULER_KEYWORDS[pipe_cls]) if pipe_cls in SCHEDULER_KEYWORDS
+                         else scheduler_calls(pipe_cls))
+    lacks = [m for m in methods if not callable(getattr(cls, m, None))]
     if not lacks:
         takes = inspect.signature(cls.set_timesteps).parameters
-        lacks = [f"set_timesteps({k}=...)" for k in SCHEDULER_KEYWORDS.get(pipe_cls, ()) if k not in takes]
+        lacks = [f"set_timesteps({k}=...)" for k in keywords if k not in takes]
     if lacks:
         raise CheckpointError(f"{_where(folder)} makes the scheduler a {name}, which lacks {', '.join(lacks)} that "
                               f"{pipe_cls} calls; diffusers would fail in the middle of the generation: use a "
@@ -245,6 +274,8 @@ def check_slots(folder: Path, spec, image: bool = False) -> FolderSlots:
     pipe = spec.pipeline
     index = _model_index(folder)
     cls = run_class(pipe.cls, index["_class_name"], image, where=repr(str(folder)))
+    settings = _settings(folder, index, pipe, cls)
+    run_class(pipe.cls, index["_class_name"], image, where=repr(str(folder)), spec=spec, settings=settings)
     declared = pipeline_components(folder)
     _check_models(folder, declared, spec)
     tokenizers = {te.tokenizer: _tokenizer_class(folder, te.tokenizer, declared) for te in pipe.text_encoders}
@@ -252,5 +283,4 @@ def check_slots(folder: Path, spec, image: bool = False) -> FolderSlots:
     loaded = set(_model_slots(spec)) | set(tokenizers) | {"scheduler"}
     models, processors, absent = _extras(folder, index, declared, cls, loaded, image)
     unloaded = _unloaded(folder, declared, loaded | set(models) | set(processors))
-    return FolderSlots(tokenizers, scheduler, _settings(folder, index, pipe, cls), unloaded, cls, models, processors,
-                       absent)
+    return FolderSlots(tokenizers, scheduler, settings, unloaded, cls, models, processors, absent)
