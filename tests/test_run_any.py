@@ -162,6 +162,11 @@ def _ltx(folder: Path):
     return spec, call
 
 
+def _needs_ftfy():
+    """Wan's image-to-video pipeline cleans prompts with ftfy (the diffusers and test extras install it)."""
+    pytest.importorskip("ftfy", reason="Wan image-to-video needs ftfy: pip install -e .[test]")
+
+
 def _wan_i2v(folder: Path, base: Path):
     """Wan2.1-style image-to-video: tiny's UMT5, VAE and scheduler (from its saved folder `base`), a transformer of
     2 z + 4 input channels with image cross-attention, a CLIP vision encoder and its image processor."""
@@ -281,6 +286,7 @@ def test_a_generic_call_takes_only_what_the_class_takes(saved):
 def test_wan_image_to_video_through_the_api_gives_diffusers_latents(saved, tmp_path):
     """A Wan2.1-style image-to-video folder (image encoder and image processor): built with image=True, generated
     from an image file; the latents are WanImageToVideoPipeline's own from the same folder, image and seed."""
+    _needs_ftfy()
     from PIL import Image
 
     base = save_catalog_pipeline("tiny", tmp_path / "t2v")
@@ -308,6 +314,7 @@ def test_run_image_animates_a_wan_ti2v_folder_with_diffusers_latents(cli, workdi
     """`run --image` with a Wan2.2-TI2V-style folder (a WanPipeline with expand_timesteps, as the Hub ships
     Wan2.2-TI2V-5B): the run makes WanImageToVideoPipeline of it; the latents are that pipeline's own from the
     same folder, image and seed (the loop's last: expand_timesteps mixes the image's latents in after it)."""
+    _needs_ftfy()
     from PIL import Image
 
     plan, folder = _ti2v(cli, workdir)
@@ -403,3 +410,51 @@ def test_a_folder_of_another_model_is_refused_before_the_load(cli, workdir, save
     result = cli("run", "--plan", "wan.json", "--weights", folder, "--prompt", PROMPT)
     assert result.exit_code != 0 and "UMT5EncoderModel" in result.output and "28,896" in result.output, result.output
     assert "Traceback" not in result.output and "load" not in result.output
+
+
+def test_run_image_edits_with_a_flux_kontext_folder_for_a_flux_plan(cli, workdir):
+    """An edit pipeline: a FluxKontextPipeline folder (tiny-flux's components) run for a tiny-flux plan with
+    --image; the latents are FluxKontextPipeline's own from the same folder, image and seed."""
+    import diffusers
+    from PIL import Image
+
+    flux = save_catalog_pipeline("tiny-flux", workdir / "flux")
+    parts = diffusers.FluxPipeline.from_pretrained(flux, torch_dtype=torch.bfloat16).components
+    diffusers.FluxKontextPipeline(**parts).save_pretrained(workdir / "kontext")
+    result = cli("plan", "--model", "tiny-flux", "--hardware", "cpu", "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    picture = _image(workdir / "in.png", size=(64, 48))
+    with one_thread():
+        result = cli("run", "--plan", "plan.json", "--weights", workdir / "kontext", "--prompt", PROMPT, "--image",
+                     picture, "--seed", "2", "--latents", "l.safetensors")
+    assert result.exit_code == 0, result.output
+    w = get_model("tiny-flux").default_workload
+    loop, out = _diffusers("FluxKontextPipeline", workdir / "kontext", 2, dtypes=torch.bfloat16,
+                           image=Image.open(picture).convert("RGB"), height=w.height, width=w.width,
+                           guidance_scale=3.5, max_sequence_length=8)
+    assert torch.equal(load_file("l.safetensors")["latents"], loop) and torch.equal(loop, out)
+
+
+def test_the_api_refuses_an_image_the_built_pipeline_cannot_take_and_checks_a_path(workdir):
+    """generate(image=...) on a text-to-video build, and none on an image build, are refused before the call; a path
+    is checked as run --image checks it."""
+    _needs_ftfy()
+    from chunkflow.generate import GenerationError, generate
+    from chunkflow.media import MediaError
+    from chunkflow.models.pipeline_build import build_pipeline
+
+    spec = get_model("tiny-ti2v")
+    picture = _image(workdir / "in.png")
+    (workdir / "empty.png").write_bytes(b"")
+    with one_thread():
+        for image, cls in ((True, "WanImageToVideoPipeline"), (False, "WanPipeline")):
+            built = build_pipeline(spec, {}, STREAM, torch.device("cpu"), image=image)
+            try:
+                assert type(built.pipe).__name__ == cls
+                with pytest.raises(GenerationError, match="give it" if image else "takes no image"):
+                    generate(built, spec.default_workload, PROMPT, image=None if image else picture)
+                if image:
+                    with pytest.raises(MediaError, match="is empty"):
+                        generate(built, spec.default_workload, PROMPT, image=workdir / "empty.png")
+            finally:
+                built.discard()

@@ -196,7 +196,8 @@ class _PhaseWatch:
         pipe = built.pipe
         self._hooks = [getattr(pipe, name).register_forward_pre_hook(self._to_denoise, prepend=True)
                        for name in built.names("transformer")]
-        for name in built.names("text_encoder") + built.names("image_encoder"):  # first in, last out: a CPU one's moves of inputs and outputs inside
+        # first in, last out: a CPU one's moves of inputs and outputs inside
+        for name in built.names("text_encoder") + built.names("image_encoder"):
             module = getattr(pipe, name)
             self._hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: self._encoder_starts(name),
                                                                 prepend=True))

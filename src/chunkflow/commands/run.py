@@ -154,25 +154,24 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
 
 
 def _check_pipeline(p, folder: Path | None, image: str | None):
-    """The run's pipeline against the plan, before the load and its progress bar: the folder's classes and configs
-    (a folder of another model is refused here, not after the load began), the pipeline class given --image or not;
-    then --image read and checked (format, size). Returns the image."""
+    """The run's pipeline against the plan, before the load and its progress bar: --image read and checked (format,
+    size), the folder's classes and configs (a folder of another model is refused here, not after the load began),
+    the pipeline class given --image or not. Returns the image."""
     from chunkflow.models.adapters import run_class
     from chunkflow.models.pipeline_build import check_folder
     from chunkflow.models.plan_model import model_of
 
+    from chunkflow.media import load_input_image
+
     spec = model_of(p)
+    picture = load_input_image(image) if image is not None else None
     if spec.pipeline is None:
-        return None  # run_generation says what to do
+        return picture  # run_generation says what to do
     if folder is not None:
         check_folder(spec, folder, image=image is not None)
     else:
         run_class(spec.pipeline.cls, None, image is not None, spec=spec)
-    if image is None:
-        return None
-    from chunkflow.media import load_input_image
-
-    return load_input_image(image)
+    return picture
 
 
 def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | None) -> None:

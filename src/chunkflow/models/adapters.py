@@ -233,11 +233,11 @@ def run_class(planned: str, folder_cls: str | None, image: bool, where: str = "t
         cls = family[0]
     if not image and needs_image(cls):
         raise PipelineClassError(f"{cls.__name__} animates or edits an image: give it with --image PATH")
-    _check_imports(cls)
     check = IMAGE_CHECKS.get(cls.__name__) if image and spec is not None else None
     why = check(spec, settings if settings is not None else dict(spec.pipeline.config)) if check else None
     if why:
         raise PipelineClassError(why)
+    _check_imports(cls)
     return cls
 
 

@@ -218,8 +218,8 @@ def extra_meta_module(cls: type, cfg: dict, dtype: torch.dtype) -> nn.Module:
 
 
 def checked_extra(name: str, cls: type, folder: Path, dtype: torch.dtype) -> tuple[Path, str, nn.Module, str]:
-    """(its folder, how errors name it, its meta module, its files' stem) of a component the run's pipeline class takes beyond the
-    plan's model (an image encoder): its config's class checked and its sizes bounded (EXTRA_MAX_INT,
+    """(its folder, how errors name it, its meta module, its files' stem) of a component the run's pipeline class
+    takes beyond the plan's model (an image encoder): its config's class checked and its sizes bounded (EXTRA_MAX_INT,
     EXTRA_MAX_LIST) before anything is built from it."""
     import transformers
 
