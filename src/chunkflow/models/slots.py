@@ -9,9 +9,9 @@ as a tokenizer runs. So every slot the plan's pipeline takes is checked first:
 - tokenizers: a tokenizer class of transformers (a `PreTrainedTokenizerBase`). A class transformers lacks is
   refused, as diffusers' `from_pretrained` refuses it ("`transformers` has no class ..."): no silent stand-in;
 - the scheduler: a diffusers scheduler (a `SchedulerMixin`) offering what the pipeline calls of its scheduler
-  (`set_timesteps` with the keywords the pipeline passes, `step`, `set_begin_index`: SCHEDULER_CALLS);
-- the pipeline's own settings its class takes (Wan's boundary_ratio, expand_timesteps): the catalog model's.
-
+  (`set_timesteps` with the keywords the pipeline passes, `step`, `set_begin_index`: SCHEDULER_METHODS and
+  SCHEDULER_KEYWORDS for the catalog's pipelines, read from the class's source for any other: scheduler_calls);
+- the pipeline's own settings its class takes (Wan's boundary_ratio, expand_timesteps): the catalog model's;
 - the components the run's pipeline class takes beyond the plan's model (an image-to-video pipeline's
   image_encoder and image_processor, an edit pipeline's processor): from its `__init__`, each a transformers or
   diffusers model (built from its folder) or a transformers processor (tokenizer, image processor, feature
