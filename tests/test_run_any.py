@@ -349,6 +349,13 @@ def _png_header(path: Path, width: int, height: int) -> Path:
     return path
 
 
+def _truncated(path: Path) -> Path:
+    """A PNG cut short in its pixel data."""
+    _image(path, size=(64, 64))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
 HOSTILE = {
     "missing": (lambda d: d / "nowhere.png", "does not exist"),
     "not an image": (lambda d: (d / "notes.png").write_text("hello, not a picture") and d / "notes.png",
@@ -358,6 +365,7 @@ HOSTILE = {
                         "declares 10,000,000,000 pixels, beyond what an input image may be"),
     "large dimensions": (lambda d: _png_header(d / "large.png", 20_000, 100), "20000 x 100 pixels, beyond"),
     "a directory": (lambda d: (d / "dir.png").mkdir() or d / "dir.png", "is a directory"),
+    "truncated": (lambda d: _truncated(d / "cut.png"), "cannot be decoded"),
 }
 
 

@@ -209,8 +209,16 @@ class _PhaseWatch:
         self._vae.encode = self._vae_encode
 
     def call_kwargs(self) -> dict[str, Any]:
-        """What the pipeline call takes to report each step here."""
-        return {"callback_on_step_end": self._step_end, "callback_on_step_end_tensor_inputs": ["latents"]}
+        """What the pipeline call takes to report each step here: its step callback, handed the latents where the
+        class hands them out (`_callback_tensor_inputs`); a class without the callback reports no step."""
+        from chunkflow.models.adapters import call_parameters
+
+        pipe = self.built.pipe
+        if "callback_on_step_end" not in call_parameters(type(pipe)):
+            return {}
+        latents = "latents" in (getattr(pipe, "_callback_tensor_inputs", None) or ["latents"])
+        return {"callback_on_step_end": self._step_end,
+                "callback_on_step_end_tensor_inputs": ["latents"] if latents else []}
 
     def _to_denoise(self, module, args) -> None:
         if self.clock.current == "encode":
