@@ -227,11 +227,11 @@ def _diffusers(cls_name: str, folder: Path, seed: int, dtypes=DTYPES, **call) ->
     return seen["latents"], result
 
 
-def _chunkflow(spec, folder: Path, seed: int, image=None, negative=NEGATIVE):
+def _chunkflow(spec, folder: Path, seed: int, image=None, negative=NEGATIVE, **placed):
     from chunkflow.generate import generate
     from chunkflow.models.pipeline_build import build_pipeline
 
-    placements = {"transformer": "stream"}  # the rest placed for its phase
+    placements = {"transformer": "stream", **placed}  # the rest placed for its phase
     with one_thread():
         built = build_pipeline(spec, placements, STREAM, torch.device("cpu"), weights=folder, image=image is not None)
         try:
@@ -283,9 +283,11 @@ def test_a_generic_call_takes_only_what_the_class_takes(saved):
 # ------------------------------------------------------------------------------------- image to video
 
 
-def test_wan_image_to_video_through_the_api_gives_diffusers_latents(saved, tmp_path):
+@pytest.mark.parametrize("where", ["phase", "cpu"])
+def test_wan_image_to_video_through_the_api_gives_diffusers_latents(saved, tmp_path, where):
     """A Wan2.1-style image-to-video folder (image encoder and image processor): built with image=True, generated
-    from an image file; the latents are WanImageToVideoPipeline's own from the same folder, image and seed."""
+    from an image file; the latents are WanImageToVideoPipeline's own from the same folder, image and seed, with
+    the image encoder placed for its phase (the default) or on the CPU."""
     _needs_ftfy()
     from PIL import Image
 
@@ -293,8 +295,9 @@ def test_wan_image_to_video_through_the_api_gives_diffusers_latents(saved, tmp_p
     folder = tmp_path / "i2v"
     spec = _wan_i2v(folder, base)
     picture = _image(tmp_path / "in.png")
-    built, gen = _chunkflow(spec, folder, seed=3, image=picture)
-    assert built.extra_models == ["image_encoder"] and built.placements["image_encoder"] == "phase"
+    placed = {} if where == "phase" else {"image_encoder": where}
+    built, gen = _chunkflow(spec, folder, seed=3, image=picture, **placed)
+    assert built.extra_models == ["image_encoder"] and built.placements["image_encoder"] == where
     w = spec.default_workload
     loop, out = _diffusers("WanImageToVideoPipeline", folder, 3, image=Image.open(picture).convert("RGB"),
                            negative_prompt=NEGATIVE, height=w.height, width=w.width, num_frames=w.frames,

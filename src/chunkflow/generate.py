@@ -205,8 +205,9 @@ class _PhaseWatch:
         self._vae = getattr(pipe, built.spec.pipeline.vae.component)
         self._decode = self._vae.decode
         self._vae.decode = self._decode_phase
-        self._encode = self._vae.encode
-        self._vae.encode = self._vae_encode
+        self._encode = getattr(self._vae, "encode", None)
+        if self._encode is not None:
+            self._vae.encode = self._vae_encode
 
     def call_kwargs(self) -> dict[str, Any]:
         """What the pipeline call takes to report each step here: its step callback, handed the latents where the
@@ -272,7 +273,8 @@ class _PhaseWatch:
 
     def remove(self) -> None:
         del self._vae.decode  # the instance attributes go; the class's methods are back
-        del self._vae.encode
+        if self._encode is not None:
+            del self._vae.encode
         for h in self._hooks:
             h.remove()
 

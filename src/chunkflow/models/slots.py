@@ -249,8 +249,9 @@ def _extras(folder: Path, index: dict[str, Any], declared: dict[str, tuple[str, 
     processors: dict[str, type] = {}
     absent: list[str] = []
     for name, p in params.items():
-        if name in ("self", "args", "kwargs") or name in loaded or (name in index and not isinstance(index[name], list)):
-            continue  # a setting (Wan's expand_timesteps), or a component the plan's model has
+        setting = name in index and not isinstance(index[name], list)  # Wan's expand_timesteps
+        if name in ("self", "args", "kwargs") or name in loaded or setting:
+            continue  # a setting, or a component the plan's model has
         required = p.default is inspect.Parameter.empty and name not in optional
         if name in declared and (required or image):
             kind, found = _extra_class(folder, name, *declared[name])
