@@ -165,39 +165,27 @@ def execution_device(pipe, device: torch.device):
 
 
 def takes_negative_prompt(spec) -> bool:
-    """Whether the model's pipeline, called as chunkflow calls it (call_kwargs), uses a negative prompt: true CFG
-    (Wan, Qwen-Image); FLUX and HunyuanVideo embed their guidance instead."""
-    return spec.pipeline.adapter in ("wan", "qwen_image")
+    """Whether the model's pipeline, called as chunkflow calls it, uses a negative prompt (models/adapters.py)."""
+    from chunkflow.models.adapters import takes_negative_prompt as takes
+
+    return takes(spec)
 
 
 def call_kwargs(spec, w, prompt: str, negative: str | None, guidance: float | None, steps: int,
-                generator: torch.Generator) -> dict[str, Any]:
-    """The pipeline call for workload `w` (the catalog adapter says which arguments the pipeline takes)."""
-    pipe = spec.pipeline
-    g = pipe.guidance if guidance is None else guidance
-    kw: dict[str, Any] = dict(prompt=prompt, height=w.height, width=w.width, num_inference_steps=steps,
-                              generator=generator, output_type="np")
-    if negative is not None and not takes_negative_prompt(spec):
-        raise ValueError(f"{spec.name}'s pipeline takes no negative prompt")
-    if pipe.adapter == "wan":
-        kw.update(negative_prompt=negative, num_frames=w.frames, guidance_scale=g,
-                  max_sequence_length=pipe.text_encoders[0].tokens)
-        if pipe.guidance_2 is not None:
-            kw["guidance_scale_2"] = pipe.guidance_2 if guidance is None else guidance
-    elif pipe.adapter == "flux":
-        kw.update(guidance_scale=g, num_images_per_prompt=w.batch, max_sequence_length=pipe.text_encoders[-1].tokens)
-    elif pipe.adapter == "qwen_image":
-        kw.update(negative_prompt=negative if negative is not None else " ", true_cfg_scale=g,
-                  num_images_per_prompt=w.batch)
-    elif pipe.adapter == "hunyuan_video":
-        kw.update(num_frames=w.frames, guidance_scale=g)
-    return kw
+                generator: torch.Generator, pipe_cls: type | None = None, image=None) -> dict[str, Any]:
+    """The pipeline call for workload `w`: the keyword arguments the class's `__call__` takes (models/adapters.py;
+    `pipe_cls` defaults to the plan's pipeline class)."""
+    from chunkflow.models.adapters import call_kwargs as kwargs_of, diffusers_pipeline_class
+
+    cls = pipe_cls if pipe_cls is not None else diffusers_pipeline_class(spec.pipeline.cls)
+    return kwargs_of(spec, cls, w, prompt, negative, guidance, steps, generator, image)
 
 
 class _PhaseWatch:
     """The hooks that see a pipeline call's phases go by: the first transformer forward ends encode, the VAE's
-    decode ends denoise, each text encoder's forward is timed (and unparked) on its own, every denoising step is
-    timed and its latents checked. `remove()` takes every hook off again."""
+    decode ends denoise, each text encoder's (and image encoder's) forward is timed (and unparked) on its own, every
+    denoising step is timed and its latents checked. An image pipeline's `vae.encode` of its image (in the encode
+    phase) has the VAE unparked and its inputs on the device first. `remove()` takes every hook off again."""
 
     def __init__(self, built: BuiltPipeline, clock: _Clock, tell: Callable[[str], None], steps: int,
                  on_step: Callable[[int, int], None] | None) -> None:
@@ -208,7 +196,8 @@ class _PhaseWatch:
         pipe = built.pipe
         self._hooks = [getattr(pipe, name).register_forward_pre_hook(self._to_denoise, prepend=True)
                        for name in built.names("transformer")]
-        for name in built.names("text_encoder"):  # first in, last out: a CPU one's moves of inputs and outputs inside
+        # first in, last out: a CPU one's moves of inputs and outputs inside
+        for name in built.names("text_encoder") + built.names("image_encoder"):
             module = getattr(pipe, name)
             self._hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: self._encoder_starts(name),
                                                                 prepend=True))
@@ -216,15 +205,28 @@ class _PhaseWatch:
         self._vae = getattr(pipe, built.spec.pipeline.vae.component)
         self._decode = self._vae.decode
         self._vae.decode = self._decode_phase
+        self._encode = getattr(self._vae, "encode", None)
+        if self._encode is not None:
+            self._vae.encode = self._vae_encode
 
     def call_kwargs(self) -> dict[str, Any]:
-        """What the pipeline call takes to report each step here."""
-        return {"callback_on_step_end": self._step_end, "callback_on_step_end_tensor_inputs": ["latents"]}
+        """What the pipeline call takes to report each step here: its step callback, handed the latents where the
+        class hands them out (`_callback_tensor_inputs`); a class without the callback reports no step."""
+        from chunkflow.models.adapters import call_parameters
+
+        pipe = self.built.pipe
+        if "callback_on_step_end" not in call_parameters(type(pipe)):
+            return {}
+        latents = "latents" in (getattr(pipe, "_callback_tensor_inputs", None) or ["latents"])
+        return {"callback_on_step_end": self._step_end,
+                "callback_on_step_end_tensor_inputs": ["latents"] if latents else []}
 
     def _to_denoise(self, module, args) -> None:
         if self.clock.current == "encode":
             self.clock.stop()
             self.built.park("text_encoder")
+            self.built.park("image_encoder")
+            self.built.park("vae")  # an image pipeline's encode of its image: the VAE is back for the decode
             self.tell("denoise")
             self.clock.start("denoise")
             self._t_step = time.perf_counter()
@@ -234,6 +236,15 @@ class _PhaseWatch:
         handle = self.built.handles.get(name)
         if handle is not None and handle.parked:  # what its own pre-hook would do next, timed apart
             self.clock.part_move(f"{name} to device", handle.unpark)
+
+    def _vae_encode(self, *args, **kw):
+        """An image pipeline's encode of its image: the VAE on the device first (the pipeline moved the image to
+        where the parked VAE's weights were, host memory), its inputs moved there too."""
+        self.built.unpark("vae")
+        dev = self.built.device
+        args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args)
+        kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        return self._encode(*args, **kw)
 
     def _decode_phase(self, *args, **kw):
         if self.clock.current == "denoise":
@@ -261,17 +272,24 @@ class _PhaseWatch:
         return cb_kwargs
 
     def remove(self) -> None:
-        del self._vae.decode  # the instance attribute goes; the class's method is back
+        del self._vae.decode  # the instance attributes go; the class's methods are back
+        if self._encode is not None:
+            del self._vae.encode
         for h in self._hooks:
             h.remove()
 
 
 def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = None, guidance: float | None = None,
              steps: int | None = None, seed: int = 0, on_step: Callable[[int, int], None] | None = None,
-             on_phase: Callable[[str], None] | None = None, cfg_batched: bool = False) -> Generation:
+             on_phase: Callable[[str], None] | None = None, cfg_batched: bool = False, image=None) -> Generation:
     """One generation of workload `w` from `prompt`, phase by phase (module docstring). `on_step(i, n)` hears of
     every denoising step, `on_phase(name)` of every phase as it begins. `cfg_batched`: both guidance passes of a
-    step in one transformer forward (chunkflow.cfg.batch_cfg)."""
+    step in one transformer forward (chunkflow.cfg.batch_cfg). `image`: the image to animate or edit (a path,
+    checked by chunkflow.media.load_input_image, or a PIL image), for a pipeline built with `image=True`.
+
+    `latents` are the denoising loop's last latents (as `callback_on_step_end` sees them): what the pipeline returns
+    with `output_type="latent"`, except where it mixes a condition in after the loop (Wan2.2-TI2V's image-to-video,
+    expand_timesteps, puts the image's latents back into the first frame)."""
     from chunkflow.hostmem import peak_rss_bytes
 
     tell = on_phase or (lambda name: None)
@@ -279,7 +297,8 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     steps = steps or w.steps
     clock = _Clock(device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    kwargs = call_kwargs(built.spec, w, prompt, negative, guidance, steps, generator)
+    image = _input_image(built, image)
+    kwargs = call_kwargs(built.spec, w, prompt, negative, guidance, steps, generator, type(pipe), image)
     watch = _PhaseWatch(built, clock, tell, steps, on_step)
     kwargs.update(watch.call_kwargs())
     batching = None
@@ -302,7 +321,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
         watch.remove()
         if batching is not None:
             batching.remove()
-        for name in ("vae", "transformer", "text_encoder"):
+        for name in ("vae", "transformer", "text_encoder", "image_encoder"):
             built.park(name)
     seconds = time.perf_counter() - t0
     frames = out.frames[0] if hasattr(out, "frames") else out.images
@@ -310,3 +329,23 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     cached = cache is not None and cache.hits > hits and cache.misses == misses
     return Generation(frames, None if latents is None else latents.detach().to("cpu"), clock.phases,
                       watch.step_times, peak_rss_bytes(), seconds, cached)
+
+
+def _input_image(built: BuiltPipeline, image):
+    """The image the call is given: None where the pipeline takes none, else the checked image; a pipeline given an
+    image it cannot take, or none where it needs one, is refused (GenerationError: what to do)."""
+    from chunkflow.models.adapters import needs_image, takes_image
+
+    cls = type(built.pipe)
+    if image is None:
+        if needs_image(cls):
+            raise GenerationError(f"{cls.__name__} animates or edits an image: give it (image=..., or --image PATH)")
+        return None
+    if not takes_image(cls):
+        raise GenerationError(f"{cls.__name__} takes no image; build the pipeline with image=True (the image "
+                              "pipeline of its family), or leave the image out")
+    if isinstance(image, (str, bytes)) or hasattr(image, "__fspath__"):
+        from chunkflow.media import load_input_image
+
+        return load_input_image(image)
+    return image

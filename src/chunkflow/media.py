@@ -313,3 +313,71 @@ def read_image(path: str | Path) -> np.ndarray:
             return np.asarray(im.convert("RGB")).copy()
     except (UnidentifiedImageError, OSError) as exc:
         raise MediaError(f"image {str(p)!r} cannot be read ({exc})") from None
+
+
+# an input image (`run --image`): what a pipeline is given to animate or edit. The largest real inputs are photos of
+# a few tens of megapixels; pipelines resize them to the workload's size anyway. Larger ones are refused before
+# they are decoded (a small PNG can declare 100,000 x 100,000 pixels: 30 GB once decoded).
+MAX_IMAGE_FILE_BYTES = 256 * 2**20
+MAX_IMAGE_SIDE = 16384
+MAX_IMAGE_PIXELS = 64 * 2**20
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF")
+
+
+def load_input_image(path: str | Path):
+    """The image at `path` as an RGB PIL image, checked before the pipeline is built: a regular, readable, non-empty
+    file of at most MAX_IMAGE_FILE_BYTES, a format PIL decodes (IMAGE_FORMATS), at most MAX_IMAGE_SIDE pixels a side
+    and MAX_IMAGE_PIXELS in all (read from its header, before any pixel is decoded). MediaError says what to fix."""
+    import stat
+    import warnings
+
+    from chunkflow_planner.files import file_kind
+
+    fix = "give a PNG, JPEG or WebP image"
+    try:
+        p = existing_file(path, "--image")
+        st = p.stat()
+    except FileError as exc:
+        raise MediaError(str(exc)) from None
+    except OSError as exc:
+        raise MediaError(f"--image {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise MediaError(f"--image {str(p)!r} is {file_kind(st.st_mode)}, not a file; {fix}")
+    if st.st_size == 0:
+        raise MediaError(f"--image {str(p)!r} is empty (0 bytes); {fix}")
+    if st.st_size > MAX_IMAGE_FILE_BYTES:
+        raise MediaError(f"--image {str(p)!r} holds {st.st_size:,} bytes, over the {MAX_IMAGE_FILE_BYTES:,} an input "
+                         f"image may; {fix} of at most {MAX_IMAGE_SIDE} pixels a side")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with open(p, "rb") as f:
+            data = f.read(MAX_IMAGE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise MediaError(f"--image {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+            fmt, (w, h) = im.format, im.size
+            if fmt not in IMAGE_FORMATS:
+                raise MediaError(f"--image {str(p)!r} is a {fmt} image, not one of {', '.join(IMAGE_FORMATS)}; {fix}")
+            if w < 1 or h < 1 or max(w, h) > MAX_IMAGE_SIDE or w * h > MAX_IMAGE_PIXELS:
+                raise MediaError(f"--image {str(p)!r} is {w} x {h} pixels, beyond what an input image may be (at most "
+                                 f"{MAX_IMAGE_SIDE} a side, {MAX_IMAGE_PIXELS // 2**20} megapixels); the pipeline "
+                                 "resizes it to the plan's size anyway: give it smaller")
+            im.load()
+            return im.convert("RGB")
+    except MediaError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # its header, before any pixel
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"declares {int(found.group(1)):,} pixels" if found else "declares too many pixels"
+        raise MediaError(f"--image {str(p)!r} {size}, beyond what an input image may be (at most {MAX_IMAGE_SIDE} "
+                         f"a side, {MAX_IMAGE_PIXELS // 2**20} megapixels); the pipeline resizes it to the plan's "
+                         "size anyway: give it smaller") from None
+    except UnidentifiedImageError:
+        raise MediaError(f"--image {str(p)!r} is not an image PIL can read; {fix}") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated or damaged image data
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise MediaError(f"--image {str(p)!r} cannot be decoded ({why}); {fix}") from None

@@ -43,6 +43,9 @@ _NegativePrompt = Annotated[Optional[str], typer.Option(help="with --prompt: wha
 _Guidance = Annotated[Optional[float], typer.Option(help="with --prompt: guidance scale (default: the model's)")]
 _Out = Annotated[Optional[str], typer.Option("--out", "-o", help="with --prompt: write the result here, .mp4 (video) "
                                                                  "or .png (image)")]
+_Image = Annotated[Optional[str], typer.Option(help="with --prompt: the image to animate (image-to-video) or edit "
+                                                 "(PNG, JPEG, WebP); the pipeline is the image pipeline of the "
+                                                 "plan's model (e.g. Wan image-to-video)")]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
                                                       "with --prompt, else of the timed steps (to compare settings)")]
 
@@ -53,7 +56,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
             steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
-            guidance: _Guidance = None, out: _Out = None, latents: _Latents = None) -> None:
+            guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -64,6 +67,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     With --prompt, --weights takes a diffusers pipeline folder (model_index.json) or a Hub id found in the local
     Hugging Face cache (never downloaded); without --weights every component has random weights. Each phase
     (encode, denoise, decode) is measured against the plan; --steps then counts every step of the generation.
+    --image gives an image-to-video or edit pipeline its image. The folder and the image are checked against the
+    plan before anything is loaded.
     """
     import os
 
@@ -80,12 +85,12 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         warmup = (1 if repeat > 1 else 0) if generating else 1
     opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
                       seed=seed, repeat=repeat)
-    _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents)
+    picture = _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents, image)
     # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
     # allocates (the planner's reserve_fraction). Set before torch starts CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if generating:
-        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report)
+        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture)
         return
     from chunkflow.commands.plan_tables import print_run
 
@@ -101,9 +106,11 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
 
 def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_prompt: str | None,
-               guidance: float | None, out: str | None, latents: str | None) -> None:
+               guidance: float | None, out: str | None, latents: str | None, image: str | None = None):
     """Every option of `run` checked against the plan and each other before anything is built; sets
-    opts.latents for the synthetic steps."""
+    opts.latents for the synthetic steps. With --prompt the weights folder is checked against the plan's model
+    (every class and config, models/pipeline_build.check_folder) and --image read and checked: returns the image
+    (None without --image)."""
     import math
 
     from chunkflow_planner.files import check_distinct, check_output_file
@@ -117,8 +124,8 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     if generating and on_disk and opts.weights is None:
         raise UserError(f"the plan reads {', '.join(on_disk)} from the checkpoint's files when it runs (placement "
                         "disk): give the folder with --weights DIR (or plan with more host memory)")
-    if not generating and any(v is not None for v in (negative_prompt, guidance, out)):
-        raise UserError("--negative-prompt, --guidance and --out go with --prompt (a generation)")
+    if not generating and any(v is not None for v in (negative_prompt, guidance, out, image)):
+        raise UserError("--negative-prompt, --guidance, --out and --image go with --prompt (a generation)")
     opts.check()  # bad options fail before anything is built
     if latents is not None:
         check_output_file(latents, "--latents")
@@ -141,8 +148,30 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     hardware_of(p, opts.profile)
     check_output_file(report, "--report")
     check_distinct({"--out": out, "--report": report, "--latents": latents},
-                   {"--plan": plan, "--weights": folder,
+                   {"--plan": plan, "--weights": folder, "--image": image,
                     "--profile": opts.profile if opts.profile and Path(opts.profile).exists() else None})
+    return _check_pipeline(p, folder, image) if generating else None
+
+
+def _check_pipeline(p, folder: Path | None, image: str | None):
+    """The run's pipeline against the plan, before the load and its progress bar: --image read and checked (format,
+    size), the folder's classes and configs (a folder of another model is refused here, not after the load began),
+    the pipeline class given --image or not. Returns the image."""
+    from chunkflow.models.adapters import run_class
+    from chunkflow.models.pipeline_build import check_folder
+    from chunkflow_planner.plan import model_of
+
+    from chunkflow.media import load_input_image
+
+    spec = model_of(p)
+    picture = load_input_image(image) if image is not None else None
+    if spec.pipeline is None:
+        return picture  # run_generation says what to do
+    if folder is not None:
+        check_folder(spec, folder, image=image is not None)
+    else:
+        run_class(spec.pipeline.cls, None, image is not None, spec=spec)
+    return picture
 
 
 def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | None) -> None:
@@ -163,8 +192,8 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
         if not text.strip():
             raise UserError(f"{flag} is empty; give the words to {'generate' if flag == '--prompt' else 'avoid'}")
     if negative_prompt is not None and not takes_negative_prompt(spec):
-        raise UserError(f"{spec.name}'s pipeline takes no negative prompt (its guidance is "
-                        f"{'distilled into the model' if spec.pipeline.adapter == 'flux' else 'embedded'}: --guidance "
+        how = "distilled into the model" if getattr(spec.pipeline, "adapter", None) == "flux" else "embedded"
+        raise UserError(f"{spec.name}'s pipeline takes no negative prompt (its guidance is {how}: --guidance "
                         "sets it); leave --negative-prompt out")
     if out is not None:
         from chunkflow.media import check_media_path, image_names
@@ -178,7 +207,7 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
             raise UserError(f"{spec.name} makes images; write --out to a .png file (not {out!r})")
 
 
-def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report) -> None:
+def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None) -> None:
     """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps."""
     from chunkflow.commands.plan_tables import print_generation
     from chunkflow.commands.run_generate import GenerateOptions, run_generation
@@ -187,7 +216,8 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
 
     from chunkflow_planner.units import format_bytes
 
-    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents)
+    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents,
+                        image=image)
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                    TimeElapsedColumn(), console=err_console, transient=False)
     with bar:

@@ -39,6 +39,7 @@ class GenerateOptions:
     guidance: float | None = None
     out: str | None = None
     latents: str | None = None
+    image: Any = None  # the image to animate or edit (a PIL image, checked; or a path)
 
 
 def placements_of(plan: Plan) -> tuple[dict[str, str], bool]:
@@ -57,7 +58,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     from chunkflow.commands.steps import save_latents
 
     o.check()
-    setup = _setup(plan, cfg, o, progress, log)
+    setup = _setup(plan, cfg, o, progress, log, image=g.image is not None)
     try:
         runs = _generations(setup, cfg, o, g, progress, log)
     finally:
@@ -91,7 +92,7 @@ class _Setup:
     plan_steps: int  # the steps the plan was made for (the run may run others)
 
 
-def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
+def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False) -> _Setup:
     """Resolve the run's model, hardware, workload and device; build the pipeline (its load measured)."""
     from chunkflow.commands.steps import _place
     from chunkflow.models.pipeline_build import build_pipeline
@@ -111,7 +112,7 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log) -> _Setup:
     placements, tiling = placements_of(plan)
     on_bytes = (lambda done, total: progress("load", done, total)) if progress is not None else None
     built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling,
-                           variant=o.variant, log=log, on_bytes=on_bytes)
+                           variant=o.variant, log=log, on_bytes=on_bytes, image=image)
     comparable = (device.type == "cuda") != hw.pipeline.device_is_host  # the plan's device is the one run on
     load = load_result(built, plan, hw, folder, o.variant, comparable)
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
@@ -182,7 +183,7 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
         phase = ((lambda name, tag=tag: progress(tag + name, 0 if name in counted else None, counted.get(name)))
                  if progress is not None else None)
         gen = generate(setup.built, setup.w, g.prompt, negative=g.negative_prompt, guidance=g.guidance, steps=steps,
-                       seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched)
+                       seed=o.seed, on_step=cb, on_phase=phase, cfg_batched=cfg.cfg_batched, image=g.image)
         if i == 0 and o.warmup:
             first = {name: m.time_s for name, m in gen.phases.items()}
             first_parts = {name: m.parts_s for name, m in gen.phases.items() if m.parts_s}

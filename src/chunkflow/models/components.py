@@ -169,24 +169,88 @@ def vae_component(vae, dtype: torch.dtype, *, folder: Path | None = None, reader
                              DIFFUSERS_STEM, rename=lambda k: k)
 
 
-def _folder_component(spec, make, reference, folder: Path, reader: FileReader, variant: str | None, stem: str,
-                      **source_kw) -> Component:
-    """A catalog component (text encoder or VAE `spec`) of the pipeline folder: its config checked to make the
-    catalog's class no larger than the catalog's (`reference(spec)`, config_bounds.py) before `make(config)` builds
-    its meta module, which is then counted against the catalog's size; its files read by `reader`."""
+def checked_module(spec, make, reference, folder: Path) -> tuple[Path, str, nn.Module]:
+    """(its folder, how errors name it, its meta module) of a catalog component (text encoder or VAE `spec`) of the
+    pipeline folder: its config.json's class checked, its config checked to make the catalog's class no larger than
+    the catalog's (`reference(spec)`, config_bounds.py) before `make(config)` builds its meta module, which is then
+    counted against the catalog's size. Nothing is read but the config."""
     path = _folder(folder, spec.component)
     what = f"{spec.component} in {str(folder)!r}"
     cfg = read_config(path, what)
     _check_class(cfg, spec.cls, what, path)
     check_config_size(cfg, reference(spec), what, spec.cls)
+    module = _make(make, cfg, what, spec.cls)
+    _check_size(module, spec.total_params, what, spec.cls, dict(spec.config), cfg)
+    return path, what, module
+
+
+def _make(make, cfg: dict, what: str, cls: str) -> nn.Module:
     try:
-        module = make(cfg)
+        return make(cfg)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError,
             ZeroDivisionError) as exc:  # what a class raises for settings it cannot take
         why = str(exc).splitlines()[0][:200] if str(exc) else ""
-        raise CheckpointError(f"{what}: its config.json does not make a {spec.cls} ({type(exc).__name__}: {why}); "
+        raise CheckpointError(f"{what}: its config.json does not make a {cls} ({type(exc).__name__}: {why}); "
                               "download or save the pipeline again") from None
-    _check_size(module, spec.total_params, what, spec.cls, dict(spec.config), cfg)
+
+
+# an extra model (an image encoder) has no catalog entry to bound its config by: its integers and lists are held to
+# what real ones stay far under (a CLIP ViT-H/14 vision config's largest integer is 5,120)
+EXTRA_MAX_INT = 10**6
+EXTRA_MAX_LIST = 4096
+
+
+def extra_meta_module(cls: type, cfg: dict, dtype: torch.dtype) -> nn.Module:
+    """A transformers or diffusers model class on the meta device from a folder's config, in `dtype` but for the
+    modules its class keeps in float32."""
+    import transformers
+
+    with warnings.catch_warnings(), params_on_meta(), torch.device("cpu"):
+        warnings.simplefilter("ignore")
+        if issubclass(cls, transformers.PreTrainedModel):
+            module = cls(cls.config_class.from_dict(cfg))
+        else:
+            module = cls.from_config(cfg)
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    swap_params(module, lambda p: nn.Parameter(torch.empty(p.shape, dtype=param_dtype(module, names[id(p)], dtype),
+                                                            device="meta"), requires_grad=False))
+    return module.eval().requires_grad_(False)
+
+
+def checked_extra(name: str, cls: type, folder: Path, dtype: torch.dtype) -> tuple[Path, str, nn.Module, str]:
+    """(its folder, how errors name it, its meta module, its files' stem) of a component the run's pipeline class
+    takes beyond the plan's model (an image encoder): its config's class checked and its sizes bounded (EXTRA_MAX_INT,
+    EXTRA_MAX_LIST) before anything is built from it."""
+    import transformers
+
+    from chunkflow.models.folder_parts import _scheduler_bounds
+
+    path = _folder(folder, name)
+    what = f"{name} in {str(folder)!r}"
+    cfg = read_config(path, what)
+    _check_class(cfg, cls.__name__, what, path)
+    _scheduler_bounds(cfg, what, EXTRA_MAX_INT, EXTRA_MAX_LIST, "config.json")
+    stem = TRANSFORMERS_STEM if issubclass(cls, transformers.PreTrainedModel) else DIFFUSERS_STEM
+    return path, what, _make(lambda c: extra_meta_module(cls, c, dtype), cfg, what, cls.__name__), stem
+
+
+def extra_component(name: str, cls: type, dtype: torch.dtype, *, folder: Path, reader: FileReader,
+                    variant: str | None = None) -> Component:
+    """An extra model of the pipeline folder (checked_extra), its files read by `reader`."""
+    path, what, module, stem = checked_extra(name, cls, folder, dtype)
+    reader.watch(path)
+    ckpt = open_checkpoint(path, stem, variant, convert_hint=cls.__name__, fallback=True)
+    kw = {"rename": lambda k: k} if stem == DIFFUSERS_STEM else {}
+    source = CheckpointSource(ckpt, module, reader, what, **kw)
+    return Component(name, module, source, source.nbytes, ckpt.variant)
+
+
+def _folder_component(spec, make, reference, folder: Path, reader: FileReader, variant: str | None, stem: str,
+                      **source_kw) -> Component:
+    """A catalog component (text encoder or VAE `spec`) of the pipeline folder: its config checked to make the
+    catalog's class no larger than the catalog's (`reference(spec)`, config_bounds.py) before `make(config)` builds
+    its meta module, which is then counted against the catalog's size; its files read by `reader`."""
+    path, what, module = checked_module(spec, make, reference, folder)
     reader.watch(path)
     ckpt = open_checkpoint(path, stem, variant, convert_hint=spec.cls, fallback=True)
     source = CheckpointSource(ckpt, module, reader, what, **source_kw)

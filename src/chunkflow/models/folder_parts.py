@@ -12,7 +12,7 @@ from pathlib import Path
 from chunkflow_planner.checkpoint import CheckpointError, few_names, plain_name, read_config, read_json, shown
 from chunkflow_planner.files import irregular_kind
 
-__all__ = ["load_tokenizer", "load_scheduler"]
+__all__ = ["load_tokenizer", "load_scheduler", "load_processor"]
 
 MAX_TOKENIZER_FILE = 256 * 2**20  # the largest real tokenizer files (tokenizer.json) are tens of MB
 MAX_TOKENIZER_ENTRIES = 256  # files a tokenizer folder holds (real ones: under 10)
@@ -84,19 +84,22 @@ def load_tokenizer(folder: Path, name: str, cls: type):
                               "again") from None
 
 
-def _scheduler_bounds(config: dict, what: str) -> None:
+def _scheduler_bounds(config: dict, what: str, max_int: int = MAX_SCHEDULER_INT, max_list: int = MAX_SCHEDULER_LIST,
+                      name: str = "scheduler_config.json") -> None:
     """A scheduler config's integers at most MAX_SCHEDULER_INT and lists at most MAX_SCHEDULER_LIST long: a
-    scheduler sizes its tables by them (num_train_timesteps: 10**10 is 40 GB of betas)."""
+    scheduler sizes its tables by them (num_train_timesteps: 10**10 is 40 GB of betas). Other configs (`name`)
+    with other limits the same way."""
     stack = list(config.items())
     while stack:
         key, v = stack.pop()
-        big = (isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_SCHEDULER_INT
-               or isinstance(v, (list, dict)) and len(v) > MAX_SCHEDULER_LIST)
+        big = (isinstance(v, int) and not isinstance(v, bool) and abs(v) > max_int
+               or isinstance(v, (list, dict)) and len(v) > max_list)
         if big:
             said = f"a list of {len(v):,}" if isinstance(v, (list, dict)) else f"{v:,}"
-            raise CheckpointError(f"{what}: scheduler_config.json sets {shown(key)} to {said}, beyond what a "
-                                  f"scheduler takes (integers up to {MAX_SCHEDULER_INT:,}, lists up to "
-                                  f"{MAX_SCHEDULER_LIST:,}); download or save the pipeline again")
+            taker = "a scheduler" if name == "scheduler_config.json" else "such a model"
+            raise CheckpointError(f"{what}: {name} sets {shown(key)} to {said}, beyond what {taker} takes "
+                                  f"(integers up to {max_int:,}, lists up to {max_list:,}); download or save the "
+                                  "pipeline again")
         if isinstance(v, list):
             stack += [(key, x) for x in v]
         elif isinstance(v, dict):
@@ -115,3 +118,20 @@ def load_scheduler(folder: Path, cls: type):
         why = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise CheckpointError(f"{what}: {cls.__name__} cannot be made from its scheduler_config.json "
                               f"({type(exc).__name__}: {why}); download or save the pipeline again") from None
+
+
+def load_processor(folder: Path, name: str, cls: type):
+    """The folder's processor `name` (an image processor, feature extractor or processor: slots.py checked it is a
+    transformers one) made by `cls`, its files checked first as a tokenizer's are; local files only."""
+    if not (folder / name).is_dir():
+        raise CheckpointError(f"{str(folder)!r} has no {name}/ folder; the pipeline folder is incomplete: download "
+                              "or save it again")
+    what = f"{name} in {str(folder)!r}"
+    _check_tokenizer_files(folder / name, what)
+    _check_tokenizer_config(folder / name, what)
+    try:
+        return cls.from_pretrained(folder / name, local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds for a damaged processor folder
+        why = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise CheckpointError(f"{what} cannot be loaded ({type(exc).__name__}: {why}); download or save the pipeline "
+                              "again") from None

@@ -17,6 +17,12 @@ go through the same placement code, so a loaded pipeline holds what a random one
   (`offload(park_to="disk")`) and read back to the device when it runs. The load reads none of its bytes (it checks
   its files and headers).
 Experts (Wan2.2-A14B's `transformer` and `transformer_2`) take turns on the device (`take_turns`).
+
+The pipeline class is the one the run makes (models/adapters.py `run_class`): the folder's model_index.json
+`_class_name` (the plan's class, or given an image one of its image family), or the image sibling of the plan's
+class (WanPipeline given an image: WanImageToVideoPipeline). What that class takes beyond the plan's model comes from
+the folder (models/slots.py): a model (an image encoder) is built and placed as a text encoder is (`gpu`, `phase` by
+default, `cpu`), its inputs moved to the device; a processor (an image processor) is loaded as a tokenizer is.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class BuiltPipeline:
     random_weights: bool = True
     load: "LoadMeasurement | None" = None  # how the build went (build_pipeline)
     prompts: "PromptCache | None" = None  # the text encoders' outputs kept for prompts already encoded
+    extra_models: list[str] = field(default_factory=list)  # models beyond the plan's (an image encoder)
 
     def disk_reads(self) -> dict[str, int]:
         """Bytes each component read from the checkpoint's files since it was built (its blocks' tails and its
@@ -66,8 +73,11 @@ class BuiltPipeline:
         return out
 
     def names(self, kind: str) -> list[str]:
-        """Component names of a kind: text_encoder, transformer or vae."""
+        """Component names of a kind: text_encoder, image_encoder (any model the pipeline class takes beyond the
+        plan's), transformer or vae."""
         pipe = self.spec.pipeline
+        if kind == "image_encoder":
+            return list(self.extra_models)
         if kind == "text_encoder":
             return [te.component for te in pipe.text_encoders]
         if kind == "transformer":
@@ -141,6 +151,17 @@ def _cpu_io(module: nn.Module, device: torch.device) -> list:
             module.register_forward_hook(post, with_kwargs=True)]
 
 
+def _inputs_to(module: nn.Module, device: torch.device):
+    """A hook moving the module's tensor inputs to `device`: a pipeline moves them to where the module's weights are
+    (diffusers' get_module_execution_device), which for a parked module is host memory until its forward."""
+
+    def pre(mod, args, kwargs):
+        return (tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
+                {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    return module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
 def _place(module: nn.Module, placement: str, device: torch.device, cfg: OffloadConfig | None, source=None,
            blocks=None) -> tuple[OffloadHandle, list]:
     """Offload `module` as `placement` says (see the module docstring); returns (handle, extra hooks)."""
@@ -201,9 +222,11 @@ class LoadMeasurement:
 
 
 def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch.dtype, device: torch.device,
-             seed: int, reader, variant: str | None) -> list[tuple[str, Component]]:
-    """Every component on the meta device with its source, in build order (transformers, text encoders, VAE); each
-    of a folder checked (class, size, files, tensors) before any is read."""
+             seed: int, reader, variant: str | None, slots: FolderSlots | None = None) -> list[tuple[str, Component]]:
+    """Every component on the meta device with its source, in build order (transformers, text encoders, image
+    encoders, VAE); each of a folder checked (class, size, files, tensors) before any is read."""
+    from chunkflow.models.components import extra_component
+
     from chunkflow.models.build import transformer_module, transformer_source
     from chunkflow.models.meta import RandomSource
 
@@ -220,6 +243,8 @@ def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch
         gen_dev = device if placements.get(te.component, "phase") != "cpu" else torch.device("cpu")
         out.append(("text_encoder", text_encoder_component(te, dtype, folder=folder, reader=reader, variant=variant,
                                                            seed=seed + 100 + i, gen_device=gen_dev)))
+    for name, cls in (slots.models if slots is not None else {}).items():
+        out.append(("image_encoder", extra_component(name, cls, dtype, folder=folder, reader=reader, variant=variant)))
     vae = pipe_spec.vae
     out.append(("vae", vae_component(vae, DTYPES[vae.dtype], folder=folder, reader=reader, variant=variant,
                                      seed=seed + 200, gen_device=device)))
@@ -242,6 +267,12 @@ def _place_component(kind: str, c: Component, where: str, device: torch.device, 
     if kind == "text_encoder":
         handle, hooks = _place(c.module, where, device, TEXT_STREAM, c.source)
         return handle, hooks, where
+    if kind == "image_encoder":  # whole where it runs (its blocks are not streamed); its inputs to its device
+        where = where if where in ("gpu", "phase", "cpu") else "phase"
+        handle, hooks = _place(c.module, where, device, None, c.source)
+        if where != "cpu":
+            hooks.append(_inputs_to(c.module, device))
+        return handle, hooks, where
     handle, hooks = _place(c.module, where if where in ("phase", "disk") else "gpu", device, None, c.source)
     if vae_tiling:
         c.module.enable_tiling()
@@ -251,13 +282,12 @@ def _place_component(kind: str, c: Component, where: str, device: torch.device, 
 def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadConfig, device: torch.device, *,
                    weights: Path | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                    vae_tiling: bool = False, variant: str | None = None, log=lambda s: None,
-                   on_bytes: Callable[[int, int], None] | None = None) -> BuiltPipeline:
+                   on_bytes: Callable[[int, int], None] | None = None, image: bool = False) -> BuiltPipeline:
     """The catalog model's pipeline with its components placed (`placements`: component name -> placement), from
     random weights or the pipeline folder `weights` (its `variant` files, e.g. "fp16", if given). Everything in the
     folder is checked before anything is read; then each component is read straight into its place.
-    `on_bytes(done, total)` hears of the bytes read; `built.load` says how the build went."""
-    import diffusers
-
+    `on_bytes(done, total)` hears of the bytes read; `built.load` says how the build went. `image`: the run gives
+    the pipeline an image (image-to-video, edit), so its class is the one that takes it (module docstring)."""
     from chunkflow.launch import torchrun_world
     from chunkflow.loading.reader import FileReader
 
@@ -265,7 +295,10 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
     folder = Path(weights) if weights is not None else None
-    slots = check_slots(folder, spec) if folder is not None else None  # every class it names, before anything
+    from chunkflow.models.adapters import run_class
+
+    slots = check_slots(folder, spec, image) if folder is not None else None  # every class it names, first
+    pipe_cls = slots.pipeline if slots is not None else run_class(pipe_spec.cls, None, image, spec=spec)
     for slot in slots.unloaded if slots is not None else []:
         log(f"note: model_index.json names {slot}, which the plan's model does not use; it is not loaded")
     counter = _ByteCounter(on_bytes)
@@ -274,20 +307,22 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     # from the disk again, so under torchrun the page cache keeps them
     reader = FileReader(on_bytes=counter.heard, keep_cache=torchrun_world() > 1)
     try:
-        parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant)
+        parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant, slots)
+        built.extra_models = [c.name for kind, c in parts if kind == "image_encoder"]
         _check_variant(parts, folder, variant, log)
         objects, extra = _pipeline_objects(folder, pipe_spec, slots)  # once every component's files are checked
         t_first = time.perf_counter()
         counter.begin(sum(c.read_bytes for _, c in parts if placements.get(c.name) != "disk"))  # disk: not read
         for kind, c in parts:
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
+            built.placements.setdefault(c.name, where)
             handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)
             objects[c.name], built.handles[c.name] = c.module, handle
             built.hooks += hooks
             log(f"{c.name}: {said}")
         if pipe_spec.experts > 1:
             built.hooks.append(take_turns(*[built.handles[n] for n in built.names("transformer")]))
-        built.pipe = getattr(diffusers, pipe_spec.cls)(**objects, **extra)
+        built.pipe = pipe_cls(**objects, **extra)
         built.pipe.set_progress_bar_config(disable=True)
         built.prompts = PromptCache(built.pipe, built.names("text_encoder"))
     except BaseException:
@@ -322,13 +357,16 @@ def _pipeline_objects(folder: Path | None, pipe_spec,
     catalog's), and the pipeline's own config arguments."""
     import diffusers
 
-    from chunkflow.models.folder_parts import load_scheduler, load_tokenizer
+    from chunkflow.models.folder_parts import load_processor, load_scheduler, load_tokenizer
 
     objects: dict[str, Any] = {}
     if folder is not None:
         for te in pipe_spec.text_encoders:
             objects[te.tokenizer] = load_tokenizer(folder, te.tokenizer, slots.tokenizers[te.tokenizer])
         objects["scheduler"] = load_scheduler(folder, slots.scheduler)
+        for name, cls in slots.processors.items():
+            objects[name] = load_processor(folder, name, cls)
+        objects.update({name: None for name in slots.absent})
         return objects, dict(slots.settings)
     for te in pipe_spec.text_encoders:
         objects[te.tokenizer] = _local_tokenizer(te, pipe_spec)
@@ -379,3 +417,30 @@ def _local_tokenizer(te, pipe_spec):
 
         template = getattr(getattr(diffusers, pipe_spec.cls), "prompt_template_encode", None)
     return build_tokenizer(te.tokenizer_kind, te.tokens, template)
+
+
+def check_folder(spec, folder: Path, *, image: bool = False, dtype: torch.dtype = torch.bfloat16) -> FolderSlots:
+    """Everything about pipeline folder `folder` that can be told without reading a weight, against the plan's model
+    `spec`: every class model_index.json names (slots.py: the pipeline class the run makes, given an image or not),
+    each transformer's config.json against the model's, each text encoder's, the VAE's and each extra model's
+    config.json class and size (built on the meta device and counted). What `chunkflow run` checks before the load
+    and its progress bar; the build checks the same again, and the files and their tensors, before it reads any."""
+    from chunkflow.models.build import check_transformer_config
+    from chunkflow.models.components import (checked_extra, checked_module, meta_text_encoder, meta_vae,
+                                             text_encoder_reference, vae_reference)
+    from chunkflow_planner.checkpoint import is_dir
+
+    folder = Path(folder)
+    slots = check_slots(folder, spec, image)
+    for name in BuiltPipeline(None, spec, torch.device("cpu"), {}).names("transformer"):
+        if not is_dir(folder / name):
+            raise CheckpointError(f"{str(folder)!r} has no {name}/ folder; the pipeline folder is incomplete: "
+                                  "download or save it again")
+        check_transformer_config(folder / name, spec)
+    for te in spec.pipeline.text_encoders:
+        checked_module(te, lambda cfg, te=te: meta_text_encoder(te, dtype, cfg), text_encoder_reference, folder)
+    vae = spec.pipeline.vae
+    checked_module(vae, lambda cfg: meta_vae(vae, DTYPES[vae.dtype], cfg), vae_reference, folder)
+    for name, cls in slots.models.items():
+        checked_extra(name, cls, folder, dtype)
+    return slots

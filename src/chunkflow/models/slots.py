@@ -3,16 +3,22 @@ folder or built from it. A class name in model_index.json is looked up in its li
 (`from_config`, `from_pretrained`): a model class named as the scheduler builds a full-size model, a function named
 as a tokenizer runs. So every slot the plan's pipeline takes is checked first:
 
-- the pipeline (`_class_name`): the catalog's pipeline class;
+- the pipeline (`_class_name`): the plan's pipeline class, or given an image one of its image family
+  (models/adapters.py `run_class`: a FLUX Kontext folder for a FLUX plan);
 - transformers, text encoders, the VAE: the catalog's class, of the catalog's library;
 - tokenizers: a tokenizer class of transformers (a `PreTrainedTokenizerBase`). A class transformers lacks is
   refused, as diffusers' `from_pretrained` refuses it ("`transformers` has no class ..."): no silent stand-in;
 - the scheduler: a diffusers scheduler (a `SchedulerMixin`) offering what the pipeline calls of its scheduler
-  (`set_timesteps` with the keywords the pipeline passes, `step`, `set_begin_index`: SCHEDULER_CALLS);
-- the pipeline's own settings its class takes (Wan's boundary_ratio, expand_timesteps): the catalog model's.
+  (`set_timesteps` with the keywords the pipeline passes, `step`, `set_begin_index`: SCHEDULER_METHODS and
+  SCHEDULER_KEYWORDS for the catalog's pipelines, read from the class's source for any other: scheduler_calls);
+- the pipeline's own settings its class takes (Wan's boundary_ratio, expand_timesteps): the catalog model's;
+- the components the run's pipeline class takes beyond the plan's model (an image-to-video pipeline's
+  image_encoder and image_processor, an edit pipeline's processor): from its `__init__`, each a transformers or
+  diffusers model (built from its folder) or a transformers processor (tokenizer, image processor, feature
+  extractor, processor); loaded where the class needs it or the run takes an image, else left None.
 
 A slot the plan's model does not have is refused when it is a transformer (the folder holds a model of more
-experts); any other (an image encoder for IP-adapters) is not loaded, and the build says so.
+experts); any other the run does not load (an image encoder for IP-adapters) is not loaded, and the build says so.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ class FolderSlots:
     scheduler: type
     settings: dict[str, Any]
     unloaded: list[str] = field(default_factory=list)
+    pipeline: type | None = None  # the diffusers pipeline class the run makes
+    models: dict[str, type] = field(default_factory=dict)  # extra model components: name -> class (image_encoder)
+    processors: dict[str, type] = field(default_factory=dict)  # extra processors: name -> class (image_processor)
+    absent: list[str] = field(default_factory=list)  # components the class takes that are None (optional)
 
 
 def _where(folder: Path) -> str:
@@ -113,6 +123,33 @@ def _tokenizer_class(folder: Path, slot: str, declared: dict[str, tuple[str, str
     return cls
 
 
+def scheduler_calls(pipe_cls: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the scheduler methods, the keywords of its set_timesteps) the diffusers pipeline class's `__call__` calls,
+    read from its source (retrieve_timesteps calls set_timesteps with the keywords it is given): what a pipeline
+    outside the catalog asks of its scheduler. None asked where the source cannot be read."""
+    import ast
+    import textwrap
+
+    import diffusers
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(diffusers, pipe_cls).__call__)))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return ("set_timesteps", "step"), ()
+    called, keywords = {"set_timesteps", "step"}, set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and ast.unparse(f.value) == "self.scheduler":
+            called.add(f.attr)
+            if f.attr == "set_timesteps":
+                keywords |= {k.arg for k in node.keywords if k.arg}
+        if isinstance(f, ast.Name) and f.id == "retrieve_timesteps":
+            keywords |= {k.arg for k in node.keywords if k.arg}
+    return tuple(sorted(called)), tuple(sorted(keywords - {"device", "num_inference_steps"}))
+
+
 def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cls: str) -> type:
     """The diffusers scheduler class the folder declares, checked to offer what `pipe_cls` calls of it."""
     import diffusers
@@ -132,10 +169,12 @@ def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cl
         raise CheckpointError(f"{_where(folder)} makes the scheduler a {name}, which is not a scheduler (a diffusers "
                               "SchedulerMixin); nothing was made from it: fix model_index.json or download the "
                               "pipeline again")
-    lacks = [m for m in SCHEDULER_METHODS if not callable(getattr(cls, m, None))]
+    methods, keywords = ((SCHEDULER_METHODS, SCHEDULER_KEYWORDS[pipe_cls]) if pipe_cls in SCHEDULER_KEYWORDS
+                         else scheduler_calls(pipe_cls))
+    lacks = [m for m in methods if not callable(getattr(cls, m, None))]
     if not lacks:
         takes = inspect.signature(cls.set_timesteps).parameters
-        lacks = [f"set_timesteps({k}=...)" for k in SCHEDULER_KEYWORDS.get(pipe_cls, ()) if k not in takes]
+        lacks = [f"set_timesteps({k}=...)" for k in keywords if k not in takes]
     if lacks:
         raise CheckpointError(f"{_where(folder)} makes the scheduler a {name}, which lacks {', '.join(lacks)} that "
                               f"{pipe_cls} calls; diffusers would fail in the middle of the generation: use a "
@@ -143,11 +182,9 @@ def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cl
     return cls
 
 
-def _settings(folder: Path, index: dict[str, Any], pipe_spec) -> dict[str, Any]:
-    """The pipeline's own settings model_index.json gives that its class takes, each the catalog model's."""
-    import diffusers
-
-    params = inspect.signature(getattr(diffusers, pipe_spec.cls).__init__).parameters
+def _settings(folder: Path, index: dict[str, Any], pipe_spec, cls: type) -> dict[str, Any]:
+    """The pipeline's own settings model_index.json gives that its class `cls` takes, each the catalog model's."""
+    params = inspect.signature(cls.__init__).parameters
     out = {}
     for k, v in index.items():
         if k.startswith("_") or isinstance(v, list) or k not in params:
@@ -177,20 +214,74 @@ def _unloaded(folder: Path, declared: dict[str, tuple[str, str]], loaded: set[st
     return out
 
 
-def check_slots(folder: Path, spec) -> FolderSlots:
+PROCESSOR_BASES = ("PreTrainedTokenizerBase", "ProcessorMixin", "ImageProcessingMixin", "FeatureExtractionMixin")
+
+
+def _extra_class(folder: Path, slot: str, lib: str, name: str) -> tuple[str, type]:
+    """("model" or "processor", the class) of a component the pipeline class takes beyond the plan's model: a
+    transformers or diffusers model, or a transformers processor; anything else refused before it is made."""
+    import diffusers
+    import transformers
+
+    if lib not in ("transformers", "diffusers"):
+        raise CheckpointError(f"{_where(folder)} makes {slot} a {name} of {lib}; chunkflow loads transformers and "
+                              "diffusers components only: fix model_index.json or download the pipeline again")
+    cls = _library_class(lib, name)
+    if not isinstance(cls, type):
+        raise CheckpointError(f"{_where(folder)} makes {slot} a {name}, which {lib} does not have; upgrade {lib}, or "
+                              "fix model_index.json")
+    if issubclass(cls, (transformers.PreTrainedModel, diffusers.ModelMixin)):
+        return "model", cls
+    if lib == "transformers" and any(issubclass(cls, getattr(transformers, b)) for b in PROCESSOR_BASES):
+        return "processor", cls
+    raise CheckpointError(f"{_where(folder)} makes {slot} a {name}, which is neither a model nor a processor of "
+                          f"{lib}; nothing was made from it: fix model_index.json or download the pipeline again")
+
+
+def _extras(folder: Path, index: dict[str, Any], declared: dict[str, tuple[str, str]], cls: type, loaded: set[str],
+            image: bool) -> tuple[dict[str, type], dict[str, type], list[str]]:
+    """The components `cls` takes beyond `loaded`: (models, processors, absent ones). One is loaded where the
+    class needs it or the run takes an image (an image-to-video pipeline's image encoder); an optional one the
+    folder lacks is None."""
+    params = inspect.signature(cls.__init__).parameters
+    optional = set(getattr(cls, "_optional_components", None) or [])
+    models: dict[str, type] = {}
+    processors: dict[str, type] = {}
+    absent: list[str] = []
+    for name, p in params.items():
+        setting = name in index and not isinstance(index[name], list)  # Wan's expand_timesteps
+        if name in ("self", "args", "kwargs") or name in loaded or setting:
+            continue  # a setting, or a component the plan's model has
+        required = p.default is inspect.Parameter.empty and name not in optional
+        if name in declared and (required or image):
+            kind, found = _extra_class(folder, name, *declared[name])
+            (models if kind == "model" else processors)[name] = found
+        elif required and name not in declared:
+            raise CheckpointError(f"{_where(folder)} names no {name}, which {cls.__name__} needs; the pipeline "
+                                  "folder is incomplete: download or save it again")
+        elif p.default is None or name in optional or name in index:
+            absent.append(name)
+    return models, processors, absent
+
+
+def check_slots(folder: Path, spec, image: bool = False) -> FolderSlots:
     """Every slot of `folder`'s model_index.json checked against what catalog model `spec`'s pipeline may hold
-    there (module docstring), before anything is made from the folder: the tokenizer and scheduler classes to make
-    them with, the pipeline's own settings, and the slots not loaded."""
+    there (module docstring), before anything is made from the folder: the pipeline class the run makes (given an
+    image or not), the tokenizer and scheduler classes to make them with, the extra components its class takes,
+    the pipeline's own settings, and the slots not loaded."""
+    from chunkflow.models.adapters import run_class
     from chunkflow.weights import _model_index, pipeline_components
 
     pipe = spec.pipeline
     index = _model_index(folder)
-    if index["_class_name"] != pipe.cls:
-        raise CheckpointError(f"{str(folder)!r} holds a {index['_class_name']}, but the plan's model runs a "
-                              f"{pipe.cls}; point --weights at that model's pipeline folder")
+    cls = run_class(pipe.cls, index["_class_name"], image, where=repr(str(folder)))
+    settings = _settings(folder, index, pipe, cls)
+    run_class(pipe.cls, index["_class_name"], image, where=repr(str(folder)), spec=spec, settings=settings)
     declared = pipeline_components(folder)
     _check_models(folder, declared, spec)
     tokenizers = {te.tokenizer: _tokenizer_class(folder, te.tokenizer, declared) for te in pipe.text_encoders}
-    scheduler = _scheduler_class(folder, declared, pipe.cls)
+    scheduler = _scheduler_class(folder, declared, cls.__name__)
     loaded = set(_model_slots(spec)) | set(tokenizers) | {"scheduler"}
-    return FolderSlots(tokenizers, scheduler, _settings(folder, index, pipe), _unloaded(folder, declared, loaded))
+    models, processors, absent = _extras(folder, index, declared, cls, loaded, image)
+    unloaded = _unloaded(folder, declared, loaded | set(models) | set(processors))
+    return FolderSlots(tokenizers, scheduler, settings, unloaded, cls, models, processors, absent)
