@@ -4,9 +4,8 @@ the API's build_pipeline + generate), their latents bit-identical to diffusers' 
 folder, called with the same seed (and image). Hostile images and folders of another model are refused before the
 load, with one message.
 
-The uncatalogued pipelines (SD3, CogVideoX, LTX-Video, Wan2.1-style image-to-video) need a model entry the
-catalog lacks: `derived_spec` stands in for the entry the planner derives from a folder (issue 37's other part),
-a catalog entry copied with its classes and configs replaced by the folder's."""
+The uncatalogued pipelines (SD3, CogVideoX, LTX-Video, Wan2.1-style image-to-video) run from the model entry
+chunkflow derives from their folder (chunkflow.models.derive), as `chunkflow plan --weights DIR` does."""
 
 from __future__ import annotations
 
@@ -33,38 +32,11 @@ DTYPES = {"default": torch.bfloat16, "vae": torch.float32}  # what chunkflow run
 STREAM = OffloadConfig("chunkflow", 16 * 1024, 0.0)
 
 
-# ------------------------------------------------------------------- stand-in for the derived model entry
+def derived(folder: Path, **workload):
+    """The model entry chunkflow derives from `folder` (what `plan --weights DIR` plans), at a tiny workload."""
+    from chunkflow.models.derive import derive_model
 
-
-def derived_spec(base: str, folder: Path, pipe, tokens: dict[str, int], vae_dtype: str = "float32", **workload):
-    """STAND-IN for the planner's entry derived from `folder` (until chunkflow_planner.plan.model_of lands):
-    catalog entry `base` copied (model_copy) with the folder's pipeline class, its transformer's class and
-    config.json, its text encoders' and VAE's classes, config.json and parameter counts (of `pipe`, the pipeline
-    saved there), `tokens` per text encoder, and the workload's fields given."""
-    spec = get_model(base)
-    index = json.loads((folder / "model_index.json").read_text())
-
-    def config(name: str) -> dict:
-        return {k: v for k, v in json.loads((folder / name / "config.json").read_text()).items()
-                if not k.startswith("_")}
-
-    def count(m) -> int:
-        return sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
-
-    te0 = spec.pipeline.text_encoders[0]
-    encoders = [te0.model_copy(update=dict(component=n, tokenizer=n.replace("text_encoder", "tokenizer"),
-                                           cls=index[n][1], config=config(n), total_params=count(getattr(pipe, n)),
-                                           tokens=tokens[n])) for n in tokens]
-    vae = spec.pipeline.vae.model_copy(update=dict(cls=index["vae"][1], config=config("vae"),
-                                                   total_params=count(pipe.vae), dtype=vae_dtype))
-    pipeline = spec.pipeline.model_copy(update=dict(cls=index["_class_name"], adapter=None, text_encoders=encoders,
-                                                    vae=vae, config={}, guidance_2=None, experts=1))
-    video = "num_frames" in workload
-    w = spec.default_workload.model_copy(update=dict(frames=workload.pop("num_frames", 1), **workload))
-    return spec.model_copy(update=dict(
-        name=f"derived-{index['_class_name']}", pipeline=pipeline, default_workload=w,
-        vae_temporal=spec.vae_temporal if video else None,
-        diffusers=spec.diffusers.model_copy(update=dict(cls=index["transformer"][1], config=config("transformer")))))
+    return derive_model(str(folder), workload)
 
 
 # ---------------------------------------------------------------------------------------- tiny folders
@@ -109,8 +81,7 @@ def _sd3(folder: Path):
         text_encoder=_clip_projection(tok, 0), tokenizer=tok, text_encoder_2=_clip_projection(tok2, 1),
         tokenizer_2=tok2, text_encoder_3=_t5(tok3, 2, d_model=16, t5_class="T5EncoderModel"), tokenizer_3=tok3)
     _save(pipe, folder, vae=torch.bfloat16)  # SD3 decodes the transformer's bf16 latents: its VAE runs in bf16
-    spec = derived_spec("tiny-flux", folder, pipe, {"text_encoder": 77, "text_encoder_2": 77, "text_encoder_3": 16},
-                        vae_dtype="bfloat16", height=32, width=32, steps=2, cfg_passes=2)
+    spec = derived(folder, height=32, width=32, steps=2, text_len=16)
     call = dict(height=32, width=32, guidance_scale=spec.pipeline.guidance, negative_prompt=NEGATIVE,
                 max_sequence_length=16, dtypes=torch.bfloat16)
     return spec, call
@@ -130,8 +101,7 @@ def _cogvideox(folder: Path):
     pipe = CogVideoXPipeline(tokenizer=tok, text_encoder=_t5(tok, 1, d_model=16, t5_class="T5EncoderModel"), vae=vae,
                              transformer=transformer, scheduler=CogVideoXDDIMScheduler())
     _save(pipe, folder, vae=torch.bfloat16)  # it decodes the transformer's bf16 latents: its VAE runs in bf16
-    spec = derived_spec("tiny", folder, pipe, {"text_encoder": 5}, vae_dtype="bfloat16", height=64, width=64,
-                        num_frames=5, steps=2, cfg_passes=2)
+    spec = derived(folder, height=64, width=64, frames=5, steps=2)
     call = dict(height=64, width=64, num_frames=5, guidance_scale=spec.pipeline.guidance, negative_prompt=NEGATIVE,
                 max_sequence_length=5, dtypes=torch.bfloat16)
     return spec, call
@@ -155,8 +125,7 @@ def _ltx(folder: Path):
     pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, tokenizer=tok, transformer=transformer,
                        text_encoder=_t5(tok, 1, d_model=16, t5_class="T5EncoderModel"))
     _save(pipe, folder)
-    spec = derived_spec("tiny", folder, pipe, {"text_encoder": 16}, height=32, width=32, num_frames=9, steps=2,
-                        cfg_passes=2)
+    spec = derived(folder, height=32, width=32, frames=9, steps=2, text_len=16)
     call = dict(height=32, width=32, num_frames=9, guidance_scale=spec.pipeline.guidance, negative_prompt=NEGATIVE,
                 max_sequence_length=16)
     return spec, call
@@ -185,13 +154,7 @@ def _wan_i2v(folder: Path, base: Path):
                                    scheduler=t2v.scheduler, image_processor=CLIPImageProcessor(crop_size=32, size=32),
                                    image_encoder=encoder, transformer=transformer)
     _save(pipe, folder)
-    spec = get_model("tiny")
-    index = json.loads((folder / "model_index.json").read_text())
-    config = {k: v for k, v in json.loads((folder / "transformer" / "config.json").read_text()).items()
-              if not k.startswith("_")}
-    return spec.model_copy(update=dict(  # STAND-IN for the derived entry: tiny with the I2V transformer and class
-        name="derived-wan-i2v", pipeline=spec.pipeline.model_copy(update=dict(cls=index["_class_name"])),
-        diffusers=spec.diffusers.model_copy(update=dict(config=config))))
+    return derived(folder, height=32, width=32, frames=5, steps=2, text_len=8)
 
 
 def _image(path: Path, size=(40, 48), seed: int = 0) -> Path:
@@ -469,3 +432,52 @@ def test_the_api_refuses_an_image_the_built_pipeline_cannot_take_and_checks_a_pa
                         generate(built, spec.default_workload, PROMPT, image=workdir / "empty.png")
             finally:
                 built.discard()
+
+
+# ------------------------------------------------------------------------------------ plan then run
+
+
+@pytest.mark.parametrize("name", ["sd3", "cogvideox", "ltx"])
+def test_a_folder_chunkflow_never_saw_is_planned_from_its_configs_and_run_with_diffusers_latents(cli, workdir,
+                                                                                               saved, name):
+    """What a user does with a pipeline the catalog lacks: `plan --weights DIR` (the model derived from its
+    folder, embedded in the plan), then `run --plan plan.json --weights DIR --prompt ...`: the latents are diffusers'
+    own pipeline's from the same folder and seed, bit for bit."""
+    spec, call = saved[name]
+    folder = saved["root"] / name
+    w = spec.default_workload
+    shape = ["--height", str(w.height), "--width", str(w.width), "--steps", "2", "--text-len",
+             str(spec.pipeline.text_encoders[-1].tokens)] + (["--frames", str(w.frames)] if spec.is_video else [])
+    result = cli("plan", "--weights", str(folder), "--hardware", "cpu", "--out", "plan.json", *shape)
+    assert result.exit_code == 0, result.output
+    assert "derived" in result.output
+    assert json.loads(Path("plan.json").read_text())["model"]["spec"]["pipeline"]["cls"] == spec.pipeline.cls
+    with one_thread():
+        result = cli("run", "--plan", "plan.json", "--weights", str(folder), "--prompt", PROMPT, "--negative-prompt",
+                     NEGATIVE, "--seed", "7", "--latents", "l.safetensors")
+    assert result.exit_code == 0, result.output
+    loop, _ = _diffusers(spec.pipeline.cls, folder, 7, **call)
+    assert torch.equal(load_file("l.safetensors")["latents"], loop)
+
+
+def test_an_image_to_video_folder_chunkflow_never_saw_is_planned_and_run_with_an_image(cli, workdir):
+    """A Wan2.1-style image-to-video folder (image encoder, image processor): planned from its folder and run with
+    `--image`; the latents are WanImageToVideoPipeline's own from the same folder, image and seed."""
+    _needs_ftfy()
+    from PIL import Image
+
+    folder = workdir / "i2v"
+    spec = _wan_i2v(folder, save_catalog_pipeline("tiny", workdir / "t2v"))
+    w = spec.default_workload
+    result = cli("plan", "--weights", str(folder), "--hardware", "cpu", "--out", "plan.json", "--height",
+                 str(w.height), "--width", str(w.width), "--frames", str(w.frames), "--steps", "2", "--text-len", "8")
+    assert result.exit_code == 0, result.output
+    picture = _image(workdir / "in.png")
+    with one_thread():
+        result = cli("run", "--plan", "plan.json", "--weights", str(folder), "--prompt", PROMPT, "--negative-prompt",
+                     NEGATIVE, "--image", str(picture), "--seed", "3", "--latents", "l.safetensors")
+    assert result.exit_code == 0, result.output
+    loop, _ = _diffusers("WanImageToVideoPipeline", folder, 3, image=Image.open(picture).convert("RGB"),
+                         negative_prompt=NEGATIVE, height=w.height, width=w.width, num_frames=w.frames,
+                         guidance_scale=5.0, max_sequence_length=8)
+    assert torch.equal(load_file("l.safetensors")["latents"], loop)

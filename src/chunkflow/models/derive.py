@@ -238,8 +238,8 @@ def _vae_factors(vae, cfg: dict, video: bool, fam) -> tuple[int, int | None]:
         spatial = 2 ** (len(cfg["block_out_channels"]) - 1)
     temporal = None
     if video:
-        temporal = (getattr(vae, "temporal_compression_ratio", None) or cfg.get("scale_factor_temporal")
-                    or cfg.get("temporal_compression_ratio") or fam.vae_temporal)
+        temporal = (cfg.get("temporal_compression_ratio") or cfg.get("scale_factor_temporal")
+                    or vars(vae).get("temporal_compression_ratio") or fam.vae_temporal)  # an attribute, not config
     return int(spatial or fam.vae_spatial or 8), (int(temporal) if temporal else None)
 
 
@@ -443,7 +443,13 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
         import transformers
 
         tes = []
+        cap = config.get("max_text_seq_length")  # the text tokens the transformer's positions are made for (CogVideoX)
+        if isinstance(cap, int) and cap > 0 and not (isinstance(defaults.get("max_sequence_length"), int)
+                                                     and defaults["max_sequence_length"] <= cap):
+            defaults = {**defaults, "max_sequence_length": cap}
         for n, (lib, c) in components.items():
+            if not n.startswith("text_encoder"):  # an image encoder (Wan2.1 image-to-video) is not a text encoder
+                continue
             tcls = getattr(transformers, c, None) if lib == "transformers" else None
             if tcls is not None and issubclass(tcls, transformers.PreTrainedModel):
                 tok = n.replace("text_encoder", "tokenizer") if n.startswith("text_encoder") else None

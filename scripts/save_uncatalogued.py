@@ -1,0 +1,83 @@
+"""Save a full-size pipeline chunkflow's catalog has never had, in its real architecture with random values, as a
+diffusers folder: what a user downloads from the Hub (same classes, configs and layout), only the values differ.
+
+    python3 scripts/save_uncatalogued.py ltx-video /data/ltx-video [--device cuda]
+    python3 scripts/save_uncatalogued.py cogvideox-5b /data/cogvideox-5b
+
+The configs are those of the public checkpoints (Lightricks/LTX-Video 0.9.0: diffusers' defaults for its classes;
+THUDM/CogVideoX-5b: its transformer/config.json, the VAE's scaling factor 0.7 and its CogVideoXDPMScheduler), with
+google/t5-v1_1-xxl as the text encoder of both. The tokenizer is chunkflow's local T5 tokenizer (a small vocabulary:
+token ids stay inside the encoder's). Each component is drawn on the device in bf16, as `from_pretrained(...,
+torch_dtype=torch.bfloat16)` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, num_decoder_layers=24, vocab_size=32128,
+              feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6,
+              relative_attention_num_buckets=32, relative_attention_max_distance=128, tie_word_embeddings=False,
+              is_encoder_decoder=True, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+COGVIDEOX_5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, num_layers=42,
+                    time_embed_dim=512, text_embed_dim=4096, sample_width=90, sample_height=60, sample_frames=49,
+                    patch_size=2, max_text_seq_length=226, use_rotary_positional_embeddings=True,
+                    use_learned_positional_embeddings=False)
+COGVIDEOX_DPM = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                     num_train_timesteps=1000, prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                     set_alpha_to_one=True, snr_shift_scale=1.0, steps_offset=0, timestep_spacing="trailing")
+LTX_SCHEDULER = dict(base_image_seq_len=1024, base_shift=0.95, max_image_seq_len=4096, max_shift=2.05,
+                     shift_terminal=0.1, use_dynamic_shifting=True, num_train_timesteps=1000, shift=1.0)
+
+
+def _t5(max_length: int):
+    from transformers import T5Config, T5EncoderModel
+
+    from chunkflow.models.tokenizers import t5_tokenizer
+
+    return T5EncoderModel(T5Config(**T5_XXL)), t5_tokenizer(max_length)
+
+
+def build(name: str):
+    """The pipeline `name` with random values (on the current default device and dtype)."""
+    import diffusers
+
+    if name == "ltx-video":
+        text_encoder, tokenizer = _t5(128)
+        return diffusers.LTXPipeline(
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER),
+            vae=diffusers.AutoencoderKLLTXVideo(), text_encoder=text_encoder, tokenizer=tokenizer,
+            transformer=diffusers.LTXVideoTransformer3DModel())
+    if name == "cogvideox-5b":
+        text_encoder, tokenizer = _t5(226)
+        return diffusers.CogVideoXPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=diffusers.AutoencoderKLCogVideoX(scaling_factor=0.7),
+            transformer=diffusers.CogVideoXTransformer3DModel(**COGVIDEOX_5B),
+            scheduler=diffusers.CogVideoXDPMScheduler(**COGVIDEOX_DPM))
+    raise SystemExit(f"unknown pipeline {name!r}: one of ltx-video, cogvideox-5b")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name", choices=["ltx-video", "cogvideox-5b"])
+    ap.add_argument("folder")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-shard-size", default="5GB")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(a.device), torch.no_grad():
+        pipe = build(a.name)
+    torch.set_default_dtype(torch.float32)
+    t1 = time.perf_counter()
+    pipe.save_pretrained(a.folder, max_shard_size=a.max_shard_size)
+    print(f"{a.name}: built in {t1 - t0:.1f} s, saved to {a.folder} in {time.perf_counter() - t1:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
