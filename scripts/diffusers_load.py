@@ -1,6 +1,9 @@
 """diffusers alone, for comparison with `chunkflow run --weights`: time `Pipeline.from_pretrained(DIR).to(device)`
 and the process's host peak, then generate with the call chunkflow makes and compare the latents with chunkflow's.
-With `--disk-offload TMP`, diffusers' own disk offload instead of `.to(device)`: the transformer(s) and text encoder
+MODEL is a catalog name or a plan file (its model: the catalog's or the one derived from a folder); `--image PATH`
+animates or edits that image with the class chunkflow runs (WanPipeline's folder as WanImageToVideoPipeline). The
+latents compared are the denoising loop's last (what `run --latents` saves). With `--disk-offload TMP`, diffusers'
+own disk offload instead of `.to(device)`: the transformer(s) and text encoder
 group-offloaded block by block with streams and `offload_to_disk_path=TMP`, the VAE on the GPU (tiled with --tiled);
 the generation then decodes too, as `chunkflow run --prompt` does.
 
@@ -22,7 +25,9 @@ def main() -> None:
 
     from chunkflow.generate import call_kwargs
     from chunkflow.hostmem import peak_rss_bytes
+    from chunkflow.models.adapters import run_class
     from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.plan import load_plan, model_of
     from chunkflow_planner.workload import make_workload
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,17 +40,22 @@ def main() -> None:
     ap.add_argument("--guidance", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--latents", default=None, help="chunkflow's latents (run --latents) to compare with")
+    ap.add_argument("--image", default=None, help="the image to animate or edit (as run --image)")
     ap.add_argument("--disk-offload", default=None, help="diffusers' group offloading to this folder on disk")
     ap.add_argument("--tiled", action="store_true", help="with --disk-offload: tiled VAE decode")
     ap.add_argument("--drop-folder-after-load", action="store_true",
                     help="delete the folder's weight files once loaded (room on a small disk for diffusers' own)")
+    ap.add_argument("--device", default="cuda", help="cuda (cpu: a check of this script on tiny folders)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    spec = get_model(a.model)
+    cuda = a.device == "cuda"
+    spec = model_of(load_plan(a.model)) if a.model.endswith(".json") else get_model(a.model)
     w = make_workload(spec, batch=a.batch, frames=a.frames, height=a.height, width=a.width, steps=a.steps)
     dtypes = {"default": torch.bfloat16, "vae": getattr(torch, spec.pipeline.vae.dtype)}
+    cls = run_class(spec.pipeline.cls, None, a.image is not None, spec=spec) if a.image else \
+        getattr(diffusers, spec.pipeline.cls)
     t0 = time.perf_counter()
-    pipe = getattr(diffusers, spec.pipeline.cls).from_pretrained(a.folder, torch_dtype=dtypes)
+    pipe = cls.from_pretrained(a.folder, torch_dtype=dtypes)
     t1 = time.perf_counter()
     if a.drop_folder_after_load:
         import pathlib
@@ -55,28 +65,36 @@ def main() -> None:
     if a.disk_offload:
         _disk_offload(pipe, spec, a.disk_offload, a.tiled)
     else:
-        pipe.to("cuda")
-    torch.cuda.synchronize()
+        pipe.to(a.device)
+    if cuda:
+        torch.cuda.synchronize()
     t2 = time.perf_counter()
     host_after_load = peak_rss_bytes()
     pipe.set_progress_bar_config(disable=True)
+    image = None
+    if a.image:
+        from PIL import Image
+
+        image = Image.open(a.image).convert("RGB")
     kw = call_kwargs(spec, w, a.prompt, a.negative_prompt, a.guidance, w.steps,
-                     torch.Generator("cuda").manual_seed(a.seed))
+                     torch.Generator(a.device).manual_seed(a.seed), cls, image)
     kw["output_type"] = "np" if a.disk_offload else "latent"
-    if a.disk_offload:
-        kw["callback_on_step_end"] = _keep_latents
-        kw["callback_on_step_end_tensor_inputs"] = ["latents"]
-    torch.cuda.reset_peak_memory_stats()
+    kw["callback_on_step_end"] = _keep_latents  # the loop's last latents, as chunkflow saves them
+    kw["callback_on_step_end_tensor_inputs"] = ["latents"]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t3 = time.perf_counter()
     with torch.no_grad():
-        out = pipe(**kw)
-    torch.cuda.synchronize()
-    latents = _kept["latents"] if a.disk_offload else (out.frames if hasattr(out, "frames") else out.images)
-    result = dict(model=spec.name, folder=a.folder, from_pretrained_s=t1 - t0, to_device_s=t2 - t1,
+        pipe(**kw)
+    if cuda:
+        torch.cuda.synchronize()
+    latents = _kept["latents"]
+    result = dict(model=spec.name, pipeline=cls.__name__, folder=a.folder, from_pretrained_s=t1 - t0, to_device_s=t2 - t1,
                   load_s=t2 - t0, host_peak_after_load_bytes=host_after_load, generation_s=time.perf_counter() - t3,
                   host_peak_bytes=peak_rss_bytes(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  diffusers=diffusers.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name(),
-                  gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(), host_now_bytes=_rss_now(),
+                  diffusers=diffusers.__version__, torch=torch.__version__,
+                  gpu=torch.cuda.get_device_name() if cuda else None,
+                  gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None, host_now_bytes=_rss_now(),
                   disk_offload=a.disk_offload)
     if a.latents:
         from safetensors.torch import load_file

@@ -253,3 +253,42 @@ def test_version_1_plans_still_load(tiny_plan):
     tiny_plan.write_text(json.dumps(data))
     p = load_plan(tiny_plan)
     assert model_of(p) is get_model("tiny")
+
+
+# ------------------------------------------------------------------ an uncatalogued VAE from its shapes
+
+
+def _catalog_vaes():
+    from chunkflow_planner.catalog import load_models
+
+    seen = {}
+    for spec in load_models().values():
+        v = spec.pipeline.vae if spec.pipeline is not None else None
+        if v is not None and v.decode is not None and "tiny" not in v.name and v.name not in seen:
+            seen[v.name] = (spec, v)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("spec,vae", [pytest.param(s, v, id=v.name) for s, v in _catalog_vaes()
+                                      if v.name != "qwen-image-vae"])  # a 3D VAE for images: the catalog's fit
+def test_a_vae_priced_from_its_shapes_bounds_the_measured_peak_and_comes_near_its_time(spec, vae):
+    """The catalog's VAEs priced as an uncatalogued one is (models/vae_shapes.py, from operator shapes on the meta
+    device) against their decodes measured on an H200, at the sizes measured: the peak is never under the measured
+    one (LIVE_TENSORS is a bound), the time within the factor the median FLOP rate allows (1.6)."""
+    import diffusers
+
+    from chunkflow.models.vae_shapes import decode_fit
+
+    dtype = getattr(torch, vae.dtype)
+    with torch.device("meta"):
+        module = getattr(diffusers, vae.cls).from_config(vae.config).to(dtype)
+    channels = vae.config.get("latent_channels") or vae.config.get("z_dim")
+    fit = decode_fit(module, channels, spec.is_video, dtype)
+    for f, h, w in ((81, 480, 832), (41, 704, 1280)) if spec.is_video else ((1, 1024, 1024), (1, 512, 512)):
+        def at(d):
+            mem = d.get("mem_const", 0) + d.get("mem_per_px", 0) * h * w + d.get("mem_per_voxel", 0) * f * h * w
+            return mem, d.get("time_const", 0) + d.get("time_per_voxel", 0) * f * h * w
+
+        (mem, t), (measured_mem, measured_t) = at(fit), at(vae.decode)
+        assert mem >= measured_mem, (vae.name, f, h, w)
+        assert measured_t / 1.6 <= t <= measured_t * 1.6, (vae.name, t, measured_t)

@@ -14,6 +14,7 @@ cache, a transformer folder or its config.json, and builds what the planner plan
   single-stream attention over the concatenated tokens), so the planner's FLOP and activation models apply;
 - from model_index.json, the text encoders (a class the catalog prices as the catalog does, any other from its
   measured shape with TEXT_MARGIN), the VAE (the catalog's measured decode where the catalog has that VAE, else
+  from its operator shapes on the meta device, models/vae_shapes.py; where the meta device cannot run its decoder,
   the nearest catalog VAE's decode scaled by decoder parameters, times VAE_MARGIN) and the scheduler;
 - the default workload from the pipeline class's `__call__` defaults (and the transformer's sample size where
   those are None, as the pipelines do).
@@ -272,6 +273,19 @@ def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[s
         if v.cls == cls_name and all(clean.get(k) == val for k, val in v.config.items() if k in clean):
             return VaeSpec(name=v.name, component=name, cls=cls_name, config=clean, total_params=total,
                            decoder_params=decoder, dtype=v.dtype, decode=v.decode, tiling=v.tiling), vae, cfg
+    latent = clean.get("latent_channels") or clean.get("z_dim")
+    try:  # priced from its own operator shapes (models/vae_shapes.py)
+        from chunkflow.models.vae_shapes import decode_fit
+
+        import torch
+
+        fit = decode_fit(vae.to(getattr(torch, dtype)), int(latent), video, getattr(torch, dtype))
+        untimed.append(f"{name} ({cls_name}, priced from its operator shapes)")
+        return VaeSpec(name=f"{cls_name}:derived", component=name, cls=cls_name, config=clean, total_params=total,
+                       decoder_params=decoder, dtype=dtype, decode=fit), vae, cfg
+    except Exception as exc:  # a decoder the meta device cannot run: the nearest catalog VAE's, scaled
+        notes.append(f"{name}: its decode could not be traced on the meta device ({type(exc).__name__}); priced "
+                     "from the nearest catalog VAE's")
     same_kind = [s.pipeline.vae for s in specs if s.pipeline.vae.decode is not None and s.is_video == video]
     same_kind = same_kind or [v for v in catalog if v.decode is not None]
     near = min(same_kind, key=lambda v: abs(math.log(v.decoder_params / decoder)))
@@ -497,7 +511,7 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
         v = overrides.get("frames") or defaults.get("num_frames")
         sf = config.get("sample_frames")
         if not isinstance(v, int) and isinstance(sf, int):
-            v = (sf - 1) * vae_temporal + 1
+            v = sf if fam.sample_frames_out else (sf - 1) * vae_temporal + 1
         want["frames"] = v
     else:
         want["frames"] = 1

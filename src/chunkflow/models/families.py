@@ -20,6 +20,8 @@ class Family:
     vae_spatial: int | None = None  # the VAE's factors, for a transformer-only folder (a pipeline folder's VAE says)
     vae_temporal: int | None = None  # None: an image model
     sample_size: int | None = None  # latent height and width the pipeline defaults to where its config has none
+    sample_frames_out: bool = False  # config.json's sample_frames counts output frames (CogVideoX's pipeline
+    # defaults num_frames to it), not latent frames
     inputs: str = "generic"  # catalog.DiffusersSpec.inputs
     adapter: str = "generic"  # components.PipelineAdapter
     masked_attention: bool = False
@@ -35,7 +37,7 @@ _FAMILIES: dict[str, Family] = {
     "CogView4Transformer2DModel": Family(vae_spatial=8),
     "Lumina2Transformer2DModel": Family(vae_spatial=8),
     "SanaTransformer2DModel": Family(vae_spatial=32),
-    "CogVideoXTransformer3DModel": Family(vae_spatial=8, vae_temporal=4),
+    "CogVideoXTransformer3DModel": Family(vae_spatial=8, vae_temporal=4, sample_frames_out=True),
     "LTXVideoTransformer3DModel": Family(vae_spatial=32, vae_temporal=8),
     "MochiTransformer3DModel": Family(vae_spatial=8, vae_temporal=6),
     "AllegroTransformer3DModel": Family(vae_spatial=8, vae_temporal=4),
