@@ -481,3 +481,30 @@ def test_an_image_to_video_folder_chunkflow_never_saw_is_planned_and_run_with_an
                          negative_prompt=NEGATIVE, height=w.height, width=w.width, num_frames=w.frames,
                          guidance_scale=5.0, max_sequence_length=8)
     assert torch.equal(load_file("l.safetensors")["latents"], loop)
+
+
+def test_a_tiled_decode_leaves_the_images_encode_untiled(workdir):
+    """A plan that tiles the VAE's decode (vae_tiling) encodes the image as diffusers does, untiled: the latents are
+    WanImageToVideoPipeline's own at a size past the VAE's tile (tiling the encode too changed them on an H200)."""
+    _needs_ftfy()
+    from PIL import Image
+
+    from chunkflow.generate import generate
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow_planner.workload import make_workload
+
+    spec = get_model("tiny-ti2v")
+    folder = save_catalog_pipeline("tiny-ti2v", workdir / "ti2v")
+    picture = _image(workdir / "big.png", size=(320, 288))
+    w = make_workload(spec, height=288, width=320, frames=5, steps=2)
+    with one_thread():
+        built = build_pipeline(spec, {}, STREAM, torch.device("cpu"), weights=folder, image=True, vae_tiling=True)
+        assert built.pipe.vae.use_tiling and built.pipe.vae.tile_sample_min_height < 288  # the image spans tiles
+        try:
+            gen = generate(built, w, PROMPT, negative=NEGATIVE, steps=2, seed=4, image=picture)
+        finally:
+            built.discard()
+    loop, _ = _diffusers("WanImageToVideoPipeline", folder, 4, image=Image.open(picture).convert("RGB"),
+                         negative_prompt=NEGATIVE, height=288, width=320, num_frames=5, guidance_scale=5.0,
+                         max_sequence_length=8)
+    assert torch.equal(gen.latents, loop)
