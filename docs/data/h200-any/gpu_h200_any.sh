@@ -12,6 +12,7 @@
 #     with a profile calibrated before on other models (PROFILE), run with `--weights`, against diffusers.
 #   PARTS="save5b tiers5b i2v5b" bash docs/data/h200-any/gpu_h200_any.sh OUT_DIR      # call 1
 #   PARTS="saveltx ltx savecog cog" bash docs/data/h200-any/gpu_h200_any.sh OUT_DIR   # call 2
+#   part `attn`: attention's efficiency at head dim 64 against 128 (attn_head_dim.py)
 set -uo pipefail
 dest=${1:-${OUT:-out}}
 work=${WORK:-/tmp/chunkflow-evidence}
@@ -85,6 +86,9 @@ if wanted cog; then  # CogVideoX's defaults: 480x720, 49 frames
   plan_run cog "$data/cogvideox-5b" 1TB ${COG_GPU:-34GB} --
   reference cog "$data/cogvideox-5b" --frames 49 --height 480 --width 720
   after_run
+fi
+if wanted attn; then  # why CogVideoX steps slower than planned: attention at head dim 64 (the profile has 128's)
+  step attn 120 python3 "$repo/docs/data/h200-any/attn_head_dim.py" "$out/attn-head-dim.json"; after_run
 fi
 df -h /tmp > "$out/df.txt" 2>&1; free -g >> "$out/df.txt"
 after_run

@@ -34,7 +34,8 @@ from typing import Any
 
 from chunkflow_planner.errors import ChunkflowError
 
-__all__ = ["DeriveError", "derive_model", "describe_yaml", "TEXT_MARGIN", "VAE_MARGIN", "looks_like_folder"]
+__all__ = ["ACTIVATION_MARGIN", "DeriveError", "derive_model", "describe_yaml", "TEXT_MARGIN", "VAE_MARGIN",
+           "looks_like_folder"]
 
 # An uncatalogued text encoder's modelled time and activations are multiplied by TEXT_MARGIN, and an uncatalogued
 # VAE's decode time and memory (from the nearest catalog VAE, scaled by decoder parameters) by VAE_MARGIN: those
@@ -43,6 +44,10 @@ __all__ = ["DeriveError", "derive_model", "describe_yaml", "TEXT_MARGIN", "VAE_M
 # nothing of the decoder's resolution schedule, the dominant cost.
 TEXT_MARGIN = 1.25
 VAE_MARGIN = 1.5
+# A transformer class the catalog never measured has its activations priced by the default model (memory.py) times
+# ACTIVATION_MARGIN: blocks hold temporaries the model does not count (rotary embeddings in float32, norms'
+# copies); LTX-Video's and CogVideoX-5B's measured 2.9x and 2.2x the default on an H200 (docs/any-h200.md).
+ACTIVATION_MARGIN = 3.0
 RUN_DTYPE_BYTES = 2  # chunkflow runs transformers and text encoders in bfloat16
 
 _FFN_NAMES = ("ff", "ffn", "mlp", "feed_forward", "img_mlp", "proj_mlp")
@@ -531,12 +536,20 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
     cfg_passes = 2 if guided and not config.get("guidance_embeds") else 1
     total = _params(module)
     fp32 = _fp32(module)
+    activation = fam.activation
+    if activation is None:  # no class of the catalog measured: the default model times ACTIVATION_MARGIN
+        from chunkflow_planner.catalog import ActivationModel
+
+        base = ActivationModel()
+        activation = dict(c_f=base.c_f * ACTIVATION_MARGIN, c_d=base.c_d * ACTIVATION_MARGIN)
+        untimed.append(f"the transformer's activations (the default model x{ACTIVATION_MARGIN}: its class was never "
+                       "measured)")
     try:
         return ModelSpec(
             name=label, description=f"{cls.__name__} derived from {source}", d=d, f=f, heads=heads,
             text_len=text_len, patch=(int(pt or 1), int(p or 1), int(p or 1)), vae_spatial=vae_spatial,
             vae_temporal=vae_temporal, latent_channels=latent, dtype_bytes=RUN_DTYPE_BYTES, blocks=groups,
-            total_params=total, fp32_params=fp32, **({"activation": fam.activation} if fam.activation else {}),
+            total_params=total, fp32_params=fp32, activation=activation,
             default_workload=dict(height=want["height"], width=want["width"], frames=want["frames"],
                                   steps=want["steps"], cfg_passes=cfg_passes),
             diffusers=dict(cls=cls.__name__, config=clean, inputs=fam.inputs, cp_plan=fam.cp_plan,
