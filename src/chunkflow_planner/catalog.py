@@ -426,6 +426,10 @@ class HardwareSpec(_Strict):
     attn_eta: list[tuple[float, float, float]] | None = Field(
         None, description="measured attention efficiencies by shape: [query tokens, key tokens, fraction of P_peak] "
         "(bf16 SDPA, head dim 128; calibrate)")
+    attn_eta_head_dims: dict[int, list[tuple[float, float, float]]] | None = Field(
+        None, description="attention efficiencies at head dims other than attn_eta's 128: {head dim: [query tokens, "
+        "key tokens, fraction of P_peak]} (calibrate measures 64: LTX-Video's and CogVideoX's attention ran at 0.69x "
+        "of head dim 128's rate on an H200); a model's attention uses the nearest head dim measured")
     attn_eta_masked: list[tuple[float, float, float]] | None = Field(
         None, description="the same with a key-padding mask (bf16 SDPA given attn_mask, as HunyuanVideo's "
         "attention runs; calibrate); absent: masked attention is priced as unmasked")
@@ -514,6 +518,10 @@ class HardwareSpec(_Strict):
                 raise ValueError(f"{what} efficiencies must be in [{lo:g}, {hi:g}]")
         tables = [("gemm_eta", self.gemm_eta), ("attn_eta", self.attn_eta), ("attn_eta_masked", self.attn_eta_masked),
                   ("cpu_gemm_eta", self.pipeline.cpu_gemm_eta)]
+        for hd, table in (self.attn_eta_head_dims or {}).items():
+            if not 8 <= hd <= 512 or not table:
+                raise ValueError(f"attn_eta_head_dims: head dim {hd} needs to be in [8, 512] with a table")
+            tables.append((f"attn_eta_head_dims[{hd}]", table))
         for what, table in tables:
             if table:
                 _check_table(what, table)

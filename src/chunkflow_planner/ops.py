@@ -136,10 +136,17 @@ def eta_gemm(hw: HardwareSpec, m: float, n: float, k: float) -> float:
     return efficiency_grid(hw.gemm_eta)(m, n, k)
 
 
-def eta_attn(hw: HardwareSpec, q: float, kv: float, masked: bool = False) -> float:
+ATTN_TABLE_HEAD_DIM = 128  # the head dim attn_eta and attn_eta_masked are measured at
+
+
+def eta_attn(hw: HardwareSpec, q: float, kv: float, masked: bool = False, hd: float = ATTN_TABLE_HEAD_DIM) -> float:
     """Fraction of P_peak an attention with q query and kv key tokens achieves (table, else eta_comp); `masked`:
-    given a key-padding mask (the masked table where calibrate measured one, else the unmasked one)."""
+    given a key-padding mask (the masked table where calibrate measured one, else the unmasked one); `hd`: its head
+    dim (an unmasked one takes the table of the nearest head dim measured, attn_eta_head_dims)."""
     table = hw.attn_eta_masked if masked and hw.attn_eta_masked else hw.attn_eta
+    if not masked and hw.attn_eta_head_dims and hd > 0:
+        dims = {ATTN_TABLE_HEAD_DIM: table, **hw.attn_eta_head_dims}
+        table = dims[min(dims, key=lambda d: abs(math.log(d / hd)))] or table
     if not table:
         return hw.eta_comp
     return efficiency_grid(table)(q, kv)
@@ -151,7 +158,7 @@ def op_time(op: Op, hw: HardwareSpec) -> float:
     if isinstance(op, Gemm):
         return op.flops / (P * eta_gemm(hw, op.m, op.n, op.k))
     if isinstance(op, Attention):
-        return op.flops / (P * eta_attn(hw, op.q, op.kv, op.masked))
+        return op.flops / (P * eta_attn(hw, op.q, op.kv, op.masked, op.hd))
     return hw.mem_ops_scale * op.nbytes / (hw.hbm_gbps * 1e9)
 
 

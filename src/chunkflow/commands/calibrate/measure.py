@@ -397,8 +397,9 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     """The operator model's tables (GEMM and attention efficiency by shape, memory bandwidth), its memory-pass scale
     fitted to the blocks just timed, the device memory torch does not count, the CPU's matmul rate and this
     process's host memory: profile fields, and the raw rows."""
-    from chunkflow.commands.calibrate.ops import (fit_mem_ops_scale, measure_attention_grid, measure_cpu_tflops,
-                                         measure_fp8_cast, measure_gemm_grid, measure_hbm)
+    from chunkflow.commands.calibrate.ops import (ATTN_HEAD_DIM, ATTN_HEADS, fit_mem_ops_scale,
+                                                  measure_attention_grid, measure_cpu_tflops, measure_fp8_cast,
+                                                  measure_gemm_grid, measure_hbm)
     from chunkflow.commands.calibrate.host import measure_host
     from chunkflow.runtime.fp8cast import cast_kernel_name
     small = dict(ms=(16, 64), nks=(32, 64)) if cpu_smoke else {}
@@ -406,11 +407,14 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     small_attn = dict(lens=(16, 64), heads=2, head_dim=16) if cpu_smoke else {}
     attn = measure_attention_grid(s.device, peak, progress=progress, **small_attn)
     attn_masked = measure_attention_grid(s.device, peak, progress=progress, masked=True, **small_attn)
+    half = dict(small_attn, heads=4, head_dim=8) if cpu_smoke else dict(heads=2 * ATTN_HEADS,
+                                                                         head_dim=ATTN_HEAD_DIM // 2)
+    attn_half = measure_attention_grid(s.device, peak, progress=progress, **half)  # the same width, half the dim
     hbm = measure_hbm(s.device, 2**24 if cpu_smoke else 2 * 2**30)
     cast = measure_fp8_cast(s.device, 2**22 if cpu_smoke else 2**30)
     cast_kernel = cast_kernel_name(s.device)
     update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, attn_eta_masked=attn_masked, hbm_gbps=hbm,
-                                  fp8_cast_gbps=cast)
+                                  attn_eta_head_dims={ATTN_HEAD_DIM // 2: attn_half}, fp8_cast_gbps=cast)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
     update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024))
     host, host_raw = measure_host(s.device, update["cpu_tflops"], cpu_smoke)
