@@ -67,21 +67,26 @@ def _check_tokenizer_config(path: Path, what: str) -> None:
                               "the folder is damaged or not to be trusted: download or save the pipeline again")
 
 
-def load_tokenizer(folder: Path, name: str, cls: type):
-    """The folder's tokenizer `name` made by `cls` (slots.py checked it is a transformers tokenizer), its files
-    checked first; local files only."""
+def _load_checked(folder: Path, name: str, cls: type, what: str):
+    """`cls.from_pretrained` of the folder's `name`/ (a tokenizer's or processor's files), its files checked first;
+    local files only."""
     if not (folder / name).is_dir():
         raise CheckpointError(f"{str(folder)!r} has no {name}/ folder; the pipeline folder is incomplete: download "
                               "or save it again")
-    what = f"tokenizer {name} in {str(folder)!r}"
     _check_tokenizer_files(folder / name, what)
     _check_tokenizer_config(folder / name, what)
     try:
         return cls.from_pretrained(folder / name, local_files_only=True)
-    except Exception as exc:  # transformers raises many kinds for a damaged tokenizer folder
+    except Exception as exc:  # transformers raises many kinds for a damaged folder
         why = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise CheckpointError(f"{what} cannot be loaded ({type(exc).__name__}: {why}); download or save the pipeline "
                               "again") from None
+
+
+def load_tokenizer(folder: Path, name: str, cls: type):
+    """The folder's tokenizer `name` made by `cls` (slots.py checked it is a transformers tokenizer), its files
+    checked first; local files only."""
+    return _load_checked(folder, name, cls, f"tokenizer {name} in {str(folder)!r}")
 
 
 def _scheduler_bounds(config: dict, what: str, max_int: int = MAX_SCHEDULER_INT, max_list: int = MAX_SCHEDULER_LIST,
@@ -123,15 +128,4 @@ def load_scheduler(folder: Path, cls: type):
 def load_processor(folder: Path, name: str, cls: type):
     """The folder's processor `name` (an image processor, feature extractor or processor: slots.py checked it is a
     transformers one) made by `cls`, its files checked first as a tokenizer's are; local files only."""
-    if not (folder / name).is_dir():
-        raise CheckpointError(f"{str(folder)!r} has no {name}/ folder; the pipeline folder is incomplete: download "
-                              "or save it again")
-    what = f"{name} in {str(folder)!r}"
-    _check_tokenizer_files(folder / name, what)
-    _check_tokenizer_config(folder / name, what)
-    try:
-        return cls.from_pretrained(folder / name, local_files_only=True)
-    except Exception as exc:  # transformers raises many kinds for a damaged processor folder
-        why = str(exc).splitlines()[0][:200] if str(exc) else ""
-        raise CheckpointError(f"{what} cannot be loaded ({type(exc).__name__}: {why}); download or save the pipeline "
-                              "again") from None
+    return _load_checked(folder, name, cls, f"{name} in {str(folder)!r}")
