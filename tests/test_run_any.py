@@ -289,6 +289,7 @@ def test_run_image_animates_a_wan_ti2v_folder_with_diffusers_latents(cli, workdi
         result = cli("run", "--plan", plan, "--weights", folder, "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
                      "--image", picture, "--seed", "5", "--latents", "l.safetensors", "--out", "v.mp4")
     assert result.exit_code == 0, result.output
+    assert "does not price the image's encode" in " ".join(result.output.split())  # what the plan cannot promise
     w = get_model("tiny-ti2v").default_workload
     loop, _ = _diffusers("WanImageToVideoPipeline", folder, 5, image=Image.open(picture).convert("RGB"),
                          negative_prompt=NEGATIVE, height=w.height, width=w.width, num_frames=w.frames,

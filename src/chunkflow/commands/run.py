@@ -171,6 +171,10 @@ def _check_pipeline(p, folder: Path | None, image: str | None):
         check_folder(spec, folder, image=image is not None)
     else:
         run_class(spec.pipeline.cls, None, image is not None, spec=spec)
+    if image is not None:  # what the plan cannot promise (docs/any-h200.md)
+        console.print("note: the plan does not price the image's encode by the VAE (once, in the encode phase): that "
+                      "phase may hold more than planned (Wan2.2-TI2V-5B at 704x1280 on an H200: 8.99 GB against "
+                      "6.68 GB)", markup=False)
     return picture
 
 
