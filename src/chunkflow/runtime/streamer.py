@@ -264,8 +264,8 @@ class Streamer:
             for t, view in self.host_views[b.index]:
                 bind(t, view)
         self.backend.synchronize()  # slots and resident buffer were produced on the compute stream
-        if self.ring and self.layouts[self.ring[0]].tier.prepare(self.layouts[self.ring[0]]):
-            self.schedule(self.ring[0], 0)  # else its read goes on and its forward's first block takes it
+        if self.ring and not self._deferred(self.ring[0]):
+            self.schedule(self.ring[0], 0)
 
     def refresh(self, blocks: set[int]) -> None:
         """The host bytes of `blocks` changed (a write while offloaded): copy their resident heads to the device
@@ -453,8 +453,8 @@ class Streamer:
             return
         self._evict(other)
         nxt = self.next_of[l]  # the last block prefetches the first, for the next forward
-        if nxt == self.ring[0] and not self.layouts[nxt].tier.prepare(self.layouts[nxt]):
-            return  # its read is not done: block l runs meanwhile, the next forward's first block waits if it must
+        if nxt == self.ring[0] and self._deferred(nxt):
+            return
         if self.pacer is None:
             self.schedule(nxt, other)
         else:
@@ -469,6 +469,17 @@ class Streamer:
             self.obs.slot_freed(s)
         if self.pacer is not None:
             self.pacer.block_end(l)
+
+    def _deferred(self, l: int) -> bool:
+        """Whether the next forward's first block l is left for that forward to copy: a block whose tier reads its
+        bytes into a buffer (the disk ring) only has its read started here, so that no block waits on a read to
+        prefetch one a forward away (block l runs when its forward comes, the read going on meanwhile), and every
+        forward copies its own blocks (the same bytes each forward)."""
+        b = self.layouts[l]
+        if not b.tier.recycles:
+            return False
+        b.tier.prepare(b)
+        return True
 
     def _evict(self, s: int) -> None:
         self.slot_of = {k: v for k, v in self.slot_of.items() if v != s}
