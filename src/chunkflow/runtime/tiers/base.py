@@ -71,9 +71,8 @@ class Tier(HandleFeature):
         """Tensor e of block b outside its forward: its true shape, dtype and values, with a storage of its own."""
         return store.alias(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
 
-    def prepare(self, b: BlockLayout) -> bool:
-        """Start bringing block b's tail within reach; whether `acquire` would give it without waiting."""
-        return True
+    def prepare(self, b: BlockLayout) -> None:
+        """Start bringing block b's tail within reach (`acquire` takes it, waiting for what is left)."""
 
     def pause(self) -> None:
         """The module is parked: stop whatever is brought ahead for the next forward."""

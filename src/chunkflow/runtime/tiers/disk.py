@@ -421,11 +421,10 @@ class DiskTier(Tier):
         for k in range(len(self._free)):
             self._submit(self.order[(i + k) % len(self.order)])
 
-    def prepare(self, b: BlockLayout) -> bool:
-        """Block b's read started if none is in flight for it; whether it is done (acquire would not wait)."""
+    def prepare(self, b: BlockLayout) -> None:
+        """Block b's read started if none is in flight for it."""
         if b.index not in self._reads:
             self._restart(b.index)
-        return self._reads[b.index][0].done()
 
     def pause(self) -> None:
         """Parked: the reads ahead are not wanted until the next forward (which reads again from its first block):
