@@ -211,6 +211,52 @@ class RunReport(BaseModel):
         write_atomic(path, self.model_dump_json(indent=2) + "\n")
 
 
+JOBS_REPORT_SCHEMA_VERSION = 1
+
+
+class JobResult(BaseModel):
+    """One job of a prompt file (`run --prompts`): what it asked, what became of it, measured against the plan."""
+
+    line: int = Field(description="its line in the prompt file")
+    prompt: str | None = None
+    seed: int | None = None
+    state: str = Field(description="done, failed (it ran and broke), refused (never ran: a bad line, an unreadable "
+                       "image, a shape the loaded placement cannot fit), interrupted, or not run (after Ctrl-C)")
+    out: str | None = Field(None, description="the file written")
+    error: str | None = None
+    shape: str | None = Field(None, description="width x height (x frames), steps")
+    seconds: float | None = Field(None, description="the generation, measured")
+    predicted_s: float | None = Field(None, description="the plan's time for it against the loaded placement (GPU)")
+    time_error: float | None = None
+    phases_s: dict[str, float] = Field(default_factory=dict)
+    encode_cached: bool = Field(False, description="its prompt was encoded before in this process")
+    host_rss_bytes: int | None = Field(None, description="the process's host memory at the job's end")
+
+
+class JobsReport(BaseModel):
+    """`chunkflow run --prompts`: one load, then every job in order."""
+
+    schema_version: int = JOBS_REPORT_SCHEMA_VERSION
+    date: str
+    command: str
+    gpu: str
+    torch: str
+    diffusers: str
+    plan: Plan
+    prompts_file: str
+    out_dir: str
+    loads: int = Field(1, description="pipeline loads this run made (one for all its jobs)")
+    load: LoadResult
+    jobs: list[JobResult]
+    total_s: float = Field(description="the load and every job, wall clock")
+    interrupted: bool = False
+
+    def write(self, path: str | Path) -> None:
+        from chunkflow_planner.files import write_atomic
+
+        write_atomic(path, self.model_dump_json(indent=2) + "\n")
+
+
 def _upgrade(data: dict) -> dict:
     """An older report in today's layout: version 1 held the offload setting as flat fields of `run`; version 2
     had no `generation` section."""

@@ -126,12 +126,14 @@ class Session:
 
     # -- planning a job --------------------------------------------------------------------------------------
     def job(self, prompt: str | Job, **fields: Any) -> Job:
-        """A Job from a prompt and fields (or a Job as given), checked (JobError says which field is wrong)."""
+        """A Job from a prompt and fields (or a Job with the fields given laid over it), checked: JobError says
+        which field is wrong. Fields given as None are left as they are."""
         from chunkflow_planner.jobs import parse_job
 
+        given = {k: v for k, v in fields.items() if v is not None}
         if isinstance(prompt, Job):
-            return prompt.model_copy(update=fields) if fields else prompt
-        return parse_job({"prompt": prompt, **{k: v for k, v in fields.items() if v is not None}})
+            return parse_job({**prompt.model_dump(exclude_unset=True), **given}) if given else prompt
+        return parse_job({"prompt": prompt, **given})
 
     def fit(self, job: Job, with_image: bool | None = None) -> JobFit:
         """The job planned against the loaded placement: its predicted time and peaks, and why it cannot run (a
@@ -151,12 +153,13 @@ class Session:
         return self.fit(job).expected_s(self.generations == 0 if first is None else first)
 
     # -- generating ------------------------------------------------------------------------------------------
-    def generate(self, prompt: str | Job, *, negative_prompt: str | None = None, seed: int = 0,
+    def generate(self, prompt: str | Job, *, negative_prompt: str | None = None, seed: int | None = None,
                  guidance: float | None = None, steps: int | None = None, height: int | None = None,
                  width: int | None = None, frames: int | None = None, image: Any = None,
                  on_step: Callable[[int, int], None] | None = None,
                  on_phase: Callable[[str], None] | None = None) -> Result:
-        """One generation (a prompt and its fields, or a Job). `image`: a path or a PIL image, for a session
+        """One generation (a prompt and its fields, or a Job, the fields given laid over it; seed 0 where none is
+        given). `image`: a path or a PIL image, for a session
         loaded with image=True. A job that does not fit the loaded placement raises JobError with the planner's
         reason before anything runs; `on_step(i, n)` hears of each denoising step (raising from it stops the
         generation after that step), `on_phase(name)` of each phase."""

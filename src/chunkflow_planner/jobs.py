@@ -106,8 +106,8 @@ def parse_job(data: object) -> Job:
 
 
 def parse_jobs(text: str) -> list[JobLine]:
-    """Each non-blank line of a prompt file: a JSON object (a line starting with "{") or a plain prompt; lines
-    starting with "#" are comments."""
+    """Each non-blank line of a prompt file: JSON (a line starting with "{" or "[": a job is an object) or a plain
+    prompt; lines starting with "#" are comments."""
     out: list[JobLine] = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
@@ -116,7 +116,7 @@ def parse_jobs(text: str) -> list[JobLine]:
         if len(out) >= MAX_JOBS:
             raise JobError(f"the prompt file holds more than {MAX_JOBS} jobs; split it")
         try:
-            if line.startswith("{"):
+            if line[0] in "{[":
                 try:
                     data = json.loads(line)
                 except json.JSONDecodeError as exc:

@@ -46,6 +46,12 @@ _Out = Annotated[Optional[str], typer.Option("--out", "-o", help="with --prompt:
 _Image = Annotated[Optional[str], typer.Option(help="with --prompt: the image to animate (image-to-video) or edit "
                                                  "(PNG, JPEG, WebP); the pipeline is the image pipeline of the "
                                                  "plan's model (e.g. Wan image-to-video)")]
+_Prompts = Annotated[Optional[str], typer.Option(help="generate every job of this file with one load: a JSON object a "
+                                                      "line (prompt, and optionally negative_prompt, seed, guidance, "
+                                                      "steps, height, width, frames, image, out) or one prompt a line; "
+                                                      "outputs go to --out-dir")]
+_OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder the outputs are written to (made if "
+                                                     "missing; default: outputs)")]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
                                                       "with --prompt, else of the timed steps (to compare settings)")]
 
@@ -56,7 +62,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
             steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
-            guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None) -> None:
+            guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
+            prompts: _Prompts = None, out_dir: _OutDir = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -69,6 +76,11 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     (encode, denoise, decode) is measured against the plan; --steps then counts every step of the generation.
     --image gives an image-to-video or edit pipeline its image. The folder and the image are checked against the
     plan before anything is loaded.
+
+    With --prompts FILE the pipeline is loaded once and every job of the file runs in order (a JSON object a line,
+    or one prompt a line), each output written to --out-dir as it finishes; --seed, --negative-prompt, --guidance and
+    --steps are the defaults of the jobs that do not set them. Lines that are not jobs, and jobs whose shape does not
+    fit the loaded placement, are said and skipped; Ctrl-C stops with a report of what was done.
     """
     import os
 
@@ -80,6 +92,16 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's must
     from chunkflow.commands.steps import RunOptions, run_plan
 
+    if prompts is not None:
+        from chunkflow.commands.run_prompts import run_prompts
+
+        run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
+                    profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
+                    others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
+                            "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
+        return
+    if out_dir is not None:
+        raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
     generating = prompt is not None
     if warmup is None:
         warmup = (1 if repeat > 1 else 0) if generating else 1

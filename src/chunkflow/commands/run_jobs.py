@@ -1,0 +1,209 @@
+"""`chunkflow run --prompts jobs.jsonl --out-dir clips/`: one load, every job of a prompt file in order.
+
+Before the load every line is read and checked (chunkflow_planner/jobs.py): a line that is not a job, an image that
+cannot be read, an output name that is not a plain file name of the model's kind or is taken by another job, or a
+shape the loaded placement cannot fit (planned against it, the planner's reason given) is refused, said and skipped;
+the others run. The pipeline is loaded once (a session, chunkflow.session), the image pipeline of the model's family
+where any job gives an image. Each output is written atomically into the output folder as its job finishes; a job
+that breaks (NaN latents, an image that became unreadable) is reported and the next one runs. Ctrl-C stops the job
+running, writes the report of what was done, and exits 130. The report (reports.JobsReport) holds every job measured
+against the plan's prediction for it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from chunkflow.reports import JobResult, JobsReport
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.jobs import Job, JobFit, JobLine, fit_job, read_jobs
+
+
+class JobsError(ChunkflowError):
+    """A prompt file that cannot run at all (no job in it can); the message says why and what to do."""
+
+
+@dataclass
+class PlannedJob:
+    """A line of the prompt file, ready to run or refused (`error`)."""
+
+    line: int
+    job: Job | None
+    out: str | None = None  # file name in the output folder
+    fit: JobFit | None = None
+    error: str | None = None
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """The prompt's first words as a file-name part: lower-case letters, digits and dashes."""
+    words = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return words[:limit].rstrip("-") or "job"
+
+
+def output_name(job: Job, line: int, video: bool) -> str:
+    """The job's file name: its `out` (the model's suffix added where it has none), else the line and the prompt's
+    first words; JobsError-free: a wrong suffix is raised as ValueError for the caller to report."""
+    suffix = ".mp4" if video else ".png"
+    if job.out is None:
+        return f"{line:04d}-{slug(job.prompt)}{suffix}"
+    given = Path(job.out).suffix.lower()
+    if not given:
+        return job.out + suffix
+    if given != suffix:
+        kind = "videos" if video else "images"
+        raise ValueError(f"out {job.out!r}: this model makes {kind}; name it {Path(job.out).stem + suffix!r}")
+    return job.out
+
+
+def with_defaults(job: Job, defaults: dict[str, Any]) -> Job:
+    """The job with the command's options for the fields its line does not set."""
+    update = {k: v for k, v in defaults.items() if v is not None and k not in job.model_fields_set}
+    return job.model_copy(update=update) if update else job
+
+
+def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any]) -> list[PlannedJob]:
+    """Every line checked before the load (module docstring)."""
+    from chunkflow.media import load_input_image
+    from chunkflow.generate import takes_negative_prompt
+
+    out: list[PlannedJob] = []
+    taken: dict[str, int] = {}
+    for ln in lines:
+        if ln.job is None:
+            out.append(PlannedJob(ln.number, None, error=ln.error))
+            continue
+        job = with_defaults(ln.job, defaults)
+        p = PlannedJob(ln.number, job)
+        out.append(p)
+        try:
+            p.out = output_name(job, ln.number, spec.is_video)
+        except ValueError as exc:
+            p.error = str(exc)
+            continue
+        key = p.out.lower()
+        if key in taken:
+            p.error = f"out {p.out!r} is also line {taken[key]}'s output; give each job its own name"
+            continue
+        taken[key] = ln.number
+        if job.negative_prompt is not None and not takes_negative_prompt(spec):
+            p.error = f"{spec.name}'s pipeline takes no negative prompt; leave negative_prompt out"
+            continue
+        if job.image is not None:
+            try:
+                load_input_image(job.image)  # read and checked now; read again when it runs
+            except ChunkflowError as exc:
+                p.error = str(exc)
+                continue
+        p.fit = fit_job(plan, spec, hw, job)
+        p.error = p.fit.reason
+    return out
+
+
+def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_file: str,
+             progress: Callable[[str, int | None, int | None], None] | None = None,
+             on_job: Callable[[int, int, PlannedJob], None] | None = None,
+             on_done: Callable[[JobResult], None] | None = None,
+             log: Callable[[str], None] = lambda s: None) -> JobsReport:
+    """Load once, run every planned job in order, write each output as it finishes; the report. KeyboardInterrupt
+    (and SIGTERM) is re-raised after the report is built into `interrupted_report` of the exception."""
+    from chunkflow.commands.steps import environment
+    from chunkflow.hostmem import rss_bytes
+    from chunkflow.models.adapters import needs_image
+    from chunkflow.session import Session
+    from chunkflow.signals import Terminated
+
+    t0 = time.perf_counter()
+    image = any(p.job is not None and p.job.image is not None and p.error is None for p in planned)
+    session = Session(plan, opts.weights, device=opts.device, variant=opts.variant, profile=opts.profile,
+                      image=image, offload=cfg, progress=progress, log=log)
+    results: list[JobResult] = []
+    runnable = [p for p in planned if p.error is None]
+    interrupted: BaseException | None = None
+    try:
+        cls = type(session.pipe)
+        k = 0
+        for p in planned:
+            r = _refused(p)
+            if r is None and p.job.image is None and needs_image(cls):
+                r = _refused(p, f"{cls.__name__} (this run's pipeline: other jobs give images) animates an image: "
+                             "give this job one (\"image\": \"path\"), or run the text-only jobs in a file of their "
+                             "own")
+            if r is not None:
+                results.append(r)
+                continue
+            if interrupted is not None:
+                results.append(_result(p, "not run", error="interrupted before it began"))
+                continue
+            k += 1
+            if on_job is not None:
+                on_job(k, len(runnable), p)
+            try:
+                res = session.generate(p.job, image=p.job.image,
+                                       on_step=(lambda i, n: progress("denoise", i, n)) if progress else None,
+                                       on_phase=(lambda name: progress(name, None, None)) if progress else None)
+            except (KeyboardInterrupt, Terminated) as exc:
+                interrupted = exc
+                results.append(_result(p, "interrupted", error="stopped by the user"))
+                continue
+            except ChunkflowError as exc:
+                results.append(_result(p, "failed", error=str(exc)))
+                log(f"line {p.line}: failed: {exc}")
+                continue
+            try:
+                res.save(out_dir / p.out)
+            except ChunkflowError as exc:
+                results.append(_result(p, "failed", error=f"writing {p.out}: {exc}"))
+                continue
+            done = _result(p, "done", res=res, rss=rss_bytes())
+            results.append(done)
+            if on_done is not None:
+                on_done(done)
+    except (KeyboardInterrupt, Terminated) as exc:  # during the load, or between jobs
+        interrupted = exc
+        seen = {r.line for r in results}
+        results += [_result(p, "not run", error="interrupted before it began") for p in planned if p.line not in seen]
+    finally:
+        load = session.load_result
+        session.close()
+    env = environment(session.device)
+    report = JobsReport(date=env["date"], command=env["command"], gpu=env["gpu"], torch=env["torch"],
+                        diffusers=env["diffusers"], plan=plan, prompts_file=prompts_file, out_dir=str(out_dir),
+                        load=load, jobs=results, total_s=time.perf_counter() - t0,
+                        interrupted=interrupted is not None)
+    if interrupted is not None:
+        interrupted.jobs_report = report  # type: ignore[attr-defined]
+        raise interrupted
+    return report
+
+
+def _shape(job_fit: JobFit | None, spec_video: bool) -> str | None:
+    if job_fit is None:
+        return None
+    w = job_fit.workload
+    return f"{w.width}x{w.height}" + (f" x{w.frames}" if spec_video else "") + f", {w.steps} steps"
+
+
+def _refused(p: PlannedJob, why: str | None = None) -> JobResult | None:
+    if p.error is None and why is None:
+        return None
+    return _result(p, "refused", error=why or p.error)
+
+
+def _result(p: PlannedJob, state: str, *, error: str | None = None, res=None, rss: int | None = None) -> JobResult:
+    from chunkflow.reports import rel_error
+
+    job = p.job
+    video = res.is_video if res is not None else None
+    shape = _shape(p.fit, bool(video) if video is not None else (p.fit is not None and p.fit.workload.frames > 1))
+    if res is None:
+        return JobResult(line=p.line, prompt=job.prompt if job else None, seed=job.seed if job else None,
+                         state=state, error=error, shape=shape, out=None)
+    return JobResult(line=p.line, prompt=job.prompt, seed=job.seed, state=state, out=p.out, error=error, shape=shape,
+                     seconds=res.seconds, predicted_s=res.predicted_s,
+                     time_error=rel_error(res.seconds, res.predicted_s) if res.predicted_s else None,
+                     phases_s={name: m.time_s for name, m in res.phases.items()}, encode_cached=res.encode_cached,
+                     host_rss_bytes=rss)

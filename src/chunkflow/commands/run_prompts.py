@@ -1,0 +1,172 @@
+"""`chunkflow run --prompts FILE`: the options checked, the jobs read and planned before the load (the refused ones
+said), a bar for the jobs and one for the current job's phases, a table of every job at the end (commands.run_jobs
+does the work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from chunkflow.commands.app import UserError, _say, console, err_console
+from chunkflow_planner.units import format_bytes
+
+
+def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
+                profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any]) -> None:
+    from chunkflow.commands.run_jobs import JobsError, plan_jobs
+    from chunkflow.commands.steps import RunOptions
+    from chunkflow.launch import torchrun_world
+    from chunkflow_planner.files import check_distinct, check_output_file
+    from chunkflow_planner.jobs import read_jobs
+    from chunkflow_planner.plan import model_of
+    from chunkflow_planner.predict import hardware_of
+
+    given = [flag for flag, v in others.items() if v is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not go with --prompts: each job "
+                        "of the file is one generation (its image and output name are fields of its line)")
+    if torchrun_world() > 1:
+        raise UserError("--prompts runs on one GPU; leave torchrun out")
+    spec = model_of(p)
+    if spec.pipeline is None:
+        raise UserError(f"{spec.name} has no pipeline to generate with; --prompts needs a plan of a whole pipeline")
+    if guidance is not None and not guidance > 0:
+        raise UserError(f"--guidance must be a positive number, got {guidance}")
+    opts = RunOptions(device=device, weights=weights, variant=variant, profile=profile, seed=seed, steps=steps,
+                      warmup=0)
+    opts.check()
+    on_disk = p.offload.disk_blocks or any(c.placement == "disk" for c in p.pipeline.components or ())
+    if on_disk and weights is None:
+        raise UserError("the plan reads weights from the checkpoint's files when it runs: give the folder with "
+                        "--weights DIR (or plan with more host memory)")
+    folder = _out_dir(out_dir)
+    check_output_file(report, "--report")
+    check_distinct({"--report": report}, {"--plan": plan_path, "--prompts": prompts})
+    if weights is not None:
+        from chunkflow.models.pipeline_build import check_folder
+        from chunkflow.weights import resolve_weights
+
+        resolved = resolve_weights(weights)
+        opts.weights = str(resolved)
+    hw = hardware_of(p, profile)
+    lines = read_jobs(prompts)
+    defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
+                "steps": steps}
+    planned = plan_jobs(p, spec, hw, lines, defaults)
+    runnable = [j for j in planned if j.error is None]
+    for j in planned:
+        if j.error is not None:
+            _say(f"line {j.line}: skipped: {j.error}")
+    if not runnable:
+        raise JobsError(f"no job of {prompts!r} can run ({len(planned)} refused, said above); fix the lines and "
+                        "run again")
+    if weights is not None:
+        check_folder(spec, resolved, image=any(j.job.image is not None for j in runnable))
+    _say(f"{len(runnable)} job{'s' if len(runnable) != 1 else ''} to run"
+         + (f", {len(planned) - len(runnable)} skipped" if len(runnable) < len(planned) else "")
+         + f"; outputs to {folder}/")
+    try:
+        rep = _with_bars(p, cfg, opts, planned, folder, prompts, len(runnable))
+    except BaseException as exc:  # Ctrl-C, SIGTERM: the report of what was done
+        rep = getattr(exc, "jobs_report", None)
+        if rep is not None:
+            rep.write(report)
+            print_jobs(rep)
+            console.print(f"Interrupted: the jobs done are written; report written to {report}", markup=False)
+        raise
+    rep.write(report)
+    print_jobs(rep)
+    console.print(f"Report written to {report}", markup=False)
+
+
+def _out_dir(out_dir: str | None) -> Path:
+    """The output folder, made if missing; a file there or an unwritable folder is refused before any work."""
+    import os
+
+    folder = Path(out_dir if out_dir is not None else "outputs").expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out-dir {str(folder)!r} is a file, not a folder; give a folder for the outputs")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out-dir {str(folder)!r} cannot be made ({exc.strerror}); give a folder you can write "
+                        "to") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--out-dir {str(folder)!r} is not writable; give a folder you can write to")
+    return folder
+
+
+def _with_bars(p, cfg, opts, planned, folder: Path, prompts: str, total: int):
+    """run_jobs with a bar for the load, one for the jobs, one for the current job's phases."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from chunkflow.commands.run_jobs import run_jobs
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                   TimeElapsedColumn(), console=err_console, transient=False)
+    state: dict[str, Any] = {"load": None, "jobs": None, "phase": None, "name": None}
+
+    def progress(phase: str, i: int | None, n: int | None) -> None:
+        if phase == "load":
+            if state["load"] is None:
+                state["load"] = bar.add_task("load", total=None, count="")
+            count = f"{format_bytes(i or 0)} of {format_bytes(n or 0)}" if n else "random weights"
+            bar.update(state["load"], completed=i or 0, total=n or None, count=count)
+            return
+        if state["phase"] is None:
+            state["phase"] = bar.add_task(phase, total=None, count="")
+        count = f"{i}/{n}" if n else ""
+        bar.update(state["phase"], description=f"  {phase}", completed=i or 0, total=n or None, count=count)
+
+    def on_job(k: int, n: int, job) -> None:
+        if state["load"] is not None:
+            t = bar.tasks[state["load"]]
+            bar.update(state["load"], completed=t.total or 1, total=t.total or 1)
+            bar.stop_task(state["load"])
+        if state["jobs"] is None:
+            state["jobs"] = bar.add_task("jobs", total=n, count="")
+        bar.update(state["jobs"], completed=k - 1, count=f"{k}/{n}: line {job.line} {job.job.label(40)!r}")
+
+    def on_done(_res) -> None:
+        t = bar.tasks[state["jobs"]]
+        bar.update(state["jobs"], completed=t.completed + 1)
+
+    with bar:
+        return run_jobs(p, cfg, opts, planned, folder, prompts, progress=progress, on_job=on_job, on_done=on_done,
+                        log=_say)
+
+
+def print_jobs(rep) -> None:
+    """Every job: its state, output, time measured against the plan's prediction for it."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    done = [j for j in rep.jobs if j.state == "done"]
+    timed = any(j.predicted_s is not None for j in rep.jobs)
+    t = Table(title=f"{rep.plan.model.name}: {len(done)} of {len(rep.jobs)} jobs done, one load "
+                    f"({rep.load.measured_time_s:.1f} s), {rep.total_s:.1f} s in all, on {rep.gpu}")
+    cols = ["line", "state", "prompt", "shape", "measured"] + (["predicted", "error"] if timed else [])
+    for col in cols + ["output / reason"]:
+        t.add_column(col, justify="right" if col in ("line", "measured", "predicted", "error") else "left")
+    for j in rep.jobs:
+        why = j.error or ""
+        row = [str(j.line), j.state, escape(_short(j.prompt or "", 40)), j.shape or "",
+               f"{j.seconds:.2f} s" if j.seconds is not None else ""]
+        if timed:
+            row += [f"{j.predicted_s:.2f} s" if j.predicted_s is not None else "",
+                    f"{j.time_error:+.1%}" if j.time_error is not None else ""]
+        t.add_row(*row, escape(j.out if j.state == "done" else _short(why, 60)))
+    console.print(t)
+    if done and done[0].predicted_s is None:
+        console.print("(times are compared with the plan on a GPU; this run's device is not the plan's)",
+                      markup=False)
+    rss = [j.host_rss_bytes for j in done if j.host_rss_bytes]
+    if rss:
+        console.print(f"host memory after each job: {format_bytes(min(rss))} to {format_bytes(max(rss))}",
+                      markup=False)
+
+
+def _short(text: str, limit: int) -> str:
+    """`text` on one line, cut to `limit` characters (the report keeps it whole)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

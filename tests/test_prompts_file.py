@@ -1,0 +1,176 @@
+"""`chunkflow run --prompts FILE --out-dir DIR`: one load for every job of a prompt file. On tiny pipelines saved with
+save_pretrained: the outputs equal single runs with the same seeds (FLUX's lossless PNGs, pixel for pixel), the
+pipeline is built once, a broken line or a job too large for the loaded placement is skipped with its reason while
+the others run, a job that breaks mid-way is reported and the next runs, and Ctrl-C leaves the finished outputs, a
+report of what was done and no partial file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines import one_thread
+
+pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from pipelines import save_catalog_pipeline
+
+    root = tmp_path_factory.mktemp("pipelines")
+    with one_thread():
+        return {name: save_catalog_pipeline(name, root / name, 3) for name in ("tiny-flux", "tiny")}
+
+
+def _plan(cli, name: str) -> Path:
+    result = cli("plan", "--model", name, "--hardware", "cpu", "--host-mem-budget", "8GB", "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    return Path("plan.json")
+
+
+def _png(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(path))
+
+
+def test_jobs_equal_single_runs_with_one_load(cli, workdir, saved, monkeypatch):
+    import chunkflow.models.pipeline_build as pb
+
+    plan = _plan(cli, "tiny-flux")
+    Path("jobs.jsonl").write_text(
+        '{"prompt": "a red fox in the snow", "seed": 1}\n'
+        "# a comment, then a plain prompt (seed 0)\n"
+        "a lighthouse at dusk\n"
+        '{"prompt": "broken line", "seed": "x"}\n'
+        '{"prompt": "too large", "height": 8192, "width": 8192}\n'
+        '{"prompt": "a green apple", "seed": 7, "out": "apple"}\n')
+    builds = []
+    real = pb.build_pipeline
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pb, "build_pipeline", counted)
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", saved["tiny-flux"], "--device", "cpu",
+                     "--prompts", "jobs.jsonl", "--out-dir", "clips", "--report", "jobs-report.json")
+    assert result.exit_code == 0, result.output
+    assert len(builds) == 1
+    rep = json.loads(Path("jobs-report.json").read_text())
+    assert rep["loads"] == 1
+    states = {j["line"]: j["state"] for j in rep["jobs"]}
+    assert states == {1: "done", 3: "done", 4: "refused", 5: "refused", 6: "done"}
+    errors = {j["line"]: j["error"] for j in rep["jobs"]}
+    assert "seed" in errors[4] and "host memory with the loaded placement" in errors[5]
+    assert "line 4: skipped" in result.output and "line 5: skipped" in result.output
+    outs = {j["line"]: j["out"] for j in rep["jobs"] if j["state"] == "done"}
+    assert outs == {1: "0001-a-red-fox-in-the-snow.png", 3: "0003-a-lighthouse-at-dusk.png", 6: "apple.png"}
+    assert sorted(p.name for p in Path("clips").iterdir()) == sorted(outs.values())  # nothing else, no temporaries
+    monkeypatch.setattr(pb, "build_pipeline", real)
+    for line, prompt, seed in ((1, "a red fox in the snow", 1), (3, "a lighthouse at dusk", 0), (6, "a green apple", 7)):
+        with one_thread():
+            single = cli("run", "--plan", plan, "--weights", saved["tiny-flux"], "--device", "cpu", "--prompt",
+                         prompt, "--seed", seed, "--out", f"single-{line}.png", "--report", f"r{line}.json")
+        assert single.exit_code == 0, single.output
+        assert np.array_equal(_png(Path("clips") / outs[line]), _png(Path(f"single-{line}.png")))
+    assert not np.array_equal(_png(Path("clips") / outs[1]), _png(Path("clips") / outs[6]))
+
+
+def test_command_options_are_defaults_and_bad_options_fail_before_the_load(cli, workdir, saved):
+    plan = _plan(cli, "tiny")
+    Path("jobs.txt").write_text("a cat walks on the grass\n")
+    for args, message in ((["--prompt", "x"], "--prompt"), (["--out", "a.mp4"], "--out"),
+                          (["--repeat", "2"], "--repeat"), (["--out-dir", "jobs.txt"], "is a file")):
+        result = cli("run", "--plan", plan, "--device", "cpu", "--prompts", "jobs.txt", *args)
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert cli("run", "--plan", plan, "--out-dir", "x").exit_code == 2  # --out-dir without --prompts
+    Path("empty.txt").write_text("\n# nothing\n")
+    result = cli("run", "--plan", plan, "--device", "cpu", "--prompts", "empty.txt")
+    assert result.exit_code == 2 and "holds no job" in result.output
+    Path("bad.jsonl").write_text('{"prompt": "x", "out": "../escape.mp4"}\n{"prompt": "y", "out": "a.png"}\n')
+    result = cli("run", "--plan", plan, "--device", "cpu", "--prompts", "bad.jsonl")
+    assert result.exit_code == 2 and "no job" in result.output
+    assert "not a plain file name" in result.output and "makes videos" in result.output
+    assert not Path("escape.mp4").exists()
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", saved["tiny"], "--device", "cpu", "--prompts", "jobs.txt",
+                     "--seed", "9", "--steps", "1", "--out-dir", "o", "--report", "rep.json")
+    assert result.exit_code == 0, result.output
+    job = json.loads(Path("rep.json").read_text())["jobs"][0]
+    assert job["seed"] == 9 and job["shape"].endswith("1 steps") and job["state"] == "done"
+
+
+def _planned(cli, saved, text: str):
+    from chunkflow.commands.run_jobs import plan_jobs
+    from chunkflow.commands.steps import RunOptions
+    from chunkflow_planner.jobs import parse_jobs
+    from chunkflow_planner.plan import load_plan, model_of
+    from chunkflow_planner.predict import hardware_of
+
+    p = load_plan(_plan(cli, "tiny"))
+    planned = plan_jobs(p, model_of(p), hardware_of(p), parse_jobs(text), {})
+    return p, RunOptions(device="cpu", weights=str(saved["tiny"]), warmup=0), planned
+
+
+def test_a_job_that_breaks_is_reported_and_the_next_runs(cli, workdir, saved):
+    from chunkflow.commands.run_jobs import run_jobs
+    from chunkflow_planner.errors import ChunkflowError
+
+    p, opts, planned = _planned(cli, saved, "one\ntwo\nthree\n")
+    jobs = []
+
+    def progress(phase, i, n):
+        if phase == "denoise" and i == 1 and jobs[-1] == 2:
+            raise ChunkflowError("the latents broke")
+
+    with one_thread():
+        rep = run_jobs(p, p.offload, opts, planned, workdir, "jobs.txt", progress=progress,
+                       on_job=lambda k, n, job: jobs.append(k))
+    assert [j.state for j in rep.jobs] == ["done", "failed", "done"]
+    assert rep.jobs[1].error == "the latents broke" and not rep.interrupted
+    assert sorted(x.name for x in workdir.glob("*.mp4")) == ["0001-one.mp4", "0003-three.mp4"]
+
+
+def test_ctrl_c_keeps_what_was_done_and_reports_it(cli, workdir, saved):
+    from chunkflow.commands.run_jobs import run_jobs
+
+    p, opts, planned = _planned(cli, saved, "one\ntwo\nthree\n")
+    jobs = []
+
+    def progress(phase, i, n):
+        if phase == "denoise" and i == 1 and jobs[-1] == 2:
+            raise KeyboardInterrupt
+
+    with one_thread(), pytest.raises(KeyboardInterrupt) as stopped:
+        run_jobs(p, p.offload, opts, planned, workdir, "jobs.txt", progress=progress,
+                 on_job=lambda k, n, job: jobs.append(k))
+    rep = stopped.value.jobs_report
+    assert rep.interrupted and [j.state for j in rep.jobs] == ["done", "interrupted", "not run"]
+    assert [x.name for x in workdir.iterdir() if x.suffix == ".mp4" or x.name.startswith(".")] == ["0001-one.mp4"]
+
+
+def test_prompt_file_lines(tmp_path):
+    from chunkflow_planner.jobs import JobError, parse_jobs, read_jobs
+
+    lines = parse_jobs('  \n# c\nplain words\n{"prompt": "p", "seed": 3, "steps": 4}\n{"prompt": ""}\n[1]\n'
+                       '{"prompt": "x", "colour": "red"}\n{not json\n{"prompt": "x", "guidance": NaN}\n')
+    assert [ln.number for ln in lines] == [3, 4, 5, 6, 7, 8, 9]
+    assert lines[0].job.prompt == "plain words" and lines[1].job.seed == 3 and lines[1].job.steps == 4
+    errors = [ln.error for ln in lines[2:]]
+    assert all(errors) and "prompt" in errors[0] and "JSON object" in errors[1] and "colour" in errors[2]
+    assert "not valid JSON" in errors[3] and "guidance" in errors[4]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "jobs.jsonl").write_text('{"prompt": "x", "image": "cat.png"}\n')
+    assert read_jobs(tmp_path / "sub" / "jobs.jsonl")[0].job.image == str(tmp_path / "sub" / "cat.png")
+    (tmp_path / "bin").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(Exception, match="UTF-8"):
+        read_jobs(tmp_path / "bin")
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(JobError, match="holds no job"):
+        read_jobs(tmp_path / "empty")

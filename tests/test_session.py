@@ -1,0 +1,129 @@
+"""Many generations per load, in Python: `chunkflow.load(plan, weights=DIR)` on a tiny Wan pipeline saved with
+save_pretrained. Repeated generations give what fresh loads give, a repeated prompt is not encoded again, a job of
+another shape is planned against the loaded placement (and refused with the planner's reason where it does not
+fit, before anything runs), and close() leaves nothing behind."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines import one_thread
+
+pytest.importorskip("diffusers")
+
+PROMPT, NEGATIVE = "a cat walks on the grass", "blurry, low quality"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from pipelines import save_catalog_pipeline
+
+    with one_thread():
+        return save_catalog_pipeline("tiny", tmp_path_factory.mktemp("pipelines") / "tiny", 3)
+
+
+@pytest.fixture
+def plan(cli, workdir) -> Path:
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB", "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    return workdir / "plan.json"
+
+
+def test_repeated_generations_equal_fresh_loads_and_reuse_the_prompt(plan, saved):
+    import chunkflow
+
+    with one_thread():
+        with chunkflow.load(plan, weights=saved, device="cpu") as session:
+            first = session.generate(PROMPT, negative_prompt=NEGATIVE, seed=11)
+            other = session.generate("a dog runs on the beach", seed=5)
+            again = session.generate(PROMPT, negative_prompt=NEGATIVE, seed=11)
+            as_job = session.generate(session.job(PROMPT, negative_prompt=NEGATIVE, seed=11))  # a Job keeps its seed
+            assert session.generations == 4
+        with chunkflow.load(plan, weights=saved, device="cpu") as fresh:
+            ref = fresh.generate(PROMPT, negative_prompt=NEGATIVE, seed=11)
+            ref_other = fresh.generate("a dog runs on the beach", seed=5)
+    assert torch.equal(first.latents, ref.latents) and torch.equal(again.latents, ref.latents)
+    assert torch.equal(as_job.latents, ref.latents) and as_job.job.seed == 11
+    assert torch.equal(other.latents, ref_other.latents)
+    assert not torch.equal(first.latents, other.latents)
+    assert not first.encode_cached and again.encode_cached  # the repeat ran no text encoder
+    assert (first.index, other.index, again.index) == (0, 1, 2)
+    assert first.output.shape == again.output.shape and first.phases.keys() == {"encode", "denoise", "decode"}
+    assert first.predicted_s is None  # a CPU run: the plan's times are a GPU's
+
+
+def test_a_job_of_another_shape_is_planned_against_the_loaded_placement(plan, saved):
+    import chunkflow
+    from chunkflow_planner.jobs import JobError
+
+    w = json.loads(plan.read_text())["workload"]
+    with one_thread(), chunkflow.load(plan, weights=saved, device="cpu") as session:
+        small = session.generate(PROMPT, seed=1, height=w["height"] // 2, width=w["width"] // 2, steps=1)
+        assert small.output.shape[1:3] == (w["height"] // 2, w["width"] // 2)
+        assert len(small.step_times_s) == 1
+        with pytest.raises(JobError, match=r"needs .* host memory with the loaded placement.*chunkflow plan --height"):
+            session.generate(PROMPT, height=4096, width=4096)
+        with pytest.raises(JobError, match="divisible"):
+            session.generate(PROMPT, height=w["height"] + 1)
+        with pytest.raises(JobError, match="seed"):
+            session.generate(PROMPT, seed=-1)
+        with pytest.raises(JobError, match="takes no image"):
+            session.generate(PROMPT, image="cat.png")
+        assert session.generations == 1  # nothing ran for the refused ones
+
+
+def test_close_leaves_nothing_behind(plan, saved):
+    import chunkflow
+    from chunkflow.session import SessionClosed
+
+    with one_thread():
+        session = chunkflow.load(plan, weights=saved, device="cpu")
+        session.generate(PROMPT, seed=2)
+        pipe = weakref.ref(session.pipe)
+        handles = [weakref.ref(h) for h in session.built.handles.values()]
+        blocks = weakref.ref(session.pipe.transformer.blocks[0])
+        assert handles and pipe() is not None
+        session.close()
+        session.close()  # a second close does nothing
+    gc.collect()
+    assert pipe() is None and blocks() is None and all(h() is None for h in handles)
+    with pytest.raises(SessionClosed, match="closed"):
+        session.generate(PROMPT)
+    assert "closed" in repr(session)
+
+
+def test_a_step_callback_that_raises_stops_that_generation_only(plan, saved):
+    import chunkflow
+
+    class Stop(Exception):
+        pass
+
+    def stop(i, n):
+        raise Stop
+
+    with one_thread(), chunkflow.load(plan, weights=saved, device="cpu") as session:
+        with pytest.raises(Stop):
+            session.generate(PROMPT, seed=3, on_step=stop)
+        after = session.generate(PROMPT, seed=3)
+        with chunkflow.load(plan, weights=saved, device="cpu") as fresh:
+            ref = fresh.generate(PROMPT, seed=3)
+    assert torch.equal(after.latents, ref.latents)
+
+
+def test_result_save_writes_the_model_kind(plan, saved, workdir):
+    import imageio.v3 as iio
+
+    import chunkflow
+
+    pytest.importorskip("imageio_ffmpeg")
+    with one_thread(), chunkflow.load(plan, weights=saved, device="cpu") as session:
+        r = session.generate(PROMPT, seed=4)
+        path = r.save(workdir / "cat.mp4")
+    frames = iio.imread(path)
+    assert frames.shape[0] == r.output.shape[0]
