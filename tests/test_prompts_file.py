@@ -109,7 +109,7 @@ def test_command_options_are_defaults_and_bad_options_fail_before_the_load(cli, 
 def _planned(cli, saved, text: str):
     from chunkflow.commands.run_jobs import plan_jobs
     from chunkflow.commands.steps import RunOptions
-    from chunkflow_planner.jobs import parse_jobs
+    from chunkflow_planner.pipeline.jobs import parse_jobs
     from chunkflow_planner.plan import load_plan, model_of
     from chunkflow_planner.predict import hardware_of
 
@@ -156,7 +156,7 @@ def test_ctrl_c_keeps_what_was_done_and_reports_it(cli, workdir, saved):
 
 
 def test_prompt_file_lines(tmp_path):
-    from chunkflow_planner.jobs import JobError, parse_jobs, read_jobs
+    from chunkflow_planner.pipeline.jobs import JobError, parse_jobs, read_jobs
 
     lines = parse_jobs('  \n# c\nplain words\n{"prompt": "p", "seed": 3, "steps": 4}\n{"prompt": ""}\n[1]\n'
                        '{"prompt": "x", "colour": "red"}\n{not json\n{"prompt": "x", "guidance": NaN}\n')
@@ -174,3 +174,39 @@ def test_prompt_file_lines(tmp_path):
     (tmp_path / "empty").write_text("")
     with pytest.raises(JobError, match="holds no job"):
         read_jobs(tmp_path / "empty")
+
+
+def test_image_jobs_animate_their_images_and_a_job_without_one_is_refused(cli, workdir):
+    """A Wan2.2-TI2V-style folder: jobs that give an image make the run load the image pipeline of the family
+    (WanImageToVideoPipeline), each job animates its own image (a path relative to the prompt file's folder) as
+    `run --image` does; a job without an image in the same file is refused with what to do."""
+    pytest.importorskip("ftfy")
+    from PIL import Image
+
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("tiny-ti2v", workdir / "ti2v")
+    assert cli("plan", "--model", "tiny-ti2v", "--hardware", "cpu", "--out", "plan.json").exit_code == 0
+    (workdir / "in").mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        Image.fromarray(rng.integers(0, 256, (56, 72, 3), dtype=np.uint8)).save(workdir / "in" / f"{name}.png")
+    Path("in/jobs.jsonl").write_text('{"prompt": "a cat", "image": "a.png", "seed": 5}\n'
+                                     '{"prompt": "no picture", "seed": 1}\n'
+                                     '{"prompt": "a dog", "image": "b.png", "seed": 6, "out": "dog.mp4"}\n'
+                                     '{"prompt": "lost", "image": "missing.png"}\n')
+    with one_thread():
+        result = cli("run", "--plan", "plan.json", "--weights", folder, "--device", "cpu", "--prompts",
+                     "in/jobs.jsonl", "--out-dir", "clips", "--report", "rep.json")
+    assert result.exit_code == 0, result.output
+    jobs = {j["line"]: j for j in json.loads(Path("rep.json").read_text())["jobs"]}
+    assert [jobs[n]["state"] for n in (1, 2, 3, 4)] == ["done", "refused", "done", "refused"]
+    assert "WanImageToVideoPipeline" in jobs[2]["error"] and "give this job one" in jobs[2]["error"]
+    assert "missing.png" in jobs[4]["error"]
+    for line, image, seed in ((1, "a.png", 5), (3, "b.png", 6)):
+        with one_thread():
+            single = cli("run", "--plan", "plan.json", "--weights", folder, "--device", "cpu", "--prompt",
+                         "a cat" if line == 1 else "a dog", "--image", f"in/{image}", "--seed", seed, "--out",
+                         f"single-{line}.mp4", "--report", f"r{line}.json")
+        assert single.exit_code == 0, single.output
+        assert (Path("clips") / jobs[line]["out"]).read_bytes() == Path(f"single-{line}.mp4").read_bytes()

@@ -60,7 +60,7 @@ def test_repeated_generations_equal_fresh_loads_and_reuse_the_prompt(plan, saved
 
 def test_a_job_of_another_shape_is_planned_against_the_loaded_placement(plan, saved):
     import chunkflow
-    from chunkflow_planner.jobs import JobError
+    from chunkflow_planner.pipeline.jobs import JobError
 
     w = json.loads(plan.read_text())["workload"]
     with one_thread(), chunkflow.load(plan, weights=saved, device="cpu") as session:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.jobs import Job, JobError, JobFit, fit_job
+from chunkflow_planner.pipeline.jobs import Job, JobError, JobFit, fit_job
 
 __all__ = ["Session", "Result", "load"]
 
@@ -80,21 +80,29 @@ class Session:
                  offload=None, seed: int = 0,
                  progress: Callable[[str, int | None, int | None], None] | None = None,
                  log: Callable[[str], None] = lambda s: None) -> None:
-        from chunkflow.commands.run_generate import _setup
-        from chunkflow.commands.steps import RunOptions
+        from chunkflow.pipeline_setup import setup_pipeline
+        from chunkflow.runtime.resolve import resolve_device
         from chunkflow_planner.plan import Plan, check_setting, load_plan
 
         self.plan: Plan = load_plan(plan)
         self.cfg = self.plan.offload if offload is None else offload
         check_setting(self.plan, self.cfg, "offload")
-        opts = RunOptions(device=device, weights=None if weights is None else str(weights), variant=variant,
-                          profile=profile, seed=seed, warmup=0)
-        opts.check()
+        if not 0 <= seed <= 2**62:
+            raise JobError(f"seed must be between 0 and 2**62, got {seed}")
+        if variant is not None and weights is None:
+            raise JobError("variant picks files in a weights folder; give weights=DIR with it")
+        on_disk = self.cfg.disk_blocks or any(c.placement == "disk" for c in
+                                              (self.plan.pipeline.components if self.plan.pipeline else ()))
+        if on_disk and weights is None:
+            raise JobError("the plan reads weights from the checkpoint's files when it runs (placement disk): give "
+                           "the folder, weights=DIR (or plan with more host memory)")
         self._lock = threading.Lock()
         self._closed = False
         self.generations = 0  # generations run (each after the first pays no start-up)
         self.image = image
-        self._setup = _setup(self.plan, self.cfg, opts, progress, log, image=image)
+        self._setup = setup_pipeline(self.plan, self.cfg, resolve_device(device, hint="device='cpu'"),
+                                     weights=None if weights is None else str(weights), variant=variant,
+                                     profile=profile, seed=seed, progress=progress, log=log, image=image)
         self.spec, self.hw, self.device = self._setup.spec, self._setup.hw, self._setup.device
 
     # -- what the session holds -------------------------------------------------------------------------------
@@ -128,7 +136,7 @@ class Session:
     def job(self, prompt: str | Job, **fields: Any) -> Job:
         """A Job from a prompt and fields (or a Job with the fields given laid over it), checked: JobError says
         which field is wrong. Fields given as None are left as they are."""
-        from chunkflow_planner.jobs import parse_job
+        from chunkflow_planner.pipeline.jobs import parse_job
 
         given = {k: v for k, v in fields.items() if v is not None}
         if isinstance(prompt, Job):

@@ -26,7 +26,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from chunkflow.reports import GcCollection, GenerationResult, LoadResult, PhaseResult
+from chunkflow.pipeline_setup import PipelineSetup, setup_pipeline
+from chunkflow.reports import GcCollection, GenerationResult, PhaseResult
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.units import format_bytes
@@ -40,15 +41,6 @@ class GenerateOptions:
     out: str | None = None
     latents: str | None = None
     image: Any = None  # the image to animate or edit (a PIL image, checked; or a path)
-
-
-def placements_of(plan: Plan) -> tuple[dict[str, str], bool]:
-    """component -> placement from the plan's pipeline section (a plan made with --transformer-only: the transformer
-    as planned, everything else for its phase only)."""
-    if plan.pipeline is not None:
-        return {c.name: c.placement for c in plan.pipeline.components}, plan.pipeline.vae_tiling
-    where = "gpu" if plan.offload.mode == "none" else "stream"
-    return {"transformer": where, "transformer_2": where}, False
 
 
 def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
@@ -73,59 +65,13 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     return report
 
 
-@dataclass
-class _Setup:
-    """What a generation run is made on: the model, the hardware it is compared with, the workload, the device and
-    the built pipeline with its load."""
-
-    spec: Any  # ModelSpec
-    hw: Any  # HardwareSpec
-    w: Any  # Workload, with the steps run
-    device: Any  # torch.device
-    folder: Any  # the weights' folder, None for random weights
-    placements: dict[str, str]
-    tiling: bool
-    built: Any  # BuiltPipeline
-    load: LoadResult
-    comparable: bool  # the run's device is the plan's kind (GPU or host)
-    planned_disk_reads: dict[str, int]  # component -> bytes the plan reads from its files a generation
-    plan_steps: int  # the steps the plan was made for (the run may run others)
-
-
-def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False) -> _Setup:
-    """Resolve the run's model, hardware, workload and device; build the pipeline (its load measured)."""
+def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False) -> PipelineSetup:
+    """The run's device (commands.steps._place: its notes on SP said), then the pipeline built (setup_pipeline)."""
     from chunkflow.commands.steps import _place
-    from chunkflow.models.pipeline_build import build_pipeline
-    from chunkflow.reports import RunError
-    from chunkflow.weights import resolve_weights
-    from chunkflow_planner.plan import model_of
-    from chunkflow_planner.predict import hardware_of
 
-    spec = model_of(plan)
-    if spec.pipeline is None:
-        raise RunError(f"{spec.name} has no pipeline in the catalog; run without --prompt for the synthetic benchmark")
-    hw = hardware_of(plan, o.profile)
-    w = plan.workload.to_workload()
-    w = w.model_copy(update={"steps": o.steps if o.steps is not None else w.steps})
     _, device = _place(o, 1, plan, log)
-    folder = resolve_weights(o.weights) if o.weights is not None else None
-    placements, tiling = placements_of(plan)
-    on_bytes = (lambda done, total: progress("load", done, total)) if progress is not None else None
-    built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=o.seed, vae_tiling=tiling,
-                           variant=o.variant, log=log, on_bytes=on_bytes, image=image)
-    comparable = (device.type == "cuda") != hw.pipeline.device_is_host  # the plan's device is the one run on
-    load = load_result(built, plan, hw, folder, o.variant, comparable)
-    log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
-        f"{load.measured_time_s:.1f} s on {device}")
-    for name, have in load.component_bytes.items():
-        want = load.planned_component_bytes.get(name)
-        if want and have > want * 1.01:
-            log(f"note: {name} holds {format_bytes(have)}, the plan counted {format_bytes(want)}; its memory "
-                "predictions are short by the difference")
-    planned_reads = {c.name: c.disk_read_bytes for c in plan.pipeline.components if c.disk_read_bytes} \
-        if plan.pipeline is not None else {}
-    return _Setup(spec, hw, w, device, folder, placements, tiling, built, load, comparable, planned_reads,
-                  plan.workload.steps)
+    return setup_pipeline(plan, cfg, device, weights=o.weights, variant=o.variant, profile=o.profile, seed=o.seed,
+                          steps=o.steps, progress=progress, log=log, image=image)
 
 
 @dataclass
@@ -142,7 +88,7 @@ class _Runs:
     disk_reads: dict[str, int]  # component -> bytes it read from the checkpoint's files a measured generation
 
 
-def _generations(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
+def _generations(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
     """The warm-up and measured generations, with the long-lived objects frozen out of the collector's reach."""
     freeze = gc.get_freeze_count() == 0  # a host process that froze its own objects keeps its freeze
     if freeze:
@@ -155,7 +101,7 @@ def _generations(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progr
             gc.unfreeze()
 
 
-def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log, freeze: bool) -> _Runs:
+def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log, freeze: bool) -> _Runs:
     from chunkflow.generate import generate
 
     steps = setup.w.steps
@@ -213,7 +159,7 @@ def _generate_all(setup: _Setup, cfg: OffloadConfig, o, g: GenerateOptions, prog
     return _Runs(measured, first, first_parts, stats, gen, cached, reads)
 
 
-def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: _Setup, runs: _Runs):
+def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: PipelineSetup, runs: _Runs):
     """The RunReport: the denoising steps as a synthetic run's `measured`, and the `generation` section."""
     import torch
 
@@ -283,35 +229,6 @@ def _phase_results(plan: Plan, phases_of: dict, warmup: int, cuda: bool, same_st
             time_error=rel_error(m.time_s, t_pred) if t_pred is not None and same_steps else None,
             memory_error=rel_error(m.peak_memory_bytes, p.peak_memory_bytes) if p and cuda else None)
     return phases
-
-
-def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: bool) -> LoadResult:
-    """The build's LoadResult: measured (built.load), and the plan's load predicted for the bytes it read and the
-    share the page cache held (`comparable`: the run's device is the plan's kind, GPU or host)."""
-    from chunkflow.reports import rel_error
-    from chunkflow_planner.pipeline.load import LoadEstimate, T_load, load_parts
-
-    m = built.load
-    planned = {c.name: c.bytes for c in plan.pipeline.components} if plan.pipeline is not None else {}
-    lp = plan.prediction.load
-    cached = m.cached_bytes / m.read_bytes if m.read_bytes and m.cached_bytes is not None else None
-    pred_t, parts, pred_host = None, {}, None
-    if lp is not None and comparable:
-        pred_host = lp.host_peak_bytes
-        if folder is not None and not hw.pipeline.device_is_host:  # a CPU plan's times are nominal, not predictions
-            est = LoadEstimate(m.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
-                               lp.pinned_while_reading_bytes)
-            pred_t = T_load(est, cached or 0.0, hw)
-            parts = load_parts(est, cached or 0.0, hw)
-    return LoadResult(
-        weights=str(folder) if folder is not None else "random", variant=variant, measured_time_s=m.seconds,
-        startup_s=m.startup_seconds,
-        read_bytes=m.read_bytes, cached_fraction=cached, read_seconds=m.read_seconds,
-        host_peak_bytes=m.host_peak_bytes, component_bytes=m.component_bytes, planned_component_bytes=planned,
-        disk_component_bytes=m.disk_component_bytes,
-        predicted_time_s=pred_t, predicted_parts_s=parts, predicted_host_peak_bytes=pred_host,
-        time_error=rel_error(m.seconds, pred_t) if pred_t is not None else None,
-        host_error=rel_error(m.host_peak_bytes, pred_host) if pred_host is not None else None)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from chunkflow.reports import JobResult, JobsReport
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.jobs import Job, JobFit, JobLine, fit_job, read_jobs
+from chunkflow_planner.pipeline.jobs import Job, JobFit, JobLine, fit_job, read_jobs
 
 
 class JobsError(ChunkflowError):

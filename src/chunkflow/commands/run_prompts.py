@@ -17,7 +17,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     from chunkflow.commands.steps import RunOptions
     from chunkflow.launch import torchrun_world
     from chunkflow_planner.files import check_distinct, check_output_file
-    from chunkflow_planner.jobs import read_jobs
+    from chunkflow_planner.pipeline.jobs import read_jobs
     from chunkflow_planner.plan import model_of
     from chunkflow_planner.predict import hardware_of
 
