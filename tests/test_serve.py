@@ -396,3 +396,88 @@ def test_shutdown_cancels_waiting_jobs_ends_the_worker_and_closes_the_session(se
     with pytest.raises(QueueClosed):
         s.queue.submit(Job(prompt="too late"))
     s.queue.shutdown()  # a second shutdown does nothing
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--port", "0"], "--port must be between 1 and 65535"),
+    (["--port", "70000"], "--port must be between 1 and 65535"),
+    (["--max-queue", "0"], "--max-queue must be between 1"),
+    (["--log-level", "loud"], "--log-level must be one of"),
+    (["--out-dir", "plan.json"], "is a file; give a directory"),
+])
+def test_serve_checks_its_options_before_loading(cli, setup, workdir, args, words):
+    root, plan, folder = setup
+    shutil.copy(plan, workdir / "plan.json")
+    result = cli("serve", "--plan", "plan.json", *args)
+    assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_serve_refuses_a_missing_plan_and_a_port_in_use(cli, setup, workdir):
+    root, plan, folder = setup
+    result = cli("serve", "--plan", "nowhere.json")
+    assert result.exit_code == 2 and "nowhere.json" in result.output
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        result = cli("serve", "--plan", plan, "--weights", folder, "--port", taken.getsockname()[1])
+    finally:
+        taken.close()
+    assert result.exit_code == 2 and "port is in use" in result.output, result.output
+
+
+def test_serve_without_fastapi_says_what_to_install(cli, setup, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    result = cli("serve", "--plan", setup[1])
+    assert result.exit_code == 2 and "pip install 'chunkflow-dit[serve]'" in result.output, result.output
+
+
+def test_loopback_addresses():
+    from chunkflow.serve.server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("example.org")
+
+
+@pytest.mark.slow
+def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
+    import os
+    import signal
+    import sys
+
+    from conftest import SRC
+
+    root, plan, folder = setup
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    proc = subprocess.Popen([sys.executable, "-m", "chunkflow", "serve", "--plan", str(plan), "--weights",
+                             str(folder), "--device", "cpu", "--port", str(port), "--out-dir",
+                             str(tmp_path / "out"), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # the URL, once the server accepts connections
+        assert f"http://127.0.0.1:{port}/" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        s = type("S", (), {"url": f"http://127.0.0.1:{port}"})()
+        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "a cat", "seed": 1, "steps": 1})
+        assert status == 201
+        assert finished(s, snap["id"])["state"] == "done"
+        assert (tmp_path / "out" / f"{snap['id']}.mp4").is_file()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "stopping (Ctrl-C)" in err and "stopped: 1 jobs done, 0 failed, 0 cancelled" in err
+    assert "Traceback" not in err, err
