@@ -17,8 +17,8 @@ import numpy as np
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.files import FileError, atomic_path, check_output_file, existing_file, write_atomic
 
-__all__ = ["MediaError", "check_media_path", "image_names", "read_image", "read_video", "to_uint8_frames",
-           "write_media"]
+__all__ = ["MediaError", "check_media_path", "image_names", "load_input_image", "load_input_image_bytes", "read_image",
+           "read_video", "to_uint8_frames", "write_media"]
 
 KINDS = {".mp4": "video", ".png": "image"}
 CRF = 18  # libx264 constant rate factor: visually lossless for ordinary viewing, files stay small
@@ -329,7 +329,6 @@ def load_input_image(path: str | Path):
     file of at most MAX_IMAGE_FILE_BYTES, a format PIL decodes (IMAGE_FORMATS), at most MAX_IMAGE_SIDE pixels a side
     and MAX_IMAGE_PIXELS in all (read from its header, before any pixel is decoded). MediaError says what to fix."""
     import stat
-    import warnings
 
     from chunkflow_planner.files import file_kind
 
@@ -348,22 +347,44 @@ def load_input_image(path: str | Path):
     if st.st_size > MAX_IMAGE_FILE_BYTES:
         raise MediaError(f"--image {str(p)!r} holds {st.st_size:,} bytes, over the {MAX_IMAGE_FILE_BYTES:,} an input "
                          f"image may; {fix} of at most {MAX_IMAGE_SIDE} pixels a side")
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with open(p, "rb") as f:
             data = f.read(MAX_IMAGE_FILE_BYTES + 1)
     except OSError as exc:
         raise MediaError(f"--image {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    return _decode_input_image(data, f"--image {str(p)!r}")
+
+
+def load_input_image_bytes(data: bytes, what: str = "the uploaded image"):
+    """An input image given as bytes (an upload to `chunkflow serve`), decoded in memory and checked as
+    load_input_image checks a file: non-empty, at most MAX_IMAGE_FILE_BYTES, a format PIL decodes, its size read
+    from its header before any pixel is decoded. `what` names it in the message; MediaError says what to fix."""
+    fix = "give a PNG, JPEG or WebP image"
+    if not data:
+        raise MediaError(f"{what} is empty (0 bytes); {fix}")
+    if len(data) > MAX_IMAGE_FILE_BYTES:
+        raise MediaError(f"{what} holds {len(data):,} bytes, over the {MAX_IMAGE_FILE_BYTES:,} an input image may; "
+                         f"{fix} of at most {MAX_IMAGE_SIDE} pixels a side")
+    return _decode_input_image(bytes(data), what)
+
+
+def _decode_input_image(data: bytes, what: str):
+    """The checks load_input_image and load_input_image_bytes share: the format, the size from the header (before
+    any pixel is decoded), then the decode; an RGB PIL image, or MediaError naming `what`."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    fix = "give a PNG, JPEG or WebP image"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(data))
             fmt, (w, h) = im.format, im.size
             if fmt not in IMAGE_FORMATS:
-                raise MediaError(f"--image {str(p)!r} is a {fmt} image, not one of {', '.join(IMAGE_FORMATS)}; {fix}")
+                raise MediaError(f"{what} is a {fmt} image, not one of {', '.join(IMAGE_FORMATS)}; {fix}")
             if w < 1 or h < 1 or max(w, h) > MAX_IMAGE_SIDE or w * h > MAX_IMAGE_PIXELS:
-                raise MediaError(f"--image {str(p)!r} is {w} x {h} pixels, beyond what an input image may be (at most "
+                raise MediaError(f"{what} is {w} x {h} pixels, beyond what an input image may be (at most "
                                  f"{MAX_IMAGE_SIDE} a side, {MAX_IMAGE_PIXELS // 2**20} megapixels); the pipeline "
                                  "resizes it to the plan's size anyway: give it smaller")
             im.load()
@@ -373,11 +394,11 @@ def load_input_image(path: str | Path):
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # its header, before any pixel
         found = re.search(r"\((\d+) pixels\)", str(exc))
         size = f"declares {int(found.group(1)):,} pixels" if found else "declares too many pixels"
-        raise MediaError(f"--image {str(p)!r} {size}, beyond what an input image may be (at most {MAX_IMAGE_SIDE} "
+        raise MediaError(f"{what} {size}, beyond what an input image may be (at most {MAX_IMAGE_SIDE} "
                          f"a side, {MAX_IMAGE_PIXELS // 2**20} megapixels); the pipeline resizes it to the plan's "
                          "size anyway: give it smaller") from None
     except UnidentifiedImageError:
-        raise MediaError(f"--image {str(p)!r} is not an image PIL can read; {fix}") from None
+        raise MediaError(f"{what} is not an image PIL can read; {fix}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated or damaged image data
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise MediaError(f"--image {str(p)!r} cannot be decoded ({why}); {fix}") from None
+        raise MediaError(f"{what} cannot be decoded ({why}); {fix}") from None

@@ -10,6 +10,7 @@ from chunkflow.commands.app import _say, app
 # each registers its commands, in the order `--help` lists them
 from chunkflow.commands import plan as _plan  # noqa: E402,F401  models, hardware, plan
 from chunkflow.commands import run as _run  # noqa: E402,F401
+from chunkflow.commands import serve as _serve  # noqa: E402,F401
 from chunkflow.commands.calibrate import command as _calibrate  # noqa: E402,F401
 from chunkflow.commands.bench import command as _bench  # noqa: E402,F401
 

@@ -1,0 +1,150 @@
+"""`chunkflow serve`: a plan's pipeline loaded once and served over HTTP (chunkflow.serve): a job queue, its worker,
+a small page. Every option is checked before the load; Ctrl-C (or SIGTERM) stops it cleanly: the running job
+stops after its current step, the queued ones are cancelled, the session is closed, exit 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from chunkflow.commands.app import UserError, _command, _say, console, err_console
+from chunkflow.commands.options import Device, Variant
+
+_Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`")]
+_Weights = Annotated[Optional[str], typer.Option(help="diffusers pipeline folder (model_index.json) or a Hub id in "
+                                                      "the local cache (default: random weights)")]
+_Host = Annotated[str, typer.Option(help="address to listen on; the server has no authentication: anything but a "
+                                         "loopback address lets the network use it")]
+_Port = Annotated[int, typer.Option(help="TCP port to listen on (1-65535)")]
+_OutDir = Annotated[str, typer.Option(help="folder the server writes each job's output to, named by its job id "
+                                           "(created if missing)")]
+_MaxQueue = Annotated[int, typer.Option(help="jobs that may wait at once; more are refused (HTTP 429)")]
+_Image = Annotated[bool, typer.Option("--image", help="load the image pipeline of the plan's model "
+                                                      "(image-to-video, edit): each job sends its image")]
+_LogLevel = Annotated[str, typer.Option(help="the HTTP server's log: debug, info (each request), warning, error")]
+
+MAX_QUEUE_LIMIT = 10_000
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@_command("serve")
+def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", port: _Port = 8000,
+              out_dir: _OutDir = "chunkflow-serve-outputs", max_queue: _MaxQueue = 64, device: Device = None,
+              variant: Variant = None, image: _Image = False, log_level: _LogLevel = "info") -> None:
+    """Serve a plan's pipeline over HTTP: load it once, then generate each job submitted (POST /jobs) in turn.
+
+    Jobs are JSON (prompt, seed, steps, height, width, frames, ...), checked against the loaded placement when they
+    are submitted (one that does not fit is refused with the planner's reason). GET /jobs/ID says a job's state
+    and predicted finish, GET /jobs/ID/result gives its video or image, DELETE /jobs/ID cancels it; GET / is a
+    page to use it from a browser, /health and /metrics (Prometheus) watch it. Listens on 127.0.0.1 by default:
+    there is no authentication.
+    """
+    from chunkflow.serve import require_serve_extras
+
+    require_serve_extras()
+    p, folder = _check_serve(plan, weights, port, out_dir, max_queue, image, log_level)
+    from chunkflow.serve.server import bind, is_loopback
+
+    sock = bind(host, port)  # a port in use is said now, not after the load
+    try:
+        if not is_loopback(host):
+            _say(f"warning: listening on {host}, not a loopback address: the server has no authentication, so "
+                 "anyone who can reach this port can submit jobs and read every result")
+        session = _load(plan, folder, device, variant, image)
+    except BaseException:
+        sock.close()
+        raise
+    _serve(session, sock, host, port, Path(out_dir).expanduser(), max_queue, log_level)
+
+
+def _check_serve(plan: str, weights: str | None, port: int, out_dir: str, max_queue: int, image: bool,
+                 log_level: str):
+    """Every option checked before the load: the port and queue bounds, the output folder writable, the plan
+    loading and having a pipeline, the weights folder the plan's model's. Returns (plan, weights folder)."""
+    from chunkflow_planner.files import check_output_dir
+    from chunkflow_planner.plan import load_plan, model_of
+
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port must be between 1 and 65535, got {port}")
+    if not 1 <= max_queue <= MAX_QUEUE_LIMIT:
+        raise UserError(f"--max-queue must be between 1 and {MAX_QUEUE_LIMIT}, got {max_queue}")
+    if log_level.lower() not in LOG_LEVELS:
+        raise UserError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    check_output_dir(out_dir, "--out-dir")
+    p = load_plan(plan)
+    spec = model_of(p)
+    if spec.pipeline is None or p.pipeline is None:
+        raise UserError(f"the plan has no pipeline to serve ({spec.name}: planned for the transformer only); plan "
+                        "the whole pipeline (`chunkflow plan --model ...` without --transformer-only)")
+    if p.offload.disk_blocks and weights is None:
+        raise UserError(f"the plan keeps {p.offload.disk_blocks} blocks' weights on disk, read each step from the "
+                        "checkpoint's files: give the folder with --weights DIR")
+    folder = None
+    if weights is not None:
+        from chunkflow.models.pipeline_build import check_folder
+        from chunkflow.weights import resolve_weights
+
+        folder = resolve_weights(weights)
+        check_folder(spec, folder, image=image)
+    return p, folder
+
+
+def _load(plan: str, folder, device: str | None, variant: str | None, image: bool):
+    """The session, its load's bytes on a progress bar (stderr)."""
+    import chunkflow
+    from chunkflow_planner.units import format_bytes
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                   TimeElapsedColumn(), console=err_console, transient=False)
+    with bar:
+        task = bar.add_task("load", total=None, count="")
+
+        def progress(phase: str, done: int | None, total: int | None) -> None:
+            count = f"{format_bytes(done or 0)} of {format_bytes(total or 0)}" if total else "random weights"
+            bar.update(task, completed=done or 0, total=total or None, count=count)
+
+        session = chunkflow.load(plan, weights=folder, device=device, variant=variant, image=image,
+                                 progress=progress, log=_say)
+        t = bar.tasks[task]
+        bar.update(task, completed=t.total or 1, total=t.total or 1, count=t.fields["count"] or "done")
+    return session
+
+
+def _serve(session, sock, host: str, port: int, out_dir: Path, max_queue: int, log_level: str) -> None:
+    """Run the server until it is stopped (Ctrl-C, SIGTERM), then stop everything in order: the HTTP server (no
+    new requests), the queue (the running job after its current step, the queued ones cancelled), the session."""
+    from chunkflow.serve.app import make_app
+    from chunkflow.serve.queue import JobQueue
+    from chunkflow.serve.server import BackgroundServer
+    from chunkflow.signals import Terminated
+    from chunkflow_planner.files import note_interrupt
+
+    try:
+        queue = JobQueue(session, out_dir, max_queue=max_queue)
+    except BaseException:
+        session.close()
+        raise
+    server = BackgroundServer(make_app(queue), sock, log_level=log_level.lower())
+    stopped_by = None
+    try:
+        server.start()
+        shown_host = f"[{host}]" if ":" in host else host
+        console.print(f"Serving {session.spec.name} on {session.device} at http://{shown_host}:{port}/ "
+                      f"(outputs in {out_dir}); Ctrl-C stops it", markup=False, highlight=False)
+        server.wait()
+    except (KeyboardInterrupt, Terminated) as exc:
+        stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        _say(f"stopping ({stopped_by}): the running job stops after its current step, queued jobs are cancelled")
+    finally:
+        server.stop()
+        queue.shutdown()
+    if stopped_by is not None:
+        # the signal asked the server to stop and it has, cleanly: a server's normal end, not an interrupted
+        # command (a second signal during the shutdown above still ends it as interrupted)
+        note_interrupt(None)
+    counts = queue.counts()
+    _say(f"stopped: {counts['done']} jobs done, {counts['failed']} failed, {counts['cancelled']} cancelled")

@@ -1,0 +1,188 @@
+"""The HTTP API over a JobQueue (FastAPI): submit, watch, fetch and cancel jobs; health, metrics and a small page.
+
+Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is not JSON or an id that is not one,
+404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
+Content-Length and again while it is read), 422 a job that is malformed or does not fit the loaded placement (the
+planner's reason), 429 a full queue, 503 a server shutting down. Request bodies never name files: an input image
+comes as base64 bytes, an output is named by its job id.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from typing import Any
+
+from chunkflow.serve import require_serve_extras
+
+require_serve_extras()
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response  # noqa: E402
+from starlette.concurrency import run_in_threadpool  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+
+from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
+from chunkflow.serve.page import render_page  # noqa: E402
+from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
+from chunkflow_planner.errors import ChunkflowError  # noqa: E402
+from chunkflow_planner.jobs import JobError, parse_job  # noqa: E402
+
+__all__ = ["make_app", "MAX_BODY_BYTES"]
+
+MAX_BODY_BYTES = 32 * 2**20  # a job's JSON with a base64 image of ~24 MB
+_ID = re.compile(r"[0-9a-f]{32}")
+_MEDIA = {".mp4": "video/mp4", ".png": "image/png"}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _check_id(job_id: str) -> JSONResponse | None:
+    if _ID.fullmatch(job_id) is None:
+        return _error(400, "a job id is 32 lowercase hex digits, as POST /jobs answered it")
+    return None
+
+
+async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
+    """The request's body, at most `limit` bytes: refused from its Content-Length before any is read, and again
+    while it is streamed (a body sent without one, or longer than it said)."""
+    too_big = _error(413, f"the request body is over {limit:,} bytes; send a smaller image (the pipeline resizes "
+                          "it to the plan's size anyway)")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            return _error(400, "the Content-Length header is not a number")
+        if int(declared) > limit:
+            return too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_image(value: Any):
+    """image_base64 -> a checked PIL image (media.load_input_image_bytes); JobError says what is wrong."""
+    from chunkflow.media import MediaError, load_input_image_bytes
+
+    if not isinstance(value, str):
+        raise JobError("image_base64 must be a string: the image file's bytes in base64")
+    text = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value  # a data: URL too
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise JobError("image_base64 is not valid base64; give the image file's bytes base64-encoded") from None
+    try:
+        return load_input_image_bytes(data, "image_base64")
+    except MediaError as exc:
+        raise JobError(str(exc)) from None
+
+
+def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: str | None = None) -> FastAPI:
+    """The API over `queue` (module docstring); the queue's session names the model and device."""
+    session = queue.session
+    model = session.spec.name
+    app = FastAPI(title=title or f"chunkflow serve: {model}", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.post("/jobs", status_code=201)
+    async def submit(request: Request) -> Response:
+        body = await _read_body(request, max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            where = f" ({exc.msg} at line {exc.lineno} column {exc.colno})" if isinstance(exc, json.JSONDecodeError) \
+                else " (not UTF-8)"
+            return _error(400, f"the body is not valid JSON{where}; send a JSON object such as "
+                               '{"prompt": "a red fox in the snow", "seed": 1}')
+        try:
+            if not isinstance(data, dict):
+                raise JobError(f'a job is a JSON object with at least "prompt", not {type(data).__name__}')
+            image = None
+            if "image_base64" in data:
+                image = _decode_image(data.pop("image_base64"))
+            if "image" in data:
+                raise JobError("image: the server takes no image path; send the image itself as image_base64 (a "
+                               "base64 PNG, JPEG or WebP)")
+            if "out" in data:
+                raise JobError('out: the server names each output by its job id; leave "out" out and fetch '
+                               "/jobs/<id>/result")
+            job = parse_job(data)
+            snap = await run_in_threadpool(queue.submit, job, image)
+        except QueueFull as exc:
+            return _error(429, str(exc))
+        except QueueClosed as exc:
+            return _error(503, str(exc))
+        except ChunkflowError as exc:
+            return _error(422, str(exc))
+        return JSONResponse(snap, status_code=201, headers={"Location": f"/jobs/{snap['id']}"})
+
+    @app.get("/jobs")
+    def list_jobs() -> dict:
+        return {"queue_length": len(queue), "paused": queue.paused, "jobs": queue.jobs()}
+
+    @app.get("/jobs/{job_id}")
+    def get_job(job_id: str) -> Response:
+        if (bad := _check_id(job_id)) is not None:
+            return bad
+        try:
+            return JSONResponse(queue.get(job_id))
+        except UnknownJob as exc:
+            return _error(404, str(exc))
+
+    @app.get("/jobs/{job_id}/result")
+    def get_result(job_id: str) -> Response:
+        if (bad := _check_id(job_id)) is not None:
+            return bad
+        try:
+            state, path = queue.output_path(job_id)
+        except UnknownJob as exc:
+            return _error(404, str(exc))
+        if path is None:
+            why = {"queued": "is queued", "running": "is running", "failed": "failed: it has no result",
+                   "cancelled": "was cancelled: it has no result"}.get(state, state)
+            return _error(409, f"job {job_id} {why}; GET /jobs/{job_id} says when it is done")
+        if not path.is_file():
+            return _error(404, f"job {job_id}'s output is no longer in the server's output folder")
+        return FileResponse(path, media_type=_MEDIA.get(path.suffix, "application/octet-stream"),
+                            filename=path.name)
+
+    @app.delete("/jobs/{job_id}")
+    def cancel_job(job_id: str) -> Response:
+        if (bad := _check_id(job_id)) is not None:
+            return bad
+        try:
+            snap = queue.cancel(job_id)
+        except UnknownJob as exc:
+            return _error(404, str(exc))
+        if snap["state"] in ("done", "failed"):
+            return _error(409, f"job {job_id} has finished ({snap['state']}); there is nothing to cancel")
+        return JSONResponse(snap)
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"ok": not queue.closed, "model": model, "device": str(session.device),
+                "image": bool(getattr(session, "image", False)), "video": bool(session.spec.is_video),
+                "queue_length": len(queue), "max_queue": queue.max_queue, "paused": queue.paused}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return PlainTextResponse(render_metrics(queue), media_type=CONTENT_TYPE)
+
+    @app.get("/", response_class=HTMLResponse)
+    def page() -> HTMLResponse:
+        return HTMLResponse(render_page(model, image=bool(getattr(session, "image", False)),
+                                        video=bool(session.spec.is_video)))
+
+    return app

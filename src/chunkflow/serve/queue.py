@@ -1,0 +1,362 @@
+"""The server's job queue: one loaded Session, one worker thread taking jobs in order, each job's state and the
+plan's prediction of when it starts and finishes.
+
+A job is checked when it is submitted (its fields, whether it fits the loaded placement: the planner's reason if
+not, whether the queue has room), never when the worker reaches it. Outputs go to the queue's output folder, named
+by the job's id only (`<id>.mp4`, `<id>.png`): nothing a request says becomes a path. A generation that raises
+marks its job failed with the message and the worker goes on; a cancelled running job stops after its current
+denoising step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.jobs import Job, JobError
+
+__all__ = ["JobQueue", "QueuedJob", "QueueFull", "QueueClosed", "UnknownJob", "STATES", "DEFAULT_MAX_QUEUE"]
+
+STATES = ("queued", "running", "done", "failed", "cancelled")
+FINISHED = ("done", "failed", "cancelled")
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_HISTORY = 256
+RATIO_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)  # measured / predicted
+
+
+class QueueFull(JobError):
+    """The queue holds max_queue jobs already."""
+
+
+class QueueClosed(ChunkflowError):
+    """The queue is shutting down: it takes no more jobs."""
+
+
+class UnknownJob(ChunkflowError):
+    """No job of that id (never submitted, or gone from the history)."""
+
+
+class _Cancelled(Exception):
+    """Raised from on_step to stop a running job that was cancelled (private: never leaves the worker)."""
+
+
+@dataclass
+class QueuedJob:
+    """One job of the queue and everything the server says about it."""
+
+    id: str
+    job: Job
+    image: Any  # the checked PIL image, or None; dropped once the job is finished
+    submitted: float  # time.time()
+    predicted_first_s: float | None  # the plan's seconds as the session's first generation
+    predicted_later_s: float | None  # ... as a later one
+    state: str = "queued"
+    started: float | None = None
+    finished: float | None = None
+    seconds: float | None = None  # the generation's measured seconds
+    predicted_s: float | None = None  # the plan's seconds for it as it ran
+    error: str | None = None
+    output: str | None = None  # the output's file name in the queue's folder
+    step: int = 0
+    steps: int | None = None
+    cancel_requested: bool = False
+
+    def predicted(self, first: bool) -> float | None:
+        return self.predicted_first_s if first else self.predicted_later_s
+
+
+@dataclass
+class Stats:
+    """What the queue has done since it started (for /metrics): jobs finished by state, the last generation's
+    measured and predicted seconds, and the measured / predicted ratios as a histogram."""
+
+    finished: dict[str, int] = field(default_factory=lambda: {s: 0 for s in FINISHED})
+    submitted: int = 0
+    refused: int = 0
+    last_seconds: float | None = None
+    last_predicted_s: float | None = None
+    ratio_buckets: list[int] = field(default_factory=lambda: [0] * len(RATIO_BUCKETS))
+    ratio_count: int = 0
+    ratio_sum: float = 0.0
+
+    def observe(self, seconds: float, predicted: float | None) -> None:
+        self.last_seconds, self.last_predicted_s = seconds, predicted
+        if predicted:
+            ratio = seconds / predicted
+            self.ratio_count += 1
+            self.ratio_sum += ratio
+            for i, edge in enumerate(RATIO_BUCKETS):
+                if ratio <= edge:
+                    self.ratio_buckets[i] += 1
+
+
+class JobQueue:
+    """Jobs for one Session, run one at a time by a worker thread (module docstring). `observer(id, i, n)`, if
+    given, hears of each denoising step in the worker thread (after the queue has noted it)."""
+
+    def __init__(self, session, out_dir: str | Path, *, max_queue: int = DEFAULT_MAX_QUEUE,
+                 history: int = DEFAULT_HISTORY, observer: Callable[[str, int, int], None] | None = None,
+                 paused: bool = False) -> None:
+        if max_queue < 1:
+            raise ChunkflowError(f"max_queue must be at least 1, got {max_queue}")
+        self.session = session
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_queue = max_queue
+        self.stats = Stats()
+        self._observer = observer
+        self._cond = threading.Condition()
+        self._queue: deque[QueuedJob] = deque()
+        self._history: deque[QueuedJob] = deque()
+        self._history_max = max(1, history)
+        self._jobs: dict[str, QueuedJob] = {}
+        self._running: QueuedJob | None = None
+        self._paused = paused
+        self._closing = False
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="chunkflow-serve-worker", daemon=True)
+        self._worker.start()
+
+    # -- submitting and cancelling ---------------------------------------------------------------------------
+    def submit(self, job: Job, image: Any = None) -> dict:
+        """Queue `job` (with a checked PIL image for an image pipeline); its snapshot. Raises JobError (what is
+        wrong, the planner's reason where it does not fit), QueueFull, QueueClosed, at once."""
+        if self._closing:
+            raise QueueClosed("the server is shutting down; it takes no more jobs")
+        try:
+            self._check(job, image)
+        except JobError:
+            with self._cond:
+                self.stats.refused += 1
+            raise
+        first = self.session.predicted_s(job, first=True)  # None where the plan does not predict this device
+        later = self.session.predicted_s(job, first=False) if first is not None else None
+        with self._cond:
+            if self._closing:
+                raise QueueClosed("the server is shutting down; it takes no more jobs")
+            if len(self._queue) >= self.max_queue:
+                self.stats.refused += 1
+                raise QueueFull(f"the queue holds {len(self._queue)} jobs already (at most {self.max_queue}); "
+                                "submit again when some have finished")
+            qj = QueuedJob(uuid.uuid4().hex, job, image, time.time(), first, later)
+            self._queue.append(qj)
+            self._jobs[qj.id] = qj
+            self.stats.submitted += 1
+            self._cond.notify_all()
+            return self._snapshots()[qj.id]
+
+    def _check(self, job: Job, image: Any) -> None:
+        """Whatever would make the job fail that can be known now: a path from the request, an image the
+        pipeline does not take or needs, a negative prompt it does not use, a shape that does not fit."""
+        if job.image is not None:
+            raise JobError("the server takes no image path; send the image itself (image_base64: a base64 PNG, "
+                           "JPEG or WebP)")
+        if job.out is not None:
+            raise JobError("the server names each output by its job id; leave out \"out\" (fetch the result from "
+                           "/jobs/<id>/result)")
+        if image is None and getattr(self.session, "image", False):
+            raise JobError("this server's pipeline animates or edits an image: send one (image_base64: a base64 PNG, "
+                           "JPEG or WebP)")
+        if job.negative_prompt is not None:
+            from chunkflow.generate import takes_negative_prompt
+
+            if not takes_negative_prompt(self.session.spec):
+                raise JobError(f"{self.session.spec.name}'s pipeline takes no negative prompt; leave it out")
+        fit = self.session.fit(job, with_image=image is not None)
+        if fit.reason is not None:
+            raise JobError(fit.reason)
+
+    def cancel(self, job_id: str) -> dict:
+        """Cancel a job: a queued one leaves the queue, a running one stops after its current denoising step (its
+        snapshot then says running until it has). A finished job is left as it is. UnknownJob if no such id."""
+        with self._cond:
+            qj = self._get(job_id)
+            if qj.state == "queued":
+                self._queue.remove(qj)
+                self._finish(qj, "cancelled")
+            elif qj.state == "running":
+                qj.cancel_requested = True
+            return self._snapshots()[qj.id]
+
+    # -- the worker ------------------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Take no new job from the queue (a running one goes on) until resume()."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and (self._paused or not self._queue):
+                    self._cond.wait()
+                if self._closing:
+                    return
+                qj = self._queue.popleft()
+                qj.state, qj.started = "running", time.time()
+                qj.predicted_s = qj.predicted(self.session.generations == 0)
+                self._running = qj
+            self._run(qj)
+
+    def _run(self, qj: QueuedJob) -> None:
+        def on_step(i: int, n: int) -> None:
+            qj.step, qj.steps = i, n
+            if self._observer is not None:
+                self._observer(qj.id, i, n)
+            if qj.cancel_requested:
+                raise _Cancelled
+
+        state, error, result = "done", None, None
+        try:
+            j = qj.job  # its fields one by one: Session.generate(Job) would reset those not passed to the defaults
+            result = self.session.generate(j.prompt, negative_prompt=j.negative_prompt, seed=j.seed,
+                                           guidance=j.guidance, steps=j.steps, height=j.height, width=j.width,
+                                           frames=j.frames, image=qj.image, on_step=on_step)
+            saved = result.save(self.out_dir / f"{qj.id}{'.mp4' if result.is_video else '.png'}")
+            qj.output = saved.name
+        except _Cancelled:
+            state = "cancelled"
+        except ChunkflowError as exc:
+            state, error = "failed", str(exc)
+        except Exception as exc:  # anything else the generation raised: this job failed, the server goes on
+            state, error = "failed", f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            if state == "done" and qj.cancel_requested and qj.output is None:
+                state = "cancelled"
+            if result is not None:
+                qj.seconds = result.seconds
+                if state == "done":
+                    self.stats.observe(result.seconds, result.predicted_s)
+            qj.error = error
+            self._running = None
+            self._finish(qj, state)
+
+    def _finish(self, qj: QueuedJob, state: str) -> None:
+        """`qj` is over (the condition held): into the bounded history, the oldest forgotten (its file stays)."""
+        qj.state, qj.finished, qj.image = state, time.time(), None
+        self.stats.finished[state] += 1
+        self._history.append(qj)
+        while len(self._history) > self._history_max:
+            old = self._history.popleft()
+            self._jobs.pop(old.id, None)
+        self._cond.notify_all()
+
+    # -- what the server says --------------------------------------------------------------------------------
+    def _get(self, job_id: str) -> QueuedJob:
+        qj = self._jobs.get(job_id)
+        if qj is None:
+            raise UnknownJob(f"no job {job_id!r} (never submitted, or finished long enough ago to be forgotten)")
+        return qj
+
+    def get(self, job_id: str) -> dict:
+        """One job's snapshot (UnknownJob if no such id)."""
+        with self._cond:
+            self._get(job_id)
+            return self._snapshots()[job_id]
+
+    def output_path(self, job_id: str) -> tuple[str, Path | None]:
+        """A job's state and, when it is done, its output file (in the queue's folder, named by its id)."""
+        with self._cond:
+            qj = self._get(job_id)
+            return qj.state, (self.out_dir / qj.output) if qj.state == "done" and qj.output else None
+
+    def jobs(self) -> list[dict]:
+        """The running job, the queued ones in order, then the finished ones, the newest first."""
+        with self._cond:
+            snaps = self._snapshots()
+            order = ([self._running] if self._running else []) + list(self._queue) + list(reversed(self._history))
+            return [snaps[q.id] for q in order]
+
+    def counts(self) -> dict[str, int]:
+        """Jobs the queue knows of by state (finished ones as far back as its history goes)."""
+        with self._cond:
+            out = {s: 0 for s in STATES}
+            for qj in self._jobs.values():
+                out[qj.state] += 1
+            return out
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def _snapshots(self) -> dict[str, dict]:
+        """Every known job as the API shows it (the condition held), with the predicted start and finish of the
+        running and queued ones: the running job's predicted remaining from its start, then each queued job's
+        predicted seconds in turn; None from the first job the plan does not predict on."""
+        now = time.time()
+        ahead: float | None = None if self._paused else now  # a paused queue starts nothing: no prediction
+        first = self.session.generations == 0
+        out: dict[str, dict] = {}
+        if self._running is not None:
+            r = self._running
+            out[r.id] = self._snapshot(r)
+            end = None if r.predicted_s is None or r.started is None else r.started + r.predicted_s
+            ahead = None if end is None or ahead is None else max(now, end)  # overrunning: it ends now at best
+            first = False
+        for pos, qj in enumerate(self._queue):
+            predicted = qj.predicted(first)
+            start = ahead
+            ahead = None if start is None or predicted is None else start + predicted
+            shown = start is not None and predicted is not None
+            out[qj.id] = self._snapshot(qj, pos, start if shown else None, ahead, predicted)
+            first = False
+        for qj in self._history:
+            out[qj.id] = self._snapshot(qj)
+        return out
+
+    @staticmethod
+    def _snapshot(qj: QueuedJob, position: int | None = None, start: float | None = None,
+                  finish: float | None = None, predicted: float | None = None) -> dict:
+        """A job as the API shows it; a queued job's predicted start, finish and seconds as given (None where not
+        predicted), the others' from their start and the plan's seconds."""
+        j = qj.job
+        if qj.state != "queued":
+            predicted = qj.predicted_s
+            start = qj.started
+            finish = None if start is None or predicted is None else start + predicted
+        return {
+            "id": qj.id, "state": qj.state, "position": position,
+            "prompt": j.prompt, "negative_prompt": j.negative_prompt, "seed": j.seed, "guidance": j.guidance,
+            "steps": j.steps, "height": j.height, "width": j.width, "frames": j.frames,
+            "submitted": qj.submitted, "started": qj.started, "finished": qj.finished,
+            "predicted_start": start, "predicted_finish": finish, "predicted_s": predicted,
+            "seconds": qj.seconds, "step": qj.step, "steps_total": qj.steps,
+            "cancel_requested": qj.cancel_requested, "error": qj.error, "output": qj.output,
+            "result_url": f"/jobs/{qj.id}/result" if qj.state == "done" and qj.output else None,
+        }
+
+    # -- shutting down ---------------------------------------------------------------------------------------
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Take no more jobs, cancel the queued ones and the running one (it stops after its current step), wait
+        for the worker, close the session. A second call does nothing."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            while self._queue:
+                self._finish(self._queue.popleft(), "cancelled")
+            if self._running is not None:
+                self._running.cancel_requested = True
+            self._cond.notify_all()
+        self._worker.join(timeout)
+        with self._cond:
+            self._closed = True
+        self.session.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,0 +1,483 @@
+"""`chunkflow serve`: the tiny Wan pipeline saved with save_pretrained, loaded once, behind a real uvicorn server on
+127.0.0.1, driven over HTTP by urllib: jobs submitted, polled, fetched (a readable mp4 whose frames are those a
+separate session makes with the same seed), cancelled (queued and running), refused with the right status and
+message; health, metrics and the page; a clean shutdown. The worker is held (JobQueue.pause) or a step blocked (the
+queue's observer) where a test needs a job to wait: nothing depends on timing."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines import one_thread
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("imageio_ffmpeg")
+
+BODY_LIMIT = 256 * 1024  # the test server's request body limit (the default is 32 MB)
+WAIT_S = 120  # the longest any wait may take before the test fails (not a timing assertion: a hang guard)
+
+
+class Server:
+    """A JobQueue over a loaded session, its app served by uvicorn in a background thread on a free port."""
+
+    def __init__(self, plan: Path, weights: Path, out_dir: Path, max_queue: int = 4) -> None:
+        import uvicorn
+
+        import chunkflow
+        from chunkflow.serve.app import make_app
+        from chunkflow.serve.queue import JobQueue
+
+        self.gate = threading.Event()  # set: steps run freely; cleared: a step waits (see hold_step)
+        self.gate.set()
+        self.at_step = threading.Event()
+        self.session = chunkflow.load(plan, weights=weights, device="cpu")
+        self.queue = JobQueue(self.session, out_dir, max_queue=max_queue, observer=self._observe)
+        self.app = make_app(self.queue, max_body_bytes=BODY_LIMIT)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started or not self.thread.is_alive())
+        assert self.server.started
+
+    def _observe(self, job_id: str, i: int, n: int) -> None:
+        self.at_step.set()
+        assert self.gate.wait(WAIT_S)
+
+    def stop(self) -> None:
+        self.gate.set()
+        self.server.should_exit = True
+        self.thread.join(WAIT_S)
+        self.queue.shutdown(WAIT_S)
+
+
+def wait_until(check, what: str = "the condition") -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {WAIT_S} s")
+        time.sleep(0.02)
+
+
+def call(server: Server, method: str, path: str, body=None, raw: bytes | None = None,
+         headers: dict | None = None) -> tuple[int, dict | bytes, dict]:
+    """(status, JSON or bytes, headers) of one request; error statuses returned, not raised."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+            status, content, h = r.status, r.read(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        status, content, h = e.code, e.read(), dict(e.headers)
+    if h.get("content-type", "").startswith("application/json"):
+        return status, json.loads(content), h
+    return status, content, h
+
+
+def finished(server: Server, job_id: str) -> dict:
+    """The job once it has finished (polled)."""
+    snaps = []
+
+    def over() -> bool:
+        snaps.append(call(server, "GET", f"/jobs/{job_id}")[1])
+        return snaps[-1]["state"] in ("done", "failed", "cancelled")
+
+    wait_until(over, f"job {job_id} finishing")
+    return snaps[-1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The tiny Wan pipeline saved with save_pretrained, and a CPU plan for it."""
+    from typer.testing import CliRunner
+
+    from chunkflow.commands.cli import app
+    from pipelines import save_catalog_pipeline
+
+    root = tmp_path_factory.mktemp("serve")
+    with one_thread():
+        folder = save_catalog_pipeline("tiny", root / "tiny", 3)
+    plan = root / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB",
+                                      "--out", str(plan)], env={"CHUNKFLOW_CONFIG_DIR": str(root / "config")})
+    assert result.exit_code == 0, result.output
+    return root, plan, folder
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    root, plan, folder = setup
+    with one_thread():
+        s = Server(plan, folder, root / "outputs")
+        try:
+            yield s
+        finally:
+            s.stop()
+
+
+def test_jobs_run_in_order_and_give_the_frames_a_separate_session_gives(server, setup):
+    import chunkflow
+    from chunkflow.media import read_video
+
+    root, plan, folder = setup
+    jobs = [{"prompt": "a cat walks on the grass", "seed": s, "steps": 2} for s in (1, 2)]
+    jobs.append({"prompt": "a red fox in the snow", "seed": 3, "steps": 3})
+    server.queue.pause()  # all three queued before the worker takes one: their positions are known
+    ids = []
+    for i, job in enumerate(jobs):
+        status, snap, headers = call(server, "POST", "/jobs", job)
+        assert status == 201, snap
+        assert snap["state"] == "queued" and snap["position"] == i and snap["prompt"] == job["prompt"]
+        assert len(snap["id"]) == 32 and headers["location"] == f"/jobs/{snap['id']}"
+        assert snap["predicted_start"] is None and snap["predicted_finish"] is None  # the CPU: not predicted
+        ids.append(snap["id"])
+    status, listing, _ = call(server, "GET", "/jobs")
+    assert [j["id"] for j in listing["jobs"][:3]] == ids and listing["queue_length"] == 3 and listing["paused"]
+    server.queue.resume()
+    snaps = [finished(server, i) for i in ids]
+    assert [s["state"] for s in snaps] == ["done"] * 3, snaps
+    assert snaps[0]["finished"] <= snaps[1]["started"] and snaps[1]["finished"] <= snaps[2]["started"]
+    for snap in snaps:
+        assert snap["seconds"] > 0 and snap["output"] == snap["id"] + ".mp4"
+        assert snap["result_url"] == f"/jobs/{snap['id']}/result"
+        assert snap["step"] == snap["steps_total"] == snap["steps"], [(s["step"], s["steps_total"], s["steps"]) for s in snaps]
+
+    reference = root / "reference"
+    reference.mkdir()
+    with chunkflow.load(plan, weights=folder, device="cpu") as other:
+        for job, snap in zip(jobs, snaps):
+            status, content, headers = call(server, "GET", snap["result_url"])
+            assert status == 200 and headers["content-type"] == "video/mp4"
+            got = reference / f"served-{snap['id']}.mp4"
+            got.write_bytes(content)
+            frames = read_video(got)
+            assert frames.shape[0] == other.plan.workload.frames
+            want = other.generate(job["prompt"], seed=job["seed"], steps=job["steps"])
+            assert want.output.shape[0] == frames.shape[0]
+            want_frames = read_video(want.save(reference / f"fresh-{snap['id']}.mp4"))
+            np.testing.assert_array_equal(frames, want_frames)
+    # the outputs are named by the job's id only, in the server's folder
+    assert {p.name for p in (root / "outputs").iterdir()} >= {s["output"] for s in snaps}
+
+
+def test_a_queued_job_is_cancelled_and_never_runs(server):
+    server.queue.pause()
+    try:
+        ids = [call(server, "POST", "/jobs", {"prompt": f"job {i}", "seed": i, "steps": 1})[1]["id"]
+               for i in range(3)]
+        status, snap, _ = call(server, "DELETE", f"/jobs/{ids[-1]}")
+        assert status == 200 and snap["state"] == "cancelled" and snap["started"] is None
+        status, listing, _ = call(server, "GET", "/jobs")
+        queued = [j["id"] for j in listing["jobs"] if j["state"] == "queued"]
+        assert queued == ids[:2]
+    finally:
+        server.queue.resume()
+    assert [finished(server, i)["state"] for i in ids] == ["done", "done", "cancelled"]
+    status, err, _ = call(server, "GET", f"/jobs/{ids[-1]}/result")
+    assert status == 409 and "cancelled" in err["error"]
+    status, err, _ = call(server, "DELETE", f"/jobs/{ids[0]}")
+    assert status == 409 and "finished" in err["error"]
+
+
+def test_a_running_job_stops_at_its_next_step_when_cancelled(server):
+    server.gate.clear()
+    server.at_step.clear()
+    try:
+        status, snap, _ = call(server, "POST", "/jobs", {"prompt": "a long one", "seed": 5, "steps": 4})
+        assert status == 201
+        wait_until(server.at_step.is_set, "the job's first step")  # the worker waits inside step 1
+        assert call(server, "GET", f"/jobs/{snap['id']}")[1]["state"] == "running"
+        status, after, _ = call(server, "DELETE", f"/jobs/{snap['id']}")
+        assert status == 200 and after["state"] == "running" and after["cancel_requested"]
+    finally:
+        server.gate.set()
+    done = finished(server, snap["id"])
+    assert done["state"] == "cancelled" and done["step"] == 1 and done["output"] is None
+    # the session goes on: the next job runs
+    status, snap, _ = call(server, "POST", "/jobs", {"prompt": "after the cancel", "seed": 6, "steps": 1})
+    assert finished(server, snap["id"])["state"] == "done"
+
+
+def test_a_job_that_does_not_fit_is_refused_with_the_planners_reason(server):
+    status, err, _ = call(server, "POST", "/jobs", {"prompt": "too large", "height": 8192, "width": 8192})
+    assert status == 422
+    assert "host memory" in err["error"] or "memory" in err["error"], err
+    assert "smaller size" in err["error"] and "chunkflow plan --height 8192 --width 8192" in err["error"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+    (json.dumps({"prompt": "x", "colour": "red"}).encode(), 422, "colour"),
+    (json.dumps({"seed": 1}).encode(), 422, "prompt"),
+    (json.dumps(["a", "list"]).encode(), 422, "JSON object"),
+    (json.dumps({"prompt": "x", "steps": 0}).encode(), 422, "steps"),
+    (json.dumps({"prompt": "x", "image": "/etc/passwd"}).encode(), 422, "image_base64"),
+    (json.dumps({"prompt": "x", "out": "../../x.mp4"}).encode(), 422, "job id"),
+    (json.dumps({"prompt": "x", "image_base64": "not base64!"}).encode(), 422, "base64"),
+])
+def test_bad_requests_are_refused_with_what_was_wrong(server, body, status, words):
+    got, err, _ = call(server, "POST", "/jobs", raw=body)
+    assert got == status and words in err["error"], err
+
+
+def test_an_image_for_a_pipeline_that_takes_none_is_refused(server):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(buf, "PNG")
+    got, err, _ = call(server, "POST", "/jobs", {"prompt": "x", "image_base64": base64.b64encode(buf.getvalue())
+                                                 .decode()})
+    assert got == 422 and "takes no image" in err["error"], err
+    got, err, _ = call(server, "POST", "/jobs", {"prompt": "x", "image_base64": base64.b64encode(b"GIF89a junk")
+                                                 .decode()})
+    assert got == 422 and "image_base64" in err["error"], err
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server):
+    big = json.dumps({"prompt": "x", "image_base64": "A" * (BODY_LIMIT + 10)}).encode()
+    status, err, _ = call(server, "POST", "/jobs", raw=big)
+    assert status == 413 and "over" in err["error"]
+    # without a Content-Length (chunked): the cap holds while the body is streamed
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    try:
+        conn.request("POST", "/jobs", body=iter([big[i:i + 8192] for i in range(0, len(big), 8192)]),
+                     headers={"Content-Type": "application/json"}, encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == 413 and "over" in json.loads(r.read())["error"]
+    finally:
+        conn.close()
+
+
+def test_a_full_queue_refuses_with_429(server):
+    server.queue.pause()
+    ids = []
+    try:
+        for i in range(server.queue.max_queue):
+            status, snap, _ = call(server, "POST", "/jobs", {"prompt": f"fill {i}", "steps": 1})
+            assert status == 201
+            ids.append(snap["id"])
+        status, err, _ = call(server, "POST", "/jobs", {"prompt": "one too many", "steps": 1})
+        assert status == 429 and "at most 4" in err["error"]
+    finally:
+        for i in ids:
+            call(server, "DELETE", f"/jobs/{i}")
+        server.queue.resume()
+
+
+@pytest.mark.parametrize("path, status", [
+    ("/jobs/" + "0" * 32, 404), ("/jobs/" + "0" * 32 + "/result", 404), ("/jobs/xyz", 400),
+    ("/jobs/..%2F..%2Fplan.json", 404), ("/jobs/%2E%2E", 400), ("/jobs/ABCDEF" + "0" * 26, 400),
+    ("/jobs/..%2Fplan.json/result", 404), ("/nowhere", 404),
+])
+def test_unknown_and_path_like_ids_are_refused(server, path, status):
+    got, err, _ = call(server, "GET", path)
+    assert got == status and isinstance(err, dict) and err["error"], err
+    if path.startswith("/jobs/") and path.count("/") == 2:
+        got, err, _ = call(server, "DELETE", path)
+        assert got in (400, 404, 405) and err["error"]
+
+
+def test_health_and_metrics(server):
+    status, health, _ = call(server, "GET", "/health")
+    assert status == 200 and health["ok"] and health["model"] == server.session.spec.name == "tiny-wan" and health["device"] == "cpu"
+    assert health["queue_length"] == 0 and health["video"] and not health["image"]
+    status, text, headers = call(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {}
+    for line in text.decode().splitlines():
+        if line.startswith("#"):
+            assert line.split()[1] in ("HELP", "TYPE")
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    assert samples["chunkflow_queue_length"] == 0
+    assert set(k for k in samples if k.startswith("chunkflow_jobs{")) == {
+        f'chunkflow_jobs{{state="{s}"}}' for s in ("queued", "running", "done", "failed", "cancelled")}
+    assert samples['chunkflow_jobs_finished_total{state="done"}'] >= 1  # the module's earlier jobs
+    assert samples["chunkflow_last_generation_seconds"] > 0
+    assert np.isnan(samples["chunkflow_last_generation_predicted_seconds"])  # the CPU: not predicted
+    assert samples['chunkflow_generation_time_ratio_bucket{le="+Inf"}'] == samples[
+        "chunkflow_generation_time_ratio_count"]
+
+
+def test_the_page_has_the_form_and_no_external_assets(server):
+    status, page, headers = call(server, "GET", "/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    page = page.decode()
+    assert '<form id="submit">' in page and 'id="prompt"' in page and 'id="seed"' in page and 'id="steps"' in page
+    assert 'type="file"' not in page  # the tiny Wan pipeline takes no image
+    assert "innerHTML" not in page and "http://" not in page and "https://" not in page and "<link" not in page
+
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_a_browser_renders_the_queue_from_the_api(server, tmp_path):
+    server.queue.pause()
+    try:
+        prompt = "<b>a fox</b> & <script>alert(1)</script>"
+        status, snap, _ = call(server, "POST", "/jobs", {"prompt": prompt, "seed": 7, "steps": 1})
+        assert status == 201
+        run = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+                              server.url + "/"], capture_output=True, text=True, timeout=WAIT_S)
+        dom = run.stdout
+        assert "<tbody" in dom, run.stderr[-2000:]
+        assert f'data-id="{snap["id"]}"' in dom and "queued (#1)" in dom
+        # the prompt shown as text: its markup escaped in the DOM, never elements
+        assert "&lt;b&gt;a fox&lt;/b&gt; &amp; &lt;script&gt;alert(1)&lt;/script&gt;" in dom
+        assert "<b>a fox</b>" not in dom
+    finally:
+        call(server, "DELETE", f"/jobs/{snap['id']}")
+        server.queue.resume()
+
+
+def test_a_failing_generation_marks_its_job_failed_and_the_worker_goes_on(server, monkeypatch):
+    from chunkflow.generate import GenerationError
+
+    real = server.session.generate
+    calls = []
+
+    def broken(prompt, **kw):
+        calls.append(prompt)
+        if prompt == "nan please":
+            raise GenerationError("the latents hold NaN or infinite values after denoising step 1 of 1")
+        if prompt == "crash please":
+            raise RuntimeError("something broke")
+        return real(prompt, **kw)
+
+    monkeypatch.setattr(server.session, "generate", broken)
+    server.queue.pause()
+    ids = [call(server, "POST", "/jobs", {"prompt": p, "steps": 1})[1]["id"]
+           for p in ("nan please", "crash please", "fine")]
+    server.queue.resume()
+    snaps = [finished(server, i) for i in ids]
+    assert [s["state"] for s in snaps] == ["failed", "failed", "done"]
+    assert "NaN" in snaps[0]["error"] and snaps[1]["error"] == "RuntimeError: something broke"
+    assert snaps[2]["error"] is None and calls == ["nan please", "crash please", "fine"]
+
+
+def test_shutdown_cancels_waiting_jobs_ends_the_worker_and_closes_the_session(setup, tmp_path):
+    root, plan, folder = setup
+    with one_thread():
+        s = Server(plan, folder, tmp_path / "outputs")
+        s.queue.pause()
+        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "never run", "steps": 1})
+        assert status == 201
+        s.stop()
+    assert not s.thread.is_alive() and not s.queue._worker.is_alive()
+    assert s.session.closed and s.queue.closed
+    assert s.queue.get(snap["id"])["state"] == "cancelled"
+    from chunkflow.serve.queue import QueueClosed
+    from chunkflow_planner.jobs import Job
+
+    with pytest.raises(QueueClosed):
+        s.queue.submit(Job(prompt="too late"))
+    s.queue.shutdown()  # a second shutdown does nothing
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--port", "0"], "--port must be between 1 and 65535"),
+    (["--port", "70000"], "--port must be between 1 and 65535"),
+    (["--max-queue", "0"], "--max-queue must be between 1"),
+    (["--log-level", "loud"], "--log-level must be one of"),
+    (["--out-dir", "plan.json"], "is a file; give a directory"),
+])
+def test_serve_checks_its_options_before_loading(cli, setup, workdir, args, words):
+    root, plan, folder = setup
+    shutil.copy(plan, workdir / "plan.json")
+    result = cli("serve", "--plan", "plan.json", *args)
+    assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_serve_refuses_a_missing_plan_and_a_port_in_use(cli, setup, workdir):
+    root, plan, folder = setup
+    result = cli("serve", "--plan", "nowhere.json")
+    assert result.exit_code == 2 and "nowhere.json" in result.output
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        result = cli("serve", "--plan", plan, "--weights", folder, "--port", taken.getsockname()[1])
+    finally:
+        taken.close()
+    assert result.exit_code == 2 and "port is in use" in result.output, result.output
+
+
+def test_serve_without_fastapi_says_what_to_install(cli, setup, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    result = cli("serve", "--plan", setup[1])
+    assert result.exit_code == 2 and "pip install 'chunkflow-dit[serve]'" in result.output, result.output
+
+
+def test_loopback_addresses():
+    from chunkflow.serve.server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("example.org")
+
+
+@pytest.mark.slow
+def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
+    import os
+    import signal
+    import sys
+
+    from conftest import SRC
+
+    root, plan, folder = setup
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    proc = subprocess.Popen([sys.executable, "-m", "chunkflow", "serve", "--plan", str(plan), "--weights",
+                             str(folder), "--device", "cpu", "--port", str(port), "--out-dir",
+                             str(tmp_path / "out"), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # the URL, once the server accepts connections
+        assert f"http://127.0.0.1:{port}/" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        s = type("S", (), {"url": f"http://127.0.0.1:{port}"})()
+        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "a cat", "seed": 1, "steps": 1})
+        assert status == 201
+        assert finished(s, snap["id"])["state"] == "done"
+        assert (tmp_path / "out" / f"{snap['id']}.mp4").is_file()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "stopping (Ctrl-C)" in err and "stopped: 1 jobs done, 0 failed, 0 cancelled" in err
+    assert "Traceback" not in err, err
