@@ -391,7 +391,7 @@ def test_shutdown_cancels_waiting_jobs_ends_the_worker_and_closes_the_session(se
     assert s.session.closed and s.queue.closed
     assert s.queue.get(snap["id"])["state"] == "cancelled"
     from chunkflow.serve.queue import QueueClosed
-    from chunkflow_planner.jobs import Job
+    from chunkflow_planner.pipeline.jobs import Job
 
     with pytest.raises(QueueClosed):
         s.queue.submit(Job(prompt="too late"))

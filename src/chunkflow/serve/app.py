@@ -28,7 +28,7 @@ from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
 from chunkflow.serve.page import render_page  # noqa: E402
 from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
-from chunkflow_planner.jobs import JobError, parse_job  # noqa: E402
+from chunkflow_planner.pipeline.jobs import JobError, parse_job  # noqa: E402
 
 __all__ = ["make_app", "MAX_BODY_BYTES"]
 

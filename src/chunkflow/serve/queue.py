@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.jobs import Job, JobError
+from chunkflow_planner.pipeline.jobs import Job, JobError
 
 __all__ = ["JobQueue", "QueuedJob", "QueueFull", "QueueClosed", "UnknownJob", "STATES", "DEFAULT_MAX_QUEUE"]
 
