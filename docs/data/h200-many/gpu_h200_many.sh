@@ -11,7 +11,8 @@
 #   part `singles`: the same ten jobs as ten `chunkflow run --prompt` processes, one after another (what a user paid
 #                   before), the page cache dropped before the first only.
 #   PARTS="save jobs serve" bash docs/data/h200-many/gpu_h200_many.sh OUT_DIR     # call 1
-#   PARTS="singles" bash docs/data/h200-many/gpu_h200_many.sh OUT_DIR             # call 2 (same machine, warm)
+#   PARTS="singles" SEEDS="0 1 2 3 4" bash docs/data/h200-many/gpu_h200_many.sh OUT_DIR   # calls 2 and 3 (the same
+#   PARTS="singles" SEEDS="5 6 7 8 9" bash docs/data/h200-many/gpu_h200_many.sh OUT_DIR   # machine, warm)
 set -uo pipefail
 dest=${1:-${OUT:-out}}
 work=${WORK:-/tmp/chunkflow-evidence}
@@ -56,18 +57,18 @@ if wanted serve; then
   after_run
 fi
 if wanted singles; then
-  step singles-drop 120 python3 "$repo/scripts/drop_cache.py" "$folder"
-  : > "$out/singles.tsv"
+  [ -s "$out/singles.tsv" ] || step singles-drop 120 python3 "$repo/scripts/drop_cache.py" "$folder"
   mkdir -p "$out/singles-out"
   t0=$(now)
   python3 -c "import json,sys; [print(json.loads(l)['seed'], json.loads(l)['prompt'], sep='\t') for l in open(sys.argv[1])]" \
       "$here/jobs.jsonl" | while IFS=$'\t' read -r seed prompt; do
+    [[ " ${SEEDS:-0 1 2 3 4 5 6 7 8 9} " == *" $seed "* ]] || continue
     t=$(now)
     run single-$seed 300 run --plan "$plan" --weights "$folder" --prompt "$prompt" --seed $seed \
         --out "$out/singles-out/single-$seed.mp4" --report "$out/single-$seed.json" < /dev/null
     echo -e "$seed\t$(python3 -c "print(round($(now) - $t, 2))")" >> "$out/singles.tsv"
   done
-  echo "singles wall_s $(python3 -c "print(round($(now) - $t0, 2))")" | tee "$out/singles-wall.txt"
+  echo "singles ${SEEDS:-all} wall_s $(python3 -c "print(round($(now) - $t0, 2))")" | tee -a "$out/singles-wall.txt"
 fi
 # the outputs compared file for file (H.264 of the same frames is the same file)
 python3 - "$out" > "$out/compare.txt" 2>&1 <<'PY'

@@ -222,10 +222,7 @@ class JobQueue:
 
         state, error, result = "done", None, None
         try:
-            j = qj.job  # its fields one by one: Session.generate(Job) would reset those not passed to the defaults
-            result = self.session.generate(j.prompt, negative_prompt=j.negative_prompt, seed=j.seed,
-                                           guidance=j.guidance, steps=j.steps, height=j.height, width=j.width,
-                                           frames=j.frames, image=qj.image, on_step=on_step)
+            result = self.session.generate(qj.job, image=qj.image, on_step=on_step)
             saved = result.save(self.out_dir / f"{qj.id}{'.mp4' if result.is_video else '.png'}")
             qj.output = saved.name
         except _Cancelled:
