@@ -360,13 +360,13 @@ def test_a_failing_generation_marks_its_job_failed_and_the_worker_goes_on(server
     real = server.session.generate
     calls = []
 
-    def broken(prompt, **kw):
-        calls.append(prompt)
-        if prompt == "nan please":
+    def broken(job, **kw):
+        calls.append(job.prompt)
+        if job.prompt == "nan please":
             raise GenerationError("the latents hold NaN or infinite values after denoising step 1 of 1")
-        if prompt == "crash please":
+        if job.prompt == "crash please":
             raise RuntimeError("something broke")
-        return real(prompt, **kw)
+        return real(job, **kw)
 
     monkeypatch.setattr(server.session, "generate", broken)
     server.queue.pause()
@@ -481,3 +481,17 @@ def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
     assert proc.returncode == 0, err
     assert "stopping (Ctrl-C)" in err and "stopped: 1 jobs done, 0 failed, 0 cancelled" in err
     assert "Traceback" not in err, err
+
+
+def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
+    """Each queued job starts when the one before is predicted to be over, its output written (the seconds the
+    jobs done spent beyond their generation); an overrunning job ends 'now' at best; a paused queue or a job the
+    plan does not predict ends the chain."""
+    from chunkflow.serve.queue import chain_times
+
+    assert chain_times(100.0, (90.0, 8.0), [7.0, 7.0], 0.5) == [(100.0, 107.5), (107.5, 115.0)]
+    assert chain_times(100.0, (80.0, 8.0), [7.0], 0.5) == [(100.0, 107.5)]  # the running job overran
+    assert chain_times(100.0, None, [8.0, 7.0], 0.0) == [(100.0, 108.0), (108.0, 115.0)]
+    assert chain_times(None, None, [8.0], 0.5) == [(None, None)]  # paused
+    assert chain_times(100.0, None, [8.0, None, 7.0], 0.5) == [(100.0, 108.5), (None, None), (None, None)]
+    assert chain_times(100.0, (90.0, None), [7.0], 0.5) == [(None, None)]

@@ -10,6 +10,7 @@ denoising step.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import uuid
@@ -71,6 +72,26 @@ class QueuedJob:
         return self.predicted_first_s if first else self.predicted_later_s
 
 
+def chain_times(now: float | None, running: tuple[float | None, float | None] | None,
+                predicted: list[float | None], after_s: float) -> list[tuple[float | None, float | None]]:
+    """(start, finish) of each queued job, in order: the first starts when the running job (its start and
+    predicted seconds) is predicted to be over, its output written `after_s` after its generation, or now if none
+    runs or it overran; each next one when the one before is predicted to be over. A finish is when the result is
+    there (generation and output). None from the first unknown on (a queue paused, `now` None; a job the plan does
+    not predict)."""
+    ahead = now
+    if running is not None and ahead is not None:
+        started, seconds = running
+        ahead = None if started is None or seconds is None else max(now, started + seconds + after_s)
+    out: list[tuple[float | None, float | None]] = []
+    for p in predicted:
+        start = ahead
+        finish = None if start is None or p is None else start + p + after_s
+        out.append((start if finish is not None else None, finish))
+        ahead = finish
+    return out
+
+
 @dataclass
 class Stats:
     """What the queue has done since it started (for /metrics): jobs finished by state, the last generation's
@@ -115,6 +136,7 @@ class JobQueue:
         self._queue: deque[QueuedJob] = deque()
         self._history: deque[QueuedJob] = deque()
         self._history_max = max(1, history)
+        self._after: deque[float] = deque(maxlen=8)  # seconds the last jobs done spent beyond their generation
         self._jobs: dict[str, QueuedJob] = {}
         self._running: QueuedJob | None = None
         self._paused = paused
@@ -225,6 +247,7 @@ class JobQueue:
             result = self.session.generate(qj.job, image=qj.image, on_step=on_step)
             saved = result.save(self.out_dir / f"{qj.id}{'.mp4' if result.is_video else '.png'}")
             qj.output = saved.name
+            self._after.append(max(0.0, time.time() - qj.started - result.seconds))
         except _Cancelled:
             state = "cancelled"
         except ChunkflowError as exc:
@@ -292,39 +315,44 @@ class JobQueue:
 
     def _snapshots(self) -> dict[str, dict]:
         """Every known job as the API shows it (the condition held), with the predicted start and finish of the
-        running and queued ones: the running job's predicted remaining from its start, then each queued job's
-        predicted seconds in turn; None from the first job the plan does not predict on."""
-        now = time.time()
-        ahead: float | None = None if self._paused else now  # a paused queue starts nothing: no prediction
+        running and queued ones (chain_times): the running job's predicted remaining from its start, then each
+        queued job's predicted seconds in turn, each with the time a job here spends beyond its generation (its
+        output written: `after_s`, measured on the jobs done); None from the first job the plan does not predict."""
         first = self.session.generations == 0
         out: dict[str, dict] = {}
+        running = None
         if self._running is not None:
             r = self._running
-            out[r.id] = self._snapshot(r)
-            end = None if r.predicted_s is None or r.started is None else r.started + r.predicted_s
-            ahead = None if end is None or ahead is None else max(now, end)  # overrunning: it ends now at best
+            out[r.id] = self._snapshot(r, after_s=self.after_s)
+            running = (r.started, r.predicted_s)
             first = False
-        for pos, qj in enumerate(self._queue):
-            predicted = qj.predicted(first)
-            start = ahead
-            ahead = None if start is None or predicted is None else start + predicted
-            shown = start is not None and predicted is not None
-            out[qj.id] = self._snapshot(qj, pos, start if shown else None, ahead, predicted)
+        predicted = []
+        for qj in self._queue:
+            predicted.append(qj.predicted(first))
             first = False
+        times = chain_times(None if self._paused else time.time(), running, predicted, self.after_s)
+        for pos, (qj, p, (start, finish)) in enumerate(zip(self._queue, predicted, times)):
+            out[qj.id] = self._snapshot(qj, pos, start, finish, p)
         for qj in self._history:
             out[qj.id] = self._snapshot(qj)
         return out
 
+    @property
+    def after_s(self) -> float:
+        """Seconds a job spends beyond its generation (writing its output), the median of the last jobs done; 0
+        before the first."""
+        return statistics.median(self._after) if self._after else 0.0
+
     @staticmethod
     def _snapshot(qj: QueuedJob, position: int | None = None, start: float | None = None,
-                  finish: float | None = None, predicted: float | None = None) -> dict:
+                  finish: float | None = None, predicted: float | None = None, after_s: float = 0.0) -> dict:
         """A job as the API shows it; a queued job's predicted start, finish and seconds as given (None where not
         predicted), the others' from their start and the plan's seconds."""
         j = qj.job
         if qj.state != "queued":
             predicted = qj.predicted_s
             start = qj.started
-            finish = None if start is None or predicted is None else start + predicted
+            finish = None if start is None or predicted is None else start + predicted + after_s
         return {
             "id": qj.id, "state": qj.state, "position": position,
             "prompt": j.prompt, "negative_prompt": j.negative_prompt, "seed": j.seed, "guidance": j.guidance,
