@@ -80,19 +80,16 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
 
 
 def _out_dir(out_dir: str | None) -> Path:
-    """The output folder, made if missing; a file there or an unwritable folder is refused before any work."""
-    import os
+    """The output folder (files.check_output_dir: a file there or an unwritable folder refused before any work),
+    made if missing."""
+    from chunkflow_planner.files import check_output_dir
 
-    folder = Path(out_dir if out_dir is not None else "outputs").expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--out-dir {str(folder)!r} is a file, not a folder; give a folder for the outputs")
+    folder = check_output_dir(out_dir if out_dir is not None else "outputs", "--out-dir")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--out-dir {str(folder)!r} cannot be made ({exc.strerror}); give a folder you can write "
                         "to") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"--out-dir {str(folder)!r} is not writable; give a folder you can write to")
     return folder
 
 
