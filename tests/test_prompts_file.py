@@ -210,3 +210,28 @@ def test_image_jobs_animate_their_images_and_a_job_without_one_is_refused(cli, w
                          f"single-{line}.mp4", "--report", f"r{line}.json")
         assert single.exit_code == 0, single.output
         assert (Path("clips") / jobs[line]["out"]).read_bytes() == Path(f"single-{line}.mp4").read_bytes()
+
+
+def test_ctrl_c_on_the_command_line_writes_the_report_and_exits_130(cli, workdir, saved, monkeypatch):
+    """The command's side of an interrupt: the table and the report of what was done, exit 130 (the interrupt
+    injected as the terminal's Ctrl-C arrives: a KeyboardInterrupt out of the second job's generation)."""
+    from chunkflow.session import Session
+
+    plan = _plan(cli, "tiny")
+    Path("jobs.txt").write_text("one\ntwo\nthree\n")
+    real, calls = Session.generate, []
+
+    def interrupted(self, job, **kw):
+        calls.append(job.prompt)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, job, **kw)
+
+    monkeypatch.setattr(Session, "generate", interrupted)
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", saved["tiny"], "--device", "cpu", "--prompts", "jobs.txt",
+                     "--out-dir", "o", "--report", "rep.json")
+    assert result.exit_code == 130, result.output
+    rep = json.loads(Path("rep.json").read_text())
+    assert rep["interrupted"] and [j["state"] for j in rep["jobs"]] == ["done", "interrupted", "not run"]
+    assert "Interrupted" in result.output and sorted(p.name for p in Path("o").iterdir()) == ["0001-one.mp4"]
