@@ -91,10 +91,17 @@ def readme_env(tmp_path_factory) -> Path:
     return site
 
 
+def _python_block(marker: str) -> str:
+    """The README's Python code block that holds `marker`."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if marker in b]
+    assert len(blocks) == 1, f"the README has {len(blocks)} Python snippets with {marker!r}: update this test"
+    return blocks[0]
+
+
 def _snippet() -> str:
     """The README's Python snippet with the three things a CPU test must change: the Hub id becomes a tiny saved
     folder, "cuda" the CPU, the 480p clip a 64x64 one of 5 frames in 2 steps (each replaced exactly once)."""
-    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    code = _python_block("chunkflow.offload(")
     for old, new in (('"Wan-AI/Wan2.1-T2V-14B-Diffusers"', "FOLDER"), ('"cuda"', '"cpu"'),
                      ("num_frames=81, height=480, width=832",
                       "num_frames=5, height=64, width=64, num_inference_steps=2, max_sequence_length=8")):
@@ -125,3 +132,30 @@ def test_the_readme_snippet_runs_with_the_readme_extras_only(readme_env, tmp_pat
     assert f"FROM {readme_env}" in p.stdout  # the wheel's package, not the repository's src/
     assert "chunkflow on cpu: 2 of 2 blocks" in p.stdout  # the stats the snippet prints: both blocks streamed
     assert "FRAMES (5, 64, 64, 3)" in p.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_session_snippet_runs_with_the_readme_extras_only(readme_env, tmp_path):
+    """The README's `chunkflow.load` snippet in the README-extras environment, the Hub id a tiny saved folder and
+    plan.json a CPU plan of it made by the wheel's own command: four videos written, each generation's seconds
+    printed, the session closed by its `with`."""
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("tiny", tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=str(readme_env), PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    plan = subprocess.run([sys.executable, "-S", "-m", "chunkflow", "plan", "--model", "tiny", "--hardware", "cpu",
+                           "--host-mem-budget", "8GB", "--out", "plan.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    code = _python_block("chunkflow.load(")
+    hub = '"Wan-AI/Wan2.2-TI2V-5B-Diffusers"'
+    assert code.count(hub) == 1, "the README's session snippet no longer loads the 5B by its Hub id: update this test"
+    code = f"FOLDER = {str(folder)!r}\n" + code.replace(hub, "FOLDER") + "\nprint('CLOSED', session.closed)\n"
+    p = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert sorted(f.name for f in tmp_path.glob("fox-*.mp4")) == [f"fox-{i}.mp4" for i in range(4)]
+    assert p.stdout.count(" None") == 4  # seconds and predicted_s (None: the plan's times are a GPU's) each time
+    assert "CLOSED True" in p.stdout
