@@ -5,6 +5,11 @@ tensor and inside a word), Gaussian bf16 shrinks to under 0.70 of its bytes, and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -114,7 +119,7 @@ def test_the_layout_matches_the_format():
     assert enc.stream_at - enc.sm_at == enc.words
     assert enc.gaps_at - enc.stream_at == -(-enc.bits // SEGMENT_BITS) * SEGMENT_BITS // 8
     assert enc.segments in (-(-enc.bits // SEGMENT_BITS), -(-enc.bits // SEGMENT_BITS) - 1)
-    assert enc.groups_at - enc.gaps_at == (enc.segments + 1) // 2
+    assert enc.groups_at % 4 == 0 and 0 <= enc.groups_at - enc.gaps_at - (enc.segments + 1) // 2 < 4
     assert enc.tail_at - enc.groups_at == 4 * -(-enc.segments // GROUP_SEGMENTS)
     assert enc.data.size - enc.tail_at == data.size % 2
 
@@ -128,3 +133,33 @@ def test_a_damaged_chunk_is_refused():
 
     with pytest.raises(ValueError, match="damaged"):
         decode(replace(enc, data=data))
+
+
+def test_the_triton_decoder_gives_the_reference_bytes_in_the_interpreter():
+    """The GPU decoder (runtime/codecs/exponent_huffman_gpu.py), run by Triton's CPU interpreter: the bytes of the
+    CPU reference for chunks of one and of several groups, an odd byte, one exponent only, skewed lengths, and a
+    raw chunk; nothing written outside the output."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import numpy as np, torch
+        from chunkflow.runtime.codecs.exponent_huffman import encode, decode
+        from chunkflow.runtime.codecs.exponent_huffman_gpu import decode_into
+        g = torch.Generator().manual_seed(7)
+        bf = lambda v: v.to(torch.bfloat16).view(torch.uint8).numpy().copy()
+        rng = np.random.default_rng(7)
+        cases = [bf(torch.randn(40_001, generator=g) * 0.02), bf(torch.randn(3_000, generator=g))[:5_999],
+                 bf(torch.full((2_000,), 0.75)), np.arange(65536, dtype="<u2").view(np.uint8)]
+        exps = rng.choice(30, size=50_000, p=np.arange(1, 31) ** 4 / (np.arange(1, 31) ** 4).sum()).astype(np.uint16)
+        cases.append(((exps + 90) << 7 | rng.integers(0, 256, exps.size).astype(np.uint16)).astype("<u2").view(np.uint8))
+        for data in cases:
+            enc = encode(data)
+            out = torch.full((enc.nbytes + 8,), 0xAB, dtype=torch.uint8)
+            decode_into(out[:enc.nbytes], torch.from_numpy(enc.data.copy()), enc)
+            assert np.array_equal(out[:enc.nbytes].numpy(), data), (enc.raw, data.size)
+            assert np.array_equal(out[:enc.nbytes].numpy(), decode(enc))
+            assert bool((out[enc.nbytes:] == 0xAB).all()), "wrote outside"
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

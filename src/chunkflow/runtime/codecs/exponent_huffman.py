@@ -18,8 +18,8 @@ The format of one encoded chunk (`Encoded`, a flat uint8 array and the facts to 
   last code may run on into 64 bits of padding that are no segment) and, for each GROUP_SEGMENTS segments (one GPU
   thread block's share), the index of the group's first word (uint32), from which a block finds each thread's
   first word by a prefix sum of the codes counted in each segment;
-- sections, in order: sign-mantissa bytes (one a word), the bit stream, the gaps (two a byte, low nibble first), the
-  group starts, the odd byte.
+- sections, in order: sign-mantissa bytes (one a word), the bit stream, the gaps (two a byte, low nibble first),
+  zeros to a multiple of 4 bytes, the group starts (little-endian uint32), the odd byte.
 A chunk that would not shrink is kept raw (`Encoded.raw`).
 """
 
@@ -151,7 +151,8 @@ def encode(chunk: np.ndarray | bytes) -> Encoded:
     segments = int(starts[-1]) // SEGMENT_BITS + 1  # a last segment no code starts in is left out
     padded = -(-bits // SEGMENT_BITS) * SEGMENT_BITS
     words = exps.size
-    size = words + padded // 8 + (segments + 1) // 2 + 4 * (-(-segments // GROUP_SEGMENTS)) + n % 2
+    align = -(words + padded // 8 + (segments + 1) // 2) % 4  # the group starts at a multiple of 4 bytes
+    size = words + padded // 8 + (segments + 1) // 2 + align + 4 * (-(-segments // GROUP_SEGMENTS)) + n % 2
     if size >= n:
         return raw
     stream = _pack(codes.astype(np.int64)[exps], ln, starts, bits, padded)
@@ -162,10 +163,10 @@ def encode(chunk: np.ndarray | bytes) -> Encoded:
     packed_gaps[:] = gaps[0::2].astype(np.uint8)
     packed_gaps[: segments // 2] |= (gaps[1::2].astype(np.uint8) << 4)
     groups = first[::GROUP_SEGMENTS].astype("<u4")
-    parts = [sm, stream, packed_gaps, groups.view(np.uint8), chunk[n - n % 2:]]
-    at = np.cumsum([0] + [p.size for p in parts])
+    parts = [sm, stream, packed_gaps, np.zeros(align, dtype=np.uint8), groups.view(np.uint8), chunk[n - n % 2:]]
+    at = [int(a) for a in np.cumsum([0] + [p.size for p in parts])]
     data = np.concatenate(parts)
-    return Encoded(data, n, False, lengths, bits, segments, *(int(a) for a in at[:5]))
+    return Encoded(data, n, False, lengths, bits, segments, at[0], at[1], at[2], at[4], at[5])
 
 
 def _pack(codes: np.ndarray, ln: np.ndarray, starts: np.ndarray, bits: int, padded: int) -> np.ndarray:
