@@ -159,12 +159,16 @@ def test_prompt_file_lines(tmp_path):
     from chunkflow_planner.pipeline.jobs import JobError, parse_jobs, read_jobs
 
     lines = parse_jobs('  \n# c\nplain words\n{"prompt": "p", "seed": 3, "steps": 4}\n{"prompt": ""}\n[1]\n'
-                       '{"prompt": "x", "colour": "red"}\n{not json\n{"prompt": "x", "guidance": NaN}\n')
-    assert [ln.number for ln in lines] == [3, 4, 5, 6, 7, 8, 9]
+                       '{"prompt": "x", "colour": "red"}\n{not json\n{"prompt": "x", "guidance": NaN}\n'
+                       + "[" * 50_000 + "]" * 50_000 + '\n{"prompt": "x", "seed": ' + "9" * 5000 + "}\n"
+                       '{"prompt": "x", "steps": true}\n{"prompt": "x", "seed": "5"}\n')
+    assert [ln.number for ln in lines] == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert lines[0].job.prompt == "plain words" and lines[1].job.seed == 3 and lines[1].job.steps == 4
     errors = [ln.error for ln in lines[2:]]
     assert all(errors) and "prompt" in errors[0] and "JSON object" in errors[1] and "colour" in errors[2]
     assert "not valid JSON" in errors[3] and "guidance" in errors[4]
+    assert "nested too deeply" in errors[5] and "not valid JSON for a job" in errors[6]
+    assert errors[7].startswith("steps") and errors[8].startswith("seed")  # JSON as given: no coercion
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "jobs.jsonl").write_text('{"prompt": "x", "image": "cat.png"}\n')
     assert read_jobs(tmp_path / "sub" / "jobs.jsonl")[0].job.image == str(tmp_path / "sub" / "cat.png")

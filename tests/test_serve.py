@@ -233,6 +233,10 @@ def test_a_job_that_does_not_fit_is_refused_with_the_planners_reason(server):
     (json.dumps({"prompt": "x", "image": "/etc/passwd"}).encode(), 422, "image_base64"),
     (json.dumps({"prompt": "x", "out": "../../x.mp4"}).encode(), 422, "job id"),
     (json.dumps({"prompt": "x", "image_base64": "not base64!"}).encode(), 422, "base64"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),  # a RecursionError in json, not a 500
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", 400, "not valid JSON for a job"),  # past int()'s digits
+    (json.dumps({"prompt": "x", "steps": True}).encode(), 422, "steps"),  # JSON as given: no coercion
+    (json.dumps({"prompt": "x", "seed": "5"}).encode(), 422, "seed"),
 ])
 def test_bad_requests_are_refused_with_what_was_wrong(server, body, status, words):
     got, err, _ = call(server, "POST", "/jobs", raw=body)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from typing import Any
 
@@ -28,7 +27,7 @@ from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
 from chunkflow.serve.page import render_page  # noqa: E402
 from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
-from chunkflow_planner.pipeline.jobs import JobError, parse_job  # noqa: E402
+from chunkflow_planner.pipeline.jobs import JobError, JobJSONError, load_json, parse_job  # noqa: E402
 
 __all__ = ["make_app", "MAX_BODY_BYTES"]
 
@@ -100,11 +99,9 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
         if isinstance(body, Response):
             return body
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            where = f" ({exc.msg} at line {exc.lineno} column {exc.colno})" if isinstance(exc, json.JSONDecodeError) \
-                else " (not UTF-8)"
-            return _error(400, f"the body is not valid JSON{where}; send a JSON object such as "
+            data = load_json(body)
+        except JobJSONError as exc:
+            return _error(400, f"the body is {exc}; send a JSON object such as "
                                '{"prompt": "a red fox in the snow", "seed": 1}')
         try:
             if not isinstance(data, dict):
@@ -118,7 +115,7 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
             if "out" in data:
                 raise JobError('out: the server names each output by its job id; leave "out" out and fetch '
                                "/jobs/<id>/result")
-            job = parse_job(data)
+            job = parse_job(data, strict=True)
             snap = await run_in_threadpool(queue.submit, job, image)
         except QueueFull as exc:
             return _error(429, str(exc))

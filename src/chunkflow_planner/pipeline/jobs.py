@@ -95,12 +95,32 @@ class JobLine:
     error: str | None = None
 
 
-def parse_job(data: object) -> Job:
-    """A Job from a decoded JSON value; JobError with every bad field named."""
+class JobJSONError(JobError):
+    """Text that is not JSON a job can be read from (malformed, nested too deeply, a number too long)."""
+
+
+def load_json(text: str | bytes) -> object:
+    """The JSON value of `text`; JobJSONError says why there is none (never a RecursionError or an integer
+    conversion's ValueError: a hostile line or request body is bad input, not a crash)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JobJSONError(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError:
+        raise JobJSONError("not valid JSON (not UTF-8, UTF-16 or UTF-32 text)") from None
+    except RecursionError:
+        raise JobJSONError("not valid JSON for a job (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise JobJSONError(f"not valid JSON for a job ({exc})") from None
+
+
+def parse_job(data: object, strict: bool = False) -> Job:
+    """A Job from a decoded JSON value (`strict`: as JSON gives it, no coercion: "5" is not a seed, true is not a
+    step count) or from Python values; JobError with every bad field named."""
     if not isinstance(data, dict):
         raise JobError(f"a job is a JSON object with at least \"prompt\", not {type(data).__name__}")
     try:
-        return Job.model_validate(data)
+        return Job.model_validate(data, strict=strict)
     except ValidationError as exc:
         raise JobError(field_errors(exc)) from None
 
@@ -117,11 +137,7 @@ def parse_jobs(text: str) -> list[JobLine]:
             raise JobError(f"the prompt file holds more than {MAX_JOBS} jobs; split it")
         try:
             if line[0] in "{[":
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise JobError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-                job = parse_job(data)
+                job = parse_job(load_json(line), strict=True)
             else:
                 job = parse_job({"prompt": line})
             out.append(JobLine(number, job))
