@@ -239,3 +239,17 @@ def test_ctrl_c_on_the_command_line_writes_the_report_and_exits_130(cli, workdir
     rep = json.loads(Path("rep.json").read_text())
     assert rep["interrupted"] and [j["state"] for j in rep["jobs"]] == ["done", "interrupted", "not run"]
     assert "Interrupted" in result.output and sorted(p.name for p in Path("o").iterdir()) == ["0001-one.mp4"]
+
+
+def test_a_job_asking_an_image_model_for_frames_is_refused_in_its_words(cli, workdir):
+    from chunkflow_planner.pipeline.jobs import Job, fit_job
+    from chunkflow_planner.plan import load_plan, model_of
+    from chunkflow_planner.predict import hardware_of
+
+    p = load_plan(_plan(cli, "tiny-flux"))
+    fit = fit_job(p, model_of(p), hardware_of(p), Job(prompt="x", frames=9))
+    assert fit.reason == "frames: tiny-flux makes images, not videos; leave frames out"
+    w = p.workload
+    assert fit_job(p, model_of(p), hardware_of(p), Job(prompt="x", frames=1, height=w.height)).reason is None
+    odd = fit_job(p, model_of(p), hardware_of(p), Job(prompt="x", height=w.height + 1)).reason
+    assert "divisible" in odd and "Nearest valid" in odd

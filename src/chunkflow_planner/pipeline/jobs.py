@@ -214,6 +214,9 @@ def fit_job(plan, spec: ModelSpec, hw: HardwareSpec, job: Job) -> JobFit:
     (planned --transformer-only) is checked for its shape only: its other components have no prediction."""
     from chunkflow_planner.explain import MarginKept
 
+    if not spec.is_video and job.frames not in (None, 1):
+        return JobFit(plan.workload.to_workload(), 0.0, 0.0, 0, 0,
+                      f"frames: {spec.name} makes images, not videos; leave frames out")
     try:
         w = job_workload(plan, spec, job)
     except WorkloadError as exc:
