@@ -1,7 +1,7 @@
-"""The exponent-Huffman codec on a GPU (issue 39's first measurement): chunks of bf16 encoded by the CPU reference,
-copied to the device from pinned memory raw and encoded, decoded by the Triton kernel; checks every decoded byte
-against the chunk and times (CUDA events, median of REPEAT) the raw copy, the encoded copy and the decode. Writes
-JSON to the path given.
+"""The exponent-Huffman codec on a GPU (issue 39's first measurement): chunks of bf16 encoded by the CPU reference
+and by the torch encoder on the GPU (the same bytes, checked), copied to the device from pinned memory raw and
+encoded, decoded by the Triton kernel; checks every decoded byte against the chunk and times (CUDA events, median
+of REPEAT) the raw copy, the encoded copy and the decode. Writes JSON to the path given.
 
     python scripts/codec_bench.py OUT.json [--chunks 4] [--chunk-mb 16] [--std 0.02]
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 from chunkflow.runtime.codecs.exponent_huffman import encode
-from chunkflow.runtime.codecs.exponent_huffman_gpu import decode_into, tables
+from chunkflow.runtime.codecs.exponent_huffman_gpu import decode_into, encode_on, tables
 
 REPEAT = 20
 
@@ -53,6 +53,13 @@ def main() -> None:
         t0 = time.perf_counter()
         enc = encode(raw.numpy())
         enc_s = time.perf_counter() - t0
+        on_gpu = raw.to(dev)
+        encode_on(on_gpu)  # the first run builds the kernels
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        enc_gpu = encode_on(on_gpu)
+        enc_gpu_s = time.perf_counter() - t0
+        same_encoding = bool((enc_gpu.data == enc.data).all()) if enc_gpu.data.size == enc.data.size else False
         host_raw = raw.pin_memory()
         host_enc = torch.from_numpy(enc.data.copy()).pin_memory()
         dev_raw = torch.empty_like(host_raw, device=dev)
@@ -67,7 +74,8 @@ def main() -> None:
         copy_enc = timed(lambda: dev_enc.copy_(host_enc, non_blocking=True))
         dec = timed(lambda: decode_into(out, dev_enc, enc, table))
         rows.append(dict(chunk=c, bytes=enc.nbytes, encoded_bytes=int(enc.data.size), ratio=enc.ratio, exact=exact,
-                         encode_cpu_s=enc_s, copy_raw_s=copy_raw, copy_encoded_s=copy_enc, decode_s=dec,
+                         encode_cpu_s=enc_s, encode_gpu_s=enc_gpu_s,
+                         gpu_encoding_is_the_reference=same_encoding, copy_raw_s=copy_raw, copy_encoded_s=copy_enc, decode_s=dec,
                          h2d_gbps=enc.nbytes / copy_raw / 1e9, decode_gbps=enc.nbytes / dec / 1e9,
                          segments=enc.segments, max_code_bits=int(enc.lengths.max())))
         print(json.dumps(rows[-1]), flush=True)

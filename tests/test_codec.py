@@ -163,3 +163,24 @@ def test_the_triton_decoder_gives_the_reference_bytes_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["gauss", "odd", "constant", "patterns", "nan", "tiny"])
+def test_the_torch_encoder_writes_the_reference_bytes(case):
+    """encode_on (the encoder a load runs on the GPU, here on the CPU) gives the CPU reference's bytes and facts."""
+    from chunkflow.runtime.codecs.exponent_huffman_gpu import encode_on
+
+    g = torch.Generator().manual_seed(8)
+    data = {"gauss": lambda: _bf16(torch.randn(200_003, generator=g) * 0.02),
+            "odd": lambda: _bf16(torch.randn(9_000, generator=g))[:17_999],
+            "constant": lambda: np.zeros(4096, dtype=np.uint8),
+            "patterns": lambda: np.arange(65536, dtype="<u2").view(np.uint8),
+            "nan": lambda: _bf16(torch.where(torch.rand(30_000, generator=g) < 0.2, torch.tensor(float("nan")),
+                                             torch.randn(30_000, generator=g))),
+            "tiny": lambda: np.array([7], dtype=np.uint8)}[case]()
+    ref, got = encode(data), encode_on(torch.from_numpy(data.copy()))
+    assert np.array_equal(got.data, ref.data)
+    facts = ("nbytes", "raw", "bits", "segments", "sm_at", "stream_at", "gaps_at", "groups_at", "tail_at")
+    assert [getattr(got, f) for f in facts] == [getattr(ref, f) for f in facts]
+    assert (got.lengths is None) == (ref.lengths is None)
+    assert ref.lengths is None or np.array_equal(got.lengths, ref.lengths)
