@@ -253,3 +253,27 @@ def test_a_job_asking_an_image_model_for_frames_is_refused_in_its_words(cli, wor
     assert fit_job(p, model_of(p), hardware_of(p), Job(prompt="x", frames=1, height=w.height)).reason is None
     odd = fit_job(p, model_of(p), hardware_of(p), Job(prompt="x", height=w.height + 1)).reason
     assert "divisible" in odd and "Nearest valid" in odd
+
+
+def test_a_plan_that_reads_the_checkpoint_at_run_time_needs_its_folder_everywhere(cli, workdir):
+    """Blocks kept on disk or a component placed on disk: run --prompt, run --prompts, serve and chunkflow.load
+    all refuse to start without the folder, with the same words (files_needed), before anything loads."""
+    import chunkflow
+    from chunkflow_planner.plan import files_needed, load_plan
+
+    plan = json.loads(_plan(cli, "tiny").read_text())
+    assert files_needed(load_plan(plan)) is None
+    on_disk = json.loads(json.dumps(plan))
+    next(c for c in on_disk["pipeline"]["components"] if c["kind"] == "text_encoder")["placement"] = "disk"
+    Path("disk.json").write_text(json.dumps(on_disk))
+    why = files_needed(load_plan(on_disk))
+    assert "text_encoder" in why and "--weights DIR" in why
+    assert files_needed(load_plan(on_disk), components=False) is None  # the synthetic steps read no component
+    Path("jobs.txt").write_text("a cat\n")
+    for args in (["run", "--plan", "disk.json", "--prompt", "a cat"], ["run", "--plan", "disk.json", "--prompts",
+                                                                       "jobs.txt"], ["serve", "--plan", "disk.json"]):
+        result = cli(*args)
+        assert result.exit_code == 2 and "placement disk" in result.output, (args, result.output)
+    with pytest.raises(chunkflow.ChunkflowError, match=r"placement disk.*weights=DIR"):
+        chunkflow.load("disk.json", device="cpu")
+    assert not Path("outputs").exists()  # refused before the output folder was made

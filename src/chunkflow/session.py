@@ -82,7 +82,7 @@ class Session:
                  log: Callable[[str], None] = lambda s: None) -> None:
         from chunkflow.pipeline_setup import setup_pipeline
         from chunkflow.runtime.resolve import resolve_device
-        from chunkflow_planner.plan import Plan, check_setting, load_plan
+        from chunkflow_planner.plan import Plan, check_setting, files_needed, load_plan
 
         self.plan: Plan = load_plan(plan)
         self.cfg = self.plan.offload if offload is None else offload
@@ -91,11 +91,9 @@ class Session:
             raise JobError(f"seed must be between 0 and 2**62, got {seed}")
         if variant is not None and weights is None:
             raise JobError("variant picks files in a weights folder; give weights=DIR with it")
-        on_disk = self.cfg.disk_blocks or any(c.placement == "disk" for c in
-                                              (self.plan.pipeline.components if self.plan.pipeline else ()))
-        if on_disk and weights is None:
-            raise JobError("the plan reads weights from the checkpoint's files when it runs (placement disk): give "
-                           "the folder, weights=DIR (or plan with more host memory)")
+        why = files_needed(self.plan, self.cfg, how="weights=DIR")
+        if why is not None and weights is None:
+            raise JobError(why)
         self._lock = threading.Lock()
         self._closed = False
         self.generations = 0  # generations run (each after the first pays no start-up)

@@ -286,3 +286,20 @@ def check_setting(plan: Plan, cfg: OffloadConfig, flags: str) -> None:
     problem = offload_problem(cfg, model_of(plan), flags)
     if problem is not None:
         raise PlanError(problem)
+
+
+def files_needed(plan: Plan, cfg: OffloadConfig | None = None, how: str = "--weights DIR",
+                 components: bool = True) -> str | None:
+    """Why running `plan` (with offload setting `cfg`, default the plan's) reads the checkpoint's files, so that a
+    run needs its folder (`how` names how to give it), or None: blocks kept on disk, or (`components`: a run of
+    the whole pipeline) components placed on disk."""
+    cfg = plan.offload if cfg is None else cfg
+    if cfg.disk_blocks:
+        return (f"the plan keeps {cfg.disk_blocks} blocks' weights on disk, read each step from the checkpoint's "
+                f"files: give the folder with {how} (or plan with more host memory)")
+    on_disk = [c.name for c in plan.pipeline.components if c.placement == "disk"] \
+        if plan.pipeline is not None and components else []
+    if on_disk:
+        return (f"the plan reads {', '.join(on_disk)} from the checkpoint's files when it runs (placement disk): "
+                f"give the folder with {how} (or plan with more host memory)")
+    return None

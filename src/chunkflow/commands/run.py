@@ -136,16 +136,13 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     import math
 
     from chunkflow_planner.files import check_distinct, check_output_file
+    from chunkflow_planner.plan import files_needed
     from chunkflow_planner.predict import hardware_of
 
     generating = prompt is not None
-    if p.offload.disk_blocks and opts.weights is None:
-        raise UserError(f"the plan keeps {p.offload.disk_blocks} blocks' weights on disk, read each step from the "
-                        "checkpoint's files: give the folder with --weights DIR (or plan with more host memory)")
-    on_disk = [c.name for c in p.pipeline.components if c.placement == "disk"] if p.pipeline is not None else []
-    if generating and on_disk and opts.weights is None:
-        raise UserError(f"the plan reads {', '.join(on_disk)} from the checkpoint's files when it runs (placement "
-                        "disk): give the folder with --weights DIR (or plan with more host memory)")
+    why = files_needed(p, components=generating)
+    if why is not None and opts.weights is None:
+        raise UserError(why)
     if not generating and any(v is not None for v in (negative_prompt, guidance, out, image)):
         raise UserError("--negative-prompt, --guidance, --out and --image go with --prompt (a generation)")
     opts.check()  # bad options fail before anything is built

@@ -18,7 +18,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     from chunkflow.launch import torchrun_world
     from chunkflow_planner.files import check_distinct, check_output_file
     from chunkflow_planner.pipeline.jobs import read_jobs
-    from chunkflow_planner.plan import model_of
+    from chunkflow_planner.plan import files_needed, model_of
     from chunkflow_planner.predict import hardware_of
 
     given = [flag for flag, v in others.items() if v is not None]
@@ -35,10 +35,9 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     opts = RunOptions(device=device, weights=weights, variant=variant, profile=profile, seed=seed, steps=steps,
                       warmup=0)
     opts.check()
-    on_disk = p.offload.disk_blocks or any(c.placement == "disk" for c in p.pipeline.components or ())
-    if on_disk and weights is None:
-        raise UserError("the plan reads weights from the checkpoint's files when it runs: give the folder with "
-                        "--weights DIR (or plan with more host memory)")
+    why = files_needed(p)
+    if why is not None and weights is None:
+        raise UserError(why)
     folder = _out_dir(out_dir)
     check_output_file(report, "--report")
     check_distinct({"--report": report}, {"--plan": plan_path, "--prompts": prompts})

@@ -64,7 +64,7 @@ def _check_serve(plan: str, weights: str | None, port: int, out_dir: str, max_qu
     """Every option checked before the load: the port and queue bounds, the output folder writable, the plan
     loading and having a pipeline, the weights folder the plan's model's. Returns (plan, weights folder)."""
     from chunkflow_planner.files import check_output_dir
-    from chunkflow_planner.plan import load_plan, model_of
+    from chunkflow_planner.plan import files_needed, load_plan, model_of
 
     if not 1 <= port <= 65535:
         raise UserError(f"--port must be between 1 and 65535, got {port}")
@@ -78,9 +78,9 @@ def _check_serve(plan: str, weights: str | None, port: int, out_dir: str, max_qu
     if spec.pipeline is None or p.pipeline is None:
         raise UserError(f"the plan has no pipeline to serve ({spec.name}: planned for the transformer only); plan "
                         "the whole pipeline (`chunkflow plan --model ...` without --transformer-only)")
-    if p.offload.disk_blocks and weights is None:
-        raise UserError(f"the plan keeps {p.offload.disk_blocks} blocks' weights on disk, read each step from the "
-                        "checkpoint's files: give the folder with --weights DIR")
+    why = files_needed(p)
+    if why is not None and weights is None:
+        raise UserError(why)
     folder = None
     if weights is not None:
         from chunkflow.models.pipeline_build import check_folder
