@@ -12,6 +12,8 @@ from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan
 from chunkflow_planner.units import format_bytes
 
+MAX_SEED = 2**62  # the build seed's bound: components draw random weights with it plus a few hundred
+
 
 def placements_of(plan: Plan) -> tuple[dict[str, str], bool]:
     """component -> placement from the plan's pipeline section (a plan made with --transformer-only: the transformer

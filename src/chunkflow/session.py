@@ -80,15 +80,15 @@ class Session:
                  offload=None, seed: int = 0,
                  progress: Callable[[str, int | None, int | None], None] | None = None,
                  log: Callable[[str], None] = lambda s: None) -> None:
-        from chunkflow.pipeline_setup import setup_pipeline
+        from chunkflow.pipeline_setup import MAX_SEED, setup_pipeline
         from chunkflow.runtime.resolve import resolve_device
         from chunkflow_planner.plan import Plan, check_setting, files_needed, load_plan
 
         self.plan: Plan = load_plan(plan)
         self.cfg = self.plan.offload if offload is None else offload
         check_setting(self.plan, self.cfg, "offload")
-        if not 0 <= seed <= 2**62:
-            raise JobError(f"seed must be between 0 and 2**62, got {seed}")
+        if not 0 <= seed <= MAX_SEED:
+            raise JobError(f"seed must be between 0 and 2**62 ({MAX_SEED}), got {seed}")
         if variant is not None and weights is None:
             raise JobError("variant picks files in a weights folder; give weights=DIR with it")
         why = files_needed(self.plan, self.cfg, how="weights=DIR")

@@ -180,13 +180,6 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
     return report
 
 
-def _shape(job_fit: JobFit | None, spec_video: bool) -> str | None:
-    if job_fit is None:
-        return None
-    w = job_fit.workload
-    return f"{w.width}x{w.height}" + (f" x{w.frames}" if spec_video else "") + f", {w.steps} steps"
-
-
 def _refused(p: PlannedJob, why: str | None = None) -> JobResult | None:
     if p.error is None and why is None:
         return None
@@ -197,8 +190,7 @@ def _result(p: PlannedJob, state: str, *, error: str | None = None, res=None, rs
     from chunkflow.reports import rel_error
 
     job = p.job
-    video = res.is_video if res is not None else None
-    shape = _shape(p.fit, bool(video) if video is not None else (p.fit is not None and p.fit.workload.frames > 1))
+    shape = p.fit.shape if p.fit is not None else None
     if res is None:
         return JobResult(line=p.line, prompt=job.prompt if job else None, seed=job.seed if job else None,
                          state=state, error=error, shape=shape, out=None)

@@ -154,8 +154,7 @@ def print_jobs(rep) -> None:
         t.add_row(*row, escape(j.out if j.state == "done" else _short(why, 60)))
     console.print(t)
     if done and done[0].predicted_s is None:
-        console.print("(times are compared with the plan on a GPU; this run's device is not the plan's)",
-                      markup=False)
+        console.print("(the plan's times are compared on a GPU only: on the CPU they are nominal)", markup=False)
     rss = [j.host_rss_bytes for j in done if j.host_rss_bytes]
     if rss:
         console.print(f"host memory after each job: {format_bytes(min(rss))} to {format_bytes(max(rss))}",

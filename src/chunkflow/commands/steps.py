@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chunkflow.launch import torchrun_world
+from chunkflow.pipeline_setup import MAX_SEED  # the seed a run builds random weights with
 from chunkflow.reports import Measured, MemorySample, RelErrors, RunConfig, RunError, RunReport, rel_error
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload
 from chunkflow_planner.offload import OffloadConfig
@@ -30,7 +31,6 @@ from chunkflow_planner.plan import Plan, model_of
 from chunkflow_planner.workload import MAX_STEPS  # denoising steps a run takes, as a plan's
 from chunkflow_planner.predict import Predicted, hardware_of, predict
 
-MAX_SEED = 2**62
 DEFAULT_MAX_STEPS = 5
 
 

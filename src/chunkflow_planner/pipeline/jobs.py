@@ -175,6 +175,12 @@ class JobFit:
     host_bytes: int
     reason: str | None
 
+    @property
+    def shape(self) -> str:
+        """Its size, frames and steps in words ("832x480 x49 frames, 8 steps")."""
+        w = self.workload
+        return f"{w.width}x{w.height}" + (f" x{w.frames} frames" if w.frames > 1 else "") + f", {w.steps} steps"
+
     def expected_s(self, first: bool) -> float:
         """The predicted seconds of the job as the process's first generation or a later one."""
         return self.time_s if first else self.time_s - self.startup_s
@@ -205,10 +211,6 @@ def placement_estimate(plan, spec: ModelSpec, hw: HardwareSpec, w: Workload):
     return estimate(spec, w, hw, pl, point, None, disk_point)
 
 
-def _shape(spec: ModelSpec, w: Workload) -> str:
-    return f"{w.width}x{w.height}" + (f" x{w.frames} frames" if spec.is_video else "") + f", {w.steps} steps"
-
-
 def fit_job(plan, spec: ModelSpec, hw: HardwareSpec, job: Job) -> JobFit:
     """The job planned against the plan's loaded placement (module docstring). A plan without a pipeline section
     (planned --transformer-only) is checked for its shape only: its other components have no prediction."""
@@ -237,7 +239,7 @@ def fit_job(plan, spec: ModelSpec, hw: HardwareSpec, job: Job) -> JobFit:
         if e.gpu_need > usable:
             kept = f" ({format_bytes(usable)} after the {plan.memory_margin:.0%} the plan keeps for the memory " \
                    "model's error)" if plan.memory_margin else ""
-            fit.reason = (f"{_shape(spec, w)} needs {format_bytes(e.gpu_need)} of {e.hw_word} memory at its peak "
+            fit.reason = (f"{fit.shape} needs {format_bytes(e.gpu_need)} of {e.hw_word} memory at its peak "
                           f"({e.binding_phase}) with the loaded placement, over the plan's "
                           f"{format_bytes(budget)} budget{kept}: give a smaller size, or {redo}")
             return fit
@@ -245,7 +247,7 @@ def fit_job(plan, spec: ModelSpec, hw: HardwareSpec, job: Job) -> JobFit:
     if host is not None:
         usable = int(host / (1 + (plan.host_memory_margin or 0.0)))
         if e.host_memory > usable:
-            fit.reason = (f"{_shape(spec, w)} needs {format_bytes(e.host_memory)} of host memory with the loaded "
+            fit.reason = (f"{fit.shape} needs {format_bytes(e.host_memory)} of host memory with the loaded "
                           f"placement, over the plan's {format_bytes(host)} host budget"
                           + (f" ({format_bytes(usable)} after its margin)" if usable < host else "")
                           + f": give a smaller size, or {redo}")

@@ -34,7 +34,7 @@ MAX_CODE_BITS = 12  # the decoder's table: 4096 entries of (symbol, length)
 SEGMENT_BITS = 64  # a GPU thread decodes the codes that start in its 64 bits
 GROUP_SEGMENTS = 256  # a GPU thread block's segments: one uint32 word index each
 
-__all__ = ["Encoded", "encode", "decode", "code_lengths", "MAX_CODE_BITS", "SEGMENT_BITS", "GROUP_SEGMENTS"]
+__all__ = ["Encoded", "encode", "decode", "code_lengths", "sections", "MAX_CODE_BITS", "SEGMENT_BITS", "GROUP_SEGMENTS"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,16 @@ class Encoded:
     def ratio(self) -> float:
         """Stored bytes over the chunk's bytes."""
         return self.data.size / self.nbytes if self.nbytes else 1.0
+
+
+def sections(n: int, words: int, bits: int, last_start: int) -> tuple[int, int, int, int]:
+    """(segments, padded stream bits, alignment zeros, encoded bytes) of a chunk of `n` bytes whose `words` codes
+    take `bits` bits, the last starting at bit `last_start`: the one account of the layout every encoder uses."""
+    segments = last_start // SEGMENT_BITS + 1  # a last segment no code starts in is left out
+    padded = -(-bits // SEGMENT_BITS) * SEGMENT_BITS
+    align = -(words + padded // 8 + (segments + 1) // 2) % 4  # the group starts at a multiple of 4 bytes
+    size = words + padded // 8 + (segments + 1) // 2 + align + 4 * (-(-segments // GROUP_SEGMENTS)) + n % 2
+    return segments, padded, align, size
 
 
 def split_words(chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,14 +158,11 @@ def encode(chunk: np.ndarray | bytes) -> Encoded:
     ends = np.cumsum(ln)
     starts = ends - ln
     bits = int(ends[-1])
-    segments = int(starts[-1]) // SEGMENT_BITS + 1  # a last segment no code starts in is left out
-    padded = -(-bits // SEGMENT_BITS) * SEGMENT_BITS
     words = exps.size
-    align = -(words + padded // 8 + (segments + 1) // 2) % 4  # the group starts at a multiple of 4 bytes
-    size = words + padded // 8 + (segments + 1) // 2 + align + 4 * (-(-segments // GROUP_SEGMENTS)) + n % 2
+    segments, padded, align, size = sections(n, words, bits, int(starts[-1]))
     if size >= n:
         return raw
-    stream = _pack(codes.astype(np.int64)[exps], ln, starts, bits, padded)
+    stream = _pack(codes.astype(np.int64)[exps], ln, starts, padded)
     first = np.searchsorted(starts, np.arange(segments, dtype=np.int64) * SEGMENT_BITS)  # each segment's first word
     gaps = (starts[np.minimum(first, words - 1)] - np.arange(segments, dtype=np.int64) * SEGMENT_BITS)
     assert ((gaps >= 0) & (gaps < MAX_CODE_BITS)).all()
@@ -169,7 +176,7 @@ def encode(chunk: np.ndarray | bytes) -> Encoded:
     return Encoded(data, n, False, lengths, bits, segments, at[0], at[1], at[2], at[4], at[5])
 
 
-def _pack(codes: np.ndarray, ln: np.ndarray, starts: np.ndarray, bits: int, padded: int) -> np.ndarray:
+def _pack(codes: np.ndarray, ln: np.ndarray, starts: np.ndarray, padded: int) -> np.ndarray:
     """The codes written MSB first at their bit offsets, in `padded` bits (bytes)."""
     stream = np.zeros(padded, dtype=np.uint8)
     for k in range(MAX_CODE_BITS):  # bit k of each code, for the codes that long

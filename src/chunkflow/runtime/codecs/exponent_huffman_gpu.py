@@ -9,6 +9,8 @@ once, into registers, and takes each code's window from them; each code is one l
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from chunkflow.runtime.codecs.exponent_huffman import (GROUP_SEGMENTS, MAX_CODE_BITS, SEGMENT_BITS, Encoded,
@@ -114,7 +116,7 @@ def decode_into(out: torch.Tensor, data: torch.Tensor, enc: Encoded,
     groups = data[enc.groups_at: enc.tail_at].view(torch.int32)  # little-endian uint32 word indices
     kernel = _kernel()
     grid = (-(-enc.segments // GROUP_SEGMENTS),)
-    guard = torch.cuda.device(data.device) if data.device.type == "cuda" else _nothing()
+    guard = torch.cuda.device(data.device) if data.device.type == "cuda" else contextlib.nullcontext()
     with guard:
         kernel[grid](data[enc.stream_at:], data[enc.gaps_at:], groups, data[enc.sm_at:], sym, ln, out,
                      enc.segments, enc.bits, max_codes(enc), SEG=SEGMENT_BITS, GROUP=GROUP_SEGMENTS,
@@ -123,19 +125,11 @@ def decode_into(out: torch.Tensor, data: torch.Tensor, enc: Encoded,
         out[enc.nbytes - 1:].copy_(data[enc.tail_at:])
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def encode_on(chunk: torch.Tensor) -> Encoded:
     """The chunk's bytes (uint8, on any device) encoded where they are, byte for byte as the CPU reference encodes
     them (exponent_huffman.encode): what a load runs on the GPU (the reference takes about a second a 16 MB chunk).
     Only the 256 code lengths are worked out on the host."""
-    from chunkflow.runtime.codecs.exponent_huffman import canonical_codes, code_lengths
+    from chunkflow.runtime.codecs.exponent_huffman import canonical_codes, code_lengths, sections
 
     chunk = chunk.reshape(-1)
     n = chunk.numel()
@@ -151,10 +145,7 @@ def encode_on(chunk: torch.Tensor) -> Encoded:
     starts = ends - ln
     bits = int(ends[-1])
     words = exps.numel()
-    segments = int(starts[-1]) // SEGMENT_BITS + 1
-    padded = -(-bits // SEGMENT_BITS) * SEGMENT_BITS
-    align = -(words + padded // 8 + (segments + 1) // 2) % 4
-    size = words + padded // 8 + (segments + 1) // 2 + align + 4 * (-(-segments // GROUP_SEGMENTS)) + n % 2
+    segments, padded, align, size = sections(n, words, bits, int(starts[-1]))
     if size >= n:
         return Encoded(chunk.cpu().numpy().copy(), n, True)
     codes = torch.from_numpy(canonical_codes(lengths).astype("int64")).to(dev)[exps]
