@@ -127,3 +127,33 @@ def test_result_save_writes_the_model_kind(plan, saved, workdir):
         path = r.save(workdir / "cat.mp4")
     frames = iio.imread(path)
     assert frames.shape[0] == r.output.shape[0]
+
+
+def test_a_hub_id_in_the_local_cache_loads_a_session_and_a_prompt_file(cli, plan, saved, workdir, monkeypatch):
+    """The Hugging Face cache layout (snapshots/<commit>, refs/main) found by its Hub id, offline: the session and
+    `run --prompts` read the same folder the saved one is, and give its latents; an id not in the cache is refused
+    before anything loads."""
+    import shutil
+
+    import chunkflow
+    from pipelines import as_hub_cache
+
+    cache = workdir / "hub"
+    as_hub_cache(saved, cache, "someone/tiny-wan")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with one_thread():
+        with chunkflow.load(plan, weights="someone/tiny-wan", device="cpu") as session:
+            hub = session.generate(PROMPT, seed=9)
+        with chunkflow.load(plan, weights=saved, device="cpu") as session:
+            local = session.generate(PROMPT, seed=9)
+    assert torch.equal(hub.latents, local.latents)
+    with pytest.raises(chunkflow.ChunkflowError, match="not in the local"):
+        chunkflow.load(plan, weights="someone/not-here", device="cpu")
+    Path("jobs.txt").write_text(PROMPT + "\n")
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", "someone/tiny-wan", "--device", "cpu", "--prompts", "jobs.txt",
+                     "--out-dir", "clips", "--report", "r.json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(Path("r.json").read_text())["jobs"][0]["state"] == "done"
+    shutil.rmtree(cache)
