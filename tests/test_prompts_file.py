@@ -277,3 +277,29 @@ def test_a_plan_that_reads_the_checkpoint_at_run_time_needs_its_folder_everywher
     with pytest.raises(chunkflow.ChunkflowError, match=r"placement disk.*weights=DIR"):
         chunkflow.load("disk.json", device="cpu")
     assert not Path("outputs").exists()  # refused before the output folder was made
+
+
+def test_the_file_is_read_first_and_no_output_lands_on_an_image(cli, workdir):
+    """A prompt file that is a folder is said as such (not as an output clash); an output named over a job's image
+    in the output folder is refused; a run with no job to run leaves no output folder behind."""
+    from PIL import Image
+
+    plan = _plan(cli, "tiny")
+    (workdir / "somewhere").mkdir()
+    result = cli("run", "--plan", plan, "--device", "cpu", "--prompts", "somewhere")
+    assert result.exit_code == 2 and "is a directory" in result.output, result.output
+    (workdir / "clips").mkdir()
+    Image.new("RGB", (64, 64)).save(workdir / "clips" / "cat.png")
+    Path("jobs.jsonl").write_text('{"prompt": "x", "image": "clips/cat.png", "out": "cat.png"}\n')
+    from chunkflow.commands.run_jobs import plan_jobs
+    from chunkflow_planner.pipeline.jobs import read_jobs
+    from chunkflow_planner.plan import load_plan, model_of
+    from chunkflow_planner.predict import hardware_of
+
+    p = load_plan(plan)
+    spec = model_of(p).model_copy(update={"vae_temporal": None})  # an image model's outputs are .png
+    planned = plan_jobs(p, spec, hardware_of(p), read_jobs("jobs.jsonl"), {}, workdir / "clips")
+    assert "written over line 1's image" in planned[0].error
+    Path("bad.txt").write_text('{"prompt": ""}\n')
+    result = cli("run", "--plan", plan, "--device", "cpu", "--prompts", "bad.txt", "--out-dir", "never")
+    assert result.exit_code == 2 and not Path("never").exists()

@@ -65,13 +65,16 @@ def with_defaults(job: Job, defaults: dict[str, Any]) -> Job:
     return job.model_copy(update=update) if update else job
 
 
-def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any]) -> list[PlannedJob]:
-    """Every line checked before the load (module docstring)."""
+def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any], out_dir: Path | None = None
+              ) -> list[PlannedJob]:
+    """Every line checked before the load (module docstring); with `out_dir`, no output may land on a job's image
+    (a later job would read the video or image written over it)."""
     from chunkflow.media import load_input_image
     from chunkflow.generate import takes_negative_prompt
 
     out: list[PlannedJob] = []
     taken: dict[str, int] = {}
+    images = {Path(ln.job.image).resolve(): ln.number for ln in lines if ln.job is not None and ln.job.image}
     for ln in lines:
         if ln.job is None:
             out.append(PlannedJob(ln.number, None, error=ln.error))
@@ -89,6 +92,10 @@ def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any]) ->
             p.error = f"out {p.out!r} is also line {taken[key]}'s output; give each job its own name"
             continue
         taken[key] = ln.number
+        over = images.get((out_dir / p.out).resolve()) if out_dir is not None else None
+        if over is not None:
+            p.error = f"out {p.out!r} would be written over line {over}'s image; give the output another name"
+            continue
         if job.negative_prompt is not None and not takes_negative_prompt(spec):
             p.error = f"{spec.name}'s pipeline takes no negative prompt; leave negative_prompt out"
             continue

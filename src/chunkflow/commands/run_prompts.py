@@ -16,7 +16,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     from chunkflow.commands.run_jobs import JobsError, plan_jobs
     from chunkflow.commands.steps import RunOptions
     from chunkflow.launch import torchrun_world
-    from chunkflow_planner.files import check_distinct, check_output_file
+    from chunkflow_planner.files import check_distinct, check_output_dir, check_output_file
     from chunkflow_planner.pipeline.jobs import read_jobs
     from chunkflow_planner.plan import files_needed, model_of
     from chunkflow_planner.predict import hardware_of
@@ -38,7 +38,8 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     why = files_needed(p)
     if why is not None and weights is None:
         raise UserError(why)
-    folder = _out_dir(out_dir)
+    lines = read_jobs(prompts)  # the file read and checked before any output is
+    folder = check_output_dir(out_dir if out_dir is not None else "outputs", "--out-dir")
     check_output_file(report, "--report")
     check_distinct({"--report": report}, {"--plan": plan_path, "--prompts": prompts})
     if weights is not None:
@@ -48,10 +49,9 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
         resolved = resolve_weights(weights)
         opts.weights = str(resolved)
     hw = hardware_of(p, profile)
-    lines = read_jobs(prompts)
     defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
                 "steps": steps}
-    planned = plan_jobs(p, spec, hw, lines, defaults)
+    planned = plan_jobs(p, spec, hw, lines, defaults, folder)
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
@@ -61,6 +61,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
                         "run again")
     if weights is not None:
         check_folder(spec, resolved, image=any(j.job.image is not None for j in runnable))
+    _make(folder)
     _say(f"{len(runnable)} job{'s' if len(runnable) != 1 else ''} to run"
          + (f", {len(planned) - len(runnable)} skipped" if len(runnable) < len(planned) else "")
          + f"; outputs to {folder}/")
@@ -78,18 +79,13 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     console.print(f"Report written to {report}", markup=False)
 
 
-def _out_dir(out_dir: str | None) -> Path:
-    """The output folder (files.check_output_dir: a file there or an unwritable folder refused before any work),
-    made if missing."""
-    from chunkflow_planner.files import check_output_dir
-
-    folder = check_output_dir(out_dir if out_dir is not None else "outputs", "--out-dir")
+def _make(folder: Path) -> None:
+    """The output folder (checked before: files.check_output_dir), made once the jobs are known to run."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--out-dir {str(folder)!r} cannot be made ({exc.strerror}); give a folder you can write "
                         "to") from None
-    return folder
 
 
 def _with_bars(p, cfg, opts, planned, folder: Path, prompts: str, total: int):
