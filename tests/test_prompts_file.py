@@ -303,3 +303,27 @@ def test_the_file_is_read_first_and_no_output_lands_on_an_image(cli, workdir):
     Path("bad.txt").write_text('{"prompt": ""}\n')
     result = cli("run", "--plan", plan, "--device", "cpu", "--prompts", "bad.txt", "--out-dir", "never")
     assert result.exit_code == 2 and not Path("never").exists()
+
+
+def test_a_negative_prompt_for_a_model_without_one_is_refused_in_the_same_words_everywhere(cli, workdir, saved):
+    """FLUX embeds its guidance: `run --prompt --negative-prompt`, a prompt file's line and a session's generate
+    refuse a negative prompt with one message (models/adapters.negative_prompt_refusal), before anything runs; a
+    session given an image as a Path says its pipeline takes none."""
+    import chunkflow
+    from chunkflow.commands.run_jobs import plan_jobs
+    from chunkflow_planner.pipeline.jobs import parse_jobs
+    from chunkflow_planner.plan import load_plan, model_of
+    from chunkflow_planner.predict import hardware_of
+
+    plan = _plan(cli, "tiny-flux")
+    result = cli("run", "--plan", plan, "--prompt", "x", "--negative-prompt", "blur")
+    assert result.exit_code == 2 and "distilled into the model: --guidance sets it" in " ".join(result.output.split())
+    p = load_plan(plan)
+    planned = plan_jobs(p, model_of(p), hardware_of(p), parse_jobs('{"prompt": "x", "negative_prompt": "blur"}'), {})
+    assert "distilled into the model: guidance sets it); leave negative_prompt out" in planned[0].error
+    with one_thread(), chunkflow.load(plan, weights=saved["tiny-flux"], device="cpu") as session:
+        with pytest.raises(chunkflow.ChunkflowError, match="distilled into the model"):
+            session.generate("x", negative_prompt="blur")
+        with pytest.raises(chunkflow.ChunkflowError, match="takes no image"):
+            session.generate("x", image=workdir / "cat.png")
+        assert session.generations == 0

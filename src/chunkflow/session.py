@@ -142,13 +142,21 @@ class Session:
         return parse_job({"prompt": prompt, **given})
 
     def fit(self, job: Job, with_image: bool | None = None) -> JobFit:
-        """The job planned against the loaded placement: its predicted time and peaks, and why it cannot run (a
-        reason) or None. `with_image`: whether an image comes with it (default: the job names one)."""
+        """The job planned against the loaded placement: its predicted time and peaks, and why it cannot run here
+        (a reason: its shape, an image the pipeline takes none of or needs, a negative prompt it does not use) or
+        None. `with_image`: whether an image comes with it (default: the job names one)."""
+        from chunkflow.models.adapters import needs_image, negative_prompt_refusal
+
         fit = fit_job(self.plan, self.spec, self.hw, job)
         with_image = job.image is not None if with_image is None else with_image
+        cls = type(self._setup.built.pipe)
         if fit.reason is None and with_image and not self.image:
-            fit.reason = (f"this session's pipeline ({type(self._setup.built.pipe).__name__}) takes no image; load "
-                          "the session with image=True (the image pipeline of the model's family)")
+            fit.reason = (f"this session's pipeline ({cls.__name__}) takes no image; load the session with "
+                          "image=True (the image pipeline of the model's family)")
+        if fit.reason is None and not with_image and needs_image(cls):
+            fit.reason = f"{cls.__name__} animates or edits an image: give one with the job"
+        if fit.reason is None and job.negative_prompt is not None:
+            fit.reason = negative_prompt_refusal(self.spec)
         return fit
 
     def predicted_s(self, job: Job, first: bool | None = None) -> float | None:
@@ -173,19 +181,12 @@ class Session:
 
         job = self.job(prompt, negative_prompt=negative_prompt, seed=seed, guidance=guidance, steps=steps,
                        height=height, width=width, frames=frames,
-                       image=image if isinstance(image, (str, Path)) else None)
-        if isinstance(job.image, Path):
-            job = job.model_copy(update={"image": str(job.image)})
+                       image=str(image) if isinstance(image, (str, Path)) else None)
         if image is None and job.image is not None:
             image = job.image
         fit = self.fit(job, with_image=image is not None)
         if fit.reason is not None:
             raise JobError(fit.reason)
-        if job.negative_prompt is not None:
-            from chunkflow.generate import takes_negative_prompt
-
-            if not takes_negative_prompt(self.spec):
-                raise JobError(f"{self.spec.name}'s pipeline takes no negative prompt; leave it out")
         with self._lock:
             self._check_open()
             first = self.generations == 0

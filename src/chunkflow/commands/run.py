@@ -201,7 +201,7 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
     """A generation's words and output fit the plan's model, before anything is built: text that is UTF-8, a
     negative prompt only where the pipeline uses one, a video file for a video model and an image for an image
     model."""
-    from chunkflow.generate import takes_negative_prompt
+    from chunkflow.models.adapters import negative_prompt_refusal
     from chunkflow_planner.plan import model_of
 
     spec = model_of(p)
@@ -214,10 +214,10 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
             raise UserError(f"{flag} is not valid UTF-8 text (bytes the terminal could not decode); give it as UTF-8")
         if not text.strip():
             raise UserError(f"{flag} is empty; give the words to {'generate' if flag == '--prompt' else 'avoid'}")
-    if negative_prompt is not None and not takes_negative_prompt(spec):
-        how = "distilled into the model" if getattr(spec.pipeline, "adapter", None) == "flux" else "embedded"
-        raise UserError(f"{spec.name}'s pipeline takes no negative prompt (its guidance is {how}: --guidance "
-                        "sets it); leave --negative-prompt out")
+    refused = negative_prompt_refusal(spec, "--negative-prompt", "--guidance") if negative_prompt is not None \
+        else None
+    if refused is not None:
+        raise UserError(refused)
     if out is not None:
         from chunkflow.media import check_media_path, image_names
 

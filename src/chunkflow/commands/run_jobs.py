@@ -70,7 +70,7 @@ def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any], ou
     """Every line checked before the load (module docstring); with `out_dir`, no output may land on a job's image
     (a later job would read the video or image written over it)."""
     from chunkflow.media import load_input_image
-    from chunkflow.generate import takes_negative_prompt
+    from chunkflow.models.adapters import negative_prompt_refusal
 
     out: list[PlannedJob] = []
     taken: dict[str, int] = {}
@@ -96,8 +96,8 @@ def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any], ou
         if over is not None:
             p.error = f"out {p.out!r} would be written over line {over}'s image; give the output another name"
             continue
-        if job.negative_prompt is not None and not takes_negative_prompt(spec):
-            p.error = f"{spec.name}'s pipeline takes no negative prompt; leave negative_prompt out"
+        if job.negative_prompt is not None and (refused := negative_prompt_refusal(spec)) is not None:
+            p.error = refused
             continue
         if job.image is not None:
             try:

@@ -277,3 +277,13 @@ def takes_negative_prompt(spec, pipe_cls: type | None = None) -> bool:
     if pipe_cls is None:
         pipe_cls = diffusers_pipeline_class(spec.pipeline.cls)
     return spec.default_workload.cfg_passes == 2 and "negative_prompt" in call_parameters(pipe_cls)
+
+
+def negative_prompt_refusal(spec, negative: str = "negative_prompt", guidance: str = "guidance") -> str | None:
+    """Why the plan's pipeline refuses a negative prompt (`negative` and `guidance` name the fields or flags the
+    caller knows them by), or None where it takes one."""
+    if takes_negative_prompt(spec):
+        return None
+    how = "distilled into the model" if getattr(spec.pipeline, "adapter", None) == "flux" else "embedded"
+    return f"{spec.name}'s pipeline takes no negative prompt (its guidance is {how}: {guidance} sets it); leave " \
+           f"{negative} out"

@@ -185,12 +185,7 @@ class JobQueue:
         if image is None and getattr(self.session, "image", False):
             raise JobError("this server's pipeline animates or edits an image: send one (image_base64: a base64 PNG, "
                            "JPEG or WebP)")
-        if job.negative_prompt is not None:
-            from chunkflow.generate import takes_negative_prompt
-
-            if not takes_negative_prompt(self.session.spec):
-                raise JobError(f"{self.session.spec.name}'s pipeline takes no negative prompt; leave it out")
-        fit = self.session.fit(job, with_image=image is not None)
+        fit = self.session.fit(job, with_image=image is not None)  # its shape, an image, a negative prompt
         if fit.reason is not None:
             raise JobError(fit.reason)
 
