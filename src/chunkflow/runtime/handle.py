@@ -610,7 +610,7 @@ def discard(handle: OffloadHandle) -> None:
 
 def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = None, chunk_size=None,
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
-            fp8_cast: str | None = None, disk_blocks: int | None = None,
+            fp8_cast: str | None = None, disk_blocks: int | None = None, codec: str | None = None,
             device: str | torch.device | None = "cuda", blocks=None,
             source: TensorSource | None = None, park_to: str = "host") -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
@@ -625,7 +625,9 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     compute stream before it runs; 'copy' casts it on the copy stream right after its copies, off the compute
     path, with a second block-sized cast buffer), `disk_blocks` (that many blocks, spread over the forward, keep their
     streamed bytes in the checkpoint's files and are read from disk each forward, runtime/tiers/disk.py; needs a
-    loader's `source` that knows the files), `park_to` (where the tensors outside the blocks go while the module is
+    loader's `source` that knows the files), `codec` ('none', the default; 'exponent-pack': the streamed tails kept
+    encoded in host memory, copied encoded and decoded on the device, bit for bit, runtime/tiers/encoded.py; needs a
+    loader's `source` as `disk_blocks` does), `park_to` (where the tensors outside the blocks go while the module is
     parked: 'host', the default, a pinned host copy; 'disk', left in the checkpoint's files and read back to the
     device at the next forward, so host memory holds none of them: offload() then returns the module parked, its
     files checked but not read; needs a loader's `source` as `disk_blocks` does).
@@ -640,7 +642,8 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     module = unwrap_module(module)
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, blocks=blocks, mode=mode, chunk_size=chunk_size, residency=residency,
-                         comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast, disk_blocks=disk_blocks)
+                         comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast, disk_blocks=disk_blocks,
+                         codec=codec)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     check_parameters(named)

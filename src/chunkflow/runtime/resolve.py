@@ -87,7 +87,8 @@ def _check_architecture(spec, module: nn.Module, blocks) -> None:
 def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, blocks=None, mode: str | None = None,
                    chunk_size=None, residency: float | None = None,
                    comm_aware: bool | None = None, weight_dtype: str | None = None,
-                   fp8_cast: str | None = None, disk_blocks: int | None = None) -> OffloadConfig:
+                   fp8_cast: str | None = None, disk_blocks: int | None = None,
+                   codec: str | None = None) -> OffloadConfig:
     """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
     any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
     if config is not None and plan is not None:
@@ -113,9 +114,10 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, b
                 raise OffloadConfigError(f"fp8_cast must be 'compute' or 'copy', got {fp8_cast!r}")
             return OffloadConfig(mode or "chunkflow", chunk_size, residency,
                                  True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16",
-                                 fp8_cast="compute" if fp8_cast is None else fp8_cast, disk_blocks=disk_blocks or 0)
+                                 fp8_cast="compute" if fp8_cast is None else fp8_cast, disk_blocks=disk_blocks or 0,
+                                 codec=codec or "none")
         return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype,
-                                   fp8_cast=fp8_cast, disk_blocks=disk_blocks)
+                                   fp8_cast=fp8_cast, disk_blocks=disk_blocks, codec=codec)
     except OffloadConfigError as exc:
         raise OffloadError(str(exc)) from None
 

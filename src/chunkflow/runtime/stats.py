@@ -37,6 +37,13 @@ class OffloadStats:
     disk_blocks: int = 0  # blocks whose streamed bytes are read from the checkpoint's files each forward
     disk_bytes_per_step: int = 0  # bytes a full forward reads from disk
     disk_bytes_read: int = 0  # bytes read from disk so far
+    codec: str = "none"  # the codec streamed tails are kept encoded with (runtime/tiers/encoded.py), or none
+    codec_blocks: int = 0  # blocks streamed encoded
+    codec_raw_bytes: int = 0  # their tails' bytes as the model holds them (what a forward would copy raw)
+    codec_stored_bytes: int = 0  # the same encoded: what a forward copies and pinned memory holds (less alignment)
+    codec_host_bytes: int = 0  # host memory the encoded tails take (chunks 16-byte aligned)
+    codec_pinned_bytes: int = 0  # of which page-locked (0 without CUDA)
+    codec_staging_bytes: int = 0  # the device buffer encoded chunks are copied into before their decode
     disk_read_stall_s: float = 0.0  # seconds the copy stream's issuer waited for a read to finish
     disk_ring_bytes: int = 0  # page-locked ring buffers the reads land in
     park_to: str = "host"  # where the tensors outside the blocks wait while parked: host memory or the files (disk)

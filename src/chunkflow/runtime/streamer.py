@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from chunkflow.runtime.chunksource import ChunkSource
 from chunkflow.runtime.feature import BlockFeature
 from chunkflow.runtime.layout import BlockLayout, TensorEntry, align_up
 from chunkflow.runtime.observe import Observer
@@ -131,11 +132,11 @@ def bind(t: TensorEntry, data: torch.Tensor) -> None:
 class _Pending:
     """A block whose prefetch has begun but whose chunks are not all enqueued yet."""
 
-    __slots__ = ("block", "slot", "chunks", "next", "src", "src_at")
+    __slots__ = ("block", "slot", "chunks", "next", "source")
 
-    def __init__(self, block: int, slot: int, chunks, src: torch.Tensor, src_at: int):
+    def __init__(self, block: int, slot: int, chunks, source: ChunkSource):
         self.block, self.slot, self.chunks, self.next = block, slot, chunks, 0
-        self.src, self.src_at = src, src_at  # where its tier keeps its bytes: byte lo of the block at src[lo - src_at]
+        self.source = source  # what its tier gave for this prefetch: copies a chunk into the slot
 
     @property
     def left(self) -> int:
@@ -325,9 +326,7 @@ class Streamer:
     def _copy_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor, p: _Pending) -> None:
         if self.obs is not None:
             self.obs.chunk_copy(b.index, lo, hi, "h2d", self.backend.copy_stream)
-        A = b.slot_start
-        slot[lo - A : hi - A].copy_(p.src[lo - p.src_at : hi - p.src_at], non_blocking=self.backend.non_blocking)
-        self.bytes_h2d += hi - lo
+        self.bytes_h2d += p.source.copy(slot, lo, hi)
 
     # ---- hot path
 
@@ -340,7 +339,7 @@ class Streamer:
             if self.obs is not None:
                 self.obs.copy_stream_waits("slot", s)
             self._copy_head(b, self.slots[s])
-        self.pending = _Pending(l, s, b.chunks, *b.tier.acquire(self.host, b))  # its source, once a block
+        self.pending = _Pending(l, s, b.chunks, b.tier.source(self.host, b, self.backend.non_blocking))  # once a block
         self.slot_of[l] = s
 
     def pump(self, n: int) -> int:
@@ -366,6 +365,8 @@ class Streamer:
         if p is None:
             return
         self.pump(p.left)
+        with self.backend.on(self.backend.copy_stream):
+            p.source.done(self.backend)
         tier = self.layouts[p.block].tier
         if tier.recycles:  # its source buffer may take the next block's bytes once these copies are done
             copied = self.backend.event()

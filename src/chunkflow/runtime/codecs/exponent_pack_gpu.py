@@ -7,11 +7,13 @@ CUDA device, and in Triton's CPU interpreter (TRITON_INTERPRET=1) where the test
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from chunkflow.runtime.codecs.exponent_pack import GROUP, sections
 
-NUM_WARPS = 8
+NUM_WARPS = 4
 
 try:  # the kernel is built where Triton is installed; without it nothing here runs
     import triton
@@ -25,42 +27,88 @@ def available() -> bool:
     return triton is not None
 
 
+DESC = 9  # int64 columns of a chunk's row in a decode table: its groups, words, K, where its encoded bytes start
+# in the source buffer, where its decoded bytes go in the output, then its sections (sm, planes, starts, escapes)
+# relative to its start
+
+
 if triton is not None:
     @triton.jit
-    def _decode_kernel(data, out, words, sm_at, planes_at, starts_at, escapes_at,
-                       K: tl.constexpr, G: tl.constexpr):
-        g = tl.program_id(0)
+    def _decode_kernel(data, out, desc, G: tl.constexpr, D: tl.constexpr):
+        g = tl.program_id(0)  # the group within its chunk (programs past its last group do nothing); int32 math
+        # within a chunk (its words fit), 64-bit only for the base pointers
+        row = desc + tl.program_id(1).to(tl.int64) * D  # the chunk
+        words = tl.load(row + 1).to(tl.int32)
+        K = tl.load(row + 2).to(tl.int32)
+        src = data + tl.load(row + 3)
+        dst = (out + tl.load(row + 4)).to(tl.pointer_type(tl.int16))
         j = tl.arange(0, G)
-        i = g.to(tl.int64) * G + j
+        i = g * G + j
         valid = i < words
-        s = tl.load(data + sm_at + i, mask=valid, other=0).to(tl.int32)
-        idx = tl.zeros([G], dtype=tl.int32)
-        plane = data + planes_at + g.to(tl.int64) * (K * G // 8)
-        for p in tl.static_range(K):
-            w = tl.load((plane + p * (G // 8)).to(tl.pointer_type(tl.int32)) + (j >> 5))
-            idx |= ((w >> (j & 31)) & 1) << p
-        esc = idx == (1 << K) - 1
-        e_tab = tl.load(data + idx, mask=valid & (idx < (1 << K) - 1), other=0).to(tl.int32)
-        esc_i = esc.to(tl.int32)
-        rank = tl.cumsum(esc_i, axis=0) - esc_i
-        first = tl.load((data + starts_at).to(tl.pointer_type(tl.int32)) + g)
-        e_esc = tl.load(data + escapes_at + first + rank, mask=valid & esc, other=0).to(tl.int32)
-        e = tl.where(esc, e_esc, e_tab)
-        word = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
-        tl.store(out + i, word.to(tl.int16), mask=valid)
+        if K == 0:  # kept raw: the words as they are
+            lo = tl.load(src + 2 * i, mask=valid, other=0).to(tl.int32)
+            hi = tl.load(src + 2 * i + 1, mask=valid, other=0).to(tl.int32)
+            word = lo | (hi << 8)
+        else:
+            s = tl.load(src + tl.load(row + 5) + i, mask=valid, other=0).to(tl.int32)
+            plane = src + tl.load(row + 6) + (g * K * (G // 8)).to(tl.int64)
+            idx = tl.zeros([G], dtype=tl.int32)
+            for p in range(K):
+                w = tl.load((plane + p * (G // 8)).to(tl.pointer_type(tl.int32)) + (j >> 5), mask=i < words, other=0)
+                idx |= ((w >> (j & 31)) & 1) << p
+            escape = (1 << K) - 1
+            esc = idx == escape
+            e_tab = tl.load(src + idx, mask=valid & (idx < escape), other=0).to(tl.int32)
+            esc_i = esc.to(tl.int32)
+            rank = tl.cumsum(esc_i, axis=0) - esc_i
+            first = tl.load((src + tl.load(row + 7)).to(tl.pointer_type(tl.int32)) + g, mask=g * G < words, other=0)
+            e_esc = tl.load(src + tl.load(row + 8) + first + rank, mask=valid & esc, other=0).to(tl.int32)
+            e = tl.where(esc, e_esc, e_tab)
+            word = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+        tl.store(dst + i, word.to(tl.int16), mask=valid)
+
+
+class Chunk(NamedTuple):
+    """One encoded chunk of a decode: its bytes at `src` of the source buffer, decoded to `dst` of the output."""
+
+    src: int  # a multiple of 16
+    dst: int  # even
+    nbytes: int
+    k: int
+    n_escapes: int
+
+
+class Decode:
+    """Chunks decoded together by one launch (a block's, once its encoded bytes are on the device): the decode table
+    is built once, on `device`; `run(source, out)` launches on the current stream."""
+
+    def __init__(self, chunks: list[Chunk], device: torch.device):
+        rows, most = [], 0
+        self.odd: list[tuple[int, int]] = []  # (source byte, output byte) of each chunk's odd last byte
+        for c in chunks:
+            if c.src % 16 or c.dst % 2:
+                raise ValueError(f"a chunk's encoded bytes start at a multiple of 16 and its output at an even byte "
+                                 f"(got {c.src}, {c.dst})")
+            words = c.nbytes // 2
+            lay = sections(c.nbytes, c.k, c.n_escapes)
+            if words:
+                groups = -(-words // GROUP)
+                rows.append([groups, words, c.k, c.src, c.dst, lay.sm, lay.planes, lay.starts, lay.escapes])
+                most = max(most, groups)
+            if c.nbytes & 1:
+                self.odd.append((c.src + (lay.tail if c.k else c.nbytes - 1), c.dst + c.nbytes - 1))
+        self.grid = (most, len(rows))  # a program a group of a chunk: chunks of one size waste none
+        self.table = torch.tensor(rows or [[0] * DESC], dtype=torch.int64, device=device)
+
+    def run(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode into `out` (flat uint8) from `source` (flat uint8), both on the table's device."""
+        if self.grid[1]:
+            _decode_kernel[self.grid](source, out, self.table, G=GROUP, D=DESC, num_warps=NUM_WARPS)
+        for s, d in self.odd:
+            out[d : d + 1].copy_(source[s : s + 1], non_blocking=True)
 
 
 def decode_into(data: torch.Tensor, nbytes: int, k: int, n_escapes: int, out: torch.Tensor) -> None:
-    """Decode one chunk's encoded bytes `data` (flat uint8 on the device) into `out` (flat uint8, `nbytes`, on the
-    same device, 2-byte aligned), on the current stream."""
-    if k == 0:
-        out.copy_(data[:nbytes], non_blocking=True)
-        return
-    lay = sections(nbytes, k, n_escapes)
-    words = nbytes // 2
-    groups = -(-words // GROUP)
-    if words:
-        _decode_kernel[(groups,)](data, out[: 2 * words].view(torch.int16), words, lay.sm, lay.planes, lay.starts,
-                                  lay.escapes, K=k, G=GROUP, num_warps=NUM_WARPS)
-    if nbytes & 1:
-        out[-1:].copy_(data[lay.tail : lay.tail + 1], non_blocking=True)
+    """Decode one chunk's encoded bytes `data` (flat uint8 on the device, 16-byte aligned) into `out` (flat uint8,
+    `nbytes`, on the same device, 2-byte aligned), on the current stream."""
+    Decode([Chunk(0, 0, nbytes, k, n_escapes)], data.device).run(data, out)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from chunkflow.runtime.tiers.base import ParkHome, Tier
 from chunkflow.runtime.tiers.disk import DiskParking, DiskTier
+from chunkflow.runtime.tiers.encoded import EncodedTier
 from chunkflow.runtime.tiers.host import HostParking, HostTier
 
-TIERS: dict[str, type[Tier]] = {"disk": DiskTier, "host": HostTier}
+TIERS: dict[str, type[Tier]] = {"disk": DiskTier, "encoded": EncodedTier, "host": HostTier}
 PARK_HOMES: dict[str, type[ParkHome]] = {"host": HostParking, "disk": DiskParking}
 
 

@@ -9,9 +9,11 @@ takes whatever no other tier did. The rest of the runtime talks to a block's tie
 - filling:  `supply(store, b, e, write)` says whether the tier holds tensor e (else its value is written into the
             store), writing its bytes in the head, if any, into the store;
 - outside the forward: `view(store, b, e)` is what tensor e is (a view of the store, a map of a file, ...);
-- streaming: `acquire(store, b)` once per block prefetch gives a flat uint8 source and the block byte it starts at,
-            so chunk [lo, hi) is `src[lo - at : hi - at]` with no per-chunk dispatch; a tier whose source is reused
-            (`recycles`) is told by `release(l, copied)` when an event on the copy stream follows the block's copies.
+- streaming: `source(store, b)` once per block prefetch gives the block's `ChunkSource`, which copies chunk [lo, hi)
+            into the slot with no per-chunk dispatch to the tier (the default: `acquire(store, b)`'s flat uint8
+            source and the block byte it starts at, chunk [lo, hi) being `src[lo - at : hi - at]`); `done()` after
+            the block's last chunk (a codec decodes there); a tier whose source is reused (`recycles`) is told by
+            `release(l, copied)` when an event on the copy stream follows the block's copies.
 
 A tier is a HandleFeature too (attach, detach, close), with `verify` (its backing still as it was), `demote` (blocks
 written or given new tensors leave it at the next layout), `check_dtypes` (a dtype change it cannot hold, refused
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
+from chunkflow.runtime.chunksource import ChunkSource
 from chunkflow.runtime.feature import HandleFeature
 
 if TYPE_CHECKING:  # annotations only
@@ -80,6 +83,10 @@ class Tier(HandleFeature):
     def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
         """Block b's tail as a flat uint8 source and the block byte at its index 0 (may wait for a read)."""
         return store.data, -b.host_offset
+
+    def source(self, store: HostStore, b: BlockLayout, non_blocking: bool) -> ChunkSource:
+        """What block b's chunks are copied from, once a prefetch (by default `acquire`'s source)."""
+        return ChunkSource(*self.acquire(store, b), b.slot_start, non_blocking)
 
     def release(self, l: int, copied) -> None:
         """Block l's copies from its source are enqueued, `copied` recorded after them (only where `recycles`)."""

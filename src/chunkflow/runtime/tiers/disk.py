@@ -113,6 +113,7 @@ class DiskTier(Tier):
 
     name = "disk"
     recycles = True
+    demoted_note = "their weights now live in host memory, not on disk"
 
     @classmethod
     def for_setting(cls, cfg, module, n_blocks: int, source) -> DiskTier | None:
@@ -179,12 +180,7 @@ class DiskTier(Tier):
     def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
         """Check every tail tensor of the disk blocks against its file and map the files; then the ring
         (page-locked where `pin`) and the reader. Raises DiskTierError before anything is written."""
-        self.order = [b.index for b in layouts if b.tier is self]
-        self.parts = {l: self.parts[l] for l in self.order}
-        self.tail = {l: self.tail[l] for l in self.order}
-        self._check_held(layouts)
-        for path in {p.rec.file for ps in self.parts.values() for p in ps}:
-            self._check_file(path)
+        self._check_parts(layouts)
         if self.order:
             self.entry_bytes = max(layouts[l].nbytes - self.tail[l] for l in self.order)
             entries = min(DISK_RING_BLOCKS, len(self.order))
@@ -192,6 +188,15 @@ class DiskTier(Tier):
             self._free = list(range(entries))
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkflow-disk")
+
+    def _check_parts(self, layouts: list[BlockLayout]) -> None:
+        """The blocks this tier took, each tail tensor checked against its file and the files mapped."""
+        self.order = [b.index for b in layouts if b.tier is self]
+        self.parts = {l: self.parts[l] for l in self.order}
+        self.tail = {l: self.tail[l] for l in self.order}
+        self._check_held(layouts)
+        for path in {p.rec.file for ps in self.parts.values() for p in ps}:
+            self._check_file(path)
 
     def _parts_of(self, b: BlockLayout) -> list[_Part] | None:
         """The reads that fill block b's tail, or None where a tail tensor is not in the files."""
@@ -332,8 +337,7 @@ class DiskTier(Tier):
                              for l in self.order]
         if self.demoted:
             warn_user(f"chunkflow: block(s) {', '.join(map(str, sorted(self.demoted)))} hold tensors the checkpoint's "
-                      "files do not (a LoRA layer?) or were written; their weights now live in host memory, not on "
-                      "disk", DiskTierWarning)
+                      f"files do not (a LoRA layer?) or were written; {self.demoted_note}", DiskTierWarning)
             self.demoted = set()
 
     def _before_state_dict(self, module, prefix, keep_vars) -> None:

@@ -1,0 +1,134 @@
+"""The encoded tier (runtime/tiers/encoded.py) on the CPU, with the runtime's own code: a module whose streamed tails
+are kept encoded (codec exponent-pack) gives the outputs of no offload bit for bit, alone and mixed with the disk
+and host tiers, in both streaming modes; the bytes a forward copies are the encoded ones; outside the forward every
+tensor has its values; writes and LoRA layers move blocks to the host tier; nothing is written to the checkpoint;
+and a module without files is refused before anything changes."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("safetensors")
+from diffusers import WanTransformer3DModel  # noqa: E402
+
+import chunkflow  # noqa: E402
+from chunkflow.runtime.disk import DiskTierWarning  # noqa: E402
+from chunkflow.runtime.errors import OffloadError  # noqa: E402
+from chunkflow_planner.catalog import get_model  # noqa: E402
+from chunkflow_planner.offload import OffloadConfig, OffloadConfigError  # noqa: E402
+from test_disk_tier import _build, _digest, _forward, _saved  # noqa: E402
+
+CODEC = "exponent-pack"
+
+
+@pytest.mark.parametrize("model,dtype", [("tiny-wan", torch.float32), ("demo-wan", torch.bfloat16)])
+@pytest.mark.parametrize("mode,chunk,r", [("chunkflow", 4000, 0.0), ("chunkflow", 16000, 0.5), ("layerwise", None, None)])
+def test_the_codec_on_every_tier_is_bit_identical_to_no_offload(tmp_path, model, dtype, mode, chunk, r):
+    folder = _saved(tmp_path, model, dtype, shard="2MB" if model == "demo-wan" else "30KB")
+    before = _digest(folder)
+    ref, h0 = _build(folder, model, dtype, mode="none")
+    want = _forward(ref, model, dtype)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    h0.remove()
+    n = len(ref.blocks)
+    for disk in (0, n // 2):  # every block encoded; half on disk, the rest encoded
+        m, h = _build(folder, model, dtype, mode=mode, chunk_bytes=chunk, residency=r, disk_blocks=disk, codec=CODEC)
+        st = h.stats()
+        assert st.codec == CODEC and st.codec_blocks == n - disk and st.disk_blocks == disk
+        assert st.host_bytes < st.bytes_offloaded  # the store keeps the heads only; the tails are encoded
+        issued = []
+        for i in range(3):
+            assert torch.equal(_forward(m, model, dtype), want), (disk, i)
+            issued.append(h.stats().h2d_bytes_issued)
+        raw_tails = st.streamed_bytes_per_step - st.codec_raw_bytes  # the disk blocks' tails, copied raw
+        assert issued[2] - issued[1] == st.codec_stored_bytes + raw_tails  # a forward copies the encoded bytes
+        got = m.state_dict()  # outside the forward every tensor has its values (the file's, mapped)
+        assert all(torch.equal(got[name], v) for name, v in state.items())
+        h.remove()
+        assert torch.equal(_forward(m, model, dtype), want)
+    assert _digest(folder) == before  # nothing was written to the checkpoint
+
+
+def test_bf16_blocks_stream_fewer_bytes_and_hold_less_host_memory(tmp_path):
+    folder = _saved(tmp_path, "demo-wan", torch.bfloat16, shard="2MB")
+    m, h = _build(folder, "demo-wan", torch.bfloat16, mode="chunkflow", chunk_bytes=256_000, residency=0.0,
+                  codec=CODEC)
+    st = h.stats()
+    assert st.codec_blocks == st.n_streamed_blocks > 0
+    assert st.codec_stored_bytes < 0.75 * st.codec_raw_bytes  # random bf16 (kaiming-uniform) values: about 0.7
+    assert st.codec_host_bytes < 0.76 * st.codec_raw_bytes
+    before = h.stats().h2d_bytes_issued
+    _forward(m, "demo-wan", torch.bfloat16)
+    assert h.stats().h2d_bytes_issued - before == st.codec_stored_bytes
+    h.remove()
+
+
+def test_a_module_without_files_is_refused_with_what_to_do():
+    torch.manual_seed(0)
+    m = WanTransformer3DModel(**get_model("tiny-wan").diffusers.config).eval()
+    with pytest.raises(OffloadError, match="no file chunkflow reads"):
+        chunkflow.offload(m, mode="chunkflow", codec=CODEC, device="cpu")
+    assert "_chunkflow_hook" not in m.blocks[0].__dict__  # nothing changed
+
+
+def test_a_codec_that_does_not_exist_or_fp8_storage_is_refused():
+    with pytest.raises(OffloadConfigError, match="codec"):
+        OffloadConfig(mode="chunkflow", codec="zip")
+    with pytest.raises((OffloadConfigError, OffloadError), match="codec"):
+        OffloadConfig(mode="chunkflow", codec=CODEC, weight_dtype="fp8_e4m3")
+
+
+def test_load_state_dict_moves_the_written_blocks_to_host_memory(tmp_path):
+    folder = _saved(tmp_path)
+    before = _digest(folder)
+    m, h = _build(folder, mode="chunkflow", chunk_bytes=4000, residency=0.0, codec=CODEC)
+    assert h.stats().codec_blocks == len(m.blocks)
+    torch.manual_seed(3)
+    other = WanTransformer3DModel(**get_model("tiny-wan").diffusers.config).eval()
+    with pytest.warns(DiskTierWarning, match="not encoded"):
+        m.load_state_dict(other.state_dict())
+        got = _forward(m)
+    assert torch.equal(got, _forward(other))  # the new weights, not the file's
+    assert h.stats().codec_blocks == 0
+    assert torch.equal(_forward(m), _forward(other))
+    assert _digest(folder) == before
+    h.remove()
+
+
+def test_lora_on_encoded_blocks_matches_the_same_lora_without_offload(tmp_path):
+    pytest.importorskip("peft")
+    from chunkflow.models.inputs import make_inputs
+    from test_fidelity import _lora_lifecycle
+
+    folder = _saved(tmp_path)
+    ref, h0 = _build(folder, mode="none")
+    m, h = _build(folder, mode="chunkflow", chunk_bytes=4000, residency=0.0, codec=CODEC)
+    kw = make_inputs(get_model("tiny-wan"), None, torch.float32, "cpu", seed=1)
+    want, got = [], []
+    _lora_lifecycle(ref, kw, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DiskTierWarning)  # the adapter's layers are in no file: host tier
+        _lora_lifecycle(m, kw, got)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 8
+    h.remove()
+    h0.remove()
+
+
+def test_park_and_a_second_layout_keep_the_encoded_blocks_exact(tmp_path):
+    """A park drops the device buffers and a re-layout (another chunk order after blocks ran out of order) encodes
+    only what changed; the output stays exact."""
+    folder = _saved(tmp_path)
+    ref, h0 = _build(folder, mode="none")
+    want = _forward(ref)
+    h0.remove()
+    m, h = _build(folder, mode="chunkflow", chunk_bytes=4000, residency=0.0, codec=CODEC)
+    assert torch.equal(_forward(m), want)
+    h.park()
+    assert torch.equal(_forward(m), want)
+    h.remove()
