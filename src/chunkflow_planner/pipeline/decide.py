@@ -153,6 +153,16 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
                               lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
 
 
+def _encoded(point: Point, cands: _Transformer, room: float, problem: Problem, evaluate) -> Point | None:
+    """A raw streamed bf16 point with its streamed bytes encoded (the codec, tiers.py: rho of them in host memory),
+    where the levers allow the codec and the encoded point still fits `room` and meets the step target; else None."""
+    codecs = [c for c in problem.levers.codecs if c != "none"]
+    if not codecs or point.cfg.codec != "none" or not _disk_ok(point):
+        return None
+    q = evaluate(point.cfg.with_overrides(codec=codecs[0]))
+    return q if q.memory.peak <= room and cands.meets(q) else None
+
+
 def _one_on_disk(spec: ModelSpec, w: Workload, pl: Placements) -> list[Placements]:
     """A streamed placement of several experts with one of them on disk, for each expert, the one that runs the
     fewest steps first (the policy's time picks which: that one reads its blocks at fewer forwards; where times
@@ -218,6 +228,12 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         e = estimate(spec, w, hw, pl, point, costs)
         seen.append(e)
         if e.host_memory > host_budget and e.gpu_need <= gpu_budget:
+            enc = _encoded(point, cands, rooms[pl], problem, evaluate)
+            if enc is not None:  # the codec's store before the disk tier
+                seen.append(estimate(spec, w, hw, pl, enc, costs))
+                if seen[-1].host_memory <= host_budget:
+                    continue
+                point = enc
             disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:
                 seen.append(disk)
