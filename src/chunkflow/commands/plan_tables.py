@@ -50,7 +50,8 @@ def _analysis_table(plan: Plan) -> Table:
     """The overlap analysis of paper section 3.1 at the plan's workload and setting."""
     a = plan.analysis
     levers = [x for x, on in (("both guidance passes in one forward", plan.offload.cfg_batched),
-                              ("fp8 weights", plan.offload.weight_dtype != "bf16")) if on]
+                              ("fp8 weights", plan.offload.weight_dtype != "bf16"),
+                              (f"codec {plan.offload.codec}", plan.offload.codec != "none")) if on]
     t = Table(title=f"Overlap analysis (per {plan.hardware.device_word}, per block; paper section 3.1)"
               + (f"\nof the plan's setting: {', '.join(levers)}" if levers else ""))
     t.add_column("quantity")
@@ -107,7 +108,21 @@ def _chosen_text(plan: Plan) -> str:
             " (cast on the copy stream)" if o.weight_dtype != "bf16" and o.fp8_cast == "copy" else "")
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
+    if o.mode != "none":
+        chosen += ", " + codec_text(plan)
     return chosen
+
+
+def codec_text(plan: Plan) -> str:
+    """The codec of the plan in words: raw, or its name, ratio (measured or supposed) and the bytes it saves."""
+    o, pp = plan.offload, plan.prediction
+    if o.codec == "none":
+        return "streamed bytes raw (no codec)"
+    ratio = (f"ratio {pp.codec_ratio:.3f} ({'measured' if pp.codec_ratio_measured else 'supposed'})"
+             if pp.codec_ratio is not None else "ratio unknown")
+    return (f"codec {o.codec} ({ratio}, decoded at {pp.codec_decode_gbps or 0:g} GB/s): "
+            f"{format_bytes(pp.codec_saved_bytes_per_step)} fewer host-to-device bytes a step, "
+            f"{format_bytes(pp.codec_saved_host_bytes)} less host memory")
 
 
 def _chunk_cap(plan: Plan) -> str:
