@@ -208,3 +208,57 @@ def test_plan_codec_flag_through_the_cli():
     assert refused.exit_code != 0 and "chunkflow calibrate" in refused.output
     bad = runner.invoke(app, [*args, "--codec", "maybe"])
     assert bad.exit_code != 0 and "--codec must be auto, on or off" in bad.output
+
+
+# ---------------------------------------------------------------------------------------------------- calibrate
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    from pipelines import save_catalog_pipeline
+
+    return save_catalog_pipeline("tiny", tmp_path_factory.mktemp("saved") / "tiny")
+
+
+def test_calibrate_measures_the_ratio_on_the_saved_transformer_and_the_plan_uses_it(saved_tiny, workdir):
+    import torch
+    from safetensors import safe_open
+
+    from chunkflow.commands.calibrate.codec import measure_codec, measure_ratio, streamed_tensors, transformer_files
+    from chunkflow.commands.calibrate.profile import write_profile
+
+    files = transformer_files(saved_tiny)
+    assert files and all(f.parent.name == "transformer" for f in files)  # the transformer's, not the text encoder's
+    tensors = streamed_tensors(files)
+    assert tensors and all("blocks." in name for _, name, _ in tensors)
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert all(f.get_tensor(name).dtype == torch.bfloat16 for p, name, _ in tensors if p == files[0])
+    bounded = measure_ratio(saved_tiny, sample_bytes=4096, chunk_bytes=1024)
+    assert bounded["raw_bytes"] <= 4096 and bounded["chunks"] <= 4 and bounded["tensors"] == len(tensors)
+    whole = measure_ratio(saved_tiny)
+    assert whole["raw_bytes"] == sum(min(n, 16 * 2**20) for _, _, n in tensors)  # every tensor sampled: tiny
+    assert 0.5 < whole["ratio"] < 0.95  # random bf16 weights: the exponent shrinks, sign and mantissa do not
+    assert whole["ratio"] == whole["stored_bytes"] / whole["raw_bytes"]
+    logged: list[str] = []
+    extra, raw = measure_codec(str(saved_tiny), torch.device("cpu"), logged.append)
+    assert extra == {"codec_ratio": round(whole["ratio"], 4)} and raw["ratio"] == whole  # no decode rate on a CPU
+    assert any("ratio" in line for line in logged)
+    write_profile(get_hardware("h200").model_copy(update=extra), workdir / "measured.yaml")
+    out = runner.invoke(app, ["plan", "--model", "flux", "--mem-budget", "6GB", "--max-slowdown", "4",
+                              "--transformer-only", "--hardware", str(workdir / "measured.yaml"), "--json"])
+    assert out.exit_code == 0, out.output
+    pred = json.loads(out.stdout)["prediction"]
+    assert pred["codec_ratio"] == extra["codec_ratio"] and pred["codec_ratio_measured"] is True
+
+
+def test_calibrate_finds_nothing_to_sample_in_a_float32_transformer(tmp_path):
+    import torch
+
+    from chunkflow.commands.calibrate.codec import measure_codec, measure_ratio
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("tiny", tmp_path / "fp32", dtype=torch.float32)
+    assert measure_ratio(folder) is None
+    logged: list[str] = []
+    assert measure_codec(str(folder), torch.device("cpu"), logged.append) == ({}, {})
+    assert any("stays supposed" in line for line in logged)
