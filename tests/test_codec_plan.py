@@ -262,3 +262,31 @@ def test_calibrate_finds_nothing_to_sample_in_a_float32_transformer(tmp_path):
     logged: list[str] = []
     assert measure_codec(str(folder), torch.device("cpu"), logged.append) == ({}, {})
     assert any("stays supposed" in line for line in logged)
+
+
+# ---------------------------------------------------------------------------------------------------- the run report
+
+
+def test_the_run_report_compares_the_codec_measured_against_planned():
+    from types import SimpleNamespace
+
+    from chunkflow.commands.plan_tables import codec_rows
+    from chunkflow.reports import codec_stats
+    from chunkflow_planner.predict import predict
+
+    assert codec_stats(None) == codec_stats({}) == codec_stats(SimpleNamespace()) == \
+        dict(codec="none", codec_raw_bytes=0, codec_stored_bytes=0)  # a runtime without the codec
+    got = dict(codec=CODEC, codec_raw_bytes=1000, codec_stored_bytes=700)
+    assert codec_stats({**got, "pinned_bytes": 5}) == got == codec_stats(SimpleNamespace(**got))
+    spec, hw = get_model("flux"), get_hardware("h200")
+    p = predict(spec, spec.default_workload, hw, OffloadConfig("chunkflow", "16MB", codec=CODEC))
+    assert p.codec == CODEC and p.codec_ratio == SUPPOSED_CODEC_RATIO and not p.codec_ratio_measured
+    assert p.codec_stored_bytes == pytest.approx(SUPPOSED_CODEC_RATIO * p.codec_raw_bytes, abs=1)
+    m = SimpleNamespace(codec=CODEC, codec_raw_bytes=p.codec_raw_bytes, codec_stored_bytes=int(0.7 * p.codec_raw_bytes))
+    rows = {r[0]: r[1:] for r in codec_rows(m, p)}
+    assert rows["codec"] == (CODEC, CODEC, "-")
+    assert rows["codec ratio (stored / raw)"][:2] == ("0.700", "0.710 (supposed)")
+    assert rows["codec ratio (stored / raw)"][2] == "-1.4%"
+    raw = SimpleNamespace(codec="none", codec_raw_bytes=0, codec_stored_bytes=0)
+    assert codec_rows(raw, p)[0] == ("codec", "none", CODEC, "differs")  # planned encoded, streamed raw
+    assert codec_rows(raw, predict(spec, spec.default_workload, hw, OffloadConfig("chunkflow", "16MB"))) == []

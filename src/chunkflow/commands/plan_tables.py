@@ -461,6 +461,20 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+def codec_rows(m, p) -> list[tuple[str, str, str, str]]:  # noqa: ANN001 - reports.Measured, predict.Predicted
+    """The codec measured against planned (none where neither has one): its name, ratio and the bytes it saved."""
+    if m.codec == "none" and p.codec == "none":
+        return []
+    ratio = m.codec_stored_bytes / m.codec_raw_bytes if m.codec_raw_bytes else None
+    planned = (f"{p.codec_ratio:.3f} ({'measured' if p.codec_ratio_measured else 'supposed'})"
+               if p.codec_ratio is not None else "-")
+    return [("codec", m.codec, p.codec, "-" if m.codec == p.codec else "differs"),
+            ("codec ratio (stored / raw)", f"{ratio:.3f}" if ratio is not None else "-", planned,
+             _pct((ratio - p.codec_ratio) / p.codec_ratio) if ratio is not None and p.codec_ratio else "-"),
+            ("bytes saved (host store; a forward's copies)", format_bytes(m.codec_raw_bytes - m.codec_stored_bytes),
+             format_bytes(p.codec_raw_bytes - p.codec_stored_bytes), "-")]
+
+
 def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.reports.RunReport
     """Measured against predicted for one `chunkflow run`, with relative errors."""
     r, m, p, e = report.run, report.measured, report.predicted, report.rel_error
@@ -492,6 +506,8 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.rep
         t.add_row("pinned host memory", format_bytes(m.pinned_host_bytes), format_bytes(p.pinned_host_bytes), "-")
     if m.achieved_residency is not None and o.mode == "chunkflow":
         t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{o.residency:.1%}", "-")
+    for row in codec_rows(m, p):
+        t.add_row(*row)
     console.print(t)
     shown = m.step_times_s if len(m.step_times_s) <= 12 else m.step_times_s[:6] + m.step_times_s[-6:]
     console.print("step times: " + ", ".join(format_seconds(x) for x in shown)
