@@ -104,7 +104,9 @@ def _codec_said(lever: Lever, chosen: Setting) -> str:
         return "streamed bytes losslessly encoded (fewer bytes on the link and in host memory, decoded on the GPU): " + (
             "raw meets no target in this budget" if other is None
             else f"raw would need residency {other.cfg.residency:.0%}" if other.cfg.residency > chosen.cfg.residency
-            else f"{other.step_s / chosen.step_s:.2f}x the step time raw")
+            else f"{other.step_s / chosen.step_s:.2f}x the step time raw" if other.step_s > chosen.step_s
+            else f"raw would take {other.step_s / chosen.step_s:.2f}x the step time, but its host store does not fit "
+                 "the host budget")
     return "streamed bytes raw: " + (
         "the codec meets no target in this budget" if other is None
         else f"encoded would need residency {other.cfg.residency:.0%}" if other.cfg.residency > chosen.cfg.residency

@@ -40,7 +40,8 @@ from chunkflow_planner.plan import (
     Prediction,
 )
 from chunkflow_planner.memory import host_need
-from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide, fewest_disk_blocks
+from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point, Problem, decide, fewest_disk_blocks,
+                                     setting)
 from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
 from chunkflow_planner.workload import WorkloadError, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
@@ -224,9 +225,7 @@ def _within_host(problem: Problem, decision: Decision, host_budget: int, margin:
     encoded = _encoded(problem, decision)
     if encoded is not None:
         if fits(encoded):
-            ratio, measured = codec_ratio(hw)
-            return replace(decision, chosen=encoded, reason=decision.reason + "; encoded to fit the host budget"
-                           + explain.codec_said(encoded, ratio, measured))
+            return _encoded_decision(decision, encoded, hw)
         chosen = encoded  # fewer disk blocks bring the encoded store inside
     n = problem.spec.n_blocks
     if chosen.cfg.mode == "none" or chosen.cfg.weight_dtype != "bf16":
@@ -241,6 +240,17 @@ def _within_host(problem: Problem, decision: Decision, host_budget: int, margin:
     encoded_said = "" if chosen is decision.chosen else explain.codec_said(disk, *codec_ratio(hw))
     return replace(decision, chosen=disk, reason=decision.reason + encoded_said
                    + explain.disk_said(disk, hw.disk_read_gbps))
+
+
+def _encoded_decision(decision: Decision, encoded: Point, hw: HardwareSpec) -> Decision:
+    """The decision with its point encoded to fit the host budget, its reason saying so (the codec's lever against
+    the raw point the policy had chosen)."""
+    raw = setting(decision.chosen, decision.none)
+    levers = tuple(lv for lv in decision.facts.levers if lv.name != "codec") + (Lever("codec", True, other=raw),)
+    facts = replace(decision.facts, levers=levers, chosen=setting(encoded, decision.none), need=encoded.need,
+                    time_s=encoded.step_time)
+    return replace(decision, chosen=encoded, facts=facts, reason=explain.step_reason(facts, None)
+                   + explain.codec_said(encoded, *codec_ratio(hw)))
 
 
 def _encoded(problem: Problem, decision: Decision) -> Point | None:
