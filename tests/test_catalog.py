@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from chunkflow_planner.catalog import (
+    CATALOG_SCHEMA_VERSION,
     CatalogError,
     ModelSpec,
     get_hardware,
@@ -288,7 +289,7 @@ def test_a_version_1_profile_is_migrated_on_load(tmp_path):
     data = yaml.safe_load(committed.read_text())
     assert data["schema_version"] == 1 and data["host_op_us"] > 0 and "text_host" in data
     hw = load_profile(committed)
-    assert hw.schema_version == 2 and hw.pipeline.host_margin == 1.0
+    assert hw.schema_version == CATALOG_SCHEMA_VERSION and hw.pipeline.host_margin == 1.0
     from chunkflow.commands.calibrate.host import text_encoder_archs  # the encoder calibrate measured of each
 
     assert set(hw.pipeline.text_layer_host_us) == set(data["text_host"]) == set(text_encoder_archs())
@@ -299,9 +300,10 @@ def test_a_version_1_profile_is_migrated_on_load(tmp_path):
     dumped = hw.model_dump()
     assert not {"text_host", "host_op_us", "cpu_op_us"} & set(dumped)
     assert type(hw).model_validate(data) == hw  # embedded (plan.hardware.spec): the same migration
-    assert load_profile(_write(tmp_path / "v2.yaml", dumped)) == hw  # written back as version 2, read as is
-    with pytest.raises(CatalogError, match="schema_version 3"):
-        load_profile(_write(tmp_path / "v3.yaml", {**dumped, "schema_version": 3}))
+    assert load_profile(_write(tmp_path / "v3.yaml", dumped)) == hw  # written back as version 3, read as is
+    assert load_profile(_write(tmp_path / "v2.yaml", {**dumped, "schema_version": 2})) == hw  # 2: no field changed
+    with pytest.raises(CatalogError, match="schema_version 4"):
+        load_profile(_write(tmp_path / "v4.yaml", {**dumped, "schema_version": 4}))
 
 
 def _write(path: Path, data: dict) -> Path:

@@ -62,8 +62,14 @@ def test_wan22_a14b_plans_the_gpu_for_one_expert_and_the_host_for_both():
 
 
 def test_host_memory_binds_first_for_a14b_on_a_64gb_machine(cli, workdir):
-    result = cli("plan", "--model", "a14b", "--frames", "81", "--height", "480", "--width", "832", "--mem-budget", "24GB",
-                 "--host-mem-budget", "48GB", "--hardware", "h200")
+    args = ("plan", "--model", "a14b", "--frames", "81", "--height", "480", "--width", "832", "--mem-budget", "24GB",
+            "--host-mem-budget", "48GB", "--hardware", "h200")
+    encoded = cli(*args, "--json")  # the codec's store (issue 39) holds both experts in 48 GB
+    assert encoded.exit_code == 0, encoded.output
+    plan = json.loads(encoded.stdout)
+    assert plan["offload"]["codec"] == "exponent-pack" and plan["prediction"]["host_memory_bytes"] <= 48e9
+    assert "its host store does not fit the host budget" in plan["reason"]
+    result = cli(*args, "--codec", "off")
     assert result.exit_code == 2
     text = result.output.replace("\n", " ")
     both = format_bytes(2 * get_model("a14b").nbytes)  # both experts' pinned stores and parked tensors

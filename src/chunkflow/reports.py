@@ -163,7 +163,20 @@ class Measured(BaseModel):
     peak_reserved_bytes: int | None = None
     pinned_host_bytes: int = 0
     achieved_residency: float | None = None
+    codec: str = Field("none", description="the codec the streamed tails were stored and copied in (OffloadStats.codec)")
+    codec_raw_bytes: int = Field(0, description="the streamed tails the codec encoded, raw bytes")
+    codec_stored_bytes: int = Field(0, description="the same tails as stored encoded in host memory")
     memory_trace: list[MemorySample] = Field(default_factory=list, description="memory after every timed step")
+
+
+def codec_stats(stats) -> dict:
+    """The codec's fields of the runtime's OffloadStats (an object or its as_dict()), with the defaults of a runtime
+    that has no codec: codec, codec_raw_bytes, codec_stored_bytes."""
+    get = stats.get if isinstance(stats, dict) else (lambda k, d: getattr(stats, k, d))
+    if stats is None:
+        return dict(codec="none", codec_raw_bytes=0, codec_stored_bytes=0)
+    return dict(codec=str(get("codec", "none") or "none"), codec_raw_bytes=int(get("codec_raw_bytes", 0) or 0),
+                codec_stored_bytes=int(get("codec_stored_bytes", 0) or 0))
 
 
 class RelErrors(BaseModel):

@@ -30,7 +30,9 @@ from pydantic import (
 from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
 
-CATALOG_SCHEMA_VERSION = 2  # 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is migrated
+CATALOG_SCHEMA_VERSION = 3  # 3: the codec's figures (codec_decode_gbps, codec_ratio; issue 39), 2 reads as it is
+# 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is migrated
+READ_AS_IS_VERSIONS = (2,)  # profiles of these versions hold no field version 3 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -452,6 +454,13 @@ class HardwareSpec(_Strict):
                                          "link (tiers.py) and the load's (`chunkflow calibrate --weights DIR` "
                                          "measures it; `plan --disk-gbps` supposes one); unset: nothing is planned "
                                          "on disk and load times are not predicted")
+    codec_decode_gbps: float | None = Field(None, gt=0, le=1e6, description="GB/s of decoded output the streamed "
+                                            "bytes' lossless codec (exponent-pack) decodes at on the GPU: its "
+                                            "decode's price (tiers.decode_s); `chunkflow calibrate` measures it; "
+                                            "unset: the codec cannot be priced and the planner never picks it")
+    codec_ratio: float | None = Field(None, gt=0, le=1.0, description="stored / raw bytes of the codec on the "
+                                      "weights `chunkflow calibrate --weights DIR` sampled (measured); unset: "
+                                      "tiers.SUPPOSED_CODEC_RATIO, supposed for trained bf16 weights")
     host_mem_margin: float = Field(0.05, ge=0, le=0.5, description="the share by which a plan keeps its predicted "
                                    "host peak below --host-mem-budget (peak <= budget / (1 + host_mem_margin)), for "
                                    "the host model's error: the default is the largest under-prediction measured, "
@@ -475,6 +484,8 @@ class HardwareSpec(_Strict):
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("schema_version", 1) == 1:
             data = migrate_v1(data)
+        if isinstance(data, dict) and data.get("schema_version") in READ_AS_IS_VERSIONS:
+            data = {**data, "schema_version": CATALOG_SCHEMA_VERSION}
         return lift_pipeline(_core_from_pipeline(data)) if isinstance(data, dict) else data
 
     @model_serializer(mode="wrap")
@@ -678,10 +689,10 @@ def load_profile(path: Path) -> HardwareSpec:
     # a profile is ~16 KB (YAML, parsed in Python: a bound in tens of MB would take minutes to refuse)
     data = _read_yaml(read_text(path, "hardware profile", max_bytes=2**20), f"hardware profile {str(path)!r}")
     version = data.get("schema_version", CATALOG_SCHEMA_VERSION)
-    if version not in (1, CATALOG_SCHEMA_VERSION):  # version 1 is migrated (HardwareSpec._migrate)
+    if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 1, migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 2 as it is, 1 migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

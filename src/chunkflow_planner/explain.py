@@ -95,9 +95,30 @@ def _dtype_said(lever: Lever) -> str:
     return "bf16 weights: fp8 storage would not lower residency, so the exact weights are kept"
 
 
+def _codec_said(lever: Lever, chosen: Setting) -> str:
+    """Why the streamed bytes travel encoded or raw."""
+    other = lever.other
+    if lever.asked:
+        return "streamed bytes losslessly encoded as asked (--codec on)"
+    if lever.on:
+        return "streamed bytes losslessly encoded (fewer bytes on the link and in host memory, decoded on the GPU): " + (
+            "raw meets no target in this budget" if other is None
+            else f"raw would need residency {other.cfg.residency:.0%}" if other.cfg.residency > chosen.cfg.residency
+            else f"{other.step_s / chosen.step_s:.2f}x the step time raw" if other.step_s > chosen.step_s
+            else f"raw would take {other.step_s / chosen.step_s:.2f}x the step time, but its host store does not fit "
+                 "the host budget")
+    return "streamed bytes raw: " + (
+        "the codec meets no target in this budget" if other is None
+        else f"encoded would need residency {other.cfg.residency:.0%}" if other.cfg.residency > chosen.cfg.residency
+        else "the codec would not shorten the step (the copies hide, or its decode costs more than the bytes it saves)")
+
+
+_LEVER_SAID = {"cfg_batching": _cfg_said, "weight_dtype": lambda lv, chosen: _dtype_said(lv), "codec": _codec_said}
+
+
 def levers_said(levers: tuple[Lever, ...], chosen: Setting) -> str:
     """The levers of the chosen point, each as "; why"."""
-    return "".join(f"; {_cfg_said(lv, chosen) if lv.name == 'cfg_batching' else _dtype_said(lv)}" for lv in levers)
+    return "".join(f"; {_LEVER_SAID[lv.name](lv, chosen)}" for lv in levers)
 
 
 # ------------------------------------------------------------------------------------- the transformer alone
@@ -156,6 +177,14 @@ def disk_said(p: Point, rate: float | None) -> str:
     busy = p.time.total - stall  # the step without waiting: the reads take busy + stall, so hiding them needs
     return said + (f", {format_seconds(stall)} a step exposed (a disk of {rate * (busy + stall) / busy:.2f} GB/s "
                    "would hide it)")
+
+
+def codec_said(p: Point, ratio: float, measured: bool) -> str:
+    """The codec of a streamed transformer's point in words (empty without one): its ratio and the bytes it saves."""
+    if p.cfg.codec == "none":
+        return ""
+    return (f"; codec {p.cfg.codec} at ratio {ratio:.2f} ({'measured' if measured else 'supposed'}): "
+            f"{format_bytes(p.memory.codec_saved)} fewer bytes each forward on the link and in the host store")
 
 
 def host_budget_said(budget: int, margin: float) -> str:

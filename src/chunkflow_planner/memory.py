@@ -12,6 +12,8 @@ Assumptions (stated so they can be checked against `chunkflow run`):
   gives every token its own timestep (Wan2.2-TI2V) adds 38 bytes per token and hidden unit (PER_TOKEN_TIMESTEP_BYTES).
 - Batched CFG: the activations of one forward of cfg_passes times the batch. fp8 weight storage: the resident
   heads, slots and pinned store hold 1 byte per weight, plus one block's weights in bf16 (the cast's target).
+- Codec (issue 39): the host tier's streamed tails are held encoded, rho of their bytes (tiers.py), and the device
+  holds a staging ring of CODEC_STAGING_CHUNKS of the largest streamed chunk the encoded copies land in.
 - Prediction = torch's peak allocated bytes. The budget check (`device_need`) adds what the allocator holds of freed
   activations (the hardware's alloc_slack, measured: about a third of the activations on an H200), its reserve
   (reserve_fraction) and the device memory torch does not count (context_bytes: CUDA context and libraries).
@@ -22,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
-from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, disk_block_indices
+from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices
+from chunkflow_planner.tiers import encoded_bytes
 from chunkflow_planner.workload import per_forward, tokens
 
 # per token and hidden unit, with per-token timesteps (Wan2.2-TI2V): the (6, d) modulation projection in bf16 held
@@ -42,11 +45,19 @@ class MemoryEstimate:
     cast_buffer: float = 0.0  # fp8 storage: one block's weights in bf16, the cast's target (two: cast on copy)
     disk_read: float = 0.0  # disk tier: bytes a forward reads from the checkpoint's files (not in pinned_host)
     disk_ring: float = 0.0  # disk tier: the page-locked ring the reads land in (in pinned_host)
+    codec_staging: float = 0.0  # codec: the device ring the encoded chunks are copied into before their decode
+    codec_raw: float = 0.0  # codec: the host tier's streamed tails, raw (what a forward decodes)
+    codec_stored: float = 0.0  # codec: the same tails encoded, as the host store holds them and the link carries them
 
     @property
     def peak(self) -> int:
         return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations
-                   + self.cast_buffer)
+                   + self.cast_buffer + self.codec_staging)
+
+    @property
+    def codec_saved(self) -> float:
+        """Bytes the codec keeps off the link each forward and out of the host store: raw less encoded tails."""
+        return self.codec_raw - self.codec_stored
 
 
 def device_need(allocated: float, activations: float, hw: HardwareSpec) -> int:
@@ -110,8 +121,10 @@ def cast_volumes(spec: ModelSpec) -> list[float]:
             for g in spec.block_sequence()]
 
 
-def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1) -> MemoryEstimate:
-    """Peak GPU memory and pinned host bytes of running `w` under `cfg` (per GPU)."""
+def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1,
+                    hw: HardwareSpec | None = None) -> MemoryEstimate:
+    """Peak GPU memory and pinned host bytes of running `w` under `cfg` (per GPU); `hw` gives the codec's ratio
+    (tiers.codec_ratio; without it the supposed one)."""
     V = block_volumes(spec)
     act = activation_bytes(spec, per_forward(w, cfg.cfg_batched)[0], sp)
     if cfg.mode == "none":
@@ -129,8 +142,14 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         cast = (2.0 * max((f for f, s in zip(full, streams) if s), default=0.0)
                 + max((f for f, s in zip(full, streams) if not s), default=0.0))
     disk_read, ring = disk_bytes(V, resident, cfg)
-    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act,
-                          float(sum(V)) - disk_read + ring, cast, disk_read, ring)
+    pinned, codec = float(sum(V)) - disk_read + ring, {}
+    if cfg.codec != "none":  # the host tier's streamed tails held encoded
+        tails = float(sum(V)) - float(sum(resident)) - disk_read
+        stored = encoded_bytes(tails, cfg.codec, hw)
+        pinned -= tails - stored
+        codec = dict(codec_staging=codec_staging_bytes(cfg, V), codec_raw=tails, codec_stored=stored)
+    return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, pinned, cast, disk_read, ring,
+                          **codec)
 
 
 def host_need(m: MemoryEstimate, hw: HardwareSpec) -> float:

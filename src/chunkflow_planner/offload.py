@@ -11,6 +11,12 @@ guidance passes of a step as one forward of the doubled batch, so each block is 
 pass; `weight_dtype` "fp8_e4m3" keeps the streamed blocks' linear weights in float8 (diffusers' layerwise casting
 arithmetic: a plain cast, no scale), halving their host, H2D and slot bytes, cast back on the GPU before use.
 
+A third lever cuts the bytes without changing them (issue 39): `codec` "exponent-pack" stores a host-tier block's
+streamed chunks losslessly encoded (a bf16 word's exponent as a K-bit index into the chunk's table), copies them
+encoded into a device staging ring of CODEC_STAGING_CHUNKS chunk buffers and decodes them on the GPU into the block's
+slot; the disk tier's blocks stream raw. Its price (tiers.py) is the ratio on the link and in host memory, and the
+decode on the GPU.
+
 Block l keeps R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C), and streams
 the rest in ceil((V_l - R_l) / C) copies. The memory and step-time models and the runtime's layout all use
 `resident_bytes`, so planner and runtime see the same chunks.
@@ -36,6 +42,9 @@ FP8_CASTS: tuple[str, ...] = ("compute", "copy")  # where a streamed block's fp8
 FP8_BYTES_PER_PARAM = 1
 DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 DISK_RING_BLOCKS = 2  # disk tier: page-locked ring buffers, one disk block's streamed bytes each; reads run this far ahead
+Codec = Literal["none", "exponent-pack"]
+CODECS: tuple[str, ...] = ("none", "exponent-pack")  # none: streamed bytes travel as they are stored
+CODEC_STAGING_CHUNKS = 3  # device buffers, each the largest streamed chunk, the encoded copies land in (the runtime's)
 PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
 
 
@@ -105,14 +114,16 @@ class OffloadConfig(BaseModel):
     fp8_cast: Fp8Cast = "compute"  # fp8 storage: cast on the compute stream before the block runs, or on the copy
     # stream right after the block's copies (off the compute path, at the cost of a second cast buffer)
     disk_blocks: int = 0  # blocks whose streamed bytes stay in the checkpoint's files (the disk tier), read each forward
+    codec: Codec = "none"  # how the host tier's streamed bytes are stored and copied: raw, or losslessly encoded
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
-                 weight_dtype: str = "bf16", fp8_cast: str = "compute", disk_blocks: int = 0) -> None:
+                 weight_dtype: str = "bf16", fp8_cast: str = "compute", disk_blocks: int = 0,
+                 codec: str = "none") -> None:
         try:
             super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
                              cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast,
-                             disk_blocks=disk_blocks)
+                             disk_blocks=disk_blocks, codec=codec)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -153,6 +164,15 @@ class OffloadConfig(BaseModel):
         if disk and weight_dtype != "bf16":
             raise OffloadConfigError("the disk tier reads the checkpoint's bytes as they are; fp8 storage casts them. "
                                      "Use weight_dtype bf16 with disk_blocks")
+        codec = data.get("codec", "none")
+        if codec not in CODECS:
+            raise OffloadConfigError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
+        if codec != "none" and mode == "none":
+            raise OffloadConfigError(f"codec {codec} encodes streamed bytes; mode none streams nothing. Use mode "
+                                     "layerwise or chunkflow, or leave the codec out")
+        if codec != "none" and weight_dtype != "bf16":
+            raise OffloadConfigError(f"codec {codec} encodes bf16 weights losslessly; weight_dtype {weight_dtype} "
+                                     "stores them cast. Use one or the other (weight_dtype bf16 with the codec)")
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -166,16 +186,17 @@ class OffloadConfig(BaseModel):
             r = 0.0 if residency is None else _residency(residency)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
                 "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast,
-                "disk_blocks": disk}
+                "disk_blocks": disk, "codec": codec}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
                        residency: float | None = None, comm_aware: bool | None = None, *,
                        cfg_batched: bool | None = None, weight_dtype: str | None = None,
-                       fp8_cast: str | None = None, disk_blocks: int | None = None) -> "OffloadConfig":
+                       fp8_cast: str | None = None, disk_blocks: int | None = None,
+                       codec: str | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
         storage only to a mode that streams. A chunk size or residency given for a mode without them is refused
-        (it would be dropped without a word)."""
+        (it would be dropped without a word). The codec carries over to a mode that streams bf16 weights."""
         new_mode = mode or self.mode
         if new_mode in MODES and new_mode != "chunkflow" and (chunk_size is not None or (
                 residency is not None and not (new_mode == "none" and _residency(residency) == 1.0)
@@ -197,6 +218,7 @@ class OffloadConfig(BaseModel):
             fp8_cast=fp8_cast if fp8_cast is not None else (self.fp8_cast if dtype != "bf16" else "compute"),
             disk_blocks=(disk_blocks if disk_blocks is not None
                          else self.disk_blocks if new_mode != "none" and dtype == "bf16" else 0),
+            codec=codec if codec is not None else (self.codec if new_mode != "none" and dtype == "bf16" else "none"),
         )
 
     @classmethod
@@ -220,10 +242,12 @@ class OffloadConfig(BaseModel):
 
     @property
     def levers_label(self) -> str:
-        """` cfg-batched`, ` fp8` and ` cast-on-copy` where set (empty without levers): the tail of `label`."""
+        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N` and ` codec=NAME` where set (empty without levers): the
+        tail of `label`."""
         fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
         disk = f" disk={self.disk_blocks}" if self.disk_blocks else ""
-        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk
+        codec = f" codec={self.codec}" if self.codec != "none" else ""
+        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.
@@ -258,3 +282,13 @@ class OffloadConfig(BaseModel):
         if self.chunk_bytes is None:
             return self.streamed_bytes(V)
         return min(float(self.chunk_bytes), self.streamed_bytes(V))
+
+
+def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
+    """Device bytes of the codec's staging ring for blocks of stored volumes `V`: CODEC_STAGING_CHUNKS buffers of the
+    largest streamed chunk (chunk_bytes, or a streamed tail where it is shorter or there are no chunks); 0 without a
+    codec or where nothing streams. The disk tier's blocks stream raw but are counted: one ring serves every block."""
+    if cfg.codec == "none":
+        return 0.0
+    largest = max((cfg.chunk_service_bytes(v) for v in V), default=0.0)
+    return float(CODEC_STAGING_CHUNKS * max(0.0, largest))

@@ -214,8 +214,9 @@ def analyse(
     """The overlap analysis of workload `w` on `hw`: per-GPU F_block, B_pref, F_star, regime, critical point.
 
     `cfg` brings the two levers in: batched CFG analyses one forward of cfg_passes times the batch (F_block
-    doubles), fp8 storage halves B_pref (so F_star halves). The cast fp8 storage adds on the GPU is left to the
-    step-time model, as the other costs beyond eqs. 1-6 are.
+    doubles), fp8 storage halves B_pref (so F_star halves), a codec makes it rho B_pref (tiers.encoded_bytes). The
+    cast fp8 storage and the decode a codec add on the GPU are left to the step-time model, as the other costs beyond
+    eqs. 1-6 are.
 
     B_pref is the mean per-block parameter bytes (Appendix B) unless `prefetch_bytes` overrides it (the
     paper profiles it). With a calibrated eta_comp(F) curve, T_comp uses the efficiency at this F_block and F_star
@@ -234,6 +235,9 @@ def analyse(
     if cfg is not None:
         samples = per_forward(w, cfg.cfg_batched)[0].batch // w.batch
         B_pref = cfg.stored_bytes(B_pref, spec.dtype_bytes)
+        from chunkflow_planner.tiers import encoded_bytes  # tiers imports this module
+
+        B_pref = encoded_bytes(B_pref, cfg.codec, hw)
     F = F_block_per_gpu(spec, w.batch * samples, tokens(spec, w), sp, text_len)
     same = eta_samples(spec, w.batch * samples)
     fs = F_star_hw(hw, B_pref, same)

@@ -120,6 +120,13 @@ class Prediction(_Section):
                                           "streamed bytes, each forward)")
     disk_read_gbps: float | None = Field(None, description="the disk's cold read rate the disk tier was priced at")
     disk_stall_s: float = Field(0.0, ge=0, description="what a step waits for the disk beyond its own time")
+    codec_ratio: float | None = Field(None, description="offload.codec's stored / raw bytes the plan was priced at")
+    codec_ratio_measured: bool = Field(False, description="whether codec_ratio was measured on the user's weights "
+                                       "(`chunkflow calibrate --weights`) or supposed (tiers.SUPPOSED_CODEC_RATIO)")
+    codec_decode_gbps: float | None = Field(None, description="the decode rate the codec was priced at (GB/s out)")
+    codec_saved_bytes_per_step: int = Field(0, ge=0, description="host-to-device bytes the codec saves a step")
+    codec_saved_host_bytes: int = Field(0, ge=0, description="bytes the codec saves in the pinned host store")
+    codec_staging_bytes: int = Field(0, ge=0, description="device bytes of the codec's staging ring (in the peak)")
 
 
 class Baselines(_Section):

@@ -40,8 +40,9 @@ from chunkflow_planner.plan import (
     Prediction,
 )
 from chunkflow_planner.memory import host_need
-from chunkflow_planner.policy import Decision, Infeasible, Levers, Point, Problem, decide, fewest_disk_blocks
-from chunkflow_planner.tiers import DISK_RATE_REMEDY, disk_known
+from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point, Problem, decide, fewest_disk_blocks,
+                                     setting)
+from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
 from chunkflow_planner.workload import WorkloadError, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
@@ -156,11 +157,18 @@ def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
 
 
 def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Prediction:
-    """A point's prediction; with a disk tier, its reads a step (`passes` forwards unless CFG is batched)."""
+    """A point's prediction; with a disk tier, its reads a step (`passes` forwards unless CFG is batched); with a
+    codec, its ratio (measured or supposed), decode rate and the bytes it saves a step and in host memory."""
     disk = {}
+    forwards = 1 if p.cfg.cfg_batched else passes
     if p.cfg.disk_blocks and hw is not None:
-        disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * (1 if p.cfg.cfg_batched else passes)),
+        disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * forwards),
                     disk_read_gbps=hw.disk_read_gbps, disk_stall_s=p.time.disk_stall)
+    if p.cfg.codec != "none" and hw is not None:
+        ratio, measured = codec_ratio(hw)
+        disk.update(codec_ratio=ratio, codec_ratio_measured=measured, codec_decode_gbps=hw.codec_decode_gbps,
+                    codec_saved_bytes_per_step=int(p.memory.codec_saved * forwards),
+                    codec_saved_host_bytes=int(p.memory.codec_saved), codec_staging_bytes=int(p.memory.codec_staging))
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
                       pinned_host_bytes=int(p.memory.pinned_host), **disk)
 
@@ -196,7 +204,8 @@ def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, m
         decision = decide(problem, usable, max_slowdown, target_step_time)
     except Infeasible as exc:
         raise Infeasible(exc.facts, explain.step_infeasible(exc.facts, kept)) from None
-    decision = replace(decision, reason=explain.step_reason(decision.facts, kept))
+    decision = replace(decision, reason=explain.step_reason(decision.facts, kept)
+                       + explain.codec_said(decision.chosen, *codec_ratio(problem.hw)))
     return decision if host_budget is None else _within_host(problem, decision, host_budget, host_margin)
 
 
@@ -213,6 +222,11 @@ def _within_host(problem: Problem, decision: Decision, host_budget: int, margin:
 
     if fits(chosen):
         return decision
+    encoded = _encoded(problem, decision)
+    if encoded is not None:
+        if fits(encoded):
+            return _encoded_decision(decision, encoded, hw)
+        chosen = encoded  # fewer disk blocks bring the encoded store inside
     n = problem.spec.n_blocks
     if chosen.cfg.mode == "none" or chosen.cfg.weight_dtype != "bf16":
         raise _host_infeasible(decision, chosen, host_budget, margin, n, "the disk tier keeps streamed bf16 blocks "
@@ -223,7 +237,31 @@ def _within_host(problem: Problem, decision: Decision, host_budget: int, margin:
     disk = fewest_disk_blocks(problem, chosen, fits)
     if not fits(disk):
         raise _host_infeasible(decision, disk, host_budget, margin, n, None, hw)
-    return replace(decision, chosen=disk, reason=decision.reason + explain.disk_said(disk, hw.disk_read_gbps))
+    encoded_said = "" if chosen is decision.chosen else explain.codec_said(disk, *codec_ratio(hw))
+    return replace(decision, chosen=disk, reason=decision.reason + encoded_said
+                   + explain.disk_said(disk, hw.disk_read_gbps))
+
+
+def _encoded_decision(decision: Decision, encoded: Point, hw: HardwareSpec) -> Decision:
+    """The decision with its point encoded to fit the host budget, its reason saying so (the codec's lever against
+    the raw point the policy had chosen)."""
+    raw = setting(decision.chosen, decision.none)
+    levers = tuple(lv for lv in decision.facts.levers if lv.name != "codec") + (Lever("codec", True, other=raw),)
+    facts = replace(decision.facts, levers=levers, chosen=setting(encoded, decision.none), need=encoded.need,
+                    time_s=encoded.step_time)
+    return replace(decision, chosen=encoded, facts=facts, reason=explain.step_reason(facts, None)
+                   + explain.codec_said(encoded, *codec_ratio(hw)))
+
+
+def _encoded(problem: Problem, decision: Decision) -> Point | None:
+    """The decision's point with its streamed bytes encoded (the codec, tiers.py), where the levers allow the codec,
+    the point streams bf16 raw and, encoded, still fits the GPU budget and meets the step target; else None."""
+    p = decision.chosen
+    if (p.cfg.codec != "none" or p.cfg.mode == "none" or p.cfg.weight_dtype != "bf16"
+            or len([c for c in problem.levers.codecs if c != "none"]) == 0):
+        return None
+    q = problem.evaluate(p.cfg.with_overrides(codec=next(c for c in problem.levers.codecs if c != "none")))
+    return q if q.need <= decision.budget and q.step_time <= decision.target_s else None
 
 
 def _host_infeasible(decision: Decision, p: Point, budget: int, margin: float, n_blocks: int,

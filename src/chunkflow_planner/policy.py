@@ -13,6 +13,13 @@ allows lossy storage. Every point is held to the same target, max_slowdown x the
 (batched or not, whichever is faster); among the feasible ones the policy still takes the smallest residency
 first, and of equal residency bf16 before fp8 (exact before lossy), then the shortest step.
 
+A third lever keeps the bytes exact and sends fewer of them: the codec (issue 39, tiers.py), the host tier's
+streamed bytes stored and copied losslessly encoded, decoded on the GPU. It is one more axis of the same space
+(`Levers.codecs`): below the critical point it shortens a streaming-bound step (rho B on the link for B / D of decode),
+above it the copies hide anyway and the decode only lengthens the compute path, so the step-time order alone turns it
+on where it pays and off where it does not; of equal step time the raw point is preferred. Where the host budget
+binds, the decision's point is tried encoded (its store rho of the tails) before the disk tier.
+
 The policy returns facts (`Facts`: which constraint binds, the levers and their amounts, the margins); explain.py
 words them. The budget comes in as one number, the device bytes the points are checked against.
 """
@@ -33,6 +40,9 @@ from chunkflow_planner.memory import (
 )
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
+from chunkflow_planner.tiers import CODEC_RATE_REMEDY, codec_known
+
+CODEC = "exponent-pack"  # the codec the policy may turn on
 
 CfgBatching = str  # "auto" | "on" | "off"
 
@@ -114,8 +124,8 @@ def setting(p: Point, none: Point) -> Setting:
 
 @dataclass(frozen=True)
 class Lever:
-    """A lever of the chosen point: "cfg_batching" (`on`: the guidance passes batched) or "weight_dtype" (`on`: fp8
-    storage). `asked`: the only setting the user allowed; else `other`, the preferred feasible point with the lever
+    """A lever of the chosen point: "cfg_batching" (`on`: the guidance passes batched), "weight_dtype" (`on`: fp8
+    storage) or "codec" (`on`: the streamed bytes encoded). `asked`: the only setting the user allowed; else `other`, the preferred feasible point with the lever
     the other way (None: none is feasible), and `gain`, the step saving batching must bring to be taken."""
 
     name: str
@@ -163,22 +173,42 @@ class Decision:
     facts: Facts | None = None
 
 
+def codec_refusal(spec: ModelSpec, hw: HardwareSpec) -> str | None:
+    """Why the codec cannot be planned for `spec` on `hw` (None: it can): the profile gives no decode rate
+    (tiers.CODEC_RATE_REMEDY says what to do), or the model's weights are not 16-bit floats."""
+    if spec.dtype_bytes != 2:
+        return (f"the codec encodes 16-bit (bf16) weights; {spec.name} holds {spec.dtype_bytes}-byte weights. Leave "
+                "it off (--codec off)")
+    if not codec_known(hw):
+        return f"the profile {hw.name!r} has no decode rate to price the codec: {CODEC_RATE_REMEDY}"
+    return None
+
+
 @dataclass(frozen=True)
 class Levers:
-    """Which CFG evaluations and weight storage dtypes the policy may choose among."""
+    """Which CFG evaluations, weight storage dtypes and codecs the policy may choose among."""
 
     cfg_batched: tuple[bool, ...] = (False,)
     weight_dtypes: tuple[str, ...] = ("bf16",)
+    codecs: tuple[str, ...] = ("none",)
 
     @classmethod
     def of(cls, cfg_passes: int, cfg_batching: str = "auto", weight_dtype: str = "bf16",
-           allow_fp8: bool = False) -> "Levers":
+           allow_fp8: bool = False, codec: str = "off", codec_refused: str | None = None) -> "Levers":
         """From the CLI's choices: `cfg_batching` auto|on|off (auto considers both where there are two passes);
-        `weight_dtype` auto|bf16|fp8_e4m3 (auto considers fp8 only with `allow_fp8`)."""
+        `weight_dtype` auto|bf16|fp8_e4m3 (auto considers fp8 only with `allow_fp8`); `codec` auto|on|off (auto
+        considers both where `codec_refused`, codec_refusal's answer, is None; on is refused with its words)."""
         if cfg_batching not in ("auto", "on", "off"):
             raise ChunkflowError(f"--cfg-batching must be auto, on or off, got {cfg_batching!r}")
         if weight_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ChunkflowError(f"--weight-dtype must be auto, bf16 or fp8_e4m3, got {weight_dtype!r}")
+        if codec not in ("auto", "on", "off"):
+            raise ChunkflowError(f"--codec must be auto, on or off, got {codec!r}")
+        if codec == "on" and codec_refused is not None:
+            raise ChunkflowError(f"--codec on: {codec_refused}")
+        if codec == "on" and weight_dtype == "fp8_e4m3":
+            raise ChunkflowError("--codec on encodes bf16 weights losslessly and --weight-dtype fp8_e4m3 stores them "
+                                 "cast: use one or the other (--weight-dtype bf16 with --codec on)")
         if cfg_passes < 2 or cfg_batching == "off":
             batched: tuple[bool, ...] = (False,)
         else:
@@ -187,13 +217,21 @@ class Levers:
             dtypes: tuple[str, ...] = ("bf16", "fp8_e4m3") if allow_fp8 else ("bf16",)
         else:
             dtypes = (weight_dtype,)
-        return cls(batched, dtypes)
+        if codec == "on":
+            codecs: tuple[str, ...] = (CODEC,)
+            dtypes = ("bf16",)  # the codec encodes bf16 weights; fp8 storage is the other way to fewer bytes
+        elif codec == "auto" and codec_refused is None:
+            codecs = ("none", CODEC)
+        else:
+            codecs = ("none",)
+        return cls(batched, dtypes, codecs)
 
-    def combos(self) -> list[tuple[bool, str]]:
-        """(cfg_batched, weight_dtype) pairs; fp8 is cast on the compute stream. The copy stream is not offered: its
-        cast still takes the SMs (steptime.py), so it is never faster in the model and holds one more buffer
-        (measured on an H200: 1-2% faster at best); `fp8_cast="copy"` stays a run option."""
-        return [(b, d) for b in self.cfg_batched for d in self.weight_dtypes]
+    def combos(self) -> list[tuple[bool, str, str]]:
+        """(cfg_batched, weight_dtype, codec) triples; fp8 is cast on the compute stream and never encoded. The copy
+        stream is not offered: its cast still takes the SMs (steptime.py), so it is never faster in the model and
+        holds one more buffer (measured on an H200: 1-2% faster at best); `fp8_cast="copy"` stays a run option."""
+        return [(b, d, c) for b in self.cfg_batched for d in self.weight_dtypes for c in self.codecs
+                if c == "none" or d == "bf16"]
 
 
 @dataclass(frozen=True)
@@ -215,7 +253,7 @@ class Problem:
 
     def evaluate(self, cfg: OffloadConfig) -> Point:
         t = step_time(self.spec, self.workload, self.hw, cfg, self.sp, self.prefetch_bytes, self.text_len)
-        m = estimate_memory(self.spec, self.workload, cfg, self.sp)
+        m = estimate_memory(self.spec, self.workload, cfg, self.sp, self.hw)
         return Point(cfg, t, m, device_need(m.peak, m.activations, self.hw))
 
     def none(self, cfg_batched: bool = False) -> Point:
@@ -239,9 +277,11 @@ BATCHING_GAIN = 0.02  # batched CFG doubles the activations: taken for a shorter
 
 
 def preference(p: Point) -> tuple:
-    """The order among feasible points: smallest residency, exact before lossy storage, shortest step, smallest
-    memory, chunk size nearest 16 MB. Use `best_of`, which also keeps batched CFG to where it pays."""
-    return (p.cfg.residency, p.cfg.weight_dtype != "bf16", p.step_time, p.memory.peak, chunk_tie(p))
+    """The order among feasible points: smallest residency, exact before lossy storage, shortest step, raw before
+    encoded, smallest memory, chunk size nearest 16 MB. Use `best_of`, which also keeps batched CFG to where it
+    pays."""
+    return (p.cfg.residency, p.cfg.weight_dtype != "bf16", p.step_time, p.cfg.codec != "none", p.memory.peak,
+            chunk_tie(p))
 
 
 def best_of(points: list[Point]) -> Point:
@@ -250,7 +290,7 @@ def best_of(points: list[Point]) -> Point:
     best = min(points, key=preference)
     if best.cfg.cfg_batched:
         same = [p for p in points if not p.cfg.cfg_batched and p.cfg.residency == best.cfg.residency
-                and p.cfg.weight_dtype == best.cfg.weight_dtype]
+                and p.cfg.weight_dtype == best.cfg.weight_dtype and p.cfg.codec == best.cfg.codec]
         if same:
             alt = min(same, key=preference)
             if alt.step_time <= best.step_time * (1 + BATCHING_GAIN):
@@ -293,8 +333,9 @@ def candidates(problem: Problem, chunk_sizes: tuple[int, ...] = CHUNK_CANDIDATES
     """Every chunkflow point of the design space (chunk size x residency x the levers allowed)."""
     aware = problem.aware
     return [
-        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt))
-        for b, dt in problem.levers.combos()
+        problem.evaluate(OffloadConfig("chunkflow", C, r, comm_aware=aware, cfg_batched=b, weight_dtype=dt,
+                                       codec=codec))
+        for b, dt, codec in problem.levers.combos()
         for C in chunk_sizes
         for r in residency_grid(problem.spec, C)
     ]
@@ -362,7 +403,8 @@ def _offloaded(problem: Problem, best: Point, feasible: list[Point], base: Basel
     ties = 1
     if best.cfg.residency == 0:
         ties = sum(1 for p in feasible if p.cfg.residency == 0 and p.step_time == best.step_time
-                   and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype)
+                   and p.cfg.cfg_batched == best.cfg.cfg_batched and p.cfg.weight_dtype == best.cfg.weight_dtype
+                   and p.cfg.codec == best.cfg.codec)
     return best, StepFacts(
         binding=None, budget=budget, need=best.need, target=target, time_s=best.step_time,
         chosen=setting(best, base.none), levers=levers_of(best, feasible, problem.levers, base.none),
@@ -402,6 +444,11 @@ def levers_of(best: Point, feasible: list[Point], levers: Levers, none: Point) -
         out.append(Lever("weight_dtype", fp8, other=other(lambda p: p.cfg.weight_dtype == "bf16") if fp8 else None))
     elif levers.weight_dtypes == ("fp8_e4m3",):
         out.append(Lever("weight_dtype", True, asked=True))
+    if len(levers.codecs) > 1 and best.cfg.weight_dtype == "bf16":
+        out.append(Lever("codec", best.cfg.codec != "none",
+                         other=other(lambda p: p.cfg.codec != best.cfg.codec and p.cfg.weight_dtype == "bf16")))
+    elif levers.codecs == (CODEC,):
+        out.append(Lever("codec", True, asked=True))
     return tuple(out)
 
 
@@ -411,8 +458,8 @@ def unlocks(problem: Problem, budget: int, max_slowdown: float | None, target_st
     --allow-fp8), "cfg_batching" (batched CFG). Only the points of the lever not tried yet are evaluated."""
     lv = problem.levers
     options = [(Levers(lv.cfg_batched, ("fp8_e4m3",)), "fp8_e4m3" not in lv.weight_dtypes, "weight_dtype"),
-               (Levers((True,), lv.weight_dtypes), problem.workload.cfg_passes > 1 and True not in lv.cfg_batched,
-                "cfg_batching")]
+               (Levers((True,), lv.weight_dtypes, lv.codecs),
+                problem.workload.cfg_passes > 1 and True not in lv.cfg_batched, "cfg_batching")]
     found = []
     for levers, untried, name in options:
         if not untried:

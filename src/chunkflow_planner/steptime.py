@@ -19,7 +19,11 @@ a cast of its weights to bf16 (bf16 bytes / the profile's cast rate). Cast on th
 cast still takes its time from the compute path (its kernels share the SMs with the block they overlap: on an
 H200 a copy-stream cast ran 1-2% faster than a compute-stream one for Wan2.2-TI2V-5B, where a cast that cost the
 compute stream nothing would have saved its 6-12% of the step, and Qwen-Image's copy-stream plan ran 7% over a free
-cast) and also lengthens the copy path. Non-block layers are not modelled.
+cast) and also lengthens the copy path. With a codec (issue 39, tiers.py) a host-tier block's streamed bytes cross
+the link encoded (rho B in eq. 2) and are decoded on the GPU, chunk by chunk behind the next chunk's copy: the decode
+(B / D) is added to the compute path of the block whose window it runs in (its kernels share the SMs, as the cast's
+do), and the last chunk's decode, which no copy hides, to the copy path. The disk tier's blocks stream raw.
+Non-block layers are not modelled.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from dataclasses import dataclass, field
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
-from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig
+from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, disk_block_indices
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
-from chunkflow_planner.tiers import DiskRateUnknown, read_s  # noqa: F401 (DiskRateUnknown: its old home)
+from chunkflow_planner.tiers import DiskRateUnknown, codec_ratio, decode_s, read_s  # noqa: F401 (DiskRateUnknown: its old home)
 from chunkflow_planner.workload import per_forward, tokens
 
 COLLECTIVES_PER_BLOCK = 4  # Ulysses: all-to-all of q, k, v before attention and of the output after it
@@ -67,10 +71,12 @@ def t_all_to_all(spec: ModelSpec, group: BlockGroup, w: Workload, hw: HardwareSp
 
 def block_time(
     t_comp: float, t_coll: float, n_coll: int, V_next: float, cfg: OffloadConfig, hw: HardwareSpec,
-    t_cast_next: float = 0.0,
+    t_cast_next: float = 0.0, rho_next: float = 1.0, t_decode_chunk: float = 0.0,
 ) -> tuple[float, float, float, float]:
     """(wall, prefetch stall, contention stall, overhead) of one block that prefetches a V_next-byte block;
-    `t_cast_next`: the next block's fp8 cast when it runs on the copy stream after its copies (fp8_cast "copy").
+    `t_cast_next`: the next block's fp8 cast when it runs on the copy stream after its copies (fp8_cast "copy");
+    `rho_next`: the share of its streamed bytes the link carries (the codec's ratio, 1 raw) and `t_decode_chunk`
+    the decode of its last chunk, after the last copy (eq. 2 extended by the codec, tiers.py).
 
     With communication awareness the runtime yields only where the compute windows can hold the transfer
     (runtime/comm.py: the block's bytes fit in PACING_MARGIN of its compute time); a prefetch-bound block is
@@ -84,7 +90,7 @@ def block_time(
         return window, 0.0, 0.0, 0.0
     BW = hw.h2d_gbps * GB
     dma = hw.dma_startup_us * 1e-6
-    pref = T_pref(streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma + t_cast_next
+    pref = T_pref(rho_next * streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma + t_cast_next + t_decode_chunk
     overhead = hw.block_overhead_us * 1e-6
 
     def finish(contention: float, link_busy: float, extra: float) -> tuple[float, float, float, float]:
@@ -102,7 +108,7 @@ def block_time(
         return blind
     # yielding: copies pause while collectives run; each collective waits for about half the chunk in flight
     in_flight = min(1.0, pref / max(t_comp, 1e-12))
-    t_chunk = T_pref(cfg.chunk_service_bytes(V_next), BW, hw.eta_pref) + dma
+    t_chunk = T_pref(rho_next * cfg.chunk_service_bytes(V_next), BW, hw.eta_pref) + dma
     tail = n_coll * in_flight * (1 - 1 / hw.contention) * 0.5 * t_chunk
     aware = finish(tail, pref + t_coll, n_coll * hw.yield_overhead_us * 1e-6)
     fits = pref <= PACING_MARGIN * t_comp
@@ -132,18 +138,20 @@ def step_time(
     # fp8_cast "copy": a streamed block is cast on the copy stream after its copies (the runtime casts a block
     # that does not stream on the compute stream)
     on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
+    rho, dec, dec_chunk = codec_terms(V, cfg, hw)
     out = StepTime()
     seen: dict[tuple, tuple[float, float, float, float, float, float]] = {}  # blocks alike are computed once
     for l, g in enumerate(groups):
         nxt = (l + 1) % len(groups)
-        key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt])
+        key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt], rho[nxt])
         if key not in seen:
             tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
             tc += cast[l]  # on either stream: the cast kernels take the SMs (module docstring)
+            tc += dec[nxt]  # the next block's decode runs in this block's window, on the SMs too
             n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
             tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
             seen[key] = (tc, tcoll, *block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
-                                                  cast[nxt] if on_copy[nxt] else 0.0))
+                                                  cast[nxt] if on_copy[nxt] else 0.0, rho[nxt], dec_chunk[nxt]))
         tc, tcoll, wall, stall, cont, over = seen[key]
         out.compute += tc
         out.collective += tcoll
@@ -155,6 +163,23 @@ def step_time(
     for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead", "disk_stall"):
         setattr(out, name, getattr(out, name) * passes)
     return out
+
+
+def codec_terms(V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> tuple[list[float], list[float],
+                                                                            list[float]]:
+    """Per block: (rho, the link's share of its streamed bytes; T_dec of its streamed bytes; T_dec of its last chunk),
+    (1, 0, 0) without a codec and for the disk tier's blocks, which stream raw. Raises tiers.CodecRateUnknown where
+    the codec is on and the profile has no decode rate."""
+    n = len(V)
+    if cfg.codec == "none":
+        return [1.0] * n, [0.0] * n, [0.0] * n
+    ratio = codec_ratio(hw)[0]
+    disk = set(disk_block_indices(n, cfg.disk_blocks))
+    encoded = [l not in disk and cfg.streamed_bytes(V[l]) > 0 for l in range(n)]
+    rho = [ratio if e else 1.0 for e in encoded]
+    dec = [decode_s(cfg.streamed_bytes(v), hw) if e else 0.0 for v, e in zip(V, encoded)]
+    last = [decode_s(cfg.chunk_service_bytes(v), hw) if e else 0.0 for v, e in zip(V, encoded)]
+    return rho, dec, last
 
 
 def disk_stall(forward_s: float, V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> float:

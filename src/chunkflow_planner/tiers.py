@@ -12,6 +12,16 @@ supposes). The paper has two tiers (its eq. 2 prices the host link); the disk is
 T_disk = B_disk / BW_disk (overlap.T_disk). What is read once a generation (a text encoder, the VAE) pays its tier's
 read once; what is read every step (a streamed transformer block) pays it every forward, so the policy, choosing by
 time, sends the former to disk first.
+
+A codec (offload.OffloadConfig.codec, issue 39) changes how the host tier's streamed bytes travel, not where they live:
+
+    codec          on the link (eq. 2)          host memory held    on the GPU, each forward
+    none           B / BW_h2d                   B                   nothing
+    exponent-pack  rho B / BW_h2d               rho B               B / D decoded (sharing the SMs: the compute path)
+
+rho is the codec's ratio (stored / raw bytes: HardwareSpec.codec_ratio, which `chunkflow calibrate --weights DIR`
+measures on the user's weights, else SUPPOSED_CODEC_RATIO) and D its decode rate (HardwareSpec.codec_decode_gbps,
+bytes of decoded output per second; a profile without it cannot price the codec). The disk tier's blocks stream raw.
 """
 
 from __future__ import annotations
@@ -30,8 +40,18 @@ DISK_RATE_REMEDY = ("give `chunkflow plan --disk-gbps X` (the disk's cold read r
                     "calibrate --weights DIR` on this machine (it times the disk the checkpoint is on)")
 
 
+CODEC_RATE_REMEDY = ("run `chunkflow calibrate` on this machine's GPU (it times the codec's decoder), or plan with "
+                     "--hardware h200 or a profile that gives codec_decode_gbps; or leave the codec off (--codec off)")
+SUPPOSED_CODEC_RATIO = 0.71  # supposed: exponent-pack on bf16 weights left 0.69-0.71 of their bytes (random normal,
+# uniform and Laplace values, docs/notes/codec-research/); `chunkflow calibrate --weights DIR` measures the user's
+
+
 class DiskRateUnknown(ChunkflowError):
     """The disk tier priced with a profile that has no disk read rate."""
+
+
+class CodecRateUnknown(ChunkflowError):
+    """The codec priced with a profile that has no decode rate."""
 
 
 @dataclass(frozen=True)
@@ -80,3 +100,35 @@ def host_held(nbytes: float, tier: str) -> float:
 def cost(nbytes: float, tier: str, hw: HardwareSpec) -> TierCost:
     """`nbytes` in `tier`: the read to the GPU and the host memory held."""
     return TierCost(tier, read_s(nbytes, tier, hw), host_held(nbytes, tier))
+
+
+def codec_known(hw: HardwareSpec) -> bool:
+    """Whether the codec can be priced: the profile gives its decode rate D."""
+    return hw.codec_decode_gbps is not None
+
+
+def codec_ratio(hw: HardwareSpec | None) -> tuple[float, bool]:
+    """(rho, measured): the codec's stored / raw bytes, as calibrate measured it on the user's weights, else
+    SUPPOSED_CODEC_RATIO (measured False)."""
+    if hw is not None and hw.codec_ratio is not None:
+        return float(hw.codec_ratio), True
+    return SUPPOSED_CODEC_RATIO, False
+
+
+def decode_rate(hw: HardwareSpec) -> float:
+    """D in bytes of decoded output per second; raises CodecRateUnknown (saying what to do) where the profile has
+    none."""
+    if hw.codec_decode_gbps is None:
+        raise CodecRateUnknown(f"the profile has no decode rate to price the codec: {CODEC_RATE_REMEDY}")
+    return hw.codec_decode_gbps * GB
+
+
+def encoded_bytes(nbytes: float, codec: str, hw: HardwareSpec | None) -> float:
+    """Eq. 2's B_pref under a codec: rho B for the host tier's streamed bytes with a codec, B without."""
+    return float(nbytes) if codec == "none" else codec_ratio(hw)[0] * float(nbytes)
+
+
+def decode_s(nbytes: float, hw: HardwareSpec) -> float:
+    """T_dec = B / D: seconds the GPU spends decoding `nbytes` of streamed weights (added to the compute path, eq. 1:
+    the decode kernels share the SMs with the forward they overlap)."""
+    return float(nbytes) / decode_rate(hw)

@@ -105,6 +105,10 @@ _CfgBatching = Annotated[str, typer.Option(help="run a step's two guidance passe
 _WeightDtype = Annotated[str, typer.Option(help="storage of the streamed weights: auto (bf16, or fp8_e4m3 where it "
                                                 "pays if --allow-fp8), bf16, fp8_e4m3 (lossy: half the host and H2D "
                                                 "bytes)")]
+_Codec = Annotated[str, typer.Option(help="store and copy the streamed bf16 weights losslessly encoded (exponent-pack), "
+                                          "decoded on the GPU: auto (where it pays: a streaming-bound step, or a "
+                                          "host budget only the encoded store fits), on, off. Needs the profile's "
+                                          "decode rate (`chunkflow calibrate` measures it)")]
 _AllowFp8 = Annotated[bool, typer.Option("--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage")]
 _Out = Annotated[Optional[str], typer.Option("--out", "-o", help="write the plan JSON here")]
 _Json = Annotated[bool, typer.Option("--json", help="print the plan JSON on stdout instead of tables")]
@@ -130,7 +134,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              host_mem_budget: _HostMemBudget = None, host_mem_margin: _HostMemMargin = None,
              transformer_only: _TransformerOnly = False,
              cfg_batching: _CfgBatching = "auto", weight_dtype: _WeightDtype = "auto",
-             allow_fp8: _AllowFp8 = False, out: _Out = None, json_out: _Json = False,
+             allow_fp8: _AllowFp8 = False, codec: _Codec = "auto", out: _Out = None, json_out: _Json = False,
              peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, disk_gbps: _DiskGbps = None,
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
@@ -138,7 +142,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     """Predict step time and peak memory per offload mode and choose chunk size and residency; with --weights DIR
     (or --model DIR) and no catalog model, for the model derived from that folder."""
     from chunkflow_planner.planner import make_plan, resolve_hardware
-    from chunkflow_planner.policy import Levers
+    from chunkflow_planner.policy import Levers, codec_refusal
     from chunkflow_planner.workload import make_workload
 
     _check_plan_flags(max_slowdown, target_step_time, text_len, mem_margin, out, hardware)
@@ -150,9 +154,10 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     if spec.derived is not None:
         text_len = None  # the derived entry's own text length (--text-len went into it)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
-    levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8)
     resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
                                 eta_pref=eta_pref, disk_gbps=disk_gbps)
+    levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
+                       codec_refusal(spec, resolved.spec))
     budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
     target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
     gen_target = parse_duration(target_time, "--target-time") if target_time is not None else None

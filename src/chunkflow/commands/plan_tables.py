@@ -50,7 +50,8 @@ def _analysis_table(plan: Plan) -> Table:
     """The overlap analysis of paper section 3.1 at the plan's workload and setting."""
     a = plan.analysis
     levers = [x for x, on in (("both guidance passes in one forward", plan.offload.cfg_batched),
-                              ("fp8 weights", plan.offload.weight_dtype != "bf16")) if on]
+                              ("fp8 weights", plan.offload.weight_dtype != "bf16"),
+                              (f"codec {plan.offload.codec}", plan.offload.codec != "none")) if on]
     t = Table(title=f"Overlap analysis (per {plan.hardware.device_word}, per block; paper section 3.1)"
               + (f"\nof the plan's setting: {', '.join(levers)}" if levers else ""))
     t.add_column("quantity")
@@ -107,7 +108,21 @@ def _chosen_text(plan: Plan) -> str:
             " (cast on the copy stream)" if o.weight_dtype != "bf16" and o.fp8_cast == "copy" else "")
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
         chosen += ", copies " + ("paced around collectives" if o.comm_aware else f"not paced ({hw.peer_link} peer link)")
+    if o.mode != "none":
+        chosen += ", " + codec_text(plan)
     return chosen
+
+
+def codec_text(plan: Plan) -> str:
+    """The codec of the plan in words: raw, or its name, ratio (measured or supposed) and the bytes it saves."""
+    o, pp = plan.offload, plan.prediction
+    if o.codec == "none":
+        return "streamed bytes raw (no codec)"
+    ratio = (f"ratio {pp.codec_ratio:.3f} ({'measured' if pp.codec_ratio_measured else 'supposed'})"
+             if pp.codec_ratio is not None else "ratio unknown")
+    return (f"codec {o.codec} ({ratio}, decoded at {pp.codec_decode_gbps or 0:g} GB/s): "
+            f"{format_bytes(pp.codec_saved_bytes_per_step)} fewer host-to-device bytes a step, "
+            f"{format_bytes(pp.codec_saved_host_bytes)} less host memory")
 
 
 def _chunk_cap(plan: Plan) -> str:
@@ -446,6 +461,20 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+def codec_rows(m, p) -> list[tuple[str, str, str, str]]:  # noqa: ANN001 - reports.Measured, predict.Predicted
+    """The codec measured against planned (none where neither has one): its name, ratio and the bytes it saved."""
+    if m.codec == "none" and p.codec == "none":
+        return []
+    ratio = m.codec_stored_bytes / m.codec_raw_bytes if m.codec_raw_bytes else None
+    planned = (f"{p.codec_ratio:.3f} ({'measured' if p.codec_ratio_measured else 'supposed'})"
+               if p.codec_ratio is not None else "-")
+    return [("codec", m.codec, p.codec, "-" if m.codec == p.codec else "differs"),
+            ("codec ratio (stored / raw)", f"{ratio:.3f}" if ratio is not None else "-", planned,
+             _pct((ratio - p.codec_ratio) / p.codec_ratio) if ratio is not None and p.codec_ratio else "-"),
+            ("bytes saved (host store; a forward's copies)", format_bytes(m.codec_raw_bytes - m.codec_stored_bytes),
+             format_bytes(p.codec_raw_bytes - p.codec_stored_bytes), "-")]
+
+
 def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.reports.RunReport
     """Measured against predicted for one `chunkflow run`, with relative errors."""
     r, m, p, e = report.run, report.measured, report.predicted, report.rel_error
@@ -477,6 +506,8 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.rep
         t.add_row("pinned host memory", format_bytes(m.pinned_host_bytes), format_bytes(p.pinned_host_bytes), "-")
     if m.achieved_residency is not None and o.mode == "chunkflow":
         t.add_row("residency (achieved / asked)", f"{m.achieved_residency:.1%}", f"{o.residency:.1%}", "-")
+    for row in codec_rows(m, p):
+        t.add_row(*row)
     console.print(t)
     shown = m.step_times_s if len(m.step_times_s) <= 12 else m.step_times_s[:6] + m.step_times_s[-6:]
     console.print("step times: " + ", ".join(format_seconds(x) for x in shown)

@@ -23,6 +23,8 @@ _Fp8Cast = Annotated[Optional[str], typer.Option(help="override the plan's fp8 c
                                                       "before each block) or copy (the copy stream, after its copies)")]
 _WeightDtype = Annotated[Optional[str], typer.Option(help="override the plan's weight storage: bf16 or fp8_e4m3 "
                                                           "(lossy)")]
+_Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: on (the streamed bf16 weights stored "
+                                                    "and copied losslessly encoded, exponent-pack) or off (raw)")]
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
                                                       "weights); with --prompt also a Hub id in the local cache")]
 _Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
@@ -59,7 +61,7 @@ _Latents = Annotated[Optional[str], typer.Option(help="also save the final laten
 @_command("run")
 def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, residency: _Residency = None,
             cfg_batched: _CfgBatched = None, fp8_cast: _Fp8Cast = None, weight_dtype: _WeightDtype = None,
-            device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
+            codec: _Codec = None, device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
             steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
             guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
@@ -87,8 +89,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     from chunkflow_planner.plan import check_setting, load_plan
 
     p = load_plan(plan)
-    cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched,
-                                   weight_dtype=weight_dtype, fp8_cast=fp8_cast)  # the flags are parsed here, once
+    cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
+                                   fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags are parsed here, once
     check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's must
     from chunkflow.commands.steps import RunOptions, run_plan
 
@@ -125,6 +127,18 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}", markup=False)
+
+
+def codec_override(codec: str | None) -> str | None:
+    """`run --codec on|off` as the offload's codec (None: the plan's)."""
+    if codec is None:
+        return None
+    from chunkflow_planner.policy import CODEC
+
+    named = {"on": CODEC, "off": "none", CODEC: CODEC, "none": "none"}
+    if codec not in named:
+        raise UserError(f"--codec overrides the plan's codec: on or off, got {codec!r}")
+    return named[codec]
 
 
 def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_prompt: str | None,

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from chunkflow.launch import torchrun_world
 from chunkflow.pipeline_setup import MAX_SEED  # the seed a run builds random weights with
-from chunkflow.reports import Measured, MemorySample, RelErrors, RunConfig, RunError, RunReport, rel_error
+from chunkflow.reports import (Measured, MemorySample, RelErrors, RunConfig, RunError, RunReport, codec_stats,
+                              rel_error)
 from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan, model_of
@@ -146,6 +147,7 @@ def measured_of(timing: Timing, stats: dict | None) -> Measured:
         peak_allocated_bytes=timing.peak_allocated, peak_reserved_bytes=timing.peak_reserved,
         pinned_host_bytes=(stats or {}).get("pinned_bytes", 0),
         achieved_residency=(stats or {}).get("achieved_residency"), memory_trace=timing.memory,
+        **codec_stats(stats),
     )
 
 

@@ -58,16 +58,21 @@ class _Transformer:
     def meets(self, p: Point) -> bool:
         return p.step_time <= self.target
 
+    def within(self, p: Point, room: float, hw: HardwareSpec) -> bool:
+        """Whether `p` fits `room` (allocated bytes priced with the reference's activations, _room): its peak and
+        what the allocator holds of the activations it has beyond the reference's (batched CFG doubles them)."""
+        return p.memory.peak + hw.alloc_slack * (p.memory.activations - self.none.memory.activations) <= room
+
 
 def transformer_candidates(problem: Problem, max_slowdown: float | None, target_step_time: float | None) -> _Transformer:
     return _Transformer(problem.fastest_none(), candidates(problem), problem.target(max_slowdown, target_step_time),
                         tuple(problem.none(b) for b in problem.levers.cfg_batched))
 
 
-def _pick_stream(cands: _Transformer, room: float) -> Point | None:
+def _pick_stream(cands: _Transformer, room: float, hw: HardwareSpec) -> Point | None:
     """The plan's rule for a streamed transformer in `room` allocated bytes: the smallest residency that meets the
     step target (then the shortest step), else the fastest that fits."""
-    fits = [p for p in cands.points if p.memory.peak <= room]
+    fits = [p for p in cands.points if cands.within(p, room, hw)]
     if not fits:
         return None
     meet = [p for p in fits if cands.meets(p)]
@@ -153,6 +158,16 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
                               lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
 
 
+def _encoded(point: Point, cands: _Transformer, room: float, problem: Problem, evaluate) -> Point | None:
+    """A raw streamed bf16 point with its streamed bytes encoded (the codec, tiers.py: rho of them in host memory),
+    where the levers allow the codec and the encoded point still fits `room` and meets the step target; else None."""
+    codecs = [c for c in problem.levers.codecs if c != "none"]
+    if not codecs or point.cfg.codec != "none" or not _disk_ok(point):
+        return None
+    q = evaluate(point.cfg.with_overrides(codec=codecs[0]))
+    return q if cands.within(q, room, problem.hw) and cands.meets(q) else None
+
+
 def _one_on_disk(spec: ModelSpec, w: Workload, pl: Placements) -> list[Placements]:
     """A streamed placement of several experts with one of them on disk, for each expert, the one that runs the
     fewest steps first (the policy's time picks which: that one reads its blocks at fewer forwards; where times
@@ -206,7 +221,7 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
         rooms[pl] = _room(other, gpu_budget, hw, cands.none)
         if rooms[pl] not in picked:
-            point = _pick_stream(cands, rooms[pl])
+            point = _pick_stream(cands, rooms[pl], hw)
             picked[rooms[pl]] = point if point is not None else min(cands.points, key=lambda p: p.memory.peak)
         point = picked[rooms[pl]]
         if pl.transformer == ON_DISK:
@@ -218,6 +233,12 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         e = estimate(spec, w, hw, pl, point, costs)
         seen.append(e)
         if e.host_memory > host_budget and e.gpu_need <= gpu_budget:
+            enc = _encoded(point, cands, rooms[pl], problem, evaluate)
+            if enc is not None:  # the codec's store before the disk tier
+                seen.append(estimate(spec, w, hw, pl, enc, costs))
+                if seen[-1].host_memory <= host_budget:
+                    continue
+                point = enc
             disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:
                 seen.append(disk)
@@ -253,7 +274,7 @@ def _fastest(fits: list[PipelineEstimate]) -> PipelineEstimate:
 
 def _stream_levers(best: PipelineEstimate, cands: _Transformer, room: float, problem: Problem) -> tuple[Lever, ...]:
     """The levers of a streamed transformer that meets the step target, against the points that do in its room."""
-    feasible = [p for p in cands.points if cands.meets(p) and p.memory.peak <= room]
+    feasible = [p for p in cands.points if cands.meets(p) and cands.within(p, room, problem.hw)]
     return levers_of(best.transformer, feasible, problem.levers, cands.none)
 
 

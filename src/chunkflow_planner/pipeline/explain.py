@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from chunkflow_planner.explain import MarginKept, budget_said, host_budget_said, levers_said
+from chunkflow_planner.explain import MarginKept, budget_said, codec_said, host_budget_said, levers_said
 from chunkflow_planner.explain import disk_said as core_disk_said
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET
-from chunkflow_planner.tiers import DISK_RATE_REMEDY
+from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio
 from chunkflow_planner.units import format_bytes, format_seconds, format_seconds_apart
 
 if TYPE_CHECKING:
@@ -50,8 +50,9 @@ def experts_said(e: PipelineEstimate) -> str:
 
 
 def disk_said(e: PipelineEstimate) -> str:
-    """The disk tier of a streamed transformer in words (empty without one): explain.disk_said."""
-    return core_disk_said(e.transformer, e.hw.disk_read_gbps)
+    """The codec and the disk tier of a streamed transformer in words (empty without them): explain.codec_said,
+    explain.disk_said."""
+    return codec_said(e.transformer, *codec_ratio(e.hw)) + core_disk_said(e.transformer, e.hw.disk_read_gbps)
 
 
 def pipeline_reason(f: PipelineFacts) -> str:

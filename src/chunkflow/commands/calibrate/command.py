@@ -33,7 +33,8 @@ _Base = Annotated[Optional[str], typer.Option(help="catalog GPU whose unmeasured
 _Raw = Annotated[Optional[str], typer.Option(help="also write the raw measurements as JSON here")]
 _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeline folder (or Hub id in the local "
                                                       "cache) is on, as the loader reads it, cold and warm (default: "
-                                                      "the Hugging Face cache's disk)")]
+                                                      "the Hugging Face cache's disk), and measure the lossless "
+                                                      "codec's ratio on its transformer's weights (--codec)")]
 _MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", show_default=False, help="with "
                                                              "--from-report: more run reports (what an unquoted "
                                                              "pattern, --from-report out/*-report.json, expands to)")]
@@ -217,7 +218,7 @@ def _print_profile(hw) -> None:
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
                 "encode_host_s", "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction",
-                "mem_margin", "disk_read_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
+                "mem_margin", "disk_read_gbps", "codec_ratio", "codec_decode_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
         v = hw.figure(key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     t.add_row("context_bytes", format_bytes(hw.context_bytes))

@@ -582,6 +582,12 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     # the disk is the machine's: rank 0 times it (ranks timing it together would share it and undo each other's
     # cold reads)
     disk_raw = _disk_rates(extra, s.device, cpu_smoke, weights, log) if disk and torchrun_rank() == 0 else None
+    codec_raw = None
+    if torchrun_rank() == 0:  # the codec's ratio on the user's weights and its decode rate on this GPU (issue 39)
+        from chunkflow.commands.calibrate.codec import measure_codec
+
+        codec_extra, codec_raw = measure_codec(weights, s.device, log)
+        extra.update(codec_extra)
     log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
     coll = _collectives(s, progress, log) if s.world > 1 else None
     if coll is not None:
@@ -601,5 +607,5 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
-               operators=ops_raw, vae=vae_raw, forwards=forwards, disk=disk_raw)
+               operators=ops_raw, vae=vae_raw, forwards=forwards, disk=disk_raw, codec=codec_raw)
     return Calibration(profile, raw)

@@ -1,0 +1,292 @@
+"""The planner's side of the lossless codec (issue 39): the setting, its price (ratio on the link and in host
+memory, decode on the GPU, the staging ring), the policy's on/off decision, the plan file and `plan --codec`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from chunkflow.commands.cli import app
+from chunkflow_planner.catalog import get_hardware, get_model
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.memory import estimate_memory
+from chunkflow_planner.offload import (
+    CODEC_STAGING_CHUNKS,
+    OffloadConfig,
+    OffloadConfigError,
+    codec_staging_bytes,
+    disk_block_indices,
+)
+from chunkflow_planner.plan import load_plan
+from chunkflow_planner.planner import ResolvedHardware, make_plan
+from chunkflow_planner.policy import CODEC, Infeasible, Levers, codec_refusal
+from chunkflow_planner.steptime import codec_terms, step_time
+from chunkflow_planner.tiers import CODEC_RATE_REMEDY, SUPPOSED_CODEC_RATIO, CodecRateUnknown
+from chunkflow_planner.workload import make_workload
+
+GB = 10**9
+MB = 10**6
+runner = CliRunner()
+
+
+def _hw(name: str = "h200", **update) -> ResolvedHardware:
+    return ResolvedHardware(get_hardware(name).model_copy(update=update), "test")
+
+
+def _plan(model: str, budget: float, codec: str = "auto", hw: ResolvedHardware | None = None, host: float | None = None,
+          weight_dtype: str = "bf16", allow_fp8: bool = False, **workload):
+    """The transformer alone at a GPU budget, 4x no offload allowed (the 6 GB FLUX case of issue 39 needs it)."""
+    hw = hw or _hw()
+    spec = get_model(model)
+    w = make_workload(spec, **workload)
+    levers = Levers.of(w.cfg_passes, "auto", weight_dtype, allow_fp8, codec, codec_refusal(spec, hw.spec))
+    return make_plan(spec, w, hw, budget=int(budget * GB), pipeline=False, max_slowdown=4, levers=levers,
+                     host_budget=None if host is None else int(host * GB), host_mem_margin=0.0)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- the setting
+
+
+def test_the_setting_validates_and_carries_the_codec():
+    cfg = OffloadConfig("chunkflow", "16MB", 0.2, codec=CODEC)
+    assert cfg.codec == CODEC and cfg.label.endswith(" codec=exponent-pack")
+    assert OffloadConfig.model_validate(cfg.model_dump()) == cfg  # a plan file's round trip
+    assert cfg.with_overrides(residency=0.5).codec == CODEC  # carried over
+    assert cfg.with_overrides(codec="none").codec == "none"
+    assert cfg.with_overrides(mode="layerwise").codec == CODEC  # layerwise streams: still encoded
+    assert cfg.with_overrides(mode="none").codec == "none"  # nothing streams: nothing to encode
+    assert cfg.with_overrides(weight_dtype="fp8_e4m3").codec == "none"  # fp8 storage is the other way
+    with pytest.raises(OffloadConfigError, match="unknown codec 'zstd'"):
+        OffloadConfig(codec="zstd")
+    with pytest.raises(OffloadConfigError, match="mode none streams nothing"):
+        OffloadConfig("none", codec=CODEC)
+    with pytest.raises(OffloadConfigError, match="weight_dtype fp8_e4m3"):
+        OffloadConfig(weight_dtype="fp8_e4m3", codec=CODEC)
+    with pytest.raises(ValueError):
+        OffloadConfig.model_validate({**cfg.model_dump(), "codec": "gzip"})
+
+
+def test_the_staging_ring_is_three_of_the_largest_streamed_chunk():
+    assert CODEC_STAGING_CHUNKS == 3
+    V = [100 * MB, 40 * MB, 10 * MB]
+    assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB", codec=CODEC), V) == 3 * 16 * MB
+    assert codec_staging_bytes(OffloadConfig("chunkflow", "64MB", codec=CODEC), [50 * MB, 30 * MB]) == 3 * 50 * MB
+    assert codec_staging_bytes(OffloadConfig("layerwise", codec=CODEC), V) == 3 * 100 * MB  # the largest tail
+    assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB"), V) == 0  # no codec, no ring
+    assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB", 1.0, codec=CODEC), V) == 0  # nothing streams
+
+
+# ---------------------------------------------------------------------------------------------------- the price
+
+
+def test_encoded_bytes_cost_the_ratio_on_the_link_and_in_host_memory_and_the_ring_on_the_device():
+    spec, hw = get_model("flux"), get_hardware("h200")
+    w = spec.default_workload
+    raw, enc = (OffloadConfig("chunkflow", "16MB", 0.2, codec=c) for c in ("none", CODEC))
+    m_raw, m_enc = estimate_memory(spec, w, raw, hw=hw), estimate_memory(spec, w, enc, hw=hw)
+    tails = m_raw.pinned_host - m_raw.resident_block_weights  # the host store: resident heads and streamed tails
+    assert m_enc.codec_raw == pytest.approx(tails)
+    assert m_enc.codec_stored == pytest.approx(SUPPOSED_CODEC_RATIO * tails)
+    assert m_enc.pinned_host == pytest.approx(m_raw.pinned_host - (1 - SUPPOSED_CODEC_RATIO) * tails)
+    assert m_enc.peak - m_raw.peak == pytest.approx(3 * 16 * MB, abs=1)
+    measured = hw.model_copy(update={"codec_ratio": 0.65})
+    assert estimate_memory(spec, w, enc, hw=measured).codec_stored == pytest.approx(0.65 * tails)
+
+
+def test_decode_goes_on_the_compute_path_and_the_link_carries_rho_b():
+    """Streaming-bound FLUX: encoded copies shorten the stall by more than the decode adds; the decode is B / D."""
+    spec, hw = get_model("flux"), get_hardware("h200")
+    w = spec.default_workload
+    raw, enc = (OffloadConfig("chunkflow", "16MB", 0.0, codec=c) for c in ("none", CODEC))
+    t_raw, t_enc = step_time(spec, w, hw, raw), step_time(spec, w, hw, enc)
+    streamed = estimate_memory(spec, w, enc, hw=hw).codec_raw
+    assert t_enc.compute - t_raw.compute == pytest.approx(streamed / (hw.codec_decode_gbps * GB))
+    assert t_enc.prefetch_stall < t_raw.prefetch_stall and t_enc.total < t_raw.total
+    slower = hw.model_copy(update={"codec_decode_gbps": 50.0})  # a decoder slower than the link: no gain
+    assert step_time(spec, w, slower, enc).total > t_raw.total
+    with pytest.raises(CodecRateUnknown, match="calibrate"):
+        step_time(spec, w, get_hardware("a100-80gb"), enc)
+
+
+def test_the_disk_tiers_blocks_stream_raw():
+    spec, hw = get_model("flux"), get_hardware("h200").model_copy(update={"disk_read_gbps": 5.0})
+    cfg = OffloadConfig("chunkflow", "16MB", 0.0, disk_blocks=4, codec=CODEC)
+    V = [float(spec.block_bytes(g)) for g in spec.block_sequence()]
+    rho, dec, _ = codec_terms(V, cfg, hw)
+    disk = set(disk_block_indices(len(V), 4))
+    assert all((rho[l] == 1.0 and dec[l] == 0.0) == (l in disk) for l in range(len(V)))
+    m = estimate_memory(spec, spec.default_workload, cfg, hw=hw)
+    assert m.codec_raw == pytest.approx(sum(V) - m.disk_read)  # the host tier's tails only
+
+
+# ---------------------------------------------------------------------------------------------------- the policy
+
+
+def test_streaming_bound_flux_at_a_small_budget_turns_the_codec_on():
+    raw, enc = _plan("flux", 6, "off"), _plan("flux", 6, "auto")
+    assert raw.offload.codec == "none" and raw.analysis.regime == "exposed"
+    assert enc.offload.codec == CODEC
+    assert enc.prediction.step_time_s < raw.prediction.step_time_s
+    p = enc.prediction
+    assert p.codec_ratio == SUPPOSED_CODEC_RATIO and p.codec_ratio_measured is False
+    assert p.codec_saved_bytes_per_step > 5 * GB and p.codec_saved_host_bytes == p.codec_saved_bytes_per_step  # 1 pass
+    assert p.codec_staging_bytes == 3 * enc.offload.chunk_bytes
+    assert "codec exponent-pack at ratio 0.71 (supposed)" in enc.reason
+
+
+def test_compute_bound_large_workload_keeps_the_codec_off():
+    plan = _plan("wan2.1-14b", 40, "auto", frames=81, height=720, width=1280)
+    assert plan.analysis.regime == "hidden" and plan.offload.mode == "chunkflow"
+    assert plan.offload.codec == "none" and plan.prediction.codec_ratio is None
+    assert "the codec would not shorten the step" in plan.reason
+
+
+def test_a_host_budget_only_the_encoded_store_fits_turns_it_on_and_the_plan_fits():
+    """Wan2.1-14B at 480p streams 28 GB of blocks; 25 GB of host memory holds them only encoded (no disk rate)."""
+    kw = dict(frames=81, height=480, width=832)
+    with pytest.raises(Infeasible, match="host memory is the binding constraint"):
+        _plan("wan2.1-14b", 30, "off", host=25, **kw)
+    plan = _plan("wan2.1-14b", 30, "auto", host=25, **kw)
+    assert plan.offload.codec == CODEC
+    assert plan.prediction.host_memory_bytes <= 25 * GB
+    assert plan.prediction.pinned_host_bytes < 25 * GB < plan.prediction.pinned_host_bytes + plan.prediction.codec_saved_host_bytes
+    assert "its host store does not fit the host budget" in plan.reason and "streamed bytes raw" not in plan.reason
+
+
+def test_no_decode_rate_keeps_it_off_and_on_is_refused_with_the_remedy():
+    hw = _hw("h200", codec_decode_gbps=None)
+    assert _plan("flux", 6, "auto", hw=hw).offload.codec == "none"
+    with pytest.raises(ChunkflowError, match="--codec on: .*no decode rate") as exc:
+        _plan("flux", 6, "on", hw=hw)
+    assert CODEC_RATE_REMEDY in str(exc.value)
+
+
+def test_fp8_storage_and_non_bf16_weights_never_take_the_codec():
+    plan = _plan("flux", 6, "auto", weight_dtype="fp8_e4m3")
+    assert plan.offload.weight_dtype == "fp8_e4m3" and plan.offload.codec == "none"
+    assert all(c == "none" for _, d, c in Levers.of(1, weight_dtype="auto", allow_fp8=True, codec="auto").combos()
+               if d != "bf16")
+    with pytest.raises(ChunkflowError, match="use one or the other"):
+        Levers.of(1, weight_dtype="fp8_e4m3", codec="on")
+    fp32 = get_model("flux").model_copy(update={"dtype_bytes": 4})
+    assert "16-bit" in codec_refusal(fp32, get_hardware("h200"))
+
+
+def test_codec_on_is_forced_where_auto_would_not_take_it():
+    plan = _plan("wan2.1-14b", 40, "on", frames=81, height=720, width=1280)
+    assert plan.offload.codec == CODEC and "as asked" in plan.reason
+
+
+def test_the_plan_file_records_the_codec_and_reads_back(tmp_path):
+    plan = _plan("flux", 6, "auto", hw=_hw("h200", codec_ratio=0.68))
+    assert plan.prediction.codec_ratio == 0.68 and plan.prediction.codec_ratio_measured is True
+    path = tmp_path / "plan.json"
+    plan.write(str(path))
+    data = json.loads(path.read_text())
+    assert data["offload"]["codec"] == CODEC and data["prediction"]["codec_ratio_measured"] is True
+    back = load_plan(str(path))
+    assert back.offload == plan.offload and back.prediction.codec_saved_host_bytes == \
+        plan.prediction.codec_saved_host_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.usefixtures("workdir")
+def test_plan_codec_flag_through_the_cli():
+    args = ["plan", "--model", "flux", "--mem-budget", "6GB", "--max-slowdown", "4", "--transformer-only"]
+    out = runner.invoke(app, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["offload"]["codec"] == CODEC  # auto, the default
+    off = runner.invoke(app, [*args, "--codec", "off", "--json"])
+    assert json.loads(off.stdout)["offload"]["codec"] == "none"
+    shown = runner.invoke(app, [*args, "--hardware", "h200"])
+    assert "codec exponent-pack (ratio 0.710 (supposed)" in " ".join(shown.stdout.split())
+    refused = runner.invoke(app, [*args, "--hardware", "a100-80gb", "--codec", "on"])
+    assert refused.exit_code != 0 and "chunkflow calibrate" in refused.output
+    bad = runner.invoke(app, [*args, "--codec", "maybe"])
+    assert bad.exit_code != 0 and "--codec must be auto, on or off" in bad.output
+
+
+# ---------------------------------------------------------------------------------------------------- calibrate
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    from pipelines import save_catalog_pipeline
+
+    return save_catalog_pipeline("tiny", tmp_path_factory.mktemp("saved") / "tiny")
+
+
+def test_calibrate_measures_the_ratio_on_the_saved_transformer_and_the_plan_uses_it(saved_tiny, workdir):
+    import torch
+    from safetensors import safe_open
+
+    from chunkflow.commands.calibrate.codec import measure_codec, measure_ratio, streamed_tensors, transformer_files
+    from chunkflow.commands.calibrate.profile import write_profile
+
+    files = transformer_files(saved_tiny)
+    assert files and all(f.parent.name == "transformer" for f in files)  # the transformer's, not the text encoder's
+    tensors = streamed_tensors(files)
+    assert tensors and all("blocks." in name for _, name, _ in tensors)
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert all(f.get_tensor(name).dtype == torch.bfloat16 for p, name, _ in tensors if p == files[0])
+    bounded = measure_ratio(saved_tiny, sample_bytes=4096, chunk_bytes=1024)
+    assert bounded["raw_bytes"] <= 4096 and bounded["chunks"] <= 4 and bounded["tensors"] == len(tensors)
+    whole = measure_ratio(saved_tiny)
+    assert whole["raw_bytes"] == sum(min(n, 16 * 2**20) for _, _, n in tensors)  # every tensor sampled: tiny
+    assert 0.5 < whole["ratio"] < 0.95  # random bf16 weights: the exponent shrinks, sign and mantissa do not
+    assert whole["ratio"] == whole["stored_bytes"] / whole["raw_bytes"]
+    logged: list[str] = []
+    extra, raw = measure_codec(str(saved_tiny), torch.device("cpu"), logged.append)
+    assert extra == {"codec_ratio": round(whole["ratio"], 4)} and raw["ratio"] == whole  # no decode rate on a CPU
+    assert any("ratio" in line for line in logged)
+    write_profile(get_hardware("h200").model_copy(update=extra), workdir / "measured.yaml")
+    out = runner.invoke(app, ["plan", "--model", "flux", "--mem-budget", "6GB", "--max-slowdown", "4",
+                              "--transformer-only", "--hardware", str(workdir / "measured.yaml"), "--json"])
+    assert out.exit_code == 0, out.output
+    pred = json.loads(out.stdout)["prediction"]
+    assert pred["codec_ratio"] == extra["codec_ratio"] and pred["codec_ratio_measured"] is True
+
+
+def test_calibrate_finds_nothing_to_sample_in_a_float32_transformer(tmp_path):
+    import torch
+
+    from chunkflow.commands.calibrate.codec import measure_codec, measure_ratio
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("tiny", tmp_path / "fp32", dtype=torch.float32)
+    assert measure_ratio(folder) is None
+    logged: list[str] = []
+    assert measure_codec(str(folder), torch.device("cpu"), logged.append) == ({}, {})
+    assert any("stays supposed" in line for line in logged)
+
+
+# ---------------------------------------------------------------------------------------------------- the run report
+
+
+def test_the_run_report_compares_the_codec_measured_against_planned():
+    from types import SimpleNamespace
+
+    from chunkflow.commands.plan_tables import codec_rows
+    from chunkflow.reports import codec_stats
+    from chunkflow_planner.predict import predict
+
+    assert codec_stats(None) == codec_stats({}) == codec_stats(SimpleNamespace()) == \
+        dict(codec="none", codec_raw_bytes=0, codec_stored_bytes=0)  # a runtime without the codec
+    got = dict(codec=CODEC, codec_raw_bytes=1000, codec_stored_bytes=700)
+    assert codec_stats({**got, "pinned_bytes": 5}) == got == codec_stats(SimpleNamespace(**got))
+    spec, hw = get_model("flux"), get_hardware("h200")
+    p = predict(spec, spec.default_workload, hw, OffloadConfig("chunkflow", "16MB", codec=CODEC))
+    assert p.codec == CODEC and p.codec_ratio == SUPPOSED_CODEC_RATIO and not p.codec_ratio_measured
+    assert p.codec_stored_bytes == pytest.approx(SUPPOSED_CODEC_RATIO * p.codec_raw_bytes, abs=1)
+    m = SimpleNamespace(codec=CODEC, codec_raw_bytes=p.codec_raw_bytes, codec_stored_bytes=int(0.7 * p.codec_raw_bytes))
+    rows = {r[0]: r[1:] for r in codec_rows(m, p)}
+    assert rows["codec"] == (CODEC, CODEC, "-")
+    assert rows["codec ratio (stored / raw)"][:2] == ("0.700", "0.710 (supposed)")
+    assert rows["codec ratio (stored / raw)"][2] == "-1.4%"
+    raw = SimpleNamespace(codec="none", codec_raw_bytes=0, codec_stored_bytes=0)
+    assert codec_rows(raw, p)[0] == ("codec", "none", CODEC, "differs")  # planned encoded, streamed raw
+    assert codec_rows(raw, predict(spec, spec.default_workload, hw, OffloadConfig("chunkflow", "16MB"))) == []
