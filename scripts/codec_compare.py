@@ -27,10 +27,11 @@ def _chunkflow(a, plan, spec, w) -> tuple[float, torch.Tensor, dict]:
     import chunkflow
 
     t0 = time.perf_counter()
-    session = chunkflow.load(a.plan, weights=a.folder, progress=False)
+    session = chunkflow.load(a.plan, weights=a.folder)
     load_s = time.perf_counter() - t0
     session.generate(WARM_PROMPT, seed=a.seed)
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     r = session.generate(a.prompt, seed=a.seed)
     stats = {name: h.stats().as_dict() for name, h in session.built.handles.items()}
     extra = dict(load_s=load_s, predicted_s=r.predicted_s, step_times_s=r.step_times_s, handles=stats,
@@ -39,7 +40,7 @@ def _chunkflow(a, plan, spec, w) -> tuple[float, torch.Tensor, dict]:
     if tr:
         extra["h2d_bytes_per_step"] = (tr["codec_stored_bytes"] + tr["streamed_bytes_per_step"]
                                        - tr["codec_raw_bytes"])
-        extra["codec"] = {k: v for k, v in tr.items() if k.startswith("codec")}
+        extra["codec_stats"] = {k: v for k, v in tr.items() if k.startswith("codec")}
     return r.seconds, r.latents, extra
 
 
@@ -113,10 +114,11 @@ def main() -> None:
     fn = _chunkflow if a.way == "chunkflow" else _diffusers
     seconds, latents, extra = fn(a, plan, spec, w)
     result = dict(way=a.way, model=spec.name, plan=a.plan, codec=plan.offload.codec if a.way == "chunkflow" else None,
-                  generation_s=seconds, gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                  gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(), host_peak_bytes=peak_rss_bytes(),
-                  gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  generation_s=seconds, host_peak_bytes=peak_rss_bytes(), torch=torch.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **extra)
+    if torch.cuda.is_available():
+        result.update(gpu=torch.cuda.get_device_name(), gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved())
     latents = latents.detach().cpu()
     if a.latents:
         from safetensors.torch import save_file

@@ -7,11 +7,11 @@ same bytes arrive in the slot: outputs are bit for bit those without it.
 - At layout each block's tail is read from the checkpoint's files (the loader's; never written), encoded chunk by
   chunk (on the GPU where the module runs on one) and kept in one pinned buffer a block, each chunk 16-byte aligned.
   Encoding is cached per block and layout, so laying out again only encodes blocks whose layout changed.
-- A prefetch copies the block's encoded chunks into one device staging buffer on the copy stream (`copy`: the bytes
-  sent are the encoded ones); when the block's chunks are all enqueued (`done`), one launch on a decode stream of
-  the highest priority decodes them into the slot, and the copy stream waits for it before the block's ready event
-  (so the next block's copies cannot overwrite the staging buffer it reads). Without CUDA each chunk is decoded by
-  the reference decoder as it is "copied".
+- A prefetch copies each encoded chunk into one of CODEC_STAGING_CHUNKS device staging buffers (the largest encoded
+  chunk each) on the copy stream (`copy`: the bytes sent are the encoded ones), and a decode stream of the highest
+  priority decodes it into the slot while the next chunk is copied; a staging buffer takes the next chunk once its
+  decode is done (an event), and the block's ready event follows its decodes (`done`). Without CUDA each chunk is
+  decoded by the reference decoder as it is "copied".
 - Outside its forward a tail tensor is what the disk tier makes it: a private copy-on-write map of its bytes in the
   file (no memory until read), the files watched for changes; a write to one, or a tensor the files lack, moves the
   block to the host tier at the next layout (runtime/tiers/disk.py, whose checks this tier shares). So the codec
@@ -30,6 +30,7 @@ from chunkflow.runtime.layout import BlockLayout
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.tensors import all_tensors
 from chunkflow.runtime.tiers.disk import DiskFiles, DiskTier, disk_files
+from chunkflow_planner.offload import CODEC_STAGING_CHUNKS
 
 ALIGN = 16  # each chunk's encoded bytes start at a multiple of this in its block's buffer
 
@@ -49,35 +50,36 @@ class EncodedBlock:
 class EncodedSource:
     """A block prefetch from the encoded tier (runtime/chunksource.py's interface)."""
 
-    __slots__ = ("tier", "blk", "slot")
+    __slots__ = ("tier", "blk")
 
     def __init__(self, tier: EncodedTier, blk: EncodedBlock):
-        self.tier, self.blk, self.slot = tier, blk, None
+        self.tier, self.blk = tier, blk
 
     def copy(self, slot: torch.Tensor, lo: int, hi: int) -> int:
         off, n, c = self.blk.chunks[lo]
-        self.slot = slot
         src = self.blk.store.data[off : off + n]
-        if self.tier.staging is None:  # no CUDA: decoded now, exactly
-            self.tier.codec.decode(src, slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k, n_escapes=c.n_escapes)
-        else:
-            self.tier.staging[off : off + n].copy_(src, non_blocking=True)
+        t = self.tier
+        if not t.staging:  # no CUDA: decoded now, exactly
+            t.codec.decode(src, slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k, n_escapes=c.n_escapes)
+            return n
+        r = t.turn
+        t.turn = (r + 1) % len(t.staging)
+        cs = torch.cuda.current_stream(t.device)  # the copy stream: the streamer copies inside it
+        cs.wait_event(t.free[r])  # the decode that last read this staging buffer is done
+        t.staging[r][:n].copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(cs)
+        ds = t.decode_stream
+        ds.wait_event(copied)
+        with torch.cuda.stream(ds):
+            t.decoders[(id(self.blk), lo)].run(t.staging[r], slot)
+        t.free[r].record(ds)
         return n
 
     def done(self, backend) -> None:
-        tier = self.tier
-        if tier.staging is None or self.slot is None:
-            return
-        copied = backend.event()
-        copied.record(backend.copy_stream)
-        ds = tier.decode_stream
-        ds.wait_event(copied)
-        with torch.cuda.stream(ds):
-            tier.decoders[id(self.blk)].run(tier.staging, self.slot)
-        decoded = backend.event()
-        decoded.record(ds)
-        backend.copy_stream.wait_event(decoded)
-        tier.bytes_decoded += self.blk.raw_bytes
+        """The block's ready event (recorded next on the copy stream) follows its decodes."""
+        if self.tier.staging:
+            backend.copy_stream.wait_stream(self.tier.decode_stream)
 
 
 class EncodedTier(DiskTier):
@@ -109,8 +111,10 @@ class EncodedTier(DiskTier):
         self.codec = codec
         self.encoded: dict[int, EncodedBlock] = {}
         self.device: torch.device | None = None
-        self.staging: torch.Tensor | None = None  # the device buffer a block's encoded chunks are copied into
-        self.decoders: dict[int, object] = {}  # id(EncodedBlock) -> its decode (tables on the device)
+        self.staging: list[torch.Tensor] = []  # the device buffers encoded chunks are copied into, in turn
+        self.free: list = []  # per staging buffer: an event after the decode that last read it
+        self.turn = 0  # the staging buffer the next chunk takes
+        self.decoders: dict[tuple[int, int], object] = {}  # (id(EncodedBlock), lo) -> its chunk's decode
         self.decode_stream = None
         self.bytes_decoded = 0
 
@@ -168,24 +172,27 @@ class EncodedTier(DiskTier):
 
     def source(self, store: HostStore, b: BlockLayout, non_blocking: bool) -> EncodedSource:
         blk = self.encoded[b.index]
-        if self.device.type == "cuda" and self.staging is None:
+        if self.device.type == "cuda" and not self.staging:
             self._make_device()
         return EncodedSource(self, blk)
 
     def _make_device(self) -> None:
-        """The staging buffer (the largest block's encoded bytes), every block's decode table, the decode stream."""
-        most = max((blk.store.nbytes for blk in self.encoded.values()), default=0)
-        self.staging = torch.empty(max(most, 1), dtype=torch.uint8, device=self.device)
-        self.decoders = {id(blk): self.codec.Decode([c for _, _, c in blk.chunks.values()], self.device)
-                         for blk in self.encoded.values()}
+        """The staging buffers (the largest encoded chunk each), every chunk's decode table, the decode stream."""
+        most = max((n for blk in self.encoded.values() for _, n, _ in blk.chunks.values()), default=0)
+        self.staging = [torch.empty(max(most, 16), dtype=torch.uint8, device=self.device)
+                        for _ in range(CODEC_STAGING_CHUNKS)]
+        self.free = [torch.cuda.Event() for _ in self.staging]
+        self.turn = 0
+        self.decoders = {(id(blk), lo): self.codec.Decode([c._replace(src=0)], self.device)
+                         for blk in self.encoded.values() for lo, (_, _, c) in blk.chunks.items()}
         if self.decode_stream is None:
             high, _low = torch.cuda.Stream.priority_range()
             self.decode_stream = torch.cuda.Stream(device=self.device, priority=high)
 
     def _drop_device(self) -> None:
-        if self.staging is not None:
+        if self.staging:
             torch.cuda.synchronize(self.device)
-        self.staging = None
+        self.staging, self.free = [], []
         self.decoders = {}
 
     def acquire(self, store: HostStore, b: BlockLayout):
@@ -224,4 +231,4 @@ class EncodedTier(DiskTier):
                     codec_stored_bytes=sum(b.stored_bytes for b in blks),
                     codec_host_bytes=sum(b.store.nbytes for b in blks),
                     codec_pinned_bytes=sum(b.store.pinned_bytes for b in blks),
-                    codec_staging_bytes=self.staging.numel() if self.staging is not None else 0)
+                    codec_staging_bytes=sum(t.numel() for t in self.staging))
