@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.codec import encoded_bytes
 from chunkflow_planner.flops import F_block_per_gpu
 from chunkflow_planner.workload import latent_frames, nearest_valid_frames, tokens_per_latent_frame
 
@@ -235,8 +236,6 @@ def analyse(
     if cfg is not None:
         samples = per_forward(w, cfg.cfg_batched)[0].batch // w.batch
         B_pref = cfg.stored_bytes(B_pref, spec.dtype_bytes)
-        from chunkflow_planner.tiers import encoded_bytes  # tiers imports this module
-
         B_pref = encoded_bytes(B_pref, cfg.codec, hw)
     F = F_block_per_gpu(spec, w.batch * samples, tokens(spec, w), sp, text_len)
     same = eta_samples(spec, w.batch * samples)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from chunkflow_planner.codec import SUPPOSED_CODEC_RATIO, codec_ratio, encoded_bytes  # noqa: F401 (their old home)
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.overlap import GB, T_disk
 
@@ -42,8 +43,6 @@ DISK_RATE_REMEDY = ("give `chunkflow plan --disk-gbps X` (the disk's cold read r
 
 CODEC_RATE_REMEDY = ("run `chunkflow calibrate` on this machine's GPU (it times the codec's decoder), or plan with "
                      "--hardware h200 or a profile that gives codec_decode_gbps; or leave the codec off (--codec off)")
-SUPPOSED_CODEC_RATIO = 0.71  # supposed: exponent-pack on bf16 weights left 0.69-0.71 of their bytes (random normal,
-# uniform and Laplace values, docs/notes/codec-research/); `chunkflow calibrate --weights DIR` measures the user's
 
 
 class DiskRateUnknown(ChunkflowError):
@@ -107,25 +106,12 @@ def codec_known(hw: HardwareSpec) -> bool:
     return hw.codec_decode_gbps is not None
 
 
-def codec_ratio(hw: HardwareSpec | None) -> tuple[float, bool]:
-    """(rho, measured): the codec's stored / raw bytes, as calibrate measured it on the user's weights, else
-    SUPPOSED_CODEC_RATIO (measured False)."""
-    if hw is not None and hw.codec_ratio is not None:
-        return float(hw.codec_ratio), True
-    return SUPPOSED_CODEC_RATIO, False
-
-
 def decode_rate(hw: HardwareSpec) -> float:
     """D in bytes of decoded output per second; raises CodecRateUnknown (saying what to do) where the profile has
     none."""
     if hw.codec_decode_gbps is None:
         raise CodecRateUnknown(f"the profile has no decode rate to price the codec: {CODEC_RATE_REMEDY}")
     return hw.codec_decode_gbps * GB
-
-
-def encoded_bytes(nbytes: float, codec: str, hw: HardwareSpec | None) -> float:
-    """Eq. 2's B_pref under a codec: rho B for the host tier's streamed bytes with a codec, B without."""
-    return float(nbytes) if codec == "none" else codec_ratio(hw)[0] * float(nbytes)
 
 
 def decode_s(nbytes: float, hw: HardwareSpec) -> float:
