@@ -13,12 +13,16 @@ from chunkflow_planner.catalog import get_hardware, get_model
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.memory import estimate_memory
 from chunkflow_planner.offload import (
+    CODEC_DECODE_BYTES,
     CODEC_STAGING_CHUNKS,
     OffloadConfig,
     OffloadConfigError,
+    codec_group_chunks,
+    codec_groups,
     codec_staging_bytes,
     disk_block_indices,
 )
+from chunkflow_planner.memory import stored_volumes
 from chunkflow_planner.plan import load_plan
 from chunkflow_planner.planner import ResolvedHardware, make_plan
 from chunkflow_planner.policy import CODEC, Infeasible, Levers, codec_refusal
@@ -68,10 +72,14 @@ def test_the_setting_validates_and_carries_the_codec():
         OffloadConfig.model_validate({**cfg.model_dump(), "codec": "gzip"})
 
 
-def test_the_staging_ring_is_three_of_the_largest_streamed_chunk():
+def test_the_staging_ring_is_three_of_the_largest_decode_group():
+    """A decode group is as many whole chunks as fit CODEC_DECODE_BYTES (at least one), within a block's tail."""
     assert CODEC_STAGING_CHUNKS == 3
     V = [100 * MB, 40 * MB, 10 * MB]
-    assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB", codec=CODEC), V) == 3 * 16 * MB
+    per = codec_group_chunks(16 * MB)
+    assert per == CODEC_DECODE_BYTES // (16 * MB) > 1
+    assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB", codec=CODEC), V) == 3 * min(100 * MB, per * 16 * MB)
+    assert codec_groups(OffloadConfig("chunkflow", "16MB", codec=CODEC), 100 * MB) == -(-7 // per)  # 7 chunks
     assert codec_staging_bytes(OffloadConfig("chunkflow", "64MB", codec=CODEC), [50 * MB, 30 * MB]) == 3 * 50 * MB
     assert codec_staging_bytes(OffloadConfig("layerwise", codec=CODEC), V) == 3 * 100 * MB  # the largest tail
     assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB"), V) == 0  # no codec, no ring
@@ -90,19 +98,22 @@ def test_encoded_bytes_cost_the_ratio_on_the_link_and_in_host_memory_and_the_rin
     assert m_enc.codec_raw == pytest.approx(tails)
     assert m_enc.codec_stored == pytest.approx(SUPPOSED_CODEC_RATIO * tails)
     assert m_enc.pinned_host == pytest.approx(m_raw.pinned_host - (1 - SUPPOSED_CODEC_RATIO) * tails)
-    assert m_enc.peak - m_raw.peak == pytest.approx(3 * 16 * MB, abs=1)
+    assert m_enc.peak - m_raw.peak == pytest.approx(3 * codec_group_chunks(16 * MB) * 16 * MB, abs=1)  # the ring
     measured = hw.model_copy(update={"codec_ratio": 0.65})
     assert estimate_memory(spec, w, enc, hw=measured).codec_stored == pytest.approx(0.65 * tails)
 
 
 def test_decode_goes_on_the_compute_path_and_the_link_carries_rho_b():
-    """Streaming-bound FLUX: encoded copies shorten the stall by more than the decode adds; the decode is B / D."""
+    """Streaming-bound FLUX: encoded copies shorten the stall by more than the decode adds; the decode is B / D plus
+    each decode launch's host cost (codec_launch_us, one a decode group)."""
     spec, hw = get_model("flux"), get_hardware("h200")
     w = spec.default_workload
     raw, enc = (OffloadConfig("chunkflow", "16MB", 0.0, codec=c) for c in ("none", CODEC))
     t_raw, t_enc = step_time(spec, w, hw, raw), step_time(spec, w, hw, enc)
     streamed = estimate_memory(spec, w, enc, hw=hw).codec_raw
-    assert t_enc.compute - t_raw.compute == pytest.approx(streamed / (hw.codec_decode_gbps * GB))
+    launches = sum(codec_groups(enc, v) for v in stored_volumes(spec, enc) if enc.streamed_bytes(v) > 0)
+    assert t_enc.compute - t_raw.compute == pytest.approx(streamed / (hw.codec_decode_gbps * GB)
+                                                          + launches * hw.codec_launch_us * 1e-6)
     assert t_enc.prefetch_stall < t_raw.prefetch_stall and t_enc.total < t_raw.total
     slower = hw.model_copy(update={"codec_decode_gbps": 50.0})  # a decoder slower than the link: no gain
     assert step_time(spec, w, slower, enc).total > t_raw.total

@@ -475,6 +475,9 @@ class HardwareSpec(_Strict):
     dma_startup_us: float = Field(3.0, ge=0, le=1e6, description="fixed cost per H2D copy (chunk-size efficiency)")
     block_overhead_us: float = Field(30.0, ge=0, le=1e6, description="runtime cost per offloaded block per forward")
     yield_overhead_us: float = Field(10.0, ge=0, le=1e6, description="runtime cost per collective when yielding")
+    codec_launch_us: float = Field(50.0, ge=0, le=1e6, description="runtime cost per decode launch of the codec (its "
+                                   "events, streams and the launch, on the thread that launches the forward; about "
+                                   "50 us a 4 MB chunk on one H200, docs/codec-h200.md)")
     pipeline: PipelineProfile = Field(default_factory=PipelineProfile, description="the figures only the "
                                       "whole-pipeline extension reads; flat in the file, beside these")
     source: str = Field("", description="where these numbers come from")

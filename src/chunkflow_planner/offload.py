@@ -13,8 +13,9 @@ arithmetic: a plain cast, no scale), halving their host, H2D and slot bytes, cas
 
 A third lever cuts the bytes without changing them (issue 39): `codec` "exponent-pack" stores a host-tier block's
 streamed chunks losslessly encoded (a bf16 word's exponent as a K-bit index into the chunk's table), copies them
-encoded into a device staging ring of CODEC_STAGING_CHUNKS chunk buffers and decodes them on the GPU into the block's
-slot; the disk tier's blocks stream raw. Its price (tiers.py) is the ratio on the link and in host memory, and the
+encoded into a device staging ring of CODEC_STAGING_CHUNKS buffers, each one decode group (`codec_group_chunks`
+chunks, about CODEC_DECODE_BYTES of them), and decodes each group with one launch on the GPU into the block's slot;
+the disk tier's blocks stream raw. Its price (tiers.py) is the ratio on the link and in host memory, and the
 decode on the GPU.
 
 Block l keeps R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C), and streams
@@ -44,7 +45,10 @@ DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 DISK_RING_BLOCKS = 2  # disk tier: page-locked ring buffers, one disk block's streamed bytes each; reads run this far ahead
 Codec = Literal["none", "exponent-pack"]
 CODECS: tuple[str, ...] = ("none", "exponent-pack")  # none: streamed bytes travel as they are stored
-CODEC_STAGING_CHUNKS = 3  # device buffers, each the largest streamed chunk, the encoded copies land in (the runtime's)
+CODEC_STAGING_CHUNKS = 3  # device buffers, each one decode group, the encoded copies land in (the runtime's)
+CODEC_DECODE_BYTES = 64 << 20  # raw bytes one decode launch takes at most (whole chunks, at least one): fewer
+# launches and events on the thread that also launches the forward (per-chunk decodes cost about 50 us each on one
+# H200 with 4 MB chunks, docs/codec-h200.md)
 PACING_MARGIN = 0.9  # share of a compute window chunk copies may fill when paced around collectives (both halves)
 
 
@@ -284,11 +288,31 @@ class OffloadConfig(BaseModel):
         return min(float(self.chunk_bytes), self.streamed_bytes(V))
 
 
+def codec_group_chunks(chunk_bytes: float) -> int:
+    """Chunks of `chunk_bytes` one decode launch takes: as many as fit CODEC_DECODE_BYTES, at least one."""
+    return max(1, int(CODEC_DECODE_BYTES // max(1.0, float(chunk_bytes))))
+
+
+def codec_group_bytes(cfg: OffloadConfig, V: float) -> float:
+    """Raw bytes of the largest decode group of a V-byte block: its chunks, `codec_group_chunks` at a time, within
+    its streamed tail."""
+    chunk = cfg.chunk_service_bytes(V)
+    return min(cfg.streamed_bytes(V), codec_group_chunks(chunk) * chunk) if chunk > 0 else 0.0
+
+
+def codec_groups(cfg: OffloadConfig, V: float) -> int:
+    """Decode launches a V-byte block's streamed tail takes (its chunks, `codec_group_chunks` at a time)."""
+    chunk = cfg.chunk_service_bytes(V)
+    if chunk <= 0:
+        return 0
+    return math.ceil(math.ceil(cfg.streamed_bytes(V) / chunk) / codec_group_chunks(chunk))
+
+
 def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
     """Device bytes of the codec's staging ring for blocks of stored volumes `V`: CODEC_STAGING_CHUNKS buffers of the
-    largest streamed chunk (chunk_bytes, or a streamed tail where it is shorter or there are no chunks); 0 without a
-    codec or where nothing streams. The disk tier's blocks stream raw but are counted: one ring serves every block."""
+    largest decode group (an upper bound: the group's bytes encoded are fewer); 0 without a codec or where nothing
+    streams. The disk tier's blocks stream raw but are counted: one ring serves every block."""
     if cfg.codec == "none":
         return 0.0
-    largest = max((cfg.chunk_service_bytes(v) for v in V), default=0.0)
+    largest = max((codec_group_bytes(cfg, v) for v in V), default=0.0)
     return float(CODEC_STAGING_CHUNKS * max(0.0, largest))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
-from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, disk_block_indices
+from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups, disk_block_indices
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
 from chunkflow_planner.tiers import DiskRateUnknown, codec_ratio, decode_s, read_s  # noqa: F401 (DiskRateUnknown: its old home)
 from chunkflow_planner.workload import per_forward, tokens
@@ -167,7 +167,8 @@ def step_time(
 
 def codec_terms(V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> tuple[list[float], list[float],
                                                                             list[float]]:
-    """Per block: (rho, the link's share of its streamed bytes; T_dec of its streamed bytes; T_dec of its last chunk),
+    """Per block: (rho, the link's share of its streamed bytes; T_dec of its streamed bytes plus its decode launches'
+    host cost, both on the compute path; T_dec of its last decode group, offload.codec_group_bytes),
     (1, 0, 0) without a codec and for the disk tier's blocks, which stream raw. Raises tiers.CodecRateUnknown where
     the codec is on and the profile has no decode rate."""
     n = len(V)
@@ -177,8 +178,10 @@ def codec_terms(V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> tuple[l
     disk = set(disk_block_indices(n, cfg.disk_blocks))
     encoded = [l not in disk and cfg.streamed_bytes(V[l]) > 0 for l in range(n)]
     rho = [ratio if e else 1.0 for e in encoded]
-    dec = [decode_s(cfg.streamed_bytes(v), hw) if e else 0.0 for v, e in zip(V, encoded)]
-    last = [decode_s(cfg.chunk_service_bytes(v), hw) if e else 0.0 for v, e in zip(V, encoded)]
+    launch = hw.codec_launch_us * 1e-6
+    dec = [decode_s(cfg.streamed_bytes(v), hw) + launch * codec_groups(cfg, v) if e else 0.0
+           for v, e in zip(V, encoded)]
+    last = [decode_s(codec_group_bytes(cfg, v), hw) if e else 0.0 for v, e in zip(V, encoded)]
     return rho, dec, last
 
 

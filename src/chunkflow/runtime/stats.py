@@ -43,7 +43,8 @@ class OffloadStats:
     codec_stored_bytes: int = 0  # the same encoded: what a forward copies and pinned memory holds (less alignment)
     codec_host_bytes: int = 0  # host memory the encoded tails take (chunks 16-byte aligned)
     codec_pinned_bytes: int = 0  # of which page-locked (0 without CUDA)
-    codec_staging_bytes: int = 0  # the device buffer encoded chunks are copied into before their decode
+    codec_staging_bytes: int = 0  # the device buffers encoded chunks are copied into before their decode
+    codec_decode_config: str = ""  # the decoder's launch shape timed fastest on this GPU (exponent_pack_gpu.CONFIGS)
     disk_read_stall_s: float = 0.0  # seconds the copy stream's issuer waited for a read to finish
     disk_ring_bytes: int = 0  # page-locked ring buffers the reads land in
     park_to: str = "host"  # where the tensors outside the blocks wait while parked: host memory or the files (disk)

@@ -100,8 +100,9 @@ def measure_ratio(folder: Path, sample_bytes: int = SAMPLE_BYTES, chunk_bytes: i
 
 def measure_decode(device, chunk=None, nbytes: int = DECODE_BYTES, repeats: int = DECODE_REPEATS) -> dict | None:
     """D on `device` (CUDA with Triton; else None): `chunk` (flat uint8, e.g. the user's weights) tiled to `nbytes`,
-    or random normal bf16, encoded on the device and decoded by exponent_pack_gpu.decode_into, each decode timed
-    with CUDA events; {gbps (decoded bytes per second / 1e9, the median's), median_s, nbytes, k, ratio}."""
+    or random normal bf16, encoded on the device and decoded in the launch shape the runtime would time fastest
+    (Decode.tune), each decode timed with CUDA events; {gbps (decoded bytes per second / 1e9, the median's), median_s,
+    nbytes, k, ratio, config}."""
     import torch
 
     from chunkflow.runtime.codecs import exponent_pack_gpu
@@ -116,7 +117,9 @@ def measure_decode(device, chunk=None, nbytes: int = DECODE_BYTES, repeats: int 
     data = chunk.repeat(reps)[:nbytes].to(device)
     enc = encode(data)
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    exponent_pack_gpu.decode_into(enc.data, enc.nbytes, enc.k, enc.n_escapes, out)  # warm-up: builds the kernel
+    decode = exponent_pack_gpu.Decode([exponent_pack_gpu.Chunk(0, 0, enc.nbytes, enc.k, enc.n_escapes)], device)
+    out.zero_()
+    config = decode.tune(enc.data, out)  # builds the kernel's shapes, keeps the fastest (as the encoded tier does)
     torch.cuda.synchronize(device)
     if not torch.equal(out, data):
         raise RuntimeError("the codec's GPU decoder did not give back the bytes encoded: its rate is not measured")
@@ -124,12 +127,13 @@ def measure_decode(device, chunk=None, nbytes: int = DECODE_BYTES, repeats: int 
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        exponent_pack_gpu.decode_into(enc.data, enc.nbytes, enc.k, enc.n_escapes, out)
+        decode.run(enc.data, out, config)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     median = statistics.median(times)
-    return dict(gbps=nbytes / median / 1e9, median_s=median, nbytes=nbytes, k=enc.k, ratio=enc.stored / nbytes)
+    return dict(gbps=nbytes / median / 1e9, median_s=median, nbytes=nbytes, k=enc.k, ratio=enc.stored / nbytes,
+                config=list(config))
 
 
 def measure_codec(weights: str | None, device, log: Callable[[str], None]) -> tuple[dict, dict]:

@@ -7,11 +7,12 @@ same bytes arrive in the slot: outputs are bit for bit those without it.
 - At layout each block's tail is read from the checkpoint's files (the loader's; never written), encoded chunk by
   chunk (on the GPU where the module runs on one) and kept in one pinned buffer a block, each chunk 16-byte aligned.
   Encoding is cached per block and layout, so laying out again only encodes blocks whose layout changed.
-- A prefetch copies each encoded chunk into one of CODEC_STAGING_CHUNKS device staging buffers (the largest encoded
-  chunk each) on the copy stream (`copy`: the bytes sent are the encoded ones), and a decode stream of the highest
-  priority decodes it into the slot while the next chunk is copied; a staging buffer takes the next chunk once its
-  decode is done (an event), and the block's ready event follows its decodes (`done`). Without CUDA each chunk is
-  decoded by the reference decoder as it is "copied".
+- A prefetch copies each encoded chunk on the copy stream (`copy`: the bytes sent are the encoded ones) into one of
+  CODEC_STAGING_CHUNKS device staging buffers, a decode group's worth each (consecutive chunks of about
+  CODEC_DECODE_BYTES, chunkflow_planner.offload.codec_group_chunks: one launch and one event per group, not per
+  chunk); once a group is copied, a decode stream of the highest priority decodes it into the slot while the next
+  group is copied; a staging buffer takes the next group once its decode is done (an event), and the block's ready
+  event follows its decodes (`done`). Without CUDA each chunk is decoded by the reference decoder as it is "copied".
 - Outside its forward a tail tensor is what the disk tier makes it: a private copy-on-write map of its bytes in the
   file (no memory until read), the files watched for changes; a write to one, or a tensor the files lack, moves the
   block to the host tier at the next layout (runtime/tiers/disk.py, whose checks this tier shares). So the codec
@@ -30,7 +31,7 @@ from chunkflow.runtime.layout import BlockLayout
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.tensors import all_tensors
 from chunkflow.runtime.tiers.disk import DiskFiles, DiskTier, disk_files
-from chunkflow_planner.offload import CODEC_STAGING_CHUNKS
+from chunkflow_planner.offload import CODEC_STAGING_CHUNKS, codec_group_chunks
 
 ALIGN = 16  # each chunk's encoded bytes start at a multiple of this in its block's buffer
 
@@ -47,13 +48,26 @@ class EncodedBlock:
     stored_bytes: int
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Consecutive chunks of a block decoded by one launch: their encoded bytes are contiguous in the block's buffer
+    from `start`, and land at the same offsets from 0 of a staging buffer."""
+
+    start: int  # encoded offset of its first chunk in the block's buffer
+    first: int  # block byte of its first chunk (lo)
+    last: int  # block byte of its last chunk (lo)
+    nbytes: int  # encoded bytes from its first chunk's start to its last chunk's end
+    decode: object  # the codec's Decode of its chunks (tables on the device)
+
+
 class EncodedSource:
     """A block prefetch from the encoded tier (runtime/chunksource.py's interface)."""
 
-    __slots__ = ("tier", "blk")
+    __slots__ = ("tier", "blk", "groups", "r")
 
     def __init__(self, tier: EncodedTier, blk: EncodedBlock):
-        self.tier, self.blk = tier, blk
+        self.tier, self.blk, self.r = tier, blk, None
+        self.groups = tier.groups.get(id(blk))
 
     def copy(self, slot: torch.Tensor, lo: int, hi: int) -> int:
         off, n, c = self.blk.chunks[lo]
@@ -62,18 +76,22 @@ class EncodedSource:
         if not t.staging:  # no CUDA: decoded now, exactly
             t.codec.decode(src, slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k, n_escapes=c.n_escapes)
             return n
-        r = t.turn
-        t.turn = (r + 1) % len(t.staging)
+        g = self.groups[lo]
         cs = torch.cuda.current_stream(t.device)  # the copy stream: the streamer copies inside it
-        cs.wait_event(t.free[r])  # the decode that last read this staging buffer is done
-        t.staging[r][:n].copy_(src, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(cs)
-        ds = t.decode_stream
-        ds.wait_event(copied)
-        with torch.cuda.stream(ds):
-            t.decoders[(id(self.blk), lo)].run(t.staging[r], slot)
-        t.free[r].record(ds)
+        if lo == g.first:  # the group takes the next staging buffer, once the decode that last read it is done
+            self.r = t.turn
+            t.turn = (self.r + 1) % len(t.staging)
+            cs.wait_event(t.free[self.r])
+        buf = t.staging[self.r]
+        buf[off - g.start : off - g.start + n].copy_(src, non_blocking=True)
+        if lo == g.last:  # the group's bytes are all copied: decode them on the decode stream
+            copied = torch.cuda.Event()
+            copied.record(cs)
+            ds = t.decode_stream
+            ds.wait_event(copied)
+            with torch.cuda.stream(ds):
+                g.decode.run(buf, slot, t.decode_config)
+            t.free[self.r].record(ds)
         return n
 
     def done(self, backend) -> None:
@@ -114,9 +132,9 @@ class EncodedTier(DiskTier):
         self.staging: list[torch.Tensor] = []  # the device buffers encoded chunks are copied into, in turn
         self.free: list = []  # per staging buffer: an event after the decode that last read it
         self.turn = 0  # the staging buffer the next chunk takes
-        self.decoders: dict[tuple[int, int], object] = {}  # (id(EncodedBlock), lo) -> its chunk's decode
+        self.groups: dict[int, dict[int, DecodeGroup]] = {}  # id(EncodedBlock) -> each chunk's (lo) decode group
         self.decode_stream = None
-        self.bytes_decoded = 0
+        self.decode_config = None  # the decoder's launch shape, the fastest on this device (timed once)
 
     def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
         """Check the files (as the disk tier does), then encode every block whose layout is new."""
@@ -177,23 +195,55 @@ class EncodedTier(DiskTier):
         return EncodedSource(self, blk)
 
     def _make_device(self) -> None:
-        """The staging buffers (the largest encoded chunk each), every chunk's decode table, the decode stream."""
-        most = max((n for blk in self.encoded.values() for _, n, _ in blk.chunks.values()), default=0)
+        """Every block's decode groups (their tables on the device), the staging buffers (the largest group's encoded
+        bytes each), the decode stream, and the decoder's launch shape timed."""
+        self.groups = {id(blk): self._groups_of(blk) for blk in self.encoded.values()}
+        most = max((g.nbytes for gs in self.groups.values() for g in gs.values()), default=0)
         self.staging = [torch.empty(max(most, 16), dtype=torch.uint8, device=self.device)
                         for _ in range(CODEC_STAGING_CHUNKS)]
         self.free = [torch.cuda.Event() for _ in self.staging]
         self.turn = 0
-        self.decoders = {(id(blk), lo): self.codec.Decode([c._replace(src=0)], self.device)
-                         for blk in self.encoded.values() for lo, (_, _, c) in blk.chunks.items()}
         if self.decode_stream is None:
             high, _low = torch.cuda.Stream.priority_range()
             self.decode_stream = torch.cuda.Stream(device=self.device, priority=high)
+        if self.decode_config is None and self.groups:
+            self.decode_config = self._tune()
+
+    def _groups_of(self, blk: EncodedBlock) -> dict[int, DecodeGroup]:
+        """The block's chunks in decode groups of codec_group_chunks (the planner's rule), keyed by each chunk's lo."""
+        los = sorted(blk.chunks)
+        if not los:
+            return {}
+        per = codec_group_chunks(max(c.nbytes for _, _, c in blk.chunks.values()))
+        out: dict[int, DecodeGroup] = {}
+        for i in range(0, len(los), per):
+            part = los[i : i + per]
+            start = blk.chunks[part[0]][0]
+            end = blk.chunks[part[-1]][0] + blk.chunks[part[-1]][1]
+            rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - start) for lo in part]
+            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.Decode(rows, self.device))
+            out.update((lo, g) for lo in part)
+        return out
+
+    def _tune(self):
+        """The decoder's fastest launch shape here, timed on the largest decode group (once an offload)."""
+        blk = max(self.encoded.values(), key=lambda blk: max(g.nbytes for g in self.groups[id(blk)].values()))
+        g = max(self.groups[id(blk)].values(), key=lambda g: g.nbytes)
+        los = [lo for lo in sorted(blk.chunks) if g.first <= lo <= g.last]
+        base = blk.chunks[los[0]][2].dst
+        rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - g.start, dst=blk.chunks[lo][2].dst - base)
+                for lo in los]
+        self.staging[0][: g.nbytes].copy_(blk.store.data[g.start : g.start + g.nbytes])
+        out = torch.empty(sum(blk.chunks[lo][2].nbytes for lo in los) + 2, dtype=torch.uint8, device=self.device)
+        config = self.codec.Decode(rows, self.device).tune(self.staging[0], out)
+        torch.cuda.synchronize(self.device)
+        return config
 
     def _drop_device(self) -> None:
         if self.staging:
             torch.cuda.synchronize(self.device)
         self.staging, self.free = [], []
-        self.decoders = {}
+        self.groups = {}
 
     def acquire(self, store: HostStore, b: BlockLayout):
         raise AssertionError("the encoded tier gives a source (`source`), not a flat buffer")
@@ -231,4 +281,5 @@ class EncodedTier(DiskTier):
                     codec_stored_bytes=sum(b.stored_bytes for b in blks),
                     codec_host_bytes=sum(b.store.nbytes for b in blks),
                     codec_pinned_bytes=sum(b.store.pinned_bytes for b in blks),
-                    codec_staging_bytes=sum(t.numel() for t in self.staging))
+                    codec_staging_bytes=sum(t.numel() for t in self.staging),
+                    codec_decode_config=str(self.decode_config) if self.decode_config is not None else "")
