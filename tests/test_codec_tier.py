@@ -132,3 +132,30 @@ def test_park_and_a_second_layout_keep_the_encoded_blocks_exact(tmp_path):
     h.park()
     assert torch.equal(_forward(m), want)
     h.remove()
+
+
+def test_the_host_memory_the_plan_predicts_is_what_the_encoded_tier_holds(tmp_path):
+    """The planner's pinned host bytes with the codec (the heads raw, the tails at calibrate's measured ratio) against
+    what the runtime holds for the same weights and setting (the store of heads plus the encoded tails)."""
+    from chunkflow.commands.calibrate.codec import measure_ratio
+    from chunkflow_planner.catalog import get_hardware
+    from chunkflow_planner.memory import estimate_memory
+
+    pipe = tmp_path / "pipe"
+    torch.manual_seed(0)
+    ref = WanTransformer3DModel(**get_model("demo-wan").diffusers.config).eval().to(torch.bfloat16)
+    ref.save_pretrained(pipe / "transformer", safe_serialization=True)
+    ratio = measure_ratio(pipe)["ratio"]  # what `chunkflow calibrate --weights` puts in the profile
+    cfg = OffloadConfig("chunkflow", "256KB", 0.2, codec=CODEC)
+    spec = get_model("demo-wan")
+    hw = get_hardware("h200").model_copy(update={"codec_ratio": ratio})
+    plan = estimate_memory(spec, spec.default_workload, cfg, hw=hw)
+    m, h = _build(pipe / "transformer", "demo-wan", torch.bfloat16, mode="chunkflow", chunk_bytes="256KB",
+                  residency=0.2, codec=CODEC)
+    st = h.stats()
+    assert st.codec_raw_bytes == pytest.approx(plan.codec_raw, rel=0.01)
+    assert st.codec_stored_bytes == pytest.approx(plan.codec_stored, rel=0.01)
+    held = st.host_bytes + st.codec_host_bytes  # heads (and alignment) + encoded tails
+    assert held == pytest.approx(plan.pinned_host, rel=0.01)
+    assert st.codec_stored_bytes < 0.76 * st.codec_raw_bytes
+    h.remove()
