@@ -301,3 +301,18 @@ def test_the_run_report_compares_the_codec_measured_against_planned():
     raw = SimpleNamespace(codec="none", codec_raw_bytes=0, codec_stored_bytes=0)
     assert codec_rows(raw, p)[0] == ("codec", "none", CODEC, "differs")  # planned encoded, streamed raw
     assert codec_rows(raw, predict(spec, spec.default_workload, hw, OffloadConfig("chunkflow", "16MB"))) == []
+
+
+def test_the_load_prices_encoding_the_streamed_tails():
+    """With the codec a load reads each streamed tail to the GPU, encodes it and writes it back to pinned memory:
+    its raw bytes at the profile's end-to-end encode rate, one more part of T_load; none without the codec."""
+    from chunkflow_planner.memory import estimate_memory
+    from chunkflow_planner.pipeline.load import LoadEstimate, load_parts
+
+    spec = get_model("flux")
+    hw = get_hardware("h200").model_copy(update={"disk_read_gbps": 2.0})
+    assert hw.codec_encode_gbps is not None
+    m = estimate_memory(spec, spec.default_workload, OffloadConfig("chunkflow", "16MB", 0.2, codec=CODEC), hw=hw)
+    est = LoadEstimate(1e9, 1e9, 1e9, 1e9, encoded_bytes=m.codec_raw)
+    assert load_parts(est, 0.0, hw)["encode"] == pytest.approx(m.codec_raw / (hw.codec_encode_gbps * 1e9))
+    assert "encode" not in load_parts(LoadEstimate(1e9, 1e9, 1e9, 1e9), 0.0, hw)

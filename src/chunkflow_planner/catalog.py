@@ -458,6 +458,10 @@ class HardwareSpec(_Strict):
                                             "bytes' lossless codec (exponent-pack) decodes at on the GPU: its "
                                             "decode's price (tiers.decode_s); `chunkflow calibrate` measures it; "
                                             "unset: the codec cannot be priced and the planner never picks it")
+    codec_encode_gbps: float | None = Field(None, gt=0, le=1e6, description="GB/s of raw streamed bytes a load "
+                                            "encodes with the codec, end to end (to the GPU, encoded, back to "
+                                            "pinned memory): the load's price of the codec (pipeline/load.py); "
+                                            "unset: a load's time is not predicted with the codec on")
     codec_ratio: float | None = Field(None, gt=0, le=1.0, description="stored / raw bytes of the codec on the "
                                       "weights `chunkflow calibrate --weights DIR` sampled (measured); unset: "
                                       "tiers.SUPPOSED_CODEC_RATIO, supposed for trained bf16 weights")

@@ -9,7 +9,7 @@ its own while its blocks are read into it (B_pin,r: the locking overlaps the rea
 locked when a component is parked, after its reads (B_pin,p):
 
     T_load = t_start + max(B_read / BW_read(c), B_pin,r / BW_pin) + B_h2d / BW_h2d
-             + B_pin,p / BW_pin + B_fresh / BW_fault                                               (eq. L1)
+             + B_pin,p / BW_pin + B_fresh / BW_fault + B_enc / BW_enc                              (eq. L1)
     1 / BW_read(c) = c / BW_cache + (1 - c) / BW_disk                                             (eq. L2)
     M_load = M_process + host copies + M_staging (+ the device's part where the device is the host) (eq. L3)
 
@@ -18,7 +18,8 @@ is read onto the device and then parked: its bytes cross the host link twice. Ev
 kernel maps at its first touch: page-locking does that for the pinned stores (BW_pin includes it), the first
 write for the rest (B_fresh: components on the CPU, and everything where the device is the host). The rates are measured by
 `chunkflow calibrate` (the disk the weights are on, cold and warm; page-locking), t_start by `calibrate
---from-report` from generation reports.
+--from-report` from generation reports. B_enc: the streamed tails a codec encodes at the load (issue 39), at the
+profile's end-to-end BW_enc (HardwareSpec.codec_encode_gbps).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LoadEstimate:
     host_peak_bytes: float
     fresh_bytes: float = 0.0  # host bytes first touched by their write (not page-locked before)
     pinned_while_reading: float = 0.0  # the part of pinned_bytes locked while the reads run (host stores)
+    encoded_bytes: float = 0.0  # streamed tails the codec encodes at the load (raw bytes)
 
 
 def BW_read(cached: float, hw: HardwareSpec) -> float | None:
@@ -83,6 +85,8 @@ def load_parts(est: LoadEstimate, cached: float, hw: HardwareSpec) -> dict[str, 
                             + (est.pinned_bytes - during) / (hw.pipeline.pin_gbps * GB))
     if hw.pipeline.host_fault_gbps is not None and est.fresh_bytes:
         parts["new memory"] = est.fresh_bytes / (hw.pipeline.host_fault_gbps * GB)
+    if est.encoded_bytes and hw.codec_encode_gbps is not None:  # the codec's tails: to the GPU, encoded, back
+        parts["encode"] = est.encoded_bytes / (hw.codec_encode_gbps * GB)
     return parts
 
 
@@ -114,6 +118,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     device_now = 0.0  # device bytes that stay (gpu), and the largest one parked after its load (phase)
     parked = fresh = 0.0
     unread = 0.0  # bytes on the disk tier: read at their phase, not at the load
+    encoded = 0.0  # streamed tails the codec encodes at the load
     for te, p in zip(pipe.text_encoders, placements.text_encoders):
         layers, rest = _text_encoder_split(te)
         if p == "cpu":
@@ -152,6 +157,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
             pinned += m.pinned_host + spec.non_block_bytes
             during += m.pinned_host
             unread += m.disk_read
+            encoded += m.codec_raw
     vae = float(pipe.vae.nbytes)
     if placements.vae == "disk":
         unread += vae
@@ -174,7 +180,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     host += STAGING_BYTES if staging else 0.0
     if hw.pipeline.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
         host += device_now + parked
-    return LoadEstimate(read, h2d, pinned, host, fresh, during)
+    return LoadEstimate(read, h2d, pinned, host, fresh, during, encoded)
 
 
 def _placed_bytes(spec: ModelSpec, placements, t_bytes: float, vae: float) -> list[tuple[float, str]]:
