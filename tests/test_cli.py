@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from chunkflow_planner import __version__
+from chunkflow_planner.plan import PLAN_SCHEMA_VERSION
 
 COMMANDS = ("plan", "run", "bench", "calibrate", "models", "hardware")
 
@@ -39,6 +40,6 @@ def test_python_dash_m_chunkflow(workdir):
     p = subprocess.run([sys.executable, "-m", "chunkflow", "plan", "--model", "tiny", "--json"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert '"schema_version": 2' in p.stdout
+    assert f'"schema_version": {PLAN_SCHEMA_VERSION}' in p.stdout
     v = subprocess.run([sys.executable, "-m", "chunkflow", "-V"], capture_output=True, text=True, timeout=60)
     assert v.returncode == 0 and __version__ in v.stdout

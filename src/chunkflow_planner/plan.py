@@ -18,8 +18,8 @@ from chunkflow_planner.versioned import field_errors, read_versioned
 
 # 2: model.spec, the whole entry of a model derived from a folder (issue 37). A version 1 plan reads as it is: its
 # model is the catalog's (model_of).
-PLAN_SCHEMA_VERSION = 2
-OLDER_PLAN_VERSIONS = (1,)
+PLAN_SCHEMA_VERSION = 3  # 3: the codec (offload.codec and its prediction fields, issue 39); 2 and 1 read as they are
+OLDER_PLAN_VERSIONS = (1, 2)
 
 
 class PlanError(ChunkflowError):
