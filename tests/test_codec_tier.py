@@ -29,7 +29,8 @@ CODEC = "exponent-pack"
 
 @pytest.mark.parametrize("model,dtype", [("tiny-wan", torch.float32), ("demo-wan", torch.bfloat16)])
 @pytest.mark.parametrize("mode,chunk,r", [("chunkflow", 4000, 0.0), ("chunkflow", 16000, 0.5), ("layerwise", None, None)])
-def test_the_codec_on_every_tier_is_bit_identical_to_no_offload(tmp_path, model, dtype, mode, chunk, r):
+def test_the_codec_on_every_tier_is_bit_identical_to_no_offload(tmp_path, model, dtype, mode, chunk, r, monkeypatch):
+    monkeypatch.setenv("CHUNKFLOW_CACHE_DIR", str(tmp_path / "cache"))  # the disk blocks' spill file goes here
     folder = _saved(tmp_path, model, dtype, shard="2MB" if model == "demo-wan" else "30KB")
     before = _digest(folder)
     ref, h0 = _build(folder, model, dtype, mode="none")
@@ -40,19 +41,26 @@ def test_the_codec_on_every_tier_is_bit_identical_to_no_offload(tmp_path, model,
     for disk in (0, n // 2):  # every block encoded; half on disk, the rest encoded
         m, h = _build(folder, model, dtype, mode=mode, chunk_bytes=chunk, residency=r, disk_blocks=disk, codec=CODEC)
         st = h.stats()
-        assert st.codec == CODEC and st.codec_blocks == n - disk and st.disk_blocks == disk
+        assert st.codec == CODEC and st.codec_blocks == n - disk and st.disk_blocks == disk == st.codec_disk_blocks
         assert st.host_bytes < st.bytes_offloaded  # the store keeps the heads only; the tails are encoded
+        if disk:  # the disk blocks' tails are read encoded from the spill file (never from or into the folder)
+            assert st.codec_disk_stored_bytes <= st.disk_bytes_per_step <= st.codec_spill_bytes
+            assert st.disk_bytes_per_step < st.codec_disk_raw_bytes or model == "tiny-wan"
         issued = []
         for i in range(3):
             assert torch.equal(_forward(m, model, dtype), want), (disk, i)
             issued.append(h.stats().h2d_bytes_issued)
-        raw_tails = st.streamed_bytes_per_step - st.codec_raw_bytes  # the disk blocks' tails, copied raw
-        assert issued[2] - issued[1] == st.codec_stored_bytes + raw_tails  # a forward copies the encoded bytes
+        assert st.codec_raw_bytes + st.codec_disk_raw_bytes == st.streamed_bytes_per_step
+        # a forward copies the encoded bytes, of the host's blocks and the disk's
+        assert issued[2] - issued[1] == st.codec_stored_bytes + st.codec_disk_stored_bytes
+        if disk:
+            assert h.stats().disk_bytes_read >= 2 * st.disk_bytes_per_step
         got = m.state_dict()  # outside the forward every tensor has its values (the file's, mapped)
         assert all(torch.equal(got[name], v) for name, v in state.items())
         h.remove()
         assert torch.equal(_forward(m, model, dtype), want)
     assert _digest(folder) == before  # nothing was written to the checkpoint
+    assert not any((tmp_path / "cache").iterdir())  # the spill file was never a name there: gone with its handle
 
 
 def test_bf16_blocks_stream_fewer_bytes_and_hold_less_host_memory(tmp_path):
@@ -159,3 +167,38 @@ def test_the_host_memory_the_plan_predicts_is_what_the_encoded_tier_holds(tmp_pa
     assert held == pytest.approx(plan.pinned_host, rel=0.01)
     assert st.codec_stored_bytes < 0.76 * st.codec_raw_bytes
     h.remove()
+
+
+def test_a_tiny_pipeline_with_the_codec_on_every_tier_gives_the_latents_of_no_codec(cli, workdir, monkeypatch):
+    """`chunkflow run --plan` of a whole (tiny, bf16) pipeline saved with save_pretrained: its transformer's blocks
+    on the host tier encoded and on the disk tier encoded give the latents of the same plan without the codec, bit
+    for bit; the run's report has the codec's figures."""
+    pytest.importorskip("transformers")
+    from pipelines import one_thread, save_catalog_pipeline
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("CHUNKFLOW_CACHE_DIR", str(workdir / "cache"))
+    folder = save_catalog_pipeline("tiny", workdir / "tiny")
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB", "--out", "raw.json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(Path("raw.json").read_text())
+    for c in plan["pipeline"]["components"]:
+        c["placement"] = "stream" if c["kind"] == "transformer" else c["placement"]
+    plan["offload"].update(mode="chunkflow", chunk_bytes=16000, residency=0.3)
+    plan["hardware"]["spec"].update(disk_read_gbps=1.0, codec_decode_gbps=50.0)  # what calibrate measures
+    Path("raw.json").write_text(json.dumps(plan))
+    plan["offload"]["codec"] = CODEC
+    Path("host.json").write_text(json.dumps(plan))
+    plan["offload"]["disk_blocks"] = 1
+    Path("mixed.json").write_text(json.dumps(plan))
+    outs = {}
+    for name in ("raw", "host", "mixed"):
+        with one_thread():
+            result = cli("run", "--plan", f"{name}.json", "--weights", folder, "--prompt", "a cat", "--seed", "5",
+                         "--latents", f"{name}.safetensors", "--report", f"{name}-report.json")
+        assert result.exit_code == 0, result.output
+        outs[name] = load_file(f"{name}.safetensors")["latents"]
+    assert torch.equal(outs["host"], outs["raw"]) and torch.equal(outs["mixed"], outs["raw"])
+    stats = json.loads(Path("mixed-report.json").read_text())["stats"]
+    assert stats["codec"] == CODEC and stats["codec_blocks"] >= 1 and stats["codec_disk_blocks"] == 1
+    assert stats["disk_bytes_read"] >= stats["disk_bytes_per_step"] > 0

@@ -45,6 +45,11 @@ class OffloadStats:
     codec_pinned_bytes: int = 0  # of which page-locked (0 without CUDA)
     codec_staging_bytes: int = 0  # the device buffers encoded chunks are copied into before their decode
     codec_decode_config: str = ""  # the decoder's launch shape timed fastest on this GPU (exponent_pack_gpu.CONFIGS)
+    codec_disk_blocks: int = 0  # disk blocks streamed encoded: read encoded from the spill file, decoded on the device
+    codec_disk_raw_bytes: int = 0  # their tails' bytes as the model holds them
+    codec_disk_stored_bytes: int = 0  # the same encoded (what a forward reads from disk and copies)
+    codec_spill_bytes: int = 0  # the spill file's size on disk (unlinked: gone with the process)
+    codec_disk_staging_bytes: int = 0  # the disk blocks' own staging buffers on the device
     disk_read_stall_s: float = 0.0  # seconds the copy stream's issuer waited for a read to finish
     disk_ring_bytes: int = 0  # page-locked ring buffers the reads land in
     park_to: str = "host"  # where the tensors outside the blocks wait while parked: host memory or the files (disk)

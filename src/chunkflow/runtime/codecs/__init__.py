@@ -31,3 +31,19 @@ CODECS: dict[str, Codec] = {
     exponent_pack.NAME: Codec(exponent_pack.NAME, exponent_pack.encode, exponent_pack.decode, exponent_pack_gpu.Decode,
                               exponent_pack_gpu.Chunk, exponent_pack_gpu.available),
 }
+
+
+def codec_of(cfg) -> Codec | None:
+    """The codec `cfg.codec` names (None for "none"); refused where it is unknown or fp8 storage casts the bytes."""
+    from chunkflow.runtime.errors import OffloadError
+
+    name = getattr(cfg, "codec", "none")
+    if name in (None, "none"):
+        return None
+    codec = CODECS.get(name)
+    if codec is None:
+        raise OffloadError(f"codec={name!r}: not a codec chunkflow has; one of 'none', {', '.join(map(repr, CODECS))}")
+    if cfg.weight_dtype != "bf16":
+        raise OffloadError(f"codec={name!r} encodes the weights' own bytes; with weight_dtype {cfg.weight_dtype!r} "
+                           "they are cast first. Use one or the other")
+    return codec

@@ -1,6 +1,12 @@
 """The disk tier: blocks whose streamed bytes stay in the checkpoint's own safetensors files, read each forward;
 and a parked module's non-block tensors kept in those files (`DiskParking`).
 
+With a codec (OffloadConfig.codec, runtime/codecs/stream.py) a disk block's tail is read from the files once, at
+layout, encoded, and written to a spill file chunkflow owns (in CHUNKFLOW_CACHE_DIR or ~/.cache/chunkflow, unlinked
+as it is made: gone with the process, even one killed; never in the checkpoint's folder); each forward then reads
+its encoded bytes (about 0.7 of them for bf16) into the ring and the streamer copies and decodes them as it does the
+encoded tier's. Outside the forward its tensors are the checkpoint's, mapped, as below.
+
 A plan's `disk_blocks` (chunkflow_planner.offload.disk_block_indices: spread evenly over the blocks) keep their
 resident head [0, R_l) as every block does (host store, resident buffer); their streamed tail [R_l, V_l) is not in
 host memory. A reader thread reads a disk block's tail straight from the files (offsets from their headers) into one
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +40,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from chunkflow.runtime.codecs import codec_of
+from chunkflow.runtime.codecs.stream import CodecStream, EncodedBlock, layout_key
 from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.filewatch import FileWatch
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
@@ -49,6 +58,20 @@ if TYPE_CHECKING:  # annotations only
 
 READ_PIECE = 16 << 20  # a tail is read in pieces this large, so that a read no longer wanted stops within one (11 ms
 # at 1.44 GB/s, the H200 host's NVMe, docs/tiers-h200.md)
+
+
+def spill_dir() -> Path:
+    """Where a codec's spill file for the disk blocks goes: CHUNKFLOW_CACHE_DIR, else ~/.cache/chunkflow (a disk,
+    where /tmp may be memory)."""
+    env = os.environ.get("CHUNKFLOW_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "chunkflow"
+
+
+def _pwrite_all(fd: int, data: bytes, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
 
 
 class _Cancelled(Exception):
@@ -122,17 +145,22 @@ class DiskTier(Tier):
             return None
         from chunkflow_planner.offload import disk_block_indices
 
+        codec = codec_of(cfg)  # refused before the files are opened where it cannot be used
         files = disk_files(source, f"disk_blocks={cfg.disk_blocks}")
         if cfg.disk_blocks > n_blocks:
             files.close()
             raise OffloadError(f"disk_blocks={cfg.disk_blocks} but the module has {n_blocks} blocks")
-        tier = cls(set(disk_block_indices(n_blocks, cfg.disk_blocks)), files)
+        tier = cls(set(disk_block_indices(n_blocks, cfg.disk_blocks)), files, codec)
         tier.note_records(all_tensors(module))
         return tier
 
-    def __init__(self, blocks: set[int], files: DiskFiles):
+    def __init__(self, blocks: set[int], files: DiskFiles, codec=None):
         self.blocks = set(blocks)
         self.files = files
+        self.stream = CodecStream(codec) if codec is not None else None  # with a codec: tails encoded
+        self.spill = None  # with a codec: the unlinked file the disk blocks' encoded tails are read from
+        self.spill_end = 0
+        self.spilled: dict[int, EncodedBlock] = {}  # disk block -> its encoded tail (EncodedBlock.at: in the file)
         self._records: dict[tuple[int, str], TensorRecord] = {}  # (id(owner module), attr) -> record
         self._states: dict[Path, _FileState] = {}
         self._maps: dict[Path, torch.Tensor] = {}  # each file as one private copy-on-write map (uint8)
@@ -181,13 +209,93 @@ class DiskTier(Tier):
         """Check every tail tensor of the disk blocks against its file and map the files; then the ring
         (page-locked where `pin`) and the reader. Raises DiskTierError before anything is written."""
         self._check_parts(layouts)
+        if self.stream is not None:
+            self._spill(layouts, pin)
         if self.order:
-            self.entry_bytes = max(layouts[l].nbytes - self.tail[l] for l in self.order)
+            self.entry_bytes = (max(self.spilled[l].nbytes for l in self.order) if self.stream is not None
+                                else max(layouts[l].nbytes - self.tail[l] for l in self.order))
             entries = min(DISK_RING_BLOCKS, len(self.order))
             self.ring = HostStore(entries * self.entry_bytes, pin=pin)
             self._free = list(range(entries))
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkflow-disk")
+
+    def _raw_tail(self, b: BlockLayout, device: torch.device) -> torch.Tensor:
+        """Block b's tail [R_l, V_l) read from the files onto `device` (gaps zero), as the module holds it."""
+        R = b.resident_bytes
+        raw = torch.zeros(b.nbytes - R, dtype=torch.uint8, device=device)
+        entries = [e for e in b.tensors if e.end > R]
+        for e, p in zip(entries, self.parts[b.index]):
+            n = p.rec.nbytes - p.skip
+            if p.held:  # stored in another dtype: converted as the module holds it
+                t = torch.empty(e.shape, dtype=e.dtype)
+                self.files.read_tensor(p.rec, t)
+                flat = t.reshape(-1).view(torch.uint8)[p.skip:]
+                raw[p.at : p.at + flat.numel()].copy_(flat)
+            else:
+                self.files.read_range(p.rec.file, p.rec.begin + p.skip, n, raw[p.at : p.at + n])
+        return raw
+
+    def _spill(self, layouts: list[BlockLayout], pin: bool) -> None:
+        """With a codec: every disk block whose layout is new read once from the files, encoded, and written to the
+        spill file (an unlinked file in spill_dir(): gone with the process, never in the checkpoint's folder); its
+        pages are dropped from the page cache once written."""
+        self.stream.set_device(pin, f"codec={self.stream.codec.name!r} with disk_blocks")
+        if self.spill is None:
+            folder = spill_dir()
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                self.spill = tempfile.TemporaryFile(dir=folder)
+            except OSError as exc:
+                raise DiskTierError(f"the codec's spill file for the disk blocks cannot be made in {str(folder)!r}: "
+                                    f"{exc.strerror or exc}; set CHUNKFLOW_CACHE_DIR to a folder on a disk with room, "
+                                    "or leave the codec off") from None
+        kept = {}
+        fd = self.spill.fileno()
+        for l in self.order:
+            old = self.spilled.get(l)
+            if old is not None and old.key == layout_key(layouts[l]):
+                kept[l] = old
+                continue
+            blk, pieces = self.stream.encode(layouts[l], self._raw_tail(layouts[l], self.stream.device))
+            blk.at = self.spill_end
+            for off, data in pieces:
+                _pwrite_all(fd, data.cpu().numpy().tobytes(), blk.at + off)
+            self.spill_end += -(-blk.nbytes // 4096) * 4096
+            kept[l] = blk
+        self.spilled = kept
+        os.ftruncate(fd, self.spill_end)  # the last block's alignment padding is in the file too
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def _read_spill(self, at: int, nbytes: int, base: int) -> None:
+        """`nbytes` of the spill file from `at` into the ring from `base`, in pieces (a read no longer wanted ends at
+        the next one), their pages dropped from the page cache."""
+        fd = self.spill.fileno()
+        ring = self.ring.data.numpy()
+        for a in range(0, nbytes, READ_PIECE):
+            if self._cancel.is_set():
+                raise _Cancelled
+            k = min(READ_PIECE, nbytes - a)
+            view = memoryview(ring[base + a : base + a + k])
+            got = 0
+            while got < k:
+                n = os.preadv(fd, [view[got:]], at + a + got)
+                if n <= 0:
+                    raise DiskTierError("the codec's spill file ended before its bytes; it was changed or truncated "
+                                        "by another program: offload (load) the model again")
+                got += n
+            self.bytes_read += k
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, at, nbytes, os.POSIX_FADV_DONTNEED)
+
+    def source(self, store: HostStore, b: BlockLayout, non_blocking: bool):
+        """With a codec: the block's encoded tail in its ring buffer (the read waited for), copied and decoded."""
+        if self.stream is None:
+            return super().source(store, b, non_blocking)
+        buf, _ = self.acquire(store, b)
+        return self.stream.source(self.spilled[b.index], buf, [self.spilled[l] for l in self.order])
 
     def _check_parts(self, layouts: list[BlockLayout]) -> None:
         """The blocks this tier took, each tail tensor checked against its file and the files mapped."""
@@ -349,6 +457,8 @@ class DiskTier(Tier):
             h.remove()
         self._state_hooks = []
         self.stop()
+        if self.stream is not None:
+            self.stream.drop_device()
         if self.ring is not None:
             self.ring.release()
         self.ring = None
@@ -362,6 +472,10 @@ class DiskTier(Tier):
         self.files.close()
         self._watch.close()
         self._maps = {}
+        if self.spill is not None:  # unlinked already: closing it gives its room back
+            self.spill.close()
+            self.spill = None
+        self.spilled = {}
 
     def demote(self, blocks: set[int]) -> bool:
         """Blocks written while on disk go to the host tier at the next layout; whether any did."""
@@ -378,6 +492,12 @@ class DiskTier(Tier):
         base = entry * self.entry_bytes
         paths = {p.rec.file for p in self.parts[l]}
         self._unchanged(paths)
+        if self.stream is not None:  # its encoded tail, from the spill file
+            blk = self.spilled[l]
+            self._read_spill(blk.at, blk.nbytes, base)
+            self._unchanged(paths)
+            self.reads += 1
+            return entry
         try:
             for p in self.parts[l]:
                 if p.held:  # converted once: copied from host memory
@@ -432,8 +552,10 @@ class DiskTier(Tier):
 
     def pause(self) -> None:
         """Parked: the reads ahead are not wanted until the next forward (which reads again from its first block):
-        those not started are cancelled, the one in progress ends at its next piece."""
+        those not started are cancelled, the one in progress ends at its next piece; a codec's device buffers go."""
         self.stop(cancel=True)
+        if self.stream is not None:
+            self.stream.drop_device()
 
     def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
         """Block l's tail bytes, read (waiting for the read: a stall), and R_l: chunk [lo, hi) is at lo - R_l."""
@@ -480,13 +602,21 @@ class DiskTier(Tier):
         self._consumed = {}
 
     def tail_bytes(self, layouts: list[BlockLayout]) -> int:
-        """Bytes a forward reads from disk: every disk block's tail."""
+        """Bytes a forward reads from disk: every disk block's tail (encoded, with a codec)."""
+        if self.stream is not None:
+            return sum(self.spilled[l].nbytes for l in self.order)
         return sum(layouts[l].nbytes - self.tail[l] for l in self.order)
 
     def stats(self, layouts: list[BlockLayout]) -> dict:
-        return dict(disk_blocks=len(self.order), disk_bytes_per_step=self.tail_bytes(layouts),
-                    disk_bytes_read=self.bytes_read, disk_read_stall_s=self.stall_s,
-                    disk_ring_bytes=self.ring.nbytes if self.ring is not None else 0)
+        out = dict(disk_blocks=len(self.order), disk_bytes_per_step=self.tail_bytes(layouts),
+                   disk_bytes_read=self.bytes_read, disk_read_stall_s=self.stall_s,
+                   disk_ring_bytes=self.ring.nbytes if self.ring is not None else 0)
+        if self.stream is not None:
+            blks = [self.spilled[l] for l in self.order]
+            out.update(codec_disk_blocks=len(blks), codec_disk_raw_bytes=sum(b.raw_bytes for b in blks),
+                       codec_disk_stored_bytes=sum(b.stored_bytes for b in blks), codec_spill_bytes=self.spill_end,
+                       codec_disk_staging_bytes=sum(t.numel() for t in self.stream.staging))
+        return out
 
 
 class DiskTierWarning(UserWarning):
@@ -671,6 +801,10 @@ class DiskParking(ParkHome):
         self.files.close()
         self._watch.close()
         self._maps = {}
+        if self.spill is not None:  # unlinked already: closing it gives its room back
+            self.spill.close()
+            self.spill = None
+        self.spilled = {}
 
     def stats(self) -> dict:
         return dict(park_to=self.name, disk_park_bytes=sum(r.nbytes for k, r in self._records.items()

@@ -1,0 +1,214 @@
+"""A codec streaming blocks' tails, whatever tier keeps their encoded bytes (pinned host memory: tiers/encoded.py;
+a spill file read into the disk tier's ring: tiers/disk.py): the encoding of a block's tail chunk by chunk, and the
+device side of a prefetch.
+
+- `encode(b, raw)` encodes block b's tail (its chunks, each 16-byte aligned in the block's encoded bytes) and gives
+  the block's `EncodedBlock` (where each chunk's bytes are) and its bytes.
+- `source(blk, buffer)`: a block prefetch (runtime/chunksource.py's interface) from `buffer`, a flat uint8 tensor
+  holding the block's encoded bytes from its offset 0. Each chunk is copied on the copy stream into one of
+  CODEC_STAGING_CHUNKS device staging buffers, a decode group's worth each (consecutive chunks of about
+  CODEC_DECODE_BYTES, chunkflow_planner.offload.codec_group_chunks: one launch and one event a group); once a group is
+  copied, a decode stream of the highest priority decodes it into the slot while the next group is copied; a staging
+  buffer takes the next group once its decode is done (an event), and the block's ready event follows its decodes
+  (`done`). Without CUDA each chunk is decoded by the reference decoder as it is "copied".
+- The device buffers are made at the first prefetch (`make_device`, with the decoder's launch shape timed once) and
+  dropped at a park or the end (`drop_device`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkflow.runtime.codecs import Codec
+from chunkflow.runtime.layout import BlockLayout
+from chunkflow_planner.offload import CODEC_STAGING_CHUNKS, codec_group_chunks
+
+ALIGN = 16  # each chunk's encoded bytes start at a multiple of this in its block's encoded bytes
+
+
+@dataclass
+class EncodedBlock:
+    """One block's tail encoded: each chunk's place in its encoded bytes (by the chunk's first block byte), the
+    layout it was encoded for, and where its tier keeps it (`store`: a HostStore, or `at`: its offset in a file)."""
+
+    key: tuple
+    chunks: dict[int, tuple[int, int, object]]  # lo -> (encoded offset, encoded bytes, the codec's Chunk)
+    raw_bytes: int
+    stored_bytes: int
+    nbytes: int  # its encoded bytes with the chunks' alignment
+    store: object = None
+    at: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Consecutive chunks of a block decoded by one launch: their encoded bytes are contiguous in the block's
+    encoded bytes from `start`, and land at the same offsets from 0 of a staging buffer."""
+
+    start: int  # encoded offset of its first chunk
+    first: int  # block byte of its first chunk (lo)
+    last: int  # block byte of its last chunk (lo)
+    nbytes: int  # encoded bytes from its first chunk's start to its last chunk's end
+    decode: object  # the codec's Decode of its chunks (tables on the device)
+
+
+def layout_key(b: BlockLayout) -> tuple:
+    """What a block's encoding depends on: its split and chunks (a new layout with the same keeps it)."""
+    return (b.resident_bytes, b.nbytes, b.slot_start, tuple(b.chunks))
+
+
+class EncodedSource:
+    """A block prefetch of encoded chunks (module docstring)."""
+
+    __slots__ = ("cs", "blk", "buffer", "groups", "r")
+
+    def __init__(self, cs: CodecStream, blk: EncodedBlock, buffer: torch.Tensor):
+        self.cs, self.blk, self.buffer, self.r = cs, blk, buffer, None
+        self.groups = cs.groups.get(id(blk))
+
+    def copy(self, slot: torch.Tensor, lo: int, hi: int) -> int:
+        off, n, c = self.blk.chunks[lo]
+        src = self.buffer[off : off + n]
+        cs = self.cs
+        if not cs.staging:  # no CUDA: decoded now, exactly
+            cs.codec.decode(src, slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k, n_escapes=c.n_escapes)
+            return n
+        g = self.groups[lo]
+        stream = torch.cuda.current_stream(cs.device)  # the copy stream: the streamer copies inside it
+        if lo == g.first:  # the group takes the next staging buffer, once the decode that last read it is done
+            self.r = cs.turn
+            cs.turn = (self.r + 1) % len(cs.staging)
+            stream.wait_event(cs.free[self.r])
+        buf = cs.staging[self.r]
+        buf[off - g.start : off - g.start + n].copy_(src, non_blocking=True)
+        if lo == g.last:  # the group's bytes are all copied: decode them on the decode stream
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            ds = cs.decode_stream
+            ds.wait_event(copied)
+            with torch.cuda.stream(ds):
+                g.decode.run(buf, slot, cs.decode_config)
+            cs.free[self.r].record(ds)
+        return n
+
+    def done(self, backend) -> None:
+        """The block's ready event (recorded next on the copy stream) follows its decodes."""
+        if self.cs.staging:
+            backend.copy_stream.wait_stream(self.cs.decode_stream)
+
+
+class CodecStream:
+    """A tier's codec: encoding at layout, the device side of its blocks' prefetches (module docstring)."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.device: torch.device | None = None
+        self.staging: list[torch.Tensor] = []  # the device buffers encoded chunks are copied into, in turn
+        self.free: list = []  # per staging buffer: an event after the decode that last read it
+        self.turn = 0  # the staging buffer the next group takes
+        self.groups: dict[int, dict[int, DecodeGroup]] = {}  # id(EncodedBlock) -> each chunk's (lo) decode group
+        self.decode_stream = None
+        self.decode_config = None  # the decoder's launch shape, the fastest on this device (timed once)
+
+    def set_device(self, pin: bool, what: str) -> None:
+        """The device encoding and decoding run on: the current CUDA device where `pin` (the module runs on a GPU),
+        else the CPU; refused where the GPU decoder cannot be built (`what`: the setting, for the message)."""
+        from chunkflow.runtime.errors import OffloadError
+
+        if pin and not self.codec.gpu_ready():
+            raise OffloadError(f"{what} decodes on the GPU with a Triton kernel, and Triton cannot be used here; "
+                               "install it (`pip install triton`) or leave the codec off")
+        self.drop_device()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if pin else torch.device("cpu")
+
+    def encode(self, b: BlockLayout, raw: torch.Tensor) -> tuple[EncodedBlock, list[tuple[int, torch.Tensor]]]:
+        """Block b's tail `raw` ([R_l, V_l), on this stream's device) encoded chunk by chunk: its EncodedBlock and
+        (offset, bytes) of each chunk in its encoded bytes."""
+        R, A = b.resident_bytes, b.slot_start
+        pieces, chunks, off = [], {}, 0
+        for lo, hi in b.chunks:
+            enc = self.codec.encode(raw[lo - R : hi - R])
+            chunks[lo] = (off, enc.stored, self.codec.Chunk(off, lo - A, enc.nbytes, enc.k, enc.n_escapes))
+            pieces.append((off, enc.data))
+            off += -(-enc.stored // ALIGN) * ALIGN
+        stored = sum(n for _, n, _ in chunks.values())
+        return EncodedBlock(layout_key(b), chunks, b.nbytes - R, stored, off), pieces
+
+    def source(self, blk: EncodedBlock, buffer: torch.Tensor, blocks) -> EncodedSource:
+        """A prefetch of `blk` from `buffer`; `blocks` (every EncodedBlock of the tier) size the device buffers the
+        first time."""
+        if self.device is not None and self.device.type == "cuda" and not self.staging:
+            self.make_device(list(blocks))
+        return EncodedSource(self, blk, buffer)
+
+    def make_device(self, blocks: list[EncodedBlock]) -> None:
+        """Every block's decode groups (their tables on the device), the staging buffers (the largest group's encoded
+        bytes each), the decode stream, and the decoder's launch shape timed."""
+        self.groups = {id(blk): self._groups_of(blk) for blk in blocks}
+        most = max((g.nbytes for gs in self.groups.values() for g in gs.values()), default=0)
+        self.staging = [torch.empty(max(most, 16), dtype=torch.uint8, device=self.device)
+                        for _ in range(CODEC_STAGING_CHUNKS)]
+        self.free = [torch.cuda.Event() for _ in self.staging]
+        self.turn = 0
+        if self.decode_stream is None:
+            high, _low = torch.cuda.Stream.priority_range()
+            self.decode_stream = torch.cuda.Stream(device=self.device, priority=high)
+        if self.decode_config is None and any(self.groups.values()):
+            self.decode_config = self._tune(blocks)
+
+    def _groups_of(self, blk: EncodedBlock) -> dict[int, DecodeGroup]:
+        """The block's chunks in decode groups of codec_group_chunks (the planner's rule), keyed by each chunk's lo."""
+        los = sorted(blk.chunks)
+        if not los:
+            return {}
+        per = codec_group_chunks(max(c.nbytes for _, _, c in blk.chunks.values()))
+        out: dict[int, DecodeGroup] = {}
+        for i in range(0, len(los), per):
+            part = los[i : i + per]
+            start = blk.chunks[part[0]][0]
+            end = blk.chunks[part[-1]][0] + blk.chunks[part[-1]][1]
+            rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - start) for lo in part]
+            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.Decode(rows, self.device))
+            out.update((lo, g) for lo in part)
+        return out
+
+    def _tune(self, blocks: list[EncodedBlock]):
+        """The decoder's fastest launch shape here, timed on the largest decode group (once an offload), its bytes
+        taken from where the tier keeps them (`tier_bytes`)."""
+        blk, g = max(((blk, g) for blk in blocks for g in self.groups[id(blk)].values()), key=lambda x: x[1].nbytes)
+        los = [lo for lo in sorted(blk.chunks) if g.first <= lo <= g.last]
+        base = blk.chunks[los[0]][2].dst
+        rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - g.start, dst=blk.chunks[lo][2].dst - base)
+                for lo in los]
+        src = self.staging[0][: g.nbytes]
+        data = self.tier_bytes(blk, g.start, g.nbytes)
+        if data is not None:
+            src.copy_(data)
+        else:  # the tier cannot give them now (a file being read): any bytes time the same shapes
+            src.zero_()
+            rows = [r._replace(k=0) for r in rows]
+        out = torch.empty(sum(blk.chunks[lo][2].nbytes for lo in los) + 2, dtype=torch.uint8, device=self.device)
+        config = self.codec.Decode(rows, self.device).tune(self.staging[0], out)
+        torch.cuda.synchronize(self.device)
+        return config
+
+    def tier_bytes(self, blk: EncodedBlock, start: int, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` of a block's encoded bytes from `start`, where its tier keeps them in memory (set by the tier)."""
+        store = blk.store
+        return store.data[start : start + nbytes] if store is not None else None
+
+    def drop_device(self) -> None:
+        """The device buffers go (a park, a new layout, the end), once every decode is done."""
+        if self.staging:
+            torch.cuda.synchronize(self.device)
+        self.staging, self.free = [], []
+        self.groups = {}
+
+    def stats(self, blocks: list[EncodedBlock]) -> dict:
+        return dict(codec=self.codec.name, codec_blocks=len(blocks),
+                    codec_raw_bytes=sum(b.raw_bytes for b in blocks),
+                    codec_stored_bytes=sum(b.stored_bytes for b in blocks),
+                    codec_staging_bytes=sum(t.numel() for t in self.staging),
+                    codec_decode_config=str(self.decode_config) if self.decode_config is not None else "")
