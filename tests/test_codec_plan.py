@@ -121,15 +121,66 @@ def test_decode_goes_on_the_compute_path_and_the_link_carries_rho_b():
         step_time(spec, w, get_hardware("a100-80gb"), enc)
 
 
-def test_the_disk_tiers_blocks_stream_raw():
-    spec, hw = get_model("flux"), get_hardware("h200").model_copy(update={"disk_read_gbps": 5.0})
-    cfg = OffloadConfig("chunkflow", "16MB", 0.0, disk_blocks=4, codec=CODEC)
-    V = [float(spec.block_bytes(g)) for g in spec.block_sequence()]
-    rho, dec, _ = codec_terms(V, cfg, hw)
-    disk = set(disk_block_indices(len(V), 4))
-    assert all((rho[l] == 1.0 and dec[l] == 0.0) == (l in disk) for l in range(len(V)))
-    m = estimate_memory(spec, spec.default_workload, cfg, hw=hw)
-    assert m.codec_raw == pytest.approx(sum(V) - m.disk_read)  # the host tier's tails only
+def _disk_case(codec: str, ratio: float | None = None, rate: float = 2.0, k: int = 8):
+    """FLUX with `k` of its blocks on a disk of `rate` GB/s, 20% resident: (spec, hw, cfg, memory, step time)."""
+    spec = get_model("flux")
+    hw = get_hardware("h200").model_copy(update={"disk_read_gbps": rate, "codec_ratio": ratio})
+    cfg = OffloadConfig("chunkflow", "16MB", 0.2, disk_blocks=k, codec=codec)
+    return (spec, hw, cfg, estimate_memory(spec, spec.default_workload, cfg, hw=hw),
+            step_time(spec, spec.default_workload, hw, cfg))
+
+
+def test_the_disk_tiers_blocks_stream_encoded_too():
+    """With the codec a disk block's tail is read encoded from the spill file (rho of its bytes a forward), copied
+    encoded and decoded on the compute path like a host-tier block's; its ring entries are the largest encoded tail."""
+    spec, hw, raw_cfg, raw, _ = _disk_case("none", 0.65)
+    _, _, cfg, enc, _ = _disk_case(CODEC, 0.65)
+    V = stored_volumes(spec, cfg)
+    rho, dec, last = codec_terms(V, cfg, hw)
+    disk = disk_block_indices(len(V), 8)
+    assert all(rho[l] == 0.65 and dec[l] > 0 and last[l] > 0 for l in disk)  # as every streamed block
+    assert dec[disk[0]] == pytest.approx(dec[(disk[0] + 1) % len(V)])  # alike blocks, either tier: the same decode
+    tails = [V[l] - cfg.resident_bytes(V[l]) for l in disk]
+    assert raw.disk_read == pytest.approx(sum(tails)) and raw.disk_ring == pytest.approx(2 * max(tails))
+    assert enc.disk_read == pytest.approx(0.65 * sum(tails))  # a forward's reads: the encoded tails
+    assert enc.disk_ring == pytest.approx(0.65 * raw.disk_ring)  # DISK_RING_BLOCKS of the largest encoded tail
+    assert enc.codec_spill == enc.disk_read and enc.codec_spill_raw == pytest.approx(sum(tails))  # the spill file
+    host_tails = sum(V) - raw.resident_block_weights - sum(tails)
+    assert enc.codec_raw == pytest.approx(host_tails)  # the host store's tails; the disk tier's are not held
+    assert enc.pinned_host == pytest.approx(raw.pinned_host - 0.35 * host_tails - 0.35 * raw.disk_ring)
+    assert enc.codec_saved == pytest.approx(0.35 * host_tails)  # host memory
+    assert enc.codec_saved_link == pytest.approx(0.35 * (host_tails + sum(tails)))  # a forward's copies
+
+
+def test_the_disk_stall_shrinks_by_the_ratio():
+    """A 2 GB/s disk cannot hide 8 FLUX blocks' tails a forward: the stall is the encoded reads less the forward."""
+    _, hw, _, raw, t_raw = _disk_case("none")
+    _, _, _, enc, t_enc = _disk_case(CODEC)
+    assert t_raw.disk_stall > 0
+    assert t_enc.disk_stall == pytest.approx(SUPPOSED_CODEC_RATIO * raw.disk_read / (2.0 * GB) - sum(t_enc.per_block))
+    assert t_enc.disk_stall < t_raw.disk_stall and t_enc.total < t_raw.total
+
+
+def test_without_the_codec_the_disk_tier_is_priced_as_before():
+    """Regression: the numbers the planner gave before the disk tier streamed encoded (codec off)."""
+    _, _, _, m, t = _disk_case("none")
+    assert (m.disk_read, m.disk_ring, m.pinned_host) == (2750905856.0, 1103325184.0, 22026985984.0)
+    assert (m.codec_spill, m.codec_spill_raw) == (0.0, 0.0)
+    assert t.total == pytest.approx(1.3754529279999996, rel=1e-12)
+    assert t.disk_stall == pytest.approx(1.0303561155949366, rel=1e-12)
+    hw = _hw("h200", disk_read_gbps=2.0)
+    plan = _plan("flux", 6, "off", hw=hw, host=12)
+    p = plan.prediction
+    assert plan.offload.disk_blocks == 34 and p.codec_spill_bytes == 0
+    assert p.step_time_s == pytest.approx(6.9948, abs=1e-4) and p.disk_read_bytes_per_step == 13989511680
+    spec = get_model("wan2.1-14b")  # the whole pipeline: the load leaves the disk tails in the files
+    w = make_workload(spec, frames=81, height=720, width=1280, steps=50)
+    hw = _hw("h200", disk_read_gbps=1.5)
+    levers = Levers.of(w.cfg_passes, "auto", "bf16", False, "off", codec_refusal(spec, hw.spec))
+    p = make_plan(spec, w, hw, budget=24 * GB, host_budget=32 * GB, levers=levers)[0].prediction
+    assert p.disk_read_bytes_per_step == 8434446336 and p.host_memory_bytes == 30232733824
+    assert p.load.read_bytes == 24925698124 and p.load.time_cold_s == pytest.approx(16.645136245776975, rel=1e-9)
+    assert "spill" not in p.load.parts_cold_s and p.generation_time_s == pytest.approx(1401.5648378160124, rel=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------------- the policy
@@ -164,6 +215,23 @@ def test_a_host_budget_only_the_encoded_store_fits_turns_it_on_and_the_plan_fits
     assert plan.prediction.host_memory_bytes <= 25 * GB
     assert plan.prediction.pinned_host_bytes < 25 * GB < plan.prediction.pinned_host_bytes + plan.prediction.codec_saved_host_bytes
     assert "its host store does not fit the host budget" in plan.reason and "streamed bytes raw" not in plan.reason
+
+
+def test_a_host_budget_that_needs_disk_blocks_reads_fewer_bytes_and_runs_faster_encoded():
+    """FLUX at 6 GB of GPU and 12 GB of host memory on a 2 GB/s disk: raw, 34 blocks read 14 GB a step from the
+    checkpoint's files; encoded, the host store holds more blocks and the disk tier's are read encoded from the spill
+    file, so fewer blocks read fewer bytes each and the step is faster."""
+    hw = _hw("h200", disk_read_gbps=2.0)
+    raw, enc = _plan("flux", 6, "off", hw=hw, host=12), _plan("flux", 6, "auto", hw=hw, host=12)
+    assert enc.offload.codec == CODEC and 0 < enc.offload.disk_blocks < raw.offload.disk_blocks
+    r, e = raw.prediction, enc.prediction
+    assert e.host_memory_bytes <= 12 * GB and r.host_memory_bytes <= 12 * GB
+    assert e.disk_read_bytes_per_step < SUPPOSED_CODEC_RATIO * r.disk_read_bytes_per_step
+    assert e.disk_stall_s < r.disk_stall_s and e.step_time_s < 0.6 * r.step_time_s
+    assert e.codec_spill_bytes == e.disk_read_bytes_per_step  # one pass a step: the spill file is read once a step
+    m = estimate_memory(get_model("flux"), enc.workload.to_workload(), enc.offload, hw=hw.spec)
+    assert e.codec_saved_bytes_per_step == int(m.codec_saved_link) > e.codec_saved_host_bytes
+    assert "spill file" in enc.reason
 
 
 def test_no_decode_rate_keeps_it_off_and_on_is_refused_with_the_remedy():
@@ -316,3 +384,32 @@ def test_the_load_prices_encoding_the_streamed_tails():
     est = LoadEstimate(1e9, 1e9, 1e9, 1e9, encoded_bytes=m.codec_raw)
     assert load_parts(est, 0.0, hw)["encode"] == pytest.approx(m.codec_raw / (hw.codec_encode_gbps * 1e9))
     assert "encode" not in load_parts(LoadEstimate(1e9, 1e9, 1e9, 1e9), 0.0, hw)
+
+
+def test_the_load_reads_encodes_and_spills_the_disk_tails_once():
+    """With the codec the load reads each disk block's raw tail from the checkpoint's files (cold, at the disk's
+    rate), encodes it with the host tier's tails and writes the encoded bytes to the spill file at the disk's rate;
+    without it the tails stay in the files for the forwards."""
+    spec = get_model("wan2.1-14b")
+    w = make_workload(spec, frames=81, height=720, width=1280, steps=50)
+    hw = _hw("h200", disk_read_gbps=1.5)
+
+    def plan(codec: str, host: float):
+        levers = Levers.of(w.cfg_passes, "auto", "bf16", False, codec, codec_refusal(spec, hw.spec))
+        return make_plan(spec, w, hw, budget=24 * GB, host_budget=int(host * GB), levers=levers)[0]
+
+    disk, none = plan("on", 24), plan("on", 32)  # encoded: with disk blocks, and with none
+    raw = plan("off", 24)
+    assert disk.offload.disk_blocks > 0 and none.offload.disk_blocks == 0 and raw.offload.disk_blocks > 0
+    assert [c.placement for c in disk.pipeline.components] == [c.placement for c in none.pipeline.components]
+    ld, ln, lr = disk.prediction.load, none.prediction.load, raw.prediction.load
+    assert ld.read_bytes == ln.read_bytes > lr.read_bytes  # the disk tails are read at the load, raw
+    m = estimate_memory(spec, disk.workload.to_workload(), disk.offload, hw=hw.spec)
+    assert m.codec_spill_raw > 0 and m.codec_spill == pytest.approx(SUPPOSED_CODEC_RATIO * m.codec_spill_raw)
+    parts = ld.parts_cold_s
+    assert parts["encode"] == pytest.approx((m.codec_raw + m.codec_spill_raw) / (hw.spec.codec_encode_gbps * GB))
+    assert parts["encode"] == pytest.approx(ln.parts_cold_s["encode"])  # every streamed tail, either tier
+    assert parts["spill"] == pytest.approx(m.codec_spill / (1.5 * GB))  # written at the disk's (read) rate
+    assert disk.prediction.codec_spill_bytes == int(m.codec_spill)
+    assert ld.time_cold_s == pytest.approx(ln.time_cold_s + parts["spill"])
+    assert "spill" not in lr.parts_cold_s and "spill" not in ln.parts_cold_s

@@ -169,7 +169,9 @@ def disk_said(p: Point, rate: float | None) -> str:
     whether the reads hide behind the step, and the disk rate that would hide them."""
     if not p.cfg.disk_blocks:
         return ""
-    said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes on disk (the host budget holds the rest): "
+    where = ("on disk" if not p.memory.codec_spill else
+             f"on disk, encoded at the load into a {format_bytes(p.memory.codec_spill)} spill file")
+    said = (f"; {p.cfg.disk_blocks} blocks keep their streamed bytes {where} (the host budget holds the rest): "
             f"{format_bytes(p.memory.disk_read)} read each forward at {rate:.2f} GB/s")
     stall = p.time.disk_stall
     if stall <= 0:

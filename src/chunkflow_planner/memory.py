@@ -13,7 +13,9 @@ Assumptions (stated so they can be checked against `chunkflow run`):
 - Batched CFG: the activations of one forward of cfg_passes times the batch. fp8 weight storage: the resident
   heads, slots and pinned store hold 1 byte per weight, plus one block's weights in bf16 (the cast's target).
 - Codec (issue 39): the host tier's streamed tails are held encoded, rho of their bytes (tiers.py), and the device
-  holds a staging ring of CODEC_STAGING_CHUNKS of the largest streamed chunk the encoded copies land in.
+  holds a staging ring of CODEC_STAGING_CHUNKS of the largest streamed chunk the encoded copies land in. The disk
+  tier's tails are encoded too: at the load into one spill file chunkflow owns (rho of their bytes, disk space, not
+  host memory), read from it each forward into a ring of DISK_RING_BLOCKS of the largest encoded tail.
 - Prediction = torch's peak allocated bytes. The budget check (`device_need`) adds what the allocator holds of freed
   activations (the hardware's alloc_slack, measured: about a third of the activations on an H200), its reserve
   (reserve_fraction) and the device memory torch does not count (context_bytes: CUDA context and libraries).
@@ -43,11 +45,14 @@ class MemoryEstimate:
     activations: float
     pinned_host: float
     cast_buffer: float = 0.0  # fp8 storage: one block's weights in bf16, the cast's target (two: cast on copy)
-    disk_read: float = 0.0  # disk tier: bytes a forward reads from the checkpoint's files (not in pinned_host)
+    disk_read: float = 0.0  # disk tier: bytes a forward reads from disk (not in pinned_host): the checkpoint's files,
+    # or with a codec the spill file's encoded tails
     disk_ring: float = 0.0  # disk tier: the page-locked ring the reads land in (in pinned_host)
     codec_staging: float = 0.0  # codec: the device ring the encoded chunks are copied into before their decode
     codec_raw: float = 0.0  # codec: the host tier's streamed tails, raw (what a forward decodes)
     codec_stored: float = 0.0  # codec: the same tails encoded, as the host store holds them and the link carries them
+    codec_spill_raw: float = 0.0  # codec: the disk tier's tails, raw (read once at the load, decoded each forward)
+    codec_spill: float = 0.0  # codec: the same encoded, the spill file (disk space, not host memory): disk_read
 
     @property
     def peak(self) -> int:
@@ -56,8 +61,14 @@ class MemoryEstimate:
 
     @property
     def codec_saved(self) -> float:
-        """Bytes the codec keeps off the link each forward and out of the host store: raw less encoded tails."""
+        """Bytes the codec keeps out of the host store: the host tier's raw less encoded tails."""
         return self.codec_raw - self.codec_stored
+
+    @property
+    def codec_saved_link(self) -> float:
+        """Bytes the codec keeps off the host link each forward: codec_saved and the disk tier's raw less encoded
+        tails (which it also keeps off the disk each forward)."""
+        return self.codec_saved + self.codec_spill_raw - self.codec_spill
 
 
 def device_need(allocated: float, activations: float, hw: HardwareSpec) -> int:
@@ -141,13 +152,15 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         streams = [v - r > 0 for v, r in zip(V, resident)]
         cast = (2.0 * max((f for f, s in zip(full, streams) if s), default=0.0)
                 + max((f for f, s in zip(full, streams) if not s), default=0.0))
-    disk_read, ring = disk_bytes(V, resident, cfg)
-    pinned, codec = float(sum(V)) - disk_read + ring, {}
-    if cfg.codec != "none":  # the host tier's streamed tails held encoded
-        tails = float(sum(V)) - float(sum(resident)) - disk_read
+    on_disk = float(sum(disk_tails(V, resident, cfg)))  # raw: what the host store does not hold
+    disk_read, ring = disk_bytes(V, resident, cfg, hw)
+    pinned, codec = float(sum(V)) - on_disk + ring, {}
+    if cfg.codec != "none":  # the host tier's streamed tails held encoded; the disk tier's in the spill file
+        tails = float(sum(V)) - float(sum(resident)) - on_disk
         stored = encoded_bytes(tails, cfg.codec, hw)
         pinned -= tails - stored
-        codec = dict(codec_staging=codec_staging_bytes(cfg, V), codec_raw=tails, codec_stored=stored)
+        codec = dict(codec_staging=codec_staging_bytes(cfg, V), codec_raw=tails, codec_stored=stored,
+                     codec_spill_raw=on_disk, codec_spill=disk_read)
     return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, pinned, cast, disk_read, ring,
                           **codec)
 
@@ -158,10 +171,19 @@ def host_need(m: MemoryEstimate, hw: HardwareSpec) -> float:
     return float(m.pinned_host + hw.pipeline.process_host_bytes)
 
 
-def disk_bytes(V: list[float], resident: list[float], cfg: OffloadConfig) -> tuple[float, float]:
-    """(bytes a forward reads from disk, bytes of the ring they land in): the disk blocks' streamed tails V_l - R_l
-    (offload.disk_block_indices), and DISK_RING_BLOCKS buffers of the largest (no paper equation: the third tier)."""
-    tails = [V[l] - resident[l] for l in disk_block_indices(len(V), cfg.disk_blocks)]
+def disk_tails(V: list[float], resident: list[float], cfg: OffloadConfig) -> list[float]:
+    """The disk blocks' streamed tails V_l - R_l, raw (offload.disk_block_indices)."""
+    return [V[l] - resident[l] for l in disk_block_indices(len(V), cfg.disk_blocks)]
+
+
+def disk_bytes(V: list[float], resident: list[float], cfg: OffloadConfig,
+               hw: HardwareSpec | None = None) -> tuple[float, float]:
+    """(bytes a forward reads from disk, bytes of the ring they land in): the disk blocks' streamed tails (disk_tails),
+    and DISK_RING_BLOCKS buffers of the largest (no paper equation: the third tier); with a codec both are the
+    encoded tails, rho of them (tiers.encoded_bytes: eq. 2's B_pref under a codec, here on the disk's link), read
+    from the spill file; `hw` gives rho (without it the supposed one)."""
+    tails = disk_tails(V, resident, cfg)
     if not tails:
         return 0.0, 0.0
-    return float(sum(tails)), float(min(DISK_RING_BLOCKS, len(tails)) * max(tails))
+    read, largest = encoded_bytes(sum(tails), cfg.codec, hw), encoded_bytes(max(tails), cfg.codec, hw)
+    return float(read), float(min(DISK_RING_BLOCKS, len(tails)) * largest)

@@ -14,8 +14,9 @@ arithmetic: a plain cast, no scale), halving their host, H2D and slot bytes, cas
 A third lever cuts the bytes without changing them (issue 39): `codec` "exponent-pack" stores a host-tier block's
 streamed chunks losslessly encoded (a bf16 word's exponent as a K-bit index into the chunk's table), copies them
 encoded into a device staging ring of CODEC_STAGING_CHUNKS buffers, each one decode group (`codec_group_chunks`
-chunks, about CODEC_DECODE_BYTES of them), and decodes each group with one launch on the GPU into the block's slot;
-the disk tier's blocks stream raw. Its price (tiers.py) is the ratio on the link and in host memory, and the
+chunks, about CODEC_DECODE_BYTES of them), and decodes each group with one launch on the GPU into the block's slot.
+The disk tier's blocks stream encoded too: their tails are encoded once at the load into a spill file chunkflow owns
+and read from it each forward, encoded, into the disk ring. Its price (tiers.py) is the ratio on the link and in host memory, and the
 decode on the GPU.
 
 Block l keeps R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C), and streams
@@ -118,7 +119,7 @@ class OffloadConfig(BaseModel):
     fp8_cast: Fp8Cast = "compute"  # fp8 storage: cast on the compute stream before the block runs, or on the copy
     # stream right after the block's copies (off the compute path, at the cost of a second cast buffer)
     disk_blocks: int = 0  # blocks whose streamed bytes stay in the checkpoint's files (the disk tier), read each forward
-    codec: Codec = "none"  # how the host tier's streamed bytes are stored and copied: raw, or losslessly encoded
+    codec: Codec = "none"  # how streamed bytes are stored and copied (host and disk tier): raw, or losslessly encoded
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
@@ -311,7 +312,7 @@ def codec_groups(cfg: OffloadConfig, V: float) -> int:
 def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
     """Device bytes of the codec's staging ring for blocks of stored volumes `V`: CODEC_STAGING_CHUNKS buffers of the
     largest decode group (an upper bound: the group's bytes encoded are fewer); 0 without a codec or where nothing
-    streams. The disk tier's blocks stream raw but are counted: one ring serves every block."""
+    streams. One ring serves every block, the disk tier's (encoded too) and the host tier's."""
     if cfg.codec == "none":
         return 0.0
     largest = max((codec_group_bytes(cfg, v) for v in V), default=0.0)

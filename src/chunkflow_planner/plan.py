@@ -124,9 +124,12 @@ class Prediction(_Section):
     codec_ratio_measured: bool = Field(False, description="whether codec_ratio was measured on the user's weights "
                                        "(`chunkflow calibrate --weights`) or supposed (tiers.SUPPOSED_CODEC_RATIO)")
     codec_decode_gbps: float | None = Field(None, description="the decode rate the codec was priced at (GB/s out)")
-    codec_saved_bytes_per_step: int = Field(0, ge=0, description="host-to-device bytes the codec saves a step")
+    codec_saved_bytes_per_step: int = Field(0, ge=0, description="host-to-device bytes the codec saves a step (the "
+                                            "host tier's and the disk tier's blocks)")
     codec_saved_host_bytes: int = Field(0, ge=0, description="bytes the codec saves in the pinned host store")
     codec_staging_bytes: int = Field(0, ge=0, description="device bytes of the codec's staging ring (in the peak)")
+    codec_spill_bytes: int = Field(0, ge=0, description="disk bytes of the codec's spill file: the disk tier's tails "
+                                   "encoded at the load (CHUNKFLOW_CACHE_DIR or ~/.cache/chunkflow; not host memory)")
 
 
 class Baselines(_Section):

@@ -158,7 +158,8 @@ def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
 
 def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Prediction:
     """A point's prediction; with a disk tier, its reads a step (`passes` forwards unless CFG is batched); with a
-    codec, its ratio (measured or supposed), decode rate and the bytes it saves a step and in host memory."""
+    codec, its ratio (measured or supposed), decode rate, the bytes it saves a step and in host memory, and its spill
+    file's size (the disk tier's tails encoded)."""
     disk = {}
     forwards = 1 if p.cfg.cfg_batched else passes
     if p.cfg.disk_blocks and hw is not None:
@@ -167,8 +168,9 @@ def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Pr
     if p.cfg.codec != "none" and hw is not None:
         ratio, measured = codec_ratio(hw)
         disk.update(codec_ratio=ratio, codec_ratio_measured=measured, codec_decode_gbps=hw.codec_decode_gbps,
-                    codec_saved_bytes_per_step=int(p.memory.codec_saved * forwards),
-                    codec_saved_host_bytes=int(p.memory.codec_saved), codec_staging_bytes=int(p.memory.codec_staging))
+                    codec_saved_bytes_per_step=int(p.memory.codec_saved_link * forwards),
+                    codec_saved_host_bytes=int(p.memory.codec_saved), codec_staging_bytes=int(p.memory.codec_staging),
+                    codec_spill_bytes=int(p.memory.codec_spill))
     return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
                       pinned_host_bytes=int(p.memory.pinned_host), **disk)
 

@@ -18,7 +18,9 @@ streamed bytes stored and copied losslessly encoded, decoded on the GPU. It is o
 (`Levers.codecs`): below the critical point it shortens a streaming-bound step (rho B on the link for B / D of decode),
 above it the copies hide anyway and the decode only lengthens the compute path, so the step-time order alone turns it
 on where it pays and off where it does not; of equal step time the raw point is preferred. Where the host budget
-binds, the decision's point is tried encoded (its store rho of the tails) before the disk tier.
+binds, the decision's point is tried encoded (its store rho of the tails) before the disk tier; an encoded point's
+disk blocks are read encoded too (rho of their tails a forward, from the codec's spill file: memory.disk_bytes), so
+with the codec fewer disk blocks fit the budget and each reads fewer bytes.
 
 The policy returns facts (`Facts`: which constraint binds, the levers and their amounts, the margins); explain.py
 words them. The budget comes in as one number, the device bytes the points are checked against.
@@ -300,7 +302,7 @@ def best_of(points: list[Point]) -> Point:
 
 def fewest_disk_blocks(problem: Problem, point: Point, fits, priced=None, evaluate=None):
     """`point` with the fewest disk blocks (offload.disk_block_indices: their streamed tails read from the
-    checkpoint's files each forward, tiers.py) for which `fits(point)` holds, priced by `priced` (default: the point
+    checkpoint's files each forward, or with a codec rho of them from its spill file, tiers.py) for which `fits(point)` holds, priced by `priced` (default: the point
     itself); with every block on disk where none fits (the least host memory there is, for a shortfall's facts).
     Host memory falls as disk blocks are added, so the count is bisected. `evaluate`: problem.evaluate, or a cache
     of it where many placements bisect the same point."""

@@ -22,7 +22,8 @@ compute stream nothing would have saved its 6-12% of the step, and Qwen-Image's 
 cast) and also lengthens the copy path. With a codec (issue 39, tiers.py) a host-tier block's streamed bytes cross
 the link encoded (rho B in eq. 2) and are decoded on the GPU, chunk by chunk behind the next chunk's copy: the decode
 (B / D) is added to the compute path of the block whose window it runs in (its kernels share the SMs, as the cast's
-do), and the last chunk's decode, which no copy hides, to the copy path. The disk tier's blocks stream raw.
+do), and the last chunk's decode, which no copy hides, to the copy path. The disk tier's blocks stream encoded too
+(from the codec's spill file, memory.disk_bytes): the same rho and decode, and rho of their bytes read from disk.
 Non-block layers are not modelled.
 """
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
-from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups, disk_block_indices
+from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
 from chunkflow_planner.tiers import DiskRateUnknown, codec_ratio, decode_s, read_s  # noqa: F401 (DiskRateUnknown: its old home)
 from chunkflow_planner.workload import per_forward, tokens
@@ -168,15 +169,14 @@ def step_time(
 def codec_terms(V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> tuple[list[float], list[float],
                                                                             list[float]]:
     """Per block: (rho, the link's share of its streamed bytes; T_dec of its streamed bytes plus its decode launches'
-    host cost, both on the compute path; T_dec of its last decode group, offload.codec_group_bytes),
-    (1, 0, 0) without a codec and for the disk tier's blocks, which stream raw. Raises tiers.CodecRateUnknown where
-    the codec is on and the profile has no decode rate."""
+    host cost, both on the compute path; T_dec of its last decode group, offload.codec_group_bytes) for every block
+    that streams, host tier and disk tier alike (eq. 2 and eq. 1 extended by the codec, tiers.py); (1, 0, 0) without
+    a codec. Raises tiers.CodecRateUnknown where the codec is on and the profile has no decode rate."""
     n = len(V)
     if cfg.codec == "none":
         return [1.0] * n, [0.0] * n, [0.0] * n
     ratio = codec_ratio(hw)[0]
-    disk = set(disk_block_indices(n, cfg.disk_blocks))
-    encoded = [l not in disk and cfg.streamed_bytes(V[l]) > 0 for l in range(n)]
+    encoded = [cfg.streamed_bytes(v) > 0 for v in V]
     rho = [ratio if e else 1.0 for e in encoded]
     launch = hw.codec_launch_us * 1e-6
     dec = [decode_s(cfg.streamed_bytes(v), hw) + launch * codec_groups(cfg, v) if e else 0.0
@@ -187,10 +187,10 @@ def codec_terms(V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> tuple[l
 
 def disk_stall(forward_s: float, V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> float:
     """What one forward of `forward_s` seconds waits for the disk tier: the reader reads every disk block's tail
-    (memory.disk_bytes) once a forward, one block ahead of its copies, on a link of its own, so the forward takes
+    (memory.disk_bytes: with a codec, its encoded bytes from the spill file, rho of them) once a forward, one block ahead of its copies, on a link of its own, so the forward takes
     the longer of its own time and the reads (T_disk at the disk tier's rate, tiers.py); the first read of a forward
     overlaps the previous one's last blocks. Raises tiers.DiskRateUnknown where the profile has no disk rate."""
     if not cfg.disk_blocks:
         return 0.0
-    read, _ = disk_bytes(V, [cfg.resident_bytes(v) for v in V], cfg)
+    read, _ = disk_bytes(V, [cfg.resident_bytes(v) for v in V], cfg, hw)
     return max(0.0, read_s(read, "disk", hw) - forward_s)

@@ -13,15 +13,19 @@ T_disk = B_disk / BW_disk (overlap.T_disk). What is read once a generation (a te
 read once; what is read every step (a streamed transformer block) pays it every forward, so the policy, choosing by
 time, sends the former to disk first.
 
-A codec (offload.OffloadConfig.codec, issue 39) changes how the host tier's streamed bytes travel, not where they live:
+A codec (offload.OffloadConfig.codec, issue 39) changes how streamed bytes travel, not where they live:
 
     codec          on the link (eq. 2)          host memory held    on the GPU, each forward
     none           B / BW_h2d                   B                   nothing
     exponent-pack  rho B / BW_h2d               rho B               B / D decoded (sharing the SMs: the compute path)
 
+The disk tier's blocks stream encoded too: the load reads their raw tails once (B / BW_disk), encodes them and
+writes rho B to a spill file chunkflow owns (disk space, not host memory); each forward reads rho B from it
+(rho B / BW_disk), copies rho B to the GPU and decodes B there, as the host tier's blocks do.
+
 rho is the codec's ratio (stored / raw bytes: HardwareSpec.codec_ratio, which `chunkflow calibrate --weights DIR`
 measures on the user's weights, else SUPPOSED_CODEC_RATIO) and D its decode rate (HardwareSpec.codec_decode_gbps,
-bytes of decoded output per second; a profile without it cannot price the codec). The disk tier's blocks stream raw.
+bytes of decoded output per second; a profile without it cannot price the codec).
 """
 
 from __future__ import annotations

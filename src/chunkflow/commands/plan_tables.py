@@ -122,7 +122,9 @@ def codec_text(plan: Plan) -> str:
              if pp.codec_ratio is not None else "ratio unknown")
     return (f"codec {o.codec} ({ratio}, decoded at {pp.codec_decode_gbps or 0:g} GB/s): "
             f"{format_bytes(pp.codec_saved_bytes_per_step)} fewer host-to-device bytes a step, "
-            f"{format_bytes(pp.codec_saved_host_bytes)} less host memory")
+            f"{format_bytes(pp.codec_saved_host_bytes)} less host memory"
+            + (f", a {format_bytes(pp.codec_spill_bytes)} spill file for the disk tier's blocks"
+               if pp.codec_spill_bytes else ""))
 
 
 def _chunk_cap(plan: Plan) -> str:
@@ -179,11 +181,14 @@ def print_host_alone(console: Console, plan: Plan) -> None:
 def disk_blocks_line(plan: Plan) -> str:
     """The transformer's disk blocks: how many, the bytes a step reads and whether they hide."""
     pp = plan.prediction
+    where = ("the checkpoint's files" if not pp.codec_spill_bytes else
+             f"the codec's spill file, encoded ({format_bytes(pp.codec_spill_bytes)} written at the load to "
+             "CHUNKFLOW_CACHE_DIR or ~/.cache/chunkflow, deleted when the process ends)")
     return (f"disk: {plan.offload.disk_blocks} of {plan.model.n_blocks} blocks keep their streamed bytes in "
-            f"the checkpoint's files, {format_bytes(pp.disk_read_bytes_per_step)} read a step at "
-            f"{pp.disk_read_gbps:.2f} GB/s"
+            f"{where}, {format_bytes(pp.disk_read_bytes_per_step)} read a step at {pp.disk_read_gbps:.2f} GB/s"
             + (f", {format_seconds(pp.disk_stall_s)} of the step waiting for them" if pp.disk_stall_s
-               else ", hidden behind the step") + " (run it with --weights: the files are read each step)")
+               else ", hidden behind the step") + " (run it with --weights: the files are read "
+            + ("once at the load" if pp.codec_spill_bytes else "each step") + ")")
 
 
 def expert_offload(plan: Plan, placement: str):  # noqa: ANN201 - offload.OffloadConfig

@@ -238,6 +238,11 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
                 seen.append(estimate(spec, w, hw, pl, enc, costs))
                 if seen[-1].host_memory <= host_budget:
                     continue
+                # the raw point's disk blocks too: encoded ones read rho of the bytes but decode them, so where the
+                # decode costs more than the reads save the raw one is faster (_fastest weighs time and disk bytes)
+                raw = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
+                if raw is not None:
+                    seen.append(raw)
                 point = enc
             disk = _with_disk(spec, w, hw, pl, point, costs, host_budget, problem, evaluate)
             if disk is not None:

@@ -9,7 +9,7 @@ its own while its blocks are read into it (B_pin,r: the locking overlaps the rea
 locked when a component is parked, after its reads (B_pin,p):
 
     T_load = t_start + max(B_read / BW_read(c), B_pin,r / BW_pin) + B_h2d / BW_h2d
-             + B_pin,p / BW_pin + B_fresh / BW_fault + B_enc / BW_enc                              (eq. L1)
+             + B_pin,p / BW_pin + B_fresh / BW_fault + B_enc / BW_enc + B_spill / BW_disk         (eq. L1)
     1 / BW_read(c) = c / BW_cache + (1 - c) / BW_disk                                             (eq. L2)
     M_load = M_process + host copies + M_staging (+ the device's part where the device is the host) (eq. L3)
 
@@ -19,7 +19,10 @@ kernel maps at its first touch: page-locking does that for the pinned stores (BW
 write for the rest (B_fresh: components on the CPU, and everything where the device is the host). The rates are measured by
 `chunkflow calibrate` (the disk the weights are on, cold and warm; page-locking), t_start by `calibrate
 --from-report` from generation reports. B_enc: the streamed tails a codec encodes at the load (issue 39), at the
-profile's end-to-end BW_enc (HardwareSpec.codec_encode_gbps).
+profile's end-to-end BW_enc (HardwareSpec.codec_encode_gbps). With a codec the disk tier's tails are among them: the
+load reads them raw from the checkpoint's files (in B_read, which without a codec leaves them for the forwards),
+encodes them and writes the encoded bytes, B_spill, to the codec's spill file, at the disk's read rate (supposed:
+writes are not measured).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class LoadEstimate:
     fresh_bytes: float = 0.0  # host bytes first touched by their write (not page-locked before)
     pinned_while_reading: float = 0.0  # the part of pinned_bytes locked while the reads run (host stores)
     encoded_bytes: float = 0.0  # streamed tails the codec encodes at the load (raw bytes)
+    spill_bytes: float = 0.0  # the disk tier's tails encoded, written once to the codec's spill file
 
 
 def BW_read(cached: float, hw: HardwareSpec) -> float | None:
@@ -87,7 +91,15 @@ def load_parts(est: LoadEstimate, cached: float, hw: HardwareSpec) -> dict[str, 
         parts["new memory"] = est.fresh_bytes / (hw.pipeline.host_fault_gbps * GB)
     if est.encoded_bytes and hw.codec_encode_gbps is not None:  # the codec's tails: to the GPU, encoded, back
         parts["encode"] = est.encoded_bytes / (hw.codec_encode_gbps * GB)
+    if est.spill_bytes:
+        parts["spill"] = spill_s(est.spill_bytes, hw)
     return parts
+
+
+def spill_s(nbytes: float, hw: HardwareSpec) -> float:
+    """B_spill / BW_disk (eq. L1): seconds writing the codec's spill file, at the disk's read rate (supposed: chunkflow
+    measures reads, not writes)."""
+    return float(nbytes) / (hw.disk_read_gbps * GB)
 
 
 def _text_encoder_split(te) -> tuple[float, float]:
@@ -119,6 +131,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     parked = fresh = 0.0
     unread = 0.0  # bytes on the disk tier: read at their phase, not at the load
     encoded = 0.0  # streamed tails the codec encodes at the load
+    spill = 0.0  # the disk tier's tails encoded, written to the codec's spill file
     for te, p in zip(pipe.text_encoders, placements.text_encoders):
         layers, rest = _text_encoder_split(te)
         if p == "cpu":
@@ -138,11 +151,14 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
             unread += te.nbytes
             pinned += host_bytes.get(te.component, 0.0)
     for where, m in _experts(placements, transformer_memory, pipe.experts, expert_memory):
-        if where == "disk":  # its resident heads read into the pinned store; the rest at its turns
+        if where == "disk":  # its resident heads read into the pinned store; the rest at its turns (with a codec, its
+            # tails read now, encoded into the spill file)
             h2d += m.resident_block_weights
             pinned += m.pinned_host
             during += m.pinned_host
-            unread += t_bytes - m.resident_block_weights
+            unread += t_bytes - m.resident_block_weights - m.codec_spill_raw
+            encoded += m.codec_spill_raw
+            spill += m.codec_spill
         elif where == "gpu":
             h2d += t_bytes
             device_now += t_bytes
@@ -152,12 +168,13 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
             parked = max(parked, t_bytes)
         else:
             # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host
-            # memory; disk blocks' tails stay in the files
+            # memory; disk blocks' tails stay in the files, or with a codec are read now, encoded into the spill file
             h2d += 2 * m.non_block_weights + m.resident_block_weights
             pinned += m.pinned_host + spec.non_block_bytes
             during += m.pinned_host
-            unread += m.disk_read
-            encoded += m.codec_raw
+            unread += m.disk_read if m.codec_spill_raw == 0 else 0.0
+            encoded += m.codec_raw + m.codec_spill_raw
+            spill += m.codec_spill
     vae = float(pipe.vae.nbytes)
     if placements.vae == "disk":
         unread += vae
@@ -180,7 +197,7 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     host += STAGING_BYTES if staging else 0.0
     if hw.pipeline.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
         host += device_now + parked
-    return LoadEstimate(read, h2d, pinned, host, fresh, during, encoded)
+    return LoadEstimate(read, h2d, pinned, host, fresh, during, encoded, spill)
 
 
 def _placed_bytes(spec: ModelSpec, placements, t_bytes: float, vae: float) -> list[tuple[float, str]]:
