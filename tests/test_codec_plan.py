@@ -80,6 +80,11 @@ def test_the_staging_ring_is_three_of_the_largest_decode_group():
     assert per == CODEC_DECODE_BYTES // (16 * MB) > 1
     assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB", codec=CODEC), V) == 3 * min(100 * MB, per * 16 * MB)
     assert codec_groups(OffloadConfig("chunkflow", "16MB", codec=CODEC), 100 * MB) == -(-7 // per)  # 7 chunks
+    # disk blocks encoded too: the disk tier's stream has a ring of its own (its largest group: the 40 MB block's,
+    # disk_block_indices(3, 1) == [1])
+    assert disk_block_indices(3, 1) == [1]
+    both = codec_staging_bytes(OffloadConfig("chunkflow", "16MB", codec=CODEC, disk_blocks=1), V)
+    assert both == 3 * min(100 * MB, per * 16 * MB) + 3 * min(40 * MB, per * 16 * MB)
     assert codec_staging_bytes(OffloadConfig("chunkflow", "64MB", codec=CODEC), [50 * MB, 30 * MB]) == 3 * 50 * MB
     assert codec_staging_bytes(OffloadConfig("layerwise", codec=CODEC), V) == 3 * 100 * MB  # the largest tail
     assert codec_staging_bytes(OffloadConfig("chunkflow", "16MB"), V) == 0  # no codec, no ring

@@ -310,10 +310,15 @@ def codec_groups(cfg: OffloadConfig, V: float) -> int:
 
 
 def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
-    """Device bytes of the codec's staging ring for blocks of stored volumes `V`: CODEC_STAGING_CHUNKS buffers of the
-    largest decode group (an upper bound: the group's bytes encoded are fewer); 0 without a codec or where nothing
-    streams. One ring serves every block, the disk tier's (encoded too) and the host tier's."""
+    """Device bytes of the codec's staging rings for blocks of stored volumes `V`: CODEC_STAGING_CHUNKS buffers of the
+    largest decode group (an upper bound: the group's bytes encoded are fewer), one ring for the host tier's encoded
+    blocks and one for the disk tier's where both have some (each tier owns its codec stream,
+    chunkflow/runtime/codecs/stream.py); 0 without a codec or where nothing streams."""
     if cfg.codec == "none":
         return 0.0
-    largest = max((codec_group_bytes(cfg, v) for v in V), default=0.0)
-    return float(CODEC_STAGING_CHUNKS * max(0.0, largest))
+    disk = set(disk_block_indices(len(V), cfg.disk_blocks))
+    rings = 0.0
+    for mine in (lambda l: l not in disk, lambda l: l in disk):
+        largest = max((codec_group_bytes(cfg, v) for l, v in enumerate(V) if mine(l)), default=0.0)
+        rings += CODEC_STAGING_CHUNKS * max(0.0, largest)
+    return float(rings)
