@@ -277,6 +277,15 @@ def test_a_plan_that_reads_the_checkpoint_at_run_time_needs_its_folder_everywher
     with pytest.raises(chunkflow.ChunkflowError, match=r"placement disk.*weights=DIR"):
         chunkflow.load("disk.json", device="cpu")
     assert not Path("outputs").exists()  # refused before the output folder was made
+    encoded = json.loads(json.dumps(plan))  # the codec encodes from the files and maps them outside the forward
+    encoded["offload"].update(mode="chunkflow", chunk_bytes=16000, codec="exponent-pack")
+    encoded["hardware"]["spec"]["codec_decode_gbps"] = 50.0
+    for c in encoded["pipeline"]["components"]:
+        c["placement"] = "stream" if c["kind"] == "transformer" else c["placement"]
+    Path("codec.json").write_text(json.dumps(encoded))
+    assert "codec exponent-pack" in files_needed(load_plan(encoded))
+    result = cli("run", "--plan", "codec.json", "--prompt", "a cat")
+    assert result.exit_code == 2 and "codec" in result.output and "--weights" in result.output, result.output
 
 
 def test_the_file_is_read_first_and_no_output_lands_on_an_image(cli, workdir):

@@ -305,8 +305,13 @@ def files_needed(plan: Plan, cfg: OffloadConfig | None = None, how: str = "--wei
     the whole pipeline) components placed on disk."""
     cfg = plan.offload if cfg is None else cfg
     if cfg.disk_blocks:
-        return (f"the plan keeps {cfg.disk_blocks} blocks' weights on disk, read each step from the checkpoint's "
-                f"files: give the folder with {how} (or plan with more host memory)")
+        where = "a spill file encoded from the checkpoint's files" if cfg.codec != "none" else "the checkpoint's files"
+        return (f"the plan keeps {cfg.disk_blocks} blocks' weights on disk, read each step from {where}: give the "
+                f"folder with {how} (or plan with more host memory)")
+    if cfg.codec != "none":
+        return (f"the plan streams the blocks encoded (codec {cfg.codec}), encoded at the load from the checkpoint's "
+                f"files, which also hold the weights outside the forward: give the folder with {how}, or run it "
+                "without the codec (--codec off)")
     on_disk = [c.name for c in plan.pipeline.components if c.placement == "disk"] \
         if plan.pipeline is not None and components else []
     if on_disk:
