@@ -801,10 +801,6 @@ class DiskParking(ParkHome):
         self.files.close()
         self._watch.close()
         self._maps = {}
-        if self.spill is not None:  # unlinked already: closing it gives its room back
-            self.spill.close()
-            self.spill = None
-        self.spilled = {}
 
     def stats(self) -> dict:
         return dict(park_to=self.name, disk_park_bytes=sum(r.nbytes for k, r in self._records.items()
