@@ -169,3 +169,17 @@ def test_the_triton_decoder_gives_the_reference_bytes_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_the_encoder_works_in_slices_and_writes_the_same_bytes(monkeypatch):
+    """The encoder holds intermediates for SLICE_WORDS words at a time (its transient memory's bound at a load):
+    slices of two groups write the bytes of one pass, and decode exactly."""
+    import chunkflow.runtime.codecs.exponent_pack as ep
+
+    torch.manual_seed(9)
+    data = _bytes((torch.distributions.Laplace(0.0, 0.02).sample((5 * GROUP + 333,))).to(torch.bfloat16))
+    whole = encode(data)
+    monkeypatch.setattr(ep, "SLICE_WORDS", 2 * GROUP)
+    sliced = ep.encode(data)
+    assert torch.equal(sliced.data, whole.data) and sliced.n_escapes == whole.n_escapes > 0
+    _roundtrip(data)

@@ -32,6 +32,7 @@ import torch
 GROUP = 2048  # words a GPU program decodes; a multiple of 32
 ALIGN = 16  # every section starts at a multiple of this
 MAX_K = 4
+SLICE_WORDS = GROUP * 2048  # words the encoder works on at once (8 MiB of a chunk): its transient memory's bound
 NAME = "exponent-pack"
 VERSION = 1
 
@@ -124,7 +125,8 @@ def _choose(counts: torch.Tensor, words: int, nbytes: int) -> tuple[int, torch.T
 
 
 def encode(chunk: torch.Tensor) -> Encoded:
-    """Encode a flat uint8 chunk (any device; the result is on the same device)."""
+    """Encode a flat uint8 chunk (any device; the result is on the same device). Works SLICE_WORDS words at a time,
+    so that its transient memory stays under about 40 bytes a word of a slice whatever the chunk's size."""
     if chunk.dtype != torch.uint8 or chunk.dim() != 1:
         raise ValueError("encode takes a flat uint8 tensor")
     nbytes = chunk.numel()
@@ -132,34 +134,42 @@ def encode(chunk: torch.Tensor) -> Encoded:
     dev = chunk.device
     if words == 0:
         return Encoded(chunk.clone(), nbytes, 0, 0)
-    e, s = _fields(chunk)
-    counts = torch.bincount(e, minlength=256)
+    slices = [(a, min(a + SLICE_WORDS, words)) for a in range(0, words, SLICE_WORDS)]  # whole groups each
+    counts = torch.zeros(256, dtype=torch.int64, device=dev)
+    for a, b in slices:
+        counts += torch.bincount(_fields(chunk[2 * a : 2 * b])[0], minlength=256)
     k, table, n_esc = _choose(counts, words, nbytes)
     if k == 0:
         return Encoded(chunk.clone(), nbytes, 0, 0)
     lay = sections(nbytes, k, n_esc)
+    groups = -(-words // GROUP)
     out = torch.zeros(lay.size, dtype=torch.uint8, device=dev)
     out[: table.numel()] = table.to(torch.uint8)
-    out[lay.sm : lay.sm + words] = s.to(torch.uint8)
+    planes = out[lay.planes : lay.planes + groups * k * GROUP // 8].view(torch.int32).view(groups, k, GROUP // 32)
     escape = (1 << k) - 1
-    lut = torch.full((256,), escape, dtype=torch.int64, device=dev)
-    lut[table] = torch.arange(table.numel(), device=dev)
-    idx = lut[e]
-    groups = -(-words // GROUP)
-    padded = torch.zeros(groups * GROUP, dtype=torch.int64, device=dev)
-    padded[:words] = idx
-    bits = padded.view(groups, 1, GROUP // 32, 32) >> torch.arange(k, device=dev).view(1, k, 1, 1) & 1
-    packed = (bits << torch.arange(32, device=dev)).sum(-1)  # (groups, k, GROUP/32) in [0, 2**32)
-    planes = packed.to(torch.int64).view(-1)
-    planes = torch.where(planes >= 2**31, planes - 2**32, planes).to(torch.int32)
-    out[lay.planes : lay.planes + planes.numel() * 4] = planes.view(torch.uint8)
-    is_esc = padded == escape
-    is_esc[words:] = False
-    per_group = is_esc.view(groups, GROUP).sum(1)
+    lut = torch.full((256,), escape, dtype=torch.int32, device=dev)
+    lut[table] = torch.arange(table.numel(), dtype=torch.int32, device=dev)
+    shifts = torch.arange(32, device=dev)
+    per_group, done = [], 0
+    for a, b in slices:
+        e, sm = _fields(chunk[2 * a : 2 * b])
+        out[lay.sm + a : lay.sm + b] = sm.to(torch.uint8)
+        g0, ng = a // GROUP, -(-(b - a) // GROUP)
+        idx = torch.zeros(ng * GROUP, dtype=torch.int32, device=dev)
+        idx[: b - a] = lut[e]
+        for p in range(k):
+            bit = ((idx >> p) & 1).view(ng, GROUP // 32, 32).to(torch.int64)
+            packed = (bit << shifts).sum(-1)  # in [0, 2**32): the plane's words, as uint32
+            planes[g0 : g0 + ng, p] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        is_esc = idx == escape
+        is_esc[b - a :] = False
+        per_group.append(is_esc.view(ng, GROUP).sum(1))
+        escaped = e[is_esc[: b - a]].to(torch.uint8)
+        out[lay.escapes + done : lay.escapes + done + escaped.numel()] = escaped
+        done += escaped.numel()
     starts = torch.zeros(groups + 1, dtype=torch.int64, device=dev)
-    starts[1:] = torch.cumsum(per_group, 0)
+    starts[1:] = torch.cumsum(torch.cat(per_group), 0)
     out[lay.starts : lay.starts + 4 * (groups + 1)] = starts.to(torch.int32).view(torch.uint8)
-    out[lay.escapes : lay.escapes + n_esc] = e[is_esc[:words]].to(torch.uint8)
     if nbytes & 1:
         out[lay.tail] = chunk[-1]
     return Encoded(out, nbytes, k, n_esc)
