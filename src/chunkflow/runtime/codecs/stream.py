@@ -18,12 +18,15 @@ device side of a prefetch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from chunkflow.runtime.codecs import Codec
-from chunkflow.runtime.layout import BlockLayout
 from chunkflow_planner.offload import CODEC_STAGING_CHUNKS, codec_group_chunks
+
+if TYPE_CHECKING:  # annotations only: the codec needs nothing of the layout's module
+    from chunkflow.runtime.layout import BlockLayout
 
 ALIGN = 16  # each chunk's encoded bytes start at a multiple of this in its block's encoded bytes
 
@@ -175,8 +178,8 @@ class CodecStream:
         return out
 
     def _tune(self, blocks: list[EncodedBlock]):
-        """The decoder's fastest launch shape here, timed on the largest decode group (once an offload), its bytes
-        taken from where the tier keeps them (`tier_bytes`)."""
+        """The decoder's fastest launch shape here, timed on the largest decode group (once an offload), on its bytes
+        where they are in memory (`tier_bytes`), else on zeros through the raw path (a spill file's blocks)."""
         blk, g = max(((blk, g) for blk in blocks for g in self.groups[id(blk)].values()), key=lambda x: x[1].nbytes)
         los = [lo for lo in sorted(blk.chunks) if g.first <= lo <= g.last]
         base = blk.chunks[los[0]][2].dst
@@ -195,7 +198,7 @@ class CodecStream:
         return config
 
     def tier_bytes(self, blk: EncodedBlock, start: int, nbytes: int) -> torch.Tensor | None:
-        """`nbytes` of a block's encoded bytes from `start`, where its tier keeps them in memory (set by the tier)."""
+        """`nbytes` of a block's encoded bytes from `start` where they are in host memory (its HostStore), else None."""
         store = blk.store
         return store.data[start : start + nbytes] if store is not None else None
 
