@@ -172,9 +172,9 @@ def test_the_host_memory_the_plan_predicts_is_what_the_encoded_tier_holds(tmp_pa
 def test_a_tiny_pipeline_with_the_codec_on_every_tier_gives_the_latents_of_no_codec(cli, workdir, monkeypatch):
     """`chunkflow run --plan` of a whole (tiny, bf16) pipeline saved with save_pretrained: its transformer's blocks
     on the host tier encoded and on the disk tier encoded give the latents of the same plan without the codec, bit
-    for bit; the run's report has the codec's figures."""
+    for bit, from the folder and from a Hugging Face cache layout; the run's report has the codec's figures."""
     pytest.importorskip("transformers")
-    from pipelines import one_thread, save_catalog_pipeline
+    from pipelines import as_hub_cache, one_thread, save_catalog_pipeline
     from safetensors.torch import load_file
 
     monkeypatch.setenv("CHUNKFLOW_CACHE_DIR", str(workdir / "cache"))
@@ -202,3 +202,12 @@ def test_a_tiny_pipeline_with_the_codec_on_every_tier_gives_the_latents_of_no_co
     stats = json.loads(Path("mixed-report.json").read_text())["stats"]
     assert stats["codec"] == CODEC and stats["codec_blocks"] >= 1 and stats["codec_disk_blocks"] == 1
     assert stats["disk_bytes_read"] >= stats["disk_bytes_per_step"] > 0
+    # from a Hugging Face cache: the snapshot's files are symlinks to blobs, encoded and mapped through them
+    as_hub_cache(folder, workdir / "hub", "someone/tiny-wan")
+    monkeypatch.setenv("HF_HUB_CACHE", str(workdir / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with one_thread():
+        result = cli("run", "--plan", "mixed.json", "--weights", "someone/tiny-wan", "--prompt", "a cat", "--seed", "5",
+                     "--latents", "cache.safetensors")
+    assert result.exit_code == 0, result.output
+    assert torch.equal(load_file("cache.safetensors")["latents"], outs["raw"])
