@@ -120,15 +120,17 @@ class OffloadConfig(BaseModel):
     # stream right after the block's copies (off the compute path, at the cost of a second cast buffer)
     disk_blocks: int = 0  # blocks whose streamed bytes stay in the checkpoint's files (the disk tier), read each forward
     codec: Codec = "none"  # how streamed bytes are stored and copied (host and disk tier): raw, or losslessly encoded
+    share_host: bool = True  # under torchrun, the ranks of one host stream host-tier tails from one shared pinned copy
+    # (runtime/tiers/shared.py) and park phase-placed components in one; False: each rank pins its own
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
                  weight_dtype: str = "bf16", fp8_cast: str = "compute", disk_blocks: int = 0,
-                 codec: str = "none") -> None:
+                 codec: str = "none", share_host: bool = True) -> None:
         try:
             super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
                              cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast,
-                             disk_blocks=disk_blocks, codec=codec)
+                             disk_blocks=disk_blocks, codec=codec, share_host=share_host)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -178,6 +180,9 @@ class OffloadConfig(BaseModel):
         if codec != "none" and weight_dtype != "bf16":
             raise OffloadConfigError(f"codec {codec} encodes bf16 weights losslessly; weight_dtype {weight_dtype} "
                                      "stores them cast. Use one or the other (weight_dtype bf16 with the codec)")
+        share_host = data.get("share_host", True)
+        if not isinstance(share_host, bool):
+            raise OffloadConfigError(f"share_host must be true or false, got {share_host!r}")
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -191,13 +196,13 @@ class OffloadConfig(BaseModel):
             r = 0.0 if residency is None else _residency(residency)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
                 "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast,
-                "disk_blocks": disk, "codec": codec}
+                "disk_blocks": disk, "codec": codec, "share_host": share_host}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
                        residency: float | None = None, comm_aware: bool | None = None, *,
                        cfg_batched: bool | None = None, weight_dtype: str | None = None,
                        fp8_cast: str | None = None, disk_blocks: int | None = None,
-                       codec: str | None = None) -> "OffloadConfig":
+                       codec: str | None = None, share_host: bool | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
         storage only to a mode that streams. A chunk size or residency given for a mode without them is refused
@@ -224,6 +229,7 @@ class OffloadConfig(BaseModel):
             disk_blocks=(disk_blocks if disk_blocks is not None
                          else self.disk_blocks if new_mode != "none" and dtype == "bf16" else 0),
             codec=codec if codec is not None else (self.codec if new_mode != "none" and dtype == "bf16" else "none"),
+            share_host=self.share_host if share_host is None else share_host,
         )
 
     @classmethod
@@ -247,12 +253,13 @@ class OffloadConfig(BaseModel):
 
     @property
     def levers_label(self) -> str:
-        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N` and ` codec=NAME` where set (empty without levers): the
-        tail of `label`."""
+        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N`, ` codec=NAME` and ` unshared` where set (empty without
+        levers): the tail of `label`."""
         fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
         disk = f" disk={self.disk_blocks}" if self.disk_blocks else ""
         codec = f" codec={self.codec}" if self.codec != "none" else ""
-        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec
+        unshared = "" if self.share_host else " unshared"
+        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec + unshared
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.
