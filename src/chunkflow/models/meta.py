@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
+import zlib
+
 import torch
 from torch import nn
 
@@ -55,12 +57,18 @@ def swap_params(module: nn.Module, make) -> None:
 
 class RandomSource:
     """normal(0, 0.02) weights, zero biases, unit norm weights: finite activations in bf16. Every parameter is
-    drawn (in module order, so a seed gives the same weights in every mode); buffers keep their computed values."""
+    drawn from a generator of its own, seeded by the seed and its name, so a seed gives the same weights in every
+    mode and whichever tensors are drawn (a rank that takes the tensors another rank put in a shared host copy,
+    runtime/tiers/shared.py, draws none of them); buffers keep their computed values."""
 
     def __init__(self, seed: int, device: torch.device, module: nn.Module):
         self.gen_device = device if device.type == "cuda" else torch.device("cpu")
-        self.g = torch.Generator(device=self.gen_device).manual_seed(seed)
+        self.seed = seed
         self.params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+
+    def _generator(self, name: str) -> torch.Generator:
+        return torch.Generator(device=self.gen_device).manual_seed(
+            (self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63))
 
     def provides(self, name: str) -> bool:
         return name in self.params
@@ -71,8 +79,8 @@ class RandomSource:
         elif "norm" in type(module).__name__.lower() and attr == "weight":
             out.fill_(1.0)
         elif out.device == self.gen_device:
-            out.normal_(0.0, INIT_STD, generator=self.g)
+            out.normal_(0.0, INIT_STD, generator=self._generator(name))
         else:  # into the host store: generate on the GPU, copy down
             tmp = torch.empty(out.shape, dtype=out.dtype, device=self.gen_device)
-            tmp.normal_(0.0, INIT_STD, generator=self.g)
+            tmp.normal_(0.0, INIT_STD, generator=self._generator(name))
             out.copy_(tmp)

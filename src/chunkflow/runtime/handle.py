@@ -650,8 +650,14 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     if cfg.streams:
         check_no_layerwise_casting(module)
     tiers = tiers_for(cfg, module, len(named), source) if cfg.streams else []
-    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source))
-    handle._attach(source, first=True)
+    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source, cfg))
+    try:
+        handle._attach(source, first=True)
+    except BaseException:
+        for t in handle.tiers:  # their threads, files and shared segments go now, not with the garbage collector
+            with contextlib.suppress(Exception):
+                t.close(handle, restore=True)
+        raise
     if cfg.streams:
         hook_module(module, handle, root=True)  # .to() and copies go through the handle
         handle.submodules = [m for m in module.modules() if m is not module]

@@ -55,6 +55,12 @@ class OffloadStats:
     park_to: str = "host"  # where the tensors outside the blocks wait while parked: host memory or the files (disk)
     disk_park_bytes: int = 0  # of those, bytes left in the checkpoint's files while parked (park_to disk)
     disk_unpark_bytes_read: int = 0  # bytes read from the files by unparks so far
+    shared_blocks: int = 0  # blocks streamed from the host copy the ranks of this host share (runtime/tiers/shared.py)
+    shared_bytes: int = 0  # that copy's size (counted once per host, whichever rank reports it)
+    shared_tail_bytes: int = 0  # of which the tails of the blocks still in it
+    shared_pinned_bytes: int = 0  # page-locked by this rank for its GPU (0 without CUDA)
+    shared_owner: bool = False  # this rank (local rank 0) filled it
+    shared_park_bytes: int = 0  # parked tensors in one copy the ranks of this host share
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -31,9 +31,12 @@ def own_storage(flat: torch.Tensor) -> torch.Tensor:
 
 
 class HostStore:
-    def __init__(self, nbytes: int, pin: bool, ranges: list[tuple[int, int]] | None = None):
+    def __init__(self, nbytes: int, pin: bool, ranges: list[tuple[int, int]] | None = None,
+                 data: torch.Tensor | None = None):
+        """`data`: bytes the store lives in (a 1-D uint8 CPU tensor of at least `nbytes`, e.g. a map of a segment
+        shared by the ranks of a host, runtime/hostshare.py) instead of an allocation of its own."""
         self.nbytes = nbytes
-        self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8) if data is None else data
         self.pinned_bytes = 0
         self._registered: list[int] = []  # offsets of the spans registered, each unregistered at release
         self._pinning: threading.Thread | None = None

@@ -12,9 +12,11 @@ from chunkflow.runtime.tiers.base import ParkHome, Tier
 from chunkflow.runtime.tiers.disk import DiskParking, DiskTier
 from chunkflow.runtime.tiers.encoded import EncodedTier
 from chunkflow.runtime.tiers.host import HostParking, HostTier
+from chunkflow.runtime.tiers.shared import SharedHostTier, SharedParking
 
-TIERS: dict[str, type[Tier]] = {"disk": DiskTier, "encoded": EncodedTier, "host": HostTier}
-PARK_HOMES: dict[str, type[ParkHome]] = {"host": HostParking, "disk": DiskParking}
+TIERS: dict[str, type[Tier]] = {"disk": DiskTier, "encoded": EncodedTier, "shared": SharedHostTier, "host": HostTier}
+# asked in this order for a park_to: the first home that takes it holds the parked tensors (shared before host)
+PARK_HOMES: dict[str, type[ParkHome]] = {"shared": SharedParking, "host": HostParking, "disk": DiskParking}
 
 
 def register_tier(cls: type[Tier], before: str = "host") -> None:
@@ -39,12 +41,12 @@ def tiers_for(cfg, module, n_blocks: int, source) -> list[Tier]:
     return out
 
 
-def park_home(park_to: str, source) -> ParkHome:
-    """Where a parked module's non-block tensors go: `park_to` names a home of PARK_HOMES."""
+def park_home(park_to: str, source, cfg=None) -> ParkHome:
+    """Where a parked module's non-block tensors go: the first home of PARK_HOMES that takes `park_to` under the
+    setting `cfg` ('host': one copy the ranks of a host share where they do, else this process's own)."""
     from chunkflow.runtime.errors import OffloadError
 
-    cls = PARK_HOMES.get(park_to)
-    if cls is None:
+    if park_to not in PARK_HOMES:
         raise OffloadError(f"park_to={park_to!r}: not a place a parked module's tensors can live; one of "
                            f"{', '.join(map(repr, PARK_HOMES))}")
-    return cls.for_setting(park_to, source)
+    return next(h for cls in PARK_HOMES.values() if (h := cls.for_setting(park_to, source, cfg)) is not None)

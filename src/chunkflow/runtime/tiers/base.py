@@ -114,8 +114,9 @@ class ParkHome(HandleFeature):
     starts_held: bool = False  # it holds tensors that were never read (`starts_parked`): offload() parks at once
 
     @classmethod
-    def for_setting(cls, park_to: str, source) -> ParkHome | None:
-        """This home where `park_to` names it (the loader's `source` for its values), else None."""
+    def for_setting(cls, park_to: str, source, cfg=None) -> ParkHome | None:
+        """This home where `park_to` names it under the offload setting `cfg` (the loader's `source` for its values),
+        else None."""
         return None
 
     def starts_parked(self, tensors: list[ModuleTensor]) -> set[str]:

@@ -637,8 +637,8 @@ class DiskParking(ParkHome):
     name = "disk"
 
     @classmethod
-    def for_setting(cls, park_to: str, source) -> DiskParking:
-        return cls(disk_files(source, f"park_to={park_to!r}"))
+    def for_setting(cls, park_to: str, source, cfg=None) -> DiskParking | None:
+        return cls(disk_files(source, f"park_to={park_to!r}")) if park_to == "disk" else None
 
     def __init__(self, files: DiskFiles):
         self.files = files

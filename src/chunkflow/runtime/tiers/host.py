@@ -30,8 +30,8 @@ class HostParking(ParkHome):
     name = "host"
 
     @classmethod
-    def for_setting(cls, park_to: str, source) -> HostParking:
-        return cls()
+    def for_setting(cls, park_to: str, source, cfg=None) -> HostParking | None:
+        return cls() if park_to in ("host", "shared") else None
 
     def __init__(self):
         self.store: HostStore | None = None  # host homes of the non-block tensors while parked

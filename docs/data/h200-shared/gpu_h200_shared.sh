@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 40's one-GPU evidence on one H200, through the product: one host copy shared by the local ranks of a host.
+#   part `bench`: scripts/shared_host_bench.py: two processes (LOCAL_RANK 0/1, LOCAL_WORLD_SIZE 2) on cuda:0 streaming
+#     FLUX.1-dev's transformer (r=0: every block from host memory) from one shared segment, then from private stores;
+#     offload time, pinned bytes, host memory (Pss, used, Shmem), forward time alone and together, a raw 16 MB-chunk
+#     copy rate from the shared pages against a private pinned store, clean-up (Shmem, /dev/shm, holders) after a
+#     normal exit and after the owner is killed.
+#   part `flux`: FLUX.1-dev (real architecture, random values, saved with save_pretrained) 1024x1024, 8 steps,
+#     --mem-budget 6GB: `chunkflow run --plan --prompt` alone (SP=1: unchanged from before the shared tier), then
+#     the same command as two processes of one host sharing (LOCAL_WORLD_SIZE 2, both on the one GPU): host memory
+#     sampled while they run, each one's report, latents of all three compared bit for bit.
+#   PARTS="bench flux" bash docs/data/h200-shared/gpu_h200_shared.sh OUT_DIR
+set -uo pipefail
+dest=${1:-${OUT:-out}}
+work=${WORK:-/tmp/chunkflow-evidence}
+data=${DATA:-/tmp/chunkflow-weights}
+out=$work/shared
+mkdir -p "$out" "$data" "$dest"
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+prompt="a cat walks on the grass"
+wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
+step() { local name=$1 deadline=$2; shift 2; echo "[$(date +%T)] $*" | tee "$out/$name.log"
+  timeout "$deadline" "$@" >>"$out/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$out/$name.log"; tail -3 "$out/$name.log"; }
+keep() { tar czf "$dest/shared.tgz" --exclude="*.safetensors" --exclude="*.png" -C "$work" shared; cp "$out"/*.json "$dest/" 2>/dev/null; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+grep -E "MemTotal|MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-start.txt"
+if wanted bench; then
+  step bench 420 python3 "$repo/scripts/shared_host_bench.py" "$out/bench.json" --model flux --height 512 --width 512
+  keep
+fi
+sample() { while true; do echo "$(date +%s.%N) $(grep -E 'MemAvailable|Shmem:' /proc/meminfo | awk '{printf "%s ", $2}')"; sleep 0.5; done; }
+if wanted flux; then
+  [ -d "$data/flux" ] || step saveflux 300 python3 "$repo/scripts/save_pipeline.py" flux "$data/flux"
+  step flux-plan 60 python3 -m chunkflow plan --model flux --height 1024 --width 1024 --steps 8 --mem-budget 6GB \
+      --hardware h200 --weights "$data/flux" --out "$out/flux-plan.json"
+  step flux-sp1 400 python3 -m chunkflow run --plan "$out/flux-plan.json" --weights "$data/flux" --prompt "$prompt" \
+      --warmup 1 --out "$out/flux-sp1.png" --latents "$out/flux-sp1-latents.safetensors" --report "$out/flux-sp1-report.json"
+  keep
+  grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-before-two.txt"
+  sample > "$out/two-meminfo.txt" & sampler=$!
+  echo "[$(date +%T)] two processes sharing" | tee "$out/two.log"
+  for r in 0 1; do
+    LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 TORCHELASTIC_RUN_ID=two-$$ timeout 500 python3 -m chunkflow run \
+        --plan "$out/flux-plan.json" --weights "$data/flux" --prompt "$prompt" --warmup 1 --out "$out/flux-two-$r.png" \
+        --latents "$out/flux-two-$r-latents.safetensors" --report "$out/flux-two-$r-report.json" > "$out/two-$r.log" 2>&1 &
+    pids[$r]=$!
+  done
+  for r in 0 1; do wait ${pids[$r]}; echo "rank $r exit $?" | tee -a "$out/two.log"; done
+  kill $sampler
+  sleep 1; grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-after-two.txt"
+  ls /dev/shm > "$out/dev-shm-after.txt" 2>&1
+  step compare 60 python3 "$repo/scripts/compare_latents.py" "$out/flux-sp1-latents.safetensors" \
+      "$out/flux-two-0-latents.safetensors" "$out/flux-two-1-latents.safetensors" --out "$out/latents.json"
+  keep
+fi
+keep
