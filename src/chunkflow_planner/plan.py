@@ -155,6 +155,9 @@ class LoadPrediction(_Section):
                                             "(the streamed modules' host stores)")
     fresh_bytes: int = Field(0, ge=0, description="host bytes first touched by their write (not page-locked)")
     host_peak_bytes: int = Field(ge=0, description="host memory the process holds at the load's end, its peak")
+    host_peak_per_host_bytes: int | None = Field(None, ge=0, description="under SP, host memory all the host's ranks "
+                                                 "hold at the load's end: what they share once, the rest once a rank "
+                                                 "(None with one rank: host_peak_bytes)")
 
 
 class PlanPrediction(Prediction):
@@ -162,8 +165,18 @@ class PlanPrediction(Prediction):
     load: LoadPrediction | None = Field(None, description="building the pipeline from its checkpoint folder")
     phases: PhasesPrediction | None = Field(None, description="the whole generation, phase by phase")
     generation_time_s: float | None = Field(None, ge=0)
-    host_memory_bytes: int | None = Field(None, ge=0)
-    host_memory: dict[str, int] | None = Field(None, description="host bytes by what holds them")
+    host_memory_bytes: int | None = Field(None, ge=0, description="host memory the plan needs: with the whole "
+                                          "pipeline, the host's (every rank under SP), what the host budget is "
+                                          "checked against")
+    host_memory: dict[str, int] | None = Field(None, description="host bytes by what holds them, in one process "
+                                               "(one rank)")
+    host_memory_shared_bytes: int | None = Field(None, ge=0, description="under SP, of host_memory_bytes the bytes "
+                                                 "the host's ranks share, held once (offload.share_host: the streamed "
+                                                 "tails of the host tier, the parked copies of components placed "
+                                                 "phase); None with one rank")
+    host_memory_per_rank_bytes: int | None = Field(None, ge=0, description="under SP, the host bytes each rank holds "
+                                                   "on its own: host_memory_bytes = host_memory_shared_bytes + "
+                                                   "parallel.sp_degree x this; None with one rank")
     disk_read_bytes_per_generation: int = Field(0, ge=0, description="bytes every component on the disk tier reads "
                                                 "from the checkpoint's files in one generation")
 

@@ -304,10 +304,11 @@ def make_plan(
     mem_margin: float | None = None,
     read_bytes: int | None = None,
     host_mem_margin: float | None = None,
+    share_host: bool = True,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
-    With `pipeline` (and a catalog pipeline for the model, SP 1) the whole generation is planned: placements of the
+    With `pipeline` (and a catalog pipeline for the model) the whole generation is planned: placements of the
     text encoders, transformer and VAE under the GPU budget in every phase and `host_budget` (default: the memory
     this machine's memory less a share for the system: pipeline.hostinfo), against `target_time` or `generation_slowdown` x everything on the GPU if given.
     Otherwise the transformer alone, as the ChunkFlow paper does. `levers`: batched CFG and fp8 storage the policy
@@ -317,7 +318,10 @@ def make_plan(
     bytes as stored, where the folder is known (the load's prediction; default: the parameters' own bytes).
     `host_mem_margin` (default: the hardware's) keeps the predicted host peak under host_budget / (1 +
     host_mem_margin), the host model's measured error. The transformer alone is held to `host_budget` only where one
-    is given (its pinned store and the process), with the fewest disk blocks that fit where the disk rate is known."""
+    is given (its pinned store and the process), with the fewest disk blocks that fit where the disk rate is known.
+    Under SP (`sp` ranks on one host) every rank runs the whole pipeline and the host budget holds the host's memory:
+    with `share_host` the ranks share the host-tier tails and parked components, once (pipeline/hostshare.py); the
+    plan's offload setting carries `share_host`."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
@@ -325,7 +329,7 @@ def make_plan(
     usable = usable_budget(budget, margin)  # the one budget the policy checks
     kept = MarginKept(budget, margin) if margin > 0 else None  # how the messages name it
     levers = Levers.of(workload.cfg_passes) if levers is None else levers
-    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers)
+    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers, share_host=share_host)
     host_margin = host_memory_margin(hw, host_mem_margin)
     whole = None
     if plans_pipeline(problem, pipeline):
@@ -373,7 +377,7 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
             spec=hw.model_dump(mode="json"),
         ),
         analysis=_plan_analysis(analysis, hw),
-        offload=chosen.cfg.with_overrides(comm_aware=problem.aware),
+        offload=chosen.cfg.with_overrides(comm_aware=problem.aware, share_host=problem.share_host),
         prediction=PlanPrediction(
             **_prediction(chosen, hw, workload.cfg_passes).model_dump(),
             baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise),

@@ -248,6 +248,7 @@ class Problem:
     text_len: float | None = None
     comm_aware: bool | None = None  # pace chunk copies around collectives; None: as the hardware's link says
     levers: Levers = Levers()
+    share_host: bool = True  # under SP, the host's ranks share the shareable host bytes (pipeline/hostshare.py)
 
     @property
     def aware(self) -> bool:

@@ -109,6 +109,9 @@ _Codec = Annotated[str, typer.Option(help="store and copy the streamed bf16 weig
                                           "decoded on the GPU: auto (where it pays: a streaming-bound step, or a "
                                           "host budget only the encoded store fits), on, off. Needs the profile's "
                                           "decode rate (`chunkflow calibrate` measures it)")]
+_NoShareHost = Annotated[bool, typer.Option("--no-share-host", help="under --sp, plan each rank with its own pinned "
+                                            "host copy of the streamed weights and parked components (n copies a "
+                                            "host) instead of one shared by the host's ranks (the default)")]
 _AllowFp8 = Annotated[bool, typer.Option("--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage")]
 _Out = Annotated[Optional[str], typer.Option("--out", "-o", help="write the plan JSON here")]
 _Json = Annotated[bool, typer.Option("--json", help="print the plan JSON on stdout instead of tables")]
@@ -134,7 +137,8 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              host_mem_budget: _HostMemBudget = None, host_mem_margin: _HostMemMargin = None,
              transformer_only: _TransformerOnly = False,
              cfg_batching: _CfgBatching = "auto", weight_dtype: _WeightDtype = "auto",
-             allow_fp8: _AllowFp8 = False, codec: _Codec = "auto", out: _Out = None, json_out: _Json = False,
+             allow_fp8: _AllowFp8 = False, codec: _Codec = "auto", no_share_host: _NoShareHost = False,
+             out: _Out = None, json_out: _Json = False,
              peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, disk_gbps: _DiskGbps = None,
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
@@ -171,13 +175,13 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
         target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
         host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
-        mem_margin=mem_margin, read_bytes=read_bytes, host_mem_margin=host_mem_margin,
+        mem_margin=mem_margin, read_bytes=read_bytes, host_mem_margin=host_mem_margin, share_host=not no_share_host,
     )
     if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
-        flags = [f for f, given in (("--sp", sp > 1), ("--prefetch-bytes", pbytes is not None),
+        flags = [f for f, given in (("--prefetch-bytes", pbytes is not None),
                                     ("--text-len", text_len is not None)) if given]
-        _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned for one GPU with "
-             "the catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
+        _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned with the "
+             "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
              "components for their phase only")
     _show_plan(plan, decision, analysis, out, json_out)
 

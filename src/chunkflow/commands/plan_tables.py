@@ -239,6 +239,10 @@ def print_pipeline(console: Console, plan: Plan) -> None:
         console.print(f"times are a process's first generation: {format_seconds(startup)} of it is one-time start-up "
                       "(a later generation in the same process is that much faster)", highlight=False)
     host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
+    split = host_split_text(plan)
+    if split:
+        console.print(f"host memory {split}", highlight=False)
+        host = f"a rank: {host}"
     where = plan.host_memory_budget_source or "budget"
     if plan.host_memory_budget_bytes is None:
         console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} needed ({host}); {where}",
@@ -261,6 +265,21 @@ def print_pipeline(console: Console, plan: Plan) -> None:
         console.print(plan_load_line(pp.load, plan.hardware.device_is_host), highlight=False)
 
 
+def host_split_text(plan: Plan) -> str | None:
+    """Under SP, the host's memory and its split (pipeline/hostshare.py): "82.5 GB per host: 29.0 GB shared once +
+    2 x 26.7 GB per rank"; None with one rank."""
+    pp, n = plan.prediction, plan.parallel.sp_degree
+    if n <= 1 or pp.host_memory_per_rank_bytes is None or pp.host_memory_bytes is None:
+        return None
+    text = f"{format_bytes(pp.host_memory_bytes)} per host: "
+    if pp.host_memory_shared_bytes:
+        text += f"{format_bytes(pp.host_memory_shared_bytes)} shared once + "
+    text += f"{n} x {format_bytes(pp.host_memory_per_rank_bytes)} per rank"
+    if not plan.offload.share_host:
+        text += " (--no-share-host: each rank pins its own copy)"
+    return text
+
+
 def plan_load_line(ld, device_is_host: bool = False) -> str:  # noqa: ANN001 - plan.LoadPrediction
     """The plan's load: time from cold files and from the page cache, and the host memory it holds."""
     if device_is_host:
@@ -271,6 +290,10 @@ def plan_load_line(ld, device_is_host: bool = False) -> str:  # noqa: ANN001 - p
     else:
         when = (f"{format_seconds(ld.time_cold_s)} from cold files, {format_seconds(ld.time_warm_s)} from the page "
                 "cache")
+    if getattr(ld, "host_peak_per_host_bytes", None) is not None:  # under SP: every rank's load at once
+        return (f"load: {format_bytes(ld.read_bytes)} read by the host's ranks ({ld.read_bytes_source}; what they "
+                f"share read once), {when}; host memory {format_bytes(ld.host_peak_per_host_bytes)} per host at its "
+                f"end ({format_bytes(ld.host_peak_bytes)} a process)")
     return (f"load: {format_bytes(ld.read_bytes)} read ({ld.read_bytes_source}), {when}; host memory "
             f"{format_bytes(ld.host_peak_bytes)} at its end")
 

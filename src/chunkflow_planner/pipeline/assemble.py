@@ -9,6 +9,7 @@ from chunkflow_planner.catalog import ModelSpec
 from chunkflow_planner.explain import MarginKept
 from chunkflow_planner.pipeline import explain
 from chunkflow_planner.pipeline.decide import PipelineDecision, decide_pipeline
+from chunkflow_planner.pipeline.hostshare import host_load, streamed_shared
 from chunkflow_planner.pipeline.load import T_load, load_estimate, load_parts
 from chunkflow_planner.pipeline.placement import PHASES, PipelineEstimate
 from chunkflow_planner.plan import LoadPrediction, PhasePrediction, PhasesPrediction, Plan, PlanComponent, PlanPipeline
@@ -16,8 +17,9 @@ from chunkflow_planner.policy import Decision, Infeasible, Problem, baselines
 
 
 def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
-    """Whether the whole generation is planned: asked, in the catalog, on one GPU and with the catalog's volumes."""
-    return (pipeline and problem.spec.pipeline is not None and problem.sp == 1 and problem.prefetch_bytes is None
+    """Whether the whole generation is planned: asked, in the catalog and with the catalog's volumes; under SP every
+    rank runs the whole pipeline (placement.py)."""
+    return (pipeline and problem.spec.pipeline is not None and problem.prefetch_bytes is None
             and problem.text_len is None)
 
 
@@ -39,16 +41,21 @@ def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_bu
 
 def load_prediction(spec: ModelSpec, e: PipelineEstimate, read_bytes: int | None = None) -> LoadPrediction:
     """The plan's LoadPrediction of the placement `e` (placement.PipelineEstimate); `read_bytes`: the checkpoint's
-    bytes as stored, if known (plan --weights)."""
-    est = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes,
+    bytes as stored, if known (plan --weights). Under SP the load is the host's, every rank's at once
+    (hostshare.host_load); host_peak_bytes stays one process's, host_peak_per_host_bytes is the host's."""
+    one = load_estimate(spec, e.placements, e.transformer.memory, e.host_bytes, e.hw, read_bytes,
                         expert_memory=[(r.placement, r.point.memory) for r in e.experts] or None)
+    total = sum(spec.component_bytes().values())
+    est = host_load(one, sum(e.shared_bytes.values()), streamed_shared(e.placements, e.shared_bytes, spec), e.ranks,
+                    e.share_host, (read_bytes if read_bytes is not None else total) / total)
     return LoadPrediction(
         read_bytes=int(est.read_bytes), time_cold_s=T_load(est, 0.0, e.hw), time_warm_s=T_load(est, 1.0, e.hw),
         read_bytes_source=("the checkpoint folder's headers" if read_bytes is not None
                            else "every component's parameters in its own dtype"),
         parts_cold_s=load_parts(est, 0.0, e.hw), h2d_bytes=int(est.h2d_bytes), pinned_bytes=int(est.pinned_bytes),
         fresh_bytes=int(est.fresh_bytes), pinned_while_reading_bytes=int(est.pinned_while_reading),
-        host_peak_bytes=int(est.host_peak_bytes))
+        host_peak_bytes=int(one.host_peak_bytes),
+        host_peak_per_host_bytes=int(est.host_peak_bytes) if e.ranks > 1 else None)
 
 
 def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_bytes: int | None = None) -> Plan:
@@ -70,9 +77,12 @@ def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_byt
                                                      allocated_bytes=int(e.phases[ph].allocated_bytes),
                                                      parts_s=dict(e.phases[ph].detail))
                                  for ph in PHASES})
+    split = e.host_split
     pred = plan.prediction.model_copy(update=dict(
         phases=phases, load=load_prediction(spec, e, read_bytes), generation_time_s=e.generation_time,
         host_memory_bytes=e.host_memory,
+        host_memory_shared_bytes=split.shared if e.ranks > 1 else None,
+        host_memory_per_rank_bytes=split.per_rank if e.ranks > 1 else None,
         host_memory={k: int(v) for k, v in e.host_bytes.items()}, disk_read_bytes_per_generation=sum(disk.values())))
     return plan.model_copy(update=dict(
         pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,

@@ -46,6 +46,14 @@ from chunkflow_planner.policy import (
 )
 
 
+def _estimate(problem: Problem, pl: Placements, point: Point, costs: TextCosts | None = None,
+              disk_point: Point | None = None, hw: HardwareSpec | None = None) -> PipelineEstimate:
+    """phases.estimate of `problem`'s model and workload on `hw` (default the problem's), its ranks (SP degree) and
+    their sharing of host memory."""
+    return estimate(problem.spec, problem.workload, problem.hw if hw is None else hw, pl, point, costs, disk_point,
+                    ranks=problem.sp, share_host=problem.share_host)
+
+
 @dataclass(frozen=True)
 class _Transformer:
     """The transformer's candidates, evaluated once for every placement combination."""
@@ -154,8 +162,9 @@ def _with_disk(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, p
     memory falls as disk blocks are added: the count is bisected (policy.fewest_disk_blocks)."""
     if not disk_known(hw) or not _disk_ok(point):
         return None
-    return fewest_disk_blocks(problem, point, lambda p: estimate(spec, w, hw, pl, p, costs).host_memory <= host_budget,
-                              lambda p: estimate(spec, w, hw, pl, p, costs), evaluate)
+    return fewest_disk_blocks(problem, point,
+                              lambda p: _estimate(problem, pl, p, costs, hw=hw).host_memory <= host_budget,
+                              lambda p: _estimate(problem, pl, p, costs, hw=hw), evaluate)
 
 
 def _encoded(point: Point, cands: _Transformer, room: float, problem: Problem, evaluate) -> Point | None:
@@ -188,7 +197,7 @@ def _mixed(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point
     disk_point = evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks))
 
     def priced(p: Point) -> PipelineEstimate:
-        return estimate(spec, w, hw, pl, p, costs, disk_point)
+        return _estimate(problem, pl, p, costs, disk_point, hw=hw)
 
     e = priced(point)
     if e.host_memory <= host_budget:
@@ -215,9 +224,9 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
 
     for pl in _placements(spec, hw):
         if pl.transformer in ("gpu", "phase"):  # each CFG evaluation allowed: batched needs more memory
-            seen.extend(estimate(spec, w, hw, pl, none, costs) for none in cands.nones)
+            seen.extend(_estimate(problem, pl, none, costs, hw=hw) for none in cands.nones)
             continue
-        probe = estimate(spec, w, hw, pl, cands.none, costs)
+        probe = _estimate(problem, pl, cands.none, costs, hw=hw)
         other = probe.phases["denoise"].allocated_bytes - cands.none.memory.peak
         rooms[pl] = _room(other, gpu_budget, hw, cands.none)
         if rooms[pl] not in picked:
@@ -227,15 +236,15 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         if pl.transformer == ON_DISK:
             if not _disk_ok(point):
                 continue
-            seen.append(estimate(spec, w, hw, pl, evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks)),
-                                 costs))
+            seen.append(_estimate(problem, pl, evaluate(point.cfg.with_overrides(disk_blocks=spec.n_blocks)),
+                                  costs, hw=hw))
             continue
-        e = estimate(spec, w, hw, pl, point, costs)
+        e = _estimate(problem, pl, point, costs, hw=hw)
         seen.append(e)
         if e.host_memory > host_budget and e.gpu_need <= gpu_budget:
             enc = _encoded(point, cands, rooms[pl], problem, evaluate)
             if enc is not None:  # the codec's store before the disk tier
-                seen.append(estimate(spec, w, hw, pl, enc, costs))
+                seen.append(_estimate(problem, pl, enc, costs, hw=hw))
                 if seen[-1].host_memory <= host_budget:
                     continue
                 # the raw point's disk blocks too: encoded ones read rho of the bytes but decode them, so where the
@@ -336,8 +345,8 @@ def _rate_meeting(e: PipelineEstimate, spec: ModelSpec, w: Workload, problem: Pr
         hw = problem.hw.model_copy(update={"disk_read_gbps": gbps})
         at = replace(problem, hw=hw)
         disk = at.evaluate(e.transformer.cfg.with_overrides(disk_blocks=spec.n_blocks)) if e.placements.mixed else None
-        return estimate(spec, w, hw, e.placements, at.evaluate(e.transformer.cfg), text_costs(spec, w, hw),
-                        disk).generation_time
+        return _estimate(at, e.placements, at.evaluate(e.transformer.cfg), text_costs(spec, w, hw),
+                         disk).generation_time
 
     lo, hi = problem.hw.disk_read_gbps, 1e4
     if time_at(hi) > target:
@@ -370,8 +379,8 @@ def decide_pipeline(
                             "(--transformer-only)")
     cands = transformer_candidates(problem, max_slowdown, target_step_time)
     costs = text_costs(spec, w, hw)
-    base = estimate(spec, w, hw, Placements(("gpu",) * len(spec.pipeline.text_encoders), "gpu", "gpu", False),
-                    cands.none, costs)
+    base = _estimate(problem, Placements(("gpu",) * len(spec.pipeline.text_encoders), "gpu", "gpu", False),
+                     cands.none, costs, hw=hw)
     target = generation_target(base, target_time, generation_slowdown)
     facts_of = partial(_facts, cands=cands, base=base, target=target, gpu_budget=gpu_budget, host_budget=host_budget)
     seen, rooms = _estimates(spec, w, hw, cands, costs, gpu_budget, host_budget, problem)

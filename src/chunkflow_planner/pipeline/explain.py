@@ -85,6 +85,22 @@ def pipeline_reason(f: PipelineFacts) -> str:
     return why
 
 
+def host_split_said(e: PipelineEstimate) -> str:
+    """Under SP, the host's memory in words (hostshare.py, eq. H1): "X per host: S shared once + n x R per rank"."""
+    split = e.host_split
+    shared = f"{format_bytes(split.shared)} shared once + " if split.shared else ""
+    return f"{format_bytes(split.per_host)} per host: {shared}{split.ranks} x {format_bytes(split.per_rank)} per rank"
+
+
+def _share_remedy(e: PipelineEstimate) -> str:
+    """Under SP without sharing, what sharing the host's copies would save (hostshare.py)."""
+    shareable = sum(e.shared_bytes.values())
+    if e.ranks <= 1 or e.share_host or shareable <= 0:
+        return ""
+    return (f", or leave out --no-share-host: the host's {e.ranks} ranks would share one copy of "
+            f"{format_bytes(shareable)}, {format_bytes((e.ranks - 1) * shareable)} less")
+
+
 def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
                         host_kept: tuple[int, float] | None = None) -> str:
     """Why no placement meets the target ("latency"), fits the host budget ("host memory") or the GPU's ("memory");
@@ -104,6 +120,8 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
                     ", or use a faster disk" if e.disk_read > 0 else "") + ".")
     if f.binding == "host memory":
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.host_bytes.items() if v > 0)
+        if e.ranks > 1:
+            parts = f"{host_split_said(e)}; a rank holds {parts}"
         return (f"host memory is the binding constraint: the placement needing the least host memory inside "
                 f"{gpu} of {e.hw_word} memory ({placement_said(e)}) needs {format_bytes(e.host_memory)} ({parts}) and "
                 f"--host-mem-budget is "
@@ -111,7 +129,7 @@ def pipeline_infeasible(f: PipelineFacts, kept: MarginKept | None = None,
                 + ("Use a machine with more RAM: on the CPU the device's memory is host memory too."
                    if e.hw.pipeline.device_is_host else
                    "Use a machine with more RAM, or raise --mem-budget so more stays on the GPU")
-                + _disk_remedy(e, f))
+                + _share_remedy(e) + _disk_remedy(e, f))
     phase = e.binding_phase
     return (f"{e.hw_word} memory is the binding constraint: even the smallest placement ({placement_said(e)}) needs "
             f"{format_bytes(f.need)} in its {phase} phase and --mem-budget is "

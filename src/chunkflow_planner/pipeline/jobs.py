@@ -195,7 +195,8 @@ def job_workload(plan, spec: ModelSpec, job: Job) -> Workload:
 
 def placement_estimate(plan, spec: ModelSpec, hw: HardwareSpec, w: Workload):
     """The plan's placement (its components' placements, its transformer offload setting) at workload `w`:
-    pipeline/phases.estimate, as the planner made the plan's own prediction."""
+    pipeline/phases.estimate, as the planner made the plan's own prediction (its SP degree's ranks, host memory
+    shared as its offload setting says)."""
     from chunkflow_planner.pipeline.phases import estimate
     from chunkflow_planner.pipeline.placement import Placements
     from chunkflow_planner.policy import Problem
@@ -208,7 +209,8 @@ def placement_estimate(plan, spec: ModelSpec, hw: HardwareSpec, w: Workload):
     problem = Problem(spec, w, hw, plan.parallel.sp_degree)
     point = problem.evaluate(plan.offload)
     disk_point = problem.evaluate(plan.offload.with_overrides(disk_blocks=spec.n_blocks)) if pl.mixed else None
-    return estimate(spec, w, hw, pl, point, None, disk_point)
+    return estimate(spec, w, hw, pl, point, None, disk_point, ranks=plan.parallel.sp_degree,
+                    share_host=plan.offload.share_host)
 
 
 def fit_job(plan, spec: ModelSpec, hw: HardwareSpec, job: Job) -> JobFit:

@@ -12,6 +12,7 @@ from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, encode_
 from chunkflow_planner.offload import DISK_RING_BLOCKS, disk_block_indices
 from chunkflow_planner.pipeline.decode import decode_cost, output_host_bytes
 from chunkflow_planner.pipeline.experts import expert_names, expert_steps
+from chunkflow_planner.pipeline.hostshare import shared_host_bytes
 from chunkflow_planner.pipeline.placement import ON_DISK, ExpertRun, Phase, PipelineEstimate, Placements
 from chunkflow_planner.tiers import read_s
 from chunkflow_planner.pipeline.text import TextCosts, text_act_bytes, text_costs
@@ -52,9 +53,12 @@ def _unpark_s(spec: ModelSpec, placement: str, point: Point, hw: HardwareSpec) -
 
 
 def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, point: Point,
-             costs: TextCosts | None = None, disk_point: Point | None = None) -> PipelineEstimate:
+             costs: TextCosts | None = None, disk_point: Point | None = None, *, ranks: int = 1,
+             share_host: bool = True) -> PipelineEstimate:
     """Phases, times and memory of one placement with the transformer at `point` (`costs`: text_costs(), to
-    evaluate many placements quickly; `disk_point`: an expert's on disk beside a streamed one, expert_runs)."""
+    evaluate many placements quickly; `disk_point`: an expert's on disk beside a streamed one, expert_runs); under
+    Ulysses SP of degree `ranks` (the point's step and memory are one rank's) each rank runs every phase and the host
+    memory is the host's, the shareable bytes once where `share_host` (hostshare.py)."""
     pipe = spec.pipeline
     runs = expert_runs(spec, w, pl, point, disk_point)
     costs = costs if costs is not None else text_costs(spec, w, hw)
@@ -80,7 +84,8 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     phases = {"encode": enc, "denoise": den, "decode": dec}
     if hw.pipeline.device_is_host:  # the device's peak is host memory too
         host["device"] = max(ph.allocated_bytes for ph in phases.values())
-    return PipelineEstimate(pl, point, phases, host, hw, _disk_reads(spec, w, pl, runs), runs)
+    return PipelineEstimate(pl, point, phases, host, hw, _disk_reads(spec, w, pl, runs), runs, ranks, share_host,
+                            shared_host_bytes(spec, pl, runs))
 
 
 def _disk_reads(spec: ModelSpec, w: Workload, pl: Placements, runs: tuple[ExpertRun, ...]) -> dict[str, float]:

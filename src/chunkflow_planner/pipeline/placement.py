@@ -19,6 +19,11 @@ disk one with every block on disk).
 Per phase the prediction is its time and its peak GPU memory, where peak memory is what runs out: torch's peak
 allocation, what the allocator keeps of freed activations (`alloc_slack`; memory.device_need) and the device memory
 torch does not count (`context_bytes`).
+
+Under Ulysses SP of degree n every rank runs the whole pipeline on its own GPU (each encodes the prompt and decodes
+the latents; the transformer's steps and activations are its share of the SP forward): phases and placements are
+one GPU's, each GPU with the same budget, and host memory is the host's (hostshare.py: what the ranks share once,
+the rest once per rank).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from chunkflow_planner.catalog import HardwareSpec
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.memory import device_need
+from chunkflow_planner.pipeline.hostshare import HostSplit, host_split
 from chunkflow_planner.policy import Point
 
 PHASES = ("encode", "denoise", "decode")
@@ -105,6 +111,9 @@ class PipelineEstimate:
     hw: HardwareSpec
     disk_bytes: dict[str, float] = field(default_factory=dict)  # bytes each component reads from disk a generation
     experts: tuple[ExpertRun, ...] = ()  # each expert's placement, point and steps
+    ranks: int = 1  # Ulysses SP degree: ranks on the host, each running the whole pipeline
+    share_host: bool = True  # whether the ranks share the shareable host bytes (OffloadConfig.share_host)
+    shared_bytes: dict[str, float] = field(default_factory=dict)  # of host_bytes, what the ranks can share, by holder
 
     @property
     def disk_read(self) -> float:
@@ -134,5 +143,11 @@ class PipelineEstimate:
         return sum(p.time_s for p in self.phases.values())
 
     @property
+    def host_split(self) -> HostSplit:
+        """The host's memory split into what its ranks share and what each holds (hostshare.py, eq. H1)."""
+        return host_split(self.host_bytes, self.shared_bytes, self.ranks, self.share_host)
+
+    @property
     def host_memory(self) -> int:
-        return int(sum(self.host_bytes.values()))
+        """Host bytes of the whole host: one process's with one rank, M_shared + n M_rank under SP (eq. H1)."""
+        return self.host_split.per_host
