@@ -12,7 +12,8 @@ Two ways in:
   `encoder_hidden_states_mask`) and keeps the other half. The other pass's call gets that half only if it goes to
   the same transformer with exactly the arguments it was computed with (tensors compared by value, and unchanged
   in place since); any other call runs normally. So a pipeline that does something else between its passes is slower, never wrong. A transformer with
-a diffusers hook that keeps state (caching, with `enable_cache` or `diffusers.hooks.apply_*`) is not batched.
+a diffusers hook that keeps state (caching, with `enable_cache` or `diffusers.hooks.apply_*`) is not batched; one
+under diffusers' stateless hooks (context parallelism: `chunkflow run --prompt` under torchrun) is, through them.
 
 Batched kernels may round differently from batch-1 kernels in the last bits; padded text goes through masked
 attention. docs/levers.md states the measured difference; the tests hold tiny pipelines to it.
@@ -21,6 +22,7 @@ attention. docs/levers.md states the measured difference; the tests hold tiny pi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +183,16 @@ def _stateful_hooks(module: nn.Module) -> bool:
     return False
 
 
+def _diffusers_hooked(module: nn.Module, forward: Any) -> bool:
+    """Whether the instance's `forward` is the one diffusers' hooks installed on it (a HookRegistry's: context
+    parallelism's split and gather, `enable_parallelism`): batch_cfg wraps it, so a batched forward goes through
+    those hooks as either pass would (the batch dimension is not the one they split); a stateful one is left
+    unbatched at each call (`_stateful_hooks`)."""
+    registry = module.__dict__.get("_diffusers_hook")
+    return (registry is not None and bool(getattr(registry, "hooks", None)) and isinstance(forward, functools.partial)
+            and bool(forward.args) and forward.args[0] is module)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b:
         return True
@@ -196,6 +208,7 @@ class CfgBatching:
     prompts: list[list[torch.Tensor]] = field(default_factory=list)  # per prompt: the tensors encode_prompt gave
     stats: CfgStats = field(default_factory=CfgStats)
     wrappers: dict[int, Any] = field(default_factory=dict)  # id(module) -> the forward batch_cfg installed
+    previous: dict[int, Any] = field(default_factory=dict)  # id(module) -> its instance forward before (or None)
     encode: Any = None  # the encode_prompt batch_cfg installed
     _pending: _Pending | None = None
     _since_encode: bool = False  # a transformer forward ran since the last encode_prompt (a new generation next)
@@ -292,7 +305,11 @@ class CfgBatching:
             return
         for m in self.modules:
             if m.__dict__.get("forward") is self.wrappers.get(id(m)):
-                del m.__dict__["forward"]
+                previous = self.previous.get(id(m))
+                if previous is None:
+                    del m.__dict__["forward"]
+                else:
+                    m.__dict__["forward"] = previous
         if self.pipe.__dict__.get("encode_prompt") is self.encode:
             del self.pipe.__dict__["encode_prompt"]
         self.prompts, self._pending, self._removed = [], None, True
@@ -329,7 +346,7 @@ def batch_cfg(pipe: Any) -> CfgBatching:
                 "after every call, dropping batch_cfg's; nothing was changed. Place the components with chunkflow "
                 "instead (chunkflow.offload(..., 'none') and handle.park(), or `chunkflow run`), or call batch_cfg "
                 "without model offload")
-        if forward is not None:
+        if forward is not None and not _diffusers_hooked(m, forward):
             raise CfgBatchingError(f"{type(m).__name__}.forward is replaced on this instance by something else "
                                    f"({getattr(forward, '__qualname__', type(forward).__name__)}); batch_cfg wraps the "
                                    "module's own forward: remove that first (nothing was changed)")
@@ -343,6 +360,7 @@ def batch_cfg(pipe: Any) -> CfgBatching:
     pipe.__dict__["encode_prompt"] = state.encode = recording_encode
     for m in modules:
         original = m.forward
+        state.previous[id(m)] = m.__dict__.get("forward")  # diffusers' hooks' forward, put back by remove()
 
         def forward(*args, _m=m, _orig=original, **kwargs):
             return state.forward(_m, _orig, args, kwargs)

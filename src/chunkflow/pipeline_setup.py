@@ -41,6 +41,8 @@ class PipelineSetup:
     comparable: bool  # the run's device is the plan's kind (GPU or host)
     planned_disk_reads: dict[str, int]  # component -> bytes the plan reads from its files a generation
     plan_steps: int  # the steps the plan was made for (the run may run others)
+    rank: int = 0  # this process's rank in its torchrun job (commands.run_generate: sequence parallel)
+    world: int = 1  # the job's processes: the SP degree the pipeline runs with
 
 
 def setup_pipeline(plan: Plan, cfg: OffloadConfig, device, *, weights: str | None = None, variant: str | None = None,

@@ -328,7 +328,9 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     g = report.generation
     w = report.plan.workload
     shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
-    console.print(f"[bold]{report.plan.model.name}[/] at {shape}, {g.steps} steps, on {report.gpu}: "
+    sp = report.run.sp_degree
+    where = f"{report.gpu}" + (f", sequence parallel over {sp} processes (rank 0's phases)" if sp > 1 else "")
+    console.print(f"[bold]{report.plan.model.name}[/] at {shape}, {g.steps} steps, on {escape(where)}: "
                   f"{escape(repr(g.prompt))}", highlight=False)
     gpu = not report.run.device.startswith("cpu")
     word = (lambda where: where) if gpu else (lambda where: "device (the CPU)" if where == "gpu" else where)

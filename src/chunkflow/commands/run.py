@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,6 +11,7 @@ import typer
 
 from chunkflow.commands.app import console, err_console, UserError, _command, _progress, _say
 from chunkflow.commands.options import Device, Variant
+from chunkflow.commands.ranks import speaks
 from chunkflow.launch import torchrun_world
 
 
@@ -88,12 +90,45 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
     from chunkflow_planner.plan import check_setting, load_plan
 
-    p = load_plan(plan)
-    cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
-                                   fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags are parsed here, once
-    check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's must
     from chunkflow.commands.steps import RunOptions, run_plan
 
+    # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
+    # allocates (the planner's reserve_fraction). Set before torch starts CUDA (under torchrun, joining the job
+    # does); a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+    generating = prompt is not None
+    ranks = torchrun_world() > 1 and (generating or prompts is not None)  # a generation under torchrun (SP)
+    if ranks:
+        from chunkflow.commands.ranks import quiet_rank
+
+        quiet_rank()  # ranks other than 0 print nothing but errors
+
+    def checked():
+        """Everything checked before anything is built: (plan, offload, options, image)."""
+        p = load_plan(plan)
+        cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
+                                       fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags parsed here, once
+        check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
+        if prompts is not None:
+            if torchrun_world() > 1:
+                raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
+                                "parallelism is not supported yet: run each prompt with --prompt under torchrun)")
+            return p, cfg, None, None
+        if out_dir is not None:
+            raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
+        opts = RunOptions(device=device, weights=weights, variant=variant, steps=steps, profile=profile, seed=seed,
+                          repeat=repeat, warmup=(((1 if repeat > 1 else 0) if generating else 1) if warmup is None
+                                                 else warmup))
+        picture = _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents, image)
+        return p, cfg, opts, picture
+
+    if ranks:  # every rank checks, joins the job, and they refuse together (commands.ranks)
+        from chunkflow.commands.ranks import together
+
+        p, cfg, opts, picture = together(checked)
+    else:
+        p, cfg, opts, picture = checked()
     if prompts is not None:
         from chunkflow.commands.run_prompts import run_prompts
 
@@ -102,17 +137,6 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
-    if out_dir is not None:
-        raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
-    generating = prompt is not None
-    if warmup is None:
-        warmup = (1 if repeat > 1 else 0) if generating else 1
-    opts = RunOptions(device=device, weights=weights, variant=variant, warmup=warmup, steps=steps, profile=profile,
-                      seed=seed, repeat=repeat)
-    picture = _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents, image)
-    # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
-    # allocates (the planner's reserve_fraction). Set before torch starts CUDA; a user's own setting wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if generating:
         _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture)
         return
@@ -165,10 +189,8 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     if generating:
         if guidance is not None and not (math.isfinite(guidance) and guidance > 0):
             raise UserError(f"--guidance must be a positive number, got {guidance}")
-        if torchrun_world() > 1:
-            raise UserError("--prompt runs on one GPU; leave torchrun out (sequence-parallel generation is not "
-                            "supported yet)")
         _check_generation(p, prompt, negative_prompt, out)
+        _check_sequence_parallel(p, torchrun_world())
     else:
         opts.latents = latents
     folder = None
@@ -204,11 +226,32 @@ def _check_pipeline(p, folder: Path | None, image: str | None):
         check_folder(spec, folder, image=image is not None)
     else:
         run_class(spec.pipeline.cls, None, image is not None, spec=spec)
-    if image is not None:  # what the plan cannot promise (docs/any-h200.md)
+    if image is not None and speaks():  # what the plan cannot promise (docs/any-h200.md)
         console.print("note: the plan does not price the image's encode by the VAE (once, in the encode phase): that "
                       "phase may hold more than planned (Wan2.2-TI2V-5B at 704x1280 on an H200: 8.99 GB against "
                       "6.68 GB)", markup=False)
     return picture
+
+
+def _check_sequence_parallel(p, world: int) -> None:
+    """A generation under torchrun: Ulysses splits the attention heads and the latent tokens between the `world`
+    processes, so both must divide by it (the text's tokens are the pipeline's: a split that does not divide is
+    diffusers' error)."""
+    if world <= 1:
+        return
+    from chunkflow_planner.plan import model_of
+    from chunkflow_planner.workload import tokens
+
+    spec = model_of(p)
+    if spec.heads % world:
+        raise UserError(f"{spec.name} has {spec.heads} attention heads, which {world} processes cannot share "
+                        f"(sequence parallelism gives each the same number): launch a number of processes that "
+                        f"divides {spec.heads}")
+    n = tokens(spec, p.workload.to_workload())
+    if n % world:
+        raise UserError(f"the plan's workload is {n} latent tokens a sample, which {world} processes cannot split "
+                        f"evenly (sequence parallelism gives each the same number): launch a number of processes "
+                        f"that divides {n}, or plan another size")
 
 
 def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | None) -> None:
@@ -245,20 +288,38 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
 
 
 def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None) -> None:
-    """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps."""
+    """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps. Under
+    torchrun every rank generates, rank 0 alone with bars, notes, files and tables (commands.ranks)."""
     from chunkflow.commands.plan_tables import print_generation
     from chunkflow.commands.run_generate import GenerateOptions, run_generation
 
+    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents,
+                        image=image)
+    if not speaks():
+        run_generation(p, cfg, opts, g)  # None: rank 0 writes and reports
+        return
+    with _phase_bars() as (progress, finish):
+        rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
+        finish()
+    rep.write(report)
+    print_generation(console, rep)
+    if out:
+        console.print(f"Written: {out}", markup=False)
+    console.print(f"Run report written to {report}", markup=False)
+
+
+@contextlib.contextmanager
+def _phase_bars():
+    """(progress(phase, i, n), finish()): a bar (and a clock) for each phase of a generation, on stderr: the load's
+    bytes, the steps of denoise; finish() fills the bars of the phases begun."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from chunkflow_planner.units import format_bytes
 
-    g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents,
-                        image=image)
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                    TimeElapsedColumn(), console=err_console, transient=False)
     with bar:
-        tasks: dict[str, int] = {}  # a bar (and a clock) for each phase: the load's bytes, the steps of denoise
+        tasks: dict[str, int] = {}
 
         def finish() -> None:
             """The phases begun are over: full bars, and a count only where it counted something."""
@@ -278,10 +339,4 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
                 count = f"{i or 0}/{n}" if n else ""
             bar.update(tasks[phase], completed=i or 0, total=n or None, count=count)
 
-        rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
-        finish()
-    rep.write(report)
-    print_generation(console, rep)
-    if out:
-        console.print(f"Written: {out}", markup=False)
-    console.print(f"Run report written to {report}", markup=False)
+        yield progress, finish

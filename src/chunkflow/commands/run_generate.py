@@ -17,6 +17,15 @@ written is the last generation's. The objects alive once the pipeline is built
 reach for the generations (`gc.freeze`), and what each generation leaves alive before the next, so that a full
 collection, which scans every unfrozen object, does not land in a phase at random with most of the process to scan;
 each phase's time in the collector is reported (`gc_s`).
+
+Under torchrun (WORLD_SIZE > 1) the run is Ulysses sequence parallel over the processes (chunkflow.parallel): every
+rank joins the job, builds the whole pipeline with the plan's placements as one process does (the same offload
+calls in the same order on every rank: nothing here depends on the rank), turns on sequence parallelism on every
+transformer of the pipeline (Wan2.2-A14B's two experts) once they are placed, and runs the same generations from the
+same seed; every rank holds the whole latents after each step (diffusers gathers the transformer's output). The
+ranks agree that every one of them built its pipeline before any enters the generation's collectives
+(commands.ranks.together). Rank 0 alone writes the output, the latents and the report, whose phases are rank 0's,
+with the SP degree in `run`; a plan made for another SP degree is said and predicted for the world size.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from chunkflow.launch import torchrun_world
 from chunkflow.pipeline_setup import PipelineSetup, setup_pipeline
 from chunkflow.reports import GcCollection, GenerationResult, PhaseResult
 from chunkflow_planner.offload import OffloadConfig
@@ -46,15 +56,19 @@ class GenerateOptions:
 def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
                    progress: Callable[[str, int | None, int | None], None] | None = None,
                    log: Callable[[str], None] = lambda s: None):
-    """Build, generate, write, report (a RunReport with its `generation` section)."""
+    """Build, generate, write, report (a RunReport with its `generation` section; None on a torchrun rank other
+    than 0, which writes nothing)."""
     from chunkflow.commands.steps import save_latents
 
     o.check()
-    setup = _setup(plan, cfg, o, progress, log, image=g.image is not None)
+    world = torchrun_world()
+    setup = _setup(plan, cfg, o, progress, log, image=g.image is not None, world=world)
     try:
         runs = _generations(setup, cfg, o, g, progress, log)
     finally:
         setup.built.discard()  # the run is done with it: free, do not copy the weights back
+    if setup.rank != 0:
+        return None
     pixels = None
     if g.out:
         pixels = _write_output(g.out, runs.last.output, setup.spec, setup.built.random_weights, log)
@@ -65,13 +79,34 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     return report
 
 
-def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False) -> PipelineSetup:
-    """The run's device (commands.steps._place: its notes on SP said), then the pipeline built (setup_pipeline)."""
+def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False, world: int = 1) -> PipelineSetup:
+    """The run's device (commands.steps._place: the torchrun job joined where `world` > 1, its notes on SP said),
+    then the pipeline built (setup_pipeline) and, where `world` > 1, sequence parallel on every transformer; every
+    rank's build agreed on before any generates (commands.ranks.together). The setup's `rank` is this process's."""
     from chunkflow.commands.steps import _place
 
-    _, device = _place(o, 1, plan, log)
-    return setup_pipeline(plan, cfg, device, weights=o.weights, variant=o.variant, profile=o.profile, seed=o.seed,
-                          steps=o.steps, progress=progress, log=log, image=image)
+    rank, device = _place(o, world, plan, log)
+
+    def build() -> PipelineSetup:
+        setup = setup_pipeline(plan, cfg, device, weights=o.weights, variant=o.variant, profile=o.profile,
+                               seed=o.seed, steps=o.steps, progress=progress, log=log, image=image)
+        if world > 1:
+            from chunkflow.parallel import enable_sequence_parallel
+
+            for name in setup.built.names("transformer"):  # after their offload, as run_plan does
+                enable_sequence_parallel(getattr(setup.built.pipe, name), setup.spec, world)
+            log(f"sequence parallel (Ulysses) over {world} processes on "
+                f"{', '.join(setup.built.names('transformer'))}; rank 0 writes and reports")
+        return setup
+
+    if world > 1:
+        from chunkflow.commands.ranks import together
+
+        setup = together(build)
+    else:
+        setup = build()
+    setup.rank, setup.world = rank, world
+    return setup
 
 
 @dataclass
@@ -168,7 +203,8 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
     from chunkflow_planner.predict import predict
 
     device, steps, measured = setup.device, setup.w.steps, runs.measured
-    cuda = device.type == "cuda"
+    # the plan's phases are compared on its kind of device, run with its SP degree (another's are not this run's)
+    compared = device.type == "cuda" and plan.parallel.sp_degree == setup.world
     phases_of = combine_phases([ph for ph, _ in measured])
     dn = phases_of["denoise"].measurement
     times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s])]
@@ -179,12 +215,12 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
                       memory_trace=[MemorySample(step=steps, allocated_bytes=dn.peak_allocated_bytes,
                                                  reserved_bytes=dn.peak_reserved_bytes,
                                                  host_rss_bytes=dn.host_rss_bytes)])
-    pred = predict(setup.spec, setup.w, setup.hw, cfg, 1)
+    pred = predict(setup.spec, setup.w, setup.hw, cfg, setup.world)
     run = RunConfig(offload=cfg, device=str(device), dtype=str(torch.bfloat16), weights=str(setup.folder or "random"),
-                    warmup=o.warmup, steps=steps)
+                    warmup=o.warmup, steps=steps, world_size=setup.world, sp_degree=setup.world)
     report = make_report(environment(device), plan, run, setup.hw, result, pred, runs.stats)
     same_steps = steps == plan.workload.steps
-    phases = _phase_results(plan, phases_of, o.warmup, cuda, same_steps)
+    phases = _phase_results(plan, phases_of, o.warmup, compared, same_steps)
     pp = plan.prediction.phases
     gen_times = [sum(m.time_s for m in ph.values()) for ph, _ in measured]
     gen_time = statistics.median(gen_times)
@@ -197,8 +233,8 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
     report.generation = GenerationResult(
         prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
         components=setup.placements, vae_tiling=setup.tiling, phases=phases, generation_time_s=gen_time,
-        predicted_generation_time_s=pred_time if cuda else None,
-        generation_time_error=rel_error(gen_time, pred_time) if cuda else None,
+        predicted_generation_time_s=pred_time if compared else None,
+        generation_time_error=rel_error(gen_time, pred_time) if compared else None,
         host_peak_bytes=host_peak, predicted_host_memory_bytes=pred_host if comparable else None,
         host_memory_error=rel_error(host_peak, pred_host) if comparable and pred_host else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,

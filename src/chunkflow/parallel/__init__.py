@@ -30,7 +30,7 @@ from torch import nn
 
 from chunkflow.launch import torchrun_world
 
-__all__ = ["init_distributed", "enable_sequence_parallel"]
+__all__ = ["init_distributed", "enable_sequence_parallel", "first_failure"]
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -49,6 +49,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
     kw = {"device_id": device} if cuda else {}
     dist.init_process_group("nccl" if cuda else "gloo", **kw)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def first_failure(message: str | None) -> tuple[int, str] | None:
+    """Collective: every rank says what went wrong for it (None: nothing) and every rank learns the same answer,
+    (rank, message) of the lowest rank that failed, or None when none did. For a refusal one rank cannot make
+    alone: a rank that gave up while the others went on would leave them waiting in the next collective. Needs
+    `init_distributed()` first (gloo: a CPU exchange; nccl: through the rank's device); one process: its own."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None if message is None else (0, message)
+    said: list = [None] * dist.get_world_size()
+    dist.all_gather_object(said, message)
+    return next(((rank, m) for rank, m in enumerate(said) if m is not None), None)
 
 
 # --------------------------------------------------------------------------------------------- enable
