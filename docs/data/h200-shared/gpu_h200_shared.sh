@@ -24,6 +24,10 @@ step() { local name=$1 deadline=$2; shift 2; echo "[$(date +%T)] $*" | tee "$out
 keep() { tar czf "$dest/shared.tgz" --exclude="*.safetensors" --exclude="*.png" -C "$work" shared; cp "$out"/*.json "$dest/" 2>/dev/null; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 grep -E "MemTotal|MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-start.txt"
+if wanted probe; then
+  step probe 120 python3 "$repo/scripts/shm_fill_probe.py" "$out/probe.json" 8
+  keep
+fi
 if wanted bench; then
   step bench 420 python3 "$repo/scripts/shared_host_bench.py" "$out/bench.json" --model flux --height 512 --width 512
   keep
