@@ -294,6 +294,66 @@ def test_an_owner_killed_while_filling_is_an_error_on_the_other_rank_not_a_hang(
     assert _holders() == 0
 
 
+# ------------------------------------------------------------------------ a generation under SP against its plan
+
+
+def _small_gpus(path: Path) -> Path:
+    """Two GPUs as h200-x2 lists them, without the context's and margin's memory and with a CPU too slow to run a
+    text encoder: a budget just over the medium text encoder places it for its phase (parked outside it)."""
+    import yaml
+
+    from chunkflow_planner.catalog import get_hardware
+
+    hw = get_hardware("h200-x2").model_dump(mode="json")
+    hw.update(name="small-x2", context_bytes=0, reserve_fraction=0.0, mem_margin=0.0, cpu_tflops=1e-5)
+    path.write_text(yaml.safe_dump(hw))
+    return path
+
+
+@pytest.mark.slow
+def test_sp_generation_holds_the_plans_shared_copy_once_per_host(cli, workdir, torchrun):
+    """`torchrun --nproc-per-node 2 -m chunkflow run --plan P --prompt ...` with a plan whose text encoder is parked
+    outside its phase: the report's shared bytes are the plan's shared host memory, the host's memory is its ranks'
+    own plus the shared copy once, and without sharing (--no-share-host) the host holds one more copy of it, as the
+    plan says."""
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("medium", workdir / "medium")
+    hw = _small_gpus(workdir / "small-x2.yaml")
+    from chunkflow_planner.catalog import get_model
+
+    te_bytes = get_model("medium").pipeline.text_encoders[0].nbytes
+    budget = f"{te_bytes + 500_000}B"
+    got = {}
+    for share in (True, False):
+        name = "shared" if share else "private"
+        args = ["plan", "--model", "medium", "--hardware", str(hw), "--sp", "2", "--mem-budget", budget, "--out",
+                f"{name}.json"] + ([] if share else ["--no-share-host"])
+        result = cli(*args)
+        assert result.exit_code == 0, result.output
+        plan = json.loads(Path(f"{name}.json").read_text())
+        places = {c["name"]: c["placement"] for c in plan["pipeline"]["components"]}
+        assert places["text_encoder"] == "phase", places  # the case this test is about
+        torchrun(2, ["-m", "chunkflow", "run", "--plan", f"{name}.json", "--weights", str(folder), "--prompt",
+                     "a red fox", "--report", f"{name}-r.json", "--warmup", "0"], timeout=240)
+        g = json.loads(Path(f"{name}-r.json").read_text())["generation"]
+        got[name] = (plan["prediction"], g)
+    (p_s, g_s), (p_p, g_p) = got["shared"], got["private"]
+    shared = p_s["host_memory_shared_bytes"]
+    assert shared >= te_bytes and p_p["host_memory_shared_bytes"] in (0, None)
+    # what the ranks share is what the plan shares (a segment is whole pages and 256-byte aligned tensors)
+    assert shared <= g_s["host_shared_bytes"] <= shared * 1.01 + 64 * 4096, (g_s["host_shared_bytes"], shared)
+    assert g_p["host_shared_bytes"] == 0
+    for g in (g_s, g_p):
+        assert len(g["host_peak_per_rank_bytes"]) == 2
+        assert g["host_peak_per_host_bytes"] == sum(g["host_peak_per_rank_bytes"]) + g["host_shared_bytes"]
+    # one more copy of the text encoder on the host without sharing: the plans' difference, measured
+    planned = p_p["host_memory_bytes"] - p_s["host_memory_bytes"]
+    measured = g_p["host_peak_per_host_bytes"] - g_s["host_peak_per_host_bytes"]
+    assert planned == pytest.approx(shared, rel=0.01)
+    assert measured == pytest.approx(planned, rel=0.25), (measured, planned)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
     _worker(sys.argv[1])

@@ -122,6 +122,13 @@ class GenerationResult(BaseModel):
     predicted_generation_time_s: float | None = None
     generation_time_error: float | None = None
     host_peak_bytes: int = Field(description="the process's peak resident memory (VmHWM), loading included")
+    host_peak_per_host_bytes: int | None = Field(default=None, description=(
+        "under torchrun: the host's, summed over its ranks (each one's peak less the shared segments' pages it "
+        "counts) plus each shared segment once; what the plan's per-host host memory is compared with"))
+    host_peak_per_rank_bytes: list[int] | None = Field(default=None, description=(
+        "under torchrun: each rank's peak resident memory less the shared segments' pages it counts"))
+    host_shared_bytes: int | None = Field(default=None, description=(
+        "under torchrun: the host copies the local ranks share (runtime/tiers/shared.py), each counted once"))
     predicted_host_memory_bytes: int | None = None
     host_memory_error: float | None = None
     gpu_budget_bytes: int | None = None

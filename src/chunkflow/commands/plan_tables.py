@@ -406,6 +406,11 @@ def _print_generation_notes(console: Console, g, gpu: bool) -> None:  # noqa: AN
             console.print(f"its longest collection: {format_seconds(c.seconds)} in {name}, generation {c.generation}"
                           f"{' (full)' if c.generation == 2 else ''}, {c.collected} objects freed", highlight=False)
     line = f"peak host memory: {format_bytes(g.host_peak_bytes)}"
+    if g.host_peak_per_host_bytes is not None:
+        ranks = g.host_peak_per_rank_bytes or []
+        line = (f"peak host memory of the host: {format_bytes(g.host_peak_per_host_bytes)} ("
+                f"{format_bytes(g.host_shared_bytes or 0)} shared once + "
+                + " + ".join(format_bytes(b) for b in ranks) + f" of the {len(ranks)} ranks' own)")
     if g.predicted_host_memory_bytes is not None:
         line += f" (predicted {format_bytes(g.predicted_host_memory_bytes)}, {_pct(g.host_memory_error)})"
     console.print(line, highlight=False)

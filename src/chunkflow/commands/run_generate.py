@@ -65,6 +65,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     setup = _setup(plan, cfg, o, progress, log, image=g.image is not None, world=world)
     try:
         runs = _generations(setup, cfg, o, g, progress, log)
+        host = _host_memory(setup.world)  # every rank, while the pipeline (and its shared copies) is still held
     finally:
         setup.built.discard()  # the run is done with it: free, do not copy the weights back
     if setup.rank != 0:
@@ -74,7 +75,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         pixels = _write_output(g.out, runs.last.output, setup.spec, setup.built.random_weights, log)
     if g.latents and runs.last.latents is not None:
         save_latents(g.latents, runs.last.latents)
-    report = _report(plan, cfg, o, g, setup, runs)
+    report = _report(plan, cfg, o, g, setup, runs, host)
     report.generation.output_pixels = pixels
     return report
 
@@ -194,7 +195,28 @@ def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOption
     return _Runs(measured, first, first_parts, stats, gen, cached, reads)
 
 
-def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: PipelineSetup, runs: _Runs):
+def _host_memory(world: int) -> tuple[int, list[int], int] | None:
+    """Under torchrun (collective: every rank calls it): the host's peak memory, each rank's own (its peak less the
+    shared segments' pages it counts, chunkflow.hostmem) summed and each shared segment added once, with each rank's
+    own and the shared bytes; None in one process. Ranks of one job on one host (the plans' SP runs)."""
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+
+    from chunkflow.hostmem import own_peak_bytes
+
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, own_peak_bytes())
+    own = [o for o, _ in got]
+    segments: dict[int, int] = {}
+    for _, sizes in got:
+        segments.update(sizes)
+    shared = sum(segments.values())
+    return sum(own) + shared, own, shared
+
+
+def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: PipelineSetup, runs: _Runs,
+            host: tuple[int, list[int], int] | None = None):
     """The RunReport: the denoising steps as a synthetic run's `measured`, and the `generation` section."""
     import torch
 
@@ -230,13 +252,19 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
             sum(getattr(pp, n).startup_s for n in ("encode", "denoise", "decode")) if pp and o.warmup else 0.0)
     pred_host = plan.prediction.host_memory_bytes
     host_peak, comparable = runs.last.host_peak_bytes, setup.comparable
+    if host is not None:  # the plan's host memory is the host's under SP: compared with all ranks' together
+        comparable = comparable and plan.parallel.sp_degree == setup.world
     report.generation = GenerationResult(
         prompt=g.prompt, negative_prompt=g.negative_prompt, seed=o.seed, guidance=g.guidance, steps=steps, out=g.out,
         components=setup.placements, vae_tiling=setup.tiling, phases=phases, generation_time_s=gen_time,
         predicted_generation_time_s=pred_time if compared else None,
         generation_time_error=rel_error(gen_time, pred_time) if compared else None,
         host_peak_bytes=host_peak, predicted_host_memory_bytes=pred_host if comparable else None,
-        host_memory_error=rel_error(host_peak, pred_host) if comparable and pred_host else None,
+        host_memory_error=(rel_error(host[0] if host is not None else host_peak, pred_host)
+                           if comparable and pred_host else None),
+        host_peak_per_host_bytes=host[0] if host is not None else None,
+        host_peak_per_rank_bytes=host[1] if host is not None else None,
+        host_shared_bytes=host[2] if host is not None else None,
         gpu_budget_bytes=plan.memory_budget_bytes, host_budget_bytes=plan.host_memory_budget_bytes,
         warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
         first_phase_times_s=runs.first, first_parts_s=runs.first_parts, load=setup.load,

@@ -163,13 +163,14 @@ def _inputs_to(module: nn.Module, device: torch.device):
 
 
 def _place(module: nn.Module, placement: str, device: torch.device, cfg: OffloadConfig | None, source=None,
-           blocks=None) -> tuple[OffloadHandle, list]:
-    """Offload `module` as `placement` says (see the module docstring); returns (handle, extra hooks)."""
+           blocks=None, share_host: bool = True) -> tuple[OffloadHandle, list]:
+    """Offload `module` as `placement` says (see the module docstring); returns (handle, extra hooks). `share_host`:
+    the plan's (parked in one copy the ranks of a host share, under torchrun)."""
     if placement == "cpu":
         handle = offload(module, "none", device="cpu", source=source)
         return handle, _cpu_io(module, device)
     if placement in ("gpu", "phase"):
-        handle = offload(module, "none", device=device, source=source)
+        handle = offload(module, OffloadConfig("none", share_host=share_host), device=device, source=source)
     elif placement == "stream":
         handle = offload(module, cfg, device=device, source=source, blocks=blocks)
     elif placement == "disk":
@@ -254,26 +255,29 @@ def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch
 def _place_component(kind: str, c: Component, where: str, device: torch.device, transformer_cfg: OffloadConfig,
                      vae_tiling: bool) -> tuple[OffloadHandle, list, str]:
     """One prepared component offloaded where the plan puts it: (handle, extra hooks, what to log)."""
+    share = transformer_cfg.share_host  # the plan's, for every component of the run
     if kind == "transformer" and where == "disk":
-        cfg = transformer_cfg if transformer_cfg.streams else TEXT_STREAM
+        cfg = transformer_cfg if transformer_cfg.streams else TEXT_STREAM.with_overrides(share_host=share)
         handle = _on_disk(c.module, cfg, device, c.source)
         return handle, [], f"disk ({handle.cfg.label})"
     if kind == "transformer":
-        cfg = transformer_cfg if where == "stream" else OffloadConfig("none")
+        cfg = transformer_cfg if where == "stream" else OffloadConfig("none", share_host=share)
         handle = offload(c.module, cfg, device=device, source=c.source)
         if where != "gpu":
             handle.park()
         return handle, [], f"{where} ({cfg.label})"
     if kind == "text_encoder":
-        handle, hooks = _place(c.module, where, device, TEXT_STREAM, c.source)
+        handle, hooks = _place(c.module, where, device, TEXT_STREAM.with_overrides(share_host=share), c.source,
+                               share_host=share)
         return handle, hooks, where
     if kind == "image_encoder":  # whole where it runs (its blocks are not streamed); its inputs to its device
         where = where if where in ("gpu", "phase", "cpu") else "phase"
-        handle, hooks = _place(c.module, where, device, None, c.source)
+        handle, hooks = _place(c.module, where, device, None, c.source, share_host=share)
         if where != "cpu":
             hooks.append(_inputs_to(c.module, device))
         return handle, hooks, where
-    handle, hooks = _place(c.module, where if where in ("phase", "disk") else "gpu", device, None, c.source)
+    handle, hooks = _place(c.module, where if where in ("phase", "disk") else "gpu", device, None, c.source,
+                           share_host=share)
     if vae_tiling:
         c.module.enable_tiling()
     return handle, hooks, where + (" (tiled decode)" if vae_tiling else "")
