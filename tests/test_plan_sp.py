@@ -230,3 +230,27 @@ def test_cli_no_share_host():
     assert refused.exit_code == 2 and "leave out --no-share-host" in _said(refused)
     helped = _said(runner.invoke(app, ["plan", "--help"], env={"COLUMNS": "200"}))
     assert "--no-share-host" in helped and "shared by the host's ranks" in helped
+
+
+def test_with_the_codec_the_encoded_tails_are_what_the_ranks_share():
+    """FLUX at 1024x1024 under SP=2 with the codec on: local rank 0 encodes the host tier's tails once (runtime
+    tiers/encoded.py), so the shared bytes hold them encoded, at the codec's ratio of the raw tails, beside the
+    parked components whole."""
+    from chunkflow_planner.codec import codec_ratio
+
+    spec = get_model("flux")
+    plans = {}
+    for codec in ("off", "on"):
+        r = runner.invoke(app, ["plan", "--model", "flux", "--height", "1024", "--width", "1024", "--steps", "8",
+                                "--sp", "2", "--hardware", "h200-x2", "--mem-budget", "6GB", "--codec", codec,
+                                "--out", f"flux-{codec}.json"])
+        assert r.exit_code == 0, r.output
+        plans[codec] = load_plan(f"flux-{codec}.json")
+    on, off = plans["on"], plans["off"]
+    assert on.offload.codec != "none" and off.offload.codec == "none" and on.offload.disk_blocks == 0
+    rho = codec_ratio(get_hardware("h200-x2"))[0]
+    raw_cfg = on.offload.model_copy(update={"codec": "none"})
+    raw = _tails(spec, raw_cfg)
+    others = _shareable(on.model_copy(update={"offload": raw_cfg}), spec) - raw  # the text encoder, parked parts
+    assert on.prediction.host_memory_shared_bytes == pytest.approx(others + rho * raw, rel=1e-6)
+    assert off.prediction.host_memory_shared_bytes == _shareable(off, spec)

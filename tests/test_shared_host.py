@@ -294,6 +294,66 @@ def test_an_owner_killed_while_filling_is_an_error_on_the_other_rank_not_a_hang(
     assert _holders() == 0
 
 
+CODEC_WORKER = r'''
+import os, sys, time, json
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import torch
+from test_shared_host import memfd_memory
+from test_disk_tier import _build, _forward
+
+folder, flags = Path(sys.argv[1]), Path(sys.argv[2])
+rank = int(os.environ["LOCAL_RANK"])
+ref_m, ref_h = _build(folder, "demo-wan", torch.bfloat16, mode="none")
+ref = _forward(ref_m, "demo-wan", torch.bfloat16)
+ref_h.remove()
+m, h = _build(folder, "demo-wan", torch.bfloat16, mode="chunkflow", chunk_bytes=16000, residency=0.0,
+              codec="exponent-pack")
+out = _forward(m, "demo-wan", torch.bfloat16)
+(flags / f"held{{rank}}").write_text("1")
+while not all((flags / f"held{{r}}").exists() for r in (0, 1)):
+    time.sleep(0.05)
+time.sleep(0.3)
+st = h.stats()
+res = dict(equal=torch.equal(out, ref), shared=st.codec_shared_bytes, host=st.codec_host_bytes,
+           stored=st.codec_stored_bytes, mem=memfd_memory())
+(flags / f"seen{{rank}}").write_text("1")
+while not all((flags / f"seen{{r}}").exists() for r in (0, 1)):
+    time.sleep(0.05)
+h.remove()
+(flags / f"result{{rank}}").write_text(json.dumps(res))
+'''
+
+
+@pytest.mark.slow
+def test_encoded_blocks_are_one_copy_per_host_too(tmp_path):
+    """With the codec, local rank 0 encodes the blocks once into a segment the other rank maps with their chunk
+    tables: both stream bit-identically to no offload, and the encoded bytes count once in the two processes."""
+    pytest.importorskip("safetensors")
+    from test_disk_tier import _saved
+
+    import torch
+
+    folder = _saved(tmp_path, "demo-wan", torch.bfloat16)
+    script = tmp_path / "codec_worker.py"
+    script.write_text(CODEC_WORKER.format(tests=str(HERE)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", LOCAL_WORLD_SIZE="2",
+               TORCHELASTIC_RUN_ID=f"codec-{os.getpid()}-{time.time_ns()}")
+    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(tmp_path)],
+                              env=dict(env, LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"result{r}").read_text()) for r in (0, 1))
+    assert r0["equal"] and r1["equal"]
+    assert r0["shared"] == r1["shared"] > 0 and r0["stored"] == r1["stored"] > 0
+    assert r0["shared"] >= r0["stored"]  # every encoded block is in the one segment
+    total_pss = r0["mem"]["Pss"] + r1["mem"]["Pss"]
+    assert abs(total_pss - r0["shared"]) <= 0.02 * r0["shared"] + 8 * 4096, (total_pss, r0["shared"])
+
+
 # ------------------------------------------------------------------------ a generation under SP against its plan
 
 

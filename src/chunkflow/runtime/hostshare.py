@@ -129,6 +129,7 @@ class SharedSegment:
         self._thread: threading.Thread | None = None
         self._conn: socket.socket | None = None  # a peer's connection to the owner
         self._manifest = b""
+        self.extra = None  # what the owner made and the peers take as it is (offer_filled / join_filled)
 
     # ---- making or joining
 
@@ -137,20 +138,54 @@ class SharedSegment:
         """The owner makes the segment (nbytes, zero-filled) and offers it; another local rank joins the owner's,
         checking its manifest against its own. `what`: the module, for messages."""
         seq = next(_SEQUENCE)
-        nbytes = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        body = json.dumps({"nbytes": nbytes, **manifest}, sort_keys=True).encode()
+        nbytes = _pages(nbytes)
+        check = dict(manifest, nbytes=nbytes)
         if group.owner:
-            return cls._create(group, seq, nbytes, body, what)
-        return cls._join(group, seq, nbytes, body, what)
+            return cls._create(group, seq, nbytes, _body(check, nbytes, None), what)
+        return cls._join(group, seq, check, what)
 
     @classmethod
-    def _create(cls, group: HostGroup, seq: int, nbytes: int, body: bytes, what: str) -> SharedSegment:
+    def new_fd(cls, what: str, nbytes: int = 0) -> int:
+        """An empty memfd for an owner to write before it offers it (`offer_filled`)."""
         fd = os.memfd_create(f"chunkflow-{what}"[:200], os.MFD_CLOEXEC)
+        if nbytes:
+            try:
+                os.ftruncate(fd, _pages(nbytes))
+            except OSError:
+                os.close(fd)
+                raise
+        return fd
+
+    @classmethod
+    def offer_filled(cls, group: HostGroup, fd: int, nbytes: int, manifest: dict, extra, what: str
+                     ) -> SharedSegment:
+        """The owner offers a segment it has written already (`fd`, `nbytes` of it), with `extra` (JSON) the peers
+        take as it is; the peers call `join_filled` with their own `manifest` at the same point."""
+        seq = next(_SEQUENCE)
+        nbytes = _pages(nbytes)
+        os.ftruncate(fd, nbytes)
+        seg = cls._create(group, seq, nbytes, _body(manifest, nbytes, extra), what, fd=fd)
+        seg.extra = extra
+        seg.mark_filled()
+        return seg
+
+    @classmethod
+    def join_filled(cls, group: HostGroup, manifest: dict, what: str) -> SharedSegment:
+        """A peer: the owner's filled segment (its size and `extra` as the owner made them), its manifest checked
+        against this rank's."""
+        return cls._join(group, next(_SEQUENCE), manifest, what)
+
+    @classmethod
+    def _create(cls, group: HostGroup, seq: int, nbytes: int, body: bytes, what: str, fd: int | None = None
+                ) -> SharedSegment:
+        made = fd is None
         try:
-            os.ftruncate(fd, nbytes)
+            if made:
+                fd = cls.new_fd(what, nbytes)
             seg = cls(group, seq, nbytes, fd, what)
         except OSError as exc:
-            os.close(fd)
+            if made and fd is not None:
+                os.close(fd)
             raise HostShareError(f"{what}: a shared host segment of {nbytes} bytes could not be made: "
                                  f"{exc.strerror or exc}; free host memory, or set {SHARE_ENV}=0") from None
         seg._manifest = body
@@ -197,7 +232,7 @@ class SharedSegment:
                 return
 
     @classmethod
-    def _join(cls, group: HostGroup, seq: int, nbytes: int, body: bytes, what: str) -> SharedSegment:
+    def _join(cls, group: HostGroup, seq: int, check: dict, what: str) -> SharedSegment:
         deadline = time.monotonic() + _timeout_s()
         while True:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -221,16 +256,23 @@ class SharedSegment:
             conn.close()
             raise HostShareError(_owner_gone(what)) from None
         fd = fds[0]
-        if theirs != body:
+        try:
+            offered = json.loads(theirs)
+        except ValueError:
+            offered = {}
+        ours = json.loads(json.dumps(check))  # as JSON carries it (tuples as lists)
+        if offered.get("check") != ours:
             os.close(fd)
             conn.close()
             raise HostShareError(
                 f"{what}: local rank {group.local_rank} lays out its weights differently from local rank 0 (another "
-                f"module, setting or dtype at the same offload call: {_first_difference(theirs, body)}); the ranks of "
+                f"module, setting or dtype at the same offload call: "
+                f"{_first_difference(offered.get('check') or {}, ours)}); the ranks of "
                 f"a host share host memory only for the same modules offloaded the same way. Offload the same model "
                 f"with the same setting on every rank, or set {SHARE_ENV}=0 (one host copy per rank)")
         try:
-            seg = cls(group, seq, nbytes, fd, what)
+            seg = cls(group, seq, int(offered["nbytes"]), fd, what)
+            seg.extra = offered.get("extra")
         except OSError as exc:
             os.close(fd)
             conn.close()
@@ -305,12 +347,17 @@ def _owner_gone(what: str) -> str:
             f"set {SHARE_ENV}=0")
 
 
-def _first_difference(theirs: bytes, ours: bytes) -> str:
+def _pages(nbytes: int) -> int:
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+
+def _body(check: dict, nbytes: int, extra) -> bytes:
+    """What the owner sends each peer: the manifest it checks, the segment's size, the owner's `extra`."""
+    return json.dumps({"check": check, "nbytes": nbytes, "extra": extra}, sort_keys=True).encode()
+
+
+def _first_difference(a: dict, b: dict) -> str:
     """A short account of where two manifests differ."""
-    try:
-        a, b = json.loads(theirs), json.loads(ours)
-    except ValueError:
-        return "unreadable manifest"
     for k in sorted(set(a) | set(b)):
         if a.get(k) != b.get(k):
             return f"{k}: rank 0 has {str(a.get(k))[:80]}, this rank {str(b.get(k))[:80]}"

@@ -43,6 +43,7 @@ class OffloadStats:
     codec_stored_bytes: int = 0  # the same encoded: what a forward copies and pinned memory holds (less alignment)
     codec_host_bytes: int = 0  # host memory the encoded tails take (chunks 16-byte aligned)
     codec_pinned_bytes: int = 0  # of which page-locked (0 without CUDA)
+    codec_shared_bytes: int = 0  # of which in one copy the local ranks of this host share (counted once per host)
     codec_staging_bytes: int = 0  # the device buffers encoded chunks are copied into before their decode
     codec_decode_config: str = ""  # the decoder's launch shape timed fastest on this GPU (exponent_pack_gpu.CONFIGS)
     codec_disk_blocks: int = 0  # disk blocks streamed encoded: read encoded from the spill file, decoded on the device

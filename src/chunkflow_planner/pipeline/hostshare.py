@@ -4,12 +4,12 @@ Under Ulysses SP of degree n, all n ranks on one host (torchrun), every rank run
 `OffloadConfig.share_host` (the default) the runtime keeps one copy per host of
 
 - each streamed module's host-tier tails [R_l, V_l): the streamed bytes of the transformer's blocks not on the disk
-  tier and not encoded by a codec (with a codec each rank encodes its own store), and a streamed text encoder's
-  layers (streamed whole: no resident head);
+  tier (with a codec, as encoded: local rank 0 encodes them once), and a streamed text encoder's layers (streamed
+  whole: no resident head);
 - each component placed `phase`, parked in pinned host memory outside its phase;
 
 in one shared pinned segment, and every rank holds the rest on its own: the blocks' resident heads [0, R_l), the
-non-block tensors, disk-tier rings, codec stores, components on the CPU, its process (runtime, CUDA context), the
+non-block tensors, disk-tier rings and spill files, components on the CPU, its process (runtime, CUDA context), the
 decoded output. Without sharing every byte is a rank's own. So
 
     M_host = M_shared + n M_rank                                                                (eq. H1)
@@ -57,17 +57,20 @@ def host_split(host_bytes: dict[str, float], shared_bytes: dict[str, float], ran
     return HostSplit(shared, total - shared, ranks)
 
 
-def streamed_tail_bytes(spec: ModelSpec, cfg: OffloadConfig) -> float:
-    """The host tier's streamed tails sum of V_l - R_l over the blocks not on the disk tier, in their stored dtype; 0
-    with a codec (each rank encodes its own store) or where nothing streams."""
-    if cfg.codec != "none" or not cfg.streams:
+def streamed_tail_bytes(spec: ModelSpec, cfg: OffloadConfig, hw=None) -> float:
+    """The host tier's streamed tails sum of V_l - R_l over the blocks not on the disk tier, in their stored dtype
+    (with a codec, encoded: codec.encoded_bytes, as memory.py holds them); 0 where nothing streams."""
+    if not cfg.streams:
         return 0.0
+    from chunkflow_planner.codec import encoded_bytes
+
     V = stored_volumes(spec, cfg)
     disk = set(disk_block_indices(len(V), cfg.disk_blocks))
-    return float(sum(v - cfg.resident_bytes(v) for l, v in enumerate(V) if l not in disk))
+    return encoded_bytes(float(sum(v - cfg.resident_bytes(v) for l, v in enumerate(V) if l not in disk)), cfg.codec,
+                         hw)
 
 
-def shared_host_bytes(spec: ModelSpec, pl: Placements, runs: tuple[ExpertRun, ...]) -> dict[str, float]:
+def shared_host_bytes(spec: ModelSpec, pl: Placements, runs: tuple[ExpertRun, ...], hw=None) -> dict[str, float]:
     """The host bytes of each holder (as phases.estimate names them) the ranks of a host can share: a text encoder
     placed `phase` whole, `stream` its layers; each expert placed `phase` whole, streamed (or on disk) its host-tier
     tails (streamed_tail_bytes); the VAE placed `phase` whole."""
@@ -78,7 +81,7 @@ def shared_host_bytes(spec: ModelSpec, pl: Placements, runs: tuple[ExpertRun, ..
         elif p == "stream":
             out[te.component] = float(te.layer_params * te.dtype_bytes * te.shape()["layers"])
     out["transformer"] = sum(float(spec.nbytes) if r.placement == "phase"
-                             else streamed_tail_bytes(spec, r.point.cfg) if r.placement in ("stream", "disk")
+                             else streamed_tail_bytes(spec, r.point.cfg, hw) if r.placement in ("stream", "disk")
                              else 0.0 for r in runs)
     if pl.vae == "phase":
         out["vae"] = float(spec.pipeline.vae.nbytes)

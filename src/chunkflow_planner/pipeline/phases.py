@@ -85,7 +85,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     if hw.pipeline.device_is_host:  # the device's peak is host memory too
         host["device"] = max(ph.allocated_bytes for ph in phases.values())
     return PipelineEstimate(pl, point, phases, host, hw, _disk_reads(spec, w, pl, runs), runs, ranks, share_host,
-                            shared_host_bytes(spec, pl, runs))
+                            shared_host_bytes(spec, pl, runs, hw))
 
 
 def _disk_reads(spec: ModelSpec, w: Workload, pl: Placements, runs: tuple[ExpertRun, ...]) -> dict[str, float]:
