@@ -21,7 +21,7 @@ prompt="a cat walks on the grass"
 wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 step() { local name=$1 deadline=$2; shift 2; echo "[$(date +%T)] $*" | tee "$out/$name.log"
   timeout "$deadline" "$@" >>"$out/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$out/$name.log"; tail -3 "$out/$name.log"; }
-keep() { tar czf "$dest/shared.tgz" --exclude="*.safetensors" --exclude="*.png" -C "$work" shared; cp "$out"/*.json "$dest/" 2>/dev/null; }
+keep() { tar czf "$dest/shared.tgz" --exclude="*.safetensors" --exclude="*.png" -C "$work" shared; }  # one file back
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 grep -E "MemTotal|MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-start.txt"
 if wanted probe; then
@@ -33,6 +33,35 @@ if wanted bench; then
   keep
 fi
 sample() { while true; do echo "$(date +%s.%N) $(grep -E 'MemAvailable|Shmem:' /proc/meminfo | awk '{printf "%s ", $2}')"; sleep 0.5; done; }
+# two NAME PLAN: the plan run as two processes of one host sharing (LOCAL_WORLD_SIZE 2, both on the one GPU, each its
+# own generation), host memory sampled while they run; SHARE=0 before it: the same with one copy per process
+two() { local name=$1 plan=$2
+  grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-before-$name.txt"
+  sample > "$out/$name-meminfo.txt" & local sampler=$!
+  echo "[$(date +%T)] $name: two processes sharing" | tee "$out/$name.log"
+  local pids=()
+  for r in 0 1; do
+    LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 TORCHELASTIC_RUN_ID=$name-$$ CHUNKFLOW_SHARE_HOST=${SHARE:-1} timeout 500 \
+        python3 -m chunkflow run \
+        --plan "$out/$plan.json" --weights "$data/flux" --prompt "$prompt" --warmup 1 --out "$out/flux-$name-$r.png" \
+        --latents "$out/flux-$name-$r-latents.safetensors" --report "$out/flux-$name-$r-report.json" > "$out/$name-$r.log" 2>&1 &
+    pids[$r]=$!
+  done
+  for r in 0 1; do wait ${pids[$r]}; echo "rank $r exit $?" | tee -a "$out/$name.log"; done
+  kill $sampler
+  sleep 1; grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-after-$name.txt"
+  ls /dev/shm > "$out/dev-shm-after-$name.txt" 2>&1
+  keep; }
+if wanted two; then  # the two-process runs alone (part flux made the reference latents)
+  [ -d "$data/flux" ] || step saveflux 300 python3 "$repo/scripts/save_pipeline.py" flux "$data/flux"
+  for c in on off; do
+    step flux-plan-$c 60 python3 -m chunkflow plan --model flux --height 1024 --width 1024 --steps 8 --mem-budget 6GB \
+        --hardware h200 --weights "$data/flux" --codec $c --out "$out/flux-plan-$c.json"
+  done
+  two two-on flux-plan-on
+  SHARE=0 two two-on-private flux-plan-on
+  two two-off flux-plan-off
+fi
 if wanted flux; then
   [ -d "$data/flux" ] || step saveflux 300 python3 "$repo/scripts/save_pipeline.py" flux "$data/flux"
   step flux-plan 60 python3 -m chunkflow plan --model flux --height 1024 --width 1024 --steps 8 --mem-budget 6GB \
@@ -40,21 +69,12 @@ if wanted flux; then
   step flux-sp1 400 python3 -m chunkflow run --plan "$out/flux-plan.json" --weights "$data/flux" --prompt "$prompt" \
       --warmup 1 --out "$out/flux-sp1.png" --latents "$out/flux-sp1-latents.safetensors" --report "$out/flux-sp1-report.json"
   keep
-  grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-before-two.txt"
-  sample > "$out/two-meminfo.txt" & sampler=$!
-  echo "[$(date +%T)] two processes sharing" | tee "$out/two.log"
-  for r in 0 1; do
-    LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 TORCHELASTIC_RUN_ID=two-$$ timeout 500 python3 -m chunkflow run \
-        --plan "$out/flux-plan.json" --weights "$data/flux" --prompt "$prompt" --warmup 1 --out "$out/flux-two-$r.png" \
-        --latents "$out/flux-two-$r-latents.safetensors" --report "$out/flux-two-$r-report.json" > "$out/two-$r.log" 2>&1 &
-    pids[$r]=$!
-  done
-  for r in 0 1; do wait ${pids[$r]}; echo "rank $r exit $?" | tee -a "$out/two.log"; done
-  kill $sampler
-  sleep 1; grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-after-two.txt"
-  ls /dev/shm > "$out/dev-shm-after.txt" 2>&1
+  step flux-plan-off 60 python3 -m chunkflow plan --model flux --height 1024 --width 1024 --steps 8 --mem-budget 6GB \
+      --hardware h200 --weights "$data/flux" --codec off --out "$out/flux-plan-off.json"
+  two two flux-plan
+  two two-off flux-plan-off
   step compare 60 python3 "$repo/scripts/compare_latents.py" "$out/flux-sp1-latents.safetensors" \
-      "$out/flux-two-0-latents.safetensors" "$out/flux-two-1-latents.safetensors" --out "$out/latents.json"
+      "$out"/flux-two-*-latents.safetensors --out "$out/latents.json"
   keep
 fi
 keep
