@@ -66,6 +66,10 @@ class RandomSource:
         self.seed = seed
         self.params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
 
+    def fingerprint(self, name: str) -> str:
+        """What tensor `name`'s values depend on (runtime/fingerprint.py): the seed and where they are drawn."""
+        return f"random:{self.seed}:{self.gen_device.type}"
+
     def _generator(self, name: str) -> torch.Generator:
         return torch.Generator(device=self.gen_device).manual_seed(
             (self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63))

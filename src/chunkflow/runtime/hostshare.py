@@ -264,6 +264,14 @@ class SharedSegment:
         if offered.get("check") != ours:
             os.close(fd)
             conn.close()
+            theirs_check = offered.get("check") or {}
+            if theirs_check.get("values") != ours.get("values") and {**theirs_check, "values": None} == {
+                    **ours, "values": None}:
+                raise HostShareError(
+                    f"{what}: local rank {group.local_rank} holds other weights than local rank 0 at the same offload "
+                    f"call (another checkpoint, seed or fine-tune: their sampled bytes differ), laid out the same way; "
+                    f"the ranks of a host share host memory only for the same weights. Load the same weights on "
+                    f"every rank, or set {SHARE_ENV}=0 (one host copy per rank)")
             raise HostShareError(
                 f"{what}: local rank {group.local_rank} lays out its weights differently from local rank 0 (another "
                 f"module, setting or dtype at the same offload call: "

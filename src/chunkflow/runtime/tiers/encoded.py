@@ -32,6 +32,7 @@ from chunkflow.runtime.layout import BlockLayout
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.tensors import all_tensors
 from chunkflow.runtime.tiers.disk import DiskFiles, DiskTier, _pwrite_all, disk_files
+from chunkflow.runtime.tiers.shared import shareable_values
 
 
 class EncodedTier(DiskTier):
@@ -47,16 +48,18 @@ class EncodedTier(DiskTier):
         if codec is None:
             return None
         files = disk_files(source, f"codec={codec.name!r}")
-        tier = cls(set(range(n_blocks)), files, codec, host_group() if cfg.share_host else None,
-                   type(module).__name__)
+        group = host_group() if cfg.share_host else None
+        values = shareable_values(module, source) if group is not None else None
+        tier = cls(set(range(n_blocks)), files, codec, group if values is not None else None, type(module).__name__,
+                   values or "")
         tier.note_records(all_tensors(module))
         return tier
 
     def __init__(self, blocks: set[int], files: DiskFiles, codec: Codec, group: HostGroup | None = None,
-                 what: str = "module"):
+                 what: str = "module", values: str = ""):
         super().__init__(blocks, files, codec)
         self.encoded: dict[int, EncodedBlock] = {}
-        self.group, self.what = group, what
+        self.group, self.what, self.values = group, what, values
         self.segment: SharedSegment | None = None  # the first layout's encoded blocks, one copy per host
 
     def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
@@ -86,7 +89,7 @@ class EncodedTier(DiskTier):
     def _shared(self, layouts: list[BlockLayout], pin: bool) -> dict[int, EncodedBlock]:
         """Every block encoded once per host: local rank 0 encodes into a segment and offers it with the chunk
         tables; the others take both (runtime/hostshare.py)."""
-        manifest = {"module": self.what, "codec": self.stream.codec.name,
+        manifest = {"module": self.what, "codec": self.stream.codec.name, "values": self.values,
                     "blocks": [[l, repr(layout_key(layouts[l]))] for l in self.order]}
         if self.group.owner:
             fd = SharedSegment.new_fd(self.what)

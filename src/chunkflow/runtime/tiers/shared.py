@@ -27,6 +27,7 @@ import torch
 
 from chunkflow.runtime.chunksource import ChunkSource
 from chunkflow.runtime.errors import warn_user
+from chunkflow.runtime.fingerprint import module_fingerprint, tensors_fingerprint
 from chunkflow.runtime.hostshare import PAGE, HostGroup, SharedSegment, host_group
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
 from chunkflow.runtime.store import HostStore, own_storage
@@ -38,7 +39,19 @@ if TYPE_CHECKING:  # annotations only
 
 
 class SharedTierWarning(UserWarning):
-    """Blocks left the host copy the ranks share (written, or laid out anew): this rank now holds its own."""
+    """Blocks left the host copy the ranks share (written, or laid out anew), or a module's values could not be told
+    apart from another rank's: this rank holds its own."""
+
+
+def shareable_values(module, source) -> str | None:
+    """The fingerprint of `module`'s values that the ranks compare before sharing them (runtime/fingerprint.py), or
+    None, said once, where its loader cannot tell them: one copy per rank then."""
+    values = module_fingerprint(module, source)
+    if values is None:
+        warn_user(f"chunkflow: the weights of {type(module).__name__} come from a loader ({type(source).__name__}) "
+                  "that cannot say what they are, so the ranks of this host cannot check they hold the same ones: "
+                  "each rank keeps its own copy in host memory", SharedTierWarning)
+    return values
 
 
 def _key(b: BlockLayout) -> str:
@@ -61,10 +74,14 @@ class SharedHostTier(Tier):
         if not cfg.share_host:
             return None
         group = host_group()
-        return None if group is None else cls(group, type(module).__name__)
+        if group is None:
+            return None
+        values = shareable_values(module, source)
+        return None if values is None else cls(group, type(module).__name__, values)
 
-    def __init__(self, group: HostGroup, what: str):
+    def __init__(self, group: HostGroup, what: str, values: str = ""):
         self.group, self.what = group, what
+        self.values = values  # the module's values, fingerprinted (runtime/fingerprint.py): ranks share only these
         self.segment: SharedSegment | None = None
         self.store: HostStore | None = None  # the segment's shared map (page-locked on CUDA): what chunks copy from
         self.places: dict[int, tuple[str, int, int]] = {}  # block -> (its key, S_l, its offset in the segment)
@@ -109,7 +126,8 @@ class SharedHostTier(Tier):
             off += _page_up(n)
         if not self.order:
             return
-        self.segment = SharedSegment.open(self.group, {"module": self.what, "blocks": rows}, off, self.what)
+        self.segment = SharedSegment.open(self.group, {"module": self.what, "values": self.values, "blocks": rows},
+                                          off, self.what)
         self.store = HostStore(off, pin=pin, ranges=spans, data=self.segment.shared[:off])
 
     def host_extent(self, b: BlockLayout) -> int:
@@ -237,7 +255,8 @@ class SharedParking(ParkHome):
             rows.append([t.name, str(cur.dtype), list(cur.shape), off])
             off = -(-(off + n) // 256) * 256
         self.names = self._ids(tensors)
-        self.segment = SharedSegment.open(self.group, {"parked": self.what, "tensors": rows}, off, self.what)
+        manifest = {"parked": self.what, "tensors": rows, "values": tensors_fingerprint(tensors)}
+        self.segment = SharedSegment.open(self.group, manifest, off, self.what)
         self.pinned = HostStore(off, pin=device.type == "cuda", data=self.segment.shared)
         if self.group.owner:
             with torch.no_grad(), torch.inference_mode(False):
