@@ -150,7 +150,8 @@ class SharedHostTier(Tier):
         if self.group.owner and not seg.filled:
             write(self.store.data[at : at + e.nbytes].view(e.dtype).view(e.shape))
         if e.offset < R:  # its head part goes with the block's head into this rank's store
-            seg.wait_filled() if not self.group.owner else None
+            if not self.group.owner:
+                seg.wait_filled()
             store.view(b.host_offset + e.offset, R - e.offset).copy_(self.store.data[at : at + R - e.offset])
         return True
 
@@ -164,7 +165,9 @@ class SharedHostTier(Tier):
     # ---- streaming
 
     def _ready(self) -> None:
-        self.segment.wait_filled() if not self.group.owner else None
+        """The segment filled (a peer waits for the owner's word) and page-locked: chunks may be copied from it."""
+        if not self.group.owner:
+            self.segment.wait_filled()
         self.store.wait()
 
     def source(self, store: HostStore, b: BlockLayout, non_blocking: bool) -> ChunkSource:
