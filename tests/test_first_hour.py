@@ -55,7 +55,8 @@ def test_the_main_jobs_clip_is_what_the_readme_and_the_console_say(main_job):
     lo, hi = np.percentile(px, [1, 99])
     assert hi - lo <= 8 and 110 <= px.mean() <= 145, (lo, hi, px.mean())
     m = re.search(r"the output is a flat grey clip \(pixels (\d+)-(\d+) of 255\)", out)
-    assert m and int(m.group(1)) <= px.mean() <= int(m.group(2)) + 1, out
+    # the note reads the frames as decoded; the mp4's lossy encoding moves a flat frame by a level either way
+    assert m and int(m.group(1)) - 1 <= px.mean() <= int(m.group(2)) + 1, out
     said = _flat(README[README.index("## Fresh machine"):README.index("## Will it fit")])
     assert "flat grey" in said and "noise" not in said
 
