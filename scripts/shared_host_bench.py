@@ -174,7 +174,7 @@ def raw_copy(h, dev) -> dict:
 
     got = {}
     if tier is not None and tier.store is not None:
-        spans = [tier.spans[l] for l in tier.order]
+        spans = list(tier.spans.values())
         got["shared_gbps"] = rate(tier.store.data, spans)
         got["shared_copied_bytes"] = min(n, sum(m // chunk * chunk for _, m in spans))
     t = time.perf_counter()

@@ -211,3 +211,31 @@ def test_a_tiny_pipeline_with_the_codec_on_every_tier_gives_the_latents_of_no_co
                      "--latents", "cache.safetensors")
     assert result.exit_code == 0, result.output
     assert torch.equal(load_file("cache.safetensors")["latents"], outs["raw"])
+
+
+@pytest.mark.parametrize("disk", [0, 2])
+def test_blocks_given_out_of_order_are_laid_out_again_with_their_own_encoded_bytes(tmp_path, disk):
+    """Blocks given in another order than the forward runs them are laid out again in the order they ran
+    (runtime/order.py): every block's layout is then another block's of the same shape, and each must stream its own
+    encoded bytes (host and disk tier), not those its index held before; the output stays exact."""
+    from chunkflow.loading.reader import FileReader
+    from chunkflow.models.build import transformer_module, transformer_source
+
+    folder = _saved(tmp_path)
+    ref, h0 = _build(folder, mode="none")
+    want = _forward(ref)
+    h0.remove()
+    spec = get_model("tiny-wan")
+    module = transformer_module(spec, torch.float32)
+    reader = FileReader()
+    try:
+        src = transformer_source(folder, spec, module, reader, None)
+        h = chunkflow.offload(module, mode="chunkflow", chunk_size=4000, residency=0.0, codec=CODEC, disk_blocks=disk,
+                              device="cpu", blocks=list(reversed(list(module.blocks))), source=src)
+    finally:
+        reader.close()
+    assert torch.equal(_forward(module), want)  # the first forward, in the order given
+    assert h.stats().reorders == 1
+    assert torch.equal(_forward(module), want)  # laid out again in the order they ran
+    assert torch.equal(_forward(module), want)
+    h.remove()

@@ -103,6 +103,14 @@ def _worker(out_path: str) -> None:
     res["unshared"] = dict(shared_blocks=h3.stats().shared_blocks, host_bytes=h3.stats().host_bytes,
                            maps=memfd_memory()["maps"])
     h3.remove()
+    # blocks given out of order: laid out again in the order they ran, each still streaming its own bytes
+    m5, blocks5, _ = _blocks_module()
+    h5 = offload(m5, OffloadConfig("chunkflow", "64KB", 0.3), device="cpu", blocks=list(reversed(list(m5.blocks))))
+    with torch.no_grad():
+        outs5 = [m5(**kw)[0] for _ in range(3)]
+    res["reordered"] = dict(equal=all(torch.equal(o, ref) for o in outs5), reorders=h5.stats().reorders,
+                            shared_blocks=h5.stats().shared_blocks)
+    h5.remove()
     # a component parked between its phases (mode none): one parked copy per host
     m4, _, _ = _blocks_module()
     with torch.no_grad():
@@ -168,6 +176,14 @@ def test_a_write_stays_on_its_rank(shared_result):
     assert r1["write"]["equal_written"] and not r1["write"]["equal_loaded"]
     assert r1["write"]["shared_blocks"] == 2 and r1["write"]["warned"]  # the written block left the segment
     assert r0["removed_equal"] and r1["removed_equal"]  # remove() gives back each rank's own values
+
+
+@pytest.mark.slow
+def test_blocks_laid_out_again_in_the_order_they_ran_stream_their_own_bytes(shared_result):
+    (r0, r1), _ = shared_result
+    for r in (r0, r1):
+        assert r["reordered"]["reorders"] == 1 and r["reordered"]["shared_blocks"] == 3
+        assert r["reordered"]["equal"]
 
 
 @pytest.mark.slow

@@ -58,8 +58,10 @@ class DecodeGroup:
 
 
 def layout_key(b: BlockLayout) -> tuple:
-    """What a block's encoding depends on: its split and chunks (a new layout with the same keeps it)."""
-    return (b.resident_bytes, b.nbytes, b.slot_start, tuple(b.chunks))
+    """What a block's encoding depends on: which block it is (its name: blocks laid out again in the order they ran
+    change places, and blocks of one shape have the same split) and its split and chunks (a new layout with the same
+    keeps it)."""
+    return (b.name, b.resident_bytes, b.nbytes, b.slot_start, tuple(b.chunks))
 
 
 class EncodedSource:

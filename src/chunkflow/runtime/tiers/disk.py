@@ -252,9 +252,10 @@ class DiskTier(Tier):
                                     "or leave the codec off") from None
         kept = {}
         fd = self.spill.fileno()
-        for l in self.order:
-            old = self.spilled.get(l)
-            if old is not None and old.key == layout_key(layouts[l]):
+        by_key = {blk.key: blk for blk in self.spilled.values()}  # by block and layout: a re-layout in the order
+        for l in self.order:  # the blocks ran moves them to other indices
+            old = by_key.get(layout_key(layouts[l]))
+            if old is not None:
                 kept[l] = old
                 continue
             blk, pieces = self.stream.encode(layouts[l], self._raw_tail(layouts[l], self.stream.device))

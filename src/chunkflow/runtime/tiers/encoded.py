@@ -68,14 +68,13 @@ class EncodedTier(DiskTier):
         self.stream.set_device(pin, f"codec={self.stream.codec.name!r}")
         if self.group is not None and self.segment is None and not self.encoded and self.order:
             self.encoded = self._shared(layouts, pin)
-        kept = {}
+        by_key = {blk.key: blk for blk in self.encoded.values()}  # by block and layout, not index: a re-layout in
+        kept = {}  # the order the blocks ran moves them to other indices
         for l in self.order:
             b = layouts[l]
-            old = self.encoded.pop(l, None)
-            kept[l] = old if old is not None and old.key == layout_key(b) else self._encode(b, pin)
-            if old is not None and kept[l] is not old:
-                old.store.release()
-        for old in self.encoded.values():
+            old = by_key.pop(layout_key(b), None)
+            kept[l] = old if old is not None else self._encode(b, pin)
+        for old in by_key.values():
             old.store.release()
         self.encoded = kept
 

@@ -55,8 +55,10 @@ def shareable_values(module, source) -> str | None:
 
 
 def _key(b: BlockLayout) -> str:
-    """What a block's bytes in the segment depend on: its split, chunks and tensors (names, places, dtypes)."""
-    return repr((b.resident_bytes, b.straddle_start, b.nbytes, b.slot_start, tuple(b.chunks),
+    """What a block's bytes in the segment depend on: which block it is (its name: a re-layout in the order the blocks
+    ran moves them to other indices, and blocks of one shape lay out alike), its split, chunks and tensors (names,
+    places, dtypes)."""
+    return repr((b.name, b.resident_bytes, b.straddle_start, b.nbytes, b.slot_start, tuple(b.chunks),
                  tuple((e.name, e.offset, e.nbytes, str(e.dtype), tuple(e.shape)) for e in b.tensors)))
 
 
@@ -84,46 +86,53 @@ class SharedHostTier(Tier):
         self.values = values  # the module's values, fingerprinted (runtime/fingerprint.py): ranks share only these
         self.segment: SharedSegment | None = None
         self.store: HostStore | None = None  # the segment's shared map (page-locked on CUDA): what chunks copy from
-        self.places: dict[int, tuple[str, int, int]] = {}  # block -> (its key, S_l, its offset in the segment)
-        self.order: list[int] = []  # blocks in the segment in this layout
-        self.spans: dict[int, tuple[int, int]] = {}  # block -> (offset, bytes) of its tail in the segment (each
+        self.places: dict[str, tuple[int, int]] = {}  # a block's key (_key) -> (S_l, its offset in the segment)
+        self.keys: dict[str, str] = {}  # block name -> its key in the segment
+        self.order: list[int] = []  # indices of the blocks in the segment in this layout
+        self.at: dict[int, tuple[int, int]] = {}  # index -> (S_l, offset) in this layout
+        self.spans: dict[str, tuple[int, int]] = {}  # block name -> (offset, bytes) of its tail in the segment (each
         # span page-locked on its own: a copy never crosses two)
-        self.left: set[int] = set()  # blocks that left the segment (never back: it is not written again)
-        self.leaving: set[int] = set()  # ... since the last attach (said once)
+        self.left: set[str] = set()  # names of blocks that left the segment (never back: it is not written again)
+        self.leaving: set[str] = set()  # ... since the last attach (said once)
+        self._names: dict[int, str] = {}  # index -> block name in this layout
         self.first = True
 
     # ---- layout
 
     def claim(self, b: BlockLayout) -> bool:
-        """Every streamed block at the first layout; later, a block still in the segment as it was laid out."""
-        if not b.is_streamed or b.index in self.left:
+        """Every streamed block at the first layout; later, a block still in the segment as it was laid out (by its
+        name, wherever the new layout puts it)."""
+        if not b.is_streamed or b.name in self.left:
             return False
         if self.first:
             return True
-        place = self.places.get(b.index)
-        if place is not None and place[0] == _key(b):
+        if self.keys.get(b.name) == _key(b):
             return True
-        if place is not None:
-            self.left.add(b.index)
-            self.leaving.add(b.index)
+        if b.name in self.keys:
+            self.left.add(b.name)
+            self.leaving.add(b.name)
         return False
 
     def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
         """The first time: the segment made by local rank 0 (or joined, its layout checked against this rank's),
         page-locked on CUDA; later: the blocks still in it."""
         self.order = [b.index for b in layouts if b.tier is self]
+        self._names = {b.index: b.name for b in layouts}
         if not self.first:
+            self.at = {l: self.places[self.keys[layouts[l].name]] for l in self.order}
             return
         self.first = False
         off, spans, rows = 0, [], []
         for l in self.order:
             b = layouts[l]
             n = b.nbytes - b.straddle_start
-            self.places[l] = (_key(b), b.straddle_start, off)
+            key = _key(b)
+            self.keys[b.name], self.places[key] = key, (b.straddle_start, off)
             spans.append((off, n))
-            self.spans[l] = (off, n)
-            rows.append([l, b.straddle_start, n, off, _key(b)])
+            self.spans[b.name] = (off, n)
+            rows.append([l, b.straddle_start, n, off, key])
             off += _page_up(n)
+        self.at = {l: self.places[self.keys[layouts[l].name]] for l in self.order}
         if not self.order:
             return
         self.segment = SharedSegment.open(self.group, {"module": self.what, "values": self.values, "blocks": rows},
@@ -135,7 +144,7 @@ class SharedHostTier(Tier):
         return b.resident_bytes
 
     def _at(self, b: BlockLayout, e: TensorEntry) -> int:
-        _, S, off = self.places[b.index]
+        S, off = self.at[b.index]
         return off + e.offset - S
 
     def supply(self, store: HostStore, b: BlockLayout, e: TensorEntry, write: Callable[[torch.Tensor], None]
@@ -172,7 +181,7 @@ class SharedHostTier(Tier):
 
     def source(self, store: HostStore, b: BlockLayout, non_blocking: bool) -> ChunkSource:
         self._ready()
-        _, S, off = self.places[b.index]
+        S, off = self.at[b.index]
         return ChunkSource(self.store.data, S - off, b.slot_start, non_blocking)
 
     def acquire(self, store: HostStore, b: BlockLayout):
@@ -189,7 +198,7 @@ class SharedHostTier(Tier):
                 self.segment.mark_filled()
             self._ready()
         if self.leaving:
-            warn_user(f"chunkflow: block(s) {', '.join(map(str, sorted(self.leaving)))} of {self.what} were written or "
+            warn_user(f"chunkflow: block(s) {', '.join(sorted(self.leaving))} of {self.what} were written or "
                       "laid out anew; this rank now keeps its own copy of them in host memory (the copy the ranks of "
                       "this host share holds the weights as loaded)", SharedTierWarning)
             self.leaving = set()
@@ -197,8 +206,9 @@ class SharedHostTier(Tier):
     def demote(self, blocks: set[int]) -> bool:
         """Blocks written while in the segment leave it at the next layout (this rank's own copy); whether any did."""
         hit = blocks & set(self.order)
-        self.left |= hit
-        self.leaving |= hit
+        names = {self._names[l] for l in hit}
+        self.left |= names
+        self.leaving |= names
         return bool(hit)
 
     def close(self, handle: OffloadHandle, restore: bool) -> None:
@@ -213,7 +223,7 @@ class SharedHostTier(Tier):
             self.segment = None
 
     def stats(self, layouts: list[BlockLayout]) -> dict:
-        tail = sum(layouts[l].nbytes - self.places[l][1] for l in self.order)
+        tail = sum(layouts[l].nbytes - self.at[l][0] for l in self.order)
         return dict(shared_blocks=len(self.order), shared_bytes=self.segment.nbytes if self.segment else 0,
                     shared_tail_bytes=tail, shared_pinned_bytes=self.store.pinned_bytes if self.store else 0,
                     shared_owner=self.group.owner)
