@@ -334,8 +334,8 @@ class SharedSegment:
             lst.close()
 
     def close(self) -> None:
-        """This process lets go of the descriptor and the rendezvous; the maps go with the last tensor viewing them
-        (the pages with the last process)."""
+        """This process lets go of the descriptor, the rendezvous and its maps; a map goes with the last tensor
+        viewing it (the pages with the last process)."""
         self._stop_listening()
         with self._lock:
             peers, self._peers = self._peers, []
@@ -347,6 +347,7 @@ class SharedSegment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        self.shared = self.private = None  # this object's maps (tensors viewing them keep them until they go)
 
 
 def _owner_gone(what: str) -> str:

@@ -151,7 +151,6 @@ class EncodedTier(DiskTier):
         self.encoded = {}
         if self.segment is not None:
             self.segment.close()
-            self.segment.shared = self.segment.private = None
             self.segment = None
         super().close(handle, restore)
 

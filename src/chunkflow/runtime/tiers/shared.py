@@ -219,7 +219,6 @@ class SharedHostTier(Tier):
             self.store = None
         if self.segment is not None:
             self.segment.close()
-            self.segment.shared = self.segment.private = None
             self.segment = None
 
     def stats(self, layouts: list[BlockLayout]) -> dict:
@@ -349,7 +348,6 @@ class SharedParking(ParkHome):
             self.pinned = None
         if self.segment is not None:
             self.segment.close()
-            self.segment.shared = self.segment.private = None
             self.segment = None
 
     def stats(self) -> dict:
