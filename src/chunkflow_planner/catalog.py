@@ -30,9 +30,10 @@ from pydantic import (
 from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
 
-CATALOG_SCHEMA_VERSION = 3  # 3: the codec's figures (codec_decode_gbps, codec_ratio; issue 39), 2 reads as it is
-# 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is migrated
-READ_AS_IS_VERSIONS = (2,)  # profiles of these versions hold no field version 3 dropped or changed
+CATALOG_SCHEMA_VERSION = 4  # 4: each fit's quality and the planner's errors from run reports (fits, model_errors;
+# issue 41); 3: the codec's figures (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28
+# (text_layer_host_us, host_margin); 1 is migrated
+READ_AS_IS_VERSIONS = (2, 3)  # profiles of these versions hold no field version 4 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -394,6 +395,30 @@ def _core_from_pipeline(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class FitQuality(_Strict):
+    """How closely one of calibrate's fits (or repeated measurements) describes its samples: the band a plan inherits
+    from it (chunkflow_planner/bands.py names the fits and what each moves)."""
+
+    samples: int = Field(ge=1, le=10**7, description="measurements the fit was made from")
+    spread: float = Field(ge=0, le=10, description="robust relative spread of one sample about the fit: 1.4826 x "
+                          "the median of |measured / fitted - 1| (a normal sample's standard deviation)")
+    residuals: list[float] = Field(default_factory=list, max_length=256, description="each sample's measured / "
+                                   "fitted - 1, as fitted (at most 256 kept)")
+    flagged: bool = Field(False, description="the spread is too wide to plan with (bands.FLAG_SPREAD)")
+    repeat: str = Field("", description="what to measure again to narrow it")
+    source: str = Field("", description="how it was measured")
+
+
+class ModelError(_Strict):
+    """The planner's error on one kind of prediction, from the run reports a profile was refit from
+    (`calibrate --from-report`): measured / predicted - 1."""
+
+    samples: int = Field(ge=1, le=10**7)
+    bias: float = Field(ge=-10, le=10, description="the median of measured / predicted - 1")
+    spread: float = Field(ge=0, le=10, description="1.4826 x the median absolute deviation of it about the bias")
+    source: str = ""
+
+
 class HardwareSpec(_Strict):
     """One GPU type in a node: rates, links and the planner's efficiency factors, what the transformer-streaming
     model reads; the figures only the whole-pipeline extension reads are its `pipeline` (PipelineProfile)."""
@@ -485,6 +510,11 @@ class HardwareSpec(_Strict):
     pipeline: PipelineProfile = Field(default_factory=PipelineProfile, description="the figures only the "
                                       "whole-pipeline extension reads; flat in the file, beside these")
     source: str = Field("", description="where these numbers come from")
+    fits: dict[str, FitQuality] = Field(default_factory=dict, description="calibrate's fits by the name "
+                                        "chunkflow_planner/bands.py gives them: samples, spread, residuals; empty for "
+                                        "a catalog entry (its figures are supposed, not measured here)")
+    model_errors: dict[str, ModelError] = Field(default_factory=dict, description="the planner's error by kind of "
+                                                "prediction (bands.QUANTITY_KINDS) in run reports of this machine")
 
     @model_validator(mode="before")
     @classmethod
@@ -699,7 +729,7 @@ def load_profile(path: Path) -> HardwareSpec:
     if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 2 as it is, 1 migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 2-3 as they are, 1 migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from chunkflow_planner.bands import Band
 from chunkflow_planner.catalog import EFFICIENCY_RANGE, H2D_GBPS_RANGE, PEAK_TFLOPS_RANGE, ModelSpec, Workload
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
@@ -18,8 +19,9 @@ from chunkflow_planner.versioned import field_errors, read_versioned
 
 # 2: model.spec, the whole entry of a model derived from a folder (issue 37). A version 1 plan reads as it is: its
 # model is the catalog's (model_of).
-PLAN_SCHEMA_VERSION = 3  # 3: the codec (offload.codec and its prediction fields, issue 39); 2 and 1 read as they are
-OLDER_PLAN_VERSIONS = (1, 2)
+PLAN_SCHEMA_VERSION = 4  # 4: a band on every prediction (prediction.bands, issue 41); 3: the codec (offload.codec and
+# its prediction fields, issue 39); 3, 2 and 1 read as they are (no bands)
+OLDER_PLAN_VERSIONS = (1, 2, 3)
 
 
 class PlanError(ChunkflowError):
@@ -179,6 +181,10 @@ class PlanPrediction(Prediction):
                                                    "parallel.sp_degree x this; None with one rank")
     disk_read_bytes_per_generation: int = Field(0, ge=0, description="bytes every component on the disk tier reads "
                                                 "from the checkpoint's files in one generation")
+    bands: dict[str, Band] = Field(default_factory=dict, description="each prediction's band by its path in this "
+                                   "section (step_time_s, generation_time_s, phases.denoise.time_s, "
+                                   "load.time_cold_s, ...): from the profile's fits and the planner's own error "
+                                   "(chunkflow_planner/bands.py); empty in a plan of schema 3 or older")
 
 
 class PlanComponent(_Section):

@@ -1,0 +1,227 @@
+"""How sure a plan is: the band each prediction carries, from the fits it depends on and the planner's own error.
+
+A profile's constants come from fits (`chunkflow calibrate`): each fit keeps its samples' spread about it
+(`HardwareSpec.fits`, a FitQuality by the names of FITS below). A prediction's band propagates those spreads to
+first order: each fit's constants are moved by +-Z x its spread, the chosen plan is priced again with everything
+else held (the same placements, chunk size and residency), and the relative changes are summed in quadrature.
+To that goes the planner's own error on that kind of prediction (QUANTITY_KINDS): from the run reports the profile
+was refit from (`HardwareSpec.model_errors`: |bias| + Z x spread), else MODEL_PRIOR. A fit the profile has no record
+of (a catalog entry, a figure calibrate does not measure) counts at its prior spread, and the band says so
+(`Band.measured`).
+
+    band = sqrt( sum_k (d q / q at k +- Z s_k)^2 + m_q^2 )
+
+So a band is a ~95% interval for one measurement of the same run on the machine the profile describes, if the
+samples calibrate took are like the samples the run will see. What narrows it: calibrate again (more samples, a
+quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from chunkflow_planner.catalog import HardwareSpec
+
+Z = 2.0  # the band's half-width in spreads (a normal sample's ~95%)
+FLAG_SPREAD = 0.10  # a fit whose samples spread wider than this about it is too loose to plan with (calibrate flags it)
+MAX_RESIDUALS = 256  # residuals a FitQuality keeps
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One fit of the profile: what it measures, its spread where the profile has no record of it, what to repeat to
+    narrow it, and how moving it by a factor k (1 + relative change, faster or larger when k > 1) changes the
+    profile."""
+
+    what: str
+    prior: float
+    repeat: str
+    move: Callable[[HardwareSpec, float], HardwareSpec]
+
+
+def _scale(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
+    """Every figure named, times k (absent figures stay absent)."""
+    def move(hw: HardwareSpec, k: float) -> HardwareSpec:
+        update = {}
+        for key in keys:
+            v = hw.figure(key)
+            if isinstance(v, dict):
+                update[key] = {n: x * k for n, x in v.items()}
+            elif v is not None:
+                update[key] = v * k
+        return hw.model_copy(update=update)
+    return move
+
+
+def _vae(kind: Literal["time", "mem"]) -> Callable[[HardwareSpec, float], HardwareSpec]:
+    """Every VAE decode fit's time (or memory) coefficients, times k, tiled fits too."""
+    keys = ("time_const", "time_per_voxel", "time_per_call") if kind == "time" else \
+        ("mem_const", "mem_per_px", "mem_per_voxel")
+
+    def move(hw: HardwareSpec, k: float) -> HardwareSpec:
+        def scaled(fit):
+            update = {key: getattr(fit, key) * k for key in keys}
+            if fit.tiled is not None:
+                update["tiled"] = scaled(fit.tiled)
+            return fit.model_copy(update=update)
+
+        return hw.model_copy(update={"vae_decode": {n: scaled(f) for n, f in hw.pipeline.vae_decode.items()}})
+    return move
+
+
+def _compute(hw: HardwareSpec, k: float) -> HardwareSpec:
+    """The device's compute rate times k: every efficiency is relative to P_peak, and memory-bound passes run at
+    the memory bandwidth."""
+    return hw.model_copy(update={"peak_tflops": hw.peak_tflops * k, "hbm_gbps": hw.hbm_gbps * k})
+
+
+def _slower(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
+    """Figures that are times or sizes: k > 1 (a faster machine) divides them."""
+    inner = _scale(*keys)
+    return lambda hw, k: inner(hw, 1.0 / k)
+
+
+FITS: dict[str, Fit] = {
+    "compute": Fit("the blocks' compute rate (eta_comp curves, GEMM and attention tables)", 0.05,
+                   "the block timings: `chunkflow calibrate --model MODEL` on an idle GPU", _compute),
+    "h2d": Fit("pinned host-to-device copies (h2d_link_gbps, dma_startup_us)", 0.03,
+               "the H2D copies: nothing else on the PCIe link or the host's memory while calibrate runs",
+               _scale("h2d_link_gbps")),
+    "collectives": Fit("the all-to-all rate and its contention with copies (coll_gbps)", 0.10,
+                       "the collectives: calibrate under torchrun with every GPU idle", _scale("coll_gbps")),
+    "block_overhead": Fit("the runtime's cost per streamed block (block_overhead_us)", 0.30,
+                          "`chunkflow calibrate --from-report` with offloaded runs", _slower("block_overhead_us")),
+    "disk_read": Fit("the disk's cold read rate (disk_read_gbps)", 0.15,
+                     "the disk reads: `chunkflow calibrate --weights DIR` with nothing else reading that disk",
+                     _scale("disk_read_gbps")),
+    "page_cache": Fit("reads the page cache holds (page_cache_gbps)", 0.10, "the warm reads: calibrate --weights DIR",
+                      _scale("page_cache_gbps")),
+    "pin": Fit("page-locking host memory (pin_gbps)", 0.10, "page-locking: calibrate with the host's memory free",
+               _scale("pin_gbps")),
+    "host_fault": Fit("new host memory at its first touch (host_fault_gbps)", 0.10,
+                      "first touches: calibrate with the host's memory free", _scale("host_fault_gbps")),
+    "load_startup": Fit("a pipeline's build outside its reads (load_startup_s)", 0.15,
+                        "the load's start-up: calibrate --weights DIR", _slower("load_startup_s")),
+    "vae_time": Fit("the VAE decodes' times (vae_decode)", 0.05, "the VAE decodes: calibrate on an idle GPU",
+                    _vae("time")),
+    "vae_memory": Fit("the VAE decodes' peak memory (vae_decode)", 0.05, "the VAE decodes: calibrate",
+                      _vae("mem")),
+    "text_host": Fit("the host's dispatch of text-encoder layers (text_layer_host_us)", 0.10,
+                     "the text-encoder dispatch: calibrate with the CPU otherwise idle",
+                     _slower("text_layer_host_us", "encode_host_s")),
+    "cpu": Fit("the CPU's matmul rate (cpu_tflops)", 0.10, "the CPU matmuls: calibrate with the CPU otherwise idle",
+               _scale("cpu_tflops")),
+    "codec_decode": Fit("the codec's decode rate (codec_decode_gbps)", 0.10, "the codec decode: calibrate --weights DIR",
+                        _scale("codec_decode_gbps")),
+    "codec_ratio": Fit("the codec's stored / raw bytes (codec_ratio)", 0.02, "the codec ratio: calibrate --weights DIR",
+                       _slower("codec_ratio")),
+    "context": Fit("device memory torch does not count (context_bytes)", 0.05, "calibrate on an idle GPU",
+                   _slower("context_bytes")),
+    "process_host": Fit("a process's own host memory (process_host_bytes)", 0.05, "calibrate",
+                        _slower("process_host_bytes")),
+    "startup": Fit("a process's first-generation start-up (startup_s)", 0.15,
+                   "`chunkflow calibrate --from-report` with runs made with --warmup", _slower("startup_s")),
+}
+
+QUANTITY_KINDS = ("step_time", "phase_time", "generation_time", "peak_memory", "host_memory", "load_time")
+
+# The planner's own error by kind where no run report of the machine says it: about the largest warm errors the
+# committed H200 runs measured (docs/planner-accuracy-h200.md: step 6.7%, peak 6.3%; docs/measurements.md: a load
+# +5.8% to +30% against its plan).
+MODEL_PRIOR: dict[str, float] = {"step_time": 0.07, "phase_time": 0.10, "generation_time": 0.08,
+                                 "peak_memory": 0.07, "host_memory": 0.07, "load_time": 0.30}
+
+
+def kind_of(key: str) -> str:
+    """The QUANTITY_KINDS entry of a prediction's key (its path in the plan's prediction)."""
+    if key.startswith("load."):
+        return "load_time" if key.endswith("_s") else "host_memory"
+    if key.startswith("phases."):
+        return "phase_time" if key.endswith("time_s") else "peak_memory"
+    if key == "step_time_s":
+        return "step_time"
+    if key == "generation_time_s":
+        return "generation_time"
+    if key in ("host_memory_bytes", "pinned_host_bytes"):
+        return "host_memory"
+    return "peak_memory"
+
+
+class Band(BaseModel):
+    """A prediction's band: value x (1 +- rel)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+    rel: float = Field(ge=0, description="half-width, a share of the prediction (0.06: +-6%)")
+    low: float = Field(description="the prediction x (1 - rel)")
+    high: float = Field(description="the prediction x (1 + rel)")
+    fits: list[str] = Field(default_factory=list, description="the fits that move it most, widest first")
+    measured: bool = Field(description="whether every fit it depends on was measured on this machine (else a "
+                           "prior spread stood in: bands.FITS)")
+    model: str = Field("", description="where the planner's own error came from: run reports, or the prior")
+
+    def contains(self, measured: float) -> bool:
+        """Whether a measurement falls inside the band."""
+        return self.low <= measured <= self.high
+
+
+def spread_of(hw: HardwareSpec, name: str) -> tuple[float, bool]:
+    """A fit's spread and whether it was measured: the profile's record, else the fit's prior."""
+    q = hw.fits.get(name)
+    return (q.spread, True) if q is not None else (FITS[name].prior, False)
+
+
+def model_error(hw: HardwareSpec, kind: str) -> tuple[float, str]:
+    """The planner's own error on `kind` (a half-width): from the profile's run reports, else the prior."""
+    e = hw.model_errors.get(kind)
+    if e is not None:
+        return abs(e.bias) + Z * e.spread, f"{e.samples} run report(s)"
+    return MODEL_PRIOR[kind], "prior (no run reports)"
+
+
+def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec,
+          base: Mapping[str, float] | None = None) -> dict[str, Band]:
+    """The band of every prediction `price(hw)` gives (key -> value), by moving each fit of FITS (module docstring).
+    A fit that changes no prediction costs one pricing per direction and is left out of the band's `fits`."""
+    base = dict(price(hw) if base is None else base)
+    keys = [k for k, v in base.items() if v is not None and math.isfinite(v) and v > 0]
+    var = {k: 0.0 for k in keys}
+    parts: dict[str, list[tuple[float, str]]] = {k: [] for k in keys}
+    unmeasured: dict[str, bool] = {k: False for k in keys}
+    for name, fit in FITS.items():
+        s, measured = spread_of(hw, name)
+        if s <= 0:
+            continue
+        step = min(Z * s, 0.9)
+        up, down = price(fit.move(hw, 1 + step)), price(fit.move(hw, 1 - step))
+        for k in keys:
+            hi, lo = up.get(k), down.get(k)
+            if hi is None or lo is None:
+                continue
+            d = max(abs(hi - base[k]), abs(lo - base[k])) / base[k]
+            if d > 1e-9:
+                var[k] += d * d
+                parts[k].append((d, name))
+                unmeasured[k] |= not measured
+    out = {}
+    for k in keys:
+        m, source = model_error(hw, kind_of(k))
+        rel = math.sqrt(var[k] + m * m)
+        out[k] = Band(rel=rel, low=base[k] * (1 - rel), high=base[k] * (1 + rel),
+                      fits=[n for _, n in sorted(parts[k], reverse=True)[:3]], measured=not unmeasured[k],
+                      model=source)
+    return out
+
+
+def spread(residuals: list[float]) -> float:
+    """1.4826 x the median absolute residual: a robust standard deviation of relative residuals."""
+    if not residuals:
+        return 0.0
+    xs = sorted(abs(r) for r in residuals)
+    n = len(xs)
+    med = xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    return 1.4826 * med
