@@ -300,10 +300,11 @@ def test_a_version_1_profile_is_migrated_on_load(tmp_path):
     dumped = hw.model_dump()
     assert not {"text_host", "host_op_us", "cpu_op_us"} & set(dumped)
     assert type(hw).model_validate(data) == hw  # embedded (plan.hardware.spec): the same migration
-    assert load_profile(_write(tmp_path / "v3.yaml", dumped)) == hw  # written back as version 3, read as is
-    assert load_profile(_write(tmp_path / "v2.yaml", {**dumped, "schema_version": 2})) == hw  # 2: no field changed
-    with pytest.raises(CatalogError, match="schema_version 4"):
-        load_profile(_write(tmp_path / "v4.yaml", {**dumped, "schema_version": 4}))
+    assert load_profile(_write(tmp_path / "v4.yaml", dumped)) == hw  # written back as version 4, read as is
+    for old in (2, 3):  # no field changed since: read as they are
+        assert load_profile(_write(tmp_path / f"v{old}.yaml", {**dumped, "schema_version": old})) == hw
+    with pytest.raises(CatalogError, match="schema_version 5"):
+        load_profile(_write(tmp_path / "v5.yaml", {**dumped, "schema_version": 5}))
 
 
 def _write(path: Path, data: dict) -> Path:
@@ -332,7 +333,7 @@ def test_a_profile_keeps_its_pipeline_figures_flat_and_round_trips(tmp_path):
     assert (hw.figure("host_margin"), hw.figure("eta_comp")) == (0.96, hw.eta_comp)  # by its key in the file
     data = hw.model_dump(mode="json")
     assert "pipeline" not in data and set(PipelineProfile.model_fields) <= set(data)  # flat, as the files hold it
-    assert list(data)[-1] == "source"
+    assert list(data)[-3:] == ["source", "fits", "model_errors"]
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     assert load_profile(path) == hw == HardwareSpec(**data)

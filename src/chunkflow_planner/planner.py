@@ -45,6 +45,7 @@ from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point
 from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
 from chunkflow_planner.workload import WorkloadError, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
+from chunkflow_planner.reprice import point_prediction as _prediction, with_bands
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
 
 DEFAULT_HARDWARE = "h200"
@@ -154,25 +155,6 @@ def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
         raise WorkloadError(f"Ulysses SP splits attention heads: {spec.name} has {spec.heads}, so --sp must be one of {divisors}")
     if sp > hw.gpus:
         raise WorkloadError(f"--sp {sp} needs {sp} GPUs; hardware {hw.name!r} lists {hw.gpus}. Pick another --hardware.")
-
-
-def _prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Prediction:
-    """A point's prediction; with a disk tier, its reads a step (`passes` forwards unless CFG is batched); with a
-    codec, its ratio (measured or supposed), decode rate, the bytes it saves a step and in host memory, and its spill
-    file's size (the disk tier's tails encoded)."""
-    disk = {}
-    forwards = 1 if p.cfg.cfg_batched else passes
-    if p.cfg.disk_blocks and hw is not None:
-        disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * forwards),
-                    disk_read_gbps=hw.disk_read_gbps, disk_stall_s=p.time.disk_stall)
-    if p.cfg.codec != "none" and hw is not None:
-        ratio, measured = codec_ratio(hw)
-        disk.update(codec_ratio=ratio, codec_ratio_measured=measured, codec_decode_gbps=hw.codec_decode_gbps,
-                    codec_saved_bytes_per_step=int(p.memory.codec_saved_link * forwards),
-                    codec_saved_host_bytes=int(p.memory.codec_saved), codec_staging_bytes=int(p.memory.codec_staging),
-                    codec_spill_bytes=int(p.memory.codec_spill))
-    return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
-                      pinned_host_bytes=int(p.memory.pinned_host), **disk)
 
 
 def usable_budget(budget: int, margin: float) -> int:
@@ -353,6 +335,7 @@ def make_plan(
         plan = plan.model_copy(update={"prediction": pred, "host_memory_budget_bytes": host_budget,
                                        "host_memory_budget_source": "--host-mem-budget",
                                        "host_memory_margin": host_margin})
+    plan = with_bands(plan, problem, decision.chosen, whole, read_bytes, host_alone=whole is None and host_budget is not None)
     return plan, decision, analysis
 
 

@@ -1,0 +1,88 @@
+"""A plan's predictions priced again on another hardware profile with everything the plan decided held (its
+placements, chunk size, residency, disk blocks, codec), and the bands that pricing gives (bands.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from chunkflow_planner.bands import bands
+from chunkflow_planner.catalog import HardwareSpec
+from chunkflow_planner.memory import host_need
+from chunkflow_planner.pipeline.assemble import with_pipeline
+from chunkflow_planner.pipeline.decide import PipelineDecision
+from chunkflow_planner.pipeline.phases import estimate
+from chunkflow_planner.pipeline.placement import ON_DISK, PHASES
+from chunkflow_planner.plan import Plan, Prediction
+from chunkflow_planner.policy import Point, Problem
+from chunkflow_planner.tiers import codec_ratio
+
+
+def point_prediction(p: Point, hw: HardwareSpec | None = None, passes: int = 1) -> Prediction:
+    """A point's prediction; with a disk tier, its reads a step (`passes` forwards unless CFG is batched); with a
+    codec, its ratio (measured or supposed), decode rate, the bytes it saves a step and in host memory, and its spill
+    file's size (the disk tier's tails encoded)."""
+    disk = {}
+    forwards = 1 if p.cfg.cfg_batched else passes
+    if p.cfg.disk_blocks and hw is not None:
+        disk = dict(disk_read_bytes_per_step=int(p.memory.disk_read * forwards),
+                    disk_read_gbps=hw.disk_read_gbps, disk_stall_s=p.time.disk_stall)
+    if p.cfg.codec != "none" and hw is not None:
+        ratio, measured = codec_ratio(hw)
+        disk.update(codec_ratio=ratio, codec_ratio_measured=measured, codec_decode_gbps=hw.codec_decode_gbps,
+                    codec_saved_bytes_per_step=int(p.memory.codec_saved_link * forwards),
+                    codec_saved_host_bytes=int(p.memory.codec_saved), codec_staging_bytes=int(p.memory.codec_staging),
+                    codec_spill_bytes=int(p.memory.codec_spill))
+    return Prediction(step_time_s=p.step_time, peak_memory_bytes=p.memory.peak,
+                      pinned_host_bytes=int(p.memory.pinned_host), **disk)
+
+
+def prediction_values(plan: Plan) -> dict[str, float]:
+    """The predictions a plan carries bands for, by their path in its `prediction` section (None and 0 left out)."""
+    p = plan.prediction
+    out: dict[str, float | None] = {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
+                                    "pinned_host_bytes": p.pinned_host_bytes, "generation_time_s": p.generation_time_s,
+                                    "host_memory_bytes": p.host_memory_bytes}
+    if p.phases is not None:
+        for name in PHASES:
+            ph = getattr(p.phases, name)
+            out[f"phases.{name}.time_s"] = ph.time_s
+            out[f"phases.{name}.peak_memory_bytes"] = ph.peak_memory_bytes
+    if p.load is not None:
+        out.update({"load.time_cold_s": p.load.time_cold_s, "load.time_warm_s": p.load.time_warm_s,
+                    "load.host_peak_bytes": p.load.host_peak_bytes,
+                    "load.host_peak_per_host_bytes": p.load.host_peak_per_host_bytes})
+    return {k: float(v) for k, v in out.items() if v}
+
+
+def repriced(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecision | None, hw: HardwareSpec,
+             read_bytes: int | None = None, host_alone: bool = False) -> Plan:
+    """`plan` (made for `problem` with the transformer at `chosen`, the pipeline as `whole` decided) with its
+    predictions priced on `hw` instead, nothing it decided changed. `host_alone`: a transformer-only plan held to a
+    host budget (its host memory is the transformer's)."""
+    prob = replace(problem, hw=hw)
+    passes = problem.workload.cfg_passes
+    if whole is None:
+        point = prob.evaluate(chosen.cfg)
+        pred = plan.prediction.model_copy(update=point_prediction(point, hw, passes).model_dump())
+        if host_alone:
+            pred = pred.model_copy(update={"host_memory_bytes": int(host_need(point.memory, hw))})
+        return plan.model_copy(update={"prediction": pred})
+    e = whole.chosen
+    point = prob.evaluate(e.transformer.cfg)
+    disk_point = next((prob.evaluate(r.point.cfg) for r in e.experts if r.placement == ON_DISK), None) \
+        if e.placements.mixed else None
+    e2 = estimate(problem.spec, problem.workload, hw, e.placements, point, None, disk_point, ranks=e.ranks,
+                  share_host=e.share_host)
+    base = plan.model_copy(update={"prediction": plan.prediction.model_copy(
+        update=point_prediction(point, hw, passes).model_dump())})
+    return with_pipeline(base, problem.spec, replace(whole, chosen=e2), read_bytes)
+
+
+def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecision | None,
+               read_bytes: int | None = None, host_alone: bool = False) -> Plan:
+    """`plan` with a band on each of its predictions (bands.bands over `repriced`)."""
+    def price(hw: HardwareSpec) -> dict[str, float]:
+        return prediction_values(repriced(plan, problem, chosen, whole, hw, read_bytes, host_alone))
+
+    found = bands(price, problem.hw, prediction_values(plan))
+    return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})
