@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Sequence
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, computed_field
 
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.files import FileError, read_text
@@ -194,6 +194,49 @@ class RelErrors(BaseModel):
     peak_memory: float | None = None
 
 
+class BandVerdict(BaseModel):
+    """One measurement against its prediction's band (the plan's `prediction.bands`)."""
+
+    error: float = Field(description="measured / predicted - 1, as the report's error for it")
+    band: float = Field(description="the band's half-width, a share of the prediction")
+    inside: bool = Field(description="|error| <= band")
+    fits: list[str] = Field(default_factory=list, description="the fits that move the band most (bands.FITS)")
+
+
+def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
+    """Each error the report computed, against the band of the prediction it compares (by its key in the plan's
+    `prediction.bands`); none for a plan without bands (schema 3 or older) or where nothing was compared (a CPU run
+    of a GPU plan compares no time). A load's time is held to the wider of its cold and warm bands (its prediction
+    is for the share the page cache held)."""
+    bands = report.plan.prediction.bands
+    if not bands:
+        return {}
+    pairs: list[tuple[str, tuple[str, ...], float | None]] = [
+        ("step_time_s", ("step_time_s",), report.rel_error.step_time),
+        ("peak_memory_bytes", ("peak_memory_bytes",), report.rel_error.peak_memory)]
+    g = report.generation
+    if g is not None:
+        pairs.append(("generation_time_s", ("generation_time_s",), g.generation_time_error))
+        for name, ph in g.phases.items():
+            pairs += [(f"phases.{name}.time_s", (f"phases.{name}.time_s",), ph.time_error),
+                      (f"phases.{name}.peak_memory_bytes", (f"phases.{name}.peak_memory_bytes",), ph.memory_error)]
+        host_key = "host_memory_bytes"
+        pairs.append((host_key, (host_key,), g.host_memory_error))
+        if g.load is not None:
+            pairs += [("load.time_s", ("load.time_cold_s", "load.time_warm_s"), g.load.time_error),
+                      ("load.host_peak_bytes", ("load.host_peak_per_host_bytes", "load.host_peak_bytes")
+                       if g.host_peak_per_host_bytes is not None else ("load.host_peak_bytes",), g.load.host_error)]
+    nominal = report.plan.hardware.device_is_host  # a CPU plan's times are nominal figures, not predictions
+    out = {}
+    for key, keys, error in pairs:
+        found = [bands[k] for k in keys if k in bands]
+        if error is None or not found or (nominal and (key.endswith("time_s") or key == "load.time_s")):
+            continue
+        band = max(found, key=lambda b: b.rel)
+        out[key] = BandVerdict(error=error, band=band.rel, inside=abs(error) <= band.rel, fits=band.fits)
+    return out
+
+
 class RunConfig(BaseModel):
     offload: OffloadConfig
     device: str
@@ -224,6 +267,12 @@ class RunReport(BaseModel):
     stats: dict[str, Any] | None = Field(None, description="OffloadHandle.stats() after the timed steps")
     generation: GenerationResult | None = Field(None, description="`run --prompt`: the whole generation, phase by "
                                                 "phase, measured against the plan")
+
+    @computed_field(description="each measurement against its prediction's band (band_verdicts); recomputed on "
+                    "reading")
+    @property
+    def bands(self) -> dict[str, BandVerdict]:
+        return band_verdicts(self)
 
     def write(self, path: str | Path) -> None:
         from chunkflow_planner.files import write_atomic

@@ -15,6 +15,32 @@ def _sci(x: float) -> str:
     return f"{x:.3e}"
 
 
+def band_text(plan: Plan, key: str) -> str:
+    """" +-6%": the band of the plan's prediction `key` (its path in `prediction`, bands.py), or "" without one."""
+    b = plan.prediction.bands.get(key)
+    if b is None:
+        return ""
+    pct = b.rel * 100
+    return f" +-{pct:.0f}%" if pct >= 9.5 else f" +-{pct:.1f}%".replace(".0%", "%")
+
+
+def bands_note(plan: Plan) -> str | None:
+    """What the plan's bands are made of, and how to narrow them; None for a plan without bands."""
+    bands = plan.prediction.bands
+    if not bands:
+        return None
+    models = sorted({b.model for b in bands.values()})
+    supposed = sorted({f for b in bands.values() if not b.measured for f in b.fits})
+    text = ("bands (+-): about 95% of a run's measurements on this machine, from the profile's fits and the "
+            f"planner's own error ({'; '.join(models)})")
+    if supposed or any("prior" in m for m in models):
+        text += ("; prior spreads stood in for what this profile has not measured"
+                 + (f" ({', '.join(supposed)})" if supposed else "")
+                 + ": `chunkflow calibrate` narrows them, `chunkflow calibrate --from-report REPORT` measures the "
+                 "planner's own error from your runs")
+    return text
+
+
 def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noqa: ANN001 - planner types
     """The analysis, each mode's prediction, the chosen plan and one line saying why."""
     w, hw = plan.workload, plan.hardware
@@ -37,7 +63,7 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
     total = plan.prediction.step_time_s * w.steps
     target, step = format_seconds_apart(plan.target_step_time_s or 0, plan.prediction.step_time_s)
     console.print(f"[bold green]plan:[/] {_chosen_text(plan)}; {hw.device_word} budget {_budget_text(plan)}; target "
-                  f"{target} per step, {step} predicted; {w.steps} steps take about "
+                  f"{target} per step, {step}{band_text(plan, 'step_time_s')} predicted; {w.steps} steps take about "
                   f"{format_seconds(total)}", highlight=False)
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
     if plan.pipeline is not None:
@@ -83,15 +109,17 @@ def _modes_table(plan: Plan) -> Table:
     rows.append((o.mode + o.levers_label + " (chosen)", o.chunk_bytes if o.mode == "chunkflow" else None,
                  o.residency if o.mode != "none" else None, plan.prediction))
     for name, chunk, res, p in rows:
+        chosen = p is plan.prediction  # the bands are the chosen setting's
+        band = (lambda key: band_text(plan, key)) if chosen else (lambda key: "")
         m.add_row(
             name,
             ("whole block" if chunk >= plan.analysis.prefetch_bytes_per_block else format_bytes(chunk)) if chunk
             else "-",
             f"{res:.0%}" if res is not None else "-",
-            format_seconds(p.step_time_s),
+            format_seconds(p.step_time_s) + band("step_time_s"),
             f"{p.step_time_s / base:.3f}x",
-            format_bytes(p.peak_memory_bytes),
-            format_bytes(p.pinned_host_bytes) if p.pinned_host_bytes else "-",
+            format_bytes(p.peak_memory_bytes) + band("peak_memory_bytes"),
+            format_bytes(p.pinned_host_bytes) + band("pinned_host_bytes") if p.pinned_host_bytes else "-",
         )
     return m
 
@@ -167,9 +195,13 @@ def tie_note(plan: Plan) -> str | None:
 def print_host_alone(console: Console, plan: Plan) -> None:
     """The transformer alone against a host budget, and its disk tier (nothing without --host-mem-budget)."""
     pp = plan.prediction
+    note = bands_note(plan)
+    if note:
+        console.print(note, highlight=False, markup=False)
     if plan.host_memory_budget_bytes is None:
         return
-    console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} (the pinned store and the process) of "
+    console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{band_text(plan, 'host_memory_bytes')} "
+                  "(the pinned store and the process) of "
                   f"{format_bytes(plan.host_memory_budget_bytes)} (--host-mem-budget"
                   + (f", planned inside {format_bytes(int(plan.host_memory_budget_bytes / (1 + plan.host_memory_margin)))}"
                      f": {plan.host_memory_margin:.1%} kept for the host model's error" if plan.host_memory_margin
@@ -231,8 +263,10 @@ def print_pipeline(console: Console, plan: Plan) -> None:
         t.add_column(col, justify="left" if col == "phase" else "right")
     for name in ("encode", "denoise", "decode"):
         ph = getattr(pp.phases, name)
-        t.add_row(name, format_seconds(ph.time_s), format_bytes(ph.peak_memory_bytes))
-    t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0), "")
+        t.add_row(name, format_seconds(ph.time_s) + band_text(plan, f"phases.{name}.time_s"),
+                  format_bytes(ph.peak_memory_bytes) + band_text(plan, f"phases.{name}.peak_memory_bytes"))
+    t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0) + band_text(plan, "generation_time_s"),
+              "")
     console.print(t)
     startup = sum(getattr(pp.phases, n).startup_s for n in ("encode", "denoise", "decode"))
     if startup > 0:
@@ -244,14 +278,15 @@ def print_pipeline(console: Console, plan: Plan) -> None:
         console.print(f"host memory {split}", highlight=False)
         host = f"a rank: {host}"
     where = plan.host_memory_budget_source or "budget"
+    hband = band_text(plan, "host_memory_bytes")
     if plan.host_memory_budget_bytes is None:
-        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} needed ({host}); {where}",
+        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{hband} needed ({host}); {where}",
                       highlight=False)
     else:
         hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
         kept = (f", planned inside {format_bytes(int(plan.host_memory_budget_bytes / (1 + plan.host_memory_margin)))}: "
                 f"{plan.host_memory_margin:.1%} kept for the host model's error" if plan.host_memory_margin else "")
-        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)} ({host}) of "
+        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{hband} ({host}) of "
                       f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint}{kept})", highlight=False)
     if pp.disk_read_bytes_per_generation:
         rate = plan.hardware.spec.get("disk_read_gbps") if plan.hardware.spec else None
@@ -262,7 +297,10 @@ def print_pipeline(console: Console, plan: Plan) -> None:
                                         for c in plan.pipeline.components):
         console.print(disk_blocks_line(plan), highlight=False)
     if pp.load is not None:
-        console.print(plan_load_line(pp.load, plan.hardware.device_is_host), highlight=False)
+        console.print(plan_load_line(pp.load, plan.hardware.device_is_host, plan), highlight=False)
+    note = bands_note(plan)
+    if note:
+        console.print(note, highlight=False, markup=False)
 
 
 def host_split_text(plan: Plan) -> str | None:
@@ -280,22 +318,25 @@ def host_split_text(plan: Plan) -> str | None:
     return text
 
 
-def plan_load_line(ld, device_is_host: bool = False) -> str:  # noqa: ANN001 - plan.LoadPrediction
-    """The plan's load: time from cold files and from the page cache, and the host memory it holds."""
+def plan_load_line(ld, device_is_host: bool = False, plan: Plan | None = None) -> str:  # noqa: ANN001 - plan.LoadPrediction
+    """The plan's load: time from cold files and from the page cache, and the host memory it holds (with their bands
+    where `plan` is given)."""
+    band = (lambda key: band_text(plan, key)) if plan is not None else (lambda key: "")
     if device_is_host:
         return (f"load: {format_bytes(ld.read_bytes)} read ({ld.read_bytes_source}); host memory "
-                f"{format_bytes(ld.host_peak_bytes)} at its end")
+                f"{format_bytes(ld.host_peak_bytes)}{band('load.host_peak_bytes')} at its end")
     if ld.time_cold_s is None:
         when = "time not predicted (the profile has no disk rate: `chunkflow calibrate --weights DIR` measures one)"
     else:
-        when = (f"{format_seconds(ld.time_cold_s)} from cold files, {format_seconds(ld.time_warm_s)} from the page "
-                "cache")
+        when = (f"{format_seconds(ld.time_cold_s)}{band('load.time_cold_s')} from cold files, "
+                f"{format_seconds(ld.time_warm_s)}{band('load.time_warm_s')} from the page cache")
     if getattr(ld, "host_peak_per_host_bytes", None) is not None:  # under SP: every rank's load at once
         return (f"load: {format_bytes(ld.read_bytes)} read by the host's ranks ({ld.read_bytes_source}; what they "
-                f"share read once), {when}; host memory {format_bytes(ld.host_peak_per_host_bytes)} per host at its "
-                f"end ({format_bytes(ld.host_peak_bytes)} a process)")
+                f"share read once), {when}; host memory {format_bytes(ld.host_peak_per_host_bytes)}"
+                f"{band('load.host_peak_per_host_bytes')} per host at its end ({format_bytes(ld.host_peak_bytes)} a "
+                "process)")
     return (f"load: {format_bytes(ld.read_bytes)} read ({ld.read_bytes_source}), {when}; host memory "
-            f"{format_bytes(ld.host_peak_bytes)} at its end")
+            f"{format_bytes(ld.host_peak_bytes)}{band('load.host_peak_bytes')} at its end")
 
 
 def _spread(times: list[float]) -> str:
@@ -347,6 +388,7 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
             console.print(random_output_note(g.output_pixels, w.frames > 1), highlight=False, markup=False)
     console.print(_generation_table(g, gpu))
     _print_generation_notes(console, g, gpu)
+    print_band_verdicts(console, report)
 
 
 def random_output_note(pixels, video: bool) -> str:  # noqa: ANN001 - reports.OutputPixels or None
@@ -558,3 +600,39 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.rep
         console.print(f"note: the prediction is for the GPU profile {report.plan.hardware.name!r}; on the CPU this run "
                       "checks the pipeline end to end, not the planner's accuracy (run it on that GPU for that).",
                       highlight=False, markup=False)
+    if report.generation is None:  # a generation's verdicts follow its own table (print_generation)
+        print_band_verdicts(console, report)
+
+
+_BAND_LABELS = {"step_time_s": "step time (median)", "peak_memory_bytes": "peak memory (allocated)",
+                "generation_time_s": "generation", "host_memory_bytes": "host memory (peak)", "load.time_s": "load time",
+                "load.host_peak_bytes": "host memory at the load's end"}
+
+
+def _band_label(key: str) -> str:
+    if key.startswith("phases."):
+        _, phase, what = key.split(".", 2)
+        return f"{phase} {'time' if what == 'time_s' else 'peak memory'}"
+    return _BAND_LABELS.get(key, key)
+
+
+def print_band_verdicts(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.reports.RunReport
+    """Each measurement against its prediction's band: inside or outside, and what a miss leaves to do."""
+    verdicts = report.bands
+    if not verdicts:
+        return
+    t = Table(title="Measured against the plan's bands (about 95% of runs on the machine the profile describes)")
+    for col in ("quantity", "error", "band", "verdict"):
+        t.add_column(col, justify="left" if col in ("quantity", "verdict") else "right")
+    for key, v in verdicts.items():
+        t.add_row(_band_label(key), f"{v.error:+.1%}", f"+-{v.band:.1%}", "inside" if v.inside else "[bold]outside[/]")
+    console.print(t)
+    out = [k for k, v in verdicts.items() if not v.inside]
+    line = f"{len(verdicts) - len(out)} of {len(verdicts)} measurements inside their bands"
+    if out:
+        own = "the planner's own error"
+        line += ("; outside: " + "; ".join(
+            f"{_band_label(k)} (its band is widest from {', '.join(verdicts[k].fits) or own})" for k in out) + ". A miss says this run differed from what the profile measured (another load on the "
+            "machine, a cold cache) or the model is off: `chunkflow calibrate --from-report REPORT` folds the run "
+            "into the profile's errors, and the next plan's bands")
+    console.print(line, highlight=False, markup=False)

@@ -1,0 +1,200 @@
+"""Bands on a plan's predictions (issue 41): from the profile's fits and the planner's own error, in the plan file
+and its tables, and run reports' inside/outside verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from chunkflow.commands.cli import app
+from chunkflow_planner.bands import FITS, MODEL_PRIOR, QUANTITY_KINDS, Z, kind_of
+from chunkflow_planner.catalog import FitQuality, ModelError, Workload, get_hardware, get_model
+from chunkflow_planner.plan import load_plan
+from chunkflow_planner.planner import ResolvedHardware, make_plan
+
+runner = CliRunner()
+
+
+def _hw(spreads: dict[str, float] | float | None = None, errors: dict[str, tuple[float, float]] | None = None,
+        name: str = "h200", **update):
+    """The catalog profile `name` with every fit measured at `spreads` (one spread for all, or by fit; None: the
+    catalog's own, none measured) and the planner's errors `errors` (kind -> bias, spread)."""
+    hw = get_hardware(name)
+    if spreads is not None:
+        each = spreads if isinstance(spreads, dict) else {n: spreads for n in FITS}
+        update["fits"] = {n: FitQuality(samples=5, spread=s) for n, s in each.items()}
+    if errors is not None:
+        update["model_errors"] = {k: ModelError(samples=4, bias=b, spread=s) for k, (b, s) in errors.items()}
+    return ResolvedHardware(hw.model_copy(update=update), "test")
+
+
+def _plan(hw, model="flux", budget=6 * 10**9, **kw):
+    w = kw.pop("workload", None) or Workload(batch=1, frames=1, height=1024, width=1024, steps=8)
+    if kw.get("pipeline", True):
+        kw.setdefault("host_budget", 256 * 10**9)  # not this machine's memory: the same plan anywhere
+    plan, _, _ = make_plan(get_model(model), w, hw, budget=budget, **kw)
+    return plan
+
+
+WAN = Workload(batch=1, frames=81, height=480, width=832, steps=4, cfg_passes=2)
+CASES = [  # the plan's kinds: the whole pipeline (streamed, codec), the transformer alone (with and without a host
+    # budget), SP over two GPUs, two experts under a host budget that puts one on disk
+    dict(),
+    dict(pipeline=False, target_step_time=2.0),
+    dict(pipeline=False, target_step_time=2.0, host_budget=16 * 10**9, disk=1.5),
+    dict(model="wan2.1-14b", workload=WAN, sp=2, budget=16 * 10**9, hw_name="h200-x2"),
+    dict(model="wan2.2-a14b", workload=WAN, budget=24 * 10**9, host_budget=48 * 10**9, disk=1.5),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["pipeline", "transformer", "transformer-host", "sp2", "experts-disk"])
+def test_priced_again_on_its_own_profile_a_plan_is_its_own_centre(case):
+    """With every fit measured at a vanishing spread, each band is the planner's own error alone: so pricing the
+    plan again (its placements, chunk and residency held) reproduces every prediction it made."""
+    case = dict(case)
+    name, disk = case.pop("hw_name", "h200"), case.pop("disk", None)
+    extra = {"disk_read_gbps": disk, "page_cache_gbps": 8.0} if disk else {}
+    plan = _plan(_hw(1e-9, name=name, **extra), **case)
+    bands = plan.prediction.bands
+    assert {"step_time_s", "peak_memory_bytes"} <= bands.keys()
+    if case.get("pipeline", True):
+        assert {"generation_time_s", "host_memory_bytes", "phases.denoise.time_s", "phases.decode.peak_memory_bytes",
+                "load.host_peak_bytes"} <= bands.keys()
+    if disk and not case.get("pipeline", True):
+        assert plan.offload.disk_blocks > 0 and "host_memory_bytes" in bands
+    elif disk:
+        assert {"load.time_cold_s", "load.time_warm_s"} <= bands.keys()
+        assert any(c.placement == "disk" or c.disk_read_bytes for c in plan.pipeline.components)
+    if case.get("sp"):
+        assert "load.host_peak_per_host_bytes" in bands
+    for key, band in bands.items():
+        assert band.rel == pytest.approx(MODEL_PRIOR[kind_of(key)], rel=1e-5), key
+        assert band.model.startswith("prior")  # a mismatch of 3e-4 would show above: sqrt(m^2 + d^2)
+
+
+def test_with_no_fit_spread_a_band_is_the_error_the_run_reports_measured():
+    errors = {k: (0.01 * (i + 1), 0.005 * (i + 1)) for i, k in enumerate(QUANTITY_KINDS)}
+    plan = _plan(_hw(0.0, errors))
+    for key, band in plan.prediction.bands.items():
+        bias, spread = errors[kind_of(key)]
+        assert band.rel == pytest.approx(abs(bias) + Z * spread, rel=1e-9), key
+        assert band.model == "4 run report(s)" and band.measured
+        value = band.low / (1 - band.rel)
+        assert band.high == pytest.approx(value * (1 + band.rel)) and band.contains(value)
+
+
+def test_a_fit_widens_the_bands_of_what_it_prices_and_no_others():
+    """FLUX at 6 GB streams most of its weights each step (copy-bound): the H2D fit's spread moves its step time and
+    the generation, not its GPU or host memory; the compute fit's moves the step little."""
+    quiet = {n: 0.0 for n in FITS}
+    errors = {k: (0.0, 0.0) for k in QUANTITY_KINDS}
+    narrow = _plan(_hw({**quiet, "h2d": 0.01}, errors)).prediction.bands
+    wide = _plan(_hw({**quiet, "h2d": 0.05}, errors)).prediction.bands
+    assert wide["step_time_s"].rel > 3 * narrow["step_time_s"].rel > 0
+    assert wide["step_time_s"].fits == ["h2d"] and wide["generation_time_s"].rel > narrow["generation_time_s"].rel
+    for key in ("peak_memory_bytes", "host_memory_bytes", "phases.denoise.peak_memory_bytes"):
+        assert wide[key].rel == 0.0 and key in wide
+    compute = _plan(_hw({**quiet, "compute": 0.05}, errors)).prediction.bands
+    assert compute["step_time_s"].rel < wide["step_time_s"].rel / 3  # copies bound it, not compute
+    assert compute["peak_memory_bytes"].rel == 0.0
+    # everything on the GPU (80 GB): the step is compute alone, the copies do not price it
+    on_gpu = {n: _plan(_hw({**quiet, n: 0.05}, errors), budget=80 * 10**9).prediction.bands["step_time_s"]
+              for n in ("compute", "h2d")}
+    assert on_gpu["compute"].rel == pytest.approx(1 / (1 - Z * 0.05) - 1, rel=1e-6)  # time goes as 1 / rate
+    assert on_gpu["h2d"].rel == 0.0
+
+
+def test_a_fit_the_profile_never_measured_counts_at_its_prior_and_the_band_says_so():
+    measured = _plan(_hw(0.02)).prediction.bands["step_time_s"]
+    catalog = _plan(_hw()).prediction.bands["step_time_s"]
+    assert measured.measured and not catalog.measured
+    assert catalog.fits and all(f in FITS for f in catalog.fits)
+
+
+def test_the_plan_file_carries_its_bands_and_reads_back(workdir):
+    tmp_path = workdir
+    result = runner.invoke(app, ["plan", "--model", "flux", "--height", "1024", "--width", "1024", "--steps", "8",
+                                 "--mem-budget", "6GB", "--hardware", "h200", "--out", "p.json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["schema_version"] == 4
+    step = data["prediction"]["bands"]["step_time_s"]
+    assert step["low"] < data["prediction"]["step_time_s"] < step["high"] and 0 < step["rel"] < 0.5
+    plan = load_plan(tmp_path / "p.json")
+    assert plan.prediction.bands["step_time_s"].rel == step["rel"]
+    # the tables show them compactly: the chosen step, each phase, the generation, host memory
+    out = " ".join(result.output.split())
+    pct = f"+-{step['rel'] * 100:.1f}%".replace(".0%", "%") if step["rel"] < 0.095 else f"+-{step['rel'] * 100:.0f}%"
+    assert pct in out
+    gen = data["prediction"]["bands"]["generation_time_s"]["rel"] * 100
+    assert f"+-{gen:.0f}%" in out or f"+-{gen:.1f}%" in out
+    assert "bands (+-)" in out and "chunkflow calibrate --from-report" in out
+    # a plan of schema 3 (no bands) still reads, with none
+    del data["prediction"]["bands"]
+    data["schema_version"] = 3
+    (tmp_path / "p3.json").write_text(json.dumps(data))
+    assert load_plan(tmp_path / "p3.json").prediction.bands == {}
+
+
+def test_a_profile_that_measured_everything_says_no_prior_stood_in():
+    from chunkflow.commands.plan_tables import bands_note
+
+    plan = _plan(_hw(0.01, {k: (0.0, 0.02) for k in QUANTITY_KINDS}))
+    note = bands_note(plan)
+    assert "prior" not in note and "4 run report(s)" in note
+    assert "prior spreads stood in" in bands_note(_plan(_hw()))
+
+
+def _gpu_report(tmp_path):
+    """A real tiny run report, made to look measured on a GPU (a CPU run of a GPU plan compares no time)."""
+    result = runner.invoke(app, ["plan", "--model", "tiny", "--out", "plan.json"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "report.json"
+    result = runner.invoke(app, ["run", "--plan", "plan.json", "--steps", "1", "--report", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    data["gpu"], data["run"]["device"] = "NVIDIA H200", "cuda:0"
+    return data, out
+
+
+def test_a_run_report_says_whether_each_measurement_fell_inside_its_band(workdir):
+    tmp_path = workdir
+    from chunkflow.commands.plan_tables import print_run
+    from chunkflow.reports import load_reports
+
+    data, path = _gpu_report(tmp_path)
+    band = data["plan"]["prediction"]["bands"]["step_time_s"]["rel"]
+    data["rel_error"] = {"step_time": band / 2, "peak_memory": -3 * data["plan"]["prediction"]["bands"][
+        "peak_memory_bytes"]["rel"]}
+    path.write_text(json.dumps(data))
+    report = load_reports([path])[0]
+    v = report.bands
+    assert v["step_time_s"].inside and v["step_time_s"].band == band
+    assert not v["peak_memory_bytes"].inside
+    written = json.loads(report.model_dump_json())
+    assert written["bands"]["peak_memory_bytes"]["inside"] is False  # the verdict is in the report file
+    console = Console(record=True, width=200)
+    print_run(console, report)
+    text = console.export_text()
+    assert "Measured against the plan's bands" in text and "1 of 2 measurements inside their bands" in text
+    assert "outside: peak memory (allocated)" in text
+    # a plan without bands gives no verdict
+    del data["plan"]["prediction"]["bands"]
+    data["plan"]["schema_version"] = 3
+    path.write_text(json.dumps(data))
+    assert load_reports([path])[0].bands == {}
+
+
+def test_a_cpu_run_of_a_gpu_plan_gives_no_time_verdict(workdir):
+    tmp_path = workdir
+    from chunkflow.reports import load_reports
+
+    result = runner.invoke(app, ["plan", "--model", "tiny", "--out", "plan.json"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["run", "--plan", "plan.json", "--steps", "1", "--report", "r.json"])
+    assert result.exit_code == 0, result.output
+    report = load_reports([tmp_path / "r.json"])[0]
+    assert "step_time_s" not in report.bands
