@@ -194,13 +194,16 @@ def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> fl
     return gmean(ks) if ks else 1.0
 
 
-def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str) -> dict[str, Any]:
+def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str
+                 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The VaeDecodeFit (as a dict) of `spec`'s VAE from its measured decodes: untiled per voxel, tiled per decoder
-    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`)."""
-    from chunkflow.commands.calibrate.ops import fit_vae
+    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`); and the residuals of
+    both fits ({vae_time, vae_memory}: ops.vae_residuals)."""
+    from chunkflow.commands.calibrate.ops import fit_vae, vae_residuals
     from chunkflow_planner.pipeline import decode_calls
 
     fit = fit_vae(plain, spec.is_video, source)
+    time, mem = vae_residuals(plain, fit)
     if tiled:
         calls = None
         if spec.pipeline.vae.tiling is not None:
@@ -209,7 +212,9 @@ def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: 
             for r in tiled:
                 r["decoder_calls"] = calls(r)
         fit["tiled"] = fit_vae(tiled, False, source + " (tiled)", calls)
-    return fit
+        t, m = vae_residuals(tiled, fit["tiled"], calls)
+        time, mem = time + t, mem + m
+    return fit, {"vae_time": time, "vae_memory": mem}
 
 def gmean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))

@@ -182,18 +182,22 @@ def fit_mem_ops_scale(rows: Sequence[dict], hw) -> float:
 
 def vae_points(spec, cpu: bool = False) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
     """(untiled, tiled) decode sizes (batch, frames, height, width) for the VAE of catalog model `spec`: enough to
-    separate the fit's terms (per pixel of a frame, per output voxel, constant), above the VAE's tile size for the
-    tiled ones."""
+    separate the fit's terms (per pixel of a frame, per output voxel, constant) and one more (a fit through every
+    decode it has says nothing of its spread: ops.vae_residuals), above the VAE's tile size for the tiled ones."""
     if cpu:
-        pts = [(1, 5, 64, 64), (1, 5, 128, 128), (1, 9, 128, 128)] if spec.is_video else [(1, 1, 64, 64), (1, 1, 128, 128)]
+        if spec.is_video:
+            return ([(1, 5, 64, 64), (1, 9, 64, 64), (1, 5, 128, 128), (1, 9, 128, 128)],
+                    [(1, 5, 128, 128), (1, 9, 128, 128), (1, 13, 128, 128)])
+        pts = [(1, 1, 64, 64), (1, 1, 128, 128)]
         return pts, pts[1:]
     if spec.is_video:  # up to sizes people generate: a decode's bytes per output voxel grow with the frame count,
         # so fits from short clips fall short on long ones (5-13 frame untiled fits were 25% over in memory at 81
         # frames on an H200); tiled decodes at two resolutions, so the time per decoder call averages edge tiles
         # of both (a fit per voxel from one resolution was 23% short at 480x832 x121)
-        return ([(1, 5, 256, 448), (1, 13, 480, 832), (1, 41, 480, 832)],
+        return ([(1, 5, 256, 448), (1, 21, 256, 448), (1, 13, 480, 832), (1, 41, 480, 832)],
                 [(1, 21, 480, 832), (1, 21, 704, 1280), (1, 61, 704, 1280)])
-    return [(1, 1, 512, 512), (1, 1, 1024, 1024)], [(1, 1, 1536, 1536), (1, 1, 2048, 2048)]
+    return ([(1, 1, 512, 512), (1, 1, 768, 768), (1, 1, 1024, 1024)],
+            [(1, 1, 1536, 1536), (1, 1, 1792, 1792), (1, 1, 2048, 2048)])
 
 
 def _warmup_frames(spec) -> int:
