@@ -85,11 +85,11 @@ def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
         raise CalibrationError("fit_h2d needs positive sizes and times")
     if len(set(sizes)) < 2:
         raise CalibrationError("fit_h2d needs at least two different sizes")
-    t0, a = _h2d_least_squares(sizes, times)
-    t0, a = robust_linear([[1.0, float(c)] for c in sizes], times, x0=[max(t0, 1e-3 * min(times)), a],
+    start = _h2d_least_squares(sizes, times)
+    t0, a = robust_linear([[1.0, float(c)] for c in sizes], times, x0=[max(start[0], 1e-3 * min(times)), start[1]],
                           lower=[0.0, 0.0])
-    if a <= 0:  # every copy at its start-up cost: no size effect to fit a bandwidth on
-        raise CalibrationError("fit_h2d found no bandwidth: the copies' times do not grow with their size")
+    if a <= 0:  # copies whose times do not grow with their size: the closed form's pure bandwidth (a > 0)
+        t0, a = start
     fit = H2DFit(t0, 1.0 / a)
     return H2DFit(t0, 1.0 / a, tuple(relative_residuals(times, [fit.time(c) for c in sizes])))
 
