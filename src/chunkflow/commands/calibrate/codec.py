@@ -102,7 +102,7 @@ def measure_decode(device, chunk=None, nbytes: int = DECODE_BYTES, repeats: int 
     """D on `device` (CUDA with Triton; else None): `chunk` (flat uint8, e.g. the user's weights) tiled to `nbytes`,
     or random normal bf16, encoded on the device and decoded in the launch shape the runtime would time fastest
     (Decode.tune), each decode timed with CUDA events; {gbps (decoded bytes per second / 1e9, the median's), median_s,
-    nbytes, k, ratio, config}."""
+    nbytes, k, ratio, config, times_s (each repeat)}."""
     import torch
 
     from chunkflow.runtime.codecs import exponent_pack_gpu
@@ -133,7 +133,7 @@ def measure_decode(device, chunk=None, nbytes: int = DECODE_BYTES, repeats: int 
         times.append(start.elapsed_time(end) / 1e3)
     median = statistics.median(times)
     return dict(gbps=nbytes / median / 1e9, median_s=median, nbytes=nbytes, k=enc.k, ratio=enc.stored / nbytes,
-                config=list(config))
+                config=list(config), times_s=times)
 
 
 def measure_codec(weights: str | None, device, log: Callable[[str], None]) -> tuple[dict, dict]:

@@ -237,3 +237,29 @@ def _print_profile(hw) -> None:
                       "" if not fit.tiled else f"; tiled {fit.tiled.time_per_call * 1e3:.1f} ms/decoder call"
                       if fit.tiled.time_per_call else " (+tiled)"))
     console.print(t)
+    _print_fits(hw)
+
+
+def _print_fits(hw) -> None:
+    """The profile's fits (samples, spread, flag) and the planner's errors from run reports, each flagged fit with
+    what to measure again; nothing where the profile has neither."""
+    from chunkflow_planner.bands import FLAG_SPREAD
+
+    if hw.fits:
+        t = Table(title="Fits (robust spread of a sample)")
+        for col, justify in (("fit", "left"), ("samples", "right"), ("spread", "right"), ("flagged", "left")):
+            t.add_column(col, justify=justify)
+        for name, q in hw.fits.items():
+            t.add_row(name, str(q.samples), f"+-{q.spread * 100:.1f}%", "too wide" if q.flagged else "")
+        console.print(t)
+        for name, q in hw.fits.items():
+            if q.flagged:
+                console.print(f"fit {name}: +-{q.spread * 100:.1f}% is too wide to plan with (over "
+                              f"+-{FLAG_SPREAD * 100:.0f}%); measure again: {q.repeat}", highlight=False, markup=False)
+    if hw.model_errors:
+        t = Table(title="The planner's errors in run reports (measured / predicted - 1)")
+        for col in ("prediction", "reports", "bias", "spread"):
+            t.add_column(col, justify="left" if col == "prediction" else "right")
+        for kind, e in hw.model_errors.items():
+            t.add_row(kind, str(e.samples), f"{e.bias * 100:+.1f}%", f"+-{e.spread * 100:.1f}%")
+        console.print(t)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ WARM_SAMPLE_BYTES = 2 * 10**9  # the page cache's rate is steady: timed on this 
 TEMP_SAMPLE_BYTES = 2 * 10**9  # a file calibrate writes itself: no more of the user's disk than this
 SMOKE_SAMPLE_BYTES = 64 * 2**20
 BUFFER_BYTES = 256 * 2**20  # the reads land in one buffer of this size, over and over
+REPEATS = 3  # the cheap rates (page cache, first touch, page-locking) are the median of this many, their spread kept
 COLD_AT_MOST = 0.05  # a sample with more than this share still cached after the drop is not cold
 
 
@@ -204,14 +206,15 @@ def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[
         cold, tail_bytes, tail_s = _read_all(files, nbytes, keep_cache=False)  # as a load or the disk tier reads
         warm_bytes = min(nbytes, WARM_SAMPLE_BYTES)
         _read_all(files, warm_bytes, keep_cache=True)  # brought into the page cache, then timed from there
-        warm, _, _ = _read_all(files, warm_bytes, keep_cache=True)
+        warm_runs = [_read_all(files, warm_bytes, keep_cache=True)[0] for _ in range(REPEATS)]
+        warm = statistics.median(warm_runs)
         _drop(files)  # the sample's pages were brought in by calibrate: give them back
     finally:
         if temp is not None:
             temp.unlink(missing_ok=True)
     cold_ok = left is not None and left <= COLD_AT_MOST
     out = dict(folder=str(folder), files=[str(p) for p, _ in files], sample_bytes=nbytes, temporary=temp is not None,
-               cached_after_drop=left, cold_s=cold, cold_tail=[tail_bytes, tail_s], warm_s=warm,
+               cached_after_drop=left, cold_s=cold, cold_tail=[tail_bytes, tail_s], warm_s=warm, warm_runs_s=warm_runs,
                page_cache_gbps=warm_bytes / warm / 1e9, cold_whole_gbps=nbytes / cold / 1e9,
                disk_read_gbps=sustained_gbps(nbytes, cold, tail_bytes, tail_s) if cold_ok else None)
     if cold_ok:
@@ -224,9 +227,10 @@ def measure_disk(folder: Path, sample_bytes: int = SAMPLE_BYTES, log: Callable[[
     return out
 
 
-def measure_fault(nbytes: int = 2**30) -> float:
+def measure_fault(nbytes: int = 2**30, repeats: int = REPEATS, rates: list[float] | None = None) -> float:
     """GB/s of new host memory mapped at its first touch, one write a page, by the loader's threads in its pieces
-    (what a read into a new CPU tensor pays beyond the copy)."""
+    (what a read into a new CPU tensor pays beyond the copy): the median of `repeats`, each on new memory; each
+    repeat's GB/s appended to `rates` where given."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -234,24 +238,35 @@ def measure_fault(nbytes: int = 2**30) -> float:
     from chunkflow.loading.pagecache import PAGE
     from chunkflow.loading.reader import PIECE_BYTES, READ_THREADS
 
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    out = []
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        t0 = time.perf_counter()
-        list(pool.map(lambda a: buf[a:a + PIECE_BYTES][::PAGE].fill_(1), range(0, nbytes, PIECE_BYTES)))
-        seconds = time.perf_counter() - t0
-    return nbytes / seconds / 1e9
+        for _ in range(repeats):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            list(pool.map(lambda a: buf[a:a + PIECE_BYTES][::PAGE].fill_(1), range(0, nbytes, PIECE_BYTES)))
+            out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            del buf
+    if rates is not None:
+        rates += out
+    return statistics.median(out)
 
 
-def measure_pin(nbytes: int = 2**30) -> float:
-    """GB/s of page-locking host memory as a pinned store is (allocate, then cudaHostRegister)."""
+def measure_pin(nbytes: int = 2**30, repeats: int = REPEATS, rates: list[float] | None = None) -> float:
+    """GB/s of page-locking host memory as a pinned store is (allocate, then cudaHostRegister): the median of
+    `repeats`; each repeat's GB/s appended to `rates` where given."""
     from chunkflow.runtime.store import HostStore
 
     HostStore(64 * 2**20, pin=True).release()  # the first registration pays CUDA's own start-up
-    t0 = time.perf_counter()
-    store = HostStore(nbytes, pin=True)
-    seconds = time.perf_counter() - t0
-    store.release()
-    return nbytes / seconds / 1e9
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        store = HostStore(nbytes, pin=True)
+        seconds = time.perf_counter() - t0
+        store.release()
+        out.append(nbytes / seconds / 1e9)
+    if rates is not None:
+        rates += out
+    return statistics.median(out)
 
 
 STARTUP_CODE = """

@@ -14,10 +14,15 @@ from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.predict import predict
 
 
+NOISE = 0.02  # the relative noise a timing is expected to carry: the robust fits' f_scale (beyond it a sample's
+# pull stops growing with its distance, so a stray slow sample does not move a constant)
+
+
 @dataclass(frozen=True)
 class H2DFit:
     t0_s: float  # per-copy start-up
     bw_Bps: float  # asymptotic bytes per second
+    residuals: tuple[float, ...] = ()  # each sample's measured / fitted - 1, in the order given
 
     def time(self, C: float) -> float:
         return self.t0_s + C / self.bw_Bps
@@ -27,17 +32,70 @@ class H2DFit:
         return (C / self.time(C)) / self.bw_Bps
 
 
-def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
-    """Least-squares fit of per-copy times t(C) = t0 + C / BW, in relative error (weights 1 / t).
+def robust_linear(A: Sequence[Sequence[float]], y: Sequence[float], x0: Sequence[float] | None = None,
+                  lower: Sequence[float] | None = None, offset: Sequence[float] | None = None) -> list[float]:
+    """Coefficients c of y ~ b + A c (`offset` b, default 0) fitted in relative error, (b + A c) / y - 1, with
+    scipy's robust soft_l1 loss at
+    f_scale NOISE: samples within the noise count as in least squares, a stray one (a copy 3x slower) pulls no
+    harder than one at a few times the noise. `lower`: bounds on c (default none); `x0` the start (default: plain
+    least squares in relative error, clipped into the bounds). Every y must be positive."""
+    import numpy as np
+    from scipy.optimize import least_squares
 
-    Plain least squares would let the largest copies decide everything and leave t0 to noise; dividing each
-    equation by its t weighs every size alike. t0 is clamped at 0 (refit as pure bandwidth if negative).
-    """
+    A = np.asarray(A, dtype=float)
+    y = np.asarray(y, dtype=float)
+    W = A / y[:, None]  # relative: each row divided by its own measurement
+    one = np.ones(len(y)) - (0.0 if offset is None else np.asarray(offset, dtype=float) / y)  # A c / y aims here
+    lo = np.full(A.shape[1], -np.inf) if lower is None else np.asarray(lower, dtype=float)
+    if x0 is None:
+        x0 = np.linalg.lstsq(W, one, rcond=None)[0]
+    x0 = np.maximum(np.asarray(x0, dtype=float), lo)
+    # fitted in units of the start (each coefficient near 1; one at 0 in units that move the fit by about 1): the
+    # solver's steps and tolerances then see one scale, where the raw coefficients span 20 orders of magnitude
+    col = np.abs(W).max(axis=0)
+    scale = np.where(x0 != 0, np.abs(x0), 1.0 / np.where(col > 0, col, 1.0))
+    res = least_squares(lambda u: W @ (u * scale) - one, x0 / scale, bounds=(lo / scale, np.inf), loss="soft_l1",
+                        f_scale=NOISE, xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
+    return [float(c) for c in res.x * scale]
+
+
+def relative_residuals(measured: Sequence[float], fitted: Sequence[float]) -> list[float]:
+    """measured / fitted - 1 per sample (0 where both are 0; a sample fitted at 0 but measured above is left out)."""
+    out = []
+    for m, f in zip(measured, fitted):
+        if f > 0:
+            out.append(m / f - 1.0)
+        elif m == 0:
+            out.append(0.0)
+    return out
+
+
+def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
+    """Per-copy times t(C) = t0 + C / BW fitted in relative error, (t0 + C / BW) / t - 1, with a robust loss
+    (robust_linear: scipy's soft_l1 at f_scale NOISE), t0 >= 0 and BW > 0; `sizes` may repeat (every repeat of a
+    size one sample).
+
+    Plain least squares would let the largest copies decide everything and leave t0 to noise; relative error weighs
+    every size alike. Least squares in relative error (what this fit was before scipy) let one copy 3x slower move
+    t0 by half and BW by percents; the robust loss does not. The start is the old closed form (the 2x2 normal
+    equations; a negative t0 refit as pure bandwidth). The fit keeps each sample's measured / fitted - 1."""
     if len(sizes) != len(times) or len(sizes) < 2:
         raise CalibrationError("fit_h2d needs at least two (size, time) pairs of equal length")
     if any(t <= 0 for t in times) or any(c <= 0 for c in sizes):
         raise CalibrationError("fit_h2d needs positive sizes and times")
-    # minimise sum ((t0 + C a - t) / t)^2 over (t0, a): the 2x2 normal equations
+    if len(set(sizes)) < 2:
+        raise CalibrationError("fit_h2d needs at least two different sizes")
+    start = _h2d_least_squares(sizes, times)
+    t0, a = robust_linear([[1.0, float(c)] for c in sizes], times, x0=[max(start[0], 1e-3 * min(times)), start[1]],
+                          lower=[0.0, 0.0])
+    if a <= 0:  # copies whose times do not grow with their size: the closed form's pure bandwidth (a > 0)
+        t0, a = start
+    fit = H2DFit(t0, 1.0 / a)
+    return H2DFit(t0, 1.0 / a, tuple(relative_residuals(times, [fit.time(c) for c in sizes])))
+
+
+def _h2d_least_squares(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """(t0, 1 / BW) minimising sum ((t0 + C a - t) / t)^2: the 2x2 normal equations; t0 < 0 refit as a = C / t."""
     w = [1.0 / t for t in times]
     s11 = sum(wi * wi for wi in w)
     s12 = sum(wi * wi * c for wi, c in zip(w, sizes))
@@ -45,14 +103,43 @@ def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
     b1 = sum(wi * wi * t for wi, t in zip(w, times))
     b2 = sum(wi * wi * c * t for wi, c, t in zip(w, sizes, times))
     det = s11 * s22 - s12 * s12
-    if det <= 0:
-        raise CalibrationError("fit_h2d needs at least two different sizes")
     t0 = (b1 * s22 - b2 * s12) / det
     a = (s11 * b2 - s12 * b1) / det
     if t0 < 0 or a <= 0:
         t0 = 0.0
         a = b2 / s22
-    return H2DFit(t0, 1.0 / a)
+    return t0, a
+
+
+def about_median(samples: Sequence[float]) -> list[float]:
+    """Each repeat of one measurement / their median - 1: the residuals of a measurement calibrate repeats."""
+    if not samples:
+        return []
+    m = statistics.median(samples)
+    return [x / m - 1.0 for x in samples] if m > 0 else []
+
+
+def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int | None = None):
+    """The FitQuality of fit `name` (chunkflow_planner.bands.FITS) from its relative residuals (measured / fitted
+    - 1, one a sample); None with fewer than two (one measurement says nothing of its spread: the planner keeps the
+    fit's prior). spread = bands.spread over every residual; flagged when wider than bands.FLAG_SPREAD, with what to
+    measure again. At most bands.MAX_RESIDUALS are kept: where there are more, evenly spaced order statistics of
+    them sorted (the smallest and the largest always among them), so the kept ones keep the distribution's shape
+    and about its spread; otherwise all, in sample order."""
+    from chunkflow_planner.bands import FITS, FLAG_SPREAD, MAX_RESIDUALS, spread
+    from chunkflow_planner.catalog import FitQuality
+
+    rs = [float(r) for r in residuals if math.isfinite(r)]
+    if len(rs) < 2:
+        return None
+    s = spread(rs)
+    kept = rs
+    if len(rs) > MAX_RESIDUALS:
+        xs = sorted(rs)
+        kept = [xs[round(i * (len(xs) - 1) / (MAX_RESIDUALS - 1))] for i in range(MAX_RESIDUALS)]
+    flagged = s > FLAG_SPREAD
+    return FitQuality(samples=max(samples or 0, len(rs)), spread=min(s, 10.0), residuals=[round(r, 6) for r in kept],
+                      flagged=flagged, repeat=FITS[name].repeat if flagged else "", source=source)
 
 
 def eta_curve(flops: Sequence[float], times: Sequence[float], peak_flops: float) -> list[tuple[float, float]]:
@@ -107,13 +194,16 @@ def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> fl
     return gmean(ks) if ks else 1.0
 
 
-def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str) -> dict[str, Any]:
+def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str
+                 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The VaeDecodeFit (as a dict) of `spec`'s VAE from its measured decodes: untiled per voxel, tiled per decoder
-    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`)."""
-    from chunkflow.commands.calibrate.ops import fit_vae
+    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`); and the residuals of
+    both fits ({vae_time, vae_memory}: ops.vae_residuals)."""
+    from chunkflow.commands.calibrate.ops import fit_vae, vae_residuals
     from chunkflow_planner.pipeline import decode_calls
 
     fit = fit_vae(plain, spec.is_video, source)
+    time, mem = vae_residuals(plain, fit)
     if tiled:
         calls = None
         if spec.pipeline.vae.tiling is not None:
@@ -122,7 +212,9 @@ def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: 
             for r in tiled:
                 r["decoder_calls"] = calls(r)
         fit["tiled"] = fit_vae(tiled, False, source + " (tiled)", calls)
-    return fit
+        t, m = vae_residuals(tiled, fit["tiled"], calls)
+        time, mem = time + t, mem + m
+    return fit, {"vae_time": time, "vae_memory": mem}
 
 def gmean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))

@@ -115,10 +115,11 @@ def text_encoder_archs() -> dict[str, Any]:
     return out
 
 
-def measure_text_host(device) -> dict[str, float | str]:
+def measure_text_host(device, samples: dict[str, list[float]] | None = None) -> dict[str, float | str]:
     """Per catalog text-encoder architecture, the host microseconds of one layer of its eager forward on `device`
     (all its layers at a small width, run twice already; the median over ROUNDS rounds of three forwards, over its
-    layers); an architecture this transformers cannot build at a small width is left out (its entry says why)."""
+    layers); an architecture this transformers cannot build at a small width is left out (its entry says why).
+    `samples`: filled with each architecture's every timed forward, per layer (us)."""
     from chunkflow.timing import time_on
 
     on_gpu = device.type != "cpu"
@@ -138,6 +139,8 @@ def measure_text_host(device) -> dict[str, float | str]:
             times[arch].extend(time_on(on_gpu, run)[1] for _ in range(3))
     for arch, (_, layers) in built.items():
         out[arch] = statistics.median(times[arch]) / layers * 1e6
+        if samples is not None:
+            samples[arch] = [t / layers * 1e6 for t in times[arch]]
     if not any(isinstance(v, float) for v in out.values()):
         raise CalibrationError("no text encoder could be built at a small width to time its host cost ("
                                + "; ".join(map(str, out.values())) + "); check that transformers is installed and "
@@ -145,31 +148,36 @@ def measure_text_host(device) -> dict[str, float | str]:
     return out
 
 
-def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK
+def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK, residuals: list[float] | None = None
                           ) -> tuple[float, list[tuple[float, float, float, float]]]:
     """(peak TFLOP/s, [M, N, K, eta] rows) of bf16 matmuls on the host CPU (text encoders on the CPU: few tokens);
-    the peak is the best of `cpu_tflops` (the square matmul) and the grid, eta is against it."""
+    the peak is the best of `cpu_tflops` (the square matmul) and the grid, eta is against it. Each shape's repeats
+    about their median go into `residuals`."""
     import torch
 
     from chunkflow.commands.calibrate.ops import gemm_rates
 
-    rates = gemm_rates(torch.device("cpu"), ms, nks, warmup=1, repeats=3)
+    rates = gemm_rates(torch.device("cpu"), ms, nks, warmup=1, repeats=3, residuals=residuals)
     peak = max([cpu_tflops] + [r[3] for r in rates])
     return peak, [(m, n, k, rate / peak) for m, n, k, rate in rates]
 
 
-def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Profile fields of the host side (module docstring) and the raw measurements."""
+def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False, cpu_residuals: list[float] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Profile fields of the host side (module docstring) and the raw measurements (with every text-encoder
+    forward timed, per layer: `text_layer_samples_us`); the CPU matmuls' repeats about their medians go into
+    `cpu_residuals`."""
     import torch
 
     from chunkflow.commands.calibrate.ops import measure_hbm
 
-    text = measure_text_host(device)
+    samples: dict[str, list[float]] = {}
+    text = measure_text_host(device, samples)
     small = dict(ms=(16, 64), nks=(64, 128)) if cpu_smoke else {}
-    peak, grid = measure_cpu_gemm_grid(cpu_tflops, **small)
+    peak, grid = measure_cpu_gemm_grid(cpu_tflops, residuals=cpu_residuals, **small)
     mem = measure_hbm(torch.device("cpu"), 2**22 if cpu_smoke else 2**28)  # the host's memory, as the GPU's
     measured = {arch: v for arch, v in text.items() if isinstance(v, float)}
     update: dict[str, Any] = dict(text_layer_host_us=measured, cpu_tflops=peak, cpu_gemm_eta=grid, cpu_mem_gbps=mem)
-    raw = dict(text_layer_host_us=text, cpu_square_tflops=cpu_tflops, cpu_tflops=peak, cpu_gemm_eta=grid,
-               cpu_mem_gbps=mem)
+    raw = dict(text_layer_host_us=text, text_layer_samples_us=samples, cpu_square_tflops=cpu_tflops, cpu_tflops=peak,
+               cpu_gemm_eta=grid, cpu_mem_gbps=mem)
     return update, raw

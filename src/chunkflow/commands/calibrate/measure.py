@@ -13,7 +13,8 @@ What is measured, and how each number enters the planner:
   Wan2.2-TI2V-5B forward ran 5.3% slower at 704x1280 than its blocks timed alone, FLUX.1-dev's 2.9%, Qwen-Image's
   0.9%. A scale outside FORWARD_SCALE_RANGE (a launch-bound toy model on the CPU) is recorded, not applied.
 - **H2D**: pinned-source copies of C = 1..256 MB, back to back, the same total bytes per size; per-copy time
-  t(C) is fitted as t0 + C / BW by least squares in relative error. BW (asymptotic) -> `h2d_link_gbps`,
+  t(C) is fitted as t0 + C / BW in relative error over every repeat, with a robust loss (scipy's soft_l1: a
+  stray slow copy does not move t0). BW (asymptotic) -> `h2d_link_gbps`,
   t0 -> `dma_startup_us`, and **eta_pref = 1**: steptime.py charges every copy t0 plus its bytes at eta_pref
   BW, so with the fitted pair the model reproduces the measured t(C) for every chunk size, including a whole
   block (layerwise); folding the size effect into eta_pref as well would count it twice.
@@ -116,7 +117,8 @@ def default_points(spec: ModelSpec, cpu: bool = False) -> list[Workload]:
 
 def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: int = 2, repeats: int = 5,
                    progress: Progress = _no_progress) -> list[dict[str, float]]:
-    """Per workload: the summed FLOPs and median times of one block of each block list (forward hooks)."""
+    """Per workload: the summed FLOPs and median times of one block of each block list (forward hooks), and every
+    timed repeat (`samples_s`)."""
     import torch
 
     from chunkflow.models.build import build_transformer
@@ -145,11 +147,12 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
     rows = []
     step = progress(f"{spec.name} block at {len(points)} sizes", len(points) * (warmup + repeats))
     try:
-        times = _median_times(one, device, points, warmup, repeats, step, blocks_time)
-        for w, t in zip(points, times):
+        samples = _timed_samples(one, device, points, warmup, repeats, step, blocks_time)
+        for w, ts in zip(points, samples):
             S = tokens(spec, w)
             F = sum(F_kind(g.kind, w.batch, S, spec.text_len, spec.d, spec.f) for g in spec.blocks)
-            rows.append(dict(frames=w.frames, batch=w.batch, tokens=S, flops=F, time_s=t))
+            rows.append(dict(frames=w.frames, batch=w.batch, tokens=S, flops=F, time_s=statistics.median(ts),
+                             samples_s=ts))
     finally:
         for h in hooks:
             h.remove()
@@ -160,10 +163,10 @@ def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: 
     return rows
 
 
-def _median_times(spec: ModelSpec, device, points: Sequence[Workload], warmup: int, repeats: int,
-                  step: Callable[[], None], timed: Callable[[dict], float]) -> list[float]:
-    """Per workload: the median of `repeats` timings `timed(inputs)` after `warmup` untimed ones, on inputs of
-    `spec` (models.inputs.make_inputs)."""
+def _timed_samples(spec: ModelSpec, device, points: Sequence[Workload], warmup: int, repeats: int,
+                   step: Callable[[], None], timed: Callable[[dict], float]) -> list[list[float]]:
+    """Per workload: `repeats` timings `timed(inputs)` after `warmup` untimed ones, on inputs of `spec`
+    (models.inputs.make_inputs); calibrate keeps their median and their spread about it."""
     import torch
 
     from chunkflow.models.inputs import make_inputs
@@ -178,7 +181,7 @@ def _median_times(spec: ModelSpec, device, points: Sequence[Workload], warmup: i
                 if i >= warmup:
                     samples.append(t)
                 step()
-            out.append(statistics.median(samples))
+            out.append(samples)
             del inputs
     return out
 
@@ -189,7 +192,7 @@ FORWARD_SCALE_RANGE = (0.7, 1.1)  # whole-forward scales calibrate applies (meas
 def measure_forward(spec: ModelSpec, device, points: Sequence[Workload], warmup: int = 1, repeats: int = 3,
                     progress: Progress = _no_progress) -> list[dict[str, float]]:
     """Per workload: median seconds of one forward of the whole transformer (every block, random bf16 weights, no
-    offload), one guidance pass."""
+    offload), one guidance pass, and every timed repeat (`samples_s`)."""
     import torch
 
     from chunkflow.models.build import build_transformer
@@ -198,10 +201,10 @@ def measure_forward(spec: ModelSpec, device, points: Sequence[Workload], warmup:
     cuda = device.type == "cuda"
     step = progress(f"{spec.name} whole forward at {len(points)} size(s)", len(points) * (warmup + repeats))
     try:
-        times = _median_times(spec, device, points, warmup, repeats, step,
-                              lambda inputs: time_on(cuda, lambda: model(**inputs))[1])
-        rows = [dict(model=spec.name, frames=w.frames, batch=w.batch, tokens=tokens(spec, w), time_s=t)
-                for w, t in zip(points, times)]
+        samples = _timed_samples(spec, device, points, warmup, repeats, step,
+                                 lambda inputs: time_on(cuda, lambda: model(**inputs))[1])
+        rows = [dict(model=spec.name, frames=w.frames, batch=w.batch, tokens=tokens(spec, w),
+                     time_s=statistics.median(ts), samples_s=ts) for w, ts in zip(points, samples)]
     finally:
         handle.remove()
         del model
@@ -269,7 +272,8 @@ def _whole_forwards(specs: list[ModelSpec], s: _Setup, hw: HardwareSpec, cpu_smo
 
 def measure_h2d(device, sizes: Sequence[int] = H2D_SIZES, total: int = H2D_TOTAL, repeats: int = 3,
                 progress: Progress = _no_progress) -> list[dict[str, float]]:
-    """Per chunk size: median per-copy time of back-to-back non_blocking copies from a pinned source."""
+    """Per chunk size: median per-copy time of back-to-back non_blocking copies from a pinned source, and each
+    repeat's (`samples_s`: the H2D fit's samples)."""
     import torch
 
     cuda = device.type == "cuda"
@@ -293,14 +297,15 @@ def measure_h2d(device, sizes: Sequence[int] = H2D_SIZES, total: int = H2D_TOTAL
                 samples.append(t / n)
             step()
         rows.append(dict(chunk_bytes=C, copies=n, time_per_copy_s=statistics.median(samples),
-                         gbps=C / statistics.median(samples) / 1e9))
+                         gbps=C / statistics.median(samples) / 1e9, samples_s=samples))
     del src, dst
     return rows
 
 
 def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512 * MB, repeats: int = 10,
                         progress: Progress = _no_progress) -> dict[str, float]:
-    """Under torchrun: all-to-all time alone and with an H2D copy in flight on another stream (max over ranks)."""
+    """Under torchrun: all-to-all time alone and with an H2D copy in flight on another stream (max over ranks), and
+    this rank's timings alone (`idle_s`: their spread is the collectives' fit quality)."""
     import torch
     import torch.distributed as dist
 
@@ -340,7 +345,7 @@ def measure_collectives(device, local_bytes: int = 56 * MB, h2d_bytes: int = 512
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     t_idle, t_busy = both.tolist()
     del host, dev
-    return dict(world=world, local_bytes=x.numel() * 2, t_idle_s=t_idle, t_busy_s=t_busy,
+    return dict(world=world, local_bytes=x.numel() * 2, t_idle_s=t_idle, t_busy_s=t_busy, idle_s=idle,
                 coll_gbps=coll_bandwidth_gbps(x.numel() * 2, t_idle), contention=contention_factor(t_busy, t_idle))
 
 
@@ -416,8 +421,9 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, attn_eta_masked=attn_masked, hbm_gbps=hbm,
                                   attn_eta_head_dims={ATTN_HEAD_DIM // 2: attn_half}, fp8_cast_gbps=cast)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
-    update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024))
-    host, host_raw = measure_host(s.device, update["cpu_tflops"], cpu_smoke)
+    cpu_residuals: list[float] = []  # every CPU matmul's repeats about their shape's median: the `cpu` fit
+    update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024, cpu_residuals))
+    host, host_raw = measure_host(s.device, update["cpu_tflops"], cpu_smoke, cpu_residuals)
     update.update(host)
     log(f"operator model: GEMM eta {min(r[3] for r in gemm):.2f}-{max(r[3] for r in gemm):.2f} over {len(gemm)} shapes, "
         f"attention {min(r[2] for r in attn):.2f}-{max(r[2] for r in attn):.2f} (masked "
@@ -428,7 +434,7 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
         f"GEMM eta {min(r[3] for r in host['cpu_gemm_eta']):.2f}-{max(r[3] for r in host['cpu_gemm_eta']):.2f}, "
         f"memory {host['cpu_mem_gbps']:.0f} GB/s")
     return update, dict(gemm=gemm, attention=attn, attention_masked=attn_masked, hbm_gbps=hbm, mem_ops_scale=scale,
-                        fp8_cast_gbps=cast, fp8_cast_kernel=cast_kernel, host=host_raw)
+                        fp8_cast_gbps=cast, fp8_cast_kernel=cast_kernel, host=host_raw, cpu_residuals=cpu_residuals)
 
 
 def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) -> dict | None:
@@ -446,7 +452,9 @@ def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) 
     extra["page_cache_gbps"] = d["page_cache_gbps"]
     if d["disk_read_gbps"] is not None:
         extra["disk_read_gbps"] = d["disk_read_gbps"]
-    extra["host_fault_gbps"] = d["host_fault_gbps"] = measure_fault(SMOKE_SAMPLE_BYTES if cpu_smoke else 2**30)
+    d["host_fault_runs_gbps"], d["pin_runs_gbps"] = [], []
+    extra["host_fault_gbps"] = d["host_fault_gbps"] = measure_fault(SMOKE_SAMPLE_BYTES if cpu_smoke else 2**30,
+                                                                    rates=d["host_fault_runs_gbps"])
     log(f"new host memory at its first touch: {extra['host_fault_gbps']:.2f} GB/s")
     try:
         extra["load_startup_s"] = d["load_startup_s"] = measure_load_startup()
@@ -454,7 +462,7 @@ def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) 
     except (OSError, ValueError) as exc:
         log(f"load start-up not measured: {exc}")
     if device.type == "cuda":
-        extra["pin_gbps"] = d["pin_gbps"] = measure_pin()
+        extra["pin_gbps"] = d["pin_gbps"] = measure_pin(rates=d["pin_runs_gbps"])
         log(f"page-locking host memory: {extra['pin_gbps']:.1f} GB/s")
     return d
 
@@ -482,7 +490,8 @@ def vae_owners() -> dict[str, ModelSpec]:
 
 
 def _vae_fits(s, cpu_smoke: bool, progress, log):
-    """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted."""
+    """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted: the
+    fits, the raw rows, and the fits' residuals pooled over the VAEs ({vae_time, vae_memory})."""
     from chunkflow.commands.calibrate.ops import measure_vae, vae_points
 
     owners = vae_owners()
@@ -492,12 +501,15 @@ def _vae_fits(s, cpu_smoke: bool, progress, log):
         owners = {n: sp for n, sp in owners.items() if not n.startswith("tiny")}
     date = datetime.date.today().isoformat()
     fits, raw = {}, []
+    residuals: dict[str, list[float]] = {"vae_time": [], "vae_memory": []}
     step = progress("VAE decodes", len(owners))
     for name, spec in owners.items():
         plain, tiled = vae_points(spec, cpu_smoke)
         rows = measure_vae(spec, s.device, plain, tiled=False)
         trows = measure_vae(spec, s.device, tiled, tiled=True) if tiled else []
-        fit = fit_vae_rows(spec, rows, trows, f"chunkflow calibrate {date} on {s.name}: {len(plain)} decodes")
+        fit, res = fit_vae_rows(spec, rows, trows, f"chunkflow calibrate {date} on {s.name}: {len(plain)} decodes")
+        for k, v in res.items():
+            residuals[k] += v
         fits[name] = fit
         raw += rows + trows
         tiled_rate = ""
@@ -508,7 +520,7 @@ def _vae_fits(s, cpu_smoke: bool, progress, log):
         log(f"VAE {name}: decode peak {fit['mem_const'] / 1e9:.2f} GB + {fit['mem_per_px']:.0f} B/px + "
             f"{fit['mem_per_voxel']:.1f} B/voxel, {fit['time_per_voxel'] * 1e9:.2f} ns/voxel{tiled_rate}")
         step()
-    return fits, raw
+    return fits, raw, residuals
 
 
 def _peak(gemm: float, given: float | None, catalog: HardwareSpec | None, cpu_smoke: bool) -> float:
@@ -546,6 +558,48 @@ def _collectives(s, progress: Progress, log: Callable[[str], None]) -> dict:
     return coll
 
 
+def fit_records(h2d, blocks: Sequence[dict], forwards: Sequence[dict], vae: dict[str, list[float]], ops: dict,
+                disk: dict | None, codec: dict | None, coll: dict | None, device: str, date: str
+                ) -> dict[str, Any]:
+    """The profile's `fits` (FitQuality by bands.FITS name, fit.fit_quality) from what calibrate measured: each a
+    fit's residuals (measured / fitted - 1) or a repeated measurement's repeats about their median; a figure measured
+    once (the cold disk read, the load's start-up) has none, and the planner keeps its prior.
+    - h2d: every repeat's per-copy time about the fitted t0 + C / BW;
+    - compute: every timed repeat of a block (and of a whole forward) about the median the eta curve is made of,
+      pooled over sizes and models;
+    - vae_time, vae_memory: the decode fits' residuals, pooled over VAEs (ops.vae_residuals);
+    - cpu: the CPU matmuls' repeats; text_host: each text-encoder forward timed; page_cache, host_fault, pin: their
+      REPEATS; codec_decode: its decodes; collectives (torchrun): this rank's all-to-alls alone."""
+    from chunkflow.commands.calibrate.fit import about_median, fit_quality
+
+    on = f"chunkflow calibrate {date} on {device}"
+    text = (ops.get("host") or {}).get("text_layer_samples_us") or {}
+    parts: dict[str, tuple[list[float], str]] = {
+        "h2d": (list(h2d.residuals), f"{on}: {len(h2d.residuals)} timed copies about t0 + C/BW"),
+        "compute": ([r for row in [*blocks, *forwards] for r in about_median(row.get("samples_s", []))],
+                    f"{on}: block and whole-forward timings about each size's median"),
+        "vae_time": (vae.get("vae_time", []), f"{on}: VAE decode times about their fits"),
+        "vae_memory": (vae.get("vae_memory", []), f"{on}: VAE decode peaks about their fits"),
+        "cpu": (ops.get("cpu_residuals", []), f"{on}: CPU matmul repeats about their shape's median"),
+        "text_host": ([r for xs in text.values() for r in about_median(xs)],
+                      f"{on}: text-encoder forwards about their architecture's median"),
+    }
+    if disk:
+        parts["page_cache"] = (about_median(disk.get("warm_runs_s", [])), f"{on}: warm reads about their median")
+        parts["host_fault"] = (about_median(disk.get("host_fault_runs_gbps", [])), f"{on}: first touches")
+        parts["pin"] = (about_median(disk.get("pin_runs_gbps", [])), f"{on}: page-locking repeats")
+    if codec and codec.get("decode"):
+        parts["codec_decode"] = (about_median(codec["decode"].get("times_s", [])), f"{on}: codec decodes")
+    if coll:
+        parts["collectives"] = (about_median(coll.get("idle_s", [])), f"{on}: all-to-alls over {coll['world']} GPUs")
+    out = {}
+    for name, (residuals, source) in parts.items():
+        q = fit_quality(name, residuals, source)
+        if q is not None:
+            out[name] = q
+    return out
+
+
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
               log: Callable[[str], None] = lambda s: None, vaes: bool = True, weights: str | None = None,
@@ -569,11 +623,12 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     curves, blocks = _curves(specs, s, peak, cpu_smoke, progress, log)
     curve = curves[specs[0].name]
     h2d_rows = measure_h2d(s.device, s.sizes, s.total, progress=progress)
-    fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows], [r["time_per_copy_s"] for r in h2d_rows])
+    fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows for _ in r["samples_s"]],
+                  [t for r in h2d_rows for t in r["samples_s"]])  # every repeat a sample (the robust loss: no median)
     log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
     extra["process_host_bytes"] = process_rss
-    vae_fits, vae_raw = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [])
+    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [], {})
     from chunkflow.commands.calibrate.ops import measure_context_bytes
 
     extra["context_bytes"] = measure_context_bytes(s.device)  # last: cuBLAS, cuDNN and their kernels are loaded
@@ -603,9 +658,10 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     )
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
     scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
-    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled})
+    fits = fit_records(fit, blocks, forwards, vae_res, ops_raw, disk_raw, codec_raw, coll, s.name, date)
+    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits})
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
-               operators=ops_raw, vae=vae_raw, forwards=forwards, disk=disk_raw, codec=codec_raw)
+               operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw, codec=codec_raw)
     return Calibration(profile, raw)

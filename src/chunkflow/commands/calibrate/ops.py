@@ -23,18 +23,25 @@ def _no_progress(desc: str, total: int) -> Callable[[], None]:
     return lambda: None
 
 
-def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 5) -> float:
-    """Median seconds of fn() (CUDA events on the GPU, perf_counter on the CPU)."""
+def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 5,
+          residuals: list[float] | None = None) -> float:
+    """Median seconds of fn() (CUDA events on the GPU, perf_counter on the CPU); each repeat / the median - 1
+    appended to `residuals` where given."""
+    from chunkflow.commands.calibrate.fit import about_median
     from chunkflow.timing import time_on
 
     for _ in range(warmup):
         fn()
-    return statistics.median(time_on(cuda, fn)[1] for _ in range(repeats))
+    times = [time_on(cuda, fn)[1] for _ in range(repeats)]
+    if residuals is not None:
+        residuals += about_median(times)
+    return statistics.median(times)
 
 
 def gemm_rates(device, ms: Sequence[int], nks: Sequence[int], progress: Progress = _no_progress, warmup: int = 2,
-               repeats: int = 5) -> list[tuple[float, float, float, float]]:
-    """[M, N, K, TFLOP/s] of bf16 (M x K) @ (K x N) for every M in `ms` and N, K in `nks` on `device`."""
+               repeats: int = 5, residuals: list[float] | None = None) -> list[tuple[float, float, float, float]]:
+    """[M, N, K, TFLOP/s] of bf16 (M x K) @ (K x N) for every M in `ms` and N, K in `nks` on `device`; each
+    shape's repeats about their median into `residuals` (_time)."""
     import torch
 
     cuda = device.type == "cuda"
@@ -47,7 +54,7 @@ def gemm_rates(device, ms: Sequence[int], nks: Sequence[int], progress: Progress
         for n in nks:
             for k in nks:
                 a, b = big_a[:m, :k], big_b[:k, :n]
-                t = _time(lambda: torch.mm(a, b), cuda, warmup=warmup, repeats=repeats)
+                t = _time(lambda: torch.mm(a, b), cuda, warmup=warmup, repeats=repeats, residuals=residuals)
                 rows.append((float(m), float(n), float(k), 2.0 * m * n * k / t / 1e12))
                 step()
     del big_a, big_b
@@ -132,25 +139,27 @@ def measure_context_bytes(device) -> int:
     return int(total - free - torch.cuda.memory_reserved(device))
 
 
-def measure_cpu_tflops(n: int = 1024) -> float:
-    """The host CPU's bf16 matmul rate (all threads), for text encoders placed on the CPU."""
+def measure_cpu_tflops(n: int = 1024, residuals: list[float] | None = None) -> float:
+    """The host CPU's bf16 matmul rate (all threads), for text encoders placed on the CPU; its repeats about their
+    median into `residuals` (_time)."""
     import torch
 
     a = torch.randn(n, n, dtype=torch.bfloat16)
     b = torch.randn(n, n, dtype=torch.bfloat16)
-    t = _time(lambda: torch.mm(a, b), False, warmup=1, repeats=3)
+    t = _time(lambda: torch.mm(a, b), False, warmup=1, repeats=3, residuals=residuals)
     return 2.0 * n**3 / t / 1e12
 
 
 def fit_mem_ops_scale(rows: Sequence[dict], hw) -> float:
-    """mem_ops_scale that makes the operator model fit the measured blocks best (least squares on the part
-    beyond GEMMs and attention): rows carry `model`, `tokens`, `batch` and `time_s` of one block of each block
-    list, as calibrate measures them."""
+    """mem_ops_scale that makes the operator model fit the measured blocks best: time ~ t_GEMMs+attention + scale x
+    t_memory-bound, in relative error with a robust loss (fit.robust_linear), within [0.05, 100]; rows carry
+    `model`, `tokens`, `batch` and `time_s` of one block of each block list, as calibrate measures them."""
+    from chunkflow.commands.calibrate.fit import robust_linear
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.ops import block_ops, split
 
     unit = hw.model_copy(update={"mem_ops_scale": 1.0})
-    num = den = 0.0
+    flops, mem, times = [], [], []
     for r in rows:
         spec = get_model(r["model"])
         t_flops = t_mem = 0.0
@@ -158,9 +167,14 @@ def fit_mem_ops_scale(rows: Sequence[dict], hw) -> float:
             a, b = split(block_ops(spec, g, r.get("batch", 1), r["tokens"], spec.text_len), unit)
             t_flops += a
             t_mem += b
-        num += (r["time_s"] - t_flops) * t_mem
-        den += t_mem * t_mem
-    return max(0.05, min(100.0, num / den)) if den > 0 else 1.0
+        if r["time_s"] > 0:
+            flops.append(t_flops)
+            mem.append(t_mem)
+            times.append(r["time_s"])
+    if not any(m > 0 for m in mem):
+        return 1.0
+    (scale,) = robust_linear([[m] for m in mem], times, offset=flops, x0=[1.0])
+    return max(0.05, min(100.0, scale))
 
 
 # ---------------------------------------------------------------------------------------------- VAEs
@@ -168,18 +182,22 @@ def fit_mem_ops_scale(rows: Sequence[dict], hw) -> float:
 
 def vae_points(spec, cpu: bool = False) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
     """(untiled, tiled) decode sizes (batch, frames, height, width) for the VAE of catalog model `spec`: enough to
-    separate the fit's terms (per pixel of a frame, per output voxel, constant), above the VAE's tile size for the
-    tiled ones."""
+    separate the fit's terms (per pixel of a frame, per output voxel, constant) and one more (a fit through every
+    decode it has says nothing of its spread: ops.vae_residuals), above the VAE's tile size for the tiled ones."""
     if cpu:
-        pts = [(1, 5, 64, 64), (1, 5, 128, 128), (1, 9, 128, 128)] if spec.is_video else [(1, 1, 64, 64), (1, 1, 128, 128)]
+        if spec.is_video:
+            return ([(1, 5, 64, 64), (1, 9, 64, 64), (1, 5, 128, 128), (1, 9, 128, 128)],
+                    [(1, 5, 128, 128), (1, 9, 128, 128), (1, 13, 128, 128)])
+        pts = [(1, 1, 64, 64), (1, 1, 128, 128)]
         return pts, pts[1:]
     if spec.is_video:  # up to sizes people generate: a decode's bytes per output voxel grow with the frame count,
         # so fits from short clips fall short on long ones (5-13 frame untiled fits were 25% over in memory at 81
         # frames on an H200); tiled decodes at two resolutions, so the time per decoder call averages edge tiles
         # of both (a fit per voxel from one resolution was 23% short at 480x832 x121)
-        return ([(1, 5, 256, 448), (1, 13, 480, 832), (1, 41, 480, 832)],
+        return ([(1, 5, 256, 448), (1, 21, 256, 448), (1, 13, 480, 832), (1, 41, 480, 832)],
                 [(1, 21, 480, 832), (1, 21, 704, 1280), (1, 61, 704, 1280)])
-    return [(1, 1, 512, 512), (1, 1, 1024, 1024)], [(1, 1, 1536, 1536), (1, 1, 2048, 2048)]
+    return ([(1, 1, 512, 512), (1, 1, 768, 768), (1, 1, 1024, 1024)],
+            [(1, 1, 1536, 1536), (1, 1, 1792, 1792), (1, 1, 2048, 2048)])
 
 
 def _warmup_frames(spec) -> int:
@@ -254,18 +272,24 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
 
 
 def _lstsq(rows: list[dict], basis: Callable[[dict], list[float]], key: str) -> list[float]:
-    """Least-squares coefficients of `key` on `basis` (numpy)."""
+    """Coefficients of `key` on `basis`: in relative error with a robust loss (fit.robust_linear: a stray decode
+    does not move them); where a value is not positive (peak memory on the CPU: 0), plain least squares (numpy)."""
     import numpy as np
 
-    A = np.array([basis(r) for r in rows], dtype=float)
-    y = np.array([r[key] for r in rows], dtype=float)
-    return [float(c) for c in np.linalg.lstsq(A, y, rcond=None)[0]]
+    from chunkflow.commands.calibrate.fit import robust_linear
+
+    A = [basis(r) for r in rows]
+    y = [float(r[key]) for r in rows]
+    if all(v > 0 for v in y):
+        return robust_linear(A, y)
+    return [float(c) for c in np.linalg.lstsq(np.array(A, dtype=float), np.array(y), rcond=None)[0]]
 
 
 def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], int] | None = None) -> dict:
     """A VaeDecodeFit (as a dict) from measured decodes: memory on [1, H W, voxels] (video) or [1, voxels] (image),
-    time on [1, voxels], or on [1, decoder calls] where `calls` counts them (tiled decodes); a negative slope is
-    dropped and the rest refitted, and a negative time intercept gives way to a line through the origin."""
+    time on [1, voxels], or on [1, decoder calls] where `calls` counts them (tiled decodes), each in relative error
+    with a robust loss (_lstsq); a negative slope is dropped and the rest refitted, and a negative time intercept
+    gives way to a line through the origin (fitted the same way)."""
     px = lambda r: r["height"] * r["width"]  # noqa: E731
     vox = lambda r: r["batch"] * r["frames"] * px(r)  # noqa: E731
     if video and len({px(r) for r in rows}) > 1:
@@ -277,8 +301,29 @@ def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], 
     size = calls or vox
     t0, rate = _lstsq(rows, lambda r: [1.0, float(size(r))], "time_s")
     if rate <= 0 or t0 < 0:  # a line through the origin: a negative intercept would price small decodes at 0 s
-        rate = sum(r["time_s"] * size(r) for r in rows) / sum(float(size(r)) ** 2 for r in rows)
-        t0 = 0.0
+        (rate,), t0 = _lstsq(rows, lambda r: [float(size(r))], "time_s"), 0.0
     timing = dict(time_per_call=rate, time_per_voxel=0.0) if calls else dict(time_per_voxel=rate)
     return dict(mem_const=c0, mem_per_px=max(0.0, c_px), mem_per_voxel=max(0.0, c_vox), time_const=t0, **timing,
                 source=source)
+
+
+def vae_residuals(rows: list[dict], fit: dict, calls: Callable[[dict], int] | None = None
+                  ) -> tuple[list[float], list[float]]:
+    """(time, memory) residuals of decodes `rows` about their fit (fit_vae's dict; `calls` as given to it): measured
+    / fitted - 1 per decode. A fit with no more decodes than the coefficients it fitted (those not 0) passes through
+    every one of them, so its residuals say nothing of its spread: it gives none; nor does memory measured as 0
+    (the CPU)."""
+    px = lambda r: r["height"] * r["width"]  # noqa: E731
+    vox = lambda r: r["batch"] * r["frames"] * px(r)  # noqa: E731
+    size = calls or vox
+    rate = fit["time_per_call"] if calls else fit["time_per_voxel"]
+    t_coef = [c for c in (fit["time_const"], rate) if c != 0]
+    m_coef = [c for c in (fit["mem_const"], fit["mem_per_px"], fit["mem_per_voxel"]) if c != 0]
+    from chunkflow.commands.calibrate.fit import relative_residuals
+
+    time = relative_residuals([r["time_s"] for r in rows], [fit["time_const"] + rate * size(r) for r in rows]) \
+        if len(rows) > len(t_coef) else []
+    mem = relative_residuals([r["peak_bytes"] for r in rows], [
+        fit["mem_const"] + fit["mem_per_px"] * px(r) + fit["mem_per_voxel"] * vox(r) for r in rows]) \
+        if len(rows) > len(m_coef) and all(r["peak_bytes"] > 0 for r in rows) else []
+    return time, mem

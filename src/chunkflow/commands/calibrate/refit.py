@@ -320,6 +320,72 @@ def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:
     return errors
 
 
+def report_errors(r, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | None = None) -> dict[str, list[float]]:
+    """measured / predicted - 1 of one run report by bands.QUANTITY_KINDS, the errors the report computed itself:
+    step_time (the median step against the plan's), peak_memory (the steps' peak allocated, and each phase's peak),
+    and from a generation report generation_time, phase_time (each phase), host_memory (the generation's host peak
+    and the load's) and load_time. With `hw` (the profile the report's plan was priced on) and `refit_hw`, the step
+    is compared with refit_hw's prediction instead, where predicting the run on `hw` gives back the report's own
+    prediction (the same model, so the refit's re-prediction is what a new plan would say)."""
+    out: dict[str, list[float]] = {}
+
+    def add(kind: str, e: float | None) -> None:
+        if e is not None and math.isfinite(e):
+            out.setdefault(kind, []).append(e)
+
+    step = r.rel_error.step_time
+    if step is not None and hw is not None and refit_hw is not None:
+        from chunkflow_planner.plan import model_of
+
+        spec, w = model_of(r.plan), r.plan.workload.to_workload()
+        before = predict(spec, w, hw, r.run.offload, r.run.sp_degree).step_time_s
+        if math.isclose(before, r.predicted.step_time_s, rel_tol=1e-6):
+            step = r.measured.median_step_s / predict(spec, w, refit_hw, r.run.offload, r.run.sp_degree).step_time_s - 1
+    add("step_time", step)
+    add("peak_memory", r.rel_error.peak_memory)
+    g = r.generation
+    if g is not None:
+        add("generation_time", g.generation_time_error)
+        add("host_memory", g.host_memory_error)
+        for m in g.phases.values():
+            add("phase_time", m.time_error)
+            add("peak_memory", m.memory_error)
+        if g.load is not None:
+            add("load_time", g.load.time_error)
+            add("host_memory", g.load.host_error)
+    return out
+
+
+def model_errors(reports: Sequence, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | None = None
+                 ) -> dict[str, Any]:
+    """The planner's error by kind of prediction (ModelError by bands.QUANTITY_KINDS) over run reports
+    (report_errors): bias = the median of measured / predicted - 1, spread = 1.4826 x the median absolute deviation
+    about it. One report measures a bias but no scatter: its spread is the kind's prior scatter
+    (bands.MODEL_PRIOR / bands.Z), so its band is the prior's width about the bias seen.
+
+    These are the errors of the plans as they were made, on the profile before this refit (the step, where the
+    refit re-predicts it, against the refit profile: report_errors): the refit corrects some of the terms they came
+    from, so for the other kinds the band they give is conservative."""
+    from chunkflow_planner.bands import MODEL_PRIOR, Z
+    from chunkflow_planner.catalog import ModelError
+
+    errors: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for r in reports:
+        for kind, es in report_errors(r, hw, refit_hw).items():
+            errors.setdefault(kind, []).extend(es)
+            counts[kind] = counts.get(kind, 0) + 1
+    out = {}
+    for kind, es in errors.items():
+        bias = statistics.median(es)
+        spread = 1.4826 * statistics.median(abs(e - bias) for e in es) if len(es) > 1 else MODEL_PRIOR[kind] / Z
+        n = counts[kind]
+        out[kind] = ModelError(samples=len(es), bias=max(-10.0, min(10.0, bias)), spread=min(10.0, spread),
+                               source=f"{len(es)} error(s) in {n} run report(s)" + (
+                                   "; one: the prior's spread" if len(es) == 1 else ""))
+    return out
+
+
 def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]:
     """Adjust `hw` to measured runs; returns the new profile and one note per adjustment.
 
@@ -332,6 +398,8 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       measured one's; the median, at least 0.
     - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
     - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
+    - model_errors: the planner's errors in the reports by kind of prediction (model_errors); kinds the reports do
+      not measure keep the profile's.
     """
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
@@ -339,6 +407,7 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
               **_refit_startup(hw, reports, notes)}
     update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
     update.update(refit_load(hw.model_copy(update=update), reports, notes))
+    old = hw
     if update:
         update["source"] = (hw.source + f"; refit from {len(reports)} run report(s) {datetime.date.today()}").lstrip("; ")
         try:
@@ -347,4 +416,9 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
             err = e.errors()[0]
             raise CalibrationError(f"the refit gives {'.'.join(map(str, err['loc']))} outside its range "
                                    f"({err['msg']}); these runs do not fit profile {hw.name!r}") from None
+    errors = model_errors(reports, old, hw)
+    if errors:
+        hw = HardwareSpec(**{**hw.model_dump(), "model_errors": {**hw.model_errors, **errors}})
+        notes.append("the planner's errors in these reports: " + ", ".join(
+            f"{k} {e.bias:+.1%} +-{e.spread:.1%} ({e.samples})" for k, e in errors.items()))
     return hw, notes

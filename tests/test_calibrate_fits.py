@@ -1,0 +1,317 @@
+"""calibrate's fits on scipy (issue 41): robust fits a stray sample does not move, each fit's quality in the profile
+(FitQuality), the planner's errors from run reports (ModelError), the planner's own root finder against scipy's, and
+a plan that never imports scipy."""
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from chunkflow.commands.calibrate.fit import fit_h2d, fit_quality
+from chunkflow.commands.cli import app
+from chunkflow_planner import bands
+from chunkflow_planner.catalog import get_hardware, load_profile
+
+runner = CliRunner()
+MB = 10**6
+SIZES = [c * MB for c in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+
+pytestmark = pytest.mark.usefixtures("workdir")
+
+
+def old_fit_h2d(sizes, times):
+    """The fit calibrate used before scipy, kept as the reference it replaced: least squares in relative error (the
+    2x2 normal equations), t0 < 0 refit as pure bandwidth."""
+    w = [1.0 / t for t in times]
+    s11 = sum(wi * wi for wi in w)
+    s12 = sum(wi * wi * c for wi, c in zip(w, sizes))
+    s22 = sum(wi * wi * c * c for wi, c in zip(w, sizes))
+    b1 = sum(wi * wi * t for wi, t in zip(w, times))
+    b2 = sum(wi * wi * c * t for wi, c, t in zip(w, sizes, times))
+    det = s11 * s22 - s12 * s12
+    t0, a = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    if t0 < 0 or a <= 0:
+        t0, a = 0.0, b2 / s22
+    return t0, 1.0 / a
+
+
+def _copies(t0, bw, outliers, seed=0, repeats=3):
+    """Per-copy times of every size `repeats` times, with 0.3% multiplicative noise, the samples at `outliers`
+    3x slower."""
+    rng = random.Random(seed)
+    sizes = SIZES * repeats
+    times = [(t0 + c / bw) * (1 + rng.gauss(0, 0.003)) for c in sizes]
+    for i in outliers:
+        times[i] *= 3
+    return sizes, times
+
+
+@pytest.mark.parametrize("outliers", [(0,), (0, 9), (0, 8)])  # a 1 MB copy, two of them, a 1 MB and a 256 MB one
+def test_h2d_fit_is_not_moved_by_a_stray_slow_copy(outliers):
+    t0, bw = 2.8e-6, 55e9
+    sizes, times = _copies(t0, bw, outliers)
+    fit = fit_h2d(sizes, times)
+    assert fit.bw_Bps == pytest.approx(bw, rel=0.01)
+    assert fit.t0_s == pytest.approx(t0, rel=0.15)
+    old_t0, old_bw = old_fit_h2d(sizes, times)
+    assert abs(old_t0 / t0 - 1) > 0.15  # the fit it replaced: one slow small copy moved t0 past the band above
+    # every sample's measured / fitted - 1, in order: the slow copies ~+200%, the rest within the noise
+    assert len(fit.residuals) == len(sizes)
+    for i, r in enumerate(fit.residuals):
+        assert (r == pytest.approx(2.0, abs=0.1)) if i in outliers else abs(r) < 0.02
+    q = fit_quality("h2d", fit.residuals, "test")
+    assert q.samples == len(sizes) and not q.flagged and q.spread < 0.01
+
+
+def test_h2d_fit_without_outliers_matches_the_old_fit():
+    sizes, times = _copies(2.8e-6, 55e9, ())
+    fit, (t0, bw) = fit_h2d(sizes, times), old_fit_h2d(sizes, times)
+    assert fit.bw_Bps == pytest.approx(bw, rel=2e-3) and fit.t0_s == pytest.approx(t0, rel=0.05)
+    with pytest.raises(ValueError):
+        fit_h2d([MB, MB], [1e-4, 1.1e-4])  # one size: no line
+
+
+def test_vae_fit_is_not_moved_by_a_stray_slow_decode():
+    """Decodes of known constants (20 ms + 5 ns/voxel; 2 GB + 12 B/px + 40 B/voxel) with noise and one decode 3x
+    slower: the robust fit gives the constants back, where least squares in seconds (what the fit was before
+    scipy) moves the constant time; each decode's residual kept, the slow one's ~+200%."""
+    from chunkflow.commands.calibrate.ops import fit_vae, vae_residuals
+
+    rng = random.Random(3)
+    rows = []
+    for f in (5, 13, 21, 41, 61):
+        for h, w in ((256, 448), (480, 832)):
+            vox, px = f * h * w, h * w
+            rows.append(dict(batch=1, frames=f, height=h, width=w,
+                             time_s=(0.02 + 5e-9 * vox) * (1 + rng.gauss(0, 0.003)),
+                             peak_bytes=(2e9 + 12 * px + 40 * vox) * (1 + rng.gauss(0, 0.002))))
+    rows[0]["time_s"] *= 3
+    fit = fit_vae(rows, True, "test")
+    assert fit["time_const"] == pytest.approx(0.02, rel=0.05)
+    assert fit["time_per_voxel"] == pytest.approx(5e-9, rel=0.01)
+    assert fit["mem_const"] == pytest.approx(2e9, rel=0.01) and fit["mem_per_voxel"] == pytest.approx(40, rel=0.02)
+    import numpy as np
+
+    A = np.array([[1.0, r["frames"] * r["height"] * r["width"]] for r in rows])
+    t0_seconds, rate_seconds = np.linalg.lstsq(A, np.array([r["time_s"] for r in rows]), rcond=None)[0]
+    assert abs(t0_seconds / 0.02 - 1) > 0.3 and abs(rate_seconds / 5e-9 - 1) > 0.05  # the old least squares
+    time, mem = vae_residuals(rows, fit)
+    assert len(time) == len(mem) == len(rows)
+    assert time[0] == pytest.approx(2.0, abs=0.1) and max(abs(r) for r in time[1:]) < 0.02
+    assert max(abs(r) for r in mem) < 0.02
+
+
+def test_a_vae_fit_through_every_decode_gives_no_residuals():
+    """As many decodes as coefficients: the fit passes through each, which says nothing of its spread; memory
+    measured as 0 (the CPU) neither."""
+    from chunkflow.commands.calibrate.ops import fit_vae, vae_residuals
+
+    rows = [dict(batch=1, frames=1, height=s, width=s, time_s=0.01 + 1e-9 * s * s, peak_bytes=1e9 + 10 * s * s)
+            for s in (512, 1024)]
+    assert vae_residuals(rows, fit_vae(rows, False, "test")) == ([], [])
+    rows.append(dict(batch=1, frames=1, height=768, width=768, time_s=0.011, peak_bytes=0))
+    time, mem = vae_residuals(rows, fit_vae(rows, False, "test"))
+    assert len(time) == 3 and mem == []
+
+
+def test_mem_ops_scale_recovers_a_known_scale_past_a_stray_block():
+    from chunkflow.commands.calibrate.ops import fit_mem_ops_scale
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.ops import block_ops, split
+
+    hw = get_hardware("h200")
+    spec = get_model("wan2.2")
+    unit = hw.model_copy(update={"mem_ops_scale": 1.0})
+    rows = []
+    for S in (2000, 8000, 16000, 32000, 64000):
+        a = b = 0.0
+        for g in spec.blocks:
+            x, y = split(block_ops(spec, g, 1, S, spec.text_len), unit)
+            a, b = a + x, b + y
+        rows.append(dict(model="wan2.2", tokens=S, batch=1, time_s=a + 1.7 * b))
+    rows[-1]["time_s"] *= 2  # the largest block timed slow once: least squares in seconds would follow it
+    assert fit_mem_ops_scale(rows, hw) == pytest.approx(1.7, rel=0.02)
+
+
+def test_fit_quality_flags_a_wide_fit_with_what_to_repeat():
+    rng = random.Random(1)
+    wide = [rng.gauss(0, 0.2) for _ in range(40)]
+    q = fit_quality("h2d", wide, "test")
+    assert q.spread == pytest.approx(bands.spread(wide)) and q.spread > bands.FLAG_SPREAD
+    assert q.flagged and q.repeat == bands.FITS["h2d"].repeat and q.samples == 40
+    narrow = fit_quality("compute", [rng.gauss(0, 0.01) for _ in range(40)], "test")
+    assert not narrow.flagged and narrow.repeat == ""
+    assert fit_quality("cpu", [0.1], "test") is None  # one sample: no spread (the prior stands)
+    many = [rng.gauss(0, 0.05) for _ in range(1000)]
+    q = fit_quality("cpu", many, "test")
+    assert q.samples == 1000 and len(q.residuals) == bands.MAX_RESIDUALS
+    assert min(q.residuals) == pytest.approx(min(many), abs=1e-6) and max(q.residuals) == pytest.approx(max(many), abs=1e-6)
+    assert bands.spread(q.residuals) == pytest.approx(q.spread, rel=0.05) and q.spread == pytest.approx(bands.spread(many))
+
+
+def test_cpu_smoke_profile_records_its_fits(tmp_path):
+    result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--no-save", "--raw", "raw.json"])
+    assert result.exit_code == 0, result.output
+    hw = load_profile(tmp_path / "smoke.yaml")
+    assert {"h2d", "compute", "vae_time", "cpu", "text_host", "page_cache", "host_fault"} <= set(hw.fits)
+    assert set(hw.fits) <= set(bands.FITS)
+    # no GPU: no memory measured (a VAE's peak is 0), no page-locking, no codec decode, no collectives
+    assert not {"vae_memory", "pin", "codec_decode", "collectives"} & set(hw.fits)
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert hw.fits["h2d"].samples == sum(len(r["samples_s"]) for r in raw["h2d"]) >= 2 * len(raw["h2d"])
+    assert hw.fits["compute"].samples == sum(len(r["samples_s"]) for r in raw["blocks"] + raw["forwards"])
+    for name, q in hw.fits.items():
+        assert q.samples >= 2 and len(q.residuals) == min(q.samples, bands.MAX_RESIDUALS), name
+        assert q.spread == pytest.approx(bands.spread(q.residuals), rel=1e-3, abs=1e-5), name
+        assert q.flagged == (q.spread > bands.FLAG_SPREAD) and (q.repeat == bands.FITS[name].repeat) == q.flagged
+    out = " ".join(result.output.split())
+    assert "Fits" in out and all(name in out for name in hw.fits)
+    for name, q in hw.fits.items():  # each flagged fit says what to measure again (the CPU is noisy: not a failure)
+        assert (f"fit {name}: +-{q.spread * 100:.1f}% is too wide to plan with" in out) == q.flagged
+
+
+# ---------------------------------------------------------------------------------- the planner's errors
+
+
+def _reports(tmp_path):
+    from test_calibrate import _report
+
+    return _report(tmp_path, "none", 1.0), _report(tmp_path, "layerwise", 1.0)
+
+
+def _with_errors(data, path, step=None, peak=None, generation=None):
+    """The report with its measured step at (1 + step) x its prediction and the errors it states."""
+    if step is not None:
+        data["measured"]["median_step_s"] = (1 + step) * data["predicted"]["step_time_s"]
+    data["rel_error"] = dict(step_time=step, peak_memory=peak)
+    data["generation"] = generation
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _generation(time_err, phase_errs, host_err=None, load=None):
+    phases = {name: dict(measured_time_s=1.0, time_error=e, memory_error=0.02) for name, e in phase_errs.items()}
+    return dict(prompt="a cat", seed=0, steps=1, components={}, phases=phases, generation_time_s=3.0,
+                generation_time_error=time_err, host_peak_bytes=10**9, host_memory_error=host_err, load=load)
+
+
+def test_model_errors_from_reports_with_known_errors(tmp_path):
+    """The errors the reports state, by kind: bias their median, spread 1.4826 x their MAD about it; a kind seen once
+    keeps the prior's scatter about its bias."""
+    from chunkflow.commands.calibrate.refit import model_errors, read_reports
+
+    (none, p_none), (lw, p_lw) = _reports(tmp_path)
+    p3 = tmp_path / "third.json"
+    load = dict(weights="random", measured_time_s=2.0, host_peak_bytes=10**9, time_error=0.3, host_error=-0.04)
+    _with_errors(none, p_none, step=0.10, peak=0.05, generation=_generation(0.08, {"encode": 0.2, "decode": -0.1}))
+    _with_errors(lw, p_lw, step=0.20, generation=_generation(0.12, {"denoise": 0.0}, host_err=0.06, load=load))
+    _with_errors(json.loads(p_lw.read_text()), p3, step=0.40)
+    e = model_errors(read_reports([p_none, p_lw, p3]))
+    assert set(e) == set(bands.QUANTITY_KINDS)
+    assert e["step_time"].samples == 3 and e["step_time"].bias == pytest.approx(0.20)
+    assert e["step_time"].spread == pytest.approx(1.4826 * 0.10)
+    assert e["generation_time"].bias == pytest.approx(0.10) and e["generation_time"].spread == pytest.approx(1.4826 * 0.02)
+    assert e["phase_time"].samples == 3 and e["phase_time"].bias == pytest.approx(0.0)
+    assert e["phase_time"].spread == pytest.approx(1.4826 * 0.1)
+    # peak memory: the steps' (one report) and every phase's (0.02 each)
+    assert e["peak_memory"].samples == 4 and e["peak_memory"].bias == pytest.approx(0.02)
+    assert e["host_memory"].samples == 2 and e["host_memory"].bias == pytest.approx(0.01)
+    assert e["load_time"].samples == 1 and e["load_time"].bias == pytest.approx(0.3)
+    assert e["load_time"].spread == pytest.approx(bands.MODEL_PRIOR["load_time"] / bands.Z)
+
+
+def test_refit_records_model_errors_against_the_refit_profile_where_it_re_predicts(tmp_path):
+    """A `none` run 2x slower than planned: the refit halves eta_comp, and on the refit profile the run is predicted
+    right (its step error 0), where the plan as made was 100% short; refitting another profile than the one the plan
+    was priced on (the re-prediction would not be the plan's), the report's own error stands."""
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from chunkflow_planner.catalog import HardwareSpec
+
+    (none, p_none), _ = _reports(tmp_path)
+    _with_errors(none, p_none, step=1.0)
+    reps = read_reports([p_none])
+    planned = HardwareSpec(**reps[0].plan.hardware.spec)
+    new, notes = refit(planned, reps)
+    assert new.eta_comp == pytest.approx(planned.eta_comp / 2, rel=1e-6)
+    assert new.model_errors["step_time"].bias == pytest.approx(0.0, abs=1e-6)
+    assert new.model_errors["step_time"].samples == 1 and any("planner's errors" in n for n in notes)
+    other = planned.model_copy(update={"peak_tflops": planned.peak_tflops * 1.5, "name": "other"})
+    new, _ = refit(other, reps)
+    assert new.model_errors["step_time"].bias == pytest.approx(1.0)
+    # through the CLI: the profile written keeps them, and says so
+    result = runner.invoke(app, ["calibrate", "--from-report", str(p_none), "--out", "refit.yaml", "--no-save"])
+    assert result.exit_code == 0, result.output
+    saved = load_profile(tmp_path / "refit.yaml")
+    assert saved.model_errors["step_time"].bias == pytest.approx(0.0, abs=1e-6)
+    assert "The planner's errors" in " ".join(result.output.split())
+
+
+# ---------------------------------------------------------------------------------- the planner's Brent
+
+
+def _f_star_problem(curve, B):
+    """T_comp(F) - T_pref in log F on a profile with an eta_comp(F) curve: what F_star_hw finds the root of."""
+    from chunkflow_planner.overlap import T_comp_hw, T_pref
+
+    hw = get_hardware("h200").model_copy(update={"eta_comp_curve": curve})
+    tp = T_pref(B, hw.h2d_gbps * 1e9, hw.eta_pref)
+    return hw, (lambda logF: T_comp_hw(math.exp(logF), hw) - tp), math.log(1.0), math.log(1e30)
+
+
+@pytest.mark.parametrize("case", ["cubic", "tiny root", "steep", "flat then steep", "kinked", "F_star", "F_star flat"])
+def test_the_planners_brent_agrees_with_scipys_brentq(case):
+    from scipy.optimize import brentq
+
+    from chunkflow_planner.overlap import F_star_hw, brent
+
+    f, lo, hi = {
+        "cubic": (lambda x: x**3 - 2, 0.0, 2.0),
+        "tiny root": (lambda x: x - 1e-9, 0.0, 1e6),
+        "steep": (lambda x: math.exp(50 * x) - 1e10, -1.0, 1.0),
+        "flat then steep": (lambda x: x**9 - 0.5, 0.0, 1.0),
+        "kinked": (lambda x: abs(x - 0.3) ** 0.5 * (1 if x > 0.3 else -1) + 0.1, 0.0, 1.0),
+        "F_star": None, "F_star flat": None,
+    }.get(case) or (None, None, None)
+    if f is None:
+        curve = [(1e11, 0.3), (1e12, 0.45), (1e13, 0.6)] if case == "F_star" else [(1e9, 0.05), (1e15, 0.06)]
+        hw, f, lo, hi = _f_star_problem(curve, 327e6)
+        assert math.log(F_star_hw(hw, 327e6)) == pytest.approx(brentq(f, lo, hi, xtol=1e-14, rtol=1e-14), rel=1e-10)
+    ours = brent(f, lo, hi, xtol=1e-14, rtol=1e-14)
+    theirs = brentq(f, lo, hi, xtol=1e-14, rtol=1e-14)
+    assert ours == pytest.approx(theirs, rel=1e-10, abs=1e-13)
+    assert abs(f(ours)) <= abs(f(theirs)) * 10 + 1e-12 * max(abs(f(lo)), abs(f(hi)))
+
+
+# ---------------------------------------------------------------------------------- the planner without scipy
+
+
+@pytest.mark.slow
+def test_plan_imports_no_scipy_in_importtime():
+    """`python -X importtime` lists every module a command imports: `chunkflow plan` lists no scipy (nor torch);
+    calibrate's fit module, imported the same way, does not either until a fit runs (scipy is imported inside)."""
+    import os
+    from pathlib import Path
+
+    import chunkflow
+
+    src = str(Path(chunkflow.__file__).parents[1])  # the subprocess imports the chunkflow this test does
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+
+    def imported(code):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
+                             check=True, env=env)
+        return [line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+
+    plan = imported("from chunkflow.commands.cli import app; from typer.testing import CliRunner; "
+                    "r = CliRunner().invoke(app, ['plan', '--model', 'flux', '--mem-budget', '24GB', "
+                    "'--host-mem-budget', '64GB', '--json']); assert r.exit_code == 0, r.output")
+    assert any(m.startswith("chunkflow_planner.planner") for m in plan)  # the listing is there
+    assert not [m for m in plan if m.split(".")[0] in ("scipy", "torch")]
+    fit = imported("import chunkflow.commands.calibrate.fit")
+    assert "chunkflow.commands.calibrate.fit" in fit and not [m for m in fit if m.split(".")[0] == "scipy"]
+    fitted = imported("from chunkflow.commands.calibrate.fit import fit_h2d; fit_h2d([1e6, 2e6, 4e6], [1e-4, 2e-4, 4e-4])")
+    assert any(m.split(".")[0] == "scipy" for m in fitted)  # the check can see scipy when it is imported
