@@ -99,6 +99,9 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path, monkeypatch):
     with open(tmp / "someone-elses.safetensors", "wb") as f:
         f.truncate(2**27)  # larger than the smoke sample: it would be the sample if the folder were walked
     monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    # torch's compiler keeps its cache in the temporary directory unless told otherwise (this test alone in a process
+    # is the first to start it): not chunkflow's file
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--raw", "raw.json"])
     assert result.exit_code == 0, result.output
     disk = json.loads((tmp_path / "raw.json").read_text())["disk"]
