@@ -41,7 +41,7 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
     from chunkflow_planner.files import write_atomic
 
     t = time.perf_counter()
-    cal = calibrate(a.model, vaes=False, disk=False, log=print)
+    cal = calibrate(a.model, vaes=False, disk=False, log=print, cpu_smoke=a.cpu_smoke)
     seconds = time.perf_counter() - t
     write_profile(cal.profile, a.out, f"measured by chunkflow calibrate --model {a.model} (no VAE decodes, no disk)")
     write_atomic(a.raw, json.dumps({**cal.raw, "seconds": seconds}, indent=2, default=str) + "\n")
@@ -101,6 +101,7 @@ def main() -> None:
     c.add_argument("out")
     c.add_argument("raw")
     c.add_argument("--model", default="wan2.2,flux")
+    c.add_argument("--cpu-smoke", action="store_true", help="the tiny model on the CPU (to try the script)")
     c.set_defaults(fn=cmd_calibrate)
     c = sub.add_parser("compare")
     c.add_argument("a")
