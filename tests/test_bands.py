@@ -146,6 +146,10 @@ def test_a_profile_that_measured_everything_says_no_prior_stood_in():
     note = bands_note(plan)
     assert "prior" not in note and "4 run report(s)" in note
     assert "prior spreads stood in" in bands_note(_plan(_hw()))
+    # a fit calibrate flagged is said, with what to measure again
+    wide = _hw(0.01).spec.fits | {"h2d": FitQuality(samples=9, spread=0.2, flagged=True, repeat=FITS["h2d"].repeat)}
+    note = bands_note(_plan(ResolvedHardware(_hw(0.01).spec.model_copy(update={"fits": wide}), "test")))
+    assert "flagged as too wide to plan with: h2d (+-20% a sample; measure again: the H2D copies" in note
 
 
 def _gpu_report(tmp_path):

@@ -38,6 +38,12 @@ def bands_note(plan: Plan) -> str | None:
                  + (f" ({', '.join(supposed)})" if supposed else "")
                  + ": `chunkflow calibrate` narrows them, `chunkflow calibrate --from-report REPORT` measures the "
                  "planner's own error from your runs")
+    flagged = {n: f for n, f in ((plan.hardware.spec or {}).get("fits") or {}).items()
+               if isinstance(f, dict) and f.get("flagged")}
+    if flagged:
+        text += ("; calibrate flagged as too wide to plan with: " + "; ".join(
+            f"{n} (+-{f.get('spread', 0):.0%} a sample; measure again: {f.get('repeat') or 'calibrate'})"
+            for n, f in flagged.items()))
     return text
 
 
