@@ -53,7 +53,7 @@ def _scale(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
                 update[key] = {n: x * k for n, x in v.items()}
             elif v is not None:
                 update[key] = v * k
-        return hw.model_copy(update=update)
+        return hw.model_copy(update=update) if update else hw  # nothing to move: the profile itself
     return move
 
 
@@ -69,6 +69,8 @@ def _vae(kind: Literal["time", "mem"]) -> Callable[[HardwareSpec, float], Hardwa
                 update["tiled"] = scaled(fit.tiled)
             return fit.model_copy(update=update)
 
+        if not hw.pipeline.vae_decode:
+            return hw
         return hw.model_copy(update={"vae_decode": {n: scaled(f) for n, f in hw.pipeline.vae_decode.items()}})
     return move
 
@@ -197,7 +199,10 @@ def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec
         if s <= 0:
             continue
         step = min(Z * s, 0.9)
-        up, down = price(fit.move(hw, 1 + step)), price(fit.move(hw, 1 - step))
+        moved_up = fit.move(hw, 1 + step)
+        if moved_up is hw:  # the profile has none of its figures (no disk rate, no codec): it prices nothing
+            continue
+        up, down = price(moved_up), price(fit.move(hw, 1 - step))
         for k in keys:
             hi, lo = up.get(k), down.get(k)
             if hi is None or lo is None:
