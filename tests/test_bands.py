@@ -202,3 +202,26 @@ def test_a_cpu_run_of_a_gpu_plan_gives_no_time_verdict(workdir):
     assert result.exit_code == 0, result.output
     report = load_reports([tmp_path / "r.json"])[0]
     assert "step_time_s" not in report.bands
+
+
+def test_a_profile_names_only_fits_and_kinds_the_planner_knows(tmp_path):
+    """Every fit bands.py prices is one a profile may record, and a profile recording another (a typo, a newer
+    chunkflow's) is refused on reading, naming it, rather than its spread silently ignored."""
+    import yaml
+
+    from chunkflow_planner.catalog import FIT_NAMES, CatalogError, load_profile
+
+    assert tuple(FITS) == FIT_NAMES
+    data = get_hardware("h200").model_dump(mode="json")
+    for field, bad in (("fits", {"h2dd": {"samples": 3, "spread": 0.1}}),
+                       ("model_errors", {"step": {"samples": 3, "bias": 0.0, "spread": 0.1}})):
+        path = tmp_path / f"{field}.yaml"
+        path.write_text(yaml.safe_dump({**data, field: bad}))
+        with pytest.raises(CatalogError, match=f"{field}"):
+            load_profile(path)
+
+
+def test_a_band_wider_than_its_prediction_starts_at_zero():
+    plan = _plan(_hw(0.0, {k: (2.0, 0.0) for k in QUANTITY_KINDS}))
+    band = plan.prediction.bands["step_time_s"]
+    assert band.rel == pytest.approx(2.0) and band.low == 0.0 and band.contains(0.0)

@@ -24,7 +24,7 @@ from typing import Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chunkflow_planner.catalog import HardwareSpec
+from chunkflow_planner.catalog import QUANTITY_KINDS, HardwareSpec  # noqa: F401  (QUANTITY_KINDS re-exported)
 
 Z = 2.0  # the band's half-width in spreads (a normal sample's ~95%)
 FLAG_SPREAD = 0.10  # a fit whose samples spread wider than this about it is too loose to plan with (calibrate flags it)
@@ -129,7 +129,6 @@ FITS: dict[str, Fit] = {
                    "`chunkflow calibrate --from-report` with runs made with --warmup", _slower("startup_s")),
 }
 
-QUANTITY_KINDS = ("step_time", "phase_time", "generation_time", "peak_memory", "host_memory", "load_time")
 
 # The planner's own error by kind where no run report of the machine says it: about the largest warm errors the
 # committed H200 runs measured (docs/planner-accuracy-h200.md: step 6.7%, peak 6.3%; docs/measurements.md: a load
@@ -159,7 +158,7 @@ class Band(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
     rel: float = Field(ge=0, description="half-width, a share of the prediction (0.06: +-6%)")
-    low: float = Field(description="the prediction x (1 - rel)")
+    low: float = Field(description="the prediction x (1 - rel), at least 0")
     high: float = Field(description="the prediction x (1 + rel)")
     fits: list[str] = Field(default_factory=list, description="the fits that move it most, widest first")
     measured: bool = Field(description="whether every fit it depends on was measured on this machine (else a "
@@ -216,7 +215,7 @@ def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec
     for k in keys:
         m, source = model_error(hw, kind_of(k))
         rel = math.sqrt(var[k] + m * m)
-        out[k] = Band(rel=rel, low=base[k] * (1 - rel), high=base[k] * (1 + rel),
+        out[k] = Band(rel=rel, low=base[k] * max(0.0, 1 - rel), high=base[k] * (1 + rel),
                       fits=[n for _, n in sorted(parts[k], reverse=True)[:3]], measured=not unmeasured[k],
                       model=source)
     return out

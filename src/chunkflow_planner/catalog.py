@@ -395,6 +395,16 @@ def _core_from_pipeline(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# the fits a profile keeps a record of (chunkflow_planner/bands.py FITS: what each measures and moves) and the kinds
+# of prediction the planner's own error is kept for; named here so a profile naming another is refused on reading
+FIT_NAMES = ("compute", "h2d", "collectives", "block_overhead", "disk_read", "page_cache", "pin", "host_fault",
+             "load_startup", "vae_time", "vae_memory", "text_host", "cpu", "codec_decode", "codec_ratio", "context",
+             "process_host", "startup")
+QUANTITY_KINDS = ("step_time", "phase_time", "generation_time", "peak_memory", "host_memory", "load_time")
+FitName = Literal[FIT_NAMES]  # type: ignore[valid-type]
+QuantityKind = Literal[QUANTITY_KINDS]  # type: ignore[valid-type]
+
+
 class FitQuality(_Strict):
     """How closely one of calibrate's fits (or repeated measurements) describes its samples: the band a plan inherits
     from it (chunkflow_planner/bands.py names the fits and what each moves)."""
@@ -510,10 +520,10 @@ class HardwareSpec(_Strict):
     pipeline: PipelineProfile = Field(default_factory=PipelineProfile, description="the figures only the "
                                       "whole-pipeline extension reads; flat in the file, beside these")
     source: str = Field("", description="where these numbers come from")
-    fits: dict[str, FitQuality] = Field(default_factory=dict, description="calibrate's fits by the name "
+    fits: dict[FitName, FitQuality] = Field(default_factory=dict, description="calibrate's fits by the name "
                                         "chunkflow_planner/bands.py gives them: samples, spread, residuals; empty for "
                                         "a catalog entry (its figures are supposed, not measured here)")
-    model_errors: dict[str, ModelError] = Field(default_factory=dict, description="the planner's error by kind of "
+    model_errors: dict[QuantityKind, ModelError] = Field(default_factory=dict, description="the planner's error by kind of "
                                                 "prediction (bands.QUANTITY_KINDS) in run reports of this machine")
 
     @model_validator(mode="before")
