@@ -206,8 +206,9 @@ class BandVerdict(BaseModel):
 def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
     """Each error the report computed, against the band of the prediction it compares (by its key in the plan's
     `prediction.bands`); none for a plan without bands (schema 3 or older) or where nothing was compared (a CPU run
-    of a GPU plan compares no time). A load's time is held to the wider of its cold and warm bands (its prediction
-    is for the share the page cache held)."""
+    of a GPU plan compares no time). After --warmup a phase's time and the generation's are held to their warm bands
+    (start-up excluded, as they are compared). A load's time is held to the wider of its cold and warm bands (its
+    prediction is for the share the page cache held)."""
     bands = report.plan.prediction.bands
     if not bands:
         return {}
@@ -216,20 +217,28 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
         ("peak_memory_bytes", ("peak_memory_bytes",), report.rel_error.peak_memory)]
     g = report.generation
     if g is not None:
-        pairs.append(("generation_time_s", ("generation_time_s",), g.generation_time_error))
+        # after --warmup the times compared are a later generation's, start-up excluded: their own bands (the
+        # start-up's spread is not in them); a plan without start-up has no separate warm band (the same times)
+        def timed(key: str, warm: str) -> tuple[str, ...]:
+            return (warm, key) if g.warmup_generations else (key,)
+
+        pairs.append(("generation_time_s", timed("generation_time_s", "generation_warm_time_s"),
+                      g.generation_time_error))
         for name, ph in g.phases.items():
-            pairs += [(f"phases.{name}.time_s", (f"phases.{name}.time_s",), ph.time_error),
+            pairs += [(f"phases.{name}.time_s", timed(f"phases.{name}.time_s", f"phases.{name}.warm_time_s"),
+                       ph.time_error),
                       (f"phases.{name}.peak_memory_bytes", (f"phases.{name}.peak_memory_bytes",), ph.memory_error)]
-        host_key = "host_memory_bytes"
-        pairs.append((host_key, (host_key,), g.host_memory_error))
-        if g.load is not None:
+        pairs.append(("host_memory_bytes", ("host_memory_bytes",), g.host_memory_error))  # the host's under SP
+        if g.load is not None:  # the load's host peak is compared a process (pipeline_setup.load_result)
             pairs += [("load.time_s", ("load.time_cold_s", "load.time_warm_s"), g.load.time_error),
-                      ("load.host_peak_bytes", ("load.host_peak_per_host_bytes", "load.host_peak_bytes")
-                       if g.host_peak_per_host_bytes is not None else ("load.host_peak_bytes",), g.load.host_error)]
+                      ("load.host_peak_bytes", ("load.host_peak_bytes",), g.load.host_error)]
     nominal = report.plan.hardware.device_is_host  # a CPU plan's times are nominal figures, not predictions
     out = {}
     for key, keys, error in pairs:
-        found = [bands[k] for k in keys if k in bands]
+        if key == "load.time_s":  # the wider of cold and warm: the load's share of cached bytes is in between
+            found = [bands[k] for k in keys if k in bands]
+        else:  # the first key that has a band (a warm band, else the time's own)
+            found = next(([bands[k]] for k in keys if k in bands), [])
         if error is None or not found or (nominal and (key.endswith("time_s") or key == "load.time_s")):
             continue
         band = max(found, key=lambda b: b.rel)

@@ -34,13 +34,14 @@ MAX_RESIDUALS = 256  # residuals a FitQuality keeps
 @dataclass(frozen=True)
 class Fit:
     """One fit of the profile: what it measures, its spread where the profile has no record of it, what to repeat to
-    narrow it, and how moving it by a factor k (1 + relative change, faster or larger when k > 1) changes the
-    profile."""
+    narrow it, how moving it by a factor k (1 + relative change, faster or larger when k > 1) changes the profile,
+    and the command that records its spread (None: measured once or not at all, so its prior always stands)."""
 
     what: str
     prior: float
     repeat: str
     move: Callable[[HardwareSpec, float], HardwareSpec]
+    recorded_by: str | None = "chunkflow calibrate"
 
 
 def _scale(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
@@ -87,19 +88,33 @@ def _slower(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
     return lambda hw, k: inner(hw, 1.0 / k)
 
 
+def _h2d(hw: HardwareSpec, k: float) -> HardwareSpec:
+    """The copies' fit: the link's rate times k and each copy's start-up over k (a slower link, slower starts)."""
+    return hw.model_copy(update={"h2d_link_gbps": hw.h2d_link_gbps * k, "dma_startup_us": hw.dma_startup_us / k})
+
+
+def _codec_ratio(hw: HardwareSpec, k: float) -> HardwareSpec:
+    """The codec's stored / raw bytes over k, at most 1 (a codec never stores more than the raw bytes: a chunk that
+    would not shrink is kept raw)."""
+    if hw.codec_ratio is None:
+        return hw
+    return hw.model_copy(update={"codec_ratio": min(1.0, hw.codec_ratio / k)})
+
+
 FITS: dict[str, Fit] = {
     "compute": Fit("the blocks' compute rate (eta_comp curves, GEMM and attention tables)", 0.03,
                    "the block timings: `chunkflow calibrate --model MODEL` on an idle GPU", _compute),
     "h2d": Fit("pinned host-to-device copies (h2d_link_gbps, dma_startup_us)", 0.02,
                "the H2D copies: nothing else on the PCIe link or the host's memory while calibrate runs",
-               _scale("h2d_link_gbps")),
+               _h2d),
     "collectives": Fit("the all-to-all rate and its contention with copies (coll_gbps)", 0.05,
                        "the collectives: calibrate under torchrun with every GPU idle", _scale("coll_gbps")),
     "block_overhead": Fit("the runtime's cost per streamed block (block_overhead_us)", 0.25,
-                          "`chunkflow calibrate --from-report` with offloaded runs", _slower("block_overhead_us")),
+                          "`chunkflow calibrate --from-report` with offloaded runs", _slower("block_overhead_us"),
+                          "chunkflow calibrate --from-report"),
     "disk_read": Fit("the disk's cold read rate (disk_read_gbps)", 0.08,
                      "the disk reads: `chunkflow calibrate --weights DIR` with nothing else reading that disk",
-                     _scale("disk_read_gbps")),
+                     _scale("disk_read_gbps"), None),
     "page_cache": Fit("reads the page cache holds (page_cache_gbps)", 0.05, "the warm reads: calibrate --weights DIR",
                       _scale("page_cache_gbps")),
     "pin": Fit("page-locking host memory (pin_gbps)", 0.05, "page-locking: calibrate with the host's memory free",
@@ -107,7 +122,7 @@ FITS: dict[str, Fit] = {
     "host_fault": Fit("new host memory at its first touch (host_fault_gbps)", 0.05,
                       "first touches: calibrate with the host's memory free", _scale("host_fault_gbps")),
     "load_startup": Fit("a pipeline's build outside its reads (load_startup_s)", 0.08,
-                        "the load's start-up: calibrate --weights DIR", _slower("load_startup_s")),
+                        "the load's start-up: calibrate --weights DIR", _slower("load_startup_s"), None),
     "vae_time": Fit("the VAE decodes' times (vae_decode)", 0.03, "the VAE decodes: calibrate on an idle GPU",
                     _vae("time")),
     "vae_memory": Fit("the VAE decodes' peak memory (vae_decode)", 0.03, "the VAE decodes: calibrate",
@@ -120,13 +135,14 @@ FITS: dict[str, Fit] = {
     "codec_decode": Fit("the codec's decode rate (codec_decode_gbps)", 0.05, "the codec decode: calibrate --weights DIR",
                         _scale("codec_decode_gbps")),
     "codec_ratio": Fit("the codec's stored / raw bytes (codec_ratio)", 0.01, "the codec ratio: calibrate --weights DIR",
-                       _slower("codec_ratio")),
+                       _codec_ratio, None),
     "context": Fit("device memory torch does not count (context_bytes)", 0.03, "calibrate on an idle GPU",
-                   _slower("context_bytes")),
+                   _slower("context_bytes"), None),
     "process_host": Fit("a process's own host memory (process_host_bytes)", 0.03, "calibrate",
-                        _slower("process_host_bytes")),
+                        _slower("process_host_bytes"), None),
     "startup": Fit("a process's first-generation start-up (startup_s)", 0.08,
-                   "`chunkflow calibrate --from-report` with runs made with --warmup", _slower("startup_s")),
+                   "`chunkflow calibrate --from-report` with runs made with --warmup", _slower("startup_s"),
+                   "chunkflow calibrate --from-report"),
 }
 
 
@@ -157,12 +173,14 @@ class Band(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
-    rel: float = Field(ge=0, description="half-width, a share of the prediction (0.06: +-6%)")
+    rel: float = Field(ge=0, le=1000, description="half-width, a share of the prediction (0.06: +-6%)")
     low: float = Field(description="the prediction x (1 - rel), at least 0")
     high: float = Field(description="the prediction x (1 + rel)")
     fits: list[str] = Field(default_factory=list, description="the fits that move it most, widest first")
     measured: bool = Field(description="whether every fit it depends on was measured on this machine (else a "
                            "prior spread stood in: bands.FITS)")
+    supposed: list[str] = Field(default_factory=list, description="the fits that moved it at their prior spread (the "
+                                "profile has no record of them)")
     model: str = Field("", description="where the planner's own error came from: run reports, or the prior")
 
     def contains(self, measured: float) -> bool:
@@ -180,19 +198,20 @@ def model_error(hw: HardwareSpec, kind: str) -> tuple[float, str]:
     """The planner's own error on `kind` (a half-width): from the profile's run reports, else the prior."""
     e = hw.model_errors.get(kind)
     if e is not None:
-        return abs(e.bias) + Z * e.spread, f"{e.samples} run report(s)"
+        return abs(e.bias) + Z * e.spread, f"{kind} from run reports ({e.source or f'{e.samples} error(s)'})"
     return MODEL_PRIOR[kind], "prior (no run reports)"
 
 
 def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec,
           base: Mapping[str, float] | None = None) -> dict[str, Band]:
     """The band of every prediction `price(hw)` gives (key -> value), by moving each fit of FITS (module docstring).
-    A fit that changes no prediction costs one pricing per direction and is left out of the band's `fits`."""
+    A fit whose figures the profile lacks prices nothing and is skipped; one whose moved profile cannot be priced
+    (a figure out of the planner's range) counts as moving every prediction by 100%, named in the band's fits."""
     base = dict(price(hw) if base is None else base)
     keys = [k for k, v in base.items() if v is not None and math.isfinite(v) and v > 0]
     var = {k: 0.0 for k in keys}
     parts: dict[str, list[tuple[float, str]]] = {k: [] for k in keys}
-    unmeasured: dict[str, bool] = {k: False for k in keys}
+    supposed: dict[str, list[str]] = {k: [] for k in keys}
     for name, fit in FITS.items():
         s, measured = spread_of(hw, name)
         if s <= 0:
@@ -201,23 +220,30 @@ def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec
         moved_up = fit.move(hw, 1 + step)
         if moved_up is hw:  # the profile has none of its figures (no disk rate, no codec): it prices nothing
             continue
-        up, down = price(moved_up), price(fit.move(hw, 1 - step))
+        try:
+            up, down = price(moved_up), price(fit.move(hw, 1 - step))
+        except (ValueError, ArithmeticError):  # pydantic's ValidationError is a ValueError
+            up = down = None
         for k in keys:
-            hi, lo = up.get(k), down.get(k)
-            if hi is None or lo is None:
-                continue
-            d = max(abs(hi - base[k]), abs(lo - base[k])) / base[k]
+            if up is None:
+                d = 1.0
+            else:
+                hi, lo = up.get(k), down.get(k)
+                if hi is None or lo is None:
+                    continue
+                d = max(abs(hi - base[k]), abs(lo - base[k])) / base[k]
             if d > 1e-9:
                 var[k] += d * d
                 parts[k].append((d, name))
-                unmeasured[k] |= not measured
+                if not measured:
+                    supposed[k].append(name)
     out = {}
     for k in keys:
         m, source = model_error(hw, kind_of(k))
-        rel = math.sqrt(var[k] + m * m)
+        rel = min(1000.0, math.sqrt(var[k] + m * m))
         out[k] = Band(rel=rel, low=base[k] * max(0.0, 1 - rel), high=base[k] * (1 + rel),
-                      fits=[n for _, n in sorted(parts[k], reverse=True)[:3]], measured=not unmeasured[k],
-                      model=source)
+                      fits=[n for _, n in sorted(parts[k], reverse=True)[:3]], measured=not supposed[k],
+                      supposed=supposed[k], model=source)
     return out
 
 

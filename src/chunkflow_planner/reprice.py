@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from chunkflow_planner.bands import bands
-from chunkflow_planner.catalog import HardwareSpec
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit
 from chunkflow_planner.memory import host_need
 from chunkflow_planner.pipeline.assemble import with_pipeline
 from chunkflow_planner.pipeline.decide import PipelineDecision
@@ -43,10 +43,16 @@ def prediction_values(plan: Plan) -> dict[str, float]:
                                     "pinned_host_bytes": p.pinned_host_bytes, "generation_time_s": p.generation_time_s,
                                     "host_memory_bytes": p.host_memory_bytes}
     if p.phases is not None:
+        startup = 0.0
         for name in PHASES:
             ph = getattr(p.phases, name)
             out[f"phases.{name}.time_s"] = ph.time_s
             out[f"phases.{name}.peak_memory_bytes"] = ph.peak_memory_bytes
+            if ph.startup_s > 0:  # a later generation of the process: what a run after --warmup compares
+                out[f"phases.{name}.warm_time_s"] = ph.time_s - ph.startup_s
+                startup += ph.startup_s
+        if startup > 0 and p.generation_time_s is not None:
+            out["generation_warm_time_s"] = p.generation_time_s - startup
     if p.load is not None:
         out.update({"load.time_cold_s": p.load.time_cold_s, "load.time_warm_s": p.load.time_warm_s,
                     "load.host_peak_bytes": p.load.host_peak_bytes,
@@ -78,11 +84,25 @@ def repriced(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecisio
     return with_pipeline(base, problem.spec, replace(whole, chosen=e2), read_bytes)
 
 
+def with_supposed(hw: HardwareSpec, spec: ModelSpec) -> HardwareSpec:
+    """`hw` with the figures the planner supposes where the profile has none written in: the catalog's decode fit of
+    the model's VAE (pipeline/decode.vae_fit) and the supposed codec ratio (codec.codec_ratio). It prices the same;
+    its fits can then be moved, at their priors, where the profile's own figures are absent."""
+    update = {}
+    pipe = spec.pipeline
+    if pipe is not None and pipe.vae.name not in hw.pipeline.vae_decode and pipe.vae.decode is not None:
+        update["vae_decode"] = {**hw.pipeline.vae_decode, pipe.vae.name: VaeDecodeFit(**pipe.vae.decode)}
+    if hw.codec_ratio is None:
+        update["codec_ratio"] = codec_ratio(hw)[0]
+    return hw.model_copy(update=update) if update else hw
+
+
 def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecision | None,
                read_bytes: int | None = None, host_alone: bool = False) -> Plan:
-    """`plan` with a band on each of its predictions (bands.bands over `repriced`)."""
+    """`plan` with a band on each of its predictions (bands.bands over `repriced`, on the profile with the figures
+    the planner supposes written in: with_supposed)."""
     def price(hw: HardwareSpec) -> dict[str, float]:
         return prediction_values(repriced(plan, problem, chosen, whole, hw, read_bytes, host_alone))
 
-    found = bands(price, problem.hw, prediction_values(plan))
+    found = bands(price, with_supposed(problem.hw, problem.spec), prediction_values(plan))
     return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})

@@ -26,18 +26,26 @@ def band_text(plan: Plan, key: str) -> str:
 
 def bands_note(plan: Plan) -> str | None:
     """What the plan's bands are made of, and how to narrow them; None for a plan without bands."""
+    from chunkflow_planner.bands import FITS
+
     bands = plan.prediction.bands
     if not bands:
         return None
-    models = sorted({b.model for b in bands.values()})
-    supposed = sorted({f for b in bands.values() if not b.measured for f in b.fits})
-    text = ("bands (+-): about 95% of a run's measurements on this machine, from the profile's fits and the "
-            f"planner's own error ({'; '.join(models)})")
-    if supposed or any("prior" in m for m in models):
-        text += ("; prior spreads stood in for what this profile has not measured"
-                 + (f" ({', '.join(supposed)})" if supposed else "")
-                 + ": `chunkflow calibrate` narrows them, `chunkflow calibrate --from-report REPORT` measures the "
-                 "planner's own error from your runs")
+    reported = sorted({b.model.split(" from run reports")[0] for b in bands.values() if "from run reports" in b.model})
+    text = ("bands (+-): about 95% of a run's measurements on this machine, from the spreads of the profile's fits "
+            "and the planner's own error (" + (f"from run reports for {', '.join(reported)}" if reported else
+                                               "a prior: no run reports refit this profile") + ")")
+    supposed = {f for b in bands.values() for f in b.supposed}
+    if supposed:
+        by: dict[str | None, list[str]] = {}
+        for f in sorted(supposed):
+            by.setdefault(FITS[f].recorded_by, []).append(f)
+        said = [f"{', '.join(fs)} (`{cmd}` records them)" for cmd, fs in by.items() if cmd is not None]
+        if None in by:
+            said.append(f"{', '.join(by[None])} (measured once or not at all: a prior always)")
+        text += "; prior spreads stood in for " + "; ".join(said)
+    if not reported:
+        text += "; `chunkflow calibrate --from-report REPORT` measures the planner's own error from your runs"
     flagged = {n: f for n, f in ((plan.hardware.spec or {}).get("fits") or {}).items()
                if isinstance(f, dict) and f.get("flagged")}
     if flagged:
