@@ -44,8 +44,10 @@ from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point
                                      setting)
 from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
 from chunkflow_planner.workload import WorkloadError, tokens
-from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, with_pipeline
-from chunkflow_planner.reprice import point_prediction as _prediction, with_bands
+from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, repriced_whole, with_pipeline
+from chunkflow_planner.pipeline.decide import PipelineDecision
+from chunkflow_planner.bands import bands
+from chunkflow_planner.reprice import point_prediction as _prediction, prediction_values, repriced_alone, with_supposed
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
 
 DEFAULT_HARDWARE = "h200"
@@ -155,6 +157,20 @@ def check_parallel(spec: ModelSpec, hw: HardwareSpec, sp: int) -> None:
         raise WorkloadError(f"Ulysses SP splits attention heads: {spec.name} has {spec.heads}, so --sp must be one of {divisors}")
     if sp > hw.gpus:
         raise WorkloadError(f"--sp {sp} needs {sp} GPUs; hardware {hw.name!r} lists {hw.gpus}. Pick another --hardware.")
+
+
+def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecision | None,
+               read_bytes: int | None = None, host_alone: bool = False) -> Plan:
+    """`plan` with a band on each of its predictions: bands.bands over the plan priced again with its choices held
+    (pipeline/assemble.repriced_whole, or reprice.repriced_alone for the transformer alone), on the profile with the
+    figures the planner supposes written in (reprice.with_supposed)."""
+    def price(hw: HardwareSpec) -> dict[str, float]:
+        again = (repriced_whole(plan, problem, whole, hw, read_bytes) if whole is not None
+                 else repriced_alone(plan, problem, chosen, hw, host_alone))
+        return prediction_values(again)
+
+    found = bands(price, with_supposed(problem.hw, problem.spec), prediction_values(plan))
+    return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})
 
 
 def usable_budget(budget: int, margin: float) -> int:

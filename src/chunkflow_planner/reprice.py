@@ -1,17 +1,14 @@
-"""A plan's predictions priced again on another hardware profile with everything the plan decided held (its
-placements, chunk size, residency, disk blocks, codec), and the bands that pricing gives (bands.py)."""
+"""A plan's predictions priced again on another hardware profile with everything the plan decided held (its chunk
+size, residency, disk blocks, codec; the pipeline's placements: pipeline/assemble.repriced_whole), what the bands of
+bands.py are made from: the point's prediction, the values a plan carries bands for, the transformer alone priced
+again, and the figures the planner supposes written into a profile."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from chunkflow_planner.bands import bands
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, VaeDecodeFit
 from chunkflow_planner.memory import host_need
-from chunkflow_planner.pipeline.assemble import with_pipeline
-from chunkflow_planner.pipeline.decide import PipelineDecision
-from chunkflow_planner.pipeline.phases import estimate
-from chunkflow_planner.pipeline.placement import ON_DISK, PHASES
 from chunkflow_planner.plan import Plan, Prediction
 from chunkflow_planner.policy import Point, Problem
 from chunkflow_planner.tiers import codec_ratio
@@ -44,7 +41,7 @@ def prediction_values(plan: Plan) -> dict[str, float]:
                                     "host_memory_bytes": p.host_memory_bytes}
     if p.phases is not None:
         startup = 0.0
-        for name in PHASES:
+        for name in ("encode", "denoise", "decode"):
             ph = getattr(p.phases, name)
             out[f"phases.{name}.time_s"] = ph.time_s
             out[f"phases.{name}.peak_memory_bytes"] = ph.peak_memory_bytes
@@ -60,28 +57,14 @@ def prediction_values(plan: Plan) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if v}
 
 
-def repriced(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecision | None, hw: HardwareSpec,
-             read_bytes: int | None = None, host_alone: bool = False) -> Plan:
-    """`plan` (made for `problem` with the transformer at `chosen`, the pipeline as `whole` decided) with its
-    predictions priced on `hw` instead, nothing it decided changed. `host_alone`: a transformer-only plan held to a
-    host budget (its host memory is the transformer's)."""
-    prob = replace(problem, hw=hw)
-    passes = problem.workload.cfg_passes
-    if whole is None:
-        point = prob.evaluate(chosen.cfg)
-        pred = plan.prediction.model_copy(update=point_prediction(point, hw, passes).model_dump())
-        if host_alone:
-            pred = pred.model_copy(update={"host_memory_bytes": int(host_need(point.memory, hw))})
-        return plan.model_copy(update={"prediction": pred})
-    e = whole.chosen
-    point = prob.evaluate(e.transformer.cfg)
-    disk_point = next((prob.evaluate(r.point.cfg) for r in e.experts if r.placement == ON_DISK), None) \
-        if e.placements.mixed else None
-    e2 = estimate(problem.spec, problem.workload, hw, e.placements, point, None, disk_point, ranks=e.ranks,
-                  share_host=e.share_host)
-    base = plan.model_copy(update={"prediction": plan.prediction.model_copy(
-        update=point_prediction(point, hw, passes).model_dump())})
-    return with_pipeline(base, problem.spec, replace(whole, chosen=e2), read_bytes)
+def repriced_alone(plan: Plan, problem: Problem, chosen: Point, hw: HardwareSpec, host_alone: bool = False) -> Plan:
+    """A transformer-only `plan` (made for `problem` with the transformer at `chosen`) with its predictions priced on
+    `hw` instead, its setting held. `host_alone`: held to a host budget (its host memory is the transformer's)."""
+    point = replace(problem, hw=hw).evaluate(chosen.cfg)
+    pred = plan.prediction.model_copy(update=point_prediction(point, hw, problem.workload.cfg_passes).model_dump())
+    if host_alone:
+        pred = pred.model_copy(update={"host_memory_bytes": int(host_need(point.memory, hw))})
+    return plan.model_copy(update={"prediction": pred})
 
 
 def with_supposed(hw: HardwareSpec, spec: ModelSpec) -> HardwareSpec:
@@ -95,14 +78,3 @@ def with_supposed(hw: HardwareSpec, spec: ModelSpec) -> HardwareSpec:
     if hw.codec_ratio is None:
         update["codec_ratio"] = codec_ratio(hw)[0]
     return hw.model_copy(update=update) if update else hw
-
-
-def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecision | None,
-               read_bytes: int | None = None, host_alone: bool = False) -> Plan:
-    """`plan` with a band on each of its predictions (bands.bands over `repriced`, on the profile with the figures
-    the planner supposes written in: with_supposed)."""
-    def price(hw: HardwareSpec) -> dict[str, float]:
-        return prediction_values(repriced(plan, problem, chosen, whole, hw, read_bytes, host_alone))
-
-    found = bands(price, with_supposed(problem.hw, problem.spec), prediction_values(plan))
-    return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})

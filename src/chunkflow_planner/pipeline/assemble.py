@@ -4,16 +4,19 @@ plan's sections for its placements, its load and its phases (planner.make_plan c
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from chunkflow_planner.catalog import ModelSpec
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec
 from chunkflow_planner.explain import MarginKept
 from chunkflow_planner.pipeline import explain
 from chunkflow_planner.pipeline.decide import PipelineDecision, decide_pipeline
 from chunkflow_planner.pipeline.hostshare import host_load, streamed_shared
 from chunkflow_planner.pipeline.load import T_load, load_estimate, load_parts
-from chunkflow_planner.pipeline.placement import PHASES, PipelineEstimate
+from chunkflow_planner.pipeline.phases import estimate
+from chunkflow_planner.pipeline.placement import ON_DISK, PHASES, PipelineEstimate
 from chunkflow_planner.plan import LoadPrediction, PhasePrediction, PhasesPrediction, Plan, PlanComponent, PlanPipeline
 from chunkflow_planner.policy import Decision, Infeasible, Problem, baselines
+from chunkflow_planner.reprice import point_prediction
 
 
 def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
@@ -88,3 +91,20 @@ def with_pipeline(plan: Plan, spec: ModelSpec, whole: PipelineDecision, read_byt
         pipeline=PlanPipeline(components=comps, vae_tiling=pl.vae_tiling), prediction=pred,
         host_memory_budget_bytes=whole.host_budget,
         target_time_s=whole.target_s if math.isfinite(whole.target_s) else None))
+
+
+def repriced_whole(plan: Plan, problem: Problem, whole: PipelineDecision, hw: HardwareSpec,
+                   read_bytes: int | None = None) -> Plan:
+    """`plan` (made for `problem`, the pipeline as `whole` decided) with its predictions priced on `hw` instead,
+    nothing it decided changed: the same placements, the transformer's setting (and a disk expert's) evaluated
+    again, the phases, host memory and load priced again (what bands.py moves)."""
+    prob = replace(problem, hw=hw)
+    e = whole.chosen
+    point = prob.evaluate(e.transformer.cfg)
+    disk_point = next((prob.evaluate(r.point.cfg) for r in e.experts if r.placement == ON_DISK), None) \
+        if e.placements.mixed else None
+    e2 = estimate(problem.spec, problem.workload, hw, e.placements, point, None, disk_point, ranks=e.ranks,
+                  share_host=e.share_host)
+    base = plan.model_copy(update={"prediction": plan.prediction.model_copy(
+        update=point_prediction(point, hw, problem.workload.cfg_passes).model_dump())})
+    return with_pipeline(base, problem.spec, replace(whole, chosen=e2), read_bytes)
