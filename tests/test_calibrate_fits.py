@@ -11,7 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.commands.calibrate.fit import fit_h2d, fit_quality
+from chunkflow.commands.calibrate.fit import about_median, fit_h2d, fit_quality, spread_beyond_fit
 from chunkflow.commands.cli import app
 from chunkflow_planner import bands
 from chunkflow_planner.catalog import get_hardware, load_profile
@@ -153,6 +153,31 @@ def test_fit_quality_flags_a_wide_fit_with_what_to_repeat():
     assert bands.spread(q.residuals) == pytest.approx(q.spread, rel=0.05) and q.spread == pytest.approx(bands.spread(many))
 
 
+def test_a_spread_counts_the_parameters_fitted_to_its_residuals():
+    """Normal noise of a known sigma (3%) in groups of 3 repeats about their median: each median is one of its
+    repeats (its residual 0) and pulls the others in, so the spread of every residual comes out at half sigma or
+    less; counting a median fitted per group, about sigma. The same through 4-point fits of 3 coefficients (a VAE's
+    decodes), pooled; and with no more residuals than parameters, no record."""
+    import numpy as np
+
+    rng = random.Random(5)
+    sigma, groups = 0.03, 400
+    res = [r for _ in range(groups) for r in about_median([1 + rng.gauss(0, sigma) for _ in range(3)])]
+    assert fit_quality("compute", res, "test").spread < 0.6 * sigma
+    q = fit_quality("compute", res, "test", fitted=groups)
+    assert q.spread == pytest.approx(sigma, rel=0.2) and q.samples == 3 * groups
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    res = []
+    for _ in range(300):
+        y = (1 + x + 0.1 * x**2) * (1 + np.array([rng.gauss(0, sigma) for _ in x]))
+        res += list(y / np.polyval(np.polyfit(x, y, 2, w=1 / y), x) - 1)
+    assert fit_quality("vae_time", res, "test").spread < 0.6 * sigma
+    assert fit_quality("vae_time", res, "test", fitted=3 * 300).spread == pytest.approx(sigma, rel=0.2)
+    assert fit_quality("cpu", [0.01, -0.02, 0.0], "test", fitted=3) is None
+    assert fit_quality("cpu", [0.01, -0.02, 0.0], "test", fitted=2).spread == pytest.approx(1.4826 * 0.02)
+    assert spread_beyond_fit(res) == pytest.approx(bands.spread(res))  # nothing fitted: the plain spread
+
+
 def test_cpu_smoke_profile_records_its_fits(tmp_path):
     result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--no-save", "--raw", "raw.json"])
     assert result.exit_code == 0, result.output
@@ -164,9 +189,13 @@ def test_cpu_smoke_profile_records_its_fits(tmp_path):
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert hw.fits["h2d"].samples == sum(len(r["samples_s"]) for r in raw["h2d"]) >= 2 * len(raw["h2d"])
     assert hw.fits["compute"].samples == sum(len(r["samples_s"]) for r in raw["blocks"] + raw["forwards"])
+    h2d_fitted = 2 if raw["h2d_fit"]["t0_us"] > 0 else 1
+    assert hw.fits["h2d"].spread == pytest.approx(min(10.0, spread_beyond_fit(hw.fits["h2d"].residuals, h2d_fitted)),
+                                                  rel=1e-3, abs=1e-5)
     for name, q in hw.fits.items():
         assert q.samples >= 2 and len(q.residuals) == min(q.samples, bands.MAX_RESIDUALS), name
-        assert q.spread == pytest.approx(bands.spread(q.residuals), rel=1e-3, abs=1e-5), name
+        # the parameters fitted leave the smallest residuals out (spread_beyond_fit): never below the plain spread
+        assert q.spread >= min(10.0, bands.spread(q.residuals)) - 1e-5, name
         assert q.flagged == (q.spread > bands.FLAG_SPREAD) and (q.repeat == bands.FITS[name].repeat) == q.flagged
     out = " ".join(result.output.split())
     assert "Fits" in out and all(name in out for name in hw.fits)

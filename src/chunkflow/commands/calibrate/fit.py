@@ -27,6 +27,11 @@ class H2DFit:
     def time(self, C: float) -> float:
         return self.t0_s + C / self.bw_Bps
 
+    @property
+    def fitted(self) -> int:
+        """Parameters fitted (fit_quality's `fitted`): t0 and BW, or BW alone where t0 is 0 (pure bandwidth)."""
+        return 2 if self.t0_s > 0 else 1
+
     def efficiency(self, C: float) -> float:
         """Realised / asymptotic bandwidth of one C-byte copy."""
         return (C / self.time(C)) / self.bw_Bps
@@ -119,20 +124,21 @@ def about_median(samples: Sequence[float]) -> list[float]:
     return [x / m - 1.0 for x in samples] if m > 0 else []
 
 
-def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int | None = None):
+def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int | None = None, fitted: int = 0):
     """The FitQuality of fit `name` (chunkflow_planner.bands.FITS) from its relative residuals (measured / fitted
-    - 1, one a sample); None with fewer than two (one measurement says nothing of its spread: the planner keeps the
-    fit's prior). spread = bands.spread over every residual; flagged when wider than bands.FLAG_SPREAD, with what to
-    measure again. At most bands.MAX_RESIDUALS are kept: where there are more, evenly spaced order statistics of
-    them sorted (the smallest and the largest always among them), so the kept ones keep the distribution's shape
-    and about its spread; otherwise all, in sample order."""
-    from chunkflow_planner.bands import FITS, FLAG_SPREAD, MAX_RESIDUALS, spread
+    - 1, one a sample) and the number of parameters fitted to them (`fitted`: 1 per group of repeats taken about
+    their median, the coefficients of each fit pooled); None with fewer than two residuals or no more than `fitted`
+    (nothing is left over the fit to say its spread: the planner keeps the fit's prior). spread = spread_beyond_fit;
+    flagged when wider than bands.FLAG_SPREAD, with what to measure again. At most bands.MAX_RESIDUALS are kept:
+    where there are more, evenly spaced order statistics of them sorted (the smallest and the largest always among
+    them), so the kept ones keep the distribution's shape; otherwise all, in sample order."""
+    from chunkflow_planner.bands import FITS, FLAG_SPREAD, MAX_RESIDUALS
     from chunkflow_planner.catalog import FitQuality
 
     rs = [float(r) for r in residuals if math.isfinite(r)]
-    if len(rs) < 2:
+    if len(rs) < 2 or len(rs) <= fitted:
         return None
-    s = spread(rs)
+    s = spread_beyond_fit(rs, fitted)
     kept = rs
     if len(rs) > MAX_RESIDUALS:
         xs = sorted(rs)
@@ -140,6 +146,24 @@ def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int
     flagged = s > FLAG_SPREAD
     return FitQuality(samples=max(samples or 0, len(rs)), spread=min(s, 10.0), residuals=[round(r, 6) for r in kept],
                       flagged=flagged, repeat=FITS[name].repeat if flagged else "", source=source)
+
+
+def spread_beyond_fit(residuals: Sequence[float], fitted: int = 0) -> float:
+    """A sample's robust relative spread about the truth from its residuals about a fit of `fitted` parameters:
+    1.4826 x the median of the n - fitted largest |residuals| (with fitted 0: bands.spread, the median of all).
+
+    A fit pulls its residuals in: the median of 3 repeats is one of them (its residual exactly 0), a 3-coefficient
+    fit through 4 decodes leaves one degree of freedom. Each parameter can zero about one residual, so the
+    `fitted` smallest say nothing of the spread and are left out. The variance's correction, sqrt(n / (n - fitted))
+    on the median of all, is too little for a median: on simulated N(0, 3%) noise in groups of 3 about their
+    median the median of every |residual| gives 1.4% and x sqrt(3/2) 1.7%, where this gives 3.1%; through 4-point,
+    3-coefficient line fits 1.1%, 2.1% and 3.4%; within 5% of the truth with 10 repeats a group or 27 samples about a
+    line (test_calibrate_fits)."""
+    xs = sorted(abs(r) for r in residuals)[max(0, fitted):]
+    if not xs:
+        return 0.0
+    n = len(xs)
+    return 1.4826 * (xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2]))
 
 
 def eta_curve(flops: Sequence[float], times: Sequence[float], peak_flops: float) -> list[tuple[float, float]]:
@@ -195,15 +219,24 @@ def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> fl
 
 
 def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str
-                 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The VaeDecodeFit (as a dict) of `spec`'s VAE from its measured decodes: untiled per voxel, tiled per decoder
     call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`); and the residuals of
-    both fits ({vae_time, vae_memory}: ops.vae_residuals)."""
-    from chunkflow.commands.calibrate.ops import fit_vae, vae_residuals
+    both fits ({vae_time, vae_memory}: ops.vae_residuals) with, under `fitted`, the coefficients fitted to them
+    (ops.vae_coefficients of each fit that gave residuals: fit_quality's `fitted`)."""
+    from chunkflow.commands.calibrate.ops import fit_vae, vae_coefficients, vae_residuals
     from chunkflow_planner.pipeline import decode_calls
 
+    out: dict[str, Any] = {"vae_time": [], "vae_memory": [], "fitted": {"vae_time": 0, "vae_memory": 0}}
+
+    def pool(rows, fit, calls=None):
+        for name, res, n in zip(("vae_time", "vae_memory"), vae_residuals(rows, fit, calls), vae_coefficients(fit)):
+            if res:
+                out[name] += res
+                out["fitted"][name] += n
+
     fit = fit_vae(plain, spec.is_video, source)
-    time, mem = vae_residuals(plain, fit)
+    pool(plain, fit)
     if tiled:
         calls = None
         if spec.pipeline.vae.tiling is not None:
@@ -212,9 +245,8 @@ def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: 
             for r in tiled:
                 r["decoder_calls"] = calls(r)
         fit["tiled"] = fit_vae(tiled, False, source + " (tiled)", calls)
-        t, m = vae_residuals(tiled, fit["tiled"], calls)
-        time, mem = time + t, mem + m
-    return fit, {"vae_time": time, "vae_memory": mem}
+        pool(tiled, fit["tiled"], calls)
+    return fit, out
 
 def gmean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
