@@ -75,6 +75,33 @@ def test_h2d_fit_without_outliers_matches_the_old_fit():
         fit_h2d([MB, MB], [1e-4, 1.1e-4])  # one size: no line
 
 
+@pytest.mark.parametrize("case", ["equal", "falling"])
+def test_h2d_copies_without_a_size_effect_get_the_pure_bandwidth(case):
+    """Copies that take as long at every size (or less for larger ones) have no bandwidth to fit: the bounded solver
+    leaves a slope near 0 (a bandwidth past any link), so the fit is the closed form's pure bandwidth, t0 = 0."""
+    from chunkflow.commands.calibrate.fit import _pure_bandwidth
+    from chunkflow_planner.catalog import H2D_GBPS_RANGE
+
+    times = [1e-4] * len(SIZES) if case == "equal" else [1e-4 * (1.5 - i / len(SIZES)) for i in range(len(SIZES))]
+    fit = fit_h2d(SIZES, times)
+    assert fit.t0_s == 0 and fit.fitted == 1
+    assert fit.bw_Bps == pytest.approx(1 / _pure_bandwidth(SIZES, times), rel=1e-12)
+    assert H2D_GBPS_RANGE[0] <= fit.bw_Bps / 1e9 <= H2D_GBPS_RANGE[1]
+    assert len(fit.residuals) == len(SIZES)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_h2d_fit_refuses_a_copy_that_was_not_timed(bad):
+    from chunkflow.commands.calibrate.host import CalibrationError
+
+    sizes, times = _copies(2.8e-6, 55e9, ())
+    times[4] = bad
+    with pytest.raises(CalibrationError, match="H2D copy 4 .* not finite"):
+        fit_h2d(sizes, times)
+    with pytest.raises(CalibrationError, match="not finite"):
+        fit_h2d([bad] + sizes[1:], _copies(2.8e-6, 55e9, ())[1])
+
+
 def test_vae_fit_is_not_moved_by_a_stray_slow_decode():
     """Decodes of known constants (20 ms + 5 ns/voxel; 2 GB + 12 B/px + 40 B/voxel) with noise and one decode 3x
     slower: the robust fit gives the constants back, where least squares in seconds (what the fit was before

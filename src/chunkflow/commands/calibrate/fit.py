@@ -83,9 +83,21 @@ def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
     Plain least squares would let the largest copies decide everything and leave t0 to noise; relative error weighs
     every size alike. Least squares in relative error (what this fit was before scipy) let one copy 3x slower move
     t0 by half and BW by percents; the robust loss does not. The start is the old closed form (the 2x2 normal
-    equations; a negative t0 refit as pure bandwidth). The fit keeps each sample's measured / fitted - 1."""
+    equations; a negative t0 refit as pure bandwidth). The fit keeps each sample's measured / fitted - 1.
+
+    Copies whose times do not grow with their size (a CPU's memcpy of small chunks, a busy machine) leave the bounded
+    solver a slope at or near 0, a bandwidth beyond any link: where the slope's share of the largest copy is below
+    the noise (1/BW x max size < NOISE x the shortest time) or BW falls outside catalog.H2D_GBPS_RANGE, the fit is
+    the pure bandwidth of the closed form (t0 = 0, least squares in relative error through the origin), whose
+    residuals then say how badly it fits. A size or time that is not a finite number is refused first."""
+    from chunkflow_planner.catalog import H2D_GBPS_RANGE
+
     if len(sizes) != len(times) or len(sizes) < 2:
         raise CalibrationError("fit_h2d needs at least two (size, time) pairs of equal length")
+    for i, (c, t) in enumerate(zip(sizes, times)):
+        if not (math.isfinite(c) and math.isfinite(t)):
+            raise CalibrationError(f"H2D copy {i} has size {c} B and time {t} s, not finite numbers: a copy was not "
+                                   "timed (nothing was fitted); run calibrate again")
     if any(t <= 0 for t in times) or any(c <= 0 for c in sizes):
         raise CalibrationError("fit_h2d needs positive sizes and times")
     if len(set(sizes)) < 2:
@@ -93,10 +105,21 @@ def fit_h2d(sizes: Sequence[float], times: Sequence[float]) -> H2DFit:
     start = _h2d_least_squares(sizes, times)
     t0, a = robust_linear([[1.0, float(c)] for c in sizes], times, x0=[max(start[0], 1e-3 * min(times)), start[1]],
                           lower=[0.0, 0.0])
-    if a <= 0:  # copies whose times do not grow with their size: the closed form's pure bandwidth (a > 0)
-        t0, a = start
+    in_range = a > 0 and H2D_GBPS_RANGE[0] <= 1.0 / a / 1e9 <= H2D_GBPS_RANGE[1]
+    if not in_range or a * max(sizes) < NOISE * min(times):  # no size effect above the noise: no bandwidth to fit
+        t0, a = 0.0, _pure_bandwidth(sizes, times)
+        gbps = 1.0 / a / 1e9
+        if not H2D_GBPS_RANGE[0] <= gbps <= H2D_GBPS_RANGE[1]:
+            raise CalibrationError(f"the H2D copies ({min(sizes):.3g}-{max(sizes):.3g} B in {min(times):.3g}-"
+                                   f"{max(times):.3g} s) give {gbps:.3g} GB/s, outside the {H2D_GBPS_RANGE[0]:g}-"
+                                   f"{H2D_GBPS_RANGE[1]:g} GB/s a host link can have; run calibrate again")
     fit = H2DFit(t0, 1.0 / a)
     return H2DFit(t0, 1.0 / a, tuple(relative_residuals(times, [fit.time(c) for c in sizes])))
+
+
+def _pure_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> float:
+    """1 / BW of t = C / BW minimising sum ((C a - t) / t)^2: sum (C / t) / sum (C / t)^2."""
+    return sum(c / t for c, t in zip(sizes, times)) / sum((c / t) ** 2 for c, t in zip(sizes, times))
 
 
 def _h2d_least_squares(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -111,8 +134,7 @@ def _h2d_least_squares(sizes: Sequence[float], times: Sequence[float]) -> tuple[
     t0 = (b1 * s22 - b2 * s12) / det
     a = (s11 * b2 - s12 * b1) / det
     if t0 < 0 or a <= 0:
-        t0 = 0.0
-        a = b2 / s22
+        return 0.0, _pure_bandwidth(sizes, times)
     return t0, a
 
 
