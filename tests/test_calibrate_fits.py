@@ -205,6 +205,53 @@ def test_a_spread_counts_the_parameters_fitted_to_its_residuals():
     assert spread_beyond_fit(res) == pytest.approx(bands.spread(res))  # nothing fitted: the plain spread
 
 
+def test_the_compute_record_holds_each_whole_forwards_misfit():
+    """Whole forwards 0% and 10% slower in compute than the curve says: the curve is scaled by their geometric mean,
+    which leaves one short and one over; each one's misfit (measured / predicted with the scaled curve - 1) joins
+    the `compute` record, whose repeats about their medians alone (0.1% jitter) said nothing of it. A scale outside
+    FORWARD_SCALE_RANGE is not applied, and the misfit is against the curve as measured."""
+    from chunkflow.commands.calibrate.fit import scale_to_forwards
+    from chunkflow.commands.calibrate.measure import fit_records, forward_points
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow_planner.predict import predict
+
+    spec, none = get_model("wan2.2"), OffloadConfig(mode="none")
+    hw = get_hardware("h200").model_copy(update={"eta_comp_curves": {spec.name: [(1e12, 0.4), (1e15, 0.6)]}})
+    points = forward_points(spec, hw, None)
+    assert len(points) == 2
+
+    def rows(slower):
+        out = []
+        for w, k in zip(points, slower):
+            p = predict(spec, w, hw, none)
+            t = p.step_time_s + (k - 1) * p.compute_s
+            out.append(dict(model=spec.name, frames=w.frames, batch=w.batch, time_s=t,
+                            samples_s=[t * 0.999, t, t * 1.001]))
+        return out
+
+    curve, fw = scale_to_forwards(spec, hw, rows([1.0, 1.1]))
+    assert curve is not None and all(r["applied"] for r in fw) and fw[0]["scale"] == pytest.approx(1.1**-0.5)
+    scaled = hw.model_copy(update={"eta_comp_curves": {spec.name: curve}})
+    for w, r in zip(points, fw):
+        assert r["misfit"] == pytest.approx(r["time_s"] / predict(spec, w, scaled, none).step_time_s - 1)
+    assert fw[0]["misfit"] < -0.02 and fw[1]["misfit"] > 0.02
+    far_curve, far = scale_to_forwards(spec, hw, rows([2.0, 2.0]))
+    assert far_curve is None and not any(r["applied"] for r in far)
+    assert far[0]["misfit"] == pytest.approx(far[0]["time_s"] / predict(spec, points[0], hw, none).step_time_s - 1)
+    assert far[0]["misfit"] > 0.5
+
+    blocks = [dict(samples_s=[0.999, 1.0, 1.001]) for _ in range(10)]
+    h2d = fit_h2d(*_copies(2.8e-6, 55e9, ()))
+    record = lambda forwards: fit_records(h2d, blocks, forwards, {}, {}, None, None, None, "test", "today")["compute"]  # noqa: E731
+    jitter, q = record([]), record(fw)
+    assert jitter.spread < 0.002 and jitter.samples == 30
+    assert q.samples == 30 + 6 + 2 and {round(r["misfit"], 6) for r in fw} <= set(q.residuals)
+    timing = record([{k: v for k, v in r.items() if k != "misfit"} for r in fw])  # the forwards' repeats alone
+    assert q.spread == pytest.approx(math.hypot(timing.spread, math.hypot(*(r["misfit"] for r in fw))))
+    assert q.spread > 0.03 and "2 whole forward(s) against the curve" in q.source
+
+
 def test_cpu_smoke_profile_records_its_fits(tmp_path):
     result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--no-save", "--raw", "raw.json"])
     assert result.exit_code == 0, result.output
@@ -215,7 +262,9 @@ def test_cpu_smoke_profile_records_its_fits(tmp_path):
     assert not {"vae_memory", "pin", "codec_decode", "collectives"} & set(hw.fits)
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert hw.fits["h2d"].samples == sum(len(r["samples_s"]) for r in raw["h2d"]) >= 2 * len(raw["h2d"])
-    assert hw.fits["compute"].samples == sum(len(r["samples_s"]) for r in raw["blocks"] + raw["forwards"])
+    assert hw.fits["compute"].samples == sum(len(r["samples_s"]) for r in raw["blocks"] + raw["forwards"]) + sum(
+        r["misfit"] is not None for r in raw["forwards"])  # each whole forward's misfit against the curve
+    assert raw["forwards"] and all("misfit" in r for r in raw["forwards"])
     h2d_fitted = 2 if raw["h2d_fit"]["t0_us"] > 0 else 1
     assert hw.fits["h2d"].spread == pytest.approx(min(10.0, spread_beyond_fit(hw.fits["h2d"].residuals, h2d_fitted)),
                                                   rel=1e-3, abs=1e-5)

@@ -146,14 +146,20 @@ def about_median(samples: Sequence[float]) -> list[float]:
     return [x / m - 1.0 for x in samples] if m > 0 else []
 
 
-def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int | None = None, fitted: int = 0):
+def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int | None = None, fitted: int = 0,
+                misfits: Sequence[float] = (), misfits_fitted: int = 0):
     """The FitQuality of fit `name` (chunkflow_planner.bands.FITS) from its relative residuals (measured / fitted
     - 1, one a sample) and the number of parameters fitted to them (`fitted`: 1 per group of repeats taken about
     their median, the coefficients of each fit pooled); None with fewer than two residuals or no more than `fitted`
     (nothing is left over the fit to say its spread: the planner keeps the fit's prior). spread = spread_beyond_fit;
     flagged when wider than bands.FLAG_SPREAD, with what to measure again. At most bands.MAX_RESIDUALS are kept:
     where there are more, evenly spaced order statistics of them sorted (the smallest and the largest always among
-    them), so the kept ones keep the distribution's shape; otherwise all, in sample order."""
+    them), so the kept ones keep the distribution's shape; otherwise all, in sample order.
+
+    `misfits`: residuals of another kind, few and not repeats (each whole forward about the curve scaled to them,
+    `misfits_fitted` the scales fitted): the fit's own error, which the repeats' jitter does not show. They are kept
+    with the residuals; where there are more than misfits_fitted, their root mean square over n - misfits_fitted
+    (too few for a median) adds to the spread in quadrature (independent errors)."""
     from chunkflow_planner.bands import FITS, FLAG_SPREAD, MAX_RESIDUALS
     from chunkflow_planner.catalog import FitQuality
 
@@ -161,6 +167,10 @@ def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int
     if len(rs) < 2 or len(rs) <= fitted:
         return None
     s = spread_beyond_fit(rs, fitted)
+    ms = [float(m) for m in misfits if math.isfinite(m)]
+    if len(ms) > misfits_fitted:
+        s = math.hypot(s, math.sqrt(sum(m * m for m in ms) / (len(ms) - misfits_fitted)))
+    rs += ms
     kept = rs
     if len(rs) > MAX_RESIDUALS:
         xs = sorted(rs)
@@ -229,15 +239,47 @@ def scaled_curve(curve: Sequence[tuple[float, float]], k: float) -> list[tuple[f
     return [(f, min(1.0, e * k)) for f, e in curve]
 
 
+FORWARD_SCALE_RANGE = (0.7, 1.1)  # whole-forward scales calibrate applies (measured on an H200: 0.949-0.991)
+
+
+def _forward_workload(spec: ModelSpec, r: dict) -> Workload:
+    """The workload of a whole-forward row (measure.measure_forward): one step, one guidance pass."""
+    return Workload(batch=r["batch"], frames=r["frames"], height=spec.default_workload.height,
+                    width=spec.default_workload.width, steps=1, cfg_passes=1)
+
+
 def forward_scale(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> float:
     """Predicted / measured compute of whole forwards (geometric mean): the factor the model's curve is scaled by."""
     from chunkflow_planner.offload import OffloadConfig
 
-    ks = [compute_ratio(spec, Workload(batch=r["batch"], frames=r["frames"], height=spec.default_workload.height,
-                                       width=spec.default_workload.width, steps=1, cfg_passes=1),
-                        hw, OffloadConfig(mode="none"), r["time_s"]) for r in rows]
+    ks = [compute_ratio(spec, _forward_workload(spec, r), hw, OffloadConfig(mode="none"), r["time_s"]) for r in rows]
     ks = [k for k in ks if k is not None]
     return gmean(ks) if ks else 1.0
+
+
+def forward_misfits(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]) -> list[float | None]:
+    """Each whole forward's measured time / the planner's prediction of it on `hw` (no offload) - 1, in row order;
+    None where it predicts no time."""
+    from chunkflow_planner.offload import OffloadConfig
+
+    out: list[float | None] = []
+    for r in rows:
+        t = predict(spec, _forward_workload(spec, r), hw, OffloadConfig(mode="none")).step_time_s
+        out.append(r["time_s"] / t - 1.0 if t > 0 else None)
+    return out
+
+
+def scale_to_forwards(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]
+                      ) -> tuple[list[tuple[float, float]] | None, list[dict]]:
+    """`spec`'s curve on `hw` (hw.eta_comp_curves) scaled to its whole forwards `rows` by forward_scale, where that
+    scale is within FORWARD_SCALE_RANGE (else None: the curve stays as the blocks measured it); and the rows, each
+    with its `scale`, whether it was `applied`, and its `misfit` (forward_misfits with the curve as it is left:
+    what the scaled curve still misses of each whole forward, the `compute` fit's error beyond the timing jitter)."""
+    k = forward_scale(spec, hw, rows)
+    used = FORWARD_SCALE_RANGE[0] <= k <= FORWARD_SCALE_RANGE[1]
+    curve = scaled_curve(hw.eta_comp_curves[spec.name], k) if used else None
+    on = hw.model_copy(update={"eta_comp_curves": {**hw.eta_comp_curves, spec.name: curve}}) if used else hw
+    return curve, [dict(r, scale=k, applied=used, misfit=m) for r, m in zip(rows, forward_misfits(spec, on, rows))]
 
 
 def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str
