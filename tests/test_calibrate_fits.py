@@ -355,6 +355,48 @@ def test_refit_records_model_errors_against_the_refit_profile_where_it_re_predic
     assert "The planner's errors" in " ".join(result.output.split())
 
 
+def test_errors_from_one_report_spread_at_least_the_prior(tmp_path):
+    """One report's phases scatter among themselves, not from run to run: from fewer than 2 reports a kind's spread
+    is at least its prior scatter (MODEL_PRIOR / Z), a wider one kept; each record keeps its errors and reports."""
+    from chunkflow.commands.calibrate.refit import model_errors, read_reports
+    from test_calibrate import _report
+
+    data, path = _report(tmp_path, "none", 1.0)
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.011, "denoise": 0.012, "decode": 0.01}))
+    e = model_errors(read_reports([path]))["phase_time"]
+    assert (e.samples, e.reports, e.errors) == (3, 1, [0.011, 0.012, 0.01]) and e.bias == pytest.approx(0.011)
+    assert e.spread == pytest.approx(bands.MODEL_PRIOR["phase_time"] / bands.Z)  # measured: 1.4826 x 0.001
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.4, "denoise": 0.0, "decode": -0.4}))
+    assert model_errors(read_reports([path]))["phase_time"].spread == pytest.approx(1.4826 * 0.4)
+
+
+def test_refits_in_a_row_accumulate_the_planners_errors(tmp_path):
+    """A second refit adds its reports' errors to those the profile kept: bias and spread over all of them, the
+    reports summed (so the one-report floor no longer applies); a record written without its errors (before they
+    were kept) is replaced, and still reads."""
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from chunkflow_planner.catalog import HardwareSpec
+    from test_calibrate import _report
+
+    data, path = _report(tmp_path, "none", 1.0)
+    planned = HardwareSpec(**read_reports([path])[0].plan.hardware.spec)
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.1, "decode": 0.3}))
+    first, _ = refit(planned, read_reports([path]))
+    assert first.model_errors["phase_time"].reports == 1
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.2, "decode": 0.6}))
+    second, notes = refit(first, read_reports([path]))
+    e = second.model_errors["phase_time"]
+    assert e.errors == [0.1, 0.3, 0.2, 0.6] and (e.samples, e.reports) == (4, 2)
+    assert e.bias == pytest.approx(0.25) and e.spread == pytest.approx(1.4826 * 0.1)
+    assert "2 of them kept from an earlier refit" in e.source
+    assert second.model_errors["generation_time"].errors == [0.05, 0.05]
+    assert HardwareSpec(**second.model_dump()) == second  # the profile written reads back
+    old = HardwareSpec(**{**planned.model_dump(), "model_errors": {"phase_time": dict(samples=5, bias=0.5, spread=0.1)}})
+    assert old.model_errors["phase_time"].errors == [] and old.model_errors["phase_time"].reports == 1
+    replaced = refit(old, read_reports([path]))[0].model_errors["phase_time"]
+    assert replaced.errors == [0.2, 0.6] and replaced.reports == 1 and replaced.bias == pytest.approx(0.4)
+
+
 # ---------------------------------------------------------------------------------- the planner's Brent
 
 

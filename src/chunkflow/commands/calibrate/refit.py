@@ -356,33 +356,58 @@ def report_errors(r, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | No
     return out
 
 
+MAX_ERRORS = 256  # errors a ModelError keeps (the newest)
+
+
 def model_errors(reports: Sequence, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | None = None
                  ) -> dict[str, Any]:
     """The planner's error by kind of prediction (ModelError by bands.QUANTITY_KINDS) over run reports
-    (report_errors): bias = the median of measured / predicted - 1, spread = 1.4826 x the median absolute deviation
-    about it. One report measures a bias but no scatter: its spread is the kind's prior scatter
-    (bands.MODEL_PRIOR / bands.Z), so its band is the prior's width about the bias seen.
+    (report_errors), each kind's errors kept (model_error).
 
     These are the errors of the plans as they were made, on the profile before this refit (the step, where the
     refit re-predicts it, against the refit profile: report_errors): the refit corrects some of the terms they came
     from, so for the other kinds the band they give is conservative."""
-    from chunkflow_planner.bands import MODEL_PRIOR, Z
-    from chunkflow_planner.catalog import ModelError
-
     errors: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     for r in reports:
         for kind, es in report_errors(r, hw, refit_hw).items():
             errors.setdefault(kind, []).extend(es)
             counts[kind] = counts.get(kind, 0) + 1
+    return {kind: model_error(kind, es, counts[kind]) for kind, es in errors.items()}
+
+
+def model_error(kind: str, errors: Sequence[float], reports: int, earlier: int = 0):
+    """The ModelError of `kind` from its errors (measured / predicted - 1; the newest MAX_ERRORS kept, and the
+    bias and spread are theirs) out of `reports` run reports: bias = their median, spread = 1.4826 x their median
+    absolute deviation about it. From fewer than 2 reports the spread is at least the kind's prior scatter
+    (bands.MODEL_PRIOR / bands.Z): one report measures a bias, but its errors (a generation's phases) scatter among
+    themselves, not from run to run. `earlier`: how many of the errors a previous refit kept (the source says so)."""
+    from chunkflow_planner.bands import MODEL_PRIOR, Z
+    from chunkflow_planner.catalog import ModelError
+
+    es = [float(e) for e in errors][-MAX_ERRORS:]
+    bias = statistics.median(es)
+    spread = 1.4826 * statistics.median(abs(e - bias) for e in es)
+    if reports < 2:
+        spread = max(spread, MODEL_PRIOR[kind] / Z)
+    source = f"{len(es)} error(s) in {reports} run report(s)"
+    if earlier:
+        source += f", {min(earlier, len(es))} of them kept from an earlier refit"
+    if reports < 2:
+        source += "; one report: at least the prior's spread"
+    return ModelError(samples=len(es), reports=reports, bias=max(-10.0, min(10.0, bias)), spread=min(10.0, spread),
+                      errors=es, source=source)
+
+
+def merge_model_errors(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` ModelErrors (model_errors) merged with a profile's `old` ones: a kind the profile has with its errors
+    kept gets those followed by the new (the newest MAX_ERRORS), its bias and spread over all of them and the
+    reports summed (model_error); one kept without errors (a profile written before they were) is replaced."""
     out = {}
-    for kind, es in errors.items():
-        bias = statistics.median(es)
-        spread = 1.4826 * statistics.median(abs(e - bias) for e in es) if len(es) > 1 else MODEL_PRIOR[kind] / Z
-        n = counts[kind]
-        out[kind] = ModelError(samples=len(es), bias=max(-10.0, min(10.0, bias)), spread=min(10.0, spread),
-                               source=f"{len(es)} error(s) in {n} run report(s)" + (
-                                   "; one: the prior's spread" if len(es) == 1 else ""))
+    for kind, e in new.items():
+        prev = old.get(kind)
+        out[kind] = e if prev is None or not prev.errors else model_error(
+            kind, [*prev.errors, *e.errors], prev.reports + e.reports, earlier=len(prev.errors))
     return out
 
 
@@ -398,8 +423,8 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       measured one's; the median, at least 0.
     - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
     - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
-    - model_errors: the planner's errors in the reports by kind of prediction (model_errors); kinds the reports do
-      not measure keep the profile's.
+    - model_errors: the planner's errors in the reports by kind of prediction (model_errors), added to those the
+      profile keeps of the same kind (merge_model_errors); kinds the reports do not measure keep the profile's.
     """
     notes: list[str] = []
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
@@ -416,9 +441,9 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
             err = e.errors()[0]
             raise CalibrationError(f"the refit gives {'.'.join(map(str, err['loc']))} outside its range "
                                    f"({err['msg']}); these runs do not fit profile {hw.name!r}") from None
-    errors = model_errors(reports, old, hw)
+    errors = merge_model_errors(hw.model_errors, model_errors(reports, old, hw))
     if errors:
         hw = HardwareSpec(**{**hw.model_dump(), "model_errors": {**hw.model_errors, **errors}})
         notes.append("the planner's errors in these reports: " + ", ".join(
-            f"{k} {e.bias:+.1%} +-{e.spread:.1%} ({e.samples})" for k, e in errors.items()))
+            f"{k} {e.bias:+.1%} +-{e.spread:.1%} ({e.samples} in {e.reports} report(s))" for k, e in errors.items()))
     return hw, notes
