@@ -397,6 +397,44 @@ def test_refits_in_a_row_accumulate_the_planners_errors(tmp_path):
     assert replaced.errors == [0.2, 0.6] and replaced.reports == 1 and replaced.bias == pytest.approx(0.4)
 
 
+def test_refit_records_the_quality_of_block_overhead_and_startup(tmp_path):
+    """Three hidden-regime offload runs 90, 100 and 120 us a block over their `none` run: block_overhead_us 100 and
+    its record, each gap / 100 - 1 with the one value fitted; startup_s from two reports run with --warmup, each
+    phase's gap about its median (two values fitted). One sample of each gives no record: the prior stays."""
+    from chunkflow.commands.calibrate.fit import spread_beyond_fit
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from test_calibrate import _report
+
+    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})  # hidden, as test_calibrate
+    _, p_none = _report(tmp_path, "none", 1.0)
+    lw, p_lw = _report(tmp_path, "layerwise", 1.0)
+    paths = []
+    for us in (90, 100, 120):  # 2 streamed blocks, 2 forwards a step
+        lw["measured"]["median_step_s"] = 1.0 + 2 * 2 * us * 1e-6
+        paths.append(tmp_path / f"lw{us}.json")
+        paths[-1].write_text(json.dumps(lw))
+    new, _ = refit(hw, read_reports([p_none, *paths]))
+    assert new.block_overhead_us == pytest.approx(100.0, rel=1e-6)
+    q = new.fits["block_overhead"]
+    assert q.samples == 3 and q.residuals == pytest.approx([-0.1, 0.0, 0.2], abs=1e-6)
+    assert q.spread == pytest.approx(spread_beyond_fit([-0.1, 0.0, 0.2], 1)) and "3 hidden-regime" in q.source
+    assert "block_overhead" not in refit(hw, read_reports([p_none, paths[0]]))[0].fits  # one gap
+
+    data, path = _report(tmp_path, "none", 1.0)
+    gens = []
+    for i, (enc, dec) in enumerate(((0.5, 0.2), (0.7, 0.4))):
+        g = _generation(0.0, {"encode": 0.0, "decode": 0.0})
+        g.update(warmup_generations=1, first_phase_times_s={"encode": 1.0 + enc, "decode": 1.0 + dec})
+        gens.append(_with_errors(data, tmp_path / f"warm{i}.json", generation=g))
+    new, _ = refit(hw, read_reports(gens))
+    assert new.pipeline.startup_s["encode"] == pytest.approx(0.6) and new.pipeline.startup_s["decode"] == pytest.approx(0.3)
+    q = new.fits["startup"]
+    expected = [-1 / 6, -1 / 3, 1 / 6, 1 / 3]
+    assert q.samples == 4 and sorted(q.residuals) == pytest.approx(sorted(expected), abs=1e-6)
+    assert q.spread == pytest.approx(spread_beyond_fit(expected, 2)) and q.spread == pytest.approx(1.4826 / 3)
+    assert "startup" not in refit(hw, read_reports(gens[:1]))[0].fits  # one report: as many gaps as values
+
+
 # ---------------------------------------------------------------------------------- the planner's Brent
 
 

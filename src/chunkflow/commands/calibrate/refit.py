@@ -81,8 +81,10 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
     return update
 
 
-def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str]) -> dict[str, Any]:
-    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden."""
+def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str], fits: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden; with 2 gaps or more, its
+    FitQuality into `fits` (each gap / the value written - 1: _refit_quality)."""
     from chunkflow_planner.plan import model_of
 
     gaps = []
@@ -100,20 +102,25 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
         notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
         return {}
     overhead = max(0.0, statistics.median(gaps) * 1e6)
+    _refit_quality(fits, "block_overhead", [(g * 1e6, overhead) for g in gaps], 1,
+                   f"{len(gaps)} hidden-regime offload run(s) against their `none` runs, each gap about the median")
     notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {overhead:.1f} from {len(gaps)} hidden-regime "
                  "offload run(s)")
     return {"block_overhead_us": overhead}
 
 
-def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
+def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: dict[str, Any]) -> dict[str, Any]:
     """startup_s per phase: the first generation of a process less a later one of the same process (generation
     reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
     (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
-    not measure keep the profile's value."""
+    not measure keep the profile's value. Its FitQuality into `fits` (_refit_quality): each report's gap about the
+    value that prices it (its encoders' own key for an encode, as pipeline.startup_of reads them), pooled over the
+    keys, one value fitted a key."""
     from chunkflow_planner.catalog import encode_startup_key
     from chunkflow_planner.plan import model_of
 
     gaps: dict[str, list[float]] = {}
+    priced: list[tuple[str, float]] = []  # each gap with the key that prices it
     for r in reports:
         g = r.generation
         if g is None or not g.first_phase_times_s:
@@ -125,13 +132,32 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dic
                 gaps.setdefault(phase, []).append(gap)
                 if phase == "encode" and own is not None:
                     gaps.setdefault(own, []).append(gap)
+                priced.append((own if phase == "encode" and own is not None else phase, gap))
     if not gaps:
         return {}
     startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}
     n = max(map(len, gaps.values()))
+    _refit_quality(fits, "startup", [(gap, startup[key]) for key, gap in priced],
+                   len({key for key, _ in priced if startup[key] > 0}),
+                   f"{n} generation report(s) run with --warmup, each phase's first-generation gap about its key's "
+                   "median")
     notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
                  + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
     return {"startup_s": {**hw.pipeline.startup_s, **startup}}
+
+
+def _refit_quality(fits: dict[str, Any], name: str, pairs: Sequence[tuple[float, float]], fitted: int,
+                   how: str) -> None:
+    """The FitQuality of a value refit from samples into `fits[name]`: each (sample's estimate, the value written)
+    pair gives estimate / value - 1 (a value of 0 gives none), `fitted` the values written (fit.fit_quality); fewer
+    than 2 samples, or no more than the values, give no record (the profile's stays, else the prior)."""
+    from chunkflow.commands.calibrate.fit import fit_quality
+
+    residuals = [x / v - 1.0 for x, v in pairs if v > 0]
+    q = fit_quality(name, residuals, f"chunkflow calibrate --from-report {datetime.date.today()}: {how}",
+                    fitted=fitted)
+    if q is not None:
+        fits[name] = q
 
 
 def generation_estimate(r, hw: HardwareSpec):
@@ -421,15 +447,20 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
     - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
       measured one's; the median, at least 0.
+    - fits: block_overhead and startup where 2 samples or more give them (each sample about the value written,
+      _refit_quality); fewer keep the profile's record, else the prior.
     - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
     - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
     - model_errors: the planner's errors in the reports by kind of prediction (model_errors), added to those the
       profile keeps of the same kind (merge_model_errors); kinds the reports do not measure keep the profile's.
     """
     notes: list[str] = []
+    fits: dict[str, Any] = {}
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
-    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
-              **_refit_startup(hw, reports, notes)}
+    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes, fits),
+              **_refit_startup(hw, reports, notes, fits)}
+    if fits:
+        update["fits"] = {**hw.fits, **fits}
     update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
     update.update(refit_load(hw.model_copy(update=update), reports, notes))
     old = hw
