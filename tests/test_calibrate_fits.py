@@ -243,7 +243,10 @@ def test_the_compute_record_holds_each_whole_forwards_misfit():
 
     blocks = [dict(samples_s=[0.999, 1.0, 1.001]) for _ in range(10)]
     h2d = fit_h2d(*_copies(2.8e-6, 55e9, ()))
-    record = lambda forwards: fit_records(h2d, blocks, forwards, {}, {}, None, None, None, "test", "today")["compute"]  # noqa: E731
+
+    def record(forwards):
+        return fit_records(h2d, blocks, forwards, {}, {}, None, None, None, "test", "today")["compute"]
+
     jitter, q = record([]), record(fw)
     assert jitter.spread < 0.002 and jitter.samples == 30
     assert q.samples == 30 + 6 + 2 and {round(r["misfit"], 6) for r in fw} <= set(q.residuals)
