@@ -11,7 +11,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.commands.calibrate.fit import fit_h2d, fit_quality
+from chunkflow.commands.calibrate.fit import about_median, fit_h2d, fit_quality, spread_beyond_fit
 from chunkflow.commands.cli import app
 from chunkflow_planner import bands
 from chunkflow_planner.catalog import get_hardware, load_profile
@@ -73,6 +73,33 @@ def test_h2d_fit_without_outliers_matches_the_old_fit():
     assert fit.bw_Bps == pytest.approx(bw, rel=2e-3) and fit.t0_s == pytest.approx(t0, rel=0.05)
     with pytest.raises(ValueError):
         fit_h2d([MB, MB], [1e-4, 1.1e-4])  # one size: no line
+
+
+@pytest.mark.parametrize("case", ["equal", "falling"])
+def test_h2d_copies_without_a_size_effect_get_the_pure_bandwidth(case):
+    """Copies that take as long at every size (or less for larger ones) have no bandwidth to fit: the bounded solver
+    leaves a slope near 0 (a bandwidth past any link), so the fit is the closed form's pure bandwidth, t0 = 0."""
+    from chunkflow.commands.calibrate.fit import _pure_bandwidth
+    from chunkflow_planner.catalog import H2D_GBPS_RANGE
+
+    times = [1e-4] * len(SIZES) if case == "equal" else [1e-4 * (1.5 - i / len(SIZES)) for i in range(len(SIZES))]
+    fit = fit_h2d(SIZES, times)
+    assert fit.t0_s == 0 and fit.fitted == 1
+    assert fit.bw_Bps == pytest.approx(1 / _pure_bandwidth(SIZES, times), rel=1e-12)
+    assert H2D_GBPS_RANGE[0] <= fit.bw_Bps / 1e9 <= H2D_GBPS_RANGE[1]
+    assert len(fit.residuals) == len(SIZES)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_h2d_fit_refuses_a_copy_that_was_not_timed(bad):
+    from chunkflow.commands.calibrate.host import CalibrationError
+
+    sizes, times = _copies(2.8e-6, 55e9, ())
+    times[4] = bad
+    with pytest.raises(CalibrationError, match="H2D copy 4 .* not finite"):
+        fit_h2d(sizes, times)
+    with pytest.raises(CalibrationError, match="not finite"):
+        fit_h2d([bad] + sizes[1:], _copies(2.8e-6, 55e9, ())[1])
 
 
 def test_vae_fit_is_not_moved_by_a_stray_slow_decode():
@@ -153,6 +180,81 @@ def test_fit_quality_flags_a_wide_fit_with_what_to_repeat():
     assert bands.spread(q.residuals) == pytest.approx(q.spread, rel=0.05) and q.spread == pytest.approx(bands.spread(many))
 
 
+def test_a_spread_counts_the_parameters_fitted_to_its_residuals():
+    """Normal noise of a known sigma (3%) in groups of 3 repeats about their median: each median is one of its
+    repeats (its residual 0) and pulls the others in, so the spread of every residual comes out at half sigma or
+    less; counting a median fitted per group, about sigma. The same through 4-point fits of 3 coefficients (a VAE's
+    decodes), pooled; and with no more residuals than parameters, no record."""
+    import numpy as np
+
+    rng = random.Random(5)
+    sigma, groups = 0.03, 400
+    res = [r for _ in range(groups) for r in about_median([1 + rng.gauss(0, sigma) for _ in range(3)])]
+    assert fit_quality("compute", res, "test").spread < 0.6 * sigma
+    q = fit_quality("compute", res, "test", fitted=groups)
+    assert q.spread == pytest.approx(sigma, rel=0.2) and q.samples == 3 * groups
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    res = []
+    for _ in range(300):
+        y = (1 + x + 0.1 * x**2) * (1 + np.array([rng.gauss(0, sigma) for _ in x]))
+        res += list(y / np.polyval(np.polyfit(x, y, 2, w=1 / y), x) - 1)
+    assert fit_quality("vae_time", res, "test").spread < 0.6 * sigma
+    assert fit_quality("vae_time", res, "test", fitted=3 * 300).spread == pytest.approx(sigma, rel=0.2)
+    assert fit_quality("cpu", [0.01, -0.02, 0.0], "test", fitted=3) is None
+    assert fit_quality("cpu", [0.01, -0.02, 0.0], "test", fitted=2).spread == pytest.approx(1.4826 * 0.02)
+    assert spread_beyond_fit(res) == pytest.approx(bands.spread(res))  # nothing fitted: the plain spread
+
+
+def test_the_compute_record_holds_each_whole_forwards_misfit():
+    """Whole forwards 0% and 10% slower in compute than the curve says: the curve is scaled by their geometric mean,
+    which leaves one short and one over; each one's misfit (measured / predicted with the scaled curve - 1) joins
+    the `compute` record, whose repeats about their medians alone (0.1% jitter) said nothing of it. A scale outside
+    FORWARD_SCALE_RANGE is not applied, and the misfit is against the curve as measured."""
+    from chunkflow.commands.calibrate.fit import scale_to_forwards
+    from chunkflow.commands.calibrate.measure import fit_records, forward_points
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow_planner.predict import predict
+
+    spec, none = get_model("wan2.2"), OffloadConfig(mode="none")
+    hw = get_hardware("h200").model_copy(update={"eta_comp_curves": {spec.name: [(1e12, 0.4), (1e15, 0.6)]}})
+    points = forward_points(spec, hw, None)
+    assert len(points) == 2
+
+    def rows(slower):
+        out = []
+        for w, k in zip(points, slower):
+            p = predict(spec, w, hw, none)
+            t = p.step_time_s + (k - 1) * p.compute_s
+            out.append(dict(model=spec.name, frames=w.frames, batch=w.batch, time_s=t,
+                            samples_s=[t * 0.999, t, t * 1.001]))
+        return out
+
+    curve, fw = scale_to_forwards(spec, hw, rows([1.0, 1.1]))
+    assert curve is not None and all(r["applied"] for r in fw) and fw[0]["scale"] == pytest.approx(1.1**-0.5)
+    scaled = hw.model_copy(update={"eta_comp_curves": {spec.name: curve}})
+    for w, r in zip(points, fw):
+        assert r["misfit"] == pytest.approx(r["time_s"] / predict(spec, w, scaled, none).step_time_s - 1)
+    assert fw[0]["misfit"] < -0.02 and fw[1]["misfit"] > 0.02
+    far_curve, far = scale_to_forwards(spec, hw, rows([2.0, 2.0]))
+    assert far_curve is None and not any(r["applied"] for r in far)
+    assert far[0]["misfit"] == pytest.approx(far[0]["time_s"] / predict(spec, points[0], hw, none).step_time_s - 1)
+    assert far[0]["misfit"] > 0.5
+
+    blocks = [dict(samples_s=[0.999, 1.0, 1.001]) for _ in range(10)]
+    h2d = fit_h2d(*_copies(2.8e-6, 55e9, ()))
+
+    def record(forwards):
+        return fit_records(h2d, blocks, forwards, {}, {}, None, None, None, "test", "today")["compute"]
+
+    jitter, q = record([]), record(fw)
+    assert jitter.spread < 0.002 and jitter.samples == 30
+    assert q.samples == 30 + 6 + 2 and {round(r["misfit"], 6) for r in fw} <= set(q.residuals)
+    timing = record([{k: v for k, v in r.items() if k != "misfit"} for r in fw])  # the forwards' repeats alone
+    assert q.spread == pytest.approx(math.hypot(timing.spread, math.hypot(*(r["misfit"] for r in fw))))
+    assert q.spread > 0.03 and "2 whole forward(s) against the curve" in q.source
+
+
 def test_cpu_smoke_profile_records_its_fits(tmp_path):
     result = runner.invoke(app, ["calibrate", "--cpu-smoke", "--out", "smoke.yaml", "--no-save", "--raw", "raw.json"])
     assert result.exit_code == 0, result.output
@@ -163,10 +265,16 @@ def test_cpu_smoke_profile_records_its_fits(tmp_path):
     assert not {"vae_memory", "pin", "codec_decode", "collectives"} & set(hw.fits)
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert hw.fits["h2d"].samples == sum(len(r["samples_s"]) for r in raw["h2d"]) >= 2 * len(raw["h2d"])
-    assert hw.fits["compute"].samples == sum(len(r["samples_s"]) for r in raw["blocks"] + raw["forwards"])
+    assert hw.fits["compute"].samples == sum(len(r["samples_s"]) for r in raw["blocks"] + raw["forwards"]) + sum(
+        r["misfit"] is not None for r in raw["forwards"])  # each whole forward's misfit against the curve
+    assert raw["forwards"] and all("misfit" in r for r in raw["forwards"])
+    h2d_fitted = 2 if raw["h2d_fit"]["t0_us"] > 0 else 1
+    assert hw.fits["h2d"].spread == pytest.approx(min(10.0, spread_beyond_fit(hw.fits["h2d"].residuals, h2d_fitted)),
+                                                  rel=1e-3, abs=1e-5)
     for name, q in hw.fits.items():
         assert q.samples >= 2 and len(q.residuals) == min(q.samples, bands.MAX_RESIDUALS), name
-        assert q.spread == pytest.approx(bands.spread(q.residuals), rel=1e-3, abs=1e-5), name
+        # the parameters fitted leave the smallest residuals out (spread_beyond_fit): never below the plain spread
+        assert q.spread >= min(10.0, bands.spread(q.residuals)) - 1e-5, name
         assert q.flagged == (q.spread > bands.FLAG_SPREAD) and (q.repeat == bands.FITS[name].repeat) == q.flagged
     out = " ".join(result.output.split())
     assert "Fits" in out and all(name in out for name in hw.fits)
@@ -248,6 +356,86 @@ def test_refit_records_model_errors_against_the_refit_profile_where_it_re_predic
     saved = load_profile(tmp_path / "refit.yaml")
     assert saved.model_errors["step_time"].bias == pytest.approx(0.0, abs=1e-6)
     assert "The planner's errors" in " ".join(result.output.split())
+
+
+def test_errors_from_one_report_spread_at_least_the_prior(tmp_path):
+    """One report's phases scatter among themselves, not from run to run: from fewer than 2 reports a kind's spread
+    is at least its prior scatter (MODEL_PRIOR / Z), a wider one kept; each record keeps its errors and reports."""
+    from chunkflow.commands.calibrate.refit import model_errors, read_reports
+    from test_calibrate import _report
+
+    data, path = _report(tmp_path, "none", 1.0)
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.011, "denoise": 0.012, "decode": 0.01}))
+    e = model_errors(read_reports([path]))["phase_time"]
+    assert (e.samples, e.reports, e.errors) == (3, 1, [0.011, 0.012, 0.01]) and e.bias == pytest.approx(0.011)
+    assert e.spread == pytest.approx(bands.MODEL_PRIOR["phase_time"] / bands.Z)  # measured: 1.4826 x 0.001
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.4, "denoise": 0.0, "decode": -0.4}))
+    assert model_errors(read_reports([path]))["phase_time"].spread == pytest.approx(1.4826 * 0.4)
+
+
+def test_refits_in_a_row_accumulate_the_planners_errors(tmp_path):
+    """A second refit adds its reports' errors to those the profile kept: bias and spread over all of them, the
+    reports summed (so the one-report floor no longer applies); a record written without its errors (before they
+    were kept) is replaced, and still reads."""
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from chunkflow_planner.catalog import HardwareSpec
+    from test_calibrate import _report
+
+    data, path = _report(tmp_path, "none", 1.0)
+    planned = HardwareSpec(**read_reports([path])[0].plan.hardware.spec)
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.1, "decode": 0.3}))
+    first, _ = refit(planned, read_reports([path]))
+    assert first.model_errors["phase_time"].reports == 1
+    _with_errors(data, path, step=0.1, generation=_generation(0.05, {"encode": 0.2, "decode": 0.6}))
+    second, notes = refit(first, read_reports([path]))
+    e = second.model_errors["phase_time"]
+    assert e.errors == [0.1, 0.3, 0.2, 0.6] and (e.samples, e.reports) == (4, 2)
+    assert e.bias == pytest.approx(0.25) and e.spread == pytest.approx(1.4826 * 0.1)
+    assert "2 of them kept from an earlier refit" in e.source
+    assert second.model_errors["generation_time"].errors == [0.05, 0.05]
+    assert HardwareSpec(**second.model_dump()) == second  # the profile written reads back
+    old = HardwareSpec(**{**planned.model_dump(), "model_errors": {"phase_time": dict(samples=5, bias=0.5, spread=0.1)}})
+    assert old.model_errors["phase_time"].errors == [] and old.model_errors["phase_time"].reports == 1
+    replaced = refit(old, read_reports([path]))[0].model_errors["phase_time"]
+    assert replaced.errors == [0.2, 0.6] and replaced.reports == 1 and replaced.bias == pytest.approx(0.4)
+
+
+def test_refit_records_the_quality_of_block_overhead_and_startup(tmp_path):
+    """Three hidden-regime offload runs 90, 100 and 120 us a block over their `none` run: block_overhead_us 100 and
+    its record, each gap / 100 - 1 with the one value fitted; startup_s from two reports run with --warmup, each
+    phase's gap about its median (two values fitted). One sample of each gives no record: the prior stays."""
+    from chunkflow.commands.calibrate.fit import spread_beyond_fit
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from test_calibrate import _report
+
+    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})  # hidden, as test_calibrate
+    _, p_none = _report(tmp_path, "none", 1.0)
+    lw, p_lw = _report(tmp_path, "layerwise", 1.0)
+    paths = []
+    for us in (90, 100, 120):  # 2 streamed blocks, 2 forwards a step
+        lw["measured"]["median_step_s"] = 1.0 + 2 * 2 * us * 1e-6
+        paths.append(tmp_path / f"lw{us}.json")
+        paths[-1].write_text(json.dumps(lw))
+    new, _ = refit(hw, read_reports([p_none, *paths]))
+    assert new.block_overhead_us == pytest.approx(100.0, rel=1e-6)
+    q = new.fits["block_overhead"]
+    assert q.samples == 3 and q.residuals == pytest.approx([-0.1, 0.0, 0.2], abs=1e-6)
+    assert q.spread == pytest.approx(spread_beyond_fit([-0.1, 0.0, 0.2], 1)) and "3 hidden-regime" in q.source
+    assert "block_overhead" not in refit(hw, read_reports([p_none, paths[0]]))[0].fits  # one gap
+
+    data, path = _report(tmp_path, "none", 1.0)
+    gens = []
+    for i, (enc, dec) in enumerate(((0.5, 0.2), (0.7, 0.4))):
+        g = _generation(0.0, {"encode": 0.0, "decode": 0.0})
+        g.update(warmup_generations=1, first_phase_times_s={"encode": 1.0 + enc, "decode": 1.0 + dec})
+        gens.append(_with_errors(data, tmp_path / f"warm{i}.json", generation=g))
+    new, _ = refit(hw, read_reports(gens))
+    assert new.pipeline.startup_s["encode"] == pytest.approx(0.6) and new.pipeline.startup_s["decode"] == pytest.approx(0.3)
+    q = new.fits["startup"]
+    expected = [-1 / 6, -1 / 3, 1 / 6, 1 / 3]
+    assert q.samples == 4 and sorted(q.residuals) == pytest.approx(sorted(expected), abs=1e-6)
+    assert q.spread == pytest.approx(spread_beyond_fit(expected, 2)) and q.spread == pytest.approx(1.4826 / 3)
+    assert "startup" not in refit(hw, read_reports(gens[:1]))[0].fits  # one report: as many gaps as values
 
 
 # ---------------------------------------------------------------------------------- the planner's Brent

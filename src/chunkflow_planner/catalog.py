@@ -423,9 +423,13 @@ class ModelError(_Strict):
     """The planner's error on one kind of prediction, from the run reports a profile was refit from
     (`calibrate --from-report`): measured / predicted - 1."""
 
-    samples: int = Field(ge=1, le=10**7)
+    samples: int = Field(ge=1, le=10**7, description="errors it was made from")
+    reports: int = Field(1, ge=1, le=10**7, description="run reports those errors came from")
     bias: float = Field(ge=-10, le=10, description="the median of measured / predicted - 1")
-    spread: float = Field(ge=0, le=10, description="1.4826 x the median absolute deviation of it about the bias")
+    spread: float = Field(ge=0, le=10, description="1.4826 x the median absolute deviation of it about the bias "
+                          "(from fewer than 2 reports at least the kind's prior scatter)")
+    errors: list[float] = Field(default_factory=list, max_length=256, description="the errors, oldest first (at most "
+                                "the newest 256 kept): a later refit adds its own to them")
     source: str = ""
 
 

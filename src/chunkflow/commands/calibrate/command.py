@@ -258,8 +258,8 @@ def _print_fits(hw) -> None:
                               f"+-{FLAG_SPREAD * 100:.0f}%); measure again: {q.repeat}", highlight=False, markup=False)
     if hw.model_errors:
         t = Table(title="The planner's errors in run reports (measured / predicted - 1)")
-        for col in ("prediction", "reports", "bias", "spread"):
+        for col in ("prediction", "errors", "reports", "bias", "spread"):
             t.add_column(col, justify="left" if col == "prediction" else "right")
         for kind, e in hw.model_errors.items():
-            t.add_row(kind, str(e.samples), f"{e.bias * 100:+.1f}%", f"+-{e.spread * 100:.1f}%")
+            t.add_row(kind, str(e.samples), str(e.reports), f"{e.bias * 100:+.1f}%", f"+-{e.spread * 100:.1f}%")
         console.print(t)

@@ -148,11 +148,11 @@ def measure_text_host(device, samples: dict[str, list[float]] | None = None) -> 
     return out
 
 
-def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK, residuals: list[float] | None = None
+def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK, residuals: list[list[float]] | None = None
                           ) -> tuple[float, list[tuple[float, float, float, float]]]:
     """(peak TFLOP/s, [M, N, K, eta] rows) of bf16 matmuls on the host CPU (text encoders on the CPU: few tokens);
     the peak is the best of `cpu_tflops` (the square matmul) and the grid, eta is against it. Each shape's repeats
-    about their median go into `residuals`."""
+    about their median go into `residuals`, a list a shape."""
     import torch
 
     from chunkflow.commands.calibrate.ops import gemm_rates
@@ -162,11 +162,11 @@ def measure_cpu_gemm_grid(cpu_tflops: float, ms=CPU_GEMM_M, nks=CPU_GEMM_NK, res
     return peak, [(m, n, k, rate / peak) for m, n, k, rate in rates]
 
 
-def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False, cpu_residuals: list[float] | None = None
+def measure_host(device, cpu_tflops: float, cpu_smoke: bool = False, cpu_residuals: list[list[float]] | None = None
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Profile fields of the host side (module docstring) and the raw measurements (with every text-encoder
     forward timed, per layer: `text_layer_samples_us`); the CPU matmuls' repeats about their medians go into
-    `cpu_residuals`."""
+    `cpu_residuals`, a list a shape."""
     import torch
 
     from chunkflow.commands.calibrate.ops import measure_hbm

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from chunkflow.commands.calibrate.fit import (
-    coll_bandwidth_gbps, contention_factor, eta_curve, fit_h2d, fit_vae_rows, forward_scale, scaled_curve,
+    FORWARD_SCALE_RANGE, coll_bandwidth_gbps, contention_factor, eta_curve, fit_h2d, fit_vae_rows, scale_to_forwards,
 )
 from chunkflow.commands.calibrate.host import CalibrationError
 from chunkflow.commands.calibrate.profile import base_hardware, make_profile
@@ -186,9 +186,6 @@ def _timed_samples(spec: ModelSpec, device, points: Sequence[Workload], warmup: 
     return out
 
 
-FORWARD_SCALE_RANGE = (0.7, 1.1)  # whole-forward scales calibrate applies (measured on an H200: 0.949-0.991)
-
-
 def measure_forward(spec: ModelSpec, device, points: Sequence[Workload], warmup: int = 1, repeats: int = 3,
                     progress: Progress = _no_progress) -> list[dict[str, float]]:
     """Per workload: median seconds of one forward of the whole transformer (every block, random bf16 weights, no
@@ -257,15 +254,15 @@ def _whole_forwards(specs: list[ModelSpec], s: _Setup, hw: HardwareSpec, cpu_smo
             torch.cuda.empty_cache()
             log(f"{spec.name}: a whole forward ran out of GPU memory; its curve is from one block alone")
             continue
-        k = forward_scale(spec, hw, measured)
-        used = FORWARD_SCALE_RANGE[0] <= k <= FORWARD_SCALE_RANGE[1]
-        rows += [dict(r, scale=k, applied=used) for r in measured]
+        curve, scaled = scale_to_forwards(spec, hw, measured)
+        rows += scaled
+        k = scaled[0]["scale"]
         ran = (f"{spec.name}: whole forwards at {', '.join(str(r['tokens']) for r in measured)} tokens ran "
                f"{1 / k:.3f}x the time its blocks timed alone predict")
-        if not used:  # launch-bound toys (the CPU smoke) or a broken measurement: not a GPU's sustained rate
+        if curve is None:  # launch-bound toys (the CPU smoke) or a broken measurement: not a GPU's sustained rate
             log(ran + f"; outside {FORWARD_SCALE_RANGE[0]}-{FORWARD_SCALE_RANGE[1]}, its curve is left as measured")
             continue
-        curves[spec.name] = scaled_curve(curves[spec.name], k)
+        curves[spec.name] = curve
         log(ran + f"; its curve x{k:.3f}")
     return curves, rows
 
@@ -421,7 +418,7 @@ def _operator_model(specs, blocks, s, peak: float, cpu_smoke: bool, base_hw: Har
     update: dict[str, Any] = dict(gemm_eta=gemm, attn_eta=attn, attn_eta_masked=attn_masked, hbm_gbps=hbm,
                                   attn_eta_head_dims={ATTN_HEAD_DIM // 2: attn_half}, fp8_cast_gbps=cast)
     scale = fit_mem_ops_scale(blocks, base_hw.model_copy(update=dict(update, peak_tflops=peak)))
-    cpu_residuals: list[float] = []  # every CPU matmul's repeats about their shape's median: the `cpu` fit
+    cpu_residuals: list[list[float]] = []  # each CPU matmul shape's repeats about their median: the `cpu` fit
     update.update(mem_ops_scale=scale, cpu_tflops=measure_cpu_tflops(256 if cpu_smoke else 1024, cpu_residuals))
     host, host_raw = measure_host(s.device, update["cpu_tflops"], cpu_smoke, cpu_residuals)
     update.update(host)
@@ -491,7 +488,8 @@ def vae_owners() -> dict[str, ModelSpec]:
 
 def _vae_fits(s, cpu_smoke: bool, progress, log):
     """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted: the
-    fits, the raw rows, and the fits' residuals pooled over the VAEs ({vae_time, vae_memory})."""
+    fits, the raw rows, and the fits' residuals pooled over the VAEs ({vae_time, vae_memory}, and under `fitted`
+    the coefficients fitted to each: fit.fit_vae_rows)."""
     from chunkflow.commands.calibrate.ops import measure_vae, vae_points
 
     owners = vae_owners()
@@ -501,15 +499,16 @@ def _vae_fits(s, cpu_smoke: bool, progress, log):
         owners = {n: sp for n, sp in owners.items() if not n.startswith("tiny")}
     date = datetime.date.today().isoformat()
     fits, raw = {}, []
-    residuals: dict[str, list[float]] = {"vae_time": [], "vae_memory": []}
+    residuals: dict[str, Any] = {"vae_time": [], "vae_memory": [], "fitted": {"vae_time": 0, "vae_memory": 0}}
     step = progress("VAE decodes", len(owners))
     for name, spec in owners.items():
         plain, tiled = vae_points(spec, cpu_smoke)
         rows = measure_vae(spec, s.device, plain, tiled=False)
         trows = measure_vae(spec, s.device, tiled, tiled=True) if tiled else []
         fit, res = fit_vae_rows(spec, rows, trows, f"chunkflow calibrate {date} on {s.name}: {len(plain)} decodes")
-        for k, v in res.items():
-            residuals[k] += v
+        for k in ("vae_time", "vae_memory"):
+            residuals[k] += res[k]
+            residuals["fitted"][k] += res["fitted"][k]
         fits[name] = fit
         raw += rows + trows
         tiled_rate = ""
@@ -558,46 +557,79 @@ def _collectives(s, progress: Progress, log: Callable[[str], None]) -> dict:
     return coll
 
 
-def fit_records(h2d, blocks: Sequence[dict], forwards: Sequence[dict], vae: dict[str, list[float]], ops: dict,
+def fit_records(h2d, blocks: Sequence[dict], forwards: Sequence[dict], vae: dict[str, Any], ops: dict,
                 disk: dict | None, codec: dict | None, coll: dict | None, device: str, date: str
                 ) -> dict[str, Any]:
     """The profile's `fits` (FitQuality by bands.FITS name, fit.fit_quality) from what calibrate measured: each a
-    fit's residuals (measured / fitted - 1) or a repeated measurement's repeats about their median; a figure measured
+    fit's residuals (measured / fitted - 1) or a repeated measurement's repeats about their median, with the
+    parameters fitted to them (fit_quality's `fitted`: 1 a median, the coefficients of a fit); a figure measured
     once (the cold disk read, the load's start-up) has none, and the planner keeps its prior.
     - h2d: every repeat's per-copy time about the fitted t0 + C / BW;
     - compute: every timed repeat of a block (and of a whole forward) about the median the eta curve is made of,
-      pooled over sizes and models;
+      pooled over sizes and models (timing jitter), and each whole forward's misfit with the curve as scaled to
+      them (fit.scale_to_forwards: the curve's own error, fit_quality's `misfits`; a scale applied is fitted to
+      them, 1 a model);
     - vae_time, vae_memory: the decode fits' residuals, pooled over VAEs (ops.vae_residuals);
     - cpu: the CPU matmuls' repeats; text_host: each text-encoder forward timed; page_cache, host_fault, pin: their
       REPEATS; codec_decode: its decodes; collectives (torchrun): this rank's all-to-alls alone."""
-    from chunkflow.commands.calibrate.fit import about_median, fit_quality
+    from chunkflow.commands.calibrate.fit import fit_quality
 
     on = f"chunkflow calibrate {date} on {device}"
     text = (ops.get("host") or {}).get("text_layer_samples_us") or {}
-    parts: dict[str, tuple[list[float], str]] = {
-        "h2d": (list(h2d.residuals), f"{on}: {len(h2d.residuals)} timed copies about t0 + C/BW"),
-        "compute": ([r for row in [*blocks, *forwards] for r in about_median(row.get("samples_s", []))],
-                    f"{on}: block and whole-forward timings about each size's median"),
-        "vae_time": (vae.get("vae_time", []), f"{on}: VAE decode times about their fits"),
-        "vae_memory": (vae.get("vae_memory", []), f"{on}: VAE decode peaks about their fits"),
-        "cpu": (ops.get("cpu_residuals", []), f"{on}: CPU matmul repeats about their shape's median"),
-        "text_host": ([r for xs in text.values() for r in about_median(xs)],
-                      f"{on}: text-encoder forwards about their architecture's median"),
+    vae_fitted = vae.get("fitted") or {}
+    parts: dict[str, tuple[dict[str, Any], str]] = {
+        "h2d": (dict(residuals=list(h2d.residuals), fitted=h2d.fitted),
+                f"{on}: {len(h2d.residuals)} timed copies about t0 + C/BW"),
+        "compute": _compute_residuals(blocks, forwards, on),
+        "vae_time": (dict(residuals=vae.get("vae_time", []), fitted=vae_fitted.get("vae_time", 0)),
+                     f"{on}: VAE decode times about their fits"),
+        "vae_memory": (dict(residuals=vae.get("vae_memory", []), fitted=vae_fitted.get("vae_memory", 0)),
+                       f"{on}: VAE decode peaks about their fits"),
+        "cpu": (pooled(ops.get("cpu_residuals", [])), f"{on}: CPU matmul repeats about their shape's median"),
+        "text_host": (medians(text.values()), f"{on}: text-encoder forwards about their architecture's median"),
     }
     if disk:
-        parts["page_cache"] = (about_median(disk.get("warm_runs_s", [])), f"{on}: warm reads about their median")
-        parts["host_fault"] = (about_median(disk.get("host_fault_runs_gbps", [])), f"{on}: first touches")
-        parts["pin"] = (about_median(disk.get("pin_runs_gbps", [])), f"{on}: page-locking repeats")
+        parts["page_cache"] = (medians([disk.get("warm_runs_s", [])]), f"{on}: warm reads about their median")
+        parts["host_fault"] = (medians([disk.get("host_fault_runs_gbps", [])]), f"{on}: first touches")
+        parts["pin"] = (medians([disk.get("pin_runs_gbps", [])]), f"{on}: page-locking repeats")
     if codec and codec.get("decode"):
-        parts["codec_decode"] = (about_median(codec["decode"].get("times_s", [])), f"{on}: codec decodes")
+        parts["codec_decode"] = (medians([codec["decode"].get("times_s", [])]), f"{on}: codec decodes")
     if coll:
-        parts["collectives"] = (about_median(coll.get("idle_s", [])), f"{on}: all-to-alls over {coll['world']} GPUs")
+        parts["collectives"] = (medians([coll.get("idle_s", [])]), f"{on}: all-to-alls over {coll['world']} GPUs")
     out = {}
-    for name, (residuals, source) in parts.items():
-        q = fit_quality(name, residuals, source)
+    for name, (args, source) in parts.items():
+        q = fit_quality(name, source=source, **args)
         if q is not None:
             out[name] = q
     return out
+
+
+def _compute_residuals(blocks: Sequence[dict], forwards: Sequence[dict], on: str) -> tuple[dict[str, Any], str]:
+    """fit_quality's arguments for the `compute` record and its source: the timings about their medians and, where
+    whole forwards ran, each one's misfit against the curve as scaled to them (fit_records)."""
+    args = medians(row.get("samples_s", []) for row in [*blocks, *forwards])
+    source = f"{on}: block and whole-forward timings about each size's median"
+    rows = [r for r in forwards if r.get("misfit") is not None]
+    if not rows:
+        return args, source
+    misfits = [r["misfit"] for r in rows]
+    source += (f"; {len(rows)} whole forward(s) against the curve as scaled to them "
+               f"({', '.join(f'{m:+.1%}' for m in misfits)})")
+    return dict(args, misfits=misfits, misfits_fitted=len({r["model"] for r in rows if r.get("applied")})), source
+
+
+def pooled(groups: Iterable[Sequence[float]]) -> dict[str, Any]:
+    """Groups of residuals, each about its own median, pooled: fit_quality's `residuals` (every one) and `fitted`
+    (the medians: 1 a group that has any)."""
+    groups = [list(g) for g in groups]
+    return dict(residuals=[r for g in groups for r in g], fitted=sum(1 for g in groups if g))
+
+
+def medians(groups: Iterable[Sequence[float]]) -> dict[str, Any]:
+    """Groups of repeats of one measurement each, as residuals about their medians (fit.about_median), pooled."""
+    from chunkflow.commands.calibrate.fit import about_median
+
+    return pooled(about_median(g) for g in groups)
 
 
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,

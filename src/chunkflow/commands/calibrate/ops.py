@@ -24,9 +24,9 @@ def _no_progress(desc: str, total: int) -> Callable[[], None]:
 
 
 def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 5,
-          residuals: list[float] | None = None) -> float:
-    """Median seconds of fn() (CUDA events on the GPU, perf_counter on the CPU); each repeat / the median - 1
-    appended to `residuals` where given."""
+          residuals: list[list[float]] | None = None) -> float:
+    """Median seconds of fn() (CUDA events on the GPU, perf_counter on the CPU); the repeats / the median - 1
+    appended to `residuals` where given, as one group (fit_quality counts a median fitted per group)."""
     from chunkflow.commands.calibrate.fit import about_median
     from chunkflow.timing import time_on
 
@@ -34,14 +34,14 @@ def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 
         fn()
     times = [time_on(cuda, fn)[1] for _ in range(repeats)]
     if residuals is not None:
-        residuals += about_median(times)
+        residuals.append(about_median(times))
     return statistics.median(times)
 
 
 def gemm_rates(device, ms: Sequence[int], nks: Sequence[int], progress: Progress = _no_progress, warmup: int = 2,
-               repeats: int = 5, residuals: list[float] | None = None) -> list[tuple[float, float, float, float]]:
+               repeats: int = 5, residuals: list[list[float]] | None = None) -> list[tuple[float, float, float, float]]:
     """[M, N, K, TFLOP/s] of bf16 (M x K) @ (K x N) for every M in `ms` and N, K in `nks` on `device`; each
-    shape's repeats about their median into `residuals` (_time)."""
+    shape's repeats about their median into `residuals`, a list a shape (_time)."""
     import torch
 
     cuda = device.type == "cuda"
@@ -139,9 +139,9 @@ def measure_context_bytes(device) -> int:
     return int(total - free - torch.cuda.memory_reserved(device))
 
 
-def measure_cpu_tflops(n: int = 1024, residuals: list[float] | None = None) -> float:
+def measure_cpu_tflops(n: int = 1024, residuals: list[list[float]] | None = None) -> float:
     """The host CPU's bf16 matmul rate (all threads), for text encoders placed on the CPU; its repeats about their
-    median into `residuals` (_time)."""
+    median into `residuals`, as one list (_time)."""
     import torch
 
     a = torch.randn(n, n, dtype=torch.bfloat16)
@@ -317,13 +317,19 @@ def vae_residuals(rows: list[dict], fit: dict, calls: Callable[[dict], int] | No
     vox = lambda r: r["batch"] * r["frames"] * px(r)  # noqa: E731
     size = calls or vox
     rate = fit["time_per_call"] if calls else fit["time_per_voxel"]
-    t_coef = [c for c in (fit["time_const"], rate) if c != 0]
-    m_coef = [c for c in (fit["mem_const"], fit["mem_per_px"], fit["mem_per_voxel"]) if c != 0]
+    t_coef, m_coef = vae_coefficients(fit)
     from chunkflow.commands.calibrate.fit import relative_residuals
 
     time = relative_residuals([r["time_s"] for r in rows], [fit["time_const"] + rate * size(r) for r in rows]) \
-        if len(rows) > len(t_coef) else []
+        if len(rows) > t_coef else []
     mem = relative_residuals([r["peak_bytes"] for r in rows], [
         fit["mem_const"] + fit["mem_per_px"] * px(r) + fit["mem_per_voxel"] * vox(r) for r in rows]) \
-        if len(rows) > len(m_coef) and all(r["peak_bytes"] > 0 for r in rows) else []
+        if len(rows) > m_coef and all(r["peak_bytes"] > 0 for r in rows) else []
     return time, mem
+
+
+def vae_coefficients(fit: dict) -> tuple[int, int]:
+    """(time, memory) coefficients a VAE fit (fit_vae's dict) fitted: those not 0 (a dropped term was not fitted)."""
+    rate = fit["time_per_call"] if "time_per_call" in fit else fit["time_per_voxel"]
+    return (sum(1 for c in (fit["time_const"], rate) if c != 0),
+            sum(1 for c in (fit["mem_const"], fit["mem_per_px"], fit["mem_per_voxel"]) if c != 0))

@@ -81,8 +81,10 @@ def _refit_eta(hw: HardwareSpec, none: dict, notes: list[str]) -> dict[str, Any]
     return update
 
 
-def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str]) -> dict[str, Any]:
-    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden."""
+def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list[str], fits: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """block_overhead_us from offload-vs-none gaps where the prefetch is predicted hidden; with 2 gaps or more, its
+    FitQuality into `fits` (each gap / the value written - 1: _refit_quality)."""
     from chunkflow_planner.plan import model_of
 
     gaps = []
@@ -100,20 +102,25 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
         notes.append("no offload run with a matching `none` run in the hidden regime: block_overhead_us unchanged")
         return {}
     overhead = max(0.0, statistics.median(gaps) * 1e6)
+    _refit_quality(fits, "block_overhead", [(g * 1e6, overhead) for g in gaps], 1,
+                   f"{len(gaps)} hidden-regime offload run(s) against their `none` runs, each gap about the median")
     notes.append(f"block_overhead_us {hw.block_overhead_us:.1f} -> {overhead:.1f} from {len(gaps)} hidden-regime "
                  "offload run(s)")
     return {"block_overhead_us": overhead}
 
 
-def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dict[str, Any]:
+def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: dict[str, Any]) -> dict[str, Any]:
     """startup_s per phase: the first generation of a process less a later one of the same process (generation
     reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
     (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
-    not measure keep the profile's value."""
+    not measure keep the profile's value. Its FitQuality into `fits` (_refit_quality): each report's gap about the
+    value that prices it (its encoders' own key for an encode, as pipeline.startup_of reads them), pooled over the
+    keys, one value fitted a key."""
     from chunkflow_planner.catalog import encode_startup_key
     from chunkflow_planner.plan import model_of
 
     gaps: dict[str, list[float]] = {}
+    priced: list[tuple[str, float]] = []  # each gap with the key that prices it
     for r in reports:
         g = r.generation
         if g is None or not g.first_phase_times_s:
@@ -125,13 +132,32 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> dic
                 gaps.setdefault(phase, []).append(gap)
                 if phase == "encode" and own is not None:
                     gaps.setdefault(own, []).append(gap)
+                priced.append((own if phase == "encode" and own is not None else phase, gap))
     if not gaps:
         return {}
     startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}
     n = max(map(len, gaps.values()))
+    _refit_quality(fits, "startup", [(gap, startup[key]) for key, gap in priced],
+                   len({key for key, _ in priced if startup[key] > 0}),
+                   f"{n} generation report(s) run with --warmup, each phase's first-generation gap about its key's "
+                   "median")
     notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
                  + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
     return {"startup_s": {**hw.pipeline.startup_s, **startup}}
+
+
+def _refit_quality(fits: dict[str, Any], name: str, pairs: Sequence[tuple[float, float]], fitted: int,
+                   how: str) -> None:
+    """The FitQuality of a value refit from samples into `fits[name]`: each (sample's estimate, the value written)
+    pair gives estimate / value - 1 (a value of 0 gives none), `fitted` the values written (fit.fit_quality); fewer
+    than 2 samples, or no more than the values, give no record (the profile's stays, else the prior)."""
+    from chunkflow.commands.calibrate.fit import fit_quality
+
+    residuals = [x / v - 1.0 for x, v in pairs if v > 0]
+    q = fit_quality(name, residuals, f"chunkflow calibrate --from-report {datetime.date.today()}: {how}",
+                    fitted=fitted)
+    if q is not None:
+        fits[name] = q
 
 
 def generation_estimate(r, hw: HardwareSpec):
@@ -356,33 +382,58 @@ def report_errors(r, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | No
     return out
 
 
+MAX_ERRORS = 256  # errors a ModelError keeps (the newest)
+
+
 def model_errors(reports: Sequence, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | None = None
                  ) -> dict[str, Any]:
     """The planner's error by kind of prediction (ModelError by bands.QUANTITY_KINDS) over run reports
-    (report_errors): bias = the median of measured / predicted - 1, spread = 1.4826 x the median absolute deviation
-    about it. One report measures a bias but no scatter: its spread is the kind's prior scatter
-    (bands.MODEL_PRIOR / bands.Z), so its band is the prior's width about the bias seen.
+    (report_errors), each kind's errors kept (model_error).
 
     These are the errors of the plans as they were made, on the profile before this refit (the step, where the
     refit re-predicts it, against the refit profile: report_errors): the refit corrects some of the terms they came
     from, so for the other kinds the band they give is conservative."""
-    from chunkflow_planner.bands import MODEL_PRIOR, Z
-    from chunkflow_planner.catalog import ModelError
-
     errors: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     for r in reports:
         for kind, es in report_errors(r, hw, refit_hw).items():
             errors.setdefault(kind, []).extend(es)
             counts[kind] = counts.get(kind, 0) + 1
+    return {kind: model_error(kind, es, counts[kind]) for kind, es in errors.items()}
+
+
+def model_error(kind: str, errors: Sequence[float], reports: int, earlier: int = 0):
+    """The ModelError of `kind` from its errors (measured / predicted - 1; the newest MAX_ERRORS kept, and the
+    bias and spread are theirs) out of `reports` run reports: bias = their median, spread = 1.4826 x their median
+    absolute deviation about it. From fewer than 2 reports the spread is at least the kind's prior scatter
+    (bands.MODEL_PRIOR / bands.Z): one report measures a bias, but its errors (a generation's phases) scatter among
+    themselves, not from run to run. `earlier`: how many of the errors a previous refit kept (the source says so)."""
+    from chunkflow_planner.bands import MODEL_PRIOR, Z
+    from chunkflow_planner.catalog import ModelError
+
+    es = [float(e) for e in errors][-MAX_ERRORS:]
+    bias = statistics.median(es)
+    spread = 1.4826 * statistics.median(abs(e - bias) for e in es)
+    if reports < 2:
+        spread = max(spread, MODEL_PRIOR[kind] / Z)
+    source = f"{len(es)} error(s) in {reports} run report(s)"
+    if earlier:
+        source += f", {min(earlier, len(es))} of them kept from an earlier refit"
+    if reports < 2:
+        source += "; one report: at least the prior's spread"
+    return ModelError(samples=len(es), reports=reports, bias=max(-10.0, min(10.0, bias)), spread=min(10.0, spread),
+                      errors=es, source=source)
+
+
+def merge_model_errors(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` ModelErrors (model_errors) merged with a profile's `old` ones: a kind the profile has with its errors
+    kept gets those followed by the new (the newest MAX_ERRORS), its bias and spread over all of them and the
+    reports summed (model_error); one kept without errors (a profile written before they were) is replaced."""
     out = {}
-    for kind, es in errors.items():
-        bias = statistics.median(es)
-        spread = 1.4826 * statistics.median(abs(e - bias) for e in es) if len(es) > 1 else MODEL_PRIOR[kind] / Z
-        n = counts[kind]
-        out[kind] = ModelError(samples=len(es), bias=max(-10.0, min(10.0, bias)), spread=min(10.0, spread),
-                               source=f"{len(es)} error(s) in {n} run report(s)" + (
-                                   "; one: the prior's spread" if len(es) == 1 else ""))
+    for kind, e in new.items():
+        prev = old.get(kind)
+        out[kind] = e if prev is None or not prev.errors else model_error(
+            kind, [*prev.errors, *e.errors], prev.reports + e.reports, earlier=len(prev.errors))
     return out
 
 
@@ -396,15 +447,20 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
       gives (measured offload - measured none) / (streamed blocks * forwards per step); the median, at least 0.
     - startup_s: generation reports run with --warmup give, per phase, the first generation's time less the
       measured one's; the median, at least 0.
+    - fits: block_overhead and startup where 2 samples or more give them (each sample about the value written,
+      _refit_quality); fewer keep the profile's record, else the prior.
     - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
     - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
-    - model_errors: the planner's errors in the reports by kind of prediction (model_errors); kinds the reports do
-      not measure keep the profile's.
+    - model_errors: the planner's errors in the reports by kind of prediction (model_errors), added to those the
+      profile keeps of the same kind (merge_model_errors); kinds the reports do not measure keep the profile's.
     """
     notes: list[str] = []
+    fits: dict[str, Any] = {}
     none = {_key(r): r for r in reports if r.run.offload.mode == "none"}
-    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes),
-              **_refit_startup(hw, reports, notes)}
+    update = {**_refit_eta(hw, none, notes), **_refit_overhead(hw, reports, none, notes, fits),
+              **_refit_startup(hw, reports, notes, fits)}
+    if fits:
+        update["fits"] = {**hw.fits, **fits}
     update.update(_refit_pipeline(hw.model_copy(update=update), reports, notes))
     update.update(refit_load(hw.model_copy(update=update), reports, notes))
     old = hw
@@ -416,9 +472,9 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
             err = e.errors()[0]
             raise CalibrationError(f"the refit gives {'.'.join(map(str, err['loc']))} outside its range "
                                    f"({err['msg']}); these runs do not fit profile {hw.name!r}") from None
-    errors = model_errors(reports, old, hw)
+    errors = merge_model_errors(hw.model_errors, model_errors(reports, old, hw))
     if errors:
         hw = HardwareSpec(**{**hw.model_dump(), "model_errors": {**hw.model_errors, **errors}})
         notes.append("the planner's errors in these reports: " + ", ".join(
-            f"{k} {e.bias:+.1%} +-{e.spread:.1%} ({e.samples})" for k, e in errors.items()))
+            f"{k} {e.bias:+.1%} +-{e.spread:.1%} ({e.samples} in {e.reports} report(s))" for k, e in errors.items()))
     return hw, notes
