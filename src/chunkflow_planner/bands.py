@@ -198,7 +198,7 @@ def model_error(hw: HardwareSpec, kind: str) -> tuple[float, str]:
     """The planner's own error on `kind` (a half-width): from the profile's run reports, else the prior."""
     e = hw.model_errors.get(kind)
     if e is not None:
-        return abs(e.bias) + Z * e.spread, f"{kind} from run reports ({e.source or f'{e.samples} error(s)'})"
+        return abs(e.bias) + Z * e.spread, f"{kind} from run reports ({e.samples} error(s) in {e.reports} report(s))"
     return MODEL_PRIOR[kind], "prior (no run reports)"
 
 

@@ -27,7 +27,7 @@ def _time(fn: Callable[[], object], cuda: bool, warmup: int = 2, repeats: int = 
           residuals: list[list[float]] | None = None) -> float:
     """Median seconds of fn() (CUDA events on the GPU, perf_counter on the CPU); the repeats / the median - 1
     appended to `residuals` where given, as one group (fit_quality counts a median fitted per group)."""
-    from chunkflow.commands.calibrate.fit import about_median
+    from chunkflow.commands.calibrate.robust import about_median
     from chunkflow.timing import time_on
 
     for _ in range(warmup):
@@ -154,7 +154,7 @@ def fit_mem_ops_scale(rows: Sequence[dict], hw) -> float:
     """mem_ops_scale that makes the operator model fit the measured blocks best: time ~ t_GEMMs+attention + scale x
     t_memory-bound, in relative error with a robust loss (fit.robust_linear), within [0.05, 100]; rows carry
     `model`, `tokens`, `batch` and `time_s` of one block of each block list, as calibrate measures them."""
-    from chunkflow.commands.calibrate.fit import robust_linear
+    from chunkflow.commands.calibrate.robust import robust_linear
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.ops import block_ops, split
 
@@ -276,7 +276,7 @@ def _lstsq(rows: list[dict], basis: Callable[[dict], list[float]], key: str) -> 
     does not move them); where a value is not positive (peak memory on the CPU: 0), plain least squares (numpy)."""
     import numpy as np
 
-    from chunkflow.commands.calibrate.fit import robust_linear
+    from chunkflow.commands.calibrate.robust import robust_linear
 
     A = [basis(r) for r in rows]
     y = [float(r[key]) for r in rows]
@@ -318,7 +318,7 @@ def vae_residuals(rows: list[dict], fit: dict, calls: Callable[[dict], int] | No
     size = calls or vox
     rate = fit["time_per_call"] if calls else fit["time_per_voxel"]
     t_coef, m_coef = vae_coefficients(fit)
-    from chunkflow.commands.calibrate.fit import relative_residuals
+    from chunkflow.commands.calibrate.robust import relative_residuals
 
     time = relative_residuals([r["time_s"] for r in rows], [fit["time_const"] + rate * size(r) for r in rows]) \
         if len(rows) > t_coef else []
