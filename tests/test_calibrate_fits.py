@@ -24,18 +24,11 @@ pytestmark = pytest.mark.usefixtures("workdir")
 
 
 def old_fit_h2d(sizes, times):
-    """The fit calibrate used before scipy, kept as the reference it replaced: least squares in relative error (the
-    2x2 normal equations), t0 < 0 refit as pure bandwidth."""
-    w = [1.0 / t for t in times]
-    s11 = sum(wi * wi for wi in w)
-    s12 = sum(wi * wi * c for wi, c in zip(w, sizes))
-    s22 = sum(wi * wi * c * c for wi, c in zip(w, sizes))
-    b1 = sum(wi * wi * t for wi, t in zip(w, times))
-    b2 = sum(wi * wi * c * t for wi, c, t in zip(w, sizes, times))
-    det = s11 * s22 - s12 * s12
-    t0, a = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    if t0 < 0 or a <= 0:
-        t0, a = 0.0, b2 / s22
+    """The fit calibrate used before scipy, kept in fit.py as the robust fit's start: least squares in relative error
+    (the 2x2 normal equations), t0 < 0 refit as pure bandwidth."""
+    from chunkflow.commands.calibrate.fit import _h2d_least_squares
+
+    t0, a = _h2d_least_squares(sizes, times)
     return t0, 1.0 / a
 
 
