@@ -4,6 +4,7 @@ and its tables, and run reports' inside/outside verdicts."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from rich.console import Console
@@ -271,3 +272,16 @@ def test_after_a_warm_up_a_run_is_held_to_the_warm_bands(workdir):
     path.write_text(json.dumps(data))
     v = load_reports([path])[0].bands["phases.encode.time_s"]
     assert v.band == bands["phases.encode.time_s"].rel and v.inside
+
+
+def test_a_cpu_plan_bands_its_memory_not_its_nominal_times(workdir):
+    """On the CPU a plan's times are nominal figures, not predictions: no band on them, in the file or the tables;
+    its memory (host memory there) keeps its bands."""
+    result = runner.invoke(app, ["plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", "7MB", "--out",
+                                 "p.json"])
+    assert result.exit_code == 0, result.output
+    bands = json.loads((workdir / "p.json").read_text())["prediction"]["bands"]
+    assert bands and not [k for k in bands if k.endswith("_s")]
+    assert {"peak_memory_bytes", "host_memory_bytes"} <= bands.keys()
+    out = " ".join(result.output.split())
+    assert re.search(r"[\d.]+ (ms|us|s) \+-", out) is None and re.search(r"(MB|KB) \+-[\d.]+%", out)

@@ -169,7 +169,10 @@ def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecis
                  else repriced_alone(plan, problem, chosen, hw, host_alone))
         return prediction_values(again)
 
-    found = bands(price, with_supposed(problem.hw, problem.spec), prediction_values(plan))
+    values = prediction_values(plan)
+    if problem.hw.pipeline.device_is_host:  # a CPU plan's times are nominal figures: no band claims to hold them
+        values = {k: v for k, v in values.items() if not k.endswith("_s")}
+    found = bands(price, with_supposed(problem.hw, problem.spec), values)
     return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})
 
 
