@@ -259,6 +259,8 @@ def test_after_a_warm_up_a_run_is_held_to_the_warm_bands(workdir):
         assert bands[f"phases.{phase}.warm_time_s"].rel < bands[f"phases.{phase}.time_s"].rel
         assert "startup" not in bands[f"phases.{phase}.warm_time_s"].fits
     assert bands["generation_warm_time_s"].rel < bands["generation_time_s"].rel
+    assert {kind_of(k) for k in ("generation_warm_time_s", "phases.decode.warm_time_s")} == {"generation_time",
+                                                                                            "phase_time"}
     data, path = _gpu_report(workdir)
     data["plan"] = json.loads(plan.to_json())
     warm = bands["phases.encode.warm_time_s"].rel

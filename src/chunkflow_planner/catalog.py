@@ -412,7 +412,7 @@ class FitQuality(_Strict):
     samples: int = Field(ge=1, le=10**7, description="measurements the fit was made from")
     spread: float = Field(ge=0, le=10, description="robust relative spread of one sample: 1.4826 x the median of "
                           "|measured / fitted - 1| beyond the parameters fitted (a normal sample's standard deviation; "
-                          "calibrate/fit.spread_beyond_fit)")
+                          "bands.spread)")
     residuals: list[float] = Field(default_factory=list, max_length=256, description="each sample's measured / "
                                    "fitted - 1, as fitted (at most 256 kept)")
     flagged: bool = Field(False, description="the spread is too wide to plan with (bands.FLAG_SPREAD)")

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from chunkflow.commands.calibrate.host import CalibrationError
 from chunkflow.commands.calibrate.robust import NOISE, about_median, relative_residuals, robust_linear  # noqa: F401
+from chunkflow_planner.bands import spread as spread_beyond_fit  # a sample's spread beyond the parameters fitted
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.predict import predict
 
@@ -102,7 +103,7 @@ def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int
     """The FitQuality of fit `name` (chunkflow_planner.bands.FITS) from its relative residuals (measured / fitted
     - 1, one a sample) and the number of parameters fitted to them (`fitted`: 1 per group of repeats taken about
     their median, the coefficients of each fit pooled); None with fewer than two residuals or no more than `fitted`
-    (nothing is left over the fit to say its spread: the planner keeps the fit's prior). spread = spread_beyond_fit;
+    (nothing is left over the fit to say its spread: the planner keeps the fit's prior). spread = bands.spread over them and `fitted`;
     flagged when wider than bands.FLAG_SPREAD, with what to measure again. At most bands.MAX_RESIDUALS are kept:
     where there are more, evenly spaced order statistics of them sorted (the smallest and the largest always among
     them), so the kept ones keep the distribution's shape; otherwise all, in sample order.
@@ -129,24 +130,6 @@ def fit_quality(name: str, residuals: Sequence[float], source: str, samples: int
     flagged = s > FLAG_SPREAD
     return FitQuality(samples=max(samples or 0, len(rs)), spread=min(s, 10.0), residuals=[round(r, 6) for r in kept],
                       flagged=flagged, repeat=FITS[name].repeat if flagged else "", source=source)
-
-
-def spread_beyond_fit(residuals: Sequence[float], fitted: int = 0) -> float:
-    """A sample's robust relative spread about the truth from its residuals about a fit of `fitted` parameters:
-    1.4826 x the median of the n - fitted largest |residuals| (with fitted 0: bands.spread, the median of all).
-
-    A fit pulls its residuals in: the median of 3 repeats is one of them (its residual exactly 0), a 3-coefficient
-    fit through 4 decodes leaves one degree of freedom. Each parameter can zero about one residual, so the
-    `fitted` smallest say nothing of the spread and are left out. The variance's correction, sqrt(n / (n - fitted))
-    on the median of all, is too little for a median: on simulated N(0, 3%) noise in groups of 3 about their
-    median the median of every |residual| gives 1.4% and x sqrt(3/2) 1.7%, where this gives 3.1%; through 4-point,
-    3-coefficient line fits 1.1%, 2.1% and 3.4%; within 5% of the truth with 10 repeats a group or 27 samples about a
-    line (test_calibrate_fits)."""
-    xs = sorted(abs(r) for r in residuals)[max(0, fitted):]
-    if not xs:
-        return 0.0
-    n = len(xs)
-    return 1.4826 * (xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2]))
 
 
 def eta_curve(flops: Sequence[float], times: Sequence[float], peak_flops: float) -> list[tuple[float, float]]:
