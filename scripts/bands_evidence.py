@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from chunkflow_planner.bands import FITS, Z  # noqa: E402
+from chunkflow_planner.bands import Z  # noqa: E402
 from chunkflow_planner.catalog import load_profile  # noqa: E402
 
 # a fit's constants in the profile: (label, value) pairs

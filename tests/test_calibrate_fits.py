@@ -11,7 +11,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from chunkflow.commands.calibrate.fit import about_median, fit_h2d, fit_quality, spread_beyond_fit
+from chunkflow.commands.calibrate.fit import fit_h2d, fit_quality, spread_beyond_fit
+from chunkflow.commands.calibrate.robust import about_median
 from chunkflow.commands.cli import app
 from chunkflow_planner import bands
 from chunkflow_planner.catalog import get_hardware, load_profile

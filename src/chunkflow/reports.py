@@ -232,14 +232,13 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
         if g.load is not None:  # the load's host peak is compared a process (pipeline_setup.load_result)
             pairs += [("load.time_s", ("load.time_cold_s", "load.time_warm_s"), g.load.time_error),
                       ("load.host_peak_bytes", ("load.host_peak_bytes",), g.load.host_error)]
-    nominal = report.plan.hardware.device_is_host  # a CPU plan's times are nominal figures, not predictions
     out = {}
     for key, keys, error in pairs:
         if key == "load.time_s":  # the wider of cold and warm: the load's share of cached bytes is in between
             found = [bands[k] for k in keys if k in bands]
         else:  # the first key that has a band (a warm band, else the time's own)
             found = next(([bands[k]] for k in keys if k in bands), [])
-        if error is None or not found or (nominal and (key.endswith("time_s") or key == "load.time_s")):
+        if error is None or not found:  # (a CPU plan's nominal times carry no band: planner.with_bands)
             continue
         band = max(found, key=lambda b: b.rel)
         out[key] = BandVerdict(error=error, band=band.rel, inside=abs(error) <= band.rel, fits=band.fits)

@@ -37,7 +37,6 @@ from chunkflow_planner.plan import (
     PlanParallel,
     PlanPrediction,
     PlanWorkload,
-    Prediction,
 )
 from chunkflow_planner.memory import host_need
 from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point, Problem, decide, fewest_disk_blocks,

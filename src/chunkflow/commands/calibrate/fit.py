@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from chunkflow.commands.calibrate.host import CalibrationError
-from chunkflow.commands.calibrate.robust import NOISE, about_median, relative_residuals, robust_linear  # noqa: F401
+from chunkflow.commands.calibrate.robust import NOISE, relative_residuals, robust_linear
 from chunkflow_planner.bands import spread as spread_beyond_fit  # a sample's spread beyond the parameters fitted
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.predict import predict

@@ -627,7 +627,7 @@ def pooled(groups: Iterable[Sequence[float]]) -> dict[str, Any]:
 
 def medians(groups: Iterable[Sequence[float]]) -> dict[str, Any]:
     """Groups of repeats of one measurement each, as residuals about their medians (fit.about_median), pooled."""
-    from chunkflow.commands.calibrate.fit import about_median
+    from chunkflow.commands.calibrate.robust import about_median
 
     return pooled(about_median(g) for g in groups)
 
