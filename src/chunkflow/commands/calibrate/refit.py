@@ -348,7 +348,8 @@ def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:
 
 def report_errors(r, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | None = None) -> dict[str, list[float]]:
     """measured / predicted - 1 of one run report by bands.QUANTITY_KINDS, the errors the report computed itself:
-    step_time (the median step against the plan's), peak_memory (the steps' peak allocated, and each phase's peak),
+    step_time (the median step against the plan's), peak_memory (the steps' peak allocated of the transformer run alone,
+    each phase's peak of a generation),
     and from a generation report generation_time, phase_time (each phase), host_memory (the generation's host peak
     and the load's) and load_time. With `hw` (the profile the report's plan was priced on) and `refit_hw`, the step
     is compared with refit_hw's prediction instead, where predicting the run on `hw` gives back the report's own
@@ -368,9 +369,10 @@ def report_errors(r, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | No
         if math.isclose(before, r.predicted.step_time_s, rel_tol=1e-6):
             step = r.measured.median_step_s / predict(spec, w, refit_hw, r.run.offload, r.run.sp_degree).step_time_s - 1
     add("step_time", step)
-    add("peak_memory", r.rel_error.peak_memory)
     g = r.generation
-    if g is not None:
+    if g is None:  # a generation's step peak held the whole pipeline's tensors (older reports kept its error)
+        add("peak_memory", r.rel_error.peak_memory)
+    else:
         add("generation_time", g.generation_time_error)
         add("host_memory", g.host_memory_error)
         for m in g.phases.values():
