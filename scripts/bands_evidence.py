@@ -20,20 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from chunkflow_planner.bands import Z  # noqa: E402
+from chunkflow_planner.bands import FITS, Z, drift_between, spread_of  # noqa: E402
 from chunkflow_planner.catalog import load_profile  # noqa: E402
-
-# a fit's constants in the profile: (label, value) pairs
-CONSTANTS = {
-    "h2d": lambda hw: [("h2d_link_gbps", hw.h2d_link_gbps), ("dma_startup_us", hw.dma_startup_us)],
-    "compute": lambda hw: [(f"eta {m} @ {f:.3g} FLOP", e) for m, c in hw.eta_comp_curves.items() for f, e in c],
-    "cpu": lambda hw: [("cpu_tflops", hw.pipeline.cpu_tflops)],
-    "codec_decode": lambda hw: [("codec_decode_gbps", hw.codec_decode_gbps)],
-    "text_host": lambda hw: [(f"text_layer_host_us {a}", v) for a, v in hw.pipeline.text_layer_host_us.items()],
-    "context": lambda hw: [("context_bytes", hw.context_bytes)],
-    "process_host": lambda hw: [("process_host_bytes", hw.pipeline.process_host_bytes)],
-}
-
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
     from chunkflow.commands.calibrate.measure import calibrate
@@ -51,27 +39,35 @@ def cmd_calibrate(a: argparse.Namespace) -> None:
 
 
 def cmd_compare(a: argparse.Namespace) -> None:
+    """Each fit's figures (bands.FITS values) of two calibrations: the second against the first's band as a plan
+    made from the first uses it (Z x spread_of: the samples' spread and the drift, measured or the prior), and
+    against the samples' spread alone (what the band was before drift)."""
     one, two = load_profile(Path(a.a)), load_profile(Path(a.b))
     rows = []
     for name in sorted(set(one.fits) & set(two.fits)):
-        s1, s2 = one.fits[name].spread, two.fits[name].spread
-        for (label, v1), (_, v2) in zip(*(CONSTANTS.get(name, lambda hw: [])(hw) for hw in (one, two))):
-            if v1 is None or v2 is None or not v1:
+        band = Z * spread_of(one, name)[0]
+        within = Z * one.fits[name].spread
+        was = dict(FITS[name].values(one))
+        for label, v2 in FITS[name].values(two):
+            v1 = was.get(label)
+            if not v1:
                 continue
             diff = v2 / v1 - 1
-            rows.append(dict(fit=name, constant=label, first=v1, second=v2, diff=diff, band_first=Z * s1,
-                             band_second=Z * s2, second_inside_first=abs(diff) <= Z * s1,
-                             first_inside_second=abs(v1 / v2 - 1) <= Z * s2))
+            rows.append(dict(fit=name, constant=label, first=v1, second=v2, diff=diff, band_first=band,
+                             drift_first=one.fits[name].drift, band_within_first=within, inside=abs(diff) <= band,
+                             inside_within=abs(diff) <= within))
     fits = {n: dict(first=one.fits[n].model_dump(exclude={"residuals"}), second=two.fits[n].model_dump(
-        exclude={"residuals"})) for n in sorted(set(one.fits) | set(two.fits)) if n in one.fits and n in two.fits}
-    out = dict(rows=rows, fits=fits, inside=sum(r["second_inside_first"] and r["first_inside_second"] for r in rows),
-               compared=len(rows))
+        exclude={"residuals"})) for n in sorted(set(one.fits) & set(two.fits))}
+    out = dict(rows=rows, fits=fits, drift=drift_between(one, two), inside=sum(r["inside"] for r in rows),
+               inside_within=sum(r["inside_within"] for r in rows), compared=len(rows))
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     for r in rows:
-        print(f"{r['fit']:>12} {r['constant']:<42} {r['first']:.4g} -> {r['second']:.4g} ({r['diff']:+.2%}); bands "
-              f"+-{r['band_first']:.2%} / +-{r['band_second']:.2%}: "
-              f"{'inside' if r['second_inside_first'] and r['first_inside_second'] else 'OUTSIDE'}")
-    print(f"{out['inside']} of {out['compared']} constants inside each other's bands")
+        print(f"{r['fit']:>12} {r['constant']:<42} {r['first']:.4g} -> {r['second']:.4g} ({r['diff']:+.2%}); band "
+              f"+-{r['band_first']:.2%} (samples alone +-{r['band_within_first']:.2%}): "
+              f"{'inside' if r['inside'] else 'OUTSIDE'}")
+    print("moved (root mean square by fit): " + ", ".join(f"{n} {d:.2%}" for n, d in out["drift"].items()))
+    print(f"{out['inside']} of {out['compared']} figures of the second inside the first's bands "
+          f"({out['inside_within']} inside the samples' spread alone)")
 
 
 def cmd_verdicts(a: argparse.Namespace) -> None:
@@ -82,8 +78,9 @@ def cmd_verdicts(a: argparse.Namespace) -> None:
         rep = load_reports([path])[0]
         w = rep.plan.workload
         for key, v in rep.bands.items():
-            pred = rep.predicted.step_time_s if key == "step_time_s" else rep.predicted.peak_memory_bytes \
-                if key == "peak_memory_bytes" else None
+            pred = rep.plan.prediction.model_dump()
+            for part in key.split("."):
+                pred = pred.get(part) if isinstance(pred, dict) else None
             rows.append(dict(report=Path(path).name, model=rep.plan.model.name,
                              workload=f"{w.width}x{w.height}x{w.frames} b{w.batch}", key=key, predicted=pred,
                              error=v.error, band=v.band, inside=v.inside, fits=v.fits))

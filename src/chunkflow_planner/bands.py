@@ -42,6 +42,13 @@ class Fit:
     repeat: str
     move: Callable[[HardwareSpec, float], HardwareSpec]
     recorded_by: str | None = "chunkflow calibrate"
+    drift: float | None = None  # the change from one calibration to the next where the profile has not measured it
+    values: Callable[[HardwareSpec], list[tuple[str, float]]] = lambda hw: []  # what it says, to compare two of it
+
+    @property
+    def drift_prior(self) -> float:
+        """The run-to-run drift a once-calibrated fit gets: the H200's where measured (DRIFT_SOURCE), else its prior."""
+        return self.prior if self.drift is None else self.drift
 
 
 def _scale(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
@@ -56,6 +63,29 @@ def _scale(*keys: str) -> Callable[[HardwareSpec, float], HardwareSpec]:
                 update[key] = v * k
         return hw.model_copy(update=update) if update else hw  # nothing to move: the profile itself
     return move
+
+
+# the decodes a VAE fit is read at to compare two of it: an image's (1 Mi voxels of 1 Mi pixels, 8 tiled decoder
+# calls) and a video's (32 Mi voxels of 0.4 Mi pixels, 64 calls); its constant terms alone are small parts of these
+VAE_READS = ((2**20, 2**20, 8), (2**25, 400_000, 64))
+
+
+def _vae_figures(kind: Literal["time", "mem"]) -> Callable[[HardwareSpec], list[tuple[str, float]]]:
+    """What each measured VAE decode fit (and its tiled fit) says at VAE_READS: time (or peak memory)."""
+    def at(fit, voxels: int, px: int, calls: int) -> float:
+        if kind == "time":
+            return max(0.0, fit.time_const) + fit.time_per_voxel * voxels + fit.time_per_call * calls
+        return fit.mem_const + fit.mem_per_px * px + fit.mem_per_voxel * voxels
+
+    def values(hw: HardwareSpec) -> list[tuple[str, float]]:
+        out = []
+        for name, fit in sorted(hw.pipeline.vae_decode.items()):
+            for label, f, tiled in ((name, fit, False), (f"{name} tiled", fit.tiled, True)):
+                if f is not None:
+                    out += [(f"{label} at {v / 2**20:.0f} Mi voxels", at(f, v, px, c if tiled else 1))
+                            for v, px, c in VAE_READS]
+        return out
+    return values
 
 
 def _vae(kind: Literal["time", "mem"]) -> Callable[[HardwareSpec, float], HardwareSpec]:
@@ -93,6 +123,30 @@ def _h2d(hw: HardwareSpec, k: float) -> HardwareSpec:
     return hw.model_copy(update={"h2d_link_gbps": hw.h2d_link_gbps * k, "dma_startup_us": hw.dma_startup_us / k})
 
 
+def _figures(*keys: str) -> Callable[[HardwareSpec], list[tuple[str, float]]]:
+    """The figures named, by key (a dict figure by key and entry), absent ones left out."""
+    def values(hw: HardwareSpec) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        for key in keys:
+            v = hw.figure(key)
+            if isinstance(v, dict):
+                out += [(f"{key} {n}", float(x)) for n, x in sorted(v.items())]
+            elif v is not None:
+                out.append((key, float(v)))
+        return out
+    return values
+
+
+def _eta_points(hw: HardwareSpec) -> list[tuple[str, float]]:
+    """Each measured eta_comp curve's points: the compute fit's figures (relative to P_peak, which it keeps)."""
+    return [(f"eta {m} @ {f:.3g} FLOP", float(e)) for m, c in sorted(hw.eta_comp_curves.items()) for f, e in c]
+
+
+def _copy_times(hw: HardwareSpec) -> list[tuple[str, float]]:
+    """What the H2D fit says: the time of a 1 MiB and a 64 MiB copy (its start-up alone is a few us of them)."""
+    return [(f"copy {n} MiB", hw.dma_startup_us * 1e-6 + n * 2**20 / (hw.h2d_link_gbps * 1e9)) for n in (1, 64)]
+
+
 def _codec_ratio(hw: HardwareSpec, k: float) -> HardwareSpec:
     """The codec's stored / raw bytes over k, at most 1 (a codec never stores more than the raw bytes: a chunk that
     would not shrink is kept raw)."""
@@ -101,14 +155,25 @@ def _codec_ratio(hw: HardwareSpec, k: float) -> HardwareSpec:
     return hw.model_copy(update={"codec_ratio": min(1.0, hw.codec_ratio / k)})
 
 
+# The change from one calibration to the next of the fits two pairs of calibrations of one H200 measured
+# (DRIFT_SOURCE): the root mean square of second / first - 1 over each fit's figures (drift_between), pooled over the
+# pairs as calibrate pools them (with_drift), rounded up. The host's own work (CPU matmuls, dispatching layers,
+# first touches, page-locking) moved 1-36% where each run's samples spread 1-10%; the GPU's compute and copies 0.1-0.8%.
+DRIFT_H200: dict[str, float] = {"compute": 0.01, "h2d": 0.005, "text_host": 0.20, "cpu": 0.26, "codec_decode": 0.10,
+                                "page_cache": 0.08, "pin": 0.17, "host_fault": 0.20, "vae_time": 0.05}
+DRIFT_SOURCE = ("docs/data/h200-bands/run/compare.json and run-2/compare34.json (two pairs of `chunkflow calibrate` "
+                "of one H200, 2026-12-04)")
+
 FITS: dict[str, Fit] = {
     "compute": Fit("the blocks' compute rate (eta_comp curves, GEMM and attention tables)", 0.03,
-                   "the block timings: `chunkflow calibrate --model MODEL` on an idle GPU", _compute),
+                   "the block timings: `chunkflow calibrate --model MODEL` on an idle GPU", _compute,
+                   drift=DRIFT_H200["compute"], values=_eta_points),
     "h2d": Fit("pinned host-to-device copies (h2d_link_gbps, dma_startup_us)", 0.02,
                "the H2D copies: nothing else on the PCIe link or the host's memory while calibrate runs",
-               _h2d),
+               _h2d, drift=DRIFT_H200["h2d"], values=_copy_times),
     "collectives": Fit("the all-to-all rate and its contention with copies (coll_gbps)", 0.05,
-                       "the collectives: calibrate under torchrun with every GPU idle", _scale("coll_gbps")),
+                       "the collectives: calibrate under torchrun with every GPU idle", _scale("coll_gbps"),
+                       values=_figures("coll_gbps")),
     "block_overhead": Fit("the runtime's cost per streamed block (block_overhead_us)", 0.25,
                           "`chunkflow calibrate --from-report` with offloaded runs", _slower("block_overhead_us"),
                           "chunkflow calibrate --from-report"),
@@ -116,24 +181,28 @@ FITS: dict[str, Fit] = {
                      "the disk reads: `chunkflow calibrate --weights DIR` with nothing else reading that disk",
                      _scale("disk_read_gbps"), None),
     "page_cache": Fit("reads the page cache holds (page_cache_gbps)", 0.05, "the warm reads: calibrate --weights DIR",
-                      _scale("page_cache_gbps")),
+                      _scale("page_cache_gbps"), drift=DRIFT_H200["page_cache"],
+                      values=_figures("page_cache_gbps")),
     "pin": Fit("page-locking host memory (pin_gbps)", 0.05, "page-locking: calibrate with the host's memory free",
-               _scale("pin_gbps")),
+               _scale("pin_gbps"), drift=DRIFT_H200["pin"], values=_figures("pin_gbps")),
     "host_fault": Fit("new host memory at its first touch (host_fault_gbps)", 0.05,
-                      "first touches: calibrate with the host's memory free", _scale("host_fault_gbps")),
+                      "first touches: calibrate with the host's memory free", _scale("host_fault_gbps"),
+                      drift=DRIFT_H200["host_fault"], values=_figures("host_fault_gbps")),
     "load_startup": Fit("a pipeline's build outside its reads (load_startup_s)", 0.08,
                         "the load's start-up: calibrate --weights DIR", _slower("load_startup_s"), None),
     "vae_time": Fit("the VAE decodes' times (vae_decode)", 0.03, "the VAE decodes: calibrate on an idle GPU",
-                    _vae("time")),
+                    _vae("time"), drift=DRIFT_H200["vae_time"], values=_vae_figures("time")),
     "vae_memory": Fit("the VAE decodes' peak memory (vae_decode)", 0.03, "the VAE decodes: calibrate",
-                      _vae("mem")),
+                      _vae("mem"), values=_vae_figures("mem")),
     "text_host": Fit("the host's dispatch of text-encoder layers (text_layer_host_us)", 0.05,
                      "the text-encoder dispatch: calibrate with the CPU otherwise idle",
-                     _slower("text_layer_host_us", "encode_host_s")),
+                     _slower("text_layer_host_us", "encode_host_s"), drift=DRIFT_H200["text_host"],
+                     values=_figures("text_layer_host_us")),
     "cpu": Fit("the CPU's matmul rate (cpu_tflops)", 0.05, "the CPU matmuls: calibrate with the CPU otherwise idle",
-               _scale("cpu_tflops")),
+               _scale("cpu_tflops"), drift=DRIFT_H200["cpu"], values=_figures("cpu_tflops")),
     "codec_decode": Fit("the codec's decode rate (codec_decode_gbps)", 0.05, "the codec decode: calibrate --weights DIR",
-                        _scale("codec_decode_gbps")),
+                        _scale("codec_decode_gbps"), drift=DRIFT_H200["codec_decode"],
+                        values=_figures("codec_decode_gbps")),
     "codec_ratio": Fit("the codec's stored / raw bytes (codec_ratio)", 0.01, "the codec ratio: calibrate --weights DIR",
                        _codec_ratio, None),
     "context": Fit("device memory torch does not count (context_bytes)", 0.03, "calibrate on an idle GPU",
@@ -189,9 +258,42 @@ class Band(BaseModel):
 
 
 def spread_of(hw: HardwareSpec, name: str) -> tuple[float, bool]:
-    """A fit's spread and whether it was measured: the profile's record, else the fit's prior."""
+    """A fit's spread for a run and whether it was measured: from the profile's record, its samples' spread and the
+    drift from one calibration to the next in quadrature (the record's drift, else the fit's drift prior: a run is
+    another time, and a within-run spread does not see the machine's change between runs); without a record, the
+    fit's prior."""
     q = hw.fits.get(name)
-    return (q.spread, True) if q is not None else (FITS[name].prior, False)
+    if q is None:
+        return FITS[name].prior, False
+    return math.hypot(q.spread, q.drift if q.drift is not None else FITS[name].drift_prior), True
+
+
+def drift_between(old: HardwareSpec, new: HardwareSpec) -> dict[str, float]:
+    """By fit measured in both profiles (their `fits`), the root mean square of new / old - 1 over the fit's figures
+    (Fit.values) both hold: how far one calibration of a machine moved from the one before."""
+    out = {}
+    for name in sorted(set(old.fits) & set(new.fits)):
+        was = dict(FITS[name].values(old))
+        changes = [v / was[k] - 1 for k, v in FITS[name].values(new) if was.get(k, 0) > 0 and math.isfinite(v)]
+        if changes:
+            out[name] = math.sqrt(sum(c * c for c in changes) / len(changes))
+    return out
+
+
+def with_drift(old: HardwareSpec, new: HardwareSpec) -> HardwareSpec:
+    """`new` with each fit's drift measured against `old`, a calibration of the same machine before it, pooled with
+    the drift `old` had recorded (a mean of squares over the pairs); a fit with nothing to compare keeps old's record."""
+    changes = drift_between(old, new)
+    fits = dict(new.fits)
+    for name, q in new.fits.items():
+        before = old.fits.get(name)
+        pairs, drift = (before.drift_pairs, before.drift) if before is not None and before.drift is not None else (0, 0.0)
+        if name in changes:
+            drift = math.sqrt((pairs * drift * drift + changes[name] ** 2) / (pairs + 1))
+            pairs += 1
+        if pairs:
+            fits[name] = q.model_copy(update={"drift": min(drift, 10.0), "drift_pairs": pairs})
+    return new.model_copy(update={"fits": fits})
 
 
 def model_error(hw: HardwareSpec, kind: str) -> tuple[float, str]:

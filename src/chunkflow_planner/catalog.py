@@ -418,6 +418,11 @@ class FitQuality(_Strict):
     flagged: bool = Field(False, description="the spread is too wide to plan with (bands.FLAG_SPREAD)")
     repeat: str = Field("", description="what to measure again to narrow it")
     source: str = Field("", description="how it was measured")
+    drift: float | None = Field(None, ge=0, le=10, description="the relative change of the fit's figures from one "
+                                "calibration of this machine to the next (root mean square, pooled over `drift_pairs` "
+                                "pairs; bands.drift_between); None: calibrated once, the fit's prior stands "
+                                "(bands.FITS)")
+    drift_pairs: int = Field(0, ge=0, le=10**6, description="pairs of calibrations `drift` was measured over")
 
 
 class ModelError(_Strict):

@@ -46,8 +46,12 @@ def bands_note(plan: Plan) -> str | None:
         text += "; prior spreads stood in for " + "; ".join(said)
     if not reported:
         text += "; `chunkflow calibrate --from-report REPORT` measures the planner's own error from your runs"
-    flagged = {n: f for n, f in ((plan.hardware.spec or {}).get("fits") or {}).items()
-               if isinstance(f, dict) and f.get("flagged")}
+    fits = {n: f for n, f in ((plan.hardware.spec or {}).get("fits") or {}).items() if isinstance(f, dict)}
+    once = sorted(n for n, f in fits.items() if f.get("drift") is None)
+    if once:
+        text += (f"; the drift between runs of {', '.join(once)} is a prior (calibrating again, saved over the "
+                 "default profile, measures it)")
+    flagged = {n: f for n, f in fits.items() if f.get("flagged")}
     if flagged:
         text += ("; calibrate flagged as too wide to plan with: " + "; ".join(
             f"{n} (+-{f.get('spread', 0):.0%} a sample; measure again: {f.get('repeat') or 'calibrate'})"

@@ -63,7 +63,7 @@ def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save
         if measured is None:  # not rank 0
             return
         new, header = measured
-    _save_profile(new, out, header, default=default)
+    new = _save_profile(new, out, header, default=default, measured=not from_report)
     _print_profile(new)
 
 
@@ -113,9 +113,11 @@ def _check_outputs(out: str, raw: str | None, default: bool, reports: list[str],
                    {**{f"--from-report {r}": r for r in reports}, "--profile": profile})
 
 
-def _save_profile(new, out: str, header: str, default: bool) -> None:
+def _save_profile(new, out: str, header: str, default: bool, measured: bool = True):
     """The profile to `out`, and as this machine's default: the one it replaces is kept (read before anything is
-    written, `out` being that same file or not), and what changed said."""
+    written, `out` being that same file or not), and what changed said. A measured profile saved over a default of
+    the same GPU records how far each fit moved from it (bands.with_drift). Returns the profile written."""
+    from chunkflow_planner.bands import drift_between, with_drift
     from chunkflow_planner.catalog import CatalogError, load_profile
     from chunkflow_planner.files import write_atomic
     from chunkflow_planner.planner import saved_profile_path
@@ -128,10 +130,17 @@ def _save_profile(new, out: str, header: str, default: bool) -> None:
         old = load_profile(path) if previous is not None else None
     except CatalogError:
         old = None
+    if measured and old is not None and (old.name, old.gpus, old.memory_bytes) == (new.name, new.gpus,
+                                                                                   new.memory_bytes):
+        moved = drift_between(old, new)
+        new = with_drift(old, new)
+        if moved:
+            console.print("moved since the previous calibration (root mean square of each fit's figures): " + ", ".join(
+                f"{n} {d:.1%}" for n, d in moved.items()) + "; recorded as each fit's drift", highlight=False)
     write_profile(new, out, header)
     console.print(f"Profile written to {out}", markup=False)
     if not default:
-        return
+        return new
     if previous is not None:
         kept = write_atomic(path.with_name("hardware-profile.previous.yaml"), previous)
         console.print(f"The previous default profile is kept as {kept}" + (
@@ -140,6 +149,7 @@ def _save_profile(new, out: str, header: str, default: bool) -> None:
     write_profile(new, path, header)
     console.print(f"Saved as this machine's default profile: {path} (`chunkflow plan` uses it without --hardware)",
                   markup=False)
+    return new
 
 
 def _refit_profile(reports: list[str], profile: str | None):
@@ -246,12 +256,20 @@ def _print_fits(hw) -> None:
     from chunkflow_planner.bands import FLAG_SPREAD
 
     if hw.fits:
-        t = Table(title="Fits (robust spread of a sample)")
-        for col, justify in (("fit", "left"), ("samples", "right"), ("spread", "right"), ("flagged", "left")):
+        from chunkflow_planner.bands import FITS
+
+        t = Table(title="Fits (robust spread of a sample; drift: from one calibration to the next)")
+        for col, justify in (("fit", "left"), ("samples", "right"), ("spread", "right"), ("drift", "right"),
+                             ("flagged", "left")):
             t.add_column(col, justify=justify)
         for name, q in hw.fits.items():
-            t.add_row(name, str(q.samples), f"+-{q.spread * 100:.1f}%", "too wide" if q.flagged else "")
+            drift = (f"+-{q.drift * 100:.1f}% ({q.drift_pairs} pair{'s' if q.drift_pairs != 1 else ''})"
+                     if q.drift is not None else f"+-{FITS[name].drift_prior * 100:.1f}% (prior)")
+            t.add_row(name, str(q.samples), f"+-{q.spread * 100:.1f}%", drift, "too wide" if q.flagged else "")
         console.print(t)
+        if any(q.drift is None for q in hw.fits.values()):
+            console.print("drift (prior): not measured on this machine yet; calibrating again, saved over this "
+                          "profile, measures how far its figures move between runs", highlight=False)
         for name, q in hw.fits.items():
             if q.flagged:
                 console.print(f"fit {name}: +-{q.spread * 100:.1f}% is too wide to plan with (over "
