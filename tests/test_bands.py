@@ -375,3 +375,14 @@ def test_calibrate_saved_over_the_default_records_the_drift_and_a_refit_does_not
     # another GPU's default is not this machine's past: nothing compared
     other = _measured(base.model_copy(update={"name": "calibrated-nvidia-h100", "h2d_link_gbps": 20.0}), h2d={})
     assert _save_profile(other, "r.yaml", "", default=True).fits["h2d"].drift is None
+
+
+def test_a_fit_refit_from_run_reports_adds_no_drift_to_its_spread():
+    """block_overhead and startup are recorded from run reports, each a run of its own: their spread is already
+    between runs, so no drift is added to it; a calibrate fit gets its drift prior until measured."""
+    from chunkflow_planner.bands import spread_of
+
+    hw = _measured(get_hardware("h200"), block_overhead={}, startup={}, compute={})
+    assert spread_of(hw, "block_overhead") == (pytest.approx(0.02), True)
+    assert spread_of(hw, "startup") == (pytest.approx(0.02), True)
+    assert spread_of(hw, "compute")[0] > 0.02

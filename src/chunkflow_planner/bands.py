@@ -176,7 +176,7 @@ FITS: dict[str, Fit] = {
                        values=_figures("coll_gbps")),
     "block_overhead": Fit("the runtime's cost per streamed block (block_overhead_us)", 0.25,
                           "`chunkflow calibrate --from-report` with offloaded runs", _slower("block_overhead_us"),
-                          "chunkflow calibrate --from-report"),
+                          "chunkflow calibrate --from-report", drift=0.0),  # from runs: its spread is between runs
     "disk_read": Fit("the disk's cold read rate (disk_read_gbps)", 0.08,
                      "the disk reads: `chunkflow calibrate --weights DIR` with nothing else reading that disk",
                      _scale("disk_read_gbps"), None),
@@ -211,7 +211,7 @@ FITS: dict[str, Fit] = {
                         _slower("process_host_bytes"), None),
     "startup": Fit("a process's first-generation start-up (startup_s)", 0.08,
                    "`chunkflow calibrate --from-report` with runs made with --warmup", _slower("startup_s"),
-                   "chunkflow calibrate --from-report"),
+                   "chunkflow calibrate --from-report", drift=0.0),  # from runs: its spread is between runs
 }
 
 

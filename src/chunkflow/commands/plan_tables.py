@@ -47,7 +47,7 @@ def bands_note(plan: Plan) -> str | None:
     if not reported:
         text += "; `chunkflow calibrate --from-report REPORT` measures the planner's own error from your runs"
     fits = {n: f for n, f in ((plan.hardware.spec or {}).get("fits") or {}).items() if isinstance(f, dict)}
-    once = sorted(n for n, f in fits.items() if f.get("drift") is None)
+    once = sorted(n for n, f in fits.items() if f.get("drift") is None and n in FITS and FITS[n].drift_prior)
     if once:
         text += (f"; the drift between runs of {', '.join(once)} is a prior (calibrating again, saved over the "
                  "default profile, measures it)")

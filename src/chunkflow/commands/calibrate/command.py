@@ -264,10 +264,11 @@ def _print_fits(hw) -> None:
             t.add_column(col, justify=justify)
         for name, q in hw.fits.items():
             drift = (f"+-{q.drift * 100:.1f}% ({q.drift_pairs} pair{'s' if q.drift_pairs != 1 else ''})"
-                     if q.drift is not None else f"+-{FITS[name].drift_prior * 100:.1f}% (prior)")
+                     if q.drift is not None else f"+-{FITS[name].drift_prior * 100:.1f}% (prior)"
+                     if FITS[name].drift_prior else "in the spread (from runs)")
             t.add_row(name, str(q.samples), f"+-{q.spread * 100:.1f}%", drift, "too wide" if q.flagged else "")
         console.print(t)
-        if any(q.drift is None for q in hw.fits.values()):
+        if any(q.drift is None and FITS[n].drift_prior for n, q in hw.fits.items()):
             console.print("drift (prior): not measured on this machine yet; calibrating again, saved over this "
                           "profile, measures how far its figures move between runs", highlight=False)
         for name, q in hw.fits.items():
