@@ -280,10 +280,11 @@ def drift_between(old: HardwareSpec, new: HardwareSpec) -> dict[str, float]:
     return out
 
 
-def with_drift(old: HardwareSpec, new: HardwareSpec) -> HardwareSpec:
+def with_drift(old: HardwareSpec, new: HardwareSpec, changes: Mapping[str, float] | None = None) -> HardwareSpec:
     """`new` with each fit's drift measured against `old`, a calibration of the same machine before it, pooled with
-    the drift `old` had recorded (a mean of squares over the pairs); a fit with nothing to compare keeps old's record."""
-    changes = drift_between(old, new)
+    the drift `old` had recorded (a mean of squares over the pairs); a fit with nothing to compare keeps old's record.
+    `changes`: drift_between(old, new) where the caller has it already."""
+    changes = drift_between(old, new) if changes is None else changes
     fits = dict(new.fits)
     for name, q in new.fits.items():
         before = old.fits.get(name)

@@ -133,7 +133,7 @@ def _save_profile(new, out: str, header: str, default: bool, measured: bool = Tr
     if measured and old is not None and (old.name, old.gpus, old.memory_bytes) == (new.name, new.gpus,
                                                                                    new.memory_bytes):
         moved = drift_between(old, new)
-        new = with_drift(old, new)
+        new = with_drift(old, new, moved)
         if moved:
             console.print("moved since the previous calibration (root mean square of each fit's figures): " + ", ".join(
                 f"{n} {d:.1%}" for n, d in moved.items()) + "; recorded as each fit's drift", highlight=False)
