@@ -12,7 +12,7 @@ other local ranks of the host map (runtime/tiers/shared.py streams from it and p
   owner never waits for them. A rank whose owner is gone (killed, failed) is told so at once (its socket closes), not
   left waiting.
 - **The same segments in the same order.** Every local rank makes the same offload calls in the same order (the
-  pipeline builders do); the manifest (what a segment holds, byte for byte where) is compared, and a rank whose
+  pipeline builders do); the manifest (what a segment holds, byte for byte where, and a digest of its values: runtime/digest.py) is compared, and a rank whose
   layout differs from the owner's is refused with what to do.
 
 `host_group()` says whether this process shares (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE with more than one local
@@ -269,7 +269,7 @@ class SharedSegment:
                     **ours, "values": None}:
                 raise HostShareError(
                     f"{what}: local rank {group.local_rank} holds other weights than local rank 0 at the same offload "
-                    f"call (another checkpoint, seed or fine-tune: their sampled bytes differ), laid out the same way; "
+                    f"call (another checkpoint, seed or fine-tune: the digests of their values differ), laid out the same way; "
                     f"the ranks of a host share host memory only for the same weights. Load the same weights on "
                     f"every rank, or set {SHARE_ENV}=0 (one host copy per rank)")
             raise HostShareError(

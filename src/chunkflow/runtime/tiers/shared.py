@@ -27,7 +27,7 @@ import torch
 
 from chunkflow.runtime.chunksource import ChunkSource
 from chunkflow.runtime.errors import warn_user
-from chunkflow.runtime.fingerprint import module_fingerprint, tensors_fingerprint
+from chunkflow.runtime.digest import module_digest, tensors_digest
 from chunkflow.runtime.hostshare import PAGE, HostGroup, SharedSegment, host_group
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
 from chunkflow.runtime.store import HostStore, own_storage
@@ -44,9 +44,9 @@ class SharedTierWarning(UserWarning):
 
 
 def shareable_values(module, source) -> str | None:
-    """The fingerprint of `module`'s values that the ranks compare before sharing them (runtime/fingerprint.py), or
-    None, said once, where its loader cannot tell them: one copy per rank then."""
-    values = module_fingerprint(module, source)
+    """The digest of `module`'s values that the ranks compare before sharing them (runtime/digest.py), or None, said
+    once, where its loader cannot tell them: one copy per rank then."""
+    values = module_digest(module, source)
     if values is None:
         warn_user(f"chunkflow: the weights of {type(module).__name__} come from a loader ({type(source).__name__}) "
                   "that cannot say what they are, so the ranks of this host cannot check they hold the same ones: "
@@ -83,7 +83,7 @@ class SharedHostTier(Tier):
 
     def __init__(self, group: HostGroup, what: str, values: str = ""):
         self.group, self.what = group, what
-        self.values = values  # the module's values, fingerprinted (runtime/fingerprint.py): ranks share only these
+        self.values = values  # the digest of the module's values (runtime/digest.py): ranks share only these
         self.segment: SharedSegment | None = None
         self.store: HostStore | None = None  # the segment's shared map (page-locked on CUDA): what chunks copy from
         self.places: dict[str, tuple[int, int]] = {}  # a block's key (_key) -> (S_l, its offset in the segment)
@@ -267,7 +267,7 @@ class SharedParking(ParkHome):
             rows.append([t.name, str(cur.dtype), list(cur.shape), off])
             off = -(-(off + n) // 256) * 256
         self.names = self._ids(tensors)
-        manifest = {"parked": self.what, "tensors": rows, "values": tensors_fingerprint(tensors)}
+        manifest = {"parked": self.what, "tensors": rows, "values": tensors_digest(tensors)}
         self.segment = SharedSegment.open(self.group, manifest, off, self.what)
         self.pinned = HostStore(off, pin=device.type == "cuda", data=self.segment.shared)
         if self.group.owner:
