@@ -85,7 +85,10 @@ class SharedHostTier(Tier):
         self.group, self.what = group, what
         self.values = values  # the digest of the module's values (runtime/digest.py): ranks share only these
         self.segment: SharedSegment | None = None
-        self.store: HostStore | None = None  # the segment's shared map (page-locked on CUDA): what chunks copy from
+        self.store: HostStore | None = None  # the segment's shared map, read-only (page-locked on CUDA once sealed):
+        # what chunks copy from
+        self.pin = False  # page-lock the segment once it is sealed (a pinned page would make sealing fail)
+        self._spans: list[tuple[int, int]] = []  # the blocks' spans in the segment, each page-locked on its own
         self.places: dict[str, tuple[int, int]] = {}  # a block's key (_key) -> (S_l, its offset in the segment)
         self.keys: dict[str, str] = {}  # block name -> its key in the segment
         self.order: list[int] = []  # indices of the blocks in the segment in this layout
@@ -137,7 +140,8 @@ class SharedHostTier(Tier):
             return
         self.segment = SharedSegment.open(self.group, {"module": self.what, "values": self.values, "blocks": rows},
                                           off, self.what)
-        self.store = HostStore(off, pin=pin, ranges=spans, data=self.segment.shared[:off])
+        self.store = HostStore(off, pin=False, data=self.segment.shared[:off], read_only=True)
+        self.pin, self._spans = pin, spans
 
     def host_extent(self, b: BlockLayout) -> int:
         """Only the head is in this rank's own store."""
@@ -157,7 +161,7 @@ class SharedHostTier(Tier):
         at = self._at(b, e)
         seg = self.segment
         if self.group.owner and not seg.filled:
-            write(self.store.data[at : at + e.nbytes].view(e.dtype).view(e.shape))
+            write(seg.writable[at : at + e.nbytes].view(e.dtype).view(e.shape))
         if e.offset < R:  # its head part goes with the block's head into this rank's store
             if not self.group.owner:
                 seg.wait_filled()
@@ -174,9 +178,15 @@ class SharedHostTier(Tier):
     # ---- streaming
 
     def _ready(self) -> None:
-        """The segment filled (a peer waits for the owner's word) and page-locked: chunks may be copied from it."""
-        if not self.group.owner:
+        """The segment filled and sealed (the owner seals it, every write done; a peer waits for the owner's word),
+        then page-locked (read-only, on CUDA): chunks may be copied from it."""
+        if self.group.owner:
+            self.segment.mark_filled()
+        else:
             self.segment.wait_filled()
+        if self.pin:
+            self.pin = False
+            self.store.pin_now(self._spans)
         self.store.wait()
 
     def source(self, store: HostStore, b: BlockLayout, non_blocking: bool) -> ChunkSource:
@@ -193,9 +203,6 @@ class SharedHostTier(Tier):
         """Rank 0 says the segment is filled (once); every rank returns from offload with its weights readable; blocks
         that left the segment since the last layout are named."""
         if self.segment is not None:
-            if self.group.owner and not self.segment.filled:
-                self.store.wait()
-                self.segment.mark_filled()
             self._ready()
         if self.leaving:
             warn_user(f"chunkflow: block(s) {', '.join(sorted(self.leaving))} of {self.what} were written or "
@@ -247,7 +254,7 @@ class SharedParking(ParkHome):
         self.group, self.what = group, what
         self.own = HostParking()  # the tensors no longer as the segment holds them
         self.segment: SharedSegment | None = None
-        self.pinned: HostStore | None = None  # the segment's shared map (page-locked on CUDA)
+        self.pinned: HostStore | None = None  # the segment's shared map, read-only (page-locked on CUDA)
         self.names: list[tuple[str, str, tuple]] = []  # (name, dtype, shape) of each tensor in the segment
         self.places: list[tuple[int, int]] = []  # (offset, nbytes) of each
         self.clean: list[bool] = []  # tensor i still holds the segment's values
@@ -269,17 +276,17 @@ class SharedParking(ParkHome):
         self.names = self._ids(tensors)
         manifest = {"parked": self.what, "tensors": rows, "values": tensors_digest(tensors)}
         self.segment = SharedSegment.open(self.group, manifest, off, self.what)
-        self.pinned = HostStore(off, pin=device.type == "cuda", data=self.segment.shared)
         if self.group.owner:
             with torch.no_grad(), torch.inference_mode(False):
                 for t, (at, n) in zip(tensors, self.places):
                     cur = t.get().detach()
-                    self.pinned.data[at : at + n].view(cur.dtype).view(cur.shape).copy_(cur)
+                    self.segment.writable[at : at + n].view(cur.dtype).view(cur.shape).copy_(cur)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            self.segment.mark_filled()
+            self.segment.mark_filled()  # sealed: page-locked only now (a pinned page would make sealing fail)
         else:
             self.segment.wait_filled()
+        self.pinned = HostStore(off, pin=device.type == "cuda", data=self.segment.shared, read_only=True)
         self.clean = [True] * len(tensors)
         self.unparked = [(t.get()._version, t.get().data_ptr()) for t in tensors]
 
