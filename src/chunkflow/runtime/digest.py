@@ -14,14 +14,17 @@ A loader that can say none of these gives None: the caller then keeps one copy p
 
 Each rank computes its digest once, when it offloads (before it joins or offers a segment), so every rank reads
 the values it shares once more than without sharing. Cost, measured 2026-12-05 on the 2-core AMD EPYC VM (SHA-NI)
-that runs the tests: SHA-256 hashes 1.67 GB/s on one thread and 2.97 GB/s on two (blake2b: 0.87 and 1.54, so
-SHA-256); tensors are hashed on DIGEST_THREADS threads (hashlib releases the GIL on large buffers), and a file's
-bytes arrive at the disk's speed where they are not in the page cache.
+that runs the tests: SHA-256 hashes 1.67 GB/s on one thread and 2.97 GB/s on two when the machine is idle
+(blake2b: 0.87 and 1.54, so SHA-256); the whole of `module_digest`, with the machine shared (load average 7 on its
+2 cores), took 0.9 GB/s from tensors in memory and 0.5 GB/s from a safetensors file in the page cache (1.07 GB).
+Tensors are hashed on DIGEST_THREADS threads (hashlib releases the GIL on large buffers); a file's bytes arrive at
+the disk's speed where they are not in the page cache.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -30,7 +33,7 @@ from chunkflow.runtime.tensors import all_tensors
 
 ALGORITHM = "sha256"
 PIECE = 16 << 20  # bytes hashed at a time (a device tensor's piece copied to the host)
-DIGEST_THREADS = 4
+DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashlib releases the GIL: threads hash at once
 
 
 def tensor_digest(t: torch.Tensor) -> str:
