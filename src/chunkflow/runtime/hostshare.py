@@ -71,6 +71,7 @@ PAGE = 4096
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _HELLO = b"H"  # a peer's first word: then its local rank (4 bytes)
 _FILLED = b"R"  # the owner's word: filled and sealed
+REFUSALS_SHOWN = 8  # refused connections a segment's owner warns of
 
 # The one process-wide state of the runtime outside a handle: the number of segments this process made so far, which
 # names the next (every local rank counts the same offload calls, as torch.distributed numbers its groups).
@@ -227,9 +228,14 @@ class SharedSegment:
     def __init__(self, group: HostGroup, seq: int, nbytes: int, fd: int, what: str, owner: bool):
         self.group, self.seq, self.nbytes, self.fd, self.what = group, seq, nbytes, fd, what
         self.ro_fd = _read_only(fd) if owner else fd  # what a peer is given (a peer holds only this)
-        self._wmap, self.writable = _mapped(fd, nbytes, "write") if owner else (None, None)
-        self._rmap, self.shared = _mapped(self.ro_fd, nbytes, "read")
-        self._pmap, self.private = _mapped(self.ro_fd, nbytes, "private")
+        try:
+            self._wmap, self.writable = _mapped(fd, nbytes, "write") if owner else (None, None)
+            self._rmap, self.shared = _mapped(self.ro_fd, nbytes, "read")
+            self._pmap, self.private = _mapped(self.ro_fd, nbytes, "private")
+        except OSError:
+            if owner:
+                os.close(self.ro_fd)  # (`fd` is the caller's to close)
+            raise
         self.filled = False
         self.refused = 0  # connections dropped: untrusted, no hello, a rank out of range or seen before
         self._listener: socket.socket | None = None
@@ -371,7 +377,8 @@ class SharedSegment:
         if why is None:
             return rank
         self.refused += 1
-        warn_user(f"chunkflow: {self.what}: a connection to the shared host copy was refused: {why}")
+        if self.refused <= REFUSALS_SHOWN:  # (a flood of strangers does not flood the job's output)
+            warn_user(f"chunkflow: {self.what}: a connection to the shared host copy was refused: {why}")
         return None
 
     @classmethod
