@@ -14,6 +14,7 @@ import errno
 import json
 import mmap
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -355,6 +356,7 @@ from chunkflow.runtime import hostshare
 scenario, flags, folder = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 rank = int(os.environ["LOCAL_RANK"])
 warnings.simplefilter("ignore")
+warnings.filterwarnings("always", message="chunkflow: .*refused")  # shown on stderr: the test reads it
 
 def flip(t):  # one byte the old sampler never read: byte 1 of the tensor
     with torch.no_grad():
@@ -424,20 +426,75 @@ if "error" in res:
 '''
 
 
-def _run_ranks(tmp_path: Path, scenario: str, folders: tuple[str, str]) -> list[dict]:
-    """Two sibling local ranks (as torchrun's agent starts them) running WORKER; their results."""
+def _rank_env(run_id: str) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", LOCAL_WORLD_SIZE="2", CHUNKFLOW_SHARE_TIMEOUT="120",
+                TORCHELASTIC_RUN_ID=run_id)
+
+
+def _run_ranks(tmp_path: Path, scenario: str, folders: tuple[str, str], run_id: str = "",
+               errs: list | None = None) -> list[dict]:
+    """Two sibling local ranks (as torchrun's agent starts them) running WORKER; their results (and their stderr
+    into `errs`)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(HERE)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", LOCAL_WORLD_SIZE="2", CHUNKFLOW_SHARE_TIMEOUT="120",
-               TORCHELASTIC_RUN_ID=f"trust-{uuid.uuid4().hex}")
+    env = _rank_env(run_id or f"trust-{uuid.uuid4().hex}")
     procs = [subprocess.Popen([sys.executable, str(script), scenario, str(tmp_path), folders[r]],
                               env=dict(env, LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
+        if errs is not None:
+            errs.append(err)
     return [json.loads((tmp_path / f"result{r}").read_text()) for r in (0, 1)]
+
+
+@ROOT
+@pytest.mark.slow
+def test_a_second_uid_probing_every_name_during_a_job_gets_nothing(tmp_path, monkeypatch):
+    """A user `nobody` who knows the job's names (the worst case: a fixed run id) connects to each of them, over and
+    over, saying it is local rank 1, while two ranks offload, stream and park: it never gets a descriptor, the owner
+    refuses it (and says so), and the real ranks share and compute bit-identically."""
+    pytest.importorskip("diffusers")
+    run_id = f"trust-{uuid.uuid4().hex}"
+    for k, v in _rank_env(run_id).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    group = hs.host_group()
+    names = [hs._address(group, seq) for seq in range(4)]
+    stop_r, stop_w = os.pipe()  # (not a file: nobody cannot see into the test's folder)
+
+    def probe() -> dict:
+        got = tries = 0
+        while not select.select([stop_r], [], [], 0)[0]:
+            for name in names:
+                msg, fds = _raw_client(name, hs._HELLO + (1).to_bytes(4, "little"), timeout=0.2)
+                got, tries = got + len(fds), tries + 1
+            time.sleep(0.005)
+        return {"fds": got, "tries": tries}
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        os.write(w, json.dumps(probe()).encode())
+        os._exit(0)
+    os.close(w)
+    errs: list[str] = []
+    try:
+        r0, r1 = _run_ranks(tmp_path, "stream", ("same", "same"), run_id, errs)
+    finally:
+        os.write(stop_w, b"1")
+        with os.fdopen(r) as f:
+            attacker = json.loads(f.read())
+        os.waitpid(pid, 0)
+    assert attacker["fds"] == 0 and attacker["tries"] > 0
+    assert f"runs as uid {NOBODY}" in errs[0]  # it reached the owner, which refused it
+    for res in (r0, r1):
+        assert res["equal"] and res["shared"] > 0 and res["own_after_remove"], res
 
 
 @pytest.mark.slow
