@@ -6,12 +6,14 @@ need twice the host memory for one model. Here local rank 0 writes each block's 
 tensor not wholly resident, R'_l) into a segment of host memory its host's other local ranks map
 (runtime/hostshare.py: a memfd, no file, gone with the last process); every rank page-locks the same pages for its
 GPU and copies its chunks from them, as the host tier copies from its own store. Each rank keeps its blocks' resident
-heads [0, R_l) in its own store, as every tier does. The other ranks read none of the shared bytes from the
-checkpoint: they wait for rank 0's word that the segment is filled.
+heads [0, R_l) in its own store, as every tier does. The other ranks keep none of the shared bytes (they read them
+once, to prove their values are rank 0's: runtime/digest.py): they wait for rank 0's word that the segment is filled.
 
-The segment never changes once filled. Outside its forward a tail tensor views a private copy-on-write map of it: a
-write (peft's merge, load_state_dict) lands in the writing rank's own pages, never in the other ranks' weights, and
-moves that block to the rank's host tier at the next forward (its values copied into its own store, a warning saying
+The segment never changes once filled: rank 0 seals it (runtime/hostshare.py: nobody can write it or map it writable
+from then on, and the other ranks hold a read-only descriptor), and every rank page-locks it only after the seal,
+read-only (a pinned page would make sealing fail; on CUDA the locking no longer overlaps rank 0's reads). Outside its
+forward a tail tensor views a private copy-on-write map of it: a write (peft's merge, load_state_dict) lands in the
+writing rank's own pages, never in the other ranks' weights, and moves that block to the rank's host tier at the next forward (its values copied into its own store, a warning saying
 so), as the disk tier does with its files. A block whose layout changes (a dtype change) leaves the segment the same
 way; a layout never grows the segment, so only the first layout meets the other ranks.
 
