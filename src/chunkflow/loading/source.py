@@ -207,12 +207,13 @@ class CheckpointSource:
 
     def digests(self, names: list[str]) -> dict[str, str]:
         """A digest of every byte of each named tensor as saved, with its dtype code (runtime/digest.py: what the
-        ranks sharing a host copy compare), for those read from the files. Read by a reader of this call's own (the
-        load's counts stay the load's) that drops the pages it brought into the page cache and keeps those cached
-        before; the tensors hashed on threads."""
+        ranks sharing a host copy compare), for those read from the files; the tensors hashed on threads. Read by a
+        reader of this call's own (the load's counts stay the load's) that leaves what it reads in the page cache:
+        the ranks of a host (the only ones that digest) then read the files from the disk once between them, as the
+        pipeline's loader does under torchrun, and the load that follows reads them from the cache."""
         recs = {n: self.where[n] for n in names if n in self.where}
         distinct = list({id(r): r for r in recs.values()}.values())
-        with FileReader(threads=1) as reader:
+        with FileReader(threads=1, keep_cache=True) as reader:
             for path in {r.file for r in distinct}:
                 reader.file(path)  # opened here, not by two threads at once
 
