@@ -13,12 +13,14 @@ Each tensor contributes its name, dtype and shape and a SHA-256 of its values, r
 A loader that can say none of these gives None: the caller then keeps one copy per rank (with a warning).
 
 Each rank computes its digest once, when it offloads (before it joins or offers a segment), so every rank reads
-the values it shares once more than without sharing. Cost, measured 2026-12-05 on the 2-core AMD EPYC VM (SHA-NI)
+and hashes its values once more than without sharing (a checkpoint's pages stay in the page cache: a host reads its
+files from the disk once between its ranks' digests and loads). Cost, measured 2026-12-05 on the 2-core AMD EPYC VM (SHA-NI)
 that runs the tests: SHA-256 hashes 1.67 GB/s on one thread and 2.97 GB/s on two when the machine is idle
 (blake2b: 0.87 and 1.54, so SHA-256); the whole of `module_digest`, with the machine shared (load average 7 on its
 2 cores), took 0.9 GB/s from tensors in memory and 0.5 GB/s from a safetensors file in the page cache (1.07 GB).
 Tensors are hashed on DIGEST_THREADS threads (hashlib releases the GIL on large buffers); a file's bytes arrive at
-the disk's speed where they are not in the page cache.
+the disk's speed where they are not in the page cache yet. A tensor on a GPU (a parked module's, at its first park)
+is copied to the host a piece at a time to be hashed.
 """
 
 from __future__ import annotations
