@@ -19,7 +19,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
