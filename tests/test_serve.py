@@ -68,6 +68,20 @@ class Server:
         self.queue.shutdown(WAIT_S)
 
 
+def serve_app(app):
+    """(port, uvicorn server, its thread): `app` served on a free port of 127.0.0.1 once it accepts connections."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive())
+    assert server.started
+    return sock.getsockname()[1], server, thread
+
+
 def wait_until(check, what: str = "the condition") -> None:
     deadline = time.monotonic() + WAIT_S
     while not check():
@@ -499,3 +513,94 @@ def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
     assert chain_times(None, None, [8.0], 0.5) == [(None, None)]  # paused
     assert chain_times(100.0, None, [8.0, None, 7.0], 0.5) == [(100.0, 108.5), (None, None), (None, None)]
     assert chain_times(100.0, (90.0, None), [7.0], 0.5) == [(None, None)]
+
+
+# an image pipeline's queue: a stand-in session (what JobQueue asks of one), the real app and HTTP
+class ImageSession:
+    image = True
+    device = "cpu"
+    generations = 0
+    closed = False
+
+    def __init__(self):
+        self.spec = type("Spec", (), {"name": "stand-in-i2v", "is_video": False})()
+        self.got = []
+
+    def fit(self, job, with_image=None):
+        return type("Fit", (), {"reason": None})()
+
+    def predicted_s(self, job, first):
+        return None
+
+    def generate(self, job, image=None, on_step=None):
+        self.got.append(image)
+        out = type("Result", (), {"is_video": False, "seconds": 0.01, "predicted_s": None})()
+        out.save = lambda path: (Path(path).write_bytes(b"png"), Path(path))[1]
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+def png(width: int, height: int, noise: bool = True) -> bytes:
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8) if noise else np.zeros((height, width, 3),
+                                                                                                 np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_server(tmp_path):
+    from chunkflow.serve.app import make_app
+    from chunkflow.serve.queue import JobQueue
+
+    session = ImageSession()
+    queue = JobQueue(session, tmp_path / "out", max_queue=4, paused=True)
+    port, uv, thread = serve_app(make_app(queue, max_body_bytes=BODY_LIMIT))
+    server = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port, "queue": queue, "session": session})()
+    try:
+        yield server
+    finally:
+        uv.should_exit = True
+        thread.join(WAIT_S)
+        queue.shutdown(WAIT_S)
+
+
+def test_a_queued_image_job_keeps_the_compressed_bytes_and_decodes_when_it_runs(image_server):
+    from PIL import Image
+
+    data = png(96, 64)
+    status, snap, _ = call(image_server, "POST", "/jobs", {"prompt": "animate", "image_base64":
+                                                           base64.b64encode(data).decode()})
+    assert status == 201, snap
+    kept = image_server.queue._jobs[snap["id"]].image
+    assert type(kept) is bytes and kept == data  # the file as sent: not 96 x 64 x 3 decoded pixels
+    image_server.queue.resume()
+    assert finished(image_server, snap["id"])["state"] == "done"
+    (got,) = image_server.session.got
+    assert isinstance(got, Image.Image) and got.size == (96, 64) and got.mode == "RGB"
+    assert image_server.queue._jobs[snap["id"]].image is None  # dropped once finished
+
+
+@pytest.mark.parametrize("size, words", [((16385, 1), "16385 x 1 pixels"), ((1, 20000), "1 x 20000 pixels")])
+def test_an_oversized_image_is_refused_at_submission_from_its_header(image_server, size, words):
+    data = png(*size, noise=False)
+    assert len(data) < 4096  # a few KB that would decode to far more
+    status, err, _ = call(image_server, "POST", "/jobs", {"prompt": "x", "image_base64": base64.b64encode(data).decode()})
+    assert status == 422 and words in err["error"] and len(image_server.queue) == 0, err
+
+
+def test_a_damaged_image_fails_its_job_when_it_runs_and_the_next_runs(image_server):
+    good, bad = png(32, 32), png(32, 32)[:200]  # a header that reads, pixels that do not
+    ids = [call(image_server, "POST", "/jobs", {"prompt": p, "image_base64": base64.b64encode(d).decode()})[1]["id"]
+           for p, d in (("bad", bad), ("good", good))]
+    image_server.queue.resume()
+    snaps = [finished(image_server, i) for i in ids]
+    assert snaps[0]["state"] == "failed" and "image_base64 cannot be decoded" in snaps[0]["error"], snaps[0]
+    assert snaps[1]["state"] == "done"

@@ -4,7 +4,8 @@ Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
 Content-Length and again while it is read), 422 a job that is malformed or does not fit the loaded placement (the
 planner's reason), 429 a full queue, 503 a server shutting down. Request bodies never name files: an input image
-comes as base64 bytes, an output is named by its job id.
+comes as base64 bytes, an output is named by its job id. A queued job keeps its image as the compressed bytes it
+came as (checked from the header: format, bytes, pixels), decoded when it runs.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
     return b"".join(chunks)
 
 
-def _decode_image(value: Any):
-    """image_base64 -> a checked PIL image (media.load_input_image_bytes); JobError says what is wrong."""
-    from chunkflow.media import MediaError, load_input_image_bytes
+def _image_bytes(value: Any) -> bytes:
+    """image_base64 -> the image file's bytes, checked from its header (format, bytes, pixels:
+    media.check_input_image_bytes), not decoded; JobError says what is wrong."""
+    from chunkflow.media import MediaError, check_input_image_bytes
 
     if not isinstance(value, str):
         raise JobError("image_base64 must be a string: the image file's bytes in base64")
@@ -78,9 +80,10 @@ def _decode_image(value: Any):
     except (binascii.Error, ValueError):
         raise JobError("image_base64 is not valid base64; give the image file's bytes base64-encoded") from None
     try:
-        return load_input_image_bytes(data, "image_base64")
+        check_input_image_bytes(data, "image_base64")
     except MediaError as exc:
         raise JobError(str(exc)) from None
+    return data
 
 
 def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: str | None = None) -> FastAPI:
@@ -108,7 +111,7 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
                 raise JobError(f'a job is a JSON object with at least "prompt", not {type(data).__name__}')
             image = None
             if "image_base64" in data:
-                image = _decode_image(data.pop("image_base64"))
+                image = _image_bytes(data.pop("image_base64"))
             if "image" in data:
                 raise JobError("image: the server takes no image path; send the image itself as image_base64 (a "
                                "base64 PNG, JPEG or WebP)")
