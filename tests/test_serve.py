@@ -515,6 +515,40 @@ def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
     assert chain_times(100.0, (90.0, None), [7.0], 0.5) == [(None, None)]
 
 
+JOB = json.dumps({"prompt": "a page's job", "steps": 1}).encode()
+
+
+def test_a_client_that_drops_mid_body_is_one_log_line(server):
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):  # on the server's loggers and the root: each record kept once
+        def emit(self, record):
+            if not any(r is record for r in records):
+                records.append(record)
+
+    handler, loggers = Keep(level=logging.DEBUG), [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO)
+    try:
+        for i in range(3):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as s:
+                s.sendall(f"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: 100000\r\n\r\n".encode() + JOB[:20])  # and gone
+            wait_until(lambda: sum("went away" in r.getMessage() for r in records) > i, "the disconnect's line")
+        gone = [r for r in records if "went away" in r.getMessage()]
+        assert len(gone) == 3 and all("\n" not in r.getMessage() and r.exc_info is None for r in gone), gone
+        assert not any(r.exc_info or "Exception in ASGI" in r.getMessage() for r in records), [
+            r.getMessage() for r in records]
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
 # an image pipeline's queue: a stand-in session (what JobQueue asks of one), the real app and HTTP
 class ImageSession:
     image = True

@@ -5,13 +5,15 @@ Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is
 Content-Length and again while it is read), 422 a job that is malformed or does not fit the loaded placement (the
 planner's reason), 429 a full queue, 503 a server shutting down. Request bodies never name files: an input image
 comes as base64 bytes, an output is named by its job id. A queued job keeps its image as the compressed bytes it
-came as (checked from the header: format, bytes, pixels), decoded when it runs.
+came as (checked from the header: format, bytes, pixels), decoded when it runs. A client that goes away mid-body
+is one log line.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 from typing import Any
 
@@ -23,6 +25,7 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
 
 from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
 from chunkflow.serve.page import render_page  # noqa: E402
@@ -35,6 +38,11 @@ __all__ = ["make_app", "MAX_BODY_BYTES"]
 MAX_BODY_BYTES = 32 * 2**20  # a job's JSON with a base64 image of ~24 MB
 _ID = re.compile(r"[0-9a-f]{32}")
 _MEDIA = {".mp4": "video/mp4", ".png": "image/png"}
+_log = logging.getLogger("uvicorn.error")  # the server's own log: one format, one --log-level
+
+
+class _Gone(Exception):
+    """The client went away before its body was all sent."""
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -59,11 +67,14 @@ async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
         if int(declared) > limit:
             return too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Gone(f"{size:,} of {declared or 'unsaid'} bytes") from None
     return b"".join(chunks)
 
 
@@ -98,7 +109,12 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
 
     @app.post("/jobs", status_code=201)
     async def submit(request: Request) -> Response:
-        body = await _read_body(request, max_body_bytes)
+        try:
+            body = await _read_body(request, max_body_bytes)
+        except _Gone as gone:
+            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+            _log.info("%s went away while sending a job (%s received); nothing queued", client, gone)
+            return _error(400, "the client went away before the body was sent")
         if isinstance(body, Response):
             return body
         try:
