@@ -518,7 +518,61 @@ def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
 JOB = json.dumps({"prompt": "a page's job", "steps": 1}).encode()
 
 
-def test_a_client_that_drops_mid_body_is_one_log_line(server):
+def raw(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, JSON or bytes, headers) of one request sent with exactly `headers` (Host included: none is added)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        content, h = r.read(), {k.lower(): v for k, v in r.getheaders()}
+        return r.status, json.loads(content) if h.get("content-type", "").startswith("application/json") else content, h
+    finally:
+        conn.close()
+
+
+def own(server) -> dict:
+    return {"Host": f"127.0.0.1:{server.port}"}
+
+
+@pytest.fixture
+def nothing_queued(server):
+    """The queue held; afterwards: no job was accepted in the test (the submitted count is where it was)."""
+    server.queue.pause()
+    before = server.queue.stats.submitted
+    try:
+        yield
+        assert server.queue.stats.submitted == before and len(server.queue) == 0
+    finally:
+        server.queue.resume()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                                          None, "application/json; charset=latin-1", "application/jsonp"])
+def test_a_job_not_sent_as_json_is_refused_and_nothing_queued(server, nothing_queued, content_type):
+    headers = own(server) | ({"Content-Type": content_type} if content_type else {})
+    status, err, _ = raw(server.port, "POST", "/jobs", JOB, headers)
+    assert status == 415 and "Content-Type: application/json" in err["error"], err
+
+
+def test_json_with_a_charset_is_a_job(server):
+    server.queue.pause()
+    try:
+        status, snap, _ = raw(server.port, "POST", "/jobs", JOB,
+                              own(server) | {"Content-Type": "Application/JSON; charset=utf-8"})
+        assert status == 201, snap
+        assert server.queue.get(snap["id"])["state"] == "queued"
+    finally:
+        call(server, "DELETE", f"/jobs/{snap['id']}")
+        server.queue.resume()
+
+
+def test_a_client_that_drops_mid_body_is_one_log_line(server, nothing_queued):
     import logging
 
     records: list[logging.LogRecord] = []
@@ -626,7 +680,8 @@ def test_a_queued_image_job_keeps_the_compressed_bytes_and_decodes_when_it_runs(
 def test_an_oversized_image_is_refused_at_submission_from_its_header(image_server, size, words):
     data = png(*size, noise=False)
     assert len(data) < 4096  # a few KB that would decode to far more
-    status, err, _ = call(image_server, "POST", "/jobs", {"prompt": "x", "image_base64": base64.b64encode(data).decode()})
+    body = {"prompt": "x", "image_base64": base64.b64encode(data).decode()}
+    status, err, _ = call(image_server, "POST", "/jobs", body)
     assert status == 422 and words in err["error"] and len(image_server.queue) == 0, err
 
 

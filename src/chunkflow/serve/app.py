@@ -2,11 +2,11 @@
 
 Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is not JSON or an id that is not one,
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
-Content-Length and again while it is read), 422 a job that is malformed or does not fit the loaded placement (the
-planner's reason), 429 a full queue, 503 a server shutting down. Request bodies never name files: an input image
-comes as base64 bytes, an output is named by its job id. A queued job keeps its image as the compressed bytes it
-came as (checked from the header: format, bytes, pixels), decoded when it runs. A client that goes away mid-body
-is one log line.
+Content-Length and again while it is read), 415 a job not sent as application/json, 422 a job that is malformed or
+does not fit the loaded placement (the planner's reason), 429 a full queue, 503 a server shutting down. Request
+bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
+its image as the compressed bytes it came as (checked from the header: format, bytes, pixels), decoded when it runs.
+A client that goes away mid-body is one log line.
 """
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
     return b"".join(chunks)
 
 
+def _json_type(content_type: str | None) -> JSONResponse | None:
+    """A 415 unless the body is declared application/json (a charset, if said, UTF-8). A page of another site can
+    send text/plain, a form or no type without asking the server first (no CORS preflight): none is read."""
+    media, *params = (content_type or "").split(";")
+    charset = [p.split("=", 1)[1].strip().strip('"').lower() for p in params
+               if p.strip().lower().startswith("charset=")]
+    if media.strip().lower() == "application/json" and all(c in ("utf-8", "utf8") for c in charset):
+        return None
+    got = f"not {content_type.strip()!r}" if content_type else "the request had none"
+    return _error(415, f"a job is sent as JSON with the header Content-Type: application/json ({got})")
+
+
 def _image_bytes(value: Any) -> bytes:
     """image_base64 -> the image file's bytes, checked from its header (format, bytes, pixels:
     media.check_input_image_bytes), not decoded; JobError says what is wrong."""
@@ -109,6 +121,8 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
 
     @app.post("/jobs", status_code=201)
     async def submit(request: Request) -> Response:
+        if (bad := _json_type(request.headers.get("content-type"))) is not None:
+            return bad
         try:
             body = await _read_body(request, max_body_bytes)
         except _Gone as gone:
