@@ -35,8 +35,6 @@ class Server:
     """A JobQueue over a loaded session, its app served by uvicorn in a background thread on a free port."""
 
     def __init__(self, plan: Path, weights: Path, out_dir: Path, max_queue: int = 4) -> None:
-        import uvicorn
-
         import chunkflow
         from chunkflow.serve.app import make_app
         from chunkflow.serve.queue import JobQueue
@@ -47,15 +45,8 @@ class Server:
         self.session = chunkflow.load(plan, weights=weights, device="cpu")
         self.queue = JobQueue(self.session, out_dir, max_queue=max_queue, observer=self._observe)
         self.app = make_app(self.queue, max_body_bytes=BODY_LIMIT)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
+        self.port, self.server, self.thread = serve_app(self.app)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started or not self.thread.is_alive())
-        assert self.server.started
 
     def _observe(self, job_id: str, i: int, n: int) -> None:
         self.at_step.set()
@@ -477,18 +468,27 @@ def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    token = "a-token-for-this-test-0123456789"
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"),
+               CHUNKFLOW_SERVE_TOKEN=token)
     proc = subprocess.Popen([sys.executable, "-m", "chunkflow", "serve", "--plan", str(plan), "--weights",
                              str(folder), "--device", "cpu", "--port", str(port), "--out-dir",
-                             str(tmp_path / "out"), "--log-level", "warning"],
+                             str(tmp_path / "out"), "--log-level", "info"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # the URL, once the server accepts connections
         assert f"http://127.0.0.1:{port}/" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         s = type("S", (), {"url": f"http://127.0.0.1:{port}"})()
-        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "a cat", "seed": 1, "steps": 1})
+        status, err, _ = call(s, "POST", "/jobs", {"prompt": "no token", "seed": 1, "steps": 1})
+        assert status == 401 and "Authorization: Bearer" in err["error"]
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as c:  # a client gone mid-body
+            c.sendall(f"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {token}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n{\"prompt\"".encode())
+        auth = {"Authorization": f"Bearer {token}"}
+        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "a cat", "seed": 1, "steps": 1}, headers=auth)
         assert status == 201
-        assert finished(s, snap["id"])["state"] == "done"
+        over = lambda: call(s, "GET", f"/jobs/{snap['id']}", headers=auth)[1]["state"] == "done"  # noqa: E731
+        wait_until(over, "the job")
         assert (tmp_path / "out" / f"{snap['id']}.mp4").is_file()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=WAIT_S)
@@ -498,7 +498,9 @@ def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
             proc.wait()
     assert proc.returncode == 0, err
     assert "stopping (Ctrl-C)" in err and "stopped: 1 jobs done, 0 failed, 0 cancelled" in err
-    assert "Traceback" not in err, err
+    assert "Traceback" not in err and "every request needs the token" in err and token not in err + out, err
+    (gone,) = [line for line in err.splitlines() if "went away" in line]  # the dropped client: one line
+    assert "nothing queued" in gone and "Exception" not in err, err
 
 
 def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
@@ -515,6 +517,7 @@ def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
     assert chain_times(100.0, (90.0, None), [7.0], 0.5) == [(None, None)]
 
 
+# -- who may use the server (issue 51): a web page, a rebound name, another origin, a missing token -------------
 JOB = json.dumps({"prompt": "a page's job", "steps": 1}).encode()
 
 
@@ -570,6 +573,138 @@ def test_json_with_a_charset_is_a_job(server):
     finally:
         call(server, "DELETE", f"/jobs/{snap['id']}")
         server.queue.resume()
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://127.0.0.1:{port}",
+                                    "http://localhost:{port}"])
+@pytest.mark.parametrize("content_type", ["application/json", "text/plain"])
+def test_another_origin_cannot_submit(server, nothing_queued, origin, content_type):
+    headers = own(server) | {"Origin": origin.format(port=server.port), "Content-Type": content_type}
+    status, err, _ = raw(server.port, "POST", "/jobs", JOB, headers)
+    assert status == 403 and "Origin" in err["error"], err
+
+
+def test_another_origin_cannot_cancel_or_read_and_the_own_origin_can(server):
+    server.queue.pause()
+    try:
+        mine = own(server) | {"Origin": f"http://127.0.0.1:{server.port}", "Content-Type": "application/json"}
+        status, snap, headers = raw(server.port, "POST", "/jobs", JOB, mine)
+        assert status == 201 and "access-control-allow-origin" not in headers
+        foreign = own(server) | {"Origin": "http://evil.example"}
+        assert raw(server.port, "DELETE", f"/jobs/{snap['id']}", headers=foreign)[0] == 403
+        assert raw(server.port, "GET", "/jobs", headers=foreign)[0] == 403
+        # a preflight is answered with no CORS permission (and the route does not exist for OPTIONS)
+        status, _, headers = raw(server.port, "OPTIONS", "/jobs", headers=foreign | {
+            "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        assert status >= 400 and not any(k.startswith("access-control-") for k in headers)
+        # no Origin at all (curl, a script): allowed
+        assert server.queue.get(snap["id"])["state"] == "queued"
+        status, after, _ = raw(server.port, "DELETE", f"/jobs/{snap['id']}", headers=own(server))
+        assert status == 200 and after["state"] == "cancelled"
+    finally:
+        server.queue.resume()
+
+
+def test_another_sites_fetch_or_embed_is_refused_and_a_link_to_the_page_works(server, nothing_queued):
+    embed = own(server) | {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "video"}
+    status, err, _ = raw(server.port, "GET", "/jobs/" + "0" * 32 + "/result", headers=embed)
+    assert status == 403 and "cross-site" in err["error"]
+    post = own(server) | {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors", "Content-Type": "text/plain"}
+    assert raw(server.port, "POST", "/jobs", JOB, post)[0] == 403
+    link = own(server) | {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    status, page, headers = raw(server.port, "GET", "/", headers=link)
+    assert status == 200 and b'<form id="submit">' in page
+    assert "frame-ancestors 'none'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
+    assert headers["cross-origin-resource-policy"] == "same-origin"
+    framed = link | {"Sec-Fetch-Dest": "iframe"}
+    assert raw(server.port, "GET", "/", headers=framed)[0] == 403
+
+
+def test_the_pages_policy_allows_its_own_script_and_style_only(server):
+    import hashlib
+    import re
+
+    status, page, headers = raw(server.port, "GET", "/", headers=own(server))
+    policy = headers["content-security-policy"]
+    for tag in ("script", "style"):
+        (body,) = re.findall(rf"<{tag}>(.*?)</{tag}>".encode(), page, re.S)
+        digest = base64.b64encode(hashlib.sha256(body).digest()).decode()
+        assert f"{tag}-src 'sha256-{digest}'" in policy
+    assert "default-src 'none'" in policy and "unsafe" not in policy
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1", "127.0.0.1:1",
+                                  "localhost.:{port}", "127.0.0.2:{port}", "0.0.0.0:{port}", "[::1]:1",
+                                  "127.0.0.1:{port}@evil", ""])
+def test_a_foreign_host_is_refused_on_every_route(server, nothing_queued, host):
+    headers = {"Host": host.format(port=server.port)}
+    for method, path in [("GET", "/"), ("GET", "/jobs"), ("GET", "/health"), ("GET", "/metrics"),
+                         ("GET", "/jobs/" + "0" * 32 + "/result"), ("DELETE", "/jobs/" + "0" * 32)]:
+        status, err, _ = raw(server.port, method, path, headers=headers)
+        assert status in (400, 403) and "Host" in err["error"], (method, path, err)
+    status, err, _ = raw(server.port, "POST", "/jobs", JOB, headers | {"Content-Type": "application/json"})
+    assert status in (400, 403) and "Host" in err["error"]
+    # without a Host header at all (HTTP/1.0)
+    assert raw(server.port, "GET", "/jobs", headers={})[0] == 400
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LocalHost:{port}", "[::1]:{port}"])
+def test_the_loopback_names_are_answered(server, host):
+    status, listing, _ = raw(server.port, "GET", "/jobs", headers={"Host": host.format(port=server.port)})
+    assert status == 200 and "jobs" in listing
+
+
+def test_host_and_origin_rules():
+    from chunkflow.serve.guard import check
+
+    local, names = ("127.0.0.1", 8000), frozenset({"gpu-box.lan"})
+
+    def verdict(method="GET", path="/jobs", token=None, **headers):
+        got = check(method, path, {k.replace("_", "-"): v for k, v in headers.items()}, local, names, token)
+        return None if got is None else got[0]
+
+    assert verdict(host="gpu-box.lan:8000") is None  # --host
+    assert verdict(host="127.0.0.1:8000", origin="http://127.0.0.1:8000", method="POST") is None
+    assert verdict(host="127.0.0.1:8000", origin="http://localhost:8000", method="POST") == 403
+    assert verdict(host="[::1]:8000") is None and verdict(host="[::1]") == 403  # port 80 is not this server's
+    assert verdict(host="evil.example:8000") == 403 and verdict(host="a:b:c") == 400
+    assert check("GET", "/", {"host": "10.0.0.5:8000"}, ("10.0.0.5", 8000), frozenset(), None) is None  # by address
+    token = "t" * 16
+    assert verdict(host="127.0.0.1:8000", token=token) == 401
+    assert verdict(host="127.0.0.1:8000", token=token, authorization="Bearer " + "t" * 15 + "u") == 401
+    assert verdict(host="127.0.0.1:8000", token=token, authorization="Basic " + token) == 401
+    assert verdict(host="127.0.0.1:8000", token=token, authorization="bearer " + token) is None
+    assert verdict(host="127.0.0.1:8000", token=token, path="/") is None  # the page, which holds no job data
+    assert verdict(host="127.0.0.1:8000", token=token, path="/", method="POST") == 401
+
+
+def test_a_token_is_needed_on_every_route_but_the_page(server):
+    from chunkflow.serve.app import make_app
+
+    token = "s3cret-Token_0123456789"
+    port, uv, thread = serve_app(make_app(server.queue, max_body_bytes=BODY_LIMIT, token=token))
+    host = {"Host": f"127.0.0.1:{port}"}
+    server.queue.pause()
+    try:
+        for method, path in [("GET", "/jobs"), ("GET", "/health"), ("GET", "/metrics"),
+                             ("GET", "/jobs/" + "0" * 32 + "/result"), ("DELETE", "/jobs/" + "0" * 32)]:
+            for auth in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": token}):
+                status, err, headers = raw(port, method, path, headers=host | auth)
+                assert status == 401 and headers["www-authenticate"].startswith("Bearer"), (method, path, auth)
+                assert token not in json.dumps(err)
+        status, err, _ = raw(port, "POST", "/jobs", JOB, host | {"Content-Type": "application/json"})
+        assert status == 401 and len(server.queue) == 0
+        status, page, _ = raw(port, "GET", "/", headers=host)
+        assert status == 200 and b"tiny-wan" not in page  # the page is public: it names no model
+        auth = host | {"Authorization": f"Bearer {token}"}
+        status, snap, _ = raw(port, "POST", "/jobs", JOB, auth | {"Content-Type": "application/json"})
+        assert status == 201
+        assert raw(port, "GET", "/health", headers=auth)[1]["model"] == "tiny-wan"
+        assert raw(port, "DELETE", f"/jobs/{snap['id']}", headers=auth)[0] == 200
+    finally:
+        server.queue.resume()
+        uv.should_exit = True
+        thread.join(WAIT_S)
 
 
 def test_a_client_that_drops_mid_body_is_one_log_line(server, nothing_queued):
@@ -693,3 +828,26 @@ def test_a_damaged_image_fails_its_job_when_it_runs_and_the_next_runs(image_serv
     snaps = [finished(image_server, i) for i in ids]
     assert snaps[0]["state"] == "failed" and "image_base64 cannot be decoded" in snaps[0]["error"], snaps[0]
     assert snaps[1]["state"] == "done"
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--host", "0.0.0.0"], {}, "--host 0.0.0.0 is not a loopback address"),
+    (["--host", "192.168.1.2"], {}, "add --allow-remote"),
+    (["--host", "0.0.0.0", "--allow-remote"], {}, "--allow-remote needs a token: set CHUNKFLOW_SERVE_TOKEN"),
+    (["--host", "0.0.0.0", "--allow-remote"], {"CHUNKFLOW_SERVE_TOKEN": "short"}, "at least 16 characters"),
+    ([], {"CHUNKFLOW_SERVE_TOKEN": "has spaces in it, more than 16"}, "CHUNKFLOW_SERVE_TOKEN must be"),
+])
+def test_serve_listens_beyond_loopback_only_with_the_flag_and_a_token(cli, setup, workdir, monkeypatch, args, env,
+                                                                       words):
+    import chunkflow.serve.server
+
+    def no_bind(*a):
+        raise AssertionError("serve bound a socket it should have refused")
+
+    monkeypatch.setattr(chunkflow.serve.server, "bind", no_bind)  # never listens beyond loopback, even if broken
+    monkeypatch.delenv("CHUNKFLOW_SERVE_TOKEN", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = cli("serve", "--plan", setup[1], *args)  # refused before anything is bound or loaded
+    assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output

@@ -1,6 +1,7 @@
 """The HTTP API over a JobQueue (FastAPI): submit, watch, fetch and cancel jobs; health, metrics and a small page.
 
 Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is not JSON or an id that is not one,
+401 a missing or wrong token, 403 a Host, Origin or cross-site request the server does not answer (serve.guard),
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
 Content-Length and again while it is read), 415 a job not sent as application/json, 422 a job that is malformed or
 does not fit the loaded placement (the planner's reason), 429 a full queue, 503 a server shutting down. Request
@@ -27,8 +28,9 @@ from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 from starlette.requests import ClientDisconnect  # noqa: E402
 
+from chunkflow.serve.guard import Guard  # noqa: E402
 from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
-from chunkflow.serve.page import render_page  # noqa: E402
+from chunkflow.serve.page import page_policy, render_page  # noqa: E402
 from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
 from chunkflow_planner.pipeline.jobs import JobError, JobJSONError, load_json, parse_job  # noqa: E402
@@ -109,11 +111,15 @@ def _image_bytes(value: Any) -> bytes:
     return data
 
 
-def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: str | None = None) -> FastAPI:
-    """The API over `queue` (module docstring); the queue's session names the model and device."""
+def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: str | None = None,
+             token: str | None = None, hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The API over `queue` (module docstring); the queue's session names the model and device. Every request
+    passes serve.guard first: `hosts` the Host names it answers to besides the loopback ones and the address a
+    connection arrived on; `token` (None: none) the bearer token every request but the page must carry."""
     session = queue.session
     model = session.spec.name
     app = FastAPI(title=title or f"chunkflow serve: {model}", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, names=hosts, token=token)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -212,7 +218,10 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> HTMLResponse:
-        return HTMLResponse(render_page(model, image=bool(getattr(session, "image", False)),
-                                        video=bool(session.spec.is_video)))
+        # with a token the page is served to anyone who reaches the server: it names no model (it asks /health)
+        text = render_page(None if token else model, image=bool(getattr(session, "image", False)),
+                           video=bool(session.spec.is_video))
+        return HTMLResponse(text, headers={"Content-Security-Policy": page_policy(text),
+                                           "X-Frame-Options": "DENY", "Cache-Control": "no-store"})
 
     return app
