@@ -851,3 +851,32 @@ def test_serve_listens_beyond_loopback_only_with_the_flag_and_a_token(cli, setup
     result = cli("serve", "--plan", setup[1], *args)  # refused before anything is bound or loaded
     assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_a_browser_uses_a_token_server_from_the_pages_fragment(server, tmp_path):
+    from chunkflow.serve.app import make_app
+
+    token = "browser-Token_0123456789"
+    port, uv, thread = serve_app(make_app(server.queue, max_body_bytes=BODY_LIMIT, token=token))
+    auth = {"Host": f"127.0.0.1:{port}", "Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    try:
+        status, snap, _ = raw(port, "POST", "/jobs", JOB, auth)
+        assert status == 201
+        wait_until(lambda: server.queue.get(snap["id"])["state"] == "done", "the job")
+
+        def dom(url: str) -> str:
+            run = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                                  f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", url],
+                                 capture_output=True, text=True, timeout=WAIT_S)
+            assert "<tbody" in run.stdout, run.stderr[-2000:]
+            return run.stdout
+
+        page = dom(f"http://127.0.0.1:{port}/#token={token}")
+        assert f'data-id="{snap["id"]}"' in page and '<span id="model">tiny-wan</span>' in page
+        assert 'src="blob:' in page  # the result fetched with the token, shown from a blob: URL
+        page = dom(f"http://127.0.0.1:{port}/")  # a new tab without the fragment: no token, nothing shown
+        assert f'data-id="{snap["id"]}"' not in page and "needs its token" in page
+    finally:
+        uv.should_exit = True
+        thread.join(WAIT_S)
