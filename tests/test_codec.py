@@ -100,6 +100,26 @@ def test_chunk_boundaries_anywhere_in_a_tensor_round_trip():
             _roundtrip(tensor[a:b].clone())
 
 
+def test_views_at_odd_bytes_encode_and_decode_in_place():
+    """Chunks are views of a block's bytes: one starting at an odd byte (an odd chunk size) is read, and one decoded
+    to an odd byte written, without a 16-bit view of it, to the same bytes as an aligned copy."""
+    g = torch.Generator().manual_seed(9)
+    block = _bytes((torch.randn(3 * GROUP + 5, generator=g) * 0.02).to(torch.bfloat16))
+    for a, b in ((1, 4001), (3, 2 * GROUP + 2), (1, block.numel())):
+        view = block[a:b]
+        assert view.storage_offset() % 2
+        enc = encode(view)
+        assert torch.equal(enc.data, encode(view.clone()).data)  # (words across two values: most stay raw)
+        out = torch.full((view.numel() + 2,), 0xAB, dtype=torch.uint8)
+        decode(enc, out[1 : 1 + view.numel()])
+        assert torch.equal(out[1 : 1 + view.numel()], view) and out[0] == 0xAB and out[-1] == 0xAB
+    aligned = block[2 : 2 * GROUP + 3]  # words on the values: coded, then decoded to an odd byte
+    enc = encode(aligned)
+    out = torch.full((aligned.numel() + 2,), 0xAB, dtype=torch.uint8)
+    decode(enc, out[1 : 1 + aligned.numel()])
+    assert enc.k > 0 and torch.equal(out[1 : 1 + aligned.numel()], aligned) and out[0] == out[-1] == 0xAB
+
+
 @given(st.binary(min_size=0, max_size=5000), st.integers(0, 255))
 @settings(max_examples=60, deadline=None)
 def test_any_bytes_round_trip(blob, exponent):
