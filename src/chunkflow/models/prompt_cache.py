@@ -23,6 +23,7 @@ clones, the `size` newest ones.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections import OrderedDict
@@ -50,14 +51,17 @@ class PromptCache:
             module = getattr(self.pipe, name, None)
             if module is None:
                 continue
-            tensors = []
-            for t in itertools.chain(module.parameters(), module.buffers()):
-                if t.is_inference():
-                    return None
-                tensors.append((id(t), _address(t), t._version, t.dtype, t.device, t.shape, t.stride()))
-            modes = tuple((m.training, _adapters(m)) for m in module.modules())
+            parts = []  # one walk over the modules: each one's own tensors, mode and adapter state
+            for m in module.modules():
+                for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+                    if t is None:
+                        continue
+                    if t.is_inference():
+                        return None
+                    parts.append((id(t), _address(t), t._version, t.dtype, t.device, t.shape, t.stride()))
+                parts.append((m.training, _adapters(m) if _is_tuner_layer(type(m)) else None))
             config = getattr(module, "config", None)
-            out.append((name, id(module), tuple(tensors), modes, _settings(config) if config is not None else None))
+            out.append((name, id(module), tuple(parts), _settings(config) if config is not None else None))
         for name, value in vars(self.pipe).items():
             if ("tokenizer" in name or "processor" in name) and value is not None:
                 out.append((name, id(value), _settings(value)))
@@ -139,13 +143,17 @@ def _address(t: torch.Tensor):
         return None
 
 
-def _adapters(module) -> tuple | None:
-    """A peft adapter layer's state (which adapters are active, merged or disabled, and their scales); None for a
-    module without adapters (a transformers model's own `active_adapters` is a method: the layers hold the state)."""
-    if callable(getattr(module, "active_adapters", None)) or not hasattr(module, "merged_adapters"):
-        return None
-    return (tuple(module.active_adapters), tuple(module.merged_adapters), bool(getattr(module, "disable_adapters", False)),
-            _value(getattr(module, "scaling", None)))
+@functools.cache
+def _is_tuner_layer(cls: type) -> bool:
+    """Whether a module class is a peft adapter layer (its `active_adapters` a property; a transformers model's own
+    is a method: the layers hold the state)."""
+    return isinstance(getattr(cls, "active_adapters", None), property) and hasattr(cls, "disable_adapters")
+
+
+def _adapters(module) -> tuple:
+    """A peft adapter layer's state: which adapters are active, merged or disabled, and their scales."""
+    return (tuple(module.active_adapters), tuple(getattr(module, "merged_adapters", ())),
+            bool(module.disable_adapters), _value(getattr(module, "scaling", None)))
 
 
 def _frozen(value):
