@@ -191,6 +191,47 @@ def test_the_triton_decoder_gives_the_reference_bytes_in_the_interpreter():
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
+def test_odd_chunk_sizes_through_the_streams_gpu_path_in_the_interpreter():
+    """issue 51: a block's tail in chunks of an odd size, encoded by the codec stream (every other chunk keeps its
+    odd first byte as it is) and decoded as the GPU path does it (each decode group's bytes staged, one Triton
+    launch, the odd first bytes copied after), in Triton's CPU interpreter: the block's exact bytes, nothing
+    written past them; chunks large enough to shrink shrink as much as even ones."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from types import SimpleNamespace
+        from chunkflow.runtime.codecs import CODECS
+        from chunkflow.runtime.codecs.stream import CodecStream
+        g = torch.Generator().manual_seed(0)
+        for C in (1001, 65_537):
+            V = 300_007
+            R = (V // 3) // C * C
+            A = R - R % 16
+            b = SimpleNamespace(name="b", nbytes=V, resident_bytes=R, slot_start=A,
+                                chunks=[(a, min(a + C, V)) for a in range(R, V, C)])
+            vals = (torch.randn(V // 2 + 1, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)[:V].clone()
+            cs = CodecStream(CODECS["exponent-pack"])
+            cs.device = torch.device("cpu")
+            blk, pieces = cs.encode(b, vals[R:])
+            buf = torch.zeros(blk.nbytes, dtype=torch.uint8)
+            for at, d in pieces:
+                buf[at:at + d.numel()] = d
+            slot = torch.full((V - A + 8,), 0xAB, dtype=torch.uint8)
+            groups = {id(x): x for x in cs._groups_of(blk).values()}.values()
+            assert any(x.heads is not None for x in groups)
+            for x in groups:
+                stage = buf[x.start:x.start + x.nbytes].clone()
+                x.decode.run(stage, slot)
+                slot.index_copy_(0, x.heads[1], stage.index_select(0, x.heads[0]))
+            assert torch.equal(slot[R - A:V - A], vals[R:]) and bool((slot[V - A:] == 0xAB).all()), C
+            assert C < 4096 or blk.stored_bytes < 0.72 * blk.raw_bytes, blk.stored_bytes / blk.raw_bytes
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_the_encoder_works_in_slices_and_writes_the_same_bytes(monkeypatch):
     """The encoder holds intermediates for SLICE_WORDS words at a time (its transient memory's bound at a load):
     slices of two groups write the bytes of one pass, and decode exactly."""
