@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkflow.commands.app import UserError, _say, console, err_console
+from chunkflow.commands.terminal import shown
 from chunkflow_planner.units import format_bytes
 
 
@@ -55,7 +56,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
-            _say(f"line {j.line}: skipped: {j.error}")
+            _say(f"line {j.line}: skipped: {shown(j.error, one_line=True)}")
     if not runnable:
         raise JobsError(f"no job of {prompts!r} can run ({len(planned)} refused, said above); fix the lines and "
                         "run again")
