@@ -38,7 +38,7 @@ def _replan(flags: str = "") -> str:
 
 def plan_problem(plan: Plan, spec: ModelSpec) -> str | None:
     """The first thing wrong with `plan` for the catalog model `spec` (its name resolved), or None."""
-    for check in (_model, _workload, _offload, _pipeline, _hardware, _memory):
+    for check in (_model, _workload, _offload, _pipeline, _hardware, _priced, _memory):
         problem = check(plan, spec)
         if problem is not None:
             return problem
@@ -125,6 +125,33 @@ def _hardware(plan: Plan, spec: ModelSpec) -> str | None:
         detail = field_errors(exc) if isinstance(exc, ValidationError) else str(exc)
         return f"hardware.spec (the profile planned with) is malformed: {detail}; {_replan()} or run with --profile"
     return None
+
+
+def pricing_problem(cfg: OffloadConfig, hw: HardwareSpec, where: str = "hardware.spec (the profile planned with)",
+                    fix: str = "") -> str | None:
+    """What the profile `hw` lacks to price running under `cfg` (a codec's decode rate, a disk tier's read rate), or
+    None: a run measures against that price once it has run, so a plan that cannot be priced is refused before."""
+    from chunkflow_planner.tiers import CODEC_RATE_REMEDY, DISK_RATE_REMEDY, codec_known, disk_known
+
+    fix = fix or _replan()
+    if cfg.codec != "none" and not codec_known(hw):
+        return (f"offload.codec is {cfg.codec!r}, but {where} has no codec_decode_gbps to price its decode (the plan "
+                f"was edited, or the profile lost it); {fix}, or {CODEC_RATE_REMEDY}")
+    if cfg.disk_blocks and not disk_known(hw):
+        return (f"offload.disk_blocks is {cfg.disk_blocks}, but {where} has no disk_read_gbps to price the reads; "
+                f"{fix}, or {DISK_RATE_REMEDY}")
+    return None
+
+
+def _priced(plan: Plan, spec: ModelSpec) -> str | None:
+    from chunkflow_planner.errors import ChunkflowError
+    from chunkflow_planner.predict import hardware_of
+
+    try:
+        hw = hardware_of(plan)
+    except ChunkflowError:
+        return None  # a malformed profile: _hardware said so
+    return pricing_problem(plan.offload, hw)
 
 
 def _memory(plan: Plan, spec: ModelSpec) -> str | None:

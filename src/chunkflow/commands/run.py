@@ -110,6 +110,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
                                        fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
+        _check_priced(p, cfg, profile)
         if prompts is not None:
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
@@ -151,6 +152,18 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}", markup=False)
+
+
+def _check_priced(p, cfg, profile: str | None) -> None:
+    """The run's setting (the plan's, or with --codec, --profile) can be priced by the profile it is measured
+    against, before anything is loaded: a run that could not be compared is refused now, not after it ran."""
+    from chunkflow_planner.plan_checks import pricing_problem
+    from chunkflow_planner.predict import hardware_of
+
+    where = f"--profile {profile!r}" if profile else "the plan's profile (hardware.spec)"
+    problem = pricing_problem(cfg, hardware_of(p, profile), where, "run with another --profile")
+    if problem is not None:
+        raise UserError(problem)
 
 
 def codec_override(codec: str | None) -> str | None:
