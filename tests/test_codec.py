@@ -100,6 +100,26 @@ def test_chunk_boundaries_anywhere_in_a_tensor_round_trip():
             _roundtrip(tensor[a:b].clone())
 
 
+def test_views_at_odd_bytes_encode_and_decode_in_place():
+    """Chunks are views of a block's bytes: one starting at an odd byte (an odd chunk size) is read, and one decoded
+    to an odd byte written, without a 16-bit view of it, to the same bytes as an aligned copy."""
+    g = torch.Generator().manual_seed(9)
+    block = _bytes((torch.randn(3 * GROUP + 5, generator=g) * 0.02).to(torch.bfloat16))
+    for a, b in ((1, 4001), (3, 2 * GROUP + 2), (1, block.numel())):
+        view = block[a:b]
+        assert view.storage_offset() % 2
+        enc = encode(view)
+        assert torch.equal(enc.data, encode(view.clone()).data)  # (words across two values: most stay raw)
+        out = torch.full((view.numel() + 2,), 0xAB, dtype=torch.uint8)
+        decode(enc, out[1 : 1 + view.numel()])
+        assert torch.equal(out[1 : 1 + view.numel()], view) and out[0] == 0xAB and out[-1] == 0xAB
+    aligned = block[2 : 2 * GROUP + 3]  # words on the values: coded, then decoded to an odd byte
+    enc = encode(aligned)
+    out = torch.full((aligned.numel() + 2,), 0xAB, dtype=torch.uint8)
+    decode(enc, out[1 : 1 + aligned.numel()])
+    assert enc.k > 0 and torch.equal(out[1 : 1 + aligned.numel()], aligned) and out[0] == out[-1] == 0xAB
+
+
 @given(st.binary(min_size=0, max_size=5000), st.integers(0, 255))
 @settings(max_examples=60, deadline=None)
 def test_any_bytes_round_trip(blob, exponent):
@@ -164,6 +184,47 @@ def test_the_triton_decoder_gives_the_reference_bytes_in_the_interpreter():
         one = torch.zeros(parts[0].numel(), dtype=torch.uint8)
         decode_into(encs[0].data, encs[0].nbytes, encs[0].k, encs[0].n_escapes, one)
         assert torch.equal(one, parts[0])
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_odd_chunk_sizes_through_the_streams_gpu_path_in_the_interpreter():
+    """issue 51: a block's tail in chunks of an odd size, encoded by the codec stream (every other chunk keeps its
+    odd first byte as it is) and decoded as the GPU path does it (each decode group's bytes staged, one Triton
+    launch, the odd first bytes copied after), in Triton's CPU interpreter: the block's exact bytes, nothing
+    written past them; chunks large enough to shrink shrink as much as even ones."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from types import SimpleNamespace
+        from chunkflow.runtime.codecs import CODECS
+        from chunkflow.runtime.codecs.stream import CodecStream
+        g = torch.Generator().manual_seed(0)
+        for C in (1001, 65_537):
+            V = 300_007
+            R = (V // 3) // C * C
+            A = R - R % 16
+            b = SimpleNamespace(name="b", nbytes=V, resident_bytes=R, slot_start=A,
+                                chunks=[(a, min(a + C, V)) for a in range(R, V, C)])
+            vals = (torch.randn(V // 2 + 1, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)[:V].clone()
+            cs = CodecStream(CODECS["exponent-pack"])
+            cs.device = torch.device("cpu")
+            blk, pieces = cs.encode(b, vals[R:])
+            buf = torch.zeros(blk.nbytes, dtype=torch.uint8)
+            for at, d in pieces:
+                buf[at:at + d.numel()] = d
+            slot = torch.full((V - A + 8,), 0xAB, dtype=torch.uint8)
+            groups = {id(x): x for x in cs._groups_of(blk).values()}.values()
+            assert any(x.heads is not None for x in groups)
+            for x in groups:
+                stage = buf[x.start:x.start + x.nbytes].clone()
+                x.decode.run(stage, slot)
+                slot.index_copy_(0, x.heads[1], stage.index_select(0, x.heads[0]))
+            assert torch.equal(slot[R - A:V - A], vals[R:]) and bool((slot[V - A:] == 0xAB).all()), C
+            assert C < 4096 or blk.stored_bytes < 0.72 * blk.raw_bytes, blk.stored_bytes / blk.raw_bytes
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")

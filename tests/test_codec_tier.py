@@ -239,3 +239,40 @@ def test_blocks_given_out_of_order_are_laid_out_again_with_their_own_encoded_byt
     assert torch.equal(_forward(module), want)  # laid out again in the order they ran
     assert torch.equal(_forward(module), want)
     h.remove()
+
+
+@pytest.mark.parametrize("model,chunk", [("tiny-wan", 999), ("tiny-wan", 1001), ("demo-wan", 65_537)])
+def test_an_odd_chunk_size_with_the_codec_is_bit_identical_to_the_same_size_without(tmp_path, model, chunk,
+                                                                                      monkeypatch):
+    """issue 51: an odd chunk size puts every other chunk at an odd byte, where the codec's 16-bit words could not
+    be viewed (a raw torch error at the load). Such a chunk keeps its first byte as it is and encodes the rest, on
+    the host tier and the disk tier's spill file alike: the same outputs and state as without the codec, bit for
+    bit; chunks large enough to shrink (demo-wan's) shrink as much as at the even size next to it (the words stay
+    on the tensors' own 16-bit values)."""
+    monkeypatch.setenv("CHUNKFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    dtype = torch.bfloat16
+    folder = _saved(tmp_path, model, dtype, shard="2MB" if model == "demo-wan" else "30KB")
+
+    def ratio(st):
+        return (st.codec_stored_bytes + st.codec_disk_stored_bytes) / (st.codec_raw_bytes + st.codec_disk_raw_bytes)
+
+    for r, half in ((0.0, False), (0.5, True)):
+        raw, h0 = _build(folder, model, dtype, mode="chunkflow", chunk_bytes=chunk, residency=r)
+        n = len(raw.blocks)
+        disk = n // 2 if half else 0
+        want, state = _forward(raw, model, dtype), {k: v.clone() for k, v in raw.state_dict().items()}
+        h0.remove()
+        m, h = _build(folder, model, dtype, mode="chunkflow", chunk_bytes=chunk, residency=r, disk_blocks=disk,
+                      codec=CODEC)
+        st = h.stats()
+        assert st.codec_blocks == n - disk and st.codec_disk_blocks == disk
+        for _ in range(2):
+            assert torch.equal(_forward(m, model, dtype), want), (chunk, r)
+        got = m.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        h.remove()
+        if model == "demo-wan":
+            even, h2 = _build(folder, model, dtype, mode="chunkflow", chunk_bytes=chunk + 1, residency=r,
+                              disk_blocks=disk, codec=CODEC)
+            assert ratio(st) < 0.75 and ratio(st) < ratio(h2.stats()) + 0.005
+            h2.remove()

@@ -94,6 +94,26 @@ def test_whole_module_compile_in_either_order(fresh):
         h.remove()
 
 
+def test_a_module_compiled_while_offloaded_runs_as_the_plain_model_after_remove(fresh):
+    """issue 51: `torch.compile(m)` of an offloaded module, two calls, `remove()`: the compiled code held the hooked
+    class's `__call__` and the next call raised AttributeError. Now dynamo sees the hook gone, compiles the plain
+    model, and the call gives what the same model compiled without chunkflow gives, bit for bit."""
+    ref, blocks, kw = MODULES["wan"]()
+    m = copy.deepcopy(ref)
+    with torch.no_grad():
+        eager = ref(**kw)[0]
+    want = _run(torch.compile(ref), kw)
+    h = chunkflow.offload(m, **CFG)
+    compiled = torch.compile(m)
+    for _ in range(2):
+        torch.testing.assert_close(_run(compiled, kw), want, rtol=1e-5, atol=1e-5)  # graph breaks at the hooks
+    h.remove()
+    assert all(type(b) is type(blocks[0][0]) and "_chunkflow_base" not in type(b).__dict__ for b in blocks[0])
+    for _ in range(2):
+        assert torch.equal(_run(compiled, kw), want)
+    torch.testing.assert_close(_run(compiled, kw), eager, rtol=1e-5, atol=1e-5)
+
+
 def test_bench_compiles_the_repeated_blocks_before_offloading(cli, workdir, fresh):
     import pandas as pd
 

@@ -178,6 +178,74 @@ def test_an_sp_plan_runs_with_its_degree_and_batched_guidance(cli, workdir, save
     _same(_latents("lat.safetensors"), _latents("one.safetensors"), "one process")
 
 
+# Logs every batch_cfg's counts when it is removed (once a generation), in $CHUNKFLOW_TEST_CFG/cfg-RANK.txt.
+CFG_SITECUSTOMIZE = '''
+import os
+_dir = os.environ.get("CHUNKFLOW_TEST_CFG")
+if _dir:
+    import chunkflow.cfg as _cfg
+
+    _remove = _cfg.CfgBatching.remove
+
+    def _logged(self):
+        if not self._removed:
+            with open(os.path.join(_dir, "cfg-%s.txt" % os.environ.get("RANK", "x")), "a") as f:
+                s = self.stats
+                f.write("%d %d %d\\n" % (s.batched_forwards, s.served, s.unbatched))
+        _remove(self)
+
+    _cfg.CfgBatching.remove = _logged
+'''
+
+
+@pytest.mark.slow
+def test_the_demo_plan_batches_its_guidance_passes_under_torchrun(cli, workdir, torchrun, monkeypatch):
+    """Issue 51: the README's demo plan (the planner chose the guidance passes batched; the transformer streamed,
+    so it sits parked, with chunkflow's execution-device marker in `_hf_hook`, when the generation begins) under
+    torchrun stopped with "runs under accelerate's hook (ExecutionDevice ...)": no accelerate hook was there, only
+    diffusers' context-parallel hooks, which batch_cfg goes through. Now both ranks batch every step's two passes
+    (counted on each rank) and the latents are bit for bit those of one process with the same plan, of the same
+    ranks with the passes unbatched, and of diffusers' own context-parallel pipeline (unbatched)."""
+    from pipelines import save_catalog_pipeline
+
+    with one_thread():
+        folder = save_catalog_pipeline("demo", workdir / "demo", 3)
+    result = cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", "7MB", "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(Path("plan.json").read_text())
+    assert plan["offload"]["cfg_batched"] and plan["offload"]["mode"] == "chunkflow"
+    common = ["--plan", "plan.json", "--weights", str(folder), "--device", "cpu", "--prompt", PROMPT,
+              "--negative-prompt", NEGATIVE, "--seed", str(SEED)]
+    with one_thread():
+        one = cli("run", *common, "--latents", "one.safetensors", "--report", "one.json")
+    assert one.exit_code == 0, one.output
+    hooks = workdir / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(CFG_SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    steps = plan["workload"]["steps"]
+    for batched in (True, False):
+        logs = workdir / f"cfg-{batched}"
+        logs.mkdir()
+        flag = "--cfg-batched" if batched else "--no-cfg-batched"
+        p = torchrun(2, ["-m", "chunkflow", "run", *common, flag, "--out", f"{batched}.mp4", "--latents",
+                         f"{batched}.safetensors", "--report", f"{batched}.json"], timeout=120,
+                     CHUNKFLOW_TEST_CFG=str(logs))
+        assert "accelerate's hook" not in p.stdout + p.stderr and "error:" not in p.stderr
+        report = json.loads(Path(f"{batched}.json").read_text())
+        assert report["run"]["sp_degree"] == 2 and report["run"]["offload"]["cfg_batched"] is batched
+        counts = {r: (logs / f"cfg-{r}.txt").read_text().split() if batched else None for r in (0, 1)}
+        if batched:  # one batched forward a step on each rank, its other half served, nothing run alone
+            assert counts == {r: [str(steps), str(steps), "0"] for r in (0, 1)}, counts
+        else:
+            assert not any(logs.iterdir())
+    sp = _latents("True.safetensors")
+    _same(sp, _latents("one.safetensors"), "one process (batched)")
+    _same(sp, _latents("False.safetensors"), "the same ranks unbatched")
+    _diffusers_cp(torchrun, "demo", folder, workdir / "diffusers.safetensors")
+    _same(sp, _latents(workdir / "diffusers.safetensors"), "diffusers' context-parallel pipeline")
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

@@ -288,6 +288,33 @@ def test_batch_cfg_after_model_cpu_offload_says_why_it_is_refused():
     assert pipe.transformer.__dict__.get("forward") is wrapped and "encode_prompt" not in pipe.__dict__
 
 
+def test_batch_cfg_names_the_forward_it_found_not_accelerate_for_a_parked_module():
+    """A parked offloaded transformer carries chunkflow's execution-device marker in `_hf_hook` (no accelerate
+    hook: it replaces no forward). batch_cfg batches it; and where something else replaced the forward, the
+    refusal names that function, not accelerate (issue 51: diffusers' context-parallel hooks were called
+    "accelerate's hook (ExecutionDevice ...)")."""
+    import functools
+
+    pipe = tiny_pipeline("wan")
+    handle = chunkflow.offload(pipe.transformer, device="cpu", **SETTINGS[1])
+    handle.park()
+    assert "_hf_hook" in pipe.transformer.__dict__
+    with chunkflow.batch_cfg(pipe) as b:
+        _output(pipe, "wan")
+    assert b.stats.batched_forwards > 0 and b.stats.unbatched == 0
+    handle.park()
+
+    def someone_elses_forward(module, *args, **kwargs):
+        return type(module).forward(module, *args, **kwargs)
+
+    pipe.transformer.forward = functools.partial(someone_elses_forward, pipe.transformer)
+    with pytest.raises(chunkflow.ChunkflowError, match="someone_elses_forward") as err:
+        chunkflow.batch_cfg(pipe)
+    assert "accelerate's hook" not in str(err.value) and "nothing was changed" in str(err.value)
+    assert "encode_prompt" not in pipe.__dict__
+    handle.remove()
+
+
 # ----------------------------------------------------------------------------- settings that do not apply
 
 

@@ -35,8 +35,6 @@ class Server:
     """A JobQueue over a loaded session, its app served by uvicorn in a background thread on a free port."""
 
     def __init__(self, plan: Path, weights: Path, out_dir: Path, max_queue: int = 4) -> None:
-        import uvicorn
-
         import chunkflow
         from chunkflow.serve.app import make_app
         from chunkflow.serve.queue import JobQueue
@@ -47,15 +45,8 @@ class Server:
         self.session = chunkflow.load(plan, weights=weights, device="cpu")
         self.queue = JobQueue(self.session, out_dir, max_queue=max_queue, observer=self._observe)
         self.app = make_app(self.queue, max_body_bytes=BODY_LIMIT)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
+        self.port, self.server, self.thread = serve_app(self.app)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started or not self.thread.is_alive())
-        assert self.server.started
 
     def _observe(self, job_id: str, i: int, n: int) -> None:
         self.at_step.set()
@@ -66,6 +57,20 @@ class Server:
         self.server.should_exit = True
         self.thread.join(WAIT_S)
         self.queue.shutdown(WAIT_S)
+
+
+def serve_app(app):
+    """(port, uvicorn server, its thread): `app` served on a free port of 127.0.0.1 once it accepts connections."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive())
+    assert server.started
+    return sock.getsockname()[1], server, thread
 
 
 def wait_until(check, what: str = "the condition") -> None:
@@ -463,18 +468,27 @@ def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"))
+    token = "a-token-for-this-test-0123456789"
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", CHUNKFLOW_CONFIG_DIR=str(tmp_path / "config"),
+               CHUNKFLOW_SERVE_TOKEN=token)
     proc = subprocess.Popen([sys.executable, "-m", "chunkflow", "serve", "--plan", str(plan), "--weights",
                              str(folder), "--device", "cpu", "--port", str(port), "--out-dir",
-                             str(tmp_path / "out"), "--log-level", "warning"],
+                             str(tmp_path / "out"), "--log-level", "info"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()  # the URL, once the server accepts connections
         assert f"http://127.0.0.1:{port}/" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         s = type("S", (), {"url": f"http://127.0.0.1:{port}"})()
-        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "a cat", "seed": 1, "steps": 1})
+        status, err, _ = call(s, "POST", "/jobs", {"prompt": "no token", "seed": 1, "steps": 1})
+        assert status == 401 and "Authorization: Bearer" in err["error"]
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as c:  # a client gone mid-body
+            c.sendall(f"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {token}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n{\"prompt\"".encode())
+        auth = {"Authorization": f"Bearer {token}"}
+        status, snap, _ = call(s, "POST", "/jobs", {"prompt": "a cat", "seed": 1, "steps": 1}, headers=auth)
         assert status == 201
-        assert finished(s, snap["id"])["state"] == "done"
+        over = lambda: call(s, "GET", f"/jobs/{snap['id']}", headers=auth)[1]["state"] == "done"  # noqa: E731
+        wait_until(over, "the job")
         assert (tmp_path / "out" / f"{snap['id']}.mp4").is_file()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=WAIT_S)
@@ -484,7 +498,9 @@ def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
             proc.wait()
     assert proc.returncode == 0, err
     assert "stopping (Ctrl-C)" in err and "stopped: 1 jobs done, 0 failed, 0 cancelled" in err
-    assert "Traceback" not in err, err
+    assert "Traceback" not in err and "every request needs the token" in err and token not in err + out, err
+    (gone,) = [line for line in err.splitlines() if "went away" in line]  # the dropped client: one line
+    assert "nothing queued" in gone and "Exception" not in err, err
 
 
 def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
@@ -499,3 +515,368 @@ def test_predicted_times_chain_the_jobs_with_the_measured_output_time():
     assert chain_times(None, None, [8.0], 0.5) == [(None, None)]  # paused
     assert chain_times(100.0, None, [8.0, None, 7.0], 0.5) == [(100.0, 108.5), (None, None), (None, None)]
     assert chain_times(100.0, (90.0, None), [7.0], 0.5) == [(None, None)]
+
+
+# -- who may use the server (issue 51): a web page, a rebound name, another origin, a missing token -------------
+JOB = json.dumps({"prompt": "a page's job", "steps": 1}).encode()
+
+
+def raw(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, JSON or bytes, headers) of one request sent with exactly `headers` (Host included: none is added)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        content, h = r.read(), {k.lower(): v for k, v in r.getheaders()}
+        return r.status, json.loads(content) if h.get("content-type", "").startswith("application/json") else content, h
+    finally:
+        conn.close()
+
+
+def own(server) -> dict:
+    return {"Host": f"127.0.0.1:{server.port}"}
+
+
+@pytest.fixture
+def nothing_queued(server):
+    """The queue held; afterwards: no job was accepted in the test (the submitted count is where it was)."""
+    server.queue.pause()
+    before = server.queue.stats.submitted
+    try:
+        yield
+        assert server.queue.stats.submitted == before and len(server.queue) == 0
+    finally:
+        server.queue.resume()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                                          None, "application/json; charset=latin-1", "application/jsonp"])
+def test_a_job_not_sent_as_json_is_refused_and_nothing_queued(server, nothing_queued, content_type):
+    headers = own(server) | ({"Content-Type": content_type} if content_type else {})
+    status, err, _ = raw(server.port, "POST", "/jobs", JOB, headers)
+    assert status == 415 and "Content-Type: application/json" in err["error"], err
+
+
+def test_json_with_a_charset_is_a_job(server):
+    server.queue.pause()
+    try:
+        status, snap, _ = raw(server.port, "POST", "/jobs", JOB,
+                              own(server) | {"Content-Type": "Application/JSON; charset=utf-8"})
+        assert status == 201, snap
+        assert server.queue.get(snap["id"])["state"] == "queued"
+    finally:
+        call(server, "DELETE", f"/jobs/{snap['id']}")
+        server.queue.resume()
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://127.0.0.1:{port}",
+                                    "http://localhost:{port}"])
+@pytest.mark.parametrize("content_type", ["application/json", "text/plain"])
+def test_another_origin_cannot_submit(server, nothing_queued, origin, content_type):
+    headers = own(server) | {"Origin": origin.format(port=server.port), "Content-Type": content_type}
+    status, err, _ = raw(server.port, "POST", "/jobs", JOB, headers)
+    assert status == 403 and "Origin" in err["error"], err
+
+
+def test_another_origin_cannot_cancel_or_read_and_the_own_origin_can(server):
+    server.queue.pause()
+    try:
+        mine = own(server) | {"Origin": f"http://127.0.0.1:{server.port}", "Content-Type": "application/json"}
+        status, snap, headers = raw(server.port, "POST", "/jobs", JOB, mine)
+        assert status == 201 and "access-control-allow-origin" not in headers
+        foreign = own(server) | {"Origin": "http://evil.example"}
+        assert raw(server.port, "DELETE", f"/jobs/{snap['id']}", headers=foreign)[0] == 403
+        assert raw(server.port, "GET", "/jobs", headers=foreign)[0] == 403
+        # a preflight is answered with no CORS permission (and the route does not exist for OPTIONS)
+        status, _, headers = raw(server.port, "OPTIONS", "/jobs", headers=foreign | {
+            "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        assert status >= 400 and not any(k.startswith("access-control-") for k in headers)
+        # no Origin at all (curl, a script): allowed
+        assert server.queue.get(snap["id"])["state"] == "queued"
+        status, after, _ = raw(server.port, "DELETE", f"/jobs/{snap['id']}", headers=own(server))
+        assert status == 200 and after["state"] == "cancelled"
+    finally:
+        server.queue.resume()
+
+
+def test_another_sites_fetch_or_embed_is_refused_and_a_link_to_the_page_works(server, nothing_queued):
+    embed = own(server) | {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "video"}
+    status, err, _ = raw(server.port, "GET", "/jobs/" + "0" * 32 + "/result", headers=embed)
+    assert status == 403 and "cross-site" in err["error"]
+    post = own(server) | {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors", "Content-Type": "text/plain"}
+    assert raw(server.port, "POST", "/jobs", JOB, post)[0] == 403
+    link = own(server) | {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    status, page, headers = raw(server.port, "GET", "/", headers=link)
+    assert status == 200 and b'<form id="submit">' in page
+    assert "frame-ancestors 'none'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
+    assert headers["cross-origin-resource-policy"] == "same-origin"
+    framed = link | {"Sec-Fetch-Dest": "iframe"}
+    assert raw(server.port, "GET", "/", headers=framed)[0] == 403
+
+
+def test_the_pages_policy_allows_its_own_script_and_style_only(server):
+    import hashlib
+    import re
+
+    status, page, headers = raw(server.port, "GET", "/", headers=own(server))
+    policy = headers["content-security-policy"]
+    for tag in ("script", "style"):
+        (body,) = re.findall(rf"<{tag}>(.*?)</{tag}>".encode(), page, re.S)
+        digest = base64.b64encode(hashlib.sha256(body).digest()).decode()
+        assert f"{tag}-src 'sha256-{digest}'" in policy
+    assert "default-src 'none'" in policy and "unsafe" not in policy
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1", "127.0.0.1:1",
+                                  "localhost.:{port}", "127.0.0.2:{port}", "0.0.0.0:{port}", "[::1]:1",
+                                  "127.0.0.1:{port}@evil", ""])
+def test_a_foreign_host_is_refused_on_every_route(server, nothing_queued, host):
+    headers = {"Host": host.format(port=server.port)}
+    for method, path in [("GET", "/"), ("GET", "/jobs"), ("GET", "/health"), ("GET", "/metrics"),
+                         ("GET", "/jobs/" + "0" * 32 + "/result"), ("DELETE", "/jobs/" + "0" * 32)]:
+        status, err, _ = raw(server.port, method, path, headers=headers)
+        assert status in (400, 403) and "Host" in err["error"], (method, path, err)
+    status, err, _ = raw(server.port, "POST", "/jobs", JOB, headers | {"Content-Type": "application/json"})
+    assert status in (400, 403) and "Host" in err["error"]
+    # without a Host header at all (HTTP/1.0)
+    assert raw(server.port, "GET", "/jobs", headers={})[0] == 400
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LocalHost:{port}", "[::1]:{port}"])
+def test_the_loopback_names_are_answered(server, host):
+    status, listing, _ = raw(server.port, "GET", "/jobs", headers={"Host": host.format(port=server.port)})
+    assert status == 200 and "jobs" in listing
+
+
+def test_host_and_origin_rules():
+    from chunkflow.serve.guard import check
+
+    local, names = ("127.0.0.1", 8000), frozenset({"gpu-box.lan"})
+
+    def verdict(method="GET", path="/jobs", token=None, **headers):
+        got = check(method, path, {k.replace("_", "-"): v for k, v in headers.items()}, local, names, token)
+        return None if got is None else got[0]
+
+    assert verdict(host="gpu-box.lan:8000") is None  # --host
+    assert verdict(host="127.0.0.1:8000", origin="http://127.0.0.1:8000", method="POST") is None
+    assert verdict(host="127.0.0.1:8000", origin="http://localhost:8000", method="POST") == 403
+    assert verdict(host="[::1]:8000") is None and verdict(host="[::1]") == 403  # port 80 is not this server's
+    assert verdict(host="evil.example:8000") == 403 and verdict(host="a:b:c") == 400
+    assert check("GET", "/", {"host": "10.0.0.5:8000"}, ("10.0.0.5", 8000), frozenset(), None) is None  # by address
+    token = "t" * 16
+    assert verdict(host="127.0.0.1:8000", token=token) == 401
+    assert verdict(host="127.0.0.1:8000", token=token, authorization="Bearer " + "t" * 15 + "u") == 401
+    assert verdict(host="127.0.0.1:8000", token=token, authorization="Basic " + token) == 401
+    assert verdict(host="127.0.0.1:8000", token=token, authorization="bearer " + token) is None
+    assert verdict(host="127.0.0.1:8000", token=token, path="/") is None  # the page, which holds no job data
+    assert verdict(host="127.0.0.1:8000", token=token, path="/", method="POST") == 401
+
+
+def test_a_token_is_needed_on_every_route_but_the_page(server):
+    from chunkflow.serve.app import make_app
+
+    token = "s3cret-Token_0123456789"
+    port, uv, thread = serve_app(make_app(server.queue, max_body_bytes=BODY_LIMIT, token=token))
+    host = {"Host": f"127.0.0.1:{port}"}
+    server.queue.pause()
+    try:
+        for method, path in [("GET", "/jobs"), ("GET", "/health"), ("GET", "/metrics"),
+                             ("GET", "/jobs/" + "0" * 32 + "/result"), ("DELETE", "/jobs/" + "0" * 32)]:
+            for auth in ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": token}):
+                status, err, headers = raw(port, method, path, headers=host | auth)
+                assert status == 401 and headers["www-authenticate"].startswith("Bearer"), (method, path, auth)
+                assert token not in json.dumps(err)
+        status, err, _ = raw(port, "POST", "/jobs", JOB, host | {"Content-Type": "application/json"})
+        assert status == 401 and len(server.queue) == 0
+        status, page, _ = raw(port, "GET", "/", headers=host)
+        assert status == 200 and b"tiny-wan" not in page  # the page is public: it names no model
+        auth = host | {"Authorization": f"Bearer {token}"}
+        status, snap, _ = raw(port, "POST", "/jobs", JOB, auth | {"Content-Type": "application/json"})
+        assert status == 201
+        assert raw(port, "GET", "/health", headers=auth)[1]["model"] == "tiny-wan"
+        assert raw(port, "DELETE", f"/jobs/{snap['id']}", headers=auth)[0] == 200
+    finally:
+        server.queue.resume()
+        uv.should_exit = True
+        thread.join(WAIT_S)
+
+
+def test_a_client_that_drops_mid_body_is_one_log_line(server, nothing_queued):
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):  # on the server's loggers and the root: each record kept once
+        def emit(self, record):
+            if not any(r is record for r in records):
+                records.append(record)
+
+    handler, loggers = Keep(level=logging.DEBUG), [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO)
+    try:
+        for i in range(3):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as s:
+                s.sendall(f"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: 100000\r\n\r\n".encode() + JOB[:20])  # and gone
+            wait_until(lambda: sum("went away" in r.getMessage() for r in records) > i, "the disconnect's line")
+        gone = [r for r in records if "went away" in r.getMessage()]
+        assert len(gone) == 3 and all("\n" not in r.getMessage() and r.exc_info is None for r in gone), gone
+        assert not any(r.exc_info or "Exception in ASGI" in r.getMessage() for r in records), [
+            r.getMessage() for r in records]
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+# an image pipeline's queue: a stand-in session (what JobQueue asks of one), the real app and HTTP
+class ImageSession:
+    image = True
+    device = "cpu"
+    generations = 0
+    closed = False
+
+    def __init__(self):
+        self.spec = type("Spec", (), {"name": "stand-in-i2v", "is_video": False})()
+        self.got = []
+
+    def fit(self, job, with_image=None):
+        return type("Fit", (), {"reason": None})()
+
+    def predicted_s(self, job, first):
+        return None
+
+    def generate(self, job, image=None, on_step=None):
+        self.got.append(image)
+        out = type("Result", (), {"is_video": False, "seconds": 0.01, "predicted_s": None})()
+        out.save = lambda path: (Path(path).write_bytes(b"png"), Path(path))[1]
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+def png(width: int, height: int, noise: bool = True) -> bytes:
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8) if noise else np.zeros((height, width, 3),
+                                                                                                 np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_server(tmp_path):
+    from chunkflow.serve.app import make_app
+    from chunkflow.serve.queue import JobQueue
+
+    session = ImageSession()
+    queue = JobQueue(session, tmp_path / "out", max_queue=4, paused=True)
+    port, uv, thread = serve_app(make_app(queue, max_body_bytes=BODY_LIMIT))
+    server = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port, "queue": queue, "session": session})()
+    try:
+        yield server
+    finally:
+        uv.should_exit = True
+        thread.join(WAIT_S)
+        queue.shutdown(WAIT_S)
+
+
+def test_a_queued_image_job_keeps_the_compressed_bytes_and_decodes_when_it_runs(image_server):
+    from PIL import Image
+
+    data = png(96, 64)
+    status, snap, _ = call(image_server, "POST", "/jobs", {"prompt": "animate", "image_base64":
+                                                           base64.b64encode(data).decode()})
+    assert status == 201, snap
+    kept = image_server.queue._jobs[snap["id"]].image
+    assert type(kept) is bytes and kept == data  # the file as sent: not 96 x 64 x 3 decoded pixels
+    image_server.queue.resume()
+    assert finished(image_server, snap["id"])["state"] == "done"
+    (got,) = image_server.session.got
+    assert isinstance(got, Image.Image) and got.size == (96, 64) and got.mode == "RGB"
+    assert image_server.queue._jobs[snap["id"]].image is None  # dropped once finished
+
+
+@pytest.mark.parametrize("size, words", [((16385, 1), "16385 x 1 pixels"), ((1, 20000), "1 x 20000 pixels")])
+def test_an_oversized_image_is_refused_at_submission_from_its_header(image_server, size, words):
+    data = png(*size, noise=False)
+    assert len(data) < 4096  # a few KB that would decode to far more
+    body = {"prompt": "x", "image_base64": base64.b64encode(data).decode()}
+    status, err, _ = call(image_server, "POST", "/jobs", body)
+    assert status == 422 and words in err["error"] and len(image_server.queue) == 0, err
+
+
+def test_a_damaged_image_fails_its_job_when_it_runs_and_the_next_runs(image_server):
+    good, bad = png(32, 32), png(32, 32)[:200]  # a header that reads, pixels that do not
+    ids = [call(image_server, "POST", "/jobs", {"prompt": p, "image_base64": base64.b64encode(d).decode()})[1]["id"]
+           for p, d in (("bad", bad), ("good", good))]
+    image_server.queue.resume()
+    snaps = [finished(image_server, i) for i in ids]
+    assert snaps[0]["state"] == "failed" and "image_base64 cannot be decoded" in snaps[0]["error"], snaps[0]
+    assert snaps[1]["state"] == "done"
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--host", "0.0.0.0"], {}, "--host 0.0.0.0 is not a loopback address"),
+    (["--host", "192.168.1.2"], {}, "add --allow-remote"),
+    (["--host", "0.0.0.0", "--allow-remote"], {}, "--allow-remote needs a token: set CHUNKFLOW_SERVE_TOKEN"),
+    (["--host", "0.0.0.0", "--allow-remote"], {"CHUNKFLOW_SERVE_TOKEN": "short"}, "at least 16 characters"),
+    ([], {"CHUNKFLOW_SERVE_TOKEN": "has spaces in it, more than 16"}, "CHUNKFLOW_SERVE_TOKEN must be"),
+])
+def test_serve_listens_beyond_loopback_only_with_the_flag_and_a_token(cli, setup, workdir, monkeypatch, args, env,
+                                                                       words):
+    import chunkflow.serve.server
+
+    def no_bind(*a):
+        raise AssertionError("serve bound a socket it should have refused")
+
+    monkeypatch.setattr(chunkflow.serve.server, "bind", no_bind)  # never listens beyond loopback, even if broken
+    monkeypatch.delenv("CHUNKFLOW_SERVE_TOKEN", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    result = cli("serve", "--plan", setup[1], *args)  # refused before anything is bound or loaded
+    assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
+def test_a_browser_uses_a_token_server_from_the_pages_fragment(server, tmp_path):
+    from chunkflow.serve.app import make_app
+
+    token = "browser-Token_0123456789"
+    port, uv, thread = serve_app(make_app(server.queue, max_body_bytes=BODY_LIMIT, token=token))
+    auth = {"Host": f"127.0.0.1:{port}", "Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    try:
+        status, snap, _ = raw(port, "POST", "/jobs", JOB, auth)
+        assert status == 201
+        wait_until(lambda: server.queue.get(snap["id"])["state"] == "done", "the job")
+
+        def dom(url: str) -> str:
+            run = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                                  f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", url],
+                                 capture_output=True, text=True, timeout=WAIT_S)
+            assert "<tbody" in run.stdout, run.stderr[-2000:]
+            return run.stdout
+
+        page = dom(f"http://127.0.0.1:{port}/#token={token}")
+        assert f'data-id="{snap["id"]}"' in page and '<span id="model">tiny-wan</span>' in page
+        assert 'src="blob:' in page  # the result fetched with the token, shown from a blob: URL
+        page = dom(f"http://127.0.0.1:{port}/")  # a new tab without the fragment: no token, nothing shown
+        assert f'data-id="{snap["id"]}"' not in page and "needs its token" in page
+    finally:
+        uv.should_exit = True
+        thread.join(WAIT_S)

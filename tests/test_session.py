@@ -157,3 +157,78 @@ def test_a_hub_id_in_the_local_cache_loads_a_session_and_a_prompt_file(cli, plan
     assert result.exit_code == 0, result.output
     assert json.loads(Path("r.json").read_text())["jobs"][0]["state"] == "done"
     shutil.rmtree(cache)
+
+
+def test_the_prompt_cache_sees_every_change_the_embeddings_depend_on(plan, saved):
+    """issue 51: the same prompt after a change to what encodes it (a weight's data swapped, a text-encoder LoRA
+    disabled, the tokenizer's padding side, another max_sequence_length through session.pipe) is encoded again and
+    gives what encoding it afresh gives; put back, or unchanged, it is a cache hit with the first latents."""
+    pytest.importorskip("peft")
+    from collections import OrderedDict
+
+    import chunkflow
+    from diffusers.utils.peft_utils import set_adapter_layers
+    from peft import LoraConfig, inject_adapter_in_model
+
+    with one_thread(), chunkflow.load(plan, weights=saved, device="cpu") as session:
+        cache, te, tok = session.built.prompts, session.pipe.text_encoder, session.pipe.tokenizer
+
+        def fresh(call):  # the same call with nothing in the cache: the text encoder runs
+            kept, cache.entries = cache.entries, OrderedDict()
+            try:
+                return call()
+            finally:
+                cache.entries = kept
+
+        def gen():
+            return session.generate(PROMPT, seed=7)
+
+        def changed(got, *, cached=False):
+            assert got.encode_cached is cached
+            assert torch.equal(got.latents, fresh(gen).latents)
+            return got.latents
+
+        base = gen()
+        assert not base.encode_cached
+        again = gen()
+        assert again.encode_cached and torch.equal(again.latents, base.latents)
+
+        weight = te.get_input_embeddings().weight
+        old = weight.data
+        weight.data = old.flip(0).contiguous()  # same tensor object, same version counter: other values
+        assert not torch.equal(changed(gen()), base.latents)
+        weight.data = old
+        assert torch.equal(changed(gen(), cached=True), base.latents)  # the first entry is valid again
+
+        torch.manual_seed(5)
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], init_lora_weights=False), te)
+        on = changed(gen())
+        assert not torch.equal(on, base.latents)
+        set_adapter_layers(te, enabled=False)  # what pipe.disable_lora() does to a text encoder: no tensor changes
+        off = changed(gen())
+        assert torch.equal(off, base.latents) and not torch.equal(off, on)
+        set_adapter_layers(te, enabled=True)
+        assert torch.equal(changed(gen(), cached=True), on)
+        set_adapter_layers(te, enabled=False)
+
+        tok.padding_side = "left"
+        assert not torch.equal(changed(gen()), base.latents)
+        tok.padding_side = "right"
+        assert torch.equal(changed(gen(), cached=True), base.latents)
+
+        def call(n):
+            def run():
+                hits = cache.hits
+                out = session.pipe(PROMPT, height=32, width=32, num_frames=1, num_inference_steps=1,
+                                   max_sequence_length=n, output_type="latent",
+                                   generator=torch.Generator().manual_seed(0)).frames
+                return out, cache.hits > hits
+            return run
+
+        (l8, _), (l4, hit4), (l8b, hit8b) = call(8)(), call(4)(), call(8)()
+        assert not hit4 and hit8b
+        assert torch.equal(l8, fresh(call(8))[0]) and torch.equal(l4, fresh(call(4))[0]) and torch.equal(l8b, l8)
+        assert not torch.equal(l4, l8)
+
+        last = gen()
+        assert last.encode_cached and torch.equal(last.latents, base.latents)  # unchanged: still a hit

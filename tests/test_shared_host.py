@@ -225,7 +225,7 @@ scenario, flags = sys.argv[1], Path(sys.argv[2])
 rank = int(os.environ["LOCAL_RANK"])
 if scenario == "owner-dies-filling" and rank == 0:  # dies once rank 1 holds the segment, before saying it is filled
     def die(self):
-        while self._served < 1:
+        while len(self._ranks) < 1:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     hostshare.SharedSegment.mark_filled = die

@@ -193,6 +193,27 @@ def _diffusers_hooked(module: nn.Module, forward: Any) -> bool:
             and bool(forward.args) and forward.args[0] is module)
 
 
+def _installer(forward: Any) -> str:
+    """Who put an instance `forward` there, in words: the function behind it (a partial's too) and its module."""
+    func = forward.func if isinstance(forward, functools.partial) else forward
+    name = getattr(func, "__qualname__", type(func).__name__)
+    where = getattr(func, "__module__", None) or type(func).__module__
+    return f"{where}.{name}" if where else name
+
+
+def _accelerate_hook(module: nn.Module, forward: Any) -> Any:
+    """accelerate's hook on the module (model or sequential CPU offload, a device map: an `accelerate.hooks.ModelHook`
+    in `_hf_hook`, with the forward `add_hook_to_module` installed), else None. `_hf_hook` alone is not enough: it may
+    hold chunkflow's parking marker (runtime/parking.ExecutionDevice, which only tells diffusers a parked module's
+    execution device and replaces no forward), beside diffusers' own hooks (context parallelism), which batch_cfg
+    goes through."""
+    hook = module.__dict__.get("_hf_hook")
+    if forward is None or hook is None:
+        return None
+    ours = any(c.__module__.split(".")[0] == "accelerate" for c in type(hook).__mro__)
+    return hook if ours else None
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a is b:
         return True
@@ -338,8 +359,8 @@ def batch_cfg(pipe: Any) -> CfgBatching:
         if getattr(forward, "_chunkflow_batch_cfg", False):
             raise CfgBatchingError(f"batch_cfg is already on for this pipeline's {type(m).__name__}; call .remove() on "
                                    "the earlier one first")
-        hook = m.__dict__.get("_hf_hook")
-        if forward is not None and hook is not None:
+        hook = _accelerate_hook(m, forward)
+        if hook is not None:
             raise CfgBatchingError(
                 f"the pipeline's {type(m).__name__} runs under accelerate's hook ({type(hook).__name__}: "
                 "enable_model_cpu_offload, enable_sequential_cpu_offload or a device map), which diffusers puts back "
@@ -348,8 +369,8 @@ def batch_cfg(pipe: Any) -> CfgBatching:
                 "without model offload")
         if forward is not None and not _diffusers_hooked(m, forward):
             raise CfgBatchingError(f"{type(m).__name__}.forward is replaced on this instance by something else "
-                                   f"({getattr(forward, '__qualname__', type(forward).__name__)}); batch_cfg wraps the "
-                                   "module's own forward: remove that first (nothing was changed)")
+                                   f"({_installer(forward)}); batch_cfg wraps the module's own forward: remove that "
+                                   "first (nothing was changed)")
     state = CfgBatching(pipe, modules)
 
     def recording_encode(*args, **kwargs):

@@ -359,18 +359,27 @@ def load_input_image_bytes(data: bytes, what: str = "the uploaded image"):
     """An input image given as bytes (an upload to `chunkflow serve`), decoded in memory and checked as
     load_input_image checks a file: non-empty, at most MAX_IMAGE_FILE_BYTES, a format PIL decodes, its size read
     from its header before any pixel is decoded. `what` names it in the message; MediaError says what to fix."""
+    check_input_image_bytes(data, what)
+    return _decode_input_image(bytes(data), what)
+
+
+def check_input_image_bytes(data: bytes, what: str = "the uploaded image") -> tuple[str, int, int]:
+    """What load_input_image_bytes checks before it decodes (the byte count, the format and the pixel size from the
+    header), with no pixel decoded: (format, width, height), or MediaError. The server checks an upload with it and
+    keeps the compressed bytes until the job runs."""
     fix = "give a PNG, JPEG or WebP image"
     if not data:
         raise MediaError(f"{what} is empty (0 bytes); {fix}")
     if len(data) > MAX_IMAGE_FILE_BYTES:
         raise MediaError(f"{what} holds {len(data):,} bytes, over the {MAX_IMAGE_FILE_BYTES:,} an input image may; "
                          f"{fix} of at most {MAX_IMAGE_SIDE} pixels a side")
-    return _decode_input_image(bytes(data), what)
+    return _decode_input_image(bytes(data), what, decode=False)
 
 
-def _decode_input_image(data: bytes, what: str):
+def _decode_input_image(data: bytes, what: str, decode: bool = True):
     """The checks load_input_image and load_input_image_bytes share: the format, the size from the header (before
-    any pixel is decoded), then the decode; an RGB PIL image, or MediaError naming `what`."""
+    any pixel is decoded), then the decode; an RGB PIL image, or MediaError naming `what`. decode=False: (format,
+    width, height) once the header passed, nothing decoded."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -387,6 +396,8 @@ def _decode_input_image(data: bytes, what: str):
                 raise MediaError(f"{what} is {w} x {h} pixels, beyond what an input image may be (at most "
                                  f"{MAX_IMAGE_SIDE} a side, {MAX_IMAGE_PIXELS // 2**20} megapixels); the pipeline "
                                  "resizes it to the plan's size anyway: give it smaller")
+            if not decode:
+                return fmt, w, h
             im.load()
             return im.convert("RGB")
     except MediaError:

@@ -1,8 +1,11 @@
 """`chunkflow serve`: a plan's pipeline loaded once and served over HTTP (chunkflow.serve): a job queue, its worker,
 a small page. Every option is checked before the load; Ctrl-C (or SIGTERM) stops it cleanly: the running job
-stops after its current step, the queued ones are cancelled, the session is closed, exit 0."""
+stops after its current step, the queued ones are cancelled, the session is closed, exit 0. Who may use it is
+serve.guard's: loopback only unless --allow-remote, which needs a token (CHUNKFLOW_SERVE_TOKEN)."""
 
 from __future__ import annotations
+
+import os
 
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,8 +18,11 @@ from chunkflow.commands.options import INPUT, OUTPUT, Device, Variant
 _Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`"), INPUT]
 _Weights = Annotated[Optional[str], typer.Option(help="diffusers pipeline folder (model_index.json) or a Hub id in "
                                                       "the local cache (default: random weights)"), INPUT]
-_Host = Annotated[str, typer.Option(help="address to listen on; the server has no authentication: anything but a "
-                                         "loopback address lets the network use it")]
+_Host = Annotated[str, typer.Option(help="address to listen on: a loopback address (127.0.0.1, ::1, localhost) "
+                                         "unless --allow-remote is given")]
+_AllowRemote = Annotated[bool, typer.Option("--allow-remote", help="let --host be an address other machines reach "
+                                                                   "(0.0.0.0, a LAN address); requires a token in "
+                                                                   "CHUNKFLOW_SERVE_TOKEN")]
 _Port = Annotated[int, typer.Option(help="TCP port to listen on (1-65535)")]
 _OutDir = Annotated[str, typer.Option(help="folder the server writes each job's output to, named by its job id "
                                            "(created if missing)"), OUTPUT]
@@ -32,31 +38,58 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 @_command("serve")
 def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", port: _Port = 8000,
               out_dir: _OutDir = "chunkflow-serve-outputs", max_queue: _MaxQueue = 64, device: Device = None,
-              variant: Variant = None, image: _Image = False, log_level: _LogLevel = "info") -> None:
+              variant: Variant = None, image: _Image = False, log_level: _LogLevel = "info",
+              allow_remote: _AllowRemote = False) -> None:
     """Serve a plan's pipeline over HTTP: load it once, then generate each job submitted (POST /jobs) in turn.
 
     Jobs are JSON (prompt, seed, steps, height, width, frames, ...), checked against the loaded placement when they
     are submitted (one that does not fit is refused with the planner's reason). GET /jobs/ID says a job's state
     and predicted finish, GET /jobs/ID/result gives its video or image, DELETE /jobs/ID cancels it; GET / is a
-    page to use it from a browser, /health and /metrics (Prometheus) watch it. Listens on 127.0.0.1 by default:
-    there is no authentication.
+    page to use it from a browser, /health and /metrics (Prometheus) watch it.
+
+    Listens on 127.0.0.1. It answers only requests whose Host is 127.0.0.1, localhost, [::1] or --host (with its
+    port), takes a job only as Content-Type: application/json, and refuses any other site's page (its Origin, or
+    a cross-site fetch). A token in the environment variable CHUNKFLOW_SERVE_TOKEN (16 or more of A-Z a-z 0-9 - . _
+    ~ + /) is then required on every request but the page: `Authorization: Bearer <token>`; in a browser open
+    http://HOST:PORT/#token=<token> (the fragment never reaches the server; the page keeps it for the tab).
+    --allow-remote lets --host be a non-loopback address and requires the token.
     """
     from chunkflow.serve import require_serve_extras
 
     require_serve_extras()
     p, folder = _check_serve(plan, weights, port, out_dir, max_queue, image, log_level)
-    from chunkflow.serve.server import bind, is_loopback
+    token = _check_access(host, allow_remote)
+    from chunkflow.serve.server import bind
 
     sock = bind(host, port)  # a port in use is said now, not after the load
     try:
-        if not is_loopback(host):
-            _say(f"warning: listening on {host}, not a loopback address: the server has no authentication, so "
-                 "anyone who can reach this port can submit jobs and read every result")
         session = _load(plan, folder, device, variant, image)
     except BaseException:
         sock.close()
         raise
-    _serve(session, sock, host, port, Path(out_dir).expanduser(), max_queue, log_level)
+    _serve(session, sock, host, port, Path(out_dir).expanduser(), max_queue, log_level, token)
+
+
+def _check_access(host: str, allow_remote: bool) -> str | None:
+    """The server's token (CHUNKFLOW_SERVE_TOKEN, checked; None if unset), once --host is allowed: a loopback
+    address, or any with --allow-remote and a token."""
+    from chunkflow.serve.guard import TOKEN_ENV, check_token
+    from chunkflow.serve.server import is_loopback
+
+    token = os.environ.get(TOKEN_ENV)
+    if token is not None:
+        try:
+            check_token(token)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    if not is_loopback(host):
+        if not allow_remote:
+            raise UserError(f"--host {host} is not a loopback address: other machines could use the server; add "
+                            f"--allow-remote (with a token in {TOKEN_ENV}) or listen on 127.0.0.1")
+        if token is None:
+            raise UserError(f"--allow-remote needs a token: set {TOKEN_ENV} (such as the output of: python -c "
+                            "'import secrets; print(secrets.token_urlsafe(32))'); every request must then send it")
+    return token
 
 
 def _check_serve(plan: str, weights: str | None, port: int, out_dir: str, max_queue: int, image: bool,
@@ -114,7 +147,8 @@ def _load(plan: str, folder, device: str | None, variant: str | None, image: boo
     return session
 
 
-def _serve(session, sock, host: str, port: int, out_dir: Path, max_queue: int, log_level: str) -> None:
+def _serve(session, sock, host: str, port: int, out_dir: Path, max_queue: int, log_level: str,
+           token: str | None = None) -> None:
     """Run the server until it is stopped (Ctrl-C, SIGTERM), then stop everything in order: the HTTP server (no
     new requests), the queue (the running job after its current step, the queued ones cancelled), the session."""
     from chunkflow.serve.app import make_app
@@ -128,13 +162,16 @@ def _serve(session, sock, host: str, port: int, out_dir: Path, max_queue: int, l
     except BaseException:
         session.close()
         raise
-    server = BackgroundServer(make_app(queue), sock, log_level=log_level.lower())
+    server = BackgroundServer(make_app(queue, token=token, hosts=(host,)), sock, log_level=log_level.lower())
     stopped_by = None
     try:
         server.start()
         shown_host = f"[{host}]" if ":" in host else host
         console.print(f"Serving {session.spec.name} on {session.device} at http://{shown_host}:{port}/ "
                       f"(outputs in {out_dir}); Ctrl-C stops it", markup=False, highlight=False)
+        if token is not None:
+            _say(f"every request needs the token (Authorization: Bearer); in a browser open "
+                 f"http://{shown_host}:{port}/#token=<the token>")
         server.wait()
     except (KeyboardInterrupt, Terminated) as exc:
         stopped_by = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"

@@ -13,13 +13,16 @@ class declares tied where the checkpoint saved one of the pair, or both with the
 
 from __future__ import annotations
 
+import hashlib
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 from torch import nn
 
 from chunkflow.loading.reader import FileReader
+from chunkflow.runtime.digest import ALGORITHM, DIGEST_THREADS, PIECE
 from chunkflow_planner.checkpoint import Checkpoint, CheckpointError, TensorRecord, few_names, shown
 
 __all__ = ["CheckpointSource", "tie_as_saved", "key_renamer"]
@@ -201,6 +204,31 @@ class CheckpointSource:
 
     def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None:
         self.reader.read_tensor(self.where[name], out)
+
+    def digests(self, names: list[str]) -> dict[str, str]:
+        """A digest of every byte of each named tensor as saved, with its dtype code (runtime/digest.py: what the
+        ranks sharing a host copy compare), for those read from the files; the tensors hashed on threads. Read by a
+        reader of this call's own (the load's counts stay the load's) that leaves what it reads in the page cache:
+        the ranks of a host (the only ones that digest) then read the files from the disk once between them, as the
+        pipeline's loader does under torchrun, and the load that follows reads them from the cache."""
+        recs = {n: self.where[n] for n in names if n in self.where}
+        distinct = list({id(r): r for r in recs.values()}.values())
+        with FileReader(threads=1, keep_cache=True) as reader:
+            for path in {r.file for r in distinct}:
+                reader.file(path)  # opened here, not by two threads at once
+
+            def one(rec: TensorRecord) -> str:
+                h = hashlib.new(ALGORITHM, rec.dtype.encode() + b"\0")
+                buf = torch.empty(max(1, min(PIECE, rec.nbytes)), dtype=torch.uint8)
+                for a in range(0, rec.nbytes, buf.numel()):
+                    n = min(buf.numel(), rec.nbytes - a)
+                    reader.read_into(rec.file, rec.begin + a, n, buf[:n])
+                    h.update(buf[:n].numpy())
+                return h.hexdigest()
+
+            with ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="chunkflow-digest") as pool:
+                done = dict(zip((id(r) for r in distinct), pool.map(one, distinct)))
+        return {n: done[id(r)] for n, r in recs.items()}
 
     def disk_files(self) -> "CheckpointFiles":
         """What the runtime's disk tier reads each forward (runtime/disk.py): these records, through a reader of its

@@ -65,10 +65,29 @@ class RandomSource:
         self.gen_device = device if device.type == "cuda" else torch.device("cpu")
         self.seed = seed
         self.params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        self.rules = {f"{p}.{a}" if p else a: self._rule(m, a) for p, m in module.named_modules(remove_duplicate=False)
+                      for a, t in m._parameters.items() if t is not None}
+
+    @staticmethod
+    def _rule(module: nn.Module, attr: str) -> str:
+        """How `fill` draws a parameter: "zero", "one" or "normal"."""
+        if attr == "bias":
+            return "zero"
+        return "one" if "norm" in type(module).__name__.lower() and attr == "weight" else "normal"
 
     def fingerprint(self, name: str) -> str:
-        """What tensor `name`'s values depend on (runtime/fingerprint.py): the seed and where they are drawn."""
-        return f"random:{self.seed}:{self.gen_device.type}"
+        """Everything tensor `name`'s values depend on besides its name, dtype and shape (runtime/digest.py): the
+        rule, the seed and std, and the generator that draws them (its kind, the torch that implements it, and on CUDA
+        the GPU, whose multiprocessor count sets how a draw is split). The draw is deterministic for these, so equal
+        fingerprints prove equal values."""
+        rule = self.rules.get(name, "normal")
+        if rule != "normal":
+            return f"random:{rule}"
+        gen = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+        if self.gen_device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.gen_device)
+            gen = f"cuda:{props.name}:{props.major}.{props.minor}:{props.multi_processor_count}"
+        return f"random:normal:{self.seed}:{INIT_STD}:{torch.__version__}:{gen}"
 
     def _generator(self, name: str) -> torch.Generator:
         return torch.Generator(device=self.gen_device).manual_seed(
@@ -78,9 +97,10 @@ class RandomSource:
         return name in self.params
 
     def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None:
-        if attr == "bias":
+        rule = self._rule(module, attr)
+        if rule == "zero":
             out.zero_()
-        elif "norm" in type(module).__name__.lower() and attr == "weight":
+        elif rule == "one":
             out.fill_(1.0)
         elif out.device == self.gen_device:
             out.normal_(0.0, INIT_STD, generator=self._generator(name))

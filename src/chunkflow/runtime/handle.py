@@ -44,6 +44,7 @@ from chunkflow.runtime.resolve import (
     resolve_device,
     unwrap_module,
 )
+from chunkflow.runtime.saveguard import SaveGuard
 from chunkflow.runtime.stats import OffloadStats
 from chunkflow.runtime.storage import check_no_layerwise_casting, storage_dtype
 from chunkflow.runtime.store import HostStore
@@ -121,6 +122,8 @@ class OffloadHandle:
         # the parts, in the order they are attached and closed (detached in reverse); None: not used by this setting
         self.features: list[HandleFeature] = [f for f in (self.parking, self.casting, self.writes, self.comm)
                                               if f is not None] + self.tiers
+        # a save into the folder the tiers or the park home read from leaves those files as they are, or is refused
+        self.features.append(SaveGuard([*self.tiers, self.parking.home]))
         # one forward at a time (two threads sharing the module would share its slots): held through the root's
         # call (hooks._root_call), around each block's, and by park, unpark, apply and remove; `take_turns` gives
         # the modules taking turns one lock. `depth`: forwards of the module running in the thread holding it

@@ -15,7 +15,9 @@ its `_apply` (`.to()`, `.half()`, `.cuda()`), which goes through the handle: a d
 store, a device change refused before anything moves. Swapped classes refuse deepcopy and pickling with a clear error.
 
 Swapped classes are made once per original class (`functools.cache`: the same class object for every block of a
-kind, which dynamo's guards need); `remove()` puts the original class back. A swapped class compares equal to, and
+kind, which dynamo's guards need); `remove()` puts the original class back. Code compiled while the module was
+offloaded may still call a swapped class's functions after that: each runs as the plain class then (`_plain`), and
+dynamo, whose guards see the hook gone, compiles the plain model on that call. A swapped class compares equal to, and
 hashes as, the class it stands for (its metaclass says so; `is` still tells them apart): code that looks a module's
 class up in a registry or a list of types finds the original's entry, as it would without offload (diffusers'
 block registry behind enable_cache and apply_layer_skip, `from_pipe`'s check of its components' types).
@@ -100,8 +102,17 @@ def _inside_checkpoint() -> bool:
     return pack is not None and "_checkpoint_hook" in getattr(pack, "__qualname__", "")
 
 
+def _plain(self) -> type:
+    """The class whose methods `self` runs as chunkflow never touched it: the one its swapped class stands for, or,
+    once `remove()` has put its own class back, that class. A caller that kept a swapped class's function (code
+    torch.compile made while the module was offloaded holds the bound `__call__` it traced) reaches here with the
+    module's own class: it runs as the plain module does, and dynamo, whose guards see the hook gone, compiles that."""
+    cls = type(self)
+    return getattr(cls, "_chunkflow_base", cls)
+
+
 def _block_call(self, *args, **kwargs):
-    base = type(self)._chunkflow_base
+    base = _plain(self)
     hook = self.__dict__.get(_HOOK)
     if hook is None:
         return base.__call__(self, *args, **kwargs)
@@ -156,7 +167,7 @@ def _swapped_class(cls: type, attrs: dict) -> type:
 def _part_apply(self, fn, recurse: bool = True):
     handle = self.__dict__.get(_PART)
     if handle is None or handle.removed:
-        return type(self)._chunkflow_base._apply(self, fn, recurse)
+        return _plain(self)._apply(self, fn, recurse)
     return handle.apply_part(self, fn)
 
 
@@ -241,10 +252,10 @@ def _root_call(self, *args, **kwargs):
     from its start to its end, whatever ends it (an exception, an interrupt)."""
     handle = self.__dict__.get(_HOOK)
     if handle is None:
-        return type(self)._chunkflow_base.__call__(self, *args, **kwargs)
+        return _plain(self).__call__(self, *args, **kwargs)
     _forward_begins(handle)
     try:
-        out = type(self)._chunkflow_base.__call__(self, *args, **kwargs)
+        out = _plain(self).__call__(self, *args, **kwargs)
         _forward_done(handle)
         return out
     finally:
@@ -254,7 +265,7 @@ def _root_call(self, *args, **kwargs):
 def _root_apply(self, fn, recurse: bool = True):
     handle = self.__dict__.get(_HOOK)
     if handle is None:
-        return type(self)._chunkflow_base._apply(self, fn, recurse)
+        return _plain(self)._apply(self, fn, recurse)
     return handle.apply(fn, recurse)
 
 
@@ -263,7 +274,7 @@ def _root_dtype(self):
     under layerwise casting), else the model's own answer."""
     handle = self.__dict__.get(_HOOK)
     dt = handle.compute_dtype() if handle is not None else None
-    return dt if dt is not None else type(self)._chunkflow_base.dtype.__get__(self)
+    return dt if dt is not None else _plain(self).dtype.__get__(self)
 
 
 @functools.cache
@@ -291,7 +302,7 @@ def _refuse(name: str, instead: str):
         from chunkflow.runtime.errors import OffloadError
 
         if self.__dict__.get(_HOOK) is None:
-            return getattr(type(self)._chunkflow_base, name)(self, *args, **kwargs)
+            return getattr(_plain(self), name)(self, *args, **kwargs)
         raise OffloadError(f"{name}() on a module offloaded by chunkflow is refused (nothing was changed): {instead}; "
                            "or call handle.remove() first")
 

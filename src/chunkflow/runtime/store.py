@@ -9,6 +9,10 @@ Page-locking costs about as much as reading the bytes from a fast disk (the kern
 GB/s). Given `ranges` (the blocks' spans: no copy crosses one), the store is locked span by span on a thread of its
 own while the loader writes into it, so the locking overlaps the reads; `wait()` (before any copy from it) joins it
 and raises what it met.
+
+A store over a read-only map (`read_only`: a host segment the ranks share, sealed, runtime/hostshare.py) is locked
+with cudaHostRegisterReadOnly, which the device must support (cudaDevAttrHostRegisterReadOnlySupported); where it
+does not, the registration fails and says so (one copy per rank, CHUNKFLOW_SHARE_HOST=0, pins as before).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ class HostStoreError(ChunkflowError):
     pass
 
 
+REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads it (a read-only map must say so)
+
+
 def own_storage(flat: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 CPU tensor's bytes as a tensor with a storage of its own, aliasing them (through numpy, which
     keeps `flat`'s memory alive as long as the alias lives)."""
@@ -32,10 +40,12 @@ def own_storage(flat: torch.Tensor) -> torch.Tensor:
 
 class HostStore:
     def __init__(self, nbytes: int, pin: bool, ranges: list[tuple[int, int]] | None = None,
-                 data: torch.Tensor | None = None):
+                 data: torch.Tensor | None = None, read_only: bool = False):
         """`data`: bytes the store lives in (a 1-D uint8 CPU tensor of at least `nbytes`, e.g. a map of a segment
-        shared by the ranks of a host, runtime/hostshare.py) instead of an allocation of its own."""
+        shared by the ranks of a host, runtime/hostshare.py) instead of an allocation of its own; `read_only`: that
+        map is read-only (module docstring)."""
         self.nbytes = nbytes
+        self.read_only = read_only
         self.data = torch.empty(max(nbytes, 1), dtype=torch.uint8) if data is None else data
         self.pinned_bytes = 0
         self._registered: list[int] = []  # offsets of the spans registered, each unregistered at release
@@ -53,7 +63,14 @@ class HostStore:
     def _register(self, offset: int, nbytes: int) -> None:
         cudart = torch.cuda.cudart()
         # portable: page-locked for every CUDA context of the process (a store read by a reader thread, a rank's GPU)
-        ret = cudart.cudaHostRegister(self.data.data_ptr() + offset, nbytes, 1)
+        flags = REGISTER_PORTABLE | (REGISTER_READ_ONLY if self.read_only else 0)
+        ret = cudart.cudaHostRegister(self.data.data_ptr() + offset, nbytes, flags)
+        if int(ret) != 0 and self.read_only:
+            raise HostStoreError(
+                f"cudaHostRegister of {nbytes} bytes of the host copy the ranks share, read-only, failed (cudaError "
+                f"{int(ret)}): this GPU or driver may not page-lock read-only memory "
+                "(cudaDevAttrHostRegisterReadOnlySupported), or the host is short of lockable memory (`ulimit -l`); "
+                "set CHUNKFLOW_SHARE_HOST=0 to pin one copy per rank")
         if int(ret) != 0:
             raise HostStoreError(
                 f"cudaHostRegister of {nbytes} bytes failed (cudaError {int(ret)}); the host may be short of "
@@ -70,6 +87,13 @@ class HostStore:
                     self._register(offset, nbytes)
         except BaseException as exc:  # raised by wait(), in the caller's thread
             self._pin_error = exc
+
+    def pin_now(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Page-lock a store made with pin=False now, span by span (`ranges`, else whole): a shared segment once it is
+        sealed."""
+        for offset, nbytes in ranges if ranges else [(0, self.nbytes)]:
+            if nbytes > 0:
+                self._register(offset, nbytes)
 
     def wait(self) -> None:
         """Return once the whole store is page-locked (at once where it was locked in the constructor)."""

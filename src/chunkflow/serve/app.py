@@ -1,16 +1,20 @@
 """The HTTP API over a JobQueue (FastAPI): submit, watch, fetch and cancel jobs; health, metrics and a small page.
 
 Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is not JSON or an id that is not one,
+401 a missing or wrong token, 403 a Host, Origin or cross-site request the server does not answer (serve.guard),
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
-Content-Length and again while it is read), 422 a job that is malformed or does not fit the loaded placement (the
-planner's reason), 429 a full queue, 503 a server shutting down. Request bodies never name files: an input image
-comes as base64 bytes, an output is named by its job id.
+Content-Length and again while it is read), 415 a job not sent as application/json, 422 a job that is malformed or
+does not fit the loaded placement (the planner's reason), 429 a full queue, 503 a server shutting down. Request
+bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
+its image as the compressed bytes it came as (checked from the header: format, bytes, pixels), decoded when it runs.
+A client that goes away mid-body is one log line.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 from typing import Any
 
@@ -22,9 +26,11 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
 
+from chunkflow.serve.guard import Guard  # noqa: E402
 from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
-from chunkflow.serve.page import render_page  # noqa: E402
+from chunkflow.serve.page import page_policy, render_page  # noqa: E402
 from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
 from chunkflow_planner.pipeline.jobs import JobError, JobJSONError, load_json, parse_job  # noqa: E402
@@ -34,6 +40,11 @@ __all__ = ["make_app", "MAX_BODY_BYTES"]
 MAX_BODY_BYTES = 32 * 2**20  # a job's JSON with a base64 image of ~24 MB
 _ID = re.compile(r"[0-9a-f]{32}")
 _MEDIA = {".mp4": "video/mp4", ".png": "image/png"}
+_log = logging.getLogger("uvicorn.error")  # the server's own log: one format, one --log-level
+
+
+class _Gone(Exception):
+    """The client went away before its body was all sent."""
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -58,17 +69,33 @@ async def _read_body(request: Request, limit: int) -> bytes | JSONResponse:
         if int(declared) > limit:
             return too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Gone(f"{size:,} of {declared or 'unsaid'} bytes") from None
     return b"".join(chunks)
 
 
-def _decode_image(value: Any):
-    """image_base64 -> a checked PIL image (media.load_input_image_bytes); JobError says what is wrong."""
-    from chunkflow.media import MediaError, load_input_image_bytes
+def _json_type(content_type: str | None) -> JSONResponse | None:
+    """A 415 unless the body is declared application/json (a charset, if said, UTF-8). A page of another site can
+    send text/plain, a form or no type without asking the server first (no CORS preflight): none is read."""
+    media, *params = (content_type or "").split(";")
+    charset = [p.split("=", 1)[1].strip().strip('"').lower() for p in params
+               if p.strip().lower().startswith("charset=")]
+    if media.strip().lower() == "application/json" and all(c in ("utf-8", "utf8") for c in charset):
+        return None
+    got = f"not {content_type.strip()!r}" if content_type else "the request had none"
+    return _error(415, f"a job is sent as JSON with the header Content-Type: application/json ({got})")
+
+
+def _image_bytes(value: Any) -> bytes:
+    """image_base64 -> the image file's bytes, checked from its header (format, bytes, pixels:
+    media.check_input_image_bytes), not decoded; JobError says what is wrong."""
+    from chunkflow.media import MediaError, check_input_image_bytes
 
     if not isinstance(value, str):
         raise JobError("image_base64 must be a string: the image file's bytes in base64")
@@ -78,16 +105,21 @@ def _decode_image(value: Any):
     except (binascii.Error, ValueError):
         raise JobError("image_base64 is not valid base64; give the image file's bytes base64-encoded") from None
     try:
-        return load_input_image_bytes(data, "image_base64")
+        check_input_image_bytes(data, "image_base64")
     except MediaError as exc:
         raise JobError(str(exc)) from None
+    return data
 
 
-def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: str | None = None) -> FastAPI:
-    """The API over `queue` (module docstring); the queue's session names the model and device."""
+def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: str | None = None,
+             token: str | None = None, hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The API over `queue` (module docstring); the queue's session names the model and device. Every request
+    passes serve.guard first: `hosts` the Host names it answers to besides the loopback ones and the address a
+    connection arrived on; `token` (None: none) the bearer token every request but the page must carry."""
     session = queue.session
     model = session.spec.name
     app = FastAPI(title=title or f"chunkflow serve: {model}", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, names=hosts, token=token)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -95,7 +127,14 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
 
     @app.post("/jobs", status_code=201)
     async def submit(request: Request) -> Response:
-        body = await _read_body(request, max_body_bytes)
+        if (bad := _json_type(request.headers.get("content-type"))) is not None:
+            return bad
+        try:
+            body = await _read_body(request, max_body_bytes)
+        except _Gone as gone:
+            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+            _log.info("%s went away while sending a job (%s received); nothing queued", client, gone)
+            return _error(400, "the client went away before the body was sent")
         if isinstance(body, Response):
             return body
         try:
@@ -108,7 +147,7 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
                 raise JobError(f'a job is a JSON object with at least "prompt", not {type(data).__name__}')
             image = None
             if "image_base64" in data:
-                image = _decode_image(data.pop("image_base64"))
+                image = _image_bytes(data.pop("image_base64"))
             if "image" in data:
                 raise JobError("image: the server takes no image path; send the image itself as image_base64 (a "
                                "base64 PNG, JPEG or WebP)")
@@ -179,7 +218,10 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> HTMLResponse:
-        return HTMLResponse(render_page(model, image=bool(getattr(session, "image", False)),
-                                        video=bool(session.spec.is_video)))
+        # with a token the page is served to anyone who reaches the server: it names no model (it asks /health)
+        text = render_page(None if token else model, image=bool(getattr(session, "image", False)),
+                           video=bool(session.spec.is_video))
+        return HTMLResponse(text, headers={"Content-Security-Policy": page_policy(text),
+                                           "X-Frame-Options": "DENY", "Cache-Control": "no-store"})
 
     return app

@@ -1,19 +1,25 @@
 """The page at `/`: a form to submit a job and the queue, polled from the API. Self-contained (no external script,
 style or font: the machine may be offline); every string from a job is put in the page as text (textContent), never
-as markup."""
+as markup. It sends JSON to its own origin only. Where the server has a token the page takes it from its URL's
+fragment (`/#token=...`, removed from the address bar at once), keeps it in the tab's sessionStorage and sends it as
+`Authorization: Bearer`; results are then fetched with it and shown from blob: URLs. page_policy is its
+Content-Security-Policy: its own inline script and style by hash, nothing from elsewhere, no framing."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
+import re
 
-__all__ = ["render_page"]
+__all__ = ["render_page", "page_policy"]
 
 _PAGE = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>chunkflow serve: __MODEL__</title>
+<title>chunkflow serve__TITLE__</title>
 <style>
 body { font-family: system-ui, sans-serif; margin: 1.5em; max-width: 70em; color: #222; }
 h1 { font-size: 1.3em; }
@@ -46,6 +52,27 @@ __IMAGE_INPUT__  <span></span><button type="submit">Submit</button>
 "use strict";
 const VIDEO = __VIDEO__;
 const shown = new Map();  // job id -> its row, kept while the job is listed (a result element is not rebuilt)
+const TOKEN = (() => {  // the server's token, if it has one: from the fragment once, then the tab's sessionStorage
+  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem("chunkflow-token", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem("chunkflow-token");
+})();
+
+function api(path, options) {
+  const headers = Object.assign({}, (options && options.headers) || {});
+  if (TOKEN) headers["Authorization"] = "Bearer " + TOKEN;
+  return fetch(path, Object.assign({cache: "no-store"}, options || {}, {headers: headers}));
+}
+
+async function showResult(media, id) {
+  const path = "/jobs/" + encodeURIComponent(id) + "/result";
+  if (!TOKEN) { media.setAttribute("src", path); return; }
+  const r = await api(path);  // an element's src cannot carry the token: fetch it, show it from a blob: URL
+  if (r.ok) media.setAttribute("src", URL.createObjectURL(await r.blob()));
+}
 
 function say(text, error) {
   const m = document.getElementById("message");
@@ -91,7 +118,7 @@ function render(data) {
     if (job.result_url) {
       const media = document.createElement(VIDEO ? "video" : "img");
       if (VIDEO) { media.controls = true; media.loop = true; } else { media.className = "result"; media.alt = ""; }
-      media.setAttribute("src", "/jobs/" + encodeURIComponent(job.id) + "/result");
+      showResult(media, job.id);
       result.appendChild(media);
     }
     const actions = cell(row, "");
@@ -111,13 +138,19 @@ function render(data) {
 
 async function refresh() {
   try {
-    const r = await fetch("/jobs", {cache: "no-store"});
+    const r = await api("/jobs");
     if (r.ok) render(await r.json());
+    else if (r.status === 401) say("this server needs its token: open this page as /#token=<token>", true);
+    const model = document.getElementById("model");
+    if (r.ok && !model.textContent) {
+      const h = await api("/health");
+      if (h.ok) { model.textContent = (await h.json()).model; document.title += ": " + model.textContent; }
+    }
   } catch (e) { /* the server is away: try again at the next poll */ }
 }
 
 async function cancel(id) {
-  const r = await fetch("/jobs/" + encodeURIComponent(id), {method: "DELETE"});
+  const r = await api("/jobs/" + encodeURIComponent(id), {method: "DELETE"});
   if (!r.ok) { const e = await r.json().catch(() => ({error: r.statusText})); say(e.error, true); }
   refresh();
 }
@@ -139,8 +172,8 @@ document.getElementById("submit").addEventListener("submit", async (event) => {
   if (steps) job.steps = Number(steps);
   const file = document.getElementById("image");
   if (file && file.files.length) job.image_base64 = await readBase64(file.files[0]);
-  const r = await fetch("/jobs", {method: "POST", headers: {"Content-Type": "application/json"},
-                                  body: JSON.stringify(job)});
+  const r = await api("/jobs", {method: "POST", headers: {"Content-Type": "application/json"},
+                                body: JSON.stringify(job)});
   const answer = await r.json().catch(() => ({error: r.statusText}));
   if (r.ok) say("submitted " + answer.id.slice(0, 8), false); else say(answer.error, true);
   refresh();
@@ -157,8 +190,23 @@ _IMAGE_INPUT = ('  <label for="image">Image</label><input id="image" name="image
                 'accept="image/png,image/jpeg,image/webp">\n')
 
 
-def render_page(model: str, *, image: bool, video: bool) -> str:
-    """The page for a server of `model` (its name escaped); an image input where the pipeline takes one."""
-    return (_PAGE.replace("__MODEL__", html.escape(model))
+def render_page(model: str | None, *, image: bool, video: bool) -> str:
+    """The page for a server of `model` (its name escaped; None: the page asks /health for it); an image input
+    where the pipeline takes one."""
+    name = html.escape(model) if model else ""
+    return (_PAGE.replace("__TITLE__", f": {name}" if name else "").replace("__MODEL__", name)
             .replace("__IMAGE_INPUT__", _IMAGE_INPUT if image else "")
             .replace("__VIDEO__", "true" if video else "false"))
+
+
+def _hashes(tag: str, text: str) -> str:
+    return " ".join("'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+                    for body in re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S))
+
+
+def page_policy(text: str) -> str:
+    """The Content-Security-Policy for the rendered page `text`: its inline script and style only (by their
+    hashes), requests to its own origin, results shown from it or from blob: URLs, no framing, no form target."""
+    return (f"default-src 'none'; script-src {_hashes('script', text)}; style-src {_hashes('style', text)}; "
+            "connect-src 'self'; img-src 'self' blob:; media-src 'self' blob:; base-uri 'none'; "
+            "form-action 'none'; frame-ancestors 'none'")

@@ -17,7 +17,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.pipeline.jobs import Job, JobError
@@ -53,7 +53,8 @@ class QueuedJob:
 
     id: str
     job: Job
-    image: Any  # the checked PIL image, or None; dropped once the job is finished
+    image: bytes | None  # the image file's bytes as uploaded (checked, not decoded: a queued job holds what it
+    #                      was sent, not its pixels), or None; decoded when the job runs, dropped once it is finished
     submitted: float  # time.time()
     predicted_first_s: float | None  # the plan's seconds as the session's first generation
     predicted_later_s: float | None  # ... as a later one
@@ -146,9 +147,12 @@ class JobQueue:
         self._worker.start()
 
     # -- submitting and cancelling ---------------------------------------------------------------------------
-    def submit(self, job: Job, image: Any = None) -> dict:
-        """Queue `job` (with a checked PIL image for an image pipeline); its snapshot. Raises JobError (what is
-        wrong, the planner's reason where it does not fit), QueueFull, QueueClosed, at once."""
+    def submit(self, job: Job, image: bytes | None = None) -> dict:
+        """Queue `job` (with an image file's bytes for an image pipeline, checked from its header by the caller:
+        media.check_input_image_bytes; decoded when the job runs); its snapshot. Raises JobError (what is wrong,
+        the planner's reason where it does not fit), QueueFull, QueueClosed, at once."""
+        if image is not None and not isinstance(image, bytes):
+            raise TypeError("JobQueue.submit takes the image file's bytes, not a decoded image")
         if self._closing:
             raise QueueClosed("the server is shutting down; it takes no more jobs")
         try:
@@ -173,7 +177,7 @@ class JobQueue:
             self._cond.notify_all()
             return self._snapshots()[qj.id]
 
-    def _check(self, job: Job, image: Any) -> None:
+    def _check(self, job: Job, image: bytes | None) -> None:
         """Whatever would make the job fail that can be known now: a path from the request, an image the
         pipeline does not take or needs, a negative prompt it does not use, a shape that does not fit."""
         if job.image is not None:
@@ -237,9 +241,12 @@ class JobQueue:
             if qj.cancel_requested:
                 raise _Cancelled
 
+        from chunkflow.media import load_input_image_bytes
+
         state, error, result = "done", None, None
         try:
-            result = self.session.generate(qj.job, image=qj.image, on_step=on_step)
+            image = None if qj.image is None else load_input_image_bytes(qj.image, "image_base64")
+            result = self.session.generate(qj.job, image=image, on_step=on_step)
             saved = result.save(self.out_dir / f"{qj.id}{'.mp4' if result.is_video else '.png'}")
             qj.output = saved.name
             self._after.append(max(0.0, time.time() - qj.started - result.seconds))

@@ -102,9 +102,14 @@ class Encoded:
 
 
 def _fields(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exponent, sign-mantissa) of each 16-bit word of a flat uint8 chunk, as int32."""
+    """(exponent, sign-mantissa) of each 16-bit word of a flat uint8 chunk, as int32; the chunk may start at any byte
+    (an odd one is read byte by byte: a 16-bit view needs an even one)."""
     n = chunk.numel() // 2
-    w = chunk[: 2 * n].view(torch.int16).to(torch.int32) & 0xFFFF
+    if chunk.storage_offset() % 2:
+        b = chunk[: 2 * n].to(torch.int32)
+        w = b[0::2] | (b[1::2] << 8)
+    else:
+        w = chunk[: 2 * n].view(torch.int16).to(torch.int32) & 0xFFFF
     return (w >> 7) & 0xFF, ((w >> 8) & 0x80) | (w & 0x7F)
 
 
@@ -205,8 +210,11 @@ def decode(enc: Encoded | torch.Tensor, out: torch.Tensor, *, nbytes: int | None
     e[~is_esc] = table[idx[~is_esc]]
     e[is_esc] = data[lay.escapes : lay.escapes + n_escapes].to(torch.int32)
     w = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
-    w = torch.where(w >= 2**15, w - 2**16, w).to(torch.int16)
-    out[: 2 * words].view(torch.int16).copy_(w)
+    if out.storage_offset() % 2:  # an odd start: written byte by byte (a 16-bit view needs an even one)
+        out[0 : 2 * words : 2] = (w & 0xFF).to(torch.uint8)
+        out[1 : 2 * words : 2] = (w >> 8).to(torch.uint8)
+    else:
+        out[: 2 * words].view(torch.int16).copy_(torch.where(w >= 2**15, w - 2**16, w).to(torch.int16))
     if nbytes & 1:
         out[-1] = data[lay.tail]
     return out

@@ -3,7 +3,10 @@ a spill file read into the disk tier's ring: tiers/disk.py): the encoding of a b
 device side of a prefetch.
 
 - `encode(b, raw)` encodes block b's tail (its chunks, each 16-byte aligned in the block's encoded bytes) and gives
-  the block's `EncodedBlock` (where each chunk's bytes are) and its bytes.
+  the block's `EncodedBlock` (where each chunk's bytes are) and its bytes. A chunk that starts at an odd byte of the
+  slot (any odd chunk size puts every other chunk there) keeps that first byte as it is, after its encoded bytes,
+  and encodes the rest: the codec's 16-bit words start at an even byte, as the GPU decoder writes them and as the
+  tensors' own 16-bit values lie, so the chunk decodes to its exact bytes and shrinks as much as its neighbours.
 - `source(blk, buffer)`: a block prefetch (runtime/chunksource.py's interface) from `buffer`, a flat uint8 tensor
   holding the block's encoded bytes from its offset 0. Each chunk is copied on the copy stream into one of
   CODEC_STAGING_CHUNKS device staging buffers, a decode group's worth each (consecutive chunks of about
@@ -55,6 +58,7 @@ class DecodeGroup:
     last: int  # block byte of its last chunk (lo)
     nbytes: int  # encoded bytes from its first chunk's start to its last chunk's end
     decode: object  # the codec's Decode of its chunks (tables on the device)
+    heads: tuple | None = None  # (bytes in the group's encoded bytes, in the slot) of its chunks' odd first bytes
 
 
 def layout_key(b: BlockLayout) -> tuple:
@@ -62,6 +66,21 @@ def layout_key(b: BlockLayout) -> tuple:
     change places, and blocks of one shape have the same split) and its split and chunks (a new layout with the same
     keeps it)."""
     return (b.name, b.resident_bytes, b.nbytes, b.slot_start, tuple(b.chunks))
+
+
+def head_byte(blk: EncodedBlock, lo: int) -> int:
+    """1 where chunk `lo` of the block keeps its odd first byte as it is (after its encoded bytes; `encode`), else 0:
+    its decoded bytes start one byte after its place in the slot."""
+    _name, _resident, _nbytes, slot_start, _chunks = blk.key  # layout_key's fields
+    return blk.chunks[lo][2].dst - (lo - slot_start)
+
+
+def _heads(heads: list[tuple[int, int]], device) -> tuple | None:
+    """A decode group's odd first bytes as index tensors on the device (source in the staging buffer, slot byte)."""
+    if not heads:
+        return None
+    src, dst = zip(*heads)
+    return (torch.tensor(src, dtype=torch.int64, device=device), torch.tensor(dst, dtype=torch.int64, device=device))
 
 
 class EncodedSource:
@@ -78,7 +97,11 @@ class EncodedSource:
         src = self.buffer[off : off + n]
         cs = self.cs
         if not cs.staging:  # no CUDA: decoded now, exactly
-            cs.codec.decode(src, slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k, n_escapes=c.n_escapes)
+            head = head_byte(self.blk, lo)
+            cs.codec.decode(src[: n - head], slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k,
+                            n_escapes=c.n_escapes)
+            if head:
+                slot[c.dst - 1 : c.dst].copy_(src[n - 1 :])
             return n
         g = self.groups[lo]
         stream = torch.cuda.current_stream(cs.device)  # the copy stream: the streamer copies inside it
@@ -95,6 +118,8 @@ class EncodedSource:
             ds.wait_event(copied)
             with torch.cuda.stream(ds):
                 g.decode.run(buf, slot, cs.decode_config)
+                if g.heads is not None:
+                    slot.index_copy_(0, g.heads[1], buf.index_select(0, g.heads[0]))
             cs.free[self.r].record(ds)
         return n
 
@@ -134,10 +159,13 @@ class CodecStream:
         R, A = b.resident_bytes, b.slot_start
         pieces, chunks, off = [], {}, 0
         for lo, hi in b.chunks:
-            enc = self.codec.encode(raw[lo - R : hi - R])
-            chunks[lo] = (off, enc.stored, self.codec.Chunk(off, lo - A, enc.nbytes, enc.k, enc.n_escapes))
-            pieces.append((off, enc.data))
-            off += -(-enc.stored // ALIGN) * ALIGN
+            seg = raw[lo - R : hi - R]
+            head = (lo - A) & 1  # an odd first byte: kept as it is, after the encoded rest (module docstring)
+            enc = self.codec.encode(seg[head:])
+            n = enc.stored + head
+            chunks[lo] = (off, n, self.codec.Chunk(off, lo - A + head, enc.nbytes, enc.k, enc.n_escapes))
+            pieces.append((off, torch.cat([enc.data, seg[:head]]) if head else enc.data))
+            off += -(-n // ALIGN) * ALIGN
         stored = sum(n for _, n, _ in chunks.values())
         return EncodedBlock(layout_key(b), chunks, b.nbytes - R, stored, off), pieces
 
@@ -175,7 +203,10 @@ class CodecStream:
             start = blk.chunks[part[0]][0]
             end = blk.chunks[part[-1]][0] + blk.chunks[part[-1]][1]
             rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - start) for lo in part]
-            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.Decode(rows, self.device))
+            heads = [(blk.chunks[lo][0] - start + blk.chunks[lo][1] - 1, blk.chunks[lo][2].dst - 1)
+                     for lo in part if head_byte(blk, lo)]
+            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.Decode(rows, self.device),
+                            _heads(heads, self.device))
             out.update((lo, g) for lo in part)
         return out
 
@@ -194,7 +225,7 @@ class CodecStream:
         else:  # the tier cannot give them now (a file being read): any bytes time the same shapes
             src.zero_()
             rows = [r._replace(k=0) for r in rows]
-        out = torch.empty(sum(blk.chunks[lo][2].nbytes for lo in los) + 2, dtype=torch.uint8, device=self.device)
+        out = torch.empty(max(r.dst + r.nbytes for r in rows) + 2, dtype=torch.uint8, device=self.device)
         config = self.codec.Decode(rows, self.device).tune(self.staging[0], out)
         torch.cuda.synchronize(self.device)
         return config

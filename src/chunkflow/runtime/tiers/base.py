@@ -24,6 +24,7 @@ A tier may also keep a module's non-block tensors while it is parked (runtime/pa
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
@@ -105,6 +106,11 @@ class Tier(HandleFeature):
         """Its fields of OffloadStats."""
         return {}
 
+    def files_read(self) -> set[Path]:
+        """The files it reads the module's weights from while the handle lives (runtime/saveguard.py keeps a save
+        from replacing them)."""
+        return set()
+
 
 class ParkHome(HandleFeature):
     """Where a parked module's non-block tensors live until its next forward (runtime/parking.py). `park` binds
@@ -135,4 +141,8 @@ class ParkHome(HandleFeature):
 
     def stats(self) -> dict:
         return {}
+
+    def files_read(self) -> set[Path]:
+        """The files it reads parked tensors from (as Tier.files_read)."""
+        return set()
 

@@ -404,6 +404,9 @@ class DiskTier(Tier):
         """Every file still as it was offloaded (state and the kernel's word); DiskTierError naming one that is not."""
         self._unchanged(list(self._states))
 
+    def files_read(self) -> set[Path]:
+        return set(self._states)
+
     def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
         """A dtype change of the module (`mapping`) is refused where it would change a tensor the disk tier reads from
         its file (the file holds the old dtype; the block would have to move to host memory whole), before anything
@@ -737,6 +740,9 @@ class DiskParking(ParkHome):
 
     def verify(self) -> None:
         self._unchanged(list(self._states))
+
+    def files_read(self) -> set[Path]:
+        return set(self._states)
 
     def _map(self, rec: TensorRecord, cur: torch.Tensor) -> torch.Tensor:
         flat = own_storage(self._maps[rec.file][1][rec.begin:rec.end])

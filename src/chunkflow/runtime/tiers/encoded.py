@@ -115,7 +115,8 @@ class EncodedTier(DiskTier):
             off, raw, stored, nbytes, chunks = rows[str(l)]
             blk = EncodedBlock(layout_key(layouts[l]), {lo: (o, n, Chunk(*c)) for lo, o, n, c in chunks}, raw,
                                stored, nbytes)
-            blk.store = HostStore(nbytes, pin=pin, data=self.segment.shared[off:off + max(nbytes, 1)])
+            blk.store = HostStore(nbytes, pin=pin, data=self.segment.shared[off:off + max(nbytes, 1)],
+                                  read_only=True)
             out[l] = blk
         return out
 

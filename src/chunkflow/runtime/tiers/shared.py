@@ -6,12 +6,14 @@ need twice the host memory for one model. Here local rank 0 writes each block's 
 tensor not wholly resident, R'_l) into a segment of host memory its host's other local ranks map
 (runtime/hostshare.py: a memfd, no file, gone with the last process); every rank page-locks the same pages for its
 GPU and copies its chunks from them, as the host tier copies from its own store. Each rank keeps its blocks' resident
-heads [0, R_l) in its own store, as every tier does. The other ranks read none of the shared bytes from the
-checkpoint: they wait for rank 0's word that the segment is filled.
+heads [0, R_l) in its own store, as every tier does. The other ranks keep none of the shared bytes (they read them
+once, to prove their values are rank 0's: runtime/digest.py): they wait for rank 0's word that the segment is filled.
 
-The segment never changes once filled. Outside its forward a tail tensor views a private copy-on-write map of it: a
-write (peft's merge, load_state_dict) lands in the writing rank's own pages, never in the other ranks' weights, and
-moves that block to the rank's host tier at the next forward (its values copied into its own store, a warning saying
+The segment never changes once filled: rank 0 seals it (runtime/hostshare.py: nobody can write it or map it writable
+from then on, and the other ranks hold a read-only descriptor), and every rank page-locks it only after the seal,
+read-only (a pinned page would make sealing fail; on CUDA the locking no longer overlaps rank 0's reads). Outside its
+forward a tail tensor views a private copy-on-write map of it: a write (peft's merge, load_state_dict) lands in the
+writing rank's own pages, never in the other ranks' weights, and moves that block to the rank's host tier at the next forward (its values copied into its own store, a warning saying
 so), as the disk tier does with its files. A block whose layout changes (a dtype change) leaves the segment the same
 way; a layout never grows the segment, so only the first layout meets the other ranks.
 
@@ -27,7 +29,7 @@ import torch
 
 from chunkflow.runtime.chunksource import ChunkSource
 from chunkflow.runtime.errors import warn_user
-from chunkflow.runtime.fingerprint import module_fingerprint, tensors_fingerprint
+from chunkflow.runtime.digest import module_digest, tensors_digest
 from chunkflow.runtime.hostshare import PAGE, HostGroup, SharedSegment, host_group
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
 from chunkflow.runtime.store import HostStore, own_storage
@@ -44,9 +46,9 @@ class SharedTierWarning(UserWarning):
 
 
 def shareable_values(module, source) -> str | None:
-    """The fingerprint of `module`'s values that the ranks compare before sharing them (runtime/fingerprint.py), or
-    None, said once, where its loader cannot tell them: one copy per rank then."""
-    values = module_fingerprint(module, source)
+    """The digest of `module`'s values that the ranks compare before sharing them (runtime/digest.py), or None, said
+    once, where its loader cannot tell them: one copy per rank then."""
+    values = module_digest(module, source)
     if values is None:
         warn_user(f"chunkflow: the weights of {type(module).__name__} come from a loader ({type(source).__name__}) "
                   "that cannot say what they are, so the ranks of this host cannot check they hold the same ones: "
@@ -83,9 +85,12 @@ class SharedHostTier(Tier):
 
     def __init__(self, group: HostGroup, what: str, values: str = ""):
         self.group, self.what = group, what
-        self.values = values  # the module's values, fingerprinted (runtime/fingerprint.py): ranks share only these
+        self.values = values  # the digest of the module's values (runtime/digest.py): ranks share only these
         self.segment: SharedSegment | None = None
-        self.store: HostStore | None = None  # the segment's shared map (page-locked on CUDA): what chunks copy from
+        self.store: HostStore | None = None  # the segment's shared map, read-only (page-locked on CUDA once sealed):
+        # what chunks copy from
+        self.pin = False  # page-lock the segment once it is sealed (a pinned page would make sealing fail)
+        self._spans: list[tuple[int, int]] = []  # the blocks' spans in the segment, each page-locked on its own
         self.places: dict[str, tuple[int, int]] = {}  # a block's key (_key) -> (S_l, its offset in the segment)
         self.keys: dict[str, str] = {}  # block name -> its key in the segment
         self.order: list[int] = []  # indices of the blocks in the segment in this layout
@@ -137,7 +142,8 @@ class SharedHostTier(Tier):
             return
         self.segment = SharedSegment.open(self.group, {"module": self.what, "values": self.values, "blocks": rows},
                                           off, self.what)
-        self.store = HostStore(off, pin=pin, ranges=spans, data=self.segment.shared[:off])
+        self.store = HostStore(off, pin=False, data=self.segment.shared[:off], read_only=True)
+        self.pin, self._spans = pin, spans
 
     def host_extent(self, b: BlockLayout) -> int:
         """Only the head is in this rank's own store."""
@@ -157,7 +163,7 @@ class SharedHostTier(Tier):
         at = self._at(b, e)
         seg = self.segment
         if self.group.owner and not seg.filled:
-            write(self.store.data[at : at + e.nbytes].view(e.dtype).view(e.shape))
+            write(seg.writable[at : at + e.nbytes].view(e.dtype).view(e.shape))
         if e.offset < R:  # its head part goes with the block's head into this rank's store
             if not self.group.owner:
                 seg.wait_filled()
@@ -174,9 +180,15 @@ class SharedHostTier(Tier):
     # ---- streaming
 
     def _ready(self) -> None:
-        """The segment filled (a peer waits for the owner's word) and page-locked: chunks may be copied from it."""
-        if not self.group.owner:
+        """The segment filled and sealed (the owner seals it, every write done; a peer waits for the owner's word),
+        then page-locked (read-only, on CUDA): chunks may be copied from it."""
+        if self.group.owner:
+            self.segment.mark_filled()
+        else:
             self.segment.wait_filled()
+        if self.pin:
+            self.pin = False
+            self.store.pin_now(self._spans)
         self.store.wait()
 
     def source(self, store: HostStore, b: BlockLayout, non_blocking: bool) -> ChunkSource:
@@ -193,9 +205,6 @@ class SharedHostTier(Tier):
         """Rank 0 says the segment is filled (once); every rank returns from offload with its weights readable; blocks
         that left the segment since the last layout are named."""
         if self.segment is not None:
-            if self.group.owner and not self.segment.filled:
-                self.store.wait()
-                self.segment.mark_filled()
             self._ready()
         if self.leaving:
             warn_user(f"chunkflow: block(s) {', '.join(sorted(self.leaving))} of {self.what} were written or "
@@ -247,7 +256,7 @@ class SharedParking(ParkHome):
         self.group, self.what = group, what
         self.own = HostParking()  # the tensors no longer as the segment holds them
         self.segment: SharedSegment | None = None
-        self.pinned: HostStore | None = None  # the segment's shared map (page-locked on CUDA)
+        self.pinned: HostStore | None = None  # the segment's shared map, read-only (page-locked on CUDA)
         self.names: list[tuple[str, str, tuple]] = []  # (name, dtype, shape) of each tensor in the segment
         self.places: list[tuple[int, int]] = []  # (offset, nbytes) of each
         self.clean: list[bool] = []  # tensor i still holds the segment's values
@@ -267,19 +276,19 @@ class SharedParking(ParkHome):
             rows.append([t.name, str(cur.dtype), list(cur.shape), off])
             off = -(-(off + n) // 256) * 256
         self.names = self._ids(tensors)
-        manifest = {"parked": self.what, "tensors": rows, "values": tensors_fingerprint(tensors)}
+        manifest = {"parked": self.what, "tensors": rows, "values": tensors_digest(tensors)}
         self.segment = SharedSegment.open(self.group, manifest, off, self.what)
-        self.pinned = HostStore(off, pin=device.type == "cuda", data=self.segment.shared)
         if self.group.owner:
             with torch.no_grad(), torch.inference_mode(False):
                 for t, (at, n) in zip(tensors, self.places):
                     cur = t.get().detach()
-                    self.pinned.data[at : at + n].view(cur.dtype).view(cur.shape).copy_(cur)
+                    self.segment.writable[at : at + n].view(cur.dtype).view(cur.shape).copy_(cur)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            self.segment.mark_filled()
+            self.segment.mark_filled()  # sealed: page-locked only now (a pinned page would make sealing fail)
         else:
             self.segment.wait_filled()
+        self.pinned = HostStore(off, pin=device.type == "cuda", data=self.segment.shared, read_only=True)
         self.clean = [True] * len(tensors)
         self.unparked = [(t.get()._version, t.get().data_ptr()) for t in tensors]
 
