@@ -38,7 +38,7 @@ def _replan(flags: str = "") -> str:
 
 def plan_problem(plan: Plan, spec: ModelSpec) -> str | None:
     """The first thing wrong with `plan` for the catalog model `spec` (its name resolved), or None."""
-    for check in (_model, _workload, _offload, _pipeline, _hardware, _priced, _memory):
+    for check in (_model, _workload, _offload, _pipeline, _hardware, _memory):
         problem = check(plan, spec)
         if problem is not None:
             return problem
@@ -141,17 +141,6 @@ def pricing_problem(cfg: OffloadConfig, hw: HardwareSpec, where: str = "hardware
         return (f"offload.disk_blocks is {cfg.disk_blocks}, but {where} has no disk_read_gbps to price the reads; "
                 f"{fix}, or {DISK_RATE_REMEDY}")
     return None
-
-
-def _priced(plan: Plan, spec: ModelSpec) -> str | None:
-    from chunkflow_planner.errors import ChunkflowError
-    from chunkflow_planner.predict import hardware_of
-
-    try:
-        hw = hardware_of(plan)
-    except ChunkflowError:
-        return None  # a malformed profile: _hardware said so
-    return pricing_problem(plan.offload, hw)
 
 
 def _memory(plan: Plan, spec: ModelSpec) -> str | None:

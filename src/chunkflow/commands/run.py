@@ -158,7 +158,7 @@ def _check_priced(p, cfg, profile: str | None) -> None:
     """The run's setting (the plan's, or with --codec, --profile) can be priced by the profile it is measured
     against, before anything is loaded: a run that could not be compared is refused now, not after it ran."""
     from chunkflow_planner.plan_checks import pricing_problem
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     where = f"--profile {profile!r}" if profile else "the plan's profile (hardware.spec)"
     problem = pricing_problem(cfg, hardware_of(p, profile), where, "run with another --profile")
@@ -188,7 +188,7 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
 
     from chunkflow_planner.files import check_distinct, check_output_file
     from chunkflow_planner.plan import files_needed
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     generating = prompt is not None
     why = files_needed(p, components=generating)

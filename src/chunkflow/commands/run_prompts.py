@@ -20,7 +20,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     from chunkflow_planner.files import check_distinct, check_output_dir, check_output_file
     from chunkflow_planner.pipeline.jobs import read_jobs
     from chunkflow_planner.plan import files_needed, model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     given = [flag for flag, v in others.items() if v is not None]
     if given:
