@@ -26,7 +26,8 @@ class PathArg:
 INPUT = PathArg(output=False)  # a file or folder read, or a name that may be one
 OUTPUT = PathArg(output=True)  # a file or folder written
 
-Model = Annotated[str, typer.Option("--model", "-m", help="catalog model name or alias (see `chunkflow models`)"), INPUT]
+Model = Annotated[str, typer.Option("--model", "-m", help="catalog model name or alias (see `chunkflow models`)"),
+                  INPUT]
 OptionalModel = Annotated[Optional[str], typer.Option("--model", "-m", help="catalog model name or alias (see "
                                                                             "`chunkflow models`)"), INPUT]
 Hardware = Annotated[Optional[str], typer.Option(help="catalog GPU (see `chunkflow hardware`) or a calibrated profile "

@@ -28,7 +28,8 @@ _WeightDtype = Annotated[Optional[str], typer.Option(help="override the plan's w
 _Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: on (the streamed bf16 weights stored "
                                                     "and copied losslessly encoded, exponent-pack) or off (raw)")]
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
-                                                      "weights); with --prompt also a Hub id in the local cache"), INPUT]
+                                                      "weights); with --prompt also a Hub id in the local cache"),
+                     INPUT]
 _Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
                                                      "generations before the measured one (default 0: the process's "
                                                      "first, start-up included, as the plan predicts; 1 with --repeat)")]
@@ -57,7 +58,8 @@ _Prompts = Annotated[Optional[str], typer.Option(help="generate every job of thi
 _OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder the outputs are written to (made if "
                                                      "missing; default: outputs)"), OUTPUT]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
-                                                      "with --prompt, else of the timed steps (to compare settings)"), OUTPUT]
+                                                      "with --prompt, else of the timed steps (to compare settings)"),
+                     OUTPUT]
 
 
 @_command("run")

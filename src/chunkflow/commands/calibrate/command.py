@@ -38,7 +38,8 @@ _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeli
                                                       "codec's ratio on its transformer's weights (--codec)"), INPUT]
 _MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", show_default=False, help="with "
                                                              "--from-report: more run reports (what an unquoted "
-                                                             "pattern, --from-report out/*-report.json, expands to)"), INPUT]
+                                                             "pattern, --from-report out/*-report.json, expands to)"),
+                        INPUT]
 
 
 @_command("calibrate")
