@@ -195,3 +195,31 @@ def test_a_full_cache_folder_is_one_line_naming_it(workdir, plan, saved, full_ca
     assert f"CHUNKFLOW_CACHE_DIR {str(full_cache)!r}" in errors[0] and "file system is full" in errors[0], out
     assert "--codec off" in errors[0] and "write to (the output)" not in out, out
     assert not Path("y.mp4").exists() and os.listdir(full_cache) == ["filler"], os.listdir(full_cache)
+
+
+# ------------------------------------------------------------------------- a folder's own invalid config
+
+
+def test_a_folders_config_value_of_the_wrong_type_is_the_folders_error(workdir, plan, saved):
+    """A saved folder whose scheduler's flow_shift is "x": diffusers fails inside the scheduler (a numpy type
+    error), which was an "internal error ... a bug in chunkflow". It is the folder's: one line naming the component,
+    its config file, the key and value, what diffusers said and what to do, exit 2."""
+    import shutil
+
+    folder = workdir / "bad"
+    shutil.copytree(saved, folder)
+    config = folder / "scheduler" / "scheduler_config.json"
+    c = json.loads(config.read_text())
+    c["flow_shift"] = "x"
+    config.write_text(json.dumps(c))
+    p = _chunkflow(["run", "--plan", plan, "--weights", folder, "--prompt", "a cat", "--steps", "1", "--out", "z.mp4"],
+                   workdir, timeout=300)
+    out = _said(p)
+    assert p.returncode == 2 and "Traceback" not in out and "internal error" not in out and "bug" not in out, out
+    errors = [l for l in out.splitlines() if l.lstrip().startswith("error:")]
+    assert len(errors) == 1, out
+    said = errors[0]
+    for part in (f"folder's {c['_class_name']} (scheduler_config.json)", "flow_shift = 'x'", "takes a float",
+                 "diffusers stopped on it:", "Fix flow_shift"):
+        assert part in said, said
+    assert not Path("z.mp4").exists()
