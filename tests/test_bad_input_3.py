@@ -325,25 +325,29 @@ def _escaped(said: str) -> None:
 
 
 def test_control_characters_in_arguments_and_files_reach_the_terminal_escaped(cli, workdir, plan):
-    """Every string from an argument or a file is shown with its control characters escaped, on every path:
-    an output path echoed, a missing plan named twice, a hardware profile's name in the plan's tables and JSON."""
+    """Every string from an argument or a file is shown with its control characters escaped, on every path: an
+    output path holding one refused in one line (a file of that name could not be shown or typed as it is), a
+    missing plan named twice, an existing profile file's name and a profile's own name in the plan's tables and
+    JSON."""
     name = f"a{HOSTILE}.json"
     result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--out", name)
-    said = _clear(result, 0, f"Plan written to a{SHOWN}.json")
+    said = _clear(result, 2, f"--out 'a{SHOWN}.json' holds a control character")
     _escaped(result.output)
-    assert Path(name).is_file()  # the file has the name asked for; only its display is escaped
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not Path(name).exists(), os.listdir(workdir)
+    _no_temporaries(workdir)
     result = cli("run", "--plan", f"gone{HOSTILE}.json")
     said = _clear(result, 2)
     _escaped(result.output)
     assert said.count(f"gone{SHOWN}.json") == 2, said  # the file, and the hint that repeats it
     profile = json.loads(plan.read_text())["hardware"]["spec"]
     profile["name"] = f"gpu{HOSTILE}"
-    Path("hw.json").write_text(json.dumps(profile))
-    result = cli("plan", "--model", "tiny", "--hardware", "hw.json")
+    Path(f"hw{HOSTILE}.json").write_text(json.dumps(profile))  # an input may hold them: it is read, and shown escaped
+    result = cli("plan", "--model", "tiny", "--hardware", f"hw{HOSTILE}.json")
     said = _clear(result, 0)
     _escaped(result.output)
-    assert f"gpu{SHOWN}" in said
-    result = cli("plan", "--model", "tiny", "--hardware", "hw.json", "--json")
+    assert f"gpu{SHOWN}" in said and f"hw{SHOWN}.json" in said, said
+    result = cli("plan", "--model", "tiny", "--hardware", f"hw{HOSTILE}.json", "--json")
     _clear(result, 0)
     _escaped(result.output)
     assert json.loads(result.stdout)["hardware"]["name"] == f"gpu{HOSTILE}"  # the same JSON document
@@ -352,7 +356,8 @@ def test_control_characters_in_arguments_and_files_reach_the_terminal_escaped(cl
 @pytest.mark.slow
 def test_a_class_name_holding_escape_sequences_is_shown_escaped(cli, workdir, plan, tmp_path_factory):
     """A downloaded model_index.json whose `_class_name` holds ESC sequences (clear the screen, restyle it):
-    the error it causes shows them escaped, on one line; so does a run report's path."""
+    the error it causes shows them escaped, on one line; so does the refusal of a run report's path holding them
+    (before the run)."""
     from pipelines import save_catalog_pipeline
 
     folder = save_catalog_pipeline("tiny", tmp_path_factory.mktemp("saved") / "tiny")
@@ -364,8 +369,10 @@ def test_a_class_name_holding_escape_sequences_is_shown_escaped(cli, workdir, pl
     _escaped(result.output)
     assert len(result.output.strip().splitlines()) == 1 and not Path("x.mp4").exists(), said
     result = cli("run", "--plan", plan, "--steps", "1", "--report", f"r{HOSTILE}.json")
-    _clear(result, 0, f"Run report written to r{SHOWN}.json")
+    said = _clear(result, 2, f"--report 'r{SHOWN}.json' holds a control character")  # refused before the run
     _escaped(result.output)
+    assert len(result.output.strip().splitlines()) == 1 and "built" not in said, result.output
+    assert not list(Path().glob("r*.json")), os.listdir()
 
 
 def test_warnings_and_library_log_lines_in_a_command_are_escaped(workdir):

@@ -111,7 +111,7 @@ def _planned(cli, saved, text: str):
     from chunkflow.commands.steps import RunOptions
     from chunkflow_planner.pipeline.jobs import parse_jobs
     from chunkflow_planner.plan import load_plan, model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     p = load_plan(_plan(cli, "tiny"))
     planned = plan_jobs(p, model_of(p), hardware_of(p), parse_jobs(text), {})
@@ -244,7 +244,7 @@ def test_ctrl_c_on_the_command_line_writes_the_report_and_exits_130(cli, workdir
 def test_a_job_asking_an_image_model_for_frames_is_refused_in_its_words(cli, workdir):
     from chunkflow_planner.pipeline.jobs import Job, fit_job
     from chunkflow_planner.plan import load_plan, model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     p = load_plan(_plan(cli, "tiny-flux"))
     fit = fit_job(p, model_of(p), hardware_of(p), Job(prompt="x", frames=9))
@@ -303,7 +303,7 @@ def test_the_file_is_read_first_and_no_output_lands_on_an_image(cli, workdir):
     from chunkflow.commands.run_jobs import plan_jobs
     from chunkflow_planner.pipeline.jobs import read_jobs
     from chunkflow_planner.plan import load_plan, model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     p = load_plan(plan)
     spec = model_of(p).model_copy(update={"vae_temporal": None})  # an image model's outputs are .png
@@ -322,7 +322,7 @@ def test_a_negative_prompt_for_a_model_without_one_is_refused_in_the_same_words_
     from chunkflow.commands.run_jobs import plan_jobs
     from chunkflow_planner.pipeline.jobs import parse_jobs
     from chunkflow_planner.plan import load_plan, model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     plan = _plan(cli, "tiny-flux")
     result = cli("run", "--plan", plan, "--prompt", "x", "--negative-prompt", "blur")

@@ -55,7 +55,7 @@ def setup_pipeline(plan: Plan, cfg: OffloadConfig, device, *, weights: str | Non
     from chunkflow.reports import RunError
     from chunkflow.weights import resolve_weights
     from chunkflow_planner.plan import model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     spec = model_of(plan)
     if spec.pipeline is None:

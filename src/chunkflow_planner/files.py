@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -62,6 +63,69 @@ def check_distinct(outputs: dict[str, str | Path | None], inputs: dict[str, str 
                                 "command reads; write it elsewhere (nothing was written)")
 
 
+# The file system's limits on a name (one path component) and a whole path, in bytes (Linux's NAME_MAX and PATH_MAX;
+# macOS and Windows allow no more). A folder's own file system may allow less: `_name_max` asks it.
+NAME_MAX = 255
+PATH_MAX = 4096
+# C0 (tab and newline included), DEL, C1, the Unicode line and paragraph separators and the bidi controls: a file name
+# holding one prints as something else than it is (a newline forges a line; an override reverses the text)
+_CONTROL_IN_NAME = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` as an error shows it: its repr, cut to `limit` characters with its length said."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def _name_max(p: Path) -> int:
+    """The longest file name (bytes) the file system of `p`'s nearest existing folder takes (NAME_MAX if unknown)."""
+    folder = p.parent
+    for _ in range(64):
+        try:
+            if os.path.isdir(folder):
+                return min(NAME_MAX, os.pathconf(folder, "PC_NAME_MAX"))
+        except (OSError, ValueError):
+            return NAME_MAX
+        if folder == folder.parent:
+            break
+        folder = folder.parent
+    return NAME_MAX
+
+
+def check_path(path: str | Path, what: str, output: bool = False) -> Path:
+    """`path` checked to be one a file system can look up, before anything touches it ("what" names it in errors:
+    "--out", "--plan"): text without a NUL byte or an unencodable character, no name in it over the file system's
+    NAME_MAX bytes (255, counted as the file system counts them, in UTF-8 bytes, not characters: 100 emoji are
+    400), the whole under PATH_MAX. An output (`output`) may not hold control characters either (a newline, an
+    escape sequence, a bidi override): it could not be shown, typed or listed as what it is. FileError says which
+    and what to do; the message shows the path escaped and cut short."""
+    text = os.fspath(path)
+    if "\x00" in text:
+        raise FileError(f"{what} {_shown(text)} holds a NUL byte, which no file name can; give the path without it")
+    try:
+        raw = os.fsencode(text)
+    except UnicodeError:
+        raise FileError(f"{what} {_shown(text)} holds characters a file name cannot be written in (a lone "
+                        "surrogate); give a path of valid text") from None
+    if output and (bad := _CONTROL_IN_NAME.search(text)):
+        raise FileError(f"{what} {_shown(text)} holds a control character ({bad.group()!r} at character "
+                        f"{bad.start() + 1}): a file of that name could not be shown or typed as it is; give a name "
+                        "of printable characters (nothing was written)")
+    if len(raw) >= PATH_MAX:
+        raise FileError(f"{what} {_shown(text)} cannot be looked up: File name too long (the path is {len(raw):,} "
+                        f"bytes, over the {PATH_MAX - 1:,} a path may have); give a shorter one")
+    p = Path(text).expanduser()
+    limit = _name_max(p)
+    for part in p.parts:
+        n = len(os.fsencode(part))
+        if n > limit:
+            chars = f"{len(part):,} characters, " if len(part) != n else ""
+            raise FileError(f"{what} {_shown(text)} cannot be looked up: File name too long (its name "
+                            f"{_shown(part, 40)} is {chars}{n:,} bytes, over the {limit} bytes a file name may have "
+                            "on this file system); give a shorter name")
+    return p
+
+
 def not_there(p: Path) -> str:
     """Why an existing-looking path cannot be found: 'does not exist', or the folder on its way this user may not
     enter (a missing file and an unreachable one look the same to exists())."""
@@ -75,7 +139,7 @@ def not_there(p: Path) -> str:
 
 def existing_file(path: str | Path, what: str) -> Path:
     """`path` as a Path, checked to be a file that exists ("what" names it in errors: "plan file", "video")."""
-    p = Path(path).expanduser()
+    p = check_path(path, what)
     if not p.exists():
         raise FileError(f"{what} {str(p)!r} {not_there(p)}")
     if p.is_dir():
@@ -115,8 +179,9 @@ def read_text(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> s
 def check_output_file(path: str | Path, what: str) -> Path:
     """Where a file will be written, checked before any work: its directory exists and is writable, and the path
     is a new name or a regular file (a directory, device, FIFO or socket there is refused: the write would replace
-    it)."""
-    p = Path(path).expanduser()
+    it). A probe file is made and removed there, so that what only the write would find (a read-only or full file
+    system, permissions os.access does not see) is found now."""
+    p = check_path(path, what, output=True)
     if p.is_dir():
         raise FileError(f"{what} {str(p)!r} is a directory; give a file name (e.g. {str(p / 'out.json')!r})")
     _check_replaceable(p, what)
@@ -125,12 +190,24 @@ def check_output_file(path: str | Path, what: str) -> Path:
         raise FileError(f"{what} {str(p)!r}: directory {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise FileError(f"{what} {str(p)!r}: directory {str(parent)!r} is not writable")
+    _probe(parent, p, what)
     return p
+
+
+def _probe(folder: Path, p: Path, what: str) -> None:
+    """A file made in `folder` and removed: FileError where none can be (a read-only file system, no inode left)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".chunkflow-probe-", dir=folder)
+    except OSError as exc:
+        raise FileError(f"{what} {_shown(str(p))}: no file can be made in {_shown(str(folder))} "
+                        f"({exc.strerror or exc}); give a folder you can write to (nothing was written)") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def check_output_dir(path: str | Path, what: str) -> Path:
     """Where a directory of outputs will be created or filled, checked before any work."""
-    p = Path(path).expanduser()
+    p = check_path(path, what, output=True)
     if p.exists() and not p.is_dir():
         kind = "a file" if p.is_file() else file_kind(p.stat().st_mode)
         raise FileError(f"{what} {str(p)!r} is {kind}; give a directory (it is created if missing)")
@@ -139,6 +216,7 @@ def check_output_dir(path: str | Path, what: str) -> Path:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise FileError(f"{what} {str(p)!r}: {str(existing)!r} is not a writable directory")
+    _probe(existing, p, what)
     return p
 
 
@@ -175,7 +253,9 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[str]:
     p = Path(path).expanduser()
     _check_replaceable(p, "output")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=suffix, dir=p.parent if str(p.parent) else ".")
+        # the temporary name is the output's with 10 bytes and the suffix more: a name near NAME_MAX gets a short one
+        prefix = f".{p.name}." if len(os.fsencode(p.name)) + 10 + len(suffix) + 8 <= NAME_MAX else ".chunkflow-"
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=p.parent if str(p.parent) else ".")
     except OSError as exc:
         raise _write_error(p, exc) from None
     os.close(fd)

@@ -12,7 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chunkflow_planner.bands import Band
-from chunkflow_planner.catalog import EFFICIENCY_RANGE, H2D_GBPS_RANGE, PEAK_TFLOPS_RANGE, ModelSpec, Workload
+from chunkflow_planner.catalog import (EFFICIENCY_RANGE, H2D_GBPS_RANGE, PEAK_TFLOPS_RANGE, CatalogError, HardwareSpec,
+                                       ModelSpec, Workload, get_hardware)
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.versioned import field_errors, read_versioned
@@ -286,7 +287,6 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     """The plan's model is in the catalog (or embedded in it), its workload is one that model can run, its SP degree splits its heads,
     and the rest of it fits that model within a real run's bounds (plan_checks): checked whole, before anything is
     loaded, every error naming `where` and the field."""
-    from chunkflow_planner.catalog import CatalogError
     from chunkflow_planner.workload import WorkloadError, validate
 
     try:
@@ -300,11 +300,35 @@ def check_plan(plan: Plan, where: str = "plan") -> None:
     if spec.heads % plan.parallel.sp_degree:
         raise PlanError(f"{where}: parallel.sp_degree {plan.parallel.sp_degree} does not divide {spec.name}'s "
                         f"{spec.heads} attention heads; re-plan with a valid --sp")
-    from chunkflow_planner.plan_checks import plan_problem
+    from chunkflow_planner.plan_checks import plan_problem, pricing_problem
 
     problem = plan_problem(plan, spec)
+    if problem is None:  # what a run is measured against: the profile must price the plan's codec and disk tier
+        problem = pricing_problem(plan.offload, hardware_of(plan))
     if problem is not None:
         raise PlanError(f"{where}: {problem}")
+
+
+def hardware_of(plan: Plan, profile: str | None = None) -> HardwareSpec:
+    """The HardwareSpec to predict a plan's runs with: `profile` (catalog name or file) if given, else the profile
+    embedded in the plan, else the catalog entry of the plan's hardware name with the plan's figures laid over it."""
+    if profile:
+        return get_hardware(profile)
+    hw = plan.hardware
+    if hw.spec:
+        try:
+            return HardwareSpec(**hw.spec)
+        except ValidationError as exc:
+            raise PlanError(f"the plan's embedded hardware profile is malformed ({exc.errors()[0]['msg']}); "
+                            "pass --profile or re-plan") from None
+    try:
+        base = get_hardware(hw.name)
+    except CatalogError:
+        base = get_hardware("h200")
+    return base.model_copy(update=dict(
+        name=hw.name, peak_tflops=hw.peak_tflops, eta_comp=hw.eta_comp, eta_pref=hw.eta_pref,
+        h2d_link_gbps=hw.h2d_gbps * base.gpus_per_host_link, eta_comp_curve=None,
+    ))
 
 
 def check_setting(plan: Plan, cfg: OffloadConfig, flags: str) -> None:

@@ -127,6 +127,22 @@ def _hardware(plan: Plan, spec: ModelSpec) -> str | None:
     return None
 
 
+def pricing_problem(cfg: OffloadConfig, hw: HardwareSpec, where: str = "hardware.spec (the profile planned with)",
+                    fix: str = "") -> str | None:
+    """What the profile `hw` lacks to price running under `cfg` (a codec's decode rate, a disk tier's read rate), or
+    None: a run measures against that price once it has run, so a plan that cannot be priced is refused before."""
+    from chunkflow_planner.tiers import CODEC_RATE_REMEDY, DISK_RATE_REMEDY, codec_known, disk_known
+
+    fix = fix or _replan()
+    if cfg.codec != "none" and not codec_known(hw):
+        return (f"offload.codec is {cfg.codec!r}, but {where} has no codec_decode_gbps to price its decode (the plan "
+                f"was edited, or the profile lost it); {fix}, or {CODEC_RATE_REMEDY}")
+    if cfg.disk_blocks and not disk_known(hw):
+        return (f"offload.disk_blocks is {cfg.disk_blocks}, but {where} has no disk_read_gbps to price the reads; "
+                f"{fix}, or {DISK_RATE_REMEDY}")
+    return None
+
+
 def _memory(plan: Plan, spec: ModelSpec) -> str | None:
     budget = plan.memory_budget_bytes or plan.hardware.memory_bytes
     if not budget:

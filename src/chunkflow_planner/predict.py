@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from chunkflow_planner.catalog import CatalogError, HardwareSpec, ModelSpec, Workload, get_hardware
+from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import analyse
-from chunkflow_planner.plan import Plan, PlanError
+from chunkflow_planner.plan import Plan
 from chunkflow_planner.policy import Problem
 
 
@@ -51,25 +51,3 @@ def predict(spec: ModelSpec, w: Workload, hw: HardwareSpec, cfg: OffloadConfig, 
         compute_s=t.compute, collective_s=t.collective, contention_stall_s=t.contention_stall,
         prefetch_stall_s=t.prefetch_stall, overhead_s=t.overhead,
     )
-
-
-def hardware_of(plan: Plan, profile: str | None = None) -> HardwareSpec:
-    """The HardwareSpec to predict a plan's runs with: `profile` (catalog name or file) if given, else the profile
-    embedded in the plan, else the catalog entry of the plan's hardware name with the plan's figures laid over it."""
-    if profile:
-        return get_hardware(profile)
-    hw = plan.hardware
-    if hw.spec:
-        try:
-            return HardwareSpec(**hw.spec)
-        except ValidationError as exc:
-            raise PlanError(f"the plan's embedded hardware profile is malformed ({exc.errors()[0]['msg']}); "
-                            "pass --profile or re-plan") from None
-    try:
-        base = get_hardware(hw.name)
-    except CatalogError:
-        base = get_hardware("h200")
-    return base.model_copy(update=dict(
-        name=hw.name, peak_tflops=hw.peak_tflops, eta_comp=hw.eta_comp, eta_pref=hw.eta_pref,
-        h2d_link_gbps=hw.h2d_gbps * base.gpus_per_host_link, eta_comp_curve=None,
-    ))

@@ -40,7 +40,7 @@ def _fail(message: str, code: int = 2) -> None:
     from rich.markup import escape
 
     # the user's words, verbatim but for markup and control characters; one line whatever a file put in them
-    err_console.print(f"[bold red]error:[/] {escape(shown(message, one_line=True))}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(shown(_cut(message), one_line=True))}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -49,11 +49,102 @@ def _say(message: str) -> None:
     err_console.print(message, highlight=False, markup=False)
 
 
+def _path_params(fn) -> dict[str, tuple[str, bool]]:
+    """The parameters of command `fn` marked as paths (commands.options.PathArg): name -> (flag, output)."""
+    import typing
+
+    from typer.models import ParameterInfo
+
+    from chunkflow.commands.options import PathArg
+
+    out = {}
+    for name, hint in typing.get_type_hints(fn, include_extras=True).items():
+        meta = getattr(hint, "__metadata__", ())
+        mark = next((m for m in meta if isinstance(m, PathArg)), None)
+        if mark is None:
+            continue
+        info = next((m for m in meta if isinstance(m, ParameterInfo)), None)
+        decls = [d for d in (getattr(info, "param_decls", None) or ()) if d.startswith("--")]
+        flag = decls[0] if decls else ("--" + name.replace("_", "-") if info is not None and
+                                       type(info).__name__ == "OptionInfo" else name.upper())
+        out[name] = (flag, mark.output)
+    return out
+
+
+def _check_paths(marked: dict[str, tuple[str, bool]], kwargs: dict) -> None:
+    """Every path argument checked before the command runs (files.check_path): one line for a path no file system
+    takes (a NUL, a name over NAME_MAX bytes, a path over PATH_MAX) or an output holding control characters."""
+    from chunkflow_planner.files import check_path
+
+    for name, (flag, output) in marked.items():
+        value = kwargs.get(name)
+        for one in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(one, str):
+                check_path(one, flag, output=output)
+
+
+def _os_error(exc: BaseException) -> str | None:
+    """The one line for an OSError or ValueError a path given on the command line causes where a check missed it
+    (a name too long for the file system, a NUL byte); None for any other exception."""
+    import errno
+
+    from chunkflow.commands.terminal import shown as _escaped
+    from chunkflow_planner.checkpoint import shown as cut
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+        name = f" {cut(str(exc.filename))}" if exc.filename is not None else ""
+        return f"a path{name} cannot be looked up: File name too long; give a shorter one"
+    if isinstance(exc, ValueError) and "embedded null" in str(exc):
+        return f"a path given holds a NUL byte ({_escaped(str(exc), one_line=True)}); give it without one"
+    return None
+
+
+def _folder_config_error(exc: BaseException) -> str | None:
+    """The one line for an exception diffusers or transformers raised inside a component whose own config holds a
+    value of the wrong type for its class (a scheduler's flow_shift "x"): the folder's error, not chunkflow's. Only
+    then: the component raising is the deepest object of the traceback with a config, and a value of that config has
+    another type than its class's default for it; None for anything else (a bug stays a bug)."""
+    import inspect
+
+    tb, culprit = exc.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if getattr(owner, "config", None) is not None and hasattr(type(owner), "config_name"):
+            culprit = owner
+        tb = tb.tb_next
+    if culprit is None or not (frame.f_globals.get("__name__", "").split(".")[0] in
+                               ("diffusers", "transformers", "numpy", "torch")):
+        return None
+    try:
+        defaults = {k: v.default for k, v in inspect.signature(type(culprit).__init__).parameters.items()
+                    if v.default is not inspect.Parameter.empty}
+    except (TypeError, ValueError):
+        return None
+    wrong = []
+    for key, value in dict(culprit.config).items():
+        default = defaults.get(key)
+        if value is None or not isinstance(default, (bool, int, float, str)):
+            continue
+        both_numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (value, default))
+        if type(value) is not type(default) and not both_numbers:
+            wrong.append((key, value, default))
+    if not wrong:
+        return None
+    key, value, default = wrong[0]
+    name, config = type(culprit).__name__, type(culprit).config_name
+    return (f"the folder's {name} ({config}) has {key} = {value!r} where {name} takes a {type(default).__name__} "
+            f"(its default is {default!r}); diffusers stopped on it: {type(exc).__name__}: {exc}. Fix {key} in that "
+            f"component's {config}, or load another folder")
+
+
 def _command(name: str):
     """Register a command behind the one error boundary (see the module docstring)."""
     from chunkflow_planner.policy import Infeasible
 
     def decorate(fn):
+        marked = _path_params(fn)
+
         @functools.wraps(fn)
         def guarded(*args, **kwargs):
             from rich.markup import escape
@@ -64,12 +155,13 @@ def _command(name: str):
             note_interrupt(None)  # a command of its own (several may run in one process: tests, notebooks)
             try:
                 with escaped_output():  # warnings and library log lines: escaped like every other string
+                    _check_paths(marked, kwargs)
                     result = fn(*args, **kwargs)
                 if interrupted() is not None:  # a library swallowed the signal: still no success
                     raise KeyboardInterrupt
                 return result
             except Infeasible as exc:
-                err_console.print(f"[bold red]infeasible:[/] {escape(str(exc))}", highlight=False)
+                err_console.print(f"[bold red]infeasible:[/] {escape(_cut(str(exc)))}", highlight=False)
                 raise typer.Exit(2) from None
             except ChunkflowError as exc:
                 if interrupted() is not None:  # an error while stopping for a signal: the signal's code
@@ -95,7 +187,10 @@ def _command(name: str):
                 if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: stdout or an output on a full disk
                     _fail(f"no space left on the device to write to ({exc.filename or 'the output'}); free some "
                           "and run it again", code=1)
-                what = shown(f"{type(exc).__name__}: {exc}", one_line=True)
+                said = _os_error(exc) or _folder_config_error(exc)
+                if said is not None:
+                    _fail(said)
+                what = shown(_cut(f"{type(exc).__name__}: {exc}"), one_line=True)
                 err_console.print(f"[bold red]internal error:[/] {escape(what)}\nThis is a bug in "
                                   f"chunkflow {__version__}; please report it at {ISSUES_URL} with the command. "
                                   "Run `chunkflow --debug ...` for the traceback.", highlight=False)
@@ -105,6 +200,11 @@ def _command(name: str):
         return app.command(name, short_help=doc)(guarded)
 
     return decorate
+
+
+def _cut(text: str, limit: int = 2000) -> str:
+    """`text` cut to `limit` characters, its length said (an exception's message may hold a whole argument)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _version(value: bool) -> None:

@@ -12,14 +12,14 @@ import typer
 
 from chunkflow.commands.app import console, UserError, _command, _say
 from chunkflow.commands.terminal import json_shown
-from chunkflow.commands.options import Hardware, Height, Variant, Width
+from chunkflow.commands.options import INPUT, OUTPUT, Hardware, Height, Variant, Width
 from chunkflow_planner.units import format_bytes, parse_duration, parse_size
 
 
 _Describe = Annotated[Optional[str], typer.Option(
     "--describe", metavar="DIR", help="derive the model entry of a diffusers folder chunkflow has never seen (a "
     "pipeline folder with model_index.json, a Hub id in the local cache, a transformer folder or its config.json) "
-    "and print it in models.yaml's format, to paste into a catalog")]
+    "and print it in models.yaml's format, to paste into a catalog"), INPUT]
 
 
 @_command("models")
@@ -74,7 +74,7 @@ def hardware_cmd() -> None:
 
 _PlanModel = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="catalog model name or alias (see `chunkflow models`), or a diffusers folder / Hub id in the "
-    "local cache to derive the model from (default: the --weights folder's)")]
+    "local cache to derive the model from (default: the --weights folder's)"), INPUT]
 _Frames = Annotated[Optional[int], typer.Option(help="video frames (1 mod the VAE's temporal factor)")]
 _Batch = Annotated[Optional[int], typer.Option(help="batch size")]
 _Steps = Annotated[Optional[int], typer.Option(help="denoising steps")]
@@ -113,7 +113,7 @@ _NoShareHost = Annotated[bool, typer.Option("--no-share-host", help="under --sp,
                                             "host copy of the streamed weights and parked components (n copies a "
                                             "host) instead of one shared by the host's ranks (the default)")]
 _AllowFp8 = Annotated[bool, typer.Option("--allow-fp8", help="let --weight-dtype auto choose lossy fp8 storage")]
-_Out = Annotated[Optional[str], typer.Option("--out", "-o", help="write the plan JSON here")]
+_Out = Annotated[Optional[str], typer.Option("--out", "-o", help="write the plan JSON here"), OUTPUT]
 _Json = Annotated[bool, typer.Option("--json", help="print the plan JSON on stdout instead of tables")]
 _PeakTflops = Annotated[Optional[float], typer.Option(help="what-if: peak dense BF16 TFLOP/s")]
 _H2dGbps = Annotated[Optional[float], typer.Option(help="what-if: effective per-GPU host-to-device GB/s (BW_h2d)")]
@@ -126,7 +126,7 @@ _PrefetchBytes = Annotated[Optional[str], typer.Option(help="what-if: per-block 
 _TextLen = Annotated[Optional[int], typer.Option(help="what-if: text context length L_ctx")]
 _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or Hub id in the local cache) it will "
                                                       "load: its files' headers give the bytes the load reads, and it "
-                                                      "is checked to hold this model's pipeline")]
+                                                      "is checked to hold this model's pipeline"), INPUT]
 
 
 @_command("plan")

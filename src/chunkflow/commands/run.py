@@ -10,12 +10,12 @@ from typing import Annotated, Optional
 import typer
 
 from chunkflow.commands.app import console, err_console, UserError, _command, _progress, _say
-from chunkflow.commands.options import Device, Variant
+from chunkflow.commands.options import INPUT, OUTPUT, Device, Variant
 from chunkflow.commands.ranks import speaks
 from chunkflow.launch import torchrun_world
 
 
-_Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`")]
+_Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`"), INPUT]
 _Mode = Annotated[Optional[str], typer.Option(help="override the plan's mode: none, layerwise or chunkflow")]
 _ChunkSize = Annotated[Optional[str], typer.Option(help="override the chunk size, e.g. 16MB or 4KB")]
 _Residency = Annotated[Optional[float], typer.Option(help="override the residency, a fraction in [0, 1]")]
@@ -28,7 +28,8 @@ _WeightDtype = Annotated[Optional[str], typer.Option(help="override the plan's w
 _Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: on (the streamed bf16 weights stored "
                                                     "and copied losslessly encoded, exponent-pack) or off (raw)")]
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
-                                                      "weights); with --prompt also a Hub id in the local cache")]
+                                                      "weights); with --prompt also a Hub id in the local cache"),
+                     INPUT]
 _Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
                                                      "generations before the measured one (default 0: the process's "
                                                      "first, start-up included, as the plan predicts; 1 with --repeat)")]
@@ -37,8 +38,8 @@ _Repeat = Annotated[int, typer.Option(help="with --prompt: generations measured 
                                            "or more makes 1 by default); the report gives each phase's median and "
                                            "every generation's time")]
 _Profile = Annotated[Optional[str], typer.Option(help="hardware profile or catalog GPU to predict with (default: the "
-                                                      "plan's)")]
-_Report = Annotated[str, typer.Option(help="where to write the JSON run report")]
+                                                      "plan's)"), INPUT]
+_Report = Annotated[str, typer.Option(help="where to write the JSON run report"), OUTPUT]
 _Seed = Annotated[int, typer.Option(help="seed for random weights and inputs; with --prompt also the generator's, as "
                                          "diffusers' torch.Generator(device).manual_seed(seed)")]
 _Prompt = Annotated[Optional[str], typer.Option(help="generate from this prompt with the whole pipeline (text "
@@ -46,18 +47,19 @@ _Prompt = Annotated[Optional[str], typer.Option(help="generate from this prompt 
 _NegativePrompt = Annotated[Optional[str], typer.Option(help="with --prompt: what to steer away from (CFG models)")]
 _Guidance = Annotated[Optional[float], typer.Option(help="with --prompt: guidance scale (default: the model's)")]
 _Out = Annotated[Optional[str], typer.Option("--out", "-o", help="with --prompt: write the result here, .mp4 (video) "
-                                                                 "or .png (image)")]
+                                                                 "or .png (image)"), OUTPUT]
 _Image = Annotated[Optional[str], typer.Option(help="with --prompt: the image to animate (image-to-video) or edit "
                                                  "(PNG, JPEG, WebP); the pipeline is the image pipeline of the "
-                                                 "plan's model (e.g. Wan image-to-video)")]
+                                                 "plan's model (e.g. Wan image-to-video)"), INPUT]
 _Prompts = Annotated[Optional[str], typer.Option(help="generate every job of this file with one load: a JSON object a "
                                                       "line (prompt, and optionally negative_prompt, seed, guidance, "
                                                       "steps, height, width, frames, image, out) or one prompt a line; "
-                                                      "outputs go to --out-dir")]
+                                                      "outputs go to --out-dir"), INPUT]
 _OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder the outputs are written to (made if "
-                                                     "missing; default: outputs)")]
+                                                     "missing; default: outputs)"), OUTPUT]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
-                                                      "with --prompt, else of the timed steps (to compare settings)")]
+                                                      "with --prompt, else of the timed steps (to compare settings)"),
+                     OUTPUT]
 
 
 @_command("run")
@@ -110,6 +112,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
                                        fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
+        _check_priced(p, cfg, profile)
         if prompts is not None:
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
@@ -153,6 +156,18 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     console.print(f"Run report written to {report}", markup=False)
 
 
+def _check_priced(p, cfg, profile: str | None) -> None:
+    """The run's setting (the plan's, or with --codec, --profile) can be priced by the profile it is measured
+    against, before anything is loaded: a run that could not be compared is refused now, not after it ran."""
+    from chunkflow_planner.plan_checks import pricing_problem
+    from chunkflow_planner.plan import hardware_of
+
+    where = f"--profile {profile!r}" if profile else "the plan's profile (hardware.spec)"
+    problem = pricing_problem(cfg, hardware_of(p, profile), where, "run with another --profile")
+    if problem is not None:
+        raise UserError(problem)
+
+
 def codec_override(codec: str | None) -> str | None:
     """`run --codec on|off` as the offload's codec (None: the plan's)."""
     if codec is None:
@@ -175,7 +190,7 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
 
     from chunkflow_planner.files import check_distinct, check_output_file
     from chunkflow_planner.plan import files_needed
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     generating = prompt is not None
     why = files_needed(p, components=generating)

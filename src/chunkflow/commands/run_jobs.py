@@ -71,6 +71,7 @@ def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any], ou
     (a later job would read the video or image written over it)."""
     from chunkflow.media import load_input_image
     from chunkflow.models.adapters import negative_prompt_refusal
+    from chunkflow_planner.files import FileError, check_path
 
     out: list[PlannedJob] = []
     taken: dict[str, int] = {}
@@ -84,7 +85,9 @@ def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any], ou
         out.append(p)
         try:
             p.out = output_name(job, ln.number, spec.is_video)
-        except ValueError as exc:
+            if out_dir is not None:  # the whole path too: a name the folder's file system takes, under PATH_MAX
+                check_path(out_dir / p.out, f"out {p.out!r} in --out-dir", output=True)
+        except (ValueError, FileError) as exc:
             p.error = str(exc)
             continue
         key = p.out.lower()
@@ -162,8 +165,9 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
                 continue
             try:
                 res.save(out_dir / p.out)
-            except ChunkflowError as exc:
+            except (ChunkflowError, OSError) as exc:  # this job's output lost (nothing half-written); the next runs
                 results.append(_result(p, "failed", error=f"writing {p.out}: {exc}"))
+                log(f"line {p.line}: failed: writing {p.out}: {exc}")
                 continue
             done = _result(p, "done", res=res, rss=rss_bytes())
             results.append(done)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkflow.commands.app import UserError, _say, console, err_console
+from chunkflow.commands.terminal import shown
 from chunkflow_planner.units import format_bytes
 
 
@@ -19,7 +20,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     from chunkflow_planner.files import check_distinct, check_output_dir, check_output_file
     from chunkflow_planner.pipeline.jobs import read_jobs
     from chunkflow_planner.plan import files_needed, model_of
-    from chunkflow_planner.predict import hardware_of
+    from chunkflow_planner.plan import hardware_of
 
     given = [flag for flag, v in others.items() if v is not None]
     if given:
@@ -55,7 +56,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
-            _say(f"line {j.line}: skipped: {j.error}")
+            _say(f"line {j.line}: skipped: {shown(j.error, one_line=True)}")
     if not runnable:
         raise JobsError(f"no job of {prompts!r} can run ({len(planned)} refused, said above); fix the lines and "
                         "run again")

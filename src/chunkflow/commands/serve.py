@@ -13,11 +13,11 @@ from typing import Annotated, Optional
 import typer
 
 from chunkflow.commands.app import UserError, _command, _say, console, err_console
-from chunkflow.commands.options import Device, Variant
+from chunkflow.commands.options import INPUT, OUTPUT, Device, Variant
 
-_Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`")]
+_Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`"), INPUT]
 _Weights = Annotated[Optional[str], typer.Option(help="diffusers pipeline folder (model_index.json) or a Hub id in "
-                                                      "the local cache (default: random weights)")]
+                                                      "the local cache (default: random weights)"), INPUT]
 _Host = Annotated[str, typer.Option(help="address to listen on: a loopback address (127.0.0.1, ::1, localhost) "
                                          "unless --allow-remote is given")]
 _AllowRemote = Annotated[bool, typer.Option("--allow-remote", help="let --host be an address other machines reach "
@@ -25,7 +25,7 @@ _AllowRemote = Annotated[bool, typer.Option("--allow-remote", help="let --host b
                                                                    "CHUNKFLOW_SERVE_TOKEN")]
 _Port = Annotated[int, typer.Option(help="TCP port to listen on (1-65535)")]
 _OutDir = Annotated[str, typer.Option(help="folder the server writes each job's output to, named by its job id "
-                                           "(created if missing)")]
+                                           "(created if missing)"), OUTPUT]
 _MaxQueue = Annotated[int, typer.Option(help="jobs that may wait at once; more are refused (HTTP 429)")]
 _Image = Annotated[bool, typer.Option("--image", help="load the image pipeline of the plan's model "
                                                       "(image-to-video, edit): each job sends its image")]

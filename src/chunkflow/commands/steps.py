@@ -30,7 +30,8 @@ from chunkflow_planner.catalog import CatalogError, ModelSpec, Workload
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.plan import Plan, model_of
 from chunkflow_planner.workload import MAX_STEPS  # denoising steps a run takes, as a plan's
-from chunkflow_planner.predict import Predicted, hardware_of, predict
+from chunkflow_planner.plan import hardware_of
+from chunkflow_planner.predict import Predicted, predict
 
 DEFAULT_MAX_STEPS = 5
 

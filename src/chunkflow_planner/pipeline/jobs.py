@@ -25,7 +25,7 @@ from chunkflow_planner.workload import MAX_STEPS, WorkloadError, make_workload
 
 MAX_PROMPT_CHARS = 4000  # the longest prompt a job takes (T5's 512 tokens are about 2000 characters of English)
 MAX_JOBS = 10_000  # lines a prompt file may hold
-MAX_NAME_CHARS = 120  # an output name's length
+MAX_NAME_BYTES = 251  # an output name's length in UTF-8 bytes: a file name holds 255 (NAME_MAX), less ".mp4"
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 MAX_JOBS_FILE_BYTES = 16 * 2**20
 
@@ -51,7 +51,7 @@ class Job(BaseModel):
     frames: int | None = Field(None, ge=1, le=4096, description="video models; default: the plan's")
     image: str | None = Field(None, max_length=4096, description="the image to animate or edit: a file path in a "
                               "prompt file (relative to the file's folder); the server takes an upload instead")
-    out: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the output's file name (no folder); "
+    out: str | None = Field(None, max_length=MAX_NAME_BYTES, description="the output's file name (no folder); "
                             "default: the job's number and the prompt's first words")
 
     @field_validator("prompt", "negative_prompt")
@@ -76,8 +76,30 @@ class Job(BaseModel):
         if not v or v in (".", "..") or "/" in v or "\\" in v or "\x00" in v or v.startswith("."):
             raise ValueError(f"{v!r} is not a plain file name; give a name such as 'fox.mp4' (no folder: outputs go "
                              "to the output folder)")
-        if any(ord(c) < 32 for c in v):
-            raise ValueError("holds control characters; give a plain file name")
+        from chunkflow_planner.files import FileError, check_path
+
+        try:
+            check_path(v, "out", output=True)  # no control character, no NUL, valid text
+        except FileError as exc:
+            raise ValueError(str(exc).removeprefix("out ")) from None
+        n = len(v.encode("utf-8"))
+        if n > MAX_NAME_BYTES:
+            raise ValueError(f"is {n} bytes long in UTF-8 ({len(v)} characters), over the {MAX_NAME_BYTES} an "
+                             "output name may have (a file name holds 255 bytes, the suffix included; an emoji is "
+                             "4); give a shorter name")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image_path(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from chunkflow_planner.files import FileError, check_path
+
+        try:
+            check_path(v, "image")  # a NUL byte, a name over NAME_MAX bytes: no file system can look it up
+        except FileError as exc:
+            raise ValueError(str(exc).removeprefix("image ")) from None
         return v
 
     def label(self, limit: int = 48) -> str:

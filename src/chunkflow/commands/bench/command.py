@@ -10,7 +10,7 @@ from rich.table import Table
 import typer
 
 from chunkflow.commands.app import console, UserError, _command, _progress
-from chunkflow.commands.options import Device, Hardware, Height, OptionalModel, Width
+from chunkflow.commands.options import INPUT, OUTPUT, Device, Hardware, Height, OptionalModel, Width
 from chunkflow.launch import torchrun_world
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES
 from chunkflow_planner.units import format_seconds, parse_size, short_bytes
@@ -134,10 +134,12 @@ _WeightDtype = Annotated[str, typer.Option(help="storage of the streamed weights
                                                 "is)")]
 _Fp8Cast = Annotated[str, typer.Option(help="with fp8_e4m3: cast each streamed block on the compute stream before "
                                             "it runs, or on the copy stream after its copies (copy)")]
-_Out = Annotated[str, typer.Option("--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots")]
+_Out = Annotated[str, typer.Option("--out", "-o", help="directory for bench.csv, bench.json, summary.md and plots"),
+                 OUTPUT]
 _Plots = Annotated[bool, typer.Option("--plots/--no-plots", help="draw the plots (needs matplotlib)")]
 _FromDir = Annotated[Optional[str], typer.Option("--from-dir", help="redraw plots and summary.md of an earlier bench "
-                                                                    "directory (no model is run; writes to --out)")]
+                                                                    "directory (no model is run; writes to --out)"),
+                    INPUT]
 
 
 # the files bench writes in --out (plots.py draws the PNGs), checked before the sweep

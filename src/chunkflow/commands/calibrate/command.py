@@ -8,36 +8,38 @@ from rich.table import Table
 import typer
 
 from chunkflow.commands.app import console, UserError, _command, _progress, _say
+from chunkflow.commands.options import INPUT, OUTPUT
 from chunkflow.launch import torchrun_rank
 from chunkflow_planner.units import format_bytes
 
 
 _Models = Annotated[Optional[str], typer.Option("--model", "-m", help="catalog model(s) whose blocks set the eta_comp "
                                                "curves, comma-separated (e.g. wan2.2,flux,hunyuan; default wan2.2); "
-                                               "each model listed gets its own curve")]
-_Out = Annotated[str, typer.Option("--out", "-o", help="write the hardware profile (YAML) here")]
+                                               "each model listed gets its own curve"), INPUT]
+_Out = Annotated[str, typer.Option("--out", "-o", help="write the hardware profile (YAML) here"), OUTPUT]
 _Save = Annotated[Optional[bool], typer.Option("--save/--no-save", help="also save it as this machine's default "
                                                                         "profile (default: yes, except --cpu-smoke)")]
 _CpuSmoke = Annotated[bool, typer.Option("--cpu-smoke", help="run every measurement tiny on the CPU (tests); the "
                                                              "numbers mean nothing")]
 _FromReport = Annotated[Optional[list[str]], typer.Option("--from-report", help="refit instead of measuring: run "
                                                           "report(s) (.json, or .jsonl with one per line); repeat the "
-                                                          "flag, or give a pattern: out/*-report.json")]
+                                                          "flag, or give a pattern: out/*-report.json"), INPUT]
 _Profile = Annotated[Optional[str], typer.Option(help="with --from-report: the profile to refit (default: each "
-                                                      "report's own)")]
+                                                      "report's own)"), INPUT]
 _GemmSize = Annotated[int, typer.Option(help="n of the n^3 bf16 GEMM")]
 _PeakTflops = Annotated[Optional[float], typer.Option(help="P_peak to express eta against (default: the catalog GPU's "
                                                            "datasheet peak)")]
 _Base = Annotated[Optional[str], typer.Option(help="catalog GPU whose unmeasured fields the profile inherits "
-                                                   "(default: by GPU name)")]
-_Raw = Annotated[Optional[str], typer.Option(help="also write the raw measurements as JSON here")]
+                                                   "(default: by GPU name)"), INPUT]
+_Raw = Annotated[Optional[str], typer.Option(help="also write the raw measurements as JSON here"), OUTPUT]
 _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeline folder (or Hub id in the local "
                                                       "cache) is on, as the loader reads it, cold and warm (default: "
                                                       "the Hugging Face cache's disk), and measure the lossless "
-                                                      "codec's ratio on its transformer's weights (--codec)")]
+                                                      "codec's ratio on its transformer's weights (--codec)"), INPUT]
 _MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", show_default=False, help="with "
                                                              "--from-report: more run reports (what an unquoted "
-                                                             "pattern, --from-report out/*-report.json, expands to)")]
+                                                             "pattern, --from-report out/*-report.json, expands to)"),
+                        INPUT]
 
 
 @_command("calibrate")

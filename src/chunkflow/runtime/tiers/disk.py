@@ -67,6 +67,22 @@ def spill_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "chunkflow"
 
 
+def _spill_failed(folder: Path, exc: OSError, written: int) -> str:
+    """Why the codec's spill file could not be written in the cache folder `folder`, and what to do."""
+    import errno
+
+    from chunkflow_planner.units import format_bytes
+
+    env = os.environ.get("CHUNKFLOW_CACHE_DIR")
+    named = f"CHUNKFLOW_CACHE_DIR {str(folder)!r}" if env else f"the cache folder {str(folder)!r}"
+    why = {errno.ENOSPC: "its file system is full", errno.EDQUOT: "your disk quota there is used up",
+           errno.EFBIG: "a limit on file size (ulimit -f) stops the file"}.get(exc.errno, exc.strerror or str(exc))
+    return (f"the codec's spill file for the disk blocks cannot be written in {named}: {why} (after "
+            f"{format_bytes(written)}; it is removed). Free space there, or set CHUNKFLOW_CACHE_DIR to a folder on a "
+            "disk with room for the encoded disk blocks, or run without the codec (--codec off); the output and "
+            "the checkpoint were not touched")
+
+
 def _pwrite_all(fd: int, data: bytes, at: int) -> None:
     view = memoryview(data)
     while view:
@@ -253,20 +269,23 @@ class DiskTier(Tier):
         kept = {}
         fd = self.spill.fileno()
         by_key = {blk.key: blk for blk in self.spilled.values()}  # by block and layout: a re-layout in the order
-        for l in self.order:  # the blocks ran moves them to other indices
-            old = by_key.get(layout_key(layouts[l]))
-            if old is not None:
-                kept[l] = old
-                continue
-            blk, pieces = self.stream.encode(layouts[l], self._raw_tail(layouts[l], self.stream.device))
-            blk.at = self.spill_end
-            for off, data in pieces:
-                _pwrite_all(fd, data.cpu().numpy().tobytes(), blk.at + off)
-            self.spill_end += -(-blk.nbytes // 4096) * 4096
-            kept[l] = blk
+        try:
+            for l in self.order:  # the blocks ran moves them to other indices
+                old = by_key.get(layout_key(layouts[l]))
+                if old is not None:
+                    kept[l] = old
+                    continue
+                blk, pieces = self.stream.encode(layouts[l], self._raw_tail(layouts[l], self.stream.device))
+                blk.at = self.spill_end
+                for off, data in pieces:
+                    _pwrite_all(fd, data.cpu().numpy().tobytes(), blk.at + off)
+                self.spill_end += -(-blk.nbytes // 4096) * 4096
+                kept[l] = blk
+            os.ftruncate(fd, self.spill_end)  # the last block's alignment padding is in the file too
+            os.fsync(fd)
+        except OSError as exc:  # a full cache disk (ENOSPC), a quota, an I/O error: the cache folder's, said so
+            raise DiskTierError(_spill_failed(spill_dir(), exc, self.spill_end)) from None
         self.spilled = kept
-        os.ftruncate(fd, self.spill_end)  # the last block's alignment padding is in the file too
-        os.fsync(fd)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
