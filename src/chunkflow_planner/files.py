@@ -195,7 +195,11 @@ def check_output_file(path: str | Path, what: str) -> Path:
 
 
 def _probe(folder: Path, p: Path, what: str) -> None:
-    """A file made in `folder` and removed: FileError where none can be (a read-only file system, no inode left)."""
+    """A file made in `folder` and removed: FileError where none can be (a read-only file system, no inode left).
+    Under torchrun only rank 0 writes a command's outputs, so only it probes: a rank other than 0 writes nothing in
+    the user's folders, not even a probe (the same RANK chunkflow.launch.torchrun_rank reads)."""
+    if os.environ.get("RANK", "0").strip() not in ("", "0"):
+        return
     try:
         fd, name = tempfile.mkstemp(prefix=".chunkflow-probe-", dir=folder)
     except OSError as exc:
