@@ -189,3 +189,319 @@ def forward(m, inputs):
 
 def blocks_of(m):
     return [m.transformer_blocks, m.single_transformer_blocks] if hasattr(m, "single_transformer_blocks") else [m.blocks]
+
+
+def fp8_bytes(m) -> dict[str, bytes]:
+    return {n: mod.weight.detach().view(torch.uint8).numpy().tobytes() for n, mod in m.named_modules()
+            if isinstance(mod, ScaledFp8Linear)}
+
+
+# -------------------------------------------------------------------------------------------- format & load
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_original_layout_maps_back_through_diffusers_converter_exactly(tmp_path, case):
+    """A bf16 file in the original layout loads as the very state dict it was written from: the names come back
+    through diffusers' converter (traced), split rows (FLUX's qkv, linear1) and swapped halves included."""
+    m, cfg, _, path, _ = CASES[case](tmp_path, fp8=False)
+    assert not fp8_scaled.detect(path)
+    loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+    want, got = m.state_dict(), loaded.state_dict()
+    assert set(got) == set(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_wan_writer_is_what_diffusers_own_converter_reads(tmp_path):
+    """The test's hand-written Wan layout is the original one: diffusers' converter, run on the data, gives the
+    model's state dict back."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    from safetensors.torch import load_file
+
+    m, _, _, path, _ = wan_case(tmp_path, fp8=False, prefix="model.diffusion_model.")
+    got = convert_wan_transformer_to_diffusers(load_file(str(path)))
+    want = m.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("case,prefix,marker", [("flux", "", True), ("flux", "model.diffusion_model.", False),
+                                                ("wan", "", True), ("wan", "model.diffusion_model.", True)])
+def test_the_loaded_model_is_bit_identical_to_the_torch_reference(tmp_path, case, prefix, marker):
+    """Every linear is a ScaledFp8Linear holding the file's e4m3 bytes and scale; the forward equals, bit for bit,
+    the diffusers model whose linears hold e4m3.to(dt) * scale.to(dt); the model's dtype stays the compute dtype."""
+    from safetensors import safe_open
+
+    m, cfg, inputs, path, ref = CASES[case](tmp_path, prefix=prefix, marker=marker)
+    assert fp8_scaled.detect(path)
+    fp8_scaled.check(path, type(m), cfg)
+    loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+    layers = {n: mod for n, mod in loaded.named_modules() if isinstance(mod, ScaledFp8Linear)}
+    assert len(layers) == sum(isinstance(x, torch.nn.Linear) for x in m.modules())
+    assert loaded.dtype == BF16
+    whole = {parts[0]: layer for layer, parts, swap in (flux_groups(m) if case == "flux" else wan_groups(m))
+             if len(parts) == 1 and not swap}
+    with safe_open(str(path), "pt") as f:  # a layer the converter does not split holds the file's very bytes
+        for name in set(layers) & set(whole):
+            key = prefix + whole[name]
+            assert torch.equal(layers[name].weight.view(torch.uint8), f.get_tensor(key + ".weight").view(torch.uint8))
+            assert torch.equal(layers[name].scale_weight, f.get_tensor(key + ".scale_weight"))
+    assert torch.equal(forward(loaded, inputs), forward(reference(m, ref), inputs))
+
+
+# ----------------------------------------------------------------------------------------------- offload
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("chunk,r", [(4096, 0.0), (3001, 0.5), (65536, 0.0), (None, 0.0)])
+def test_offloaded_from_host_memory_it_is_bit_identical_and_streams_the_fp8_bytes(tmp_path, case, chunk, r):
+    m, cfg, inputs, path, _ = CASES[case](tmp_path)
+    loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+    want = forward(loaded, inputs)
+    h = chunkflow.offload(loaded, mode="chunkflow", chunk_size=chunk, residency=r, device="cpu",
+                          blocks=blocks_of(loaded))
+    stored = {t.dtype for b in h.layouts for t in b.tensors if t.name.endswith("weight") and t.nbytes > 256}
+    assert E4M3 in stored and not any(b.cast_tensors() for b in h.layouts)  # streamed as stored, never cast
+    assert torch.equal(forward(loaded, inputs), want) and torch.equal(forward(loaded, inputs), want)
+    h.remove()
+    assert torch.equal(forward(loaded, inputs), want)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("chunk,r,k", [(4096, 0.0, 1), (3001, 0.5, 2)])
+def test_built_from_the_file_with_blocks_on_disk_it_is_bit_identical(tmp_path, case, chunk, r, k):
+    """build() + the source: each tensor read once into its final place; disk blocks read their fp8 bytes (row
+    ranges of the file's fused tensors) from the file at each forward."""
+    from chunkflow.loading.reader import FileReader
+
+    m, cfg, inputs, path, _ = CASES[case](tmp_path)
+    want = forward(fp8_scaled.load(path, type(m), cfg, BF16), inputs)
+    with FileReader() as reader:
+        module, source = fp8_scaled.build(path, type(m), cfg, BF16, reader)
+        assert all(p.device.type == "meta" for p in module.parameters())
+        h = chunkflow.offload(module, mode="chunkflow", chunk_size=chunk, residency=r, device="cpu",
+                              blocks=blocks_of(module), source=source, disk_blocks=k)
+    assert h.stats().disk_blocks == k
+    assert torch.equal(forward(module, inputs), want) and torch.equal(forward(module, inputs), want)
+    h.remove()
+
+
+def test_weight_dtype_fp8_leaves_the_scaled_layers_as_stored_and_casts_the_rest_as_diffusers_does(tmp_path):
+    """The clash, decided as a no-op on what is already fp8: ScaledFp8Linear is no nn.Linear, so chunkflow's fp8
+    storage (like diffusers' layerwise casting) leaves its weight and scale alone; the file's bf16 linears (here the
+    embedders and final layer, outside the blocks, and those inside left unquantized) are stored in fp8 as for any
+    module. The result equals diffusers' enable_layerwise_casting on the same loaded model, bit for bit."""
+    m, _, inputs, _, _ = flux_case(tmp_path)
+    path = tmp_path / "partial.safetensors"
+    groups = flux_groups(m)
+    quantized = [g for g in groups if g[0].startswith(("double_blocks", "single_blocks.0."))]
+    rest = [g for g in groups if g not in quantized]
+    write_partial(path, m, quantized, rest, flux_norms(m))
+    loaded = fp8_scaled.load(path, type(m), dict(m.config), BF16)
+    before = fp8_bytes(loaded)
+    ref = fp8_scaled.load(path, type(m), dict(m.config), BF16)
+    ref.enable_layerwise_casting(storage_dtype=E4M3, compute_dtype=BF16)
+    want = forward(ref, inputs)
+    h = chunkflow.offload(loaded, mode="chunkflow", chunk_size=4096, device="cpu", blocks=blocks_of(loaded),
+                          weight_dtype="fp8_e4m3")
+    cast = {t.name for b in h.layouts for t in b.cast_tensors()}
+    assert cast and not any(".attn.to_q." in n and n.startswith("transformer_blocks") for n in cast)
+    assert isinstance(loaded.transformer_blocks[0].attn.to_q, ScaledFp8Linear)
+    assert torch.equal(forward(loaded, inputs), want)
+    assert fp8_bytes(loaded) == before and loaded.transformer_blocks[0].attn.to_q.scale_weight.dtype == torch.float32
+
+
+def write_partial(path: Path, m, quantized, rest, norms) -> None:
+    """A file with only `quantized` layers fp8-scaled, the `rest` in bf16."""
+    tmp = path.with_suffix(".q")
+    tmp.mkdir()
+    write_file(tmp / "a.safetensors", m, quantized, {}, marker=True)
+    write_file(tmp / "b.safetensors", m, rest, norms, fp8=False)
+    from safetensors.torch import load_file
+
+    save_file({**load_file(str(tmp / "a.safetensors")), **load_file(str(tmp / "b.safetensors"))}, str(path))
+
+
+# ------------------------------------------------------------------------------------- lying or wrong files
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Edit the file's JSON header in place (its data bytes kept)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+def rewrite_tensors(path: Path, edit) -> None:
+    """Write the file again with edit(tensors) applied (a well-formed file that says something else)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def _past_end(h: dict) -> None:
+    last = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+    a, b = h[last]["data_offsets"]
+    h[last]["data_offsets"] = [a + 4096, b + 4096]
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+Q = "blocks.0.self_attn.q"
+ATTACKS = {  # name -> (how the file is damaged, what the one-line error says)
+    "truncated": (lambda p: _truncate(p), "truncated"),
+    "offsets past the end": (lambda p: rewrite_header(p, _past_end), "unused"),
+    "a scale missing": (lambda p: rewrite_tensors(p, lambda t: t.pop(f"{Q}.scale_weight")), "without a 'scale_weight'"),
+    "a scale not a scalar": (lambda p: rewrite_tensors(p, lambda t: t.update({f"{Q}.scale_weight": torch.ones(2)})),
+                             "not a scalar float"),
+    "a scale of no weight": (lambda p: rewrite_tensors(p, lambda t: t.update({"blocks.0.x.scale_weight": torch.ones(())})),
+                             "does not hold"),
+    "a wrong shape": (lambda p: rewrite_tensors(p, lambda t: t.update({"blocks.0.ffn.0.weight": t["blocks.0.ffn.0.weight"].T.contiguous()})),
+                      "the model expects"),
+    "an extra tensor": (lambda p: rewrite_tensors(p, lambda t: t.update({"blocks.0.extra.weight": torch.ones(2)})),
+                        "does not have"),
+    "a tensor missing": (lambda p: rewrite_tensors(p, lambda t: t.pop("blocks.1.ffn.2.bias")), "lacks tensor"),
+    "e5m2 weights": (lambda p: rewrite_tensors(p, lambda t: t.update({"scaled_fp8": torch.empty(0, dtype=torch.float8_e5m2)})),
+                     "e5m2"),
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_lying_or_wrong_file_is_refused_in_one_line_before_any_data_is_read(tmp_path, monkeypatch, attack):
+    from chunkflow.loading.reader import FileReader
+
+    m, cfg, _, path, _ = wan_case(tmp_path)
+    damage, said = ATTACKS[attack]
+    damage(path)
+    reads = []
+    real = FileReader.read_into
+    monkeypatch.setattr(FileReader, "read_into", lambda self, *a, **k: reads.append(a) or real(self, *a, **k))
+    for step in (lambda: fp8_scaled.check(path, type(m), cfg), lambda: fp8_scaled.load(path, type(m), cfg, BF16)):
+        with pytest.raises(CheckpointError) as err:
+            step()
+        msg = str(err.value)
+        assert said in msg and path.name in msg and "\n" not in msg
+    assert reads == []
+
+
+def test_flux_files_for_another_config_or_missing_a_tensor_are_refused_naming_it(tmp_path):
+    """diffusers' FLUX converter drops names it does not know (a scale, an extra tensor) and pops the ones it
+    needs: both are caught, the latter with the converter's own word for the tensor."""
+    m, cfg, _, path, _ = flux_case(tmp_path)
+    rewrite_tensors(path, lambda t: t.update({"double_blocks.0.extra.weight": torch.ones(2)}))
+    with pytest.raises(Fp8ScaledError, match="does not have: double_blocks.0.extra.weight"):
+        fp8_scaled.check(path, type(m), cfg)
+    rewrite_tensors(path, lambda t: [t.pop("double_blocks.0.extra.weight"), t.pop("double_blocks.1.img_attn.proj.bias")])
+    with pytest.raises(Fp8ScaledError, match="double_blocks.1.img_attn.proj.bias"):
+        fp8_scaled.check(path, type(m), cfg)
+    (tmp_path / "again").mkdir()
+    _, cfg2, _, path2, _ = flux_case(tmp_path / "again")
+    with pytest.raises(Fp8ScaledError, match="does not have"):
+        fp8_scaled.check(path2, type(m), {**cfg2, "num_layers": 1})
+
+
+# ------------------------------------------------------------------------------------------------- LoRA
+
+
+def lora_dict(m, target: str, rank: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    layer = m.get_submodule(target)
+    return {f"transformer.{target}.lora_A.weight": torch.randn(rank, layer.in_features, generator=g).to(BF16),
+            f"transformer.{target}.lora_B.weight": torch.randn(layer.out_features, rank, generator=g).to(BF16)}
+
+
+def test_a_lora_on_an_fp8_scaled_layer_is_refused_before_anything_changes(tmp_path):
+    m, cfg, inputs, path, _ = flux_case(tmp_path)
+    loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+    want, kinds = forward(loaded, inputs), [type(x) for x in loaded.modules()]
+    sd = {**lora_dict(loaded, "x_embedder"), **lora_dict(loaded, "transformer_blocks.0.attn.to_q")}
+    with pytest.raises(Fp8ScaledError, match=r"a LoRA on transformer_blocks\.0\.attn\.to_q, x_embedder: fp8-scaled"):
+        loaded.load_lora_adapter(sd, adapter_name="a")
+    assert [type(x) for x in loaded.modules()] == kinds and not getattr(loaded, "peft_config", None)
+    assert torch.equal(forward(loaded, inputs), want)
+
+
+def test_a_lora_on_the_files_bf16_layers_loads_as_on_the_reference(tmp_path):
+    """The decision is per layer: a LoRA on linears the file keeps in bf16 loads through diffusers and peft as on
+    the plain model, offloaded or not."""
+    m, _, inputs, _, _ = flux_case(tmp_path)
+    path = tmp_path / "partial.safetensors"
+    groups = flux_groups(m)
+    quantized = [g for g in groups if g[0].startswith("double_blocks")]
+    write_partial(path, m, quantized, [g for g in groups if g not in quantized], flux_norms(m))
+    sd = {**lora_dict(m, "x_embedder"), **lora_dict(m, "single_transformer_blocks.1.attn.to_q")}
+    ref = fp8_scaled.load(path, type(m), dict(m.config), BF16)
+    ref.load_lora_adapter(dict(sd), adapter_name="a")
+    loaded = fp8_scaled.load(path, type(m), dict(m.config), BF16)
+    h = chunkflow.offload(loaded, mode="chunkflow", chunk_size=4096, device="cpu", blocks=blocks_of(loaded))
+    loaded.load_lora_adapter(dict(sd), adapter_name="a")
+    assert torch.equal(forward(loaded, inputs), forward(ref, inputs))
+    h.remove()
+
+
+def test_peft_itself_refuses_the_layer_type(tmp_path):
+    """Without diffusers' loader (peft's own inject_adapter_in_model) the refusal is peft's: an unsupported layer."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    m, cfg, _, path, _ = wan_case(tmp_path)
+    loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+    with pytest.raises(ValueError, match="ScaledFp8Linear"):
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=["blocks.0.attn1.to_q"]), loaded)
+
+
+# ------------------------------------------------------------------------------ the shared tier (torchrun)
+
+
+def _worker(out_path: str) -> None:
+    """Both ranks load each file (and build it from the file) and offload it under torchrun: the blocks stream
+    from one host copy the ranks share; rank 0 writes what both saw."""
+    import torch.distributed as dist
+
+    from chunkflow.loading.reader import FileReader
+
+    dist.init_process_group("gloo")
+    rank, res = dist.get_rank(), {}
+    for case, make in CASES.items():
+        folder = Path(out_path).parent / f"rank{rank}-{case}"
+        folder.mkdir()
+        m, cfg, inputs, path, _ = make(folder)
+        loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+        want = forward(loaded, inputs)
+        h = chunkflow.offload(loaded, mode="chunkflow", chunk_size=4096, residency=0.3, device="cpu",
+                              blocks=blocks_of(loaded))
+        res[f"{case} loaded"] = dict(equal=torch.equal(forward(loaded, inputs), want),
+                                     shared=h.stats().shared_blocks, blocks=len(h.layouts))
+        dist.barrier()
+        h.remove()
+        with FileReader() as reader:
+            module, source = fp8_scaled.build(path, type(m), cfg, BF16, reader)
+            h = chunkflow.offload(module, mode="chunkflow", chunk_size=3001, residency=0.0, device="cpu",
+                                  blocks=blocks_of(module), source=source)
+        res[f"{case} built"] = dict(equal=torch.equal(forward(module, inputs), want),
+                                    shared=h.stats().shared_blocks, blocks=len(h.layouts))
+        dist.barrier()
+        h.remove()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(gathered, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_stream_the_fp8_bytes_from_one_shared_host_copy(tmp_path, workers):
+    got = workers(__file__, 2, tmp_path / "result.json", timeout=400)
+    for rank in got:
+        for what, seen in rank.items():
+            assert seen["equal"], what
+            assert seen["shared"] == seen["blocks"] > 0, what
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
