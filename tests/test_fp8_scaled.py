@@ -307,6 +307,11 @@ def test_weight_dtype_fp8_leaves_the_scaled_layers_as_stored_and_casts_the_rest_
     assert isinstance(loaded.transformer_blocks[0].attn.to_q, ScaledFp8Linear)
     assert torch.equal(forward(loaded, inputs), want)
     assert fp8_bytes(loaded) == before and loaded.transformer_blocks[0].attn.to_q.scale_weight.dtype == torch.float32
+    from chunkflow.runtime.storage import Fp8RoundedWeightsWarning
+
+    with pytest.warns(Fp8RoundedWeightsWarning):  # the bf16 layers come back fp8-rounded; the scaled ones as stored
+        h.remove()
+    assert fp8_bytes(loaded) == before
 
 
 def write_partial(path: Path, m, quantized, rest, norms) -> None:
@@ -452,6 +457,61 @@ def test_peft_itself_refuses_the_layer_type(tmp_path):
     loaded = fp8_scaled.load(path, type(m), cfg, BF16)
     with pytest.raises(ValueError, match="ScaledFp8Linear"):
         inject_adapter_in_model(LoraConfig(r=2, target_modules=["blocks.0.attn1.to_q"]), loaded)
+
+
+# ------------------------------------------------------------------------- real sizes, from the header alone
+
+
+def sparse_file(path: Path, m, groups, other: dict[str, str]) -> int:
+    """A file with the header of `m` (meta) written in the original layout, every linear fp8-scaled, and no data
+    (a sparse file of the full length): what `check` and `build` read. Returns the bytes of its tensors."""
+    shapes = {k: tuple(v.shape) for k, v in m.state_dict(keep_vars=True).items()}
+    header, at = {}, 0
+
+    def put(name: str, code: str, shape: tuple[int, ...], itemsize: int) -> None:
+        nonlocal at
+        n = itemsize * (int(torch.tensor(shape).prod()) if shape else 1)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+
+    for layer, parts, _ in groups:
+        rows = sum(shapes[f"{p}.weight"][0] for p in parts)
+        put(f"{layer}.weight", "F8_E4M3", (rows, *shapes[f"{parts[0]}.weight"][1:]), 1)
+        put(f"{layer}.scale_weight", "F32", (), 4)
+        if f"{parts[0]}.bias" in shapes:
+            put(f"{layer}.bias", "BF16", (rows,), 2)
+    for name, orig in other.items():
+        put(orig, "BF16", shapes[name], 2)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + at)
+    return at
+
+
+@pytest.mark.parametrize("model", ["FLUX.1-dev", "Wan2.1-T2V-14B"])
+def test_a_real_size_file_is_checked_and_mapped_from_its_header_alone(tmp_path, model):
+    """FLUX.1-dev and Wan 14B at their real sizes (a sparse file: a header and no data): diffusers' converter maps
+    every name (FLUX at its own width, no stretch), fused rows land at their byte offsets, nothing is read."""
+    import diffusers
+
+    from chunkflow_planner.catalog import get_model
+
+    spec = get_model(model)
+    cls, cfg = getattr(diffusers, spec.diffusers.cls), dict(spec.diffusers.config)
+    meta = fp8_scaled.meta_module(cls, cfg)
+    path = tmp_path / "real.safetensors"
+    if model.startswith("FLUX"):
+        sparse_file(path, meta, flux_groups(meta), flux_norms(meta))
+    else:
+        linear = {n for n, mod in meta.named_modules() if isinstance(mod, torch.nn.Linear)}
+        sparse_file(path, meta, wan_groups(meta), {k: wan_name(k) for k in meta.state_dict(keep_vars=True)
+                                                   if k.rsplit(".", 1)[0] not in linear})
+    p = fp8_scaled.plan(path, cls, cfg)  # what check() runs
+    assert len(p.scaled) == sum(isinstance(mod, torch.nn.Linear) for mod in meta.modules())
+    if model.startswith("FLUX"):  # single block 0's linear1 = [q; k; v; mlp]: k starts 3072 rows in
+        q, k = (p.parts[f"single_transformer_blocks.0.{n}.weight"][0] for n in ("attn.to_q", "attn.to_k"))
+        assert (k.begin - q.begin, q.nbytes, k.key) == (3072 * 3072, 3072 * 3072, "single_blocks.0.linear1.weight[3072:6144]")
 
 
 # ------------------------------------------------------------------------------ the shared tier (torchrun)

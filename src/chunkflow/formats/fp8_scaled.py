@@ -201,15 +201,20 @@ def _stretch(path: Path, model_cls: type, config: dict) -> int:
     return FLUX_WIDTH // width
 
 
-def _decode(ids: torch.Tensor, starts: torch.Tensor, keys: list[str]) -> tuple[Rows, ...]:
-    """Row ids -> runs of consecutive rows of one file tensor."""
+def _decode(ids: torch.Tensor, bounds: torch.Tensor, keys: list[str]) -> tuple[Rows, ...]:
+    """Row ids -> runs of consecutive rows of one file tensor (`bounds`: each tensor's first id, then the total)."""
     if ids.numel() == 0:
         return ()
+    starts = bounds[:-1]
+    first, n = int(ids[0]), ids.numel()
+    i = int(torch.searchsorted(starts, torch.tensor([first]), right=True)) - 1
+    if first + n <= int(bounds[i + 1]) and bool((ids[1:] - ids[:-1] == 1).all()):  # one run (most tensors)
+        return (Rows(keys[i], first - int(starts[i]), first - int(starts[i]) + n),)
     which = torch.searchsorted(starts, ids.contiguous(), right=True) - 1
     row = ids - starts[which]
-    cut = torch.ones(ids.numel(), dtype=torch.bool)
+    cut = torch.ones(n, dtype=torch.bool)
     cut[1:] = (which[1:] != which[:-1]) | (row[1:] != row[:-1] + 1)
-    at = cut.nonzero().flatten().tolist() + [ids.numel()]
+    at = cut.nonzero().flatten().tolist() + [n]
     return tuple(Rows(keys[int(which[a])], int(row[a]), int(row[a]) + b - a) for a, b in zip(at[:-1], at[1:]))
 
 
@@ -242,7 +247,7 @@ def trace_names(file: FileTensors, model_cls: type, config: dict, module_names: 
         raise _err(file.path, f"diffusers' {getattr(convert, '__name__', 'converter')} cannot map its names to "
                               f"{model_cls.__name__} ({type(exc).__name__}: {str(exc)[:200]}); the file is for "
                               "another model or config") from None
-    return {name: _decode(_unstretch(file.path, name, p, m), starts[:-1], keys) for name, p in out.items()}
+    return {name: _decode(_unstretch(file.path, name, p, m), starts, keys) for name, p in out.items()}
 
 
 # ----------------------------------------------------------------------------------- the plan: check, then build
