@@ -25,6 +25,7 @@ from chunkflow_planner.catalog import (
 )
 from chunkflow_planner import explain
 from chunkflow_planner.explain import MarginKept
+from chunkflow_planner.formats import plan_format
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import OverlapAnalysis, analyse
 from chunkflow_planner.plan import (
@@ -365,7 +366,8 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
     return Plan(
         model=PlanModel(
             name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes,
-            spec=spec if spec.derived is not None else None,  # a derived entry travels with its plan (model_of)
+            # a derived entry, or one in a stored format, travels with its plan (model_of)
+            spec=spec if spec.derived is not None or spec.stored is not None else None,
         ),
         workload=PlanWorkload(
             batch=workload.batch, frames=workload.frames, height=workload.height, width=workload.width,
@@ -384,6 +386,7 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
             baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise),
                                 none_cfg_batched=decision.none.cfg.cfg_batched),
         ),
+        format=plan_format(spec, chosen.cfg, workload, hw),
         memory_budget_bytes=budget,
         memory_margin=margin,
         target_step_time_s=decision.target_s,
