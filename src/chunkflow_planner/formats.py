@@ -163,8 +163,8 @@ def with_format(spec: ModelSpec, name: str) -> ModelSpec:
     blocks = [estimate_block(spec, g, fmt) for g in spec.blocks]
     groups = [g.model_copy(update={"stored": b}) for g, b in zip(spec.blocks, blocks)]
     block_total = sum(b.nbytes * g.count for b, g in zip(blocks, spec.blocks))
-    stored = StoredWeights(format=name, source=f"estimated: {fmt.bits_per_weight:g} bits a block weight "
-                           f"({fmt.about}), the rest in the model's dtype", nbytes=block_total + spec.non_block_bytes,
+    stored = StoredWeights(format=name, source=f"estimated before the download: {fmt.bits_per_weight:g} bits a block "
+                           "weight", nbytes=block_total + spec.non_block_bytes,
                            bf16_block_bytes=spec.block_bytes_total,
                            types={fmt.gguf_type or "F8_E4M3": sum(_quantized_weights(spec, g, fmt) * g.count
                                                                   for g in spec.blocks)})

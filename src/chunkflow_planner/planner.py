@@ -306,6 +306,7 @@ def make_plan(
     read_bytes: int | None = None,
     host_mem_margin: float | None = None,
     share_host: bool = True,
+    with_band: bool = True,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
@@ -322,7 +323,8 @@ def make_plan(
     is given (its pinned store and the process), with the fewest disk blocks that fit where the disk rate is known.
     Under SP (`sp` ranks on one host) every rank runs the whole pipeline and the host budget holds the host's memory:
     with `share_host` the ranks share the host-tier tails and parked components, once (pipeline/hostshare.py); the
-    plan's offload setting carries `share_host`."""
+    plan's offload setting carries `share_host`. `with_band` False leaves the bands out (a table that shows none:
+    `plan --format a,b,c` without a plan file)."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
@@ -354,7 +356,9 @@ def make_plan(
         plan = plan.model_copy(update={"prediction": pred, "host_memory_budget_bytes": host_budget,
                                        "host_memory_budget_source": "--host-mem-budget",
                                        "host_memory_margin": host_margin})
-    plan = with_bands(plan, problem, decision.chosen, whole, read_bytes, host_alone=whole is None and host_budget is not None)
+    if with_band:
+        plan = with_bands(plan, problem, decision.chosen, whole, read_bytes,
+                          host_alone=whole is None and host_budget is not None)
     return plan, decision, analysis
 
 

@@ -181,7 +181,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
         raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
     read_bytes = _read_bytes(spec, weights, variant, transformer_only)
 
-    def plan_of(model):  # noqa: ANN001, ANN202 - the model in one format, planned
+    def plan_of(model, with_band: bool = True):  # noqa: ANN001, ANN202 - the model in one format, planned
         levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
                            codec_refusal(model, resolved.spec))
         return make_plan(
@@ -190,7 +190,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
             target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
             host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
             mem_margin=mem_margin, read_bytes=None if model.stored is not None else read_bytes,
-            host_mem_margin=host_mem_margin, share_host=not no_share_host,
+            host_mem_margin=host_mem_margin, share_host=not no_share_host, with_band=with_band,
         )
 
     if formats is not None and len(formats) > 1:

@@ -59,7 +59,7 @@ def show_formats(console: Console, spec, formats: list[str], plan_of: Callable, 
     results: dict[str, Plan | str] = {}
     for fmt in formats:
         try:
-            results[fmt] = plan_of(with_format(spec, fmt))[0]
+            results[fmt] = plan_of(with_format(spec, fmt), bool(out or json_out))[0]  # bands only where kept
         except Infeasible as exc:
             results[fmt] = str(exc)
     written = []
