@@ -167,7 +167,9 @@ def _chosen_text(plan: Plan) -> str:
                                  if o.mode == "chunkflow" else "")
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
-    if o.mode != "none":
+    if o.mode != "none" and plan.format is not None:
+        chosen += f", weights streamed as the {plan.format.name} file stores them"
+    elif o.mode != "none":
         chosen += f", weights stored {o.weight_dtype}" + (
             " (cast on the copy stream)" if o.weight_dtype != "bf16" and o.fp8_cast == "copy" else "")
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:
