@@ -286,3 +286,22 @@ def test_old_plan_files_still_read(tmp_path):
     with pytest.raises(PlanError, match="schema_version 6"):
         load_plan(path)
     assert math.isfinite(plan.prediction.step_time_s)
+
+
+# ---- calibrate
+
+
+def test_calibrate_measures_each_formats_decode_on_the_cpu_and_the_planner_reads_it():
+    """diffusers' own dequantization (and w.to(bf16) * scale for fp8-scaled), timed on this device; the profile
+    takes the rates and a plan prices with them, marked measured."""
+    from chunkflow.commands.calibrate.formats import measure_formats
+
+    seen: list[str] = []
+    extra, raw = measure_formats(torch.device("cpu"), seen.append)
+    rates = extra["format_decode_gbps"]
+    assert set(rates) == set(LAYOUT) and all(r > 0 for r in rates.values()), seen
+    assert all(raw[f]["nbytes"] == 256 * 4096 * 2 for f in rates)
+    hw = resolve_hardware("h200").spec.model_copy(update=extra)
+    from chunkflow_planner.formats import decode_gbps
+
+    assert all(decode_gbps(f, hw) == (rates[f], True) for f in rates)

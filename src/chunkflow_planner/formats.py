@@ -34,9 +34,7 @@ from typing import TYPE_CHECKING
 from chunkflow_planner.errors import ChunkflowError
 
 if TYPE_CHECKING:
-    from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, StoredBlock, Workload
-    from chunkflow_planner.offload import OffloadConfig
-    from chunkflow_planner.plan import PlanFormat
+    from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, StoredBlock
 
 COMPUTE_BYTES = 2  # a dequantized weight in the compute dtype (bf16)
 F16_BYTES = 2  # city96's fallback for a GGUF weight whose rows do not split into quant blocks
@@ -102,7 +100,9 @@ def parse_formats(text: str) -> list[str]:
     if not names or any(not n for n in names):
         raise FormatError(f"--format {text!r} names no format; give one or more of {', '.join(FORMAT_NAMES)}, "
                           "comma-separated")
-    aliases = {"fp8": "fp8-scaled", "fp8_scaled": "fp8-scaled", "q5_k_s": "q5_k", "q4_k_s": "q4_k"}
+    # a _M file's name prices as its main type (it mixes in Q6_K: a few percent more, said in the table's notes)
+    aliases = {"fp8": "fp8-scaled", "fp8_scaled": "fp8-scaled", "q5_k_s": "q5_k", "q4_k_s": "q4_k", "q5_k_m": "q5_k",
+               "q4_k_m": "q4_k"}
     out: list[str] = []
     for n in names:
         n = aliases.get(n, n)
@@ -205,44 +205,3 @@ def dequant_peak(spec: ModelSpec) -> float:
     """The transient a stored format's dequantization adds to the GPU peak: the largest quantized weight of any
     block, in the compute dtype (one layer dequantizes at a time; 0 in the model's own dtype)."""
     return float(max((g.stored.dequant_peak_bytes for g in spec.blocks if g.stored is not None), default=0))
-
-
-# ---- what a plan records of its format
-
-def bf16_of(spec: ModelSpec) -> ModelSpec:
-    """`spec` in the model's own dtype: its stored format taken off (the blocks' bytes from their parameters)."""
-    if spec.stored is None:
-        return spec
-    return spec.model_copy(update={"stored": None, "blocks": [g.model_copy(update={"stored": None})
-                                                               for g in spec.blocks]})
-
-
-def h2d_bytes_per_step(spec: ModelSpec, cfg: OffloadConfig, w: Workload) -> float:
-    """Bytes `cfg` copies host to device in a step of `w`: each block's streamed bytes, once a forward."""
-    from chunkflow_planner.memory import stored_volumes
-    from chunkflow_planner.workload import per_forward
-
-    passes = per_forward(w, cfg.cfg_batched)[1]
-    return passes * sum(cfg.streamed_bytes(v) for v in stored_volumes(spec, cfg))
-
-
-def plan_format(spec: ModelSpec, cfg: OffloadConfig, w: Workload, hw: HardwareSpec) -> PlanFormat | None:
-    """The plan's `format` section for `spec` run under `cfg`: None in the model's own dtype."""
-    from chunkflow_planner.plan import PlanFormat
-    from chunkflow_planner.workload import per_forward
-
-    if spec.stored is None:
-        return None
-    base = bf16_of(spec)
-    names = sorted({n for g in spec.blocks for n in g.stored.decoded})
-    rates = {n: decode_gbps(n, hw) for n in names}
-    passes = per_forward(w, cfg.cfg_batched)[1]
-    st = spec.stored
-    return PlanFormat(
-        name=st.format, source=st.source, stored_bytes=st.nbytes, file_bytes=st.file_bytes, bf16_bytes=base.nbytes,
-        block_bytes_ratio=spec.block_bytes_total / base.block_bytes_total,
-        h2d_bytes_per_step=int(h2d_bytes_per_step(spec, cfg, w)),
-        h2d_bytes_per_step_bf16=int(h2d_bytes_per_step(base, cfg, w)),
-        decode_s_per_step=passes * sum(block_decode_s(g.stored, hw) for g in spec.block_sequence()),
-        decode_gbps={n: r for n, (r, _) in rates.items()}, decode_measured=all(m for _, m in rates.values()),
-        types=dict(st.types))

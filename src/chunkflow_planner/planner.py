@@ -25,7 +25,7 @@ from chunkflow_planner.catalog import (
 )
 from chunkflow_planner import explain
 from chunkflow_planner.explain import MarginKept
-from chunkflow_planner.formats import plan_format
+from chunkflow_planner.format_plan import plan_format
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import OverlapAnalysis, analyse
 from chunkflow_planner.plan import (

@@ -90,7 +90,7 @@ def _step_bytes(plan: Plan) -> str:
     """H2D bytes a step and their share of bf16's (the same setting over the bf16 blocks), or "none"."""
     f = plan.format
     if f is None:  # bf16 itself: the bytes its setting streams
-        from chunkflow_planner.formats import h2d_bytes_per_step
+        from chunkflow_planner.format_plan import h2d_bytes_per_step
         from chunkflow_planner.plan import model_of
 
         moved = h2d_bytes_per_step(model_of(plan), plan.offload, plan.workload.to_workload())
