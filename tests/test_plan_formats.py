@@ -145,6 +145,7 @@ def test_a_plan_from_an_fp8_scaled_safetensors_file(tmp_path):
             tensors[name[: -len(".weight")] + ".scale_weight"] = scale.reshape(())
         else:
             tensors[name] = p.to(torch.bfloat16)
+    tensors = {"model.diffusion_model." + k: v for k, v in tensors.items()}  # as Comfy's checkpoints name them
     tensors["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
     save_file(tensors, tmp_path / "flux_fp8_scaled.safetensors")
     stored = from_file(spec, tmp_path / "flux_fp8_scaled.safetensors")
