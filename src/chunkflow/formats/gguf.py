@@ -27,7 +27,7 @@ from chunkflow.loading.reader import FileReader
 from chunkflow_planner.checkpoint import CheckpointError, TensorRecord, few_names, shown
 from chunkflow_planner.gguf_header import GGUFHeader, GGUFTensor, read_header
 
-__all__ = ["GGUF_TYPES", "UNQUANTIZED_TYPES", "check", "load", "GGUFSource", "GGUFFiles", "byte_records"]
+__all__ = ["GGUF_TYPES", "UNQUANTIZED_TYPES", "check", "load", "source", "GGUFSource", "GGUFFiles", "byte_records"]
 
 GGUF_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0")  # quantized types chunkflow streams
 UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
@@ -194,3 +194,8 @@ class GGUFSource:
 
     def disk_files(self) -> GGUFFiles:
         return GGUFFiles(dict(self.records), self.data_start)
+
+
+def source(path: Path, module: nn.Module) -> GGUFSource:
+    """What the runtime's disk tier reads `module`'s blocks by (formats' optional `source` hook)."""
+    return GGUFSource(path, module)
