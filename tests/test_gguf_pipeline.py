@@ -120,3 +120,16 @@ def test_transformer_needs_weights(cli, workdir, saved):
     plan = _plan(cli, "tiny")
     result = cli("run", "--plan", plan, "--transformer", saved["tiny"][1], "--prompt", "a cat", "--device", "cpu")
     assert result.exit_code == 2 and "--weights DIR" in result.output
+
+
+def test_plan_checks_the_file_and_serve_refuses_a_bad_one(cli, workdir, saved):
+    folder, gguf = saved["tiny"]
+    ok = cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB", "--weights", folder,
+             "--transformer", gguf, "--out", "plan.json")
+    assert ok.exit_code == 0, ok.output
+    assert f"transformer: {gguf} (gguf), checked" in ok.output
+    other = saved["tiny-flux"][1]
+    bad = cli("plan", "--model", "tiny", "--hardware", "cpu", "--weights", folder, "--transformer", other)
+    assert bad.exit_code == 2 and "lacks tensor" in bad.output and "Traceback" not in bad.output
+    served = cli("serve", "--plan", "plan.json", "--weights", folder, "--transformer", other, "--port", "8765")
+    assert served.exit_code == 2 and "lacks tensor" in served.output, served.output

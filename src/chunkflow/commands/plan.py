@@ -129,6 +129,13 @@ _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or H
                                                       "is checked to hold this model's pipeline"), INPUT]
 
 
+_Transformer = Annotated[Optional[str], typer.Option(help="with --weights DIR: the transformer the run will read from "
+                                                           "this single file (a GGUF file), checked from its header "
+                                                           "against the folder's config"), INPUT]
+_Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
+                         INPUT]
+
+
 @_command("plan")
 def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = None, height: Height = None, width: Width = None,
              steps: _Steps = None, sp: _Sp = 1, hardware: Hardware = None, mem_budget: _MemBudget = None,
@@ -142,7 +149,8 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, disk_gbps: _DiskGbps = None,
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
-             weights: _Weights = None, variant: Variant = None) -> None:
+             weights: _Weights = None, variant: Variant = None, transformer: _Transformer = None,
+             transformer_2: _Transformer2 = None) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency; with --weights DIR
     (or --model DIR) and no catalog model, for the model derived from that folder. Every prediction carries a band
     (`12.4 s +-6%`: about 95% of runs on the profile's machine), from the profile's fits and the planner's own error;
@@ -172,6 +180,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     if transformer_only and gen_target is not None:
         raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
     read_bytes = _read_bytes(spec, weights, variant, transformer_only)
+    _check_transformer_files(spec, weights, {"transformer": transformer, "transformer_2": transformer_2})
     plan, decision, analysis = make_plan(
         spec, workload, resolved, sp=sp, budget=budget,
         max_slowdown=None if target is not None else (max_slowdown or 1.05),
@@ -186,6 +195,23 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
              "components for their phase only")
     _show_plan(plan, decision, analysis, out, json_out)
+
+
+def _check_transformer_files(spec, weights: str | None, files: dict[str, str | None]) -> None:
+    """--transformer FILE: checked from its header against the folder's transformer config (a file the run could
+    not load is refused now, before anything is downloaded or run)."""
+    files = {k: v for k, v in files.items() if v}
+    if not files:
+        return
+    if weights is None:
+        raise UserError("--transformer FILE is checked against the pipeline folder's transformer config: give "
+                        "--weights DIR with it")
+    from chunkflow.models.transformer_file import check_files
+    from chunkflow.weights import resolve_weights
+
+    formats = check_files(spec, resolve_weights(weights), files)
+    _say("; ".join(f"{name}: {files[name]} ({fmt}), checked against the folder's config" for name, fmt in
+                   formats.items()))
 
 
 def _check_plan_flags(max_slowdown: float | None, target_step_time: str | None, text_len: int | None,
