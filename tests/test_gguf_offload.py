@@ -104,3 +104,28 @@ def test_in_place_write_reaches_the_forward(tmp_path):
         plain.get_parameter(name).copy_(src)
     assert torch.equal(_run(m, kw), _run(plain, kw))
     h.remove()
+
+
+def test_lora_on_gguf_blocks_as_diffusers(tmp_path):
+    """peft wraps a GGUFLinear as its base layer (diffusers' add_adapter on a GGUF module): injected while offloaded
+    (the blocks laid out again with the new tensors) the output equals the same adapter on the module without
+    chunkflow. Fusing into quantized bytes fails in diffusers itself (peft adds a dense delta to the bytes); it is
+    not a chunkflow case."""
+    from peft import LoraConfig
+
+    def adapter(m):
+        torch.manual_seed(5)
+        m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False),
+                      adapter_name="a")
+
+    m, kw, _ = _module(tmp_path, "wan", Q.Q8_0)
+    (tmp_path / "p").mkdir()
+    plain, _, _ = _module(tmp_path / "p", "wan", Q.Q8_0)
+    adapter(plain)
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.3, device="cpu")
+    adapter(m)
+    assert type(m.blocks[0].attn1.to_q.base_layer).__name__ == "GGUFLinear"
+    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert h.stats().relayouts == 1
+    h.remove()
+    assert torch.equal(_run(m, kw), _run(plain, kw))
