@@ -43,9 +43,7 @@ def file_component(name: str, path: Path, spec, folder: Path | None) -> Componen
 
 def check_files(spec, folder: Path | None, files: dict[str, str]) -> dict[str, str]:
     """Each file checked (file_component) before anything is loaded: component -> its format."""
-    from chunkflow.models.pipeline_build import BuiltPipeline
-
-    names = BuiltPipeline(None, spec, torch.device("cpu"), {}).names("transformer")
+    names = ["transformer"] + [f"transformer_{k + 1}" for k in range(1, spec.pipeline.experts)]  # as BuiltPipeline
     out = {}
     for name, path in files.items():
         if name not in names:
