@@ -33,7 +33,7 @@ def saved(tmp_path_factory):
             sd = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
             if name == "tiny":
                 sd = {wan_original_name(k): v for k, v in sd.items()}
-            out[name] = (folder, write_gguf(root / f"{name}.gguf", sd, Q.Q8_0))
+            out[name] = (folder, write_gguf(root / f"{name}.gguf", sd, Q.Q8_0, "wan" if name == "tiny" else "flux"))
     return out
 
 
