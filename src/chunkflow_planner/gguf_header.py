@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.checkpoint import CheckpointError
 
 __all__ = ["GGUFHeaderError", "GGUFTensor", "GGUFHeader", "read_header", "is_gguf", "GGML_TYPES",
            "GGUF_MAGIC", "type_name"]
@@ -44,7 +44,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-class GGUFHeaderError(ChunkflowError):
+class GGUFHeaderError(CheckpointError):
     """A file that is not a GGUF file chunkflow can read, or whose header contradicts itself or its size; the
     message names the file (and the tensor) and what to do."""
 

@@ -136,6 +136,13 @@ _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or H
                                                       "is checked to hold this model's pipeline"), INPUT]
 
 
+_Transformer = Annotated[Optional[str], typer.Option(help="with --weights DIR: the transformer the run will read from "
+                                                           "this single file (a GGUF file), checked from its header "
+                                                           "against the folder's config"), INPUT]
+_Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
+                         INPUT]
+
+
 @_command("plan")
 def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = None, height: Height = None, width: Width = None,
              steps: _Steps = None, sp: _Sp = 1, hardware: Hardware = None, mem_budget: _MemBudget = None,
@@ -149,7 +156,8 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, disk_gbps: _DiskGbps = None,
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
-             weights: _Weights = None, variant: Variant = None, weight_format: _Format = None) -> None:
+             weights: _Weights = None, variant: Variant = None, weight_format: _Format = None,
+             transformer: _Transformer = None, transformer_2: _Transformer2 = None) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency; with --weights DIR
     (or --model DIR) and no catalog model, for the model derived from that folder. Every prediction carries a band
     (`12.4 s +-6%`: about 95% of runs on the profile's machine), from the profile's fits and the planner's own error;
@@ -193,6 +201,14 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
             host_mem_margin=host_mem_margin, share_host=not no_share_host, with_band=with_band,
         )
 
+    _check_transformer_files(spec, weights, {"transformer": transformer, "transformer_2": transformer_2})
+    if transformer is not None:  # priced from the file's header, block by block, as it will stream
+        if formats is not None:
+            raise UserError("--transformer FILE is priced from the file itself; --format prices a format before "
+                            "its download: give one or the other")
+        from chunkflow_planner.stored_file import from_file
+
+        spec = from_file(spec, transformer)
     if formats is not None and len(formats) > 1:
         show_formats(console, spec, formats, plan_of, out, json_out)
         return
@@ -208,6 +224,23 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
              "components for their phase only")
     _show_plan(plan, decision, analysis, out, json_out)
+
+
+def _check_transformer_files(spec, weights: str | None, files: dict[str, str | None]) -> None:
+    """--transformer FILE: checked from its header against the folder's transformer config (a file the run could
+    not load is refused now, before anything is downloaded or run)."""
+    files = {k: v for k, v in files.items() if v}
+    if not files:
+        return
+    if weights is None:
+        raise UserError("--transformer FILE is checked against the pipeline folder's transformer config: give "
+                        "--weights DIR with it")
+    from chunkflow.models.transformer_file import check_files
+    from chunkflow.weights import resolve_weights
+
+    formats = check_files(spec, resolve_weights(weights), files)
+    _say("; ".join(f"{name}: {files[name]} ({fmt}), checked against the folder's config" for name, fmt in
+                   formats.items()))
 
 
 def _check_plan_flags(max_slowdown: float | None, target_step_time: str | None, text_len: int | None,

@@ -36,6 +36,7 @@ from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.order import ExecutionOrder
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.parking import Parking, TurnTaking, take_turns
+from chunkflow.runtime.quantized import check_quantized
 from chunkflow.runtime.resolve import (
     check_not_offloaded,
     check_parameters,
@@ -650,6 +651,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     check_parameters(named)
+    check_quantized(named, cfg.weight_dtype, cfg.codec)
     if cfg.streams:
         check_no_layerwise_casting(module)
     tiers = tiers_for(cfg, module, len(named), source) if cfg.streams else []

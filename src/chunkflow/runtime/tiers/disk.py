@@ -110,6 +110,9 @@ class DiskFiles(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: `header_end(path)`, where a file's tensor data may start (a GGUF file's data section); without it
+    # the file is a safetensors file (8 bytes of length, then its JSON header)
+
 
 @dataclass(frozen=True)
 class _Part:
@@ -378,11 +381,14 @@ class DiskTier(Tier):
             if st.st_size < end:
                 raise DiskTierError(f"{str(path)!r} is {st.st_size} bytes but its header places tensors up to byte "
                                     f"{end}; it is truncated: download or save it again")
-            header = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
+            header_end = getattr(self.files, "header_end", None)  # a format's own (GGUF), else safetensors'
+            end_of_header = (header_end(path) if header_end is not None
+                             else 8 + int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little"))
             first = min(p.rec.begin for ps in self.parts.values() for p in ps if p.rec.file == path)
-            if 8 + header > first:
-                raise DiskTierError(f"{str(path)!r}'s header ({header} bytes) overlaps the tensors it describes; the "
-                                    "file changed since it was opened or is damaged: download or save it again")
+            if end_of_header > first:
+                raise DiskTierError(f"{str(path)!r}'s header ({end_of_header} bytes) overlaps the tensors it "
+                                    "describes; the file changed since it was opened or is damaged: download or save "
+                                    "it again")
             if path not in self._maps:  # private: a write to a tail tensor never reaches the file
                 mm = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 self._maps[path] = torch.frombuffer(mm, dtype=torch.uint8)
