@@ -133,3 +133,26 @@ def test_plan_checks_the_file_and_serve_refuses_a_bad_one(cli, workdir, saved):
     assert bad.exit_code == 2 and "lacks tensor" in bad.output and "Traceback" not in bad.output
     served = cli("serve", "--plan", "plan.json", "--weights", folder, "--transformer", other, "--port", "8765")
     assert served.exit_code == 2 and "lacks tensor" in served.output, served.output
+
+
+def test_a_format_plan_runs_only_its_format(cli, workdir, saved, tmp_path):
+    """A plan priced for a stored format (plan --format, or from a file) never runs the folder's bf16 weights or a
+    file of another format: one line before the load; the plan made from the file itself runs it."""
+    folder, gguf = saved["tiny"]
+    base = ["--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB"]
+    run = ["--weights", folder, "--prompt", "a cat", "--device", "cpu", "--steps", "1"]
+    assert cli("plan", *base, "--format", "q4_0", "--out", "q4.json").exit_code == 0
+    no_file = cli("run", "--plan", "q4.json", *run)
+    assert no_file.exit_code == 2 and "q4_0" in no_file.output and "--transformer FILE" in no_file.output
+    assert "Traceback" not in no_file.output and not Path("report.json").exists()
+    other = cli("run", "--plan", "q4.json", "--transformer", gguf, *run)
+    assert other.exit_code == 2 and "stores the transformer as q8_0" in other.output, other.output
+    made = cli("plan", *base, "--weights", folder, "--transformer", gguf, "--out", "q8.json")
+    assert made.exit_code == 0, made.output
+    assert json.loads(Path("q8.json").read_text())["format"]["name"] == "q8_0"
+    both = cli("plan", *base, "--weights", folder, "--transformer", gguf, "--format", "q8_0")
+    assert both.exit_code == 2 and "one or the other" in both.output
+    ok = cli("run", "--plan", "q8.json", "--transformer", gguf, *run, "--latents", "l.safetensors")
+    assert ok.exit_code == 0, ok.output
+    with pytest.raises(chunkflow.ChunkflowError, match="--transformer FILE"):
+        chunkflow.load("q4.json", folder, device="cpu")

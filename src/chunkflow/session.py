@@ -96,6 +96,9 @@ class Session:
         if files and weights is None:
             raise JobError("transformer=FILE reads the transformer from a file and the rest of the pipeline from "
                            "the folder: give weights=DIR with it")
+        from chunkflow.models.transformer_file import check_plan_format
+
+        check_plan_format(self.plan, files)
         why = files_needed(self.plan, self.cfg, how="weights=DIR")
         if why is not None and weights is None:
             raise JobError(why)

@@ -65,6 +65,9 @@ def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", 
     require_serve_extras()
     p, folder = _check_serve(plan, weights, port, out_dir, max_queue, image, log_level)
     files = {k: v for k, v in (("transformer", transformer), ("transformer_2", transformer_2)) if v}
+    from chunkflow.models.transformer_file import check_plan_format
+
+    check_plan_format(p, files)
     if files:
         from chunkflow.models.transformer_file import check_files
         from chunkflow_planner.plan import model_of

@@ -70,3 +70,24 @@ def file_setting(cfg: OffloadConfig, fmt: str, log) -> OffloadConfig:
     log(f"note: the transformer file is GGUF: its quantized bytes are streamed as stored (the plan's "
         f"weight_dtype={cfg.weight_dtype}, codec={cfg.codec} do not apply)")
     return cfg.with_overrides(weight_dtype="bf16", codec="none")
+
+
+def check_plan_format(plan, files: dict[str, str]) -> None:
+    """The plan's stored format against the transformer files given: a plan priced for a format (`plan --format`,
+    `plan --transformer FILE`) runs only that format's file; without one, the folder's own weights would run where
+    the plan priced others (its memory and time would be of another model). Header only, before anything is read."""
+    fmt = getattr(plan, "format", None)
+    if fmt is None or fmt.name == "bf16":
+        return
+    if "transformer" not in files:
+        raise CheckpointError(f"the plan streams the transformer as {fmt.name} ({fmt.source}): give the file with "
+                              f"--transformer FILE (transformer=FILE in Python), or plan without --format to run "
+                              "the folder's own weights")
+    from chunkflow_planner.plan import model_of
+    from chunkflow_planner.stored_file import from_file
+
+    path = files["transformer"]
+    stored = from_file(model_of(plan), path).stored
+    if stored is not None and stored.format != fmt.name:
+        raise CheckpointError(f"{path} stores the transformer as {stored.format}, and the plan was made for "
+                              f"{fmt.name}: plan again with --transformer {path}")
