@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunkflow.runtime.codecs import Codec
+from chunkflow.runtime.codecs.base import Codec
 from chunkflow_planner.offload import CODEC_STAGING_CHUNKS, codec_group_chunks
 
 if TYPE_CHECKING:  # annotations only: the codec needs nothing of the layout's module
@@ -98,8 +98,7 @@ class EncodedSource:
         cs = self.cs
         if not cs.staging:  # no CUDA: decoded now, exactly
             head = head_byte(self.blk, lo)
-            cs.codec.decode(src[: n - head], slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k,
-                            n_escapes=c.n_escapes)
+            cs.codec.decode(src[: n - head], slot[c.dst : c.dst + c.nbytes], c)
             if head:
                 slot[c.dst - 1 : c.dst].copy_(src[n - 1 :])
             return n
@@ -161,10 +160,10 @@ class CodecStream:
         for lo, hi in b.chunks:
             seg = raw[lo - R : hi - R]
             head = (lo - A) & 1  # an odd first byte: kept as it is, after the encoded rest (module docstring)
-            enc = self.codec.encode(seg[head:])
-            n = enc.stored + head
-            chunks[lo] = (off, n, self.codec.Chunk(off, lo - A + head, enc.nbytes, enc.k, enc.n_escapes))
-            pieces.append((off, torch.cat([enc.data, seg[:head]]) if head else enc.data))
+            data, chunk = self.codec.encode(seg[head:], off, lo - A + head)
+            n = data.numel() + head
+            chunks[lo] = (off, n, chunk)
+            pieces.append((off, torch.cat([data, seg[:head]]) if head else data))
             off += -(-n // ALIGN) * ALIGN
         stored = sum(n for _, n, _ in chunks.values())
         return EncodedBlock(layout_key(b), chunks, b.nbytes - R, stored, off), pieces
@@ -205,7 +204,7 @@ class CodecStream:
             rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - start) for lo in part]
             heads = [(blk.chunks[lo][0] - start + blk.chunks[lo][1] - 1, blk.chunks[lo][2].dst - 1)
                      for lo in part if head_byte(blk, lo)]
-            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.Decode(rows, self.device),
+            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.group(rows, self.device),
                             _heads(heads, self.device))
             out.update((lo, g) for lo in part)
         return out
@@ -224,9 +223,9 @@ class CodecStream:
             src.copy_(data)
         else:  # the tier cannot give them now (a file being read): any bytes time the same shapes
             src.zero_()
-            rows = [r._replace(k=0) for r in rows]
+            rows = [self.codec.any_bytes(r) for r in rows]
         out = torch.empty(max(r.dst + r.nbytes for r in rows) + 2, dtype=torch.uint8, device=self.device)
-        config = self.codec.Decode(rows, self.device).tune(self.staging[0], out)
+        config = self.codec.group(rows, self.device).tune(self.staging[0], out)
         torch.cuda.synchronize(self.device)
         return config
 
