@@ -59,7 +59,8 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
                 out.add(id(first.value))
     return out
 
@@ -104,7 +105,8 @@ def test_no_tier_subclasses_another_tier():
 def test_no_tier_module_imports_a_codec_or_names_one():
     for name, tree in _modules(TIERS_DIR).items():
         assert not {m for m in _imports(tree) if m.startswith("chunkflow.runtime.codecs")}, name
-        words = {i for i in _identifiers(tree) if any(w in i.lower() for w in CODEC_WORDS)} | {"stream"} & _identifiers(tree)
+        names = _identifiers(tree)
+        words = {i for i in names if any(w in i.lower() for w in CODEC_WORDS)} | ({"stream"} & names)
         assert not words, (name, words)
         said = [m for m in _messages(tree) if any(w in m.lower() for w in CODEC_WORDS)]
         assert not said, (name, said)

@@ -277,8 +277,8 @@ class FileValues:
         return self._records[(id(e.owners[0][0]), e.owners[0][1])]
 
     def view(self, store: HostStore, b: BlockLayout, e: TensorEntry) -> torch.Tensor:
-        """Tensor e of one of its blocks outside its forward; one of its tail: its bytes in the file, mapped copy-on-write
-        (a converted copy in host memory where the file stores another dtype)."""
+        """Tensor e of one of its blocks outside its forward; one of its tail: its bytes in the file, mapped
+        copy-on-write (a converted copy in host memory where the file stores another dtype)."""
         if e.end <= b.resident_bytes:
             return store_view(store, b, e)
         rec = self._rec(e)
