@@ -232,14 +232,14 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
                    {"--plan": plan, "--weights": folder, "--image": image,
                     "--profile": opts.profile if opts.profile and Path(opts.profile).exists() else None})
     picture = _check_pipeline(p, folder, image) if generating else None
-    from chunkflow.models.transformer_file import check_plan_format
-
-    check_plan_format(p, opts.transformers or {})
     if opts.transformers:
         from chunkflow.models.transformer_file import check_files
         from chunkflow_planner.plan import model_of
 
-        check_files(model_of(p), folder, opts.transformers)  # headers against the folder's configs, nothing read
+        check_files(model_of(p), folder, opts.transformers)
+    from chunkflow.models.transformer_file import check_plan_format
+
+    check_plan_format(p, opts.transformers or {})  # headers against the folder's configs, nothing read
     return picture
 
 

@@ -65,14 +65,14 @@ def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", 
     require_serve_extras()
     p, folder = _check_serve(plan, weights, port, out_dir, max_queue, image, log_level)
     files = {k: v for k, v in (("transformer", transformer), ("transformer_2", transformer_2)) if v}
-    from chunkflow.models.transformer_file import check_plan_format
-
-    check_plan_format(p, files)
     if files:
         from chunkflow.models.transformer_file import check_files
         from chunkflow_planner.plan import model_of
 
         check_files(model_of(p), folder, files)  # headers against the folder's configs, before the port and load
+    from chunkflow.models.transformer_file import check_plan_format
+
+    check_plan_format(p, files)  # the plan's format against the file's (or the folder's own weights)
     token = _check_access(host, allow_remote)
     from chunkflow.serve.server import bind
 
