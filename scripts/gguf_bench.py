@@ -102,7 +102,7 @@ def _load(folder: Path, qtype_name: str):
 
 def _plan(folder: Path, qtype_name: str, budget: str, tiny: bool) -> dict:
     """The setting chunkflow's planner chooses for this format at `budget` (catalog FLUX.1-dev, 1024x1024)."""
-    hw = "cpu" if tiny else ("h200" if "H200" in torch.cuda.get_device_name() else "h100")
+    hw = "cpu" if tiny else ("h200" if "H200" in torch.cuda.get_device_name() else "h100-sxm")
     out = folder / f"plan-{qtype_name}.json"
     cmd = [sys.executable, "-m", "chunkflow", "plan", "--model", "flux", "--height", "1024", "--width", "1024",
            "--steps", "8", "--transformer-only", "--mem-budget", budget, "--hardware", hw, "--format", qtype_name,
