@@ -79,11 +79,19 @@ def format_module(name: str) -> ModuleType:
 def check(path: str | os.PathLike, model_cls: type, config_dir: str | os.PathLike) -> str:
     """The file's format, after checking the file against `model_cls` built from `config_dir`'s config."""
     fmt = detect(path)
-    format_module(fmt).check(Path(path), model_cls, Path(config_dir))
+    format_module(fmt).check(Path(path), model_cls, _config(fmt, model_cls, config_dir))
     return fmt
 
 
 def load(path: str | os.PathLike, model_cls: type, config_dir: str | os.PathLike, compute_dtype):
     """The module `model_cls` from the file (checked first), computing in `compute_dtype`."""
     fmt = detect(path)
-    return format_module(fmt).load(Path(path), model_cls, Path(config_dir), compute_dtype)
+    return format_module(fmt).load(Path(path), model_cls, _config(fmt, model_cls, config_dir), compute_dtype)
+
+
+def _config(fmt: str, model_cls: type, config_dir: str | os.PathLike):
+    """What format `fmt`'s module builds the model from: the folder (GGUF: diffusers' from_single_file reads it), or
+    the config it holds (fp8-scaled builds the model itself)."""
+    if fmt == "fp8-scaled":
+        return dict(model_cls.load_config(str(config_dir)))
+    return Path(config_dir)
