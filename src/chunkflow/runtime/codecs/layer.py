@@ -24,7 +24,6 @@ ranks share, else the host tier); the tiers themselves stay as they are for the 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -36,7 +35,7 @@ from chunkflow.runtime.tensors import all_tensors
 from chunkflow.runtime.tiers import Tier, tiers_for
 from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes
 from chunkflow.runtime.tiers.disk import DiskTier
-from chunkflow.runtime.tiers.files import FileValues, disk_files
+from chunkflow.runtime.tiers.files import FileValues, ValuesInFiles, disk_files
 
 # the held bytes' own figures under their OffloadStats names (the disk's ring figures keep theirs)
 HELD_FIELDS = {"host_bytes": "codec_host_bytes", "pinned_bytes": "codec_pinned_bytes",
@@ -68,7 +67,7 @@ def tiers_with_codec(cfg, module, n_blocks: int, source) -> list[Tier]:
     return out
 
 
-class CodedTier(Tier):
+class CodedTier(ValuesInFiles, Tier):
     """Blocks whose tails a tier holds encoded (module docstring): `values`, the checkpoint's files as their tensors'
     home outside the forward (and the blocks it takes); `held`, the tier holding their encoded bytes; `fields`, the
     prefix of its OffloadStats fields; `what`, the setting, for messages."""
@@ -101,27 +100,6 @@ class CodedTier(Tier):
         blk, pieces = self.stream.encode(b, self.values.raw_tail(b, self.stream.device))
         self._made[repr(blk.key)] = blk
         return Bytes(blk.nbytes, blk.row(), pieces)
-
-    def host_extent(self, b: BlockLayout) -> int:
-        return self.values.host_extent(b)
-
-    def supply(self, store: HostStore, b: BlockLayout, e, write) -> bool:
-        return self.values.supply(store, b, e, write)
-
-    def view(self, store: HostStore, b: BlockLayout, e) -> torch.Tensor:
-        return self.values.view(store, b, e)
-
-    def verify(self) -> None:
-        self.values.verify()
-
-    def files_read(self) -> set[Path]:
-        return self.values.files_read()
-
-    def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
-        self.values.check_dtypes(layouts, mapping)
-
-    def demote(self, blocks: set[int]) -> bool:
-        return self.values.demote(blocks)
 
     # ---- streaming
 

@@ -43,7 +43,7 @@ from chunkflow.runtime.store import HostStore, own_storage
 from chunkflow.runtime.tensors import all_tensors
 from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes, ParkHome, Tier
 from chunkflow.runtime.tiers.files import (DiskFiles, DiskTierError, DiskTierWarning, FileValues, _FileState, _state,
-                                           disk_files, pwrite_all)
+                                           ValuesInFiles, disk_files, pwrite_all)
 from chunkflow.runtime.tiers.hostcopies import HostCopies
 from chunkflow_planner.checkpoint import TensorRecord
 from chunkflow_planner.offload import DISK_RING_BLOCKS
@@ -194,7 +194,7 @@ class Ring:
                     disk_read_stall_s=self.stall_s, disk_ring_bytes=self.nbytes)
 
 
-class DiskTier(Tier):
+class DiskTier(ValuesInFiles, Tier):
     """The disk tier of one handle (module docstring): `values`, the blocks whose tails live in the files."""
 
     name = "disk"
@@ -244,27 +244,6 @@ class DiskTier(Tier):
         v = self.values
         v.laid_out(layouts, self)
         self.ring.lay_out(v.order, max((layouts[l].nbytes - v.tail[l] for l in v.order), default=0), pin)
-
-    def host_extent(self, b: BlockLayout) -> int:
-        return self.values.host_extent(b)
-
-    def supply(self, store: HostStore, b: BlockLayout, e, write) -> bool:
-        return self.values.supply(store, b, e, write)
-
-    def view(self, store: HostStore, b: BlockLayout, e) -> torch.Tensor:
-        return self.values.view(store, b, e)
-
-    def verify(self) -> None:
-        self.values.verify()
-
-    def files_read(self) -> set[Path]:
-        return self.values.files_read()
-
-    def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
-        self.values.check_dtypes(layouts, mapping)
-
-    def demote(self, blocks: set[int]) -> bool:
-        return self.values.demote(blocks)
 
     # ---- the handle's part
 

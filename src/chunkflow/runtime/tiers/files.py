@@ -356,3 +356,32 @@ class FileValues:
                 state = None
             if state != self._states[path]:
                 raise self._changed(path)
+
+
+class ValuesInFiles:
+    """The Tier methods of a tier whose blocks' values outside the forward are the checkpoint's files (`self.values`,
+    a FileValues): the disk tier and the codec layer over its files, which differ only in where a block streams
+    from."""
+
+    values: FileValues
+
+    def host_extent(self, b: BlockLayout) -> int:
+        return self.values.host_extent(b)
+
+    def supply(self, store: HostStore, b: BlockLayout, e, write) -> bool:
+        return self.values.supply(store, b, e, write)
+
+    def view(self, store: HostStore, b: BlockLayout, e) -> torch.Tensor:
+        return self.values.view(store, b, e)
+
+    def verify(self) -> None:
+        self.values.verify()
+
+    def files_read(self) -> set[Path]:
+        return self.values.files_read()
+
+    def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
+        self.values.check_dtypes(layouts, mapping)
+
+    def demote(self, blocks: set[int]) -> bool:
+        return self.values.demote(blocks)
