@@ -61,6 +61,7 @@ class BuiltPipeline:
     load: "LoadMeasurement | None" = None  # how the build went (build_pipeline)
     prompts: "PromptCache | None" = None  # the text encoders' outputs kept for prompts already encoded
     extra_models: list[str] = field(default_factory=list)  # models beyond the plan's (an image encoder)
+    folder: Path | None = None  # the pipeline folder it was loaded from (None: random weights)
 
     def disk_reads(self) -> dict[str, int]:
         """Bytes each component read from the checkpoint's files since it was built (its blocks' tails and its
@@ -299,6 +300,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
     folder = Path(weights) if weights is not None else None
+    built.folder = folder
     from chunkflow.models.adapters import run_class
 
     slots = check_slots(folder, spec, image) if folder is not None else None  # every class it names, first
