@@ -1,4 +1,4 @@
-"""The encoded tier (runtime/tiers/encoded.py) on the CPU, with the runtime's own code: a module whose streamed tails
+"""The codec layer over the tiers (runtime/codecs/layer.py) on the CPU, with the runtime's own code: a module whose streamed tails
 are kept encoded (codec exponent-pack) gives the outputs of no offload bit for bit, alone and mixed with the disk
 and host tiers, in both streaming modes; the bytes a forward copies are the encoded ones; outside the forward every
 tensor has its values; writes and LoRA layers move blocks to the host tier; nothing is written to the checkpoint;

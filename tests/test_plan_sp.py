@@ -233,9 +233,9 @@ def test_cli_no_share_host():
 
 
 def test_with_the_codec_the_encoded_tails_are_what_the_ranks_share():
-    """FLUX at 1024x1024 under SP=2 with the codec on: local rank 0 encodes the host tier's tails once (runtime
-    tiers/encoded.py), so the shared bytes hold them encoded, at the codec's ratio of the raw tails, beside the
-    parked components whole."""
+    """FLUX at 1024x1024 under SP=2 with the codec on: local rank 0 encodes the host tier's tails once
+    (runtime/codecs/layer.py over the shared tier), so the shared bytes hold them encoded, at the codec's ratio of the
+    raw tails, beside the parked components whole."""
     from chunkflow_planner.codec import codec_ratio
 
     spec = get_model("flux")

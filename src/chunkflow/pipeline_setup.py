@@ -5,6 +5,7 @@ against the plan's prediction of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from chunkflow.reports import LoadResult
@@ -48,9 +49,11 @@ class PipelineSetup:
 def setup_pipeline(plan: Plan, cfg: OffloadConfig, device, *, weights: str | None = None, variant: str | None = None,
                    profile: str | None = None, seed: int = 0, steps: int | None = None,
                    progress: Callable[[str, int | None, int | None], None] | None = None,
-                   log: Callable[[str], None] = lambda s: None, image: bool = False) -> PipelineSetup:
+                   log: Callable[[str], None] = lambda s: None, image: bool = False,
+                   transformers: dict[str, str] | None = None) -> PipelineSetup:
     """Resolve the run's model, hardware and workload (`steps` in place of the plan's where given); build the
-    pipeline on `device` (a torch.device) with its load measured. `image`: the image pipeline of the family."""
+    pipeline on `device` (a torch.device) with its load measured. `image`: the image pipeline of the family.
+    `transformers`: transformer component -> a single file read instead of the folder's (`--transformer FILE`)."""
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow.reports import RunError
     from chunkflow.weights import resolve_weights
@@ -67,11 +70,14 @@ def setup_pipeline(plan: Plan, cfg: OffloadConfig, device, *, weights: str | Non
     placements, tiling = placements_of(plan)
     on_bytes = (lambda done, total: progress("load", done, total)) if progress is not None else None
     built = build_pipeline(spec, placements, cfg, device, weights=folder, seed=seed, vae_tiling=tiling,
-                           variant=variant, log=log, on_bytes=on_bytes, image=image)
+                           variant=variant, log=log, on_bytes=on_bytes, image=image,
+                           transformer_files={k: Path(v) for k, v in (transformers or {}).items() if v is not None})
     comparable = (device.type == "cuda") != hw.pipeline.device_is_host  # the plan's device is the one run on
     load = load_result(built, plan, hw, folder, variant, comparable)
     log(f"built the {spec.pipeline.cls} ({'random weights' if folder is None else folder}) in "
         f"{load.measured_time_s:.1f} s on {device}")
+    for name, path in load.transformer_files.items():
+        log(f"{name}: read from {path} ({load.transformer_formats[name]})")
     for name, have in load.component_bytes.items():
         want = load.planned_component_bytes.get(name)
         if want and have > want * 1.01:
@@ -107,6 +113,8 @@ def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: 
         read_bytes=m.read_bytes, cached_fraction=cached, read_seconds=m.read_seconds,
         host_peak_bytes=m.host_peak_bytes, component_bytes=m.component_bytes, planned_component_bytes=planned,
         disk_component_bytes=m.disk_component_bytes,
+        transformer_files={k: f for k, (f, _) in built.transformer_files.items()},
+        transformer_formats={k: fmt for k, (_, fmt) in built.transformer_files.items()},
         predicted_time_s=pred_t, predicted_parts_s=parts, predicted_host_peak_bytes=pred_host,
         time_error=rel_error(m.seconds, pred_t) if pred_t is not None else None,
         host_error=rel_error(m.host_peak_bytes, pred_host) if pred_host is not None else None)

@@ -75,6 +75,10 @@ class LoadResult(BaseModel):
     disk_component_bytes: dict[str, int] = Field(default_factory=dict, description="components placed on disk: "
                                                  "their bytes, left in the checkpoint's files (not read at load)")
     planned_component_bytes: dict[str, int] = Field(default_factory=dict)
+    transformer_files: dict[str, str] = Field(default_factory=dict, description="transformers read from a single "
+                                              "file (--transformer FILE) instead of the folder: component -> file")
+    transformer_formats: dict[str, str] = Field(default_factory=dict, description="those files' formats "
+                                                "(gguf, fp8-scaled): component -> format")
     predicted_time_s: float | None = Field(None, description="the plan's load time for these bytes and this cache "
                                            "share")
     predicted_parts_s: dict[str, float] = Field(default_factory=dict)

@@ -77,7 +77,8 @@ class Session:
 
     def __init__(self, plan, weights: str | Path | None = None, *, device: str | None = None,
                  variant: str | None = None, profile: str | None = None, image: bool = False,
-                 offload=None, seed: int = 0,
+                 offload=None, seed: int = 0, transformer: str | Path | None = None,
+                 transformer_2: str | Path | None = None,
                  progress: Callable[[str, int | None, int | None], None] | None = None,
                  log: Callable[[str], None] = lambda s: None) -> None:
         from chunkflow.pipeline_setup import MAX_SEED, setup_pipeline
@@ -91,6 +92,13 @@ class Session:
             raise JobError(f"seed must be between 0 and 2**62 ({MAX_SEED}), got {seed}")
         if variant is not None and weights is None:
             raise JobError("variant picks files in a weights folder; give weights=DIR with it")
+        files = {k: str(v) for k, v in (("transformer", transformer), ("transformer_2", transformer_2)) if v}
+        if files and weights is None:
+            raise JobError("transformer=FILE reads the transformer from a file and the rest of the pipeline from "
+                           "the folder: give weights=DIR with it")
+        from chunkflow.models.transformer_file import check_plan_format
+
+        check_plan_format(self.plan, files)
         why = files_needed(self.plan, self.cfg, how="weights=DIR")
         if why is not None and weights is None:
             raise JobError(why)
@@ -100,7 +108,8 @@ class Session:
         self.image = image
         self._setup = setup_pipeline(self.plan, self.cfg, resolve_device(device, hint="device='cpu'"),
                                      weights=None if weights is None else str(weights), variant=variant,
-                                     profile=profile, seed=seed, progress=progress, log=log, image=image)
+                                     profile=profile, seed=seed, progress=progress, log=log, image=image,
+                                     transformers=files)
         self.spec, self.hw, self.device = self._setup.spec, self._setup.hw, self._setup.device
 
     # -- what the session holds -------------------------------------------------------------------------------
@@ -256,11 +265,14 @@ class _Closed:
 
 def load(plan, weights: str | Path | None = None, *, device: str | None = None, variant: str | None = None,
          profile: str | None = None, image: bool = False, offload=None, seed: int = 0,
+         transformer: str | Path | None = None, transformer_2: str | Path | None = None,
          progress: Callable[[str, int | None, int | None], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> Session:
     """Load the plan's pipeline once (a plan file, a dict or a Plan): `weights` a diffusers pipeline folder or a Hub
     id in the local cache (None: random weights), `device` (default: the GPU), `image=True` for the image pipeline
-    of the model's family (image-to-video, edit), `offload` an OffloadConfig in place of the plan's. `progress(phase,
+    of the model's family (image-to-video, edit), `offload` an OffloadConfig in place of the plan's, `transformer`
+    (and `transformer_2`, a second expert's) a single file the transformer is read from instead of the folder's (a
+    GGUF file, checked from its header against the folder's config before anything is read). `progress(phase,
     done, total)` hears of the load's bytes ("load"); `log` of what the load says."""
     return Session(plan, weights, device=device, variant=variant, profile=profile, image=image, offload=offload,
-                   seed=seed, progress=progress, log=log)
+                   seed=seed, transformer=transformer, transformer_2=transformer_2, progress=progress, log=log)

@@ -30,10 +30,11 @@ from pydantic import (
 from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
 
-CATALOG_SCHEMA_VERSION = 4  # 4: each fit's quality and the planner's errors from run reports (fits, model_errors;
-# issue 41); 3: the codec's figures (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28
-# (text_layer_host_us, host_margin); 1 is migrated
-READ_AS_IS_VERSIONS = (2, 3)  # profiles of these versions hold no field version 4 dropped or changed
+CATALOG_SCHEMA_VERSION = 5  # 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
+# quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
+# (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is
+# migrated
+READ_AS_IS_VERSIONS = (2, 3, 4)  # profiles of these versions hold no field version 5 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -53,6 +54,35 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+QuantFormat = Literal["q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "fp8-scaled"]  # formats.FORMATS less bf16
+
+
+class StoredBlock(_Strict):
+    """One block as a stored format holds it (chunkflow_planner/formats.py): from the file's header, or estimated
+    from the format's bits per weight before anything is downloaded."""
+
+    nbytes: int = Field(gt=0, description="bytes of the block's tensors as stored: what the tiers hold and stream")
+    decoded: dict[QuantFormat, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict, description="by quant type, bytes of the block's quantized weights once dequantized in "
+        "the compute dtype: what its forward decodes, each call")
+    dequant_peak_bytes: int = Field(0, ge=0, description="the largest quantized weight of the block in the compute "
+                                    "dtype: the transient a layer's dequantization allocates")
+
+
+class StoredWeights(_Strict):
+    """The transformer's weights in a stored format, as a whole (formats.py)."""
+
+    format: QuantFormat = Field(description="the format; of a file, the quant type most of its block weights take")
+    source: str = Field(description="where the bytes come from: a file's header, or the format's bits per weight")
+    nbytes: int = Field(gt=0, description="bytes of every tensor of the transformer as stored (a file: its tensors' "
+                        "data; an estimate: the blocks' estimate and the rest in the model's own dtype)")
+    file_bytes: int | None = Field(None, gt=0, description="the file's size on disk (a file only)")
+    bf16_block_bytes: int = Field(gt=0, description="the blocks' bytes in the model's own dtype, what it is set "
+                                  "against")
+    types: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict, description="block weights by the "
+                                                          "type they are stored in (GGUF type or dtype)")
+
+
 class BlockGroup(_Strict):
     """One ordered list of identical blocks in the transformer (e.g. Flux's 19 double-stream blocks)."""
 
@@ -68,6 +98,8 @@ class BlockGroup(_Strict):
                                     "(measured with `params`)")
     fp8_kept_params: int | None = Field(None, ge=0, description="of `params`, those fp8 storage keeps in their own "
                                         "dtype (norms, modulation; measured with `params`)")
+    stored: StoredBlock | None = Field(None, description="one block as a stored format holds it (ModelSpec.stored); "
+                                       "unset: in the model's own dtype")
 
     @model_validator(mode="after")
     def _measured_whole(self) -> "BlockGroup":
@@ -147,6 +179,21 @@ class ModelSpec(_Strict):
     diffusers: DiffusersSpec
     pipeline: PipelineSpec | None = Field(None, description="the rest of the diffusers pipeline (text encoders, VAE)")
     derived: Derived | None = Field(None, description="set on an entry derived from a folder, not written by hand")
+    stored: StoredWeights | None = Field(None, description="the weights in a stored format (GGUF, fp8-scaled; "
+                                         "formats.py), every block group's `stored` set with it; unset: bf16, the "
+                                         "model's own dtype")
+
+    @model_validator(mode="after")
+    def _stored_whole(self) -> "ModelSpec":
+        has = [g.stored is not None for g in self.blocks]
+        if any(has) != all(has) or (self.stored is not None) != all(has):
+            raise ValueError("a stored format sets `stored` on the model and on every block group together")
+        return self
+
+    @property
+    def weight_format(self) -> str:
+        """The stored format's name (formats.FORMATS), "bf16" for the model's own dtype."""
+        return "bf16" if self.stored is None else self.stored.format
 
     @property
     def is_video(self) -> bool:
@@ -182,7 +229,10 @@ class ModelSpec(_Strict):
 
     def block_bytes(self, group: BlockGroup) -> int:
         """Bytes of one block of `group` as the built model holds it: dtype_bytes a parameter, float32 for those its
-        class keeps in float32 (params.block_fp32_params; the runtime's layout of the block has the same bytes)."""
+        class keeps in float32 (params.block_fp32_params; the runtime's layout of the block has the same bytes); in a
+        stored format, its bytes as stored (group.stored)."""
+        if group.stored is not None:
+            return group.stored.nbytes
         fp32 = self.block_fp32_params(group)
         return (self.block_params(group) - fp32) * self.dtype_bytes + 4 * fp32
 
@@ -200,7 +250,10 @@ class ModelSpec(_Strict):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every parameter as the loaded model holds them: dtype_bytes each, float32 for fp32_params."""
+        """Bytes of every parameter as the loaded model holds them: dtype_bytes each, float32 for fp32_params; in a
+        stored format, its tensors' bytes as stored."""
+        if self.stored is not None:
+            return self.stored.nbytes
         return (self.total_params - self.fp32_params) * self.dtype_bytes + 4 * self.fp32_params
 
     def component_bytes(self) -> dict[str, int]:
@@ -503,6 +556,10 @@ class HardwareSpec(_Strict):
                                             "bytes' lossless codec (exponent-pack) decodes at on the GPU: its "
                                             "decode's price (tiers.decode_s); `chunkflow calibrate` measures it; "
                                             "unset: the codec cannot be priced and the planner never picks it")
+    format_decode_gbps: dict[QuantFormat, Annotated[float, Field(gt=0, le=1e6)]] = Field(
+        default_factory=dict, description="by stored format, GB/s of dequantized output (compute dtype) its layers' "
+        "dequantization runs at on the GPU, diffusers' own functions (`chunkflow calibrate` measures them); a "
+        "format left out is priced at formats.SUPPOSED_DECODE_SHARE x hbm_gbps, supposed")
     codec_encode_gbps: float | None = Field(None, gt=0, le=1e6, description="GB/s of raw streamed bytes a load "
                                             "encodes with the codec, end to end (to the GPU, encoded, back to "
                                             "pinned memory): the load's price of the codec (pipeline/load.py); "
@@ -749,7 +806,7 @@ def load_profile(path: Path) -> HardwareSpec:
     if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 2-3 as they are, 1 migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 2-4 as they are, 1 migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

@@ -16,6 +16,9 @@ Assumptions (stated so they can be checked against `chunkflow run`):
   holds a staging ring of CODEC_STAGING_CHUNKS of the largest streamed chunk the encoded copies land in. The disk
   tier's tails are encoded too: at the load into one spill file chunkflow owns (rho of their bytes, disk space, not
   host memory), read from it each forward into a ring of DISK_RING_BLOCKS of the largest encoded tail.
+- Stored format (issue 52, formats.py): every weight byte above is the format's (the blocks' volumes are their stored
+  bytes, ModelSpec.block_bytes), and one layer's dequantized weight lives beside them while it runs, in every mode
+  (the largest quantized weight of a block in the compute dtype: `dequant`).
 - Prediction = torch's peak allocated bytes. The budget check (`device_need`) adds what the allocator holds of freed
   activations (the hardware's alloc_slack, measured: about a third of the activations on an H200), its reserve
   (reserve_fraction) and the device memory torch does not count (context_bytes: CUDA context and libraries).
@@ -26,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
+from chunkflow_planner.formats import dequant_peak
 from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices
 from chunkflow_planner.tiers import encoded_bytes
 from chunkflow_planner.workload import per_forward, tokens
@@ -53,11 +57,12 @@ class MemoryEstimate:
     codec_stored: float = 0.0  # codec: the same tails encoded, as the host store holds them and the link carries them
     codec_spill_raw: float = 0.0  # codec: the disk tier's tails, raw (read once at the load, decoded each forward)
     codec_spill: float = 0.0  # codec: the same encoded, the spill file (disk space, not host memory): disk_read
+    dequant: float = 0.0  # stored format: the dequantized weight of the layer running (formats.dequant_peak)
 
     @property
     def peak(self) -> int:
         return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations
-                   + self.cast_buffer + self.codec_staging)
+                   + self.cast_buffer + self.codec_staging + self.dequant)
 
     @property
     def codec_saved(self) -> float:
@@ -138,8 +143,9 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
     (tiers.codec_ratio; without it the supposed one)."""
     V = block_volumes(spec)
     act = activation_bytes(spec, per_forward(w, cfg.cfg_batched)[0], sp)
+    dequant = dequant_peak(spec)
     if cfg.mode == "none":
-        return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0)
+        return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0, dequant=dequant)
     full = V
     V = stored_volumes(spec, cfg)
     resident = [cfg.resident_bytes(v) for v in V]
@@ -162,7 +168,7 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         codec = dict(codec_staging=codec_staging_bytes(cfg, V), codec_raw=tails, codec_stored=stored,
                      codec_spill_raw=on_disk, codec_spill=disk_read)
     return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, pinned, cast, disk_read, ring,
-                          **codec)
+                          dequant=dequant, **codec)
 
 
 def host_need(m: MemoryEstimate, hw: HardwareSpec) -> float:

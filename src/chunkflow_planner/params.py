@@ -195,3 +195,55 @@ def block_params(arch: str, spec: ModelSpec) -> int:
     except KeyError:
         raise ValueError(f"unknown block arch {arch!r}; known: {', '.join(BLOCK_PARAMS)}") from None
     return fn(spec)
+
+
+# ---- the 2-D weights of a block, which stored formats quantize (chunkflow_planner/formats.py)
+
+Shape2D = tuple[int, int]
+
+
+def _linears(n: int, n_in: int, n_out: int) -> list[Shape2D]:
+    """`n` nn.Linear(n_in, n_out) weights, as (out, in) shapes."""
+    return [(n_out, n_in)] * n
+
+
+def _wan_linears(spec: ModelSpec) -> list[Shape2D]:
+    d, f = spec.d, spec.f
+    added_kv = _config(spec, "added_kv_proj_dim", None)
+    out = _linears(4, d, d) + _linears(4, d, d)  # attn1 to_q, to_k, to_v, to_out.0; attn2 the same
+    if added_kv is not None:
+        out += _linears(2, added_kv, d)  # attn2 add_k_proj, add_v_proj
+    return out + [(f, d), (d, f)]  # ffn.net.0.proj, ffn.net.2
+
+
+def _mmdit_double_linears(spec: ModelSpec) -> list[Shape2D]:
+    """FLUX, HunyuanVideo and Qwen-Image double-stream blocks: two modulation linears (d -> 6d), eight d x d
+    attention projections (q, k, v and out of each stream), two FFNs."""
+    d, f = spec.d, spec.f
+    return _linears(2, d, 6 * d) + _linears(8, d, d) + [(f, d), (d, f)] * 2
+
+
+def _mmdit_single_linears(spec: ModelSpec) -> list[Shape2D]:
+    """FLUX and HunyuanVideo single-stream blocks: modulation (d -> 3d), q, k, v, the MLP in and the fused out."""
+    d, f = spec.d, spec.f
+    return [(3 * d, d)] + _linears(3, d, d) + [(f, d), (d, d + f)]
+
+
+LINEAR_SHAPES: dict[str, Callable[[ModelSpec], list[Shape2D]]] = {
+    "wan_dit": _wan_linears,
+    "flux_double": _mmdit_double_linears,
+    "flux_single": _mmdit_single_linears,
+    "hunyuan_double": _mmdit_double_linears,
+    "hunyuan_single": _mmdit_single_linears,
+    "qwen_double": _mmdit_double_linears,
+}
+
+
+def linear_shapes(arch: str, spec: ModelSpec) -> list[Shape2D]:
+    """The (out, in) shapes of the 2-D weights of one block of layout `arch` (every nn.Linear's weight; the rest of
+    block_params are 1-D biases and norms, and Wan's 3-D modulation table)."""
+    try:
+        fn = LINEAR_SHAPES[arch]
+    except KeyError:
+        raise ValueError(f"unknown block arch {arch!r}; known: {', '.join(LINEAR_SHAPES)}") from None
+    return fn(spec)

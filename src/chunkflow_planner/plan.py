@@ -20,9 +20,10 @@ from chunkflow_planner.versioned import field_errors, read_versioned
 
 # 2: model.spec, the whole entry of a model derived from a folder (issue 37). A version 1 plan reads as it is: its
 # model is the catalog's (model_of).
-PLAN_SCHEMA_VERSION = 4  # 4: a band on every prediction (prediction.bands, issue 41); 3: the codec (offload.codec and
-# its prediction fields, issue 39); 3, 2 and 1 read as they are (no bands)
-OLDER_PLAN_VERSIONS = (1, 2, 3)
+PLAN_SCHEMA_VERSION = 5  # 5: the stored format (`format`, issue 52); 4: a band on every prediction (prediction.bands,
+# issue 41); 3: the codec (offload.codec and its prediction fields, issue 39); 4, 3, 2 and 1 read as they are (bf16;
+# no bands before 4)
+OLDER_PLAN_VERSIONS = (1, 2, 3, 4)
 
 
 class PlanError(ChunkflowError):
@@ -50,6 +51,29 @@ def model_of(plan: "Plan") -> ModelSpec:
     from chunkflow_planner.catalog import get_model
 
     return get_model(plan.model.name)
+
+
+class PlanFormat(_Section):
+    """The stored format the plan streams (chunkflow_planner/formats.py) against the model's own dtype; absent: bf16."""
+
+    name: str = Field(description="bf16, q8_0, q6_k, q5_k, q4_k, q4_0 or fp8-scaled (a file: the quant type most of "
+                      "its block weights take)")
+    source: str = Field(description="where the bytes come from: the file's header, or the format's bits per weight "
+                        "before the download")
+    stored_bytes: int = Field(ge=0, description="the transformer's tensors as stored (one expert)")
+    file_bytes: int | None = Field(None, ge=0, description="the file's size on disk (a file only)")
+    bf16_bytes: int = Field(ge=0, description="the transformer in the model's own dtype (one expert)")
+    block_bytes_ratio: float = Field(gt=0, description="the blocks' stored bytes over their bytes in the model's own "
+                                     "dtype: what every streamed byte shrinks by")
+    h2d_bytes_per_step: int = Field(ge=0, description="bytes the plan's setting copies host to device a step")
+    h2d_bytes_per_step_bf16: int = Field(ge=0, description="the same setting's bytes a step over the bf16 blocks")
+    decode_s_per_step: float = Field(ge=0, description="seconds a step dequantizes weights on the GPU (in "
+                                     "prediction.step_time_s)")
+    decode_gbps: dict[str, float] = Field(default_factory=dict, description="by quant type, the decode rate priced "
+                                          "(GB/s of dequantized output)")
+    decode_measured: bool = Field(False, description="whether those rates were measured by `chunkflow calibrate` "
+                                  "(false: supposed, formats.SUPPOSED_DECODE_SHARE of the memory bandwidth)")
+    types: dict[str, int] = Field(default_factory=dict, description="block weights by the type they are stored in")
 
 
 class PlanWorkload(_Section):
@@ -236,6 +260,8 @@ class Plan(_Section):
     prediction: PlanPrediction
     pipeline: PlanPipeline | None = Field(None, description="placements of the whole pipeline (absent: the "
                                           "transformer was planned alone)")
+    format: PlanFormat | None = Field(None, description="the stored format streamed (GGUF, fp8-scaled) against "
+                                      "bf16; absent: the model's own dtype, and in plans of schema 4 or older")
     memory_budget_bytes: int | None = Field(None, gt=0)
     memory_margin: float | None = Field(None, ge=0, le=0.5, description="share kept free for the memory model's "
                                         "error: every predicted GPU peak is at most memory_budget_bytes / (1 + "

@@ -25,6 +25,7 @@ from chunkflow_planner.catalog import (
 )
 from chunkflow_planner import explain
 from chunkflow_planner.explain import MarginKept
+from chunkflow_planner.format_plan import plan_format
 from chunkflow_planner.offload import OffloadConfig
 from chunkflow_planner.overlap import OverlapAnalysis, analyse
 from chunkflow_planner.plan import (
@@ -305,6 +306,7 @@ def make_plan(
     read_bytes: int | None = None,
     host_mem_margin: float | None = None,
     share_host: bool = True,
+    with_band: bool = True,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
@@ -321,7 +323,8 @@ def make_plan(
     is given (its pinned store and the process), with the fewest disk blocks that fit where the disk rate is known.
     Under SP (`sp` ranks on one host) every rank runs the whole pipeline and the host budget holds the host's memory:
     with `share_host` the ranks share the host-tier tails and parked components, once (pipeline/hostshare.py); the
-    plan's offload setting carries `share_host`."""
+    plan's offload setting carries `share_host`. `with_band` False leaves the bands out (a table that shows none:
+    `plan --format a,b,c` without a plan file)."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     budget = hw.memory_bytes if budget is None else budget
@@ -353,7 +356,9 @@ def make_plan(
         plan = plan.model_copy(update={"prediction": pred, "host_memory_budget_bytes": host_budget,
                                        "host_memory_budget_source": "--host-mem-budget",
                                        "host_memory_margin": host_margin})
-    plan = with_bands(plan, problem, decision.chosen, whole, read_bytes, host_alone=whole is None and host_budget is not None)
+    if with_band:
+        plan = with_bands(plan, problem, decision.chosen, whole, read_bytes,
+                          host_alone=whole is None and host_budget is not None)
     return plan, decision, analysis
 
 
@@ -365,7 +370,8 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
     return Plan(
         model=PlanModel(
             name=spec.name, n_blocks=spec.n_blocks, block_bytes_total=spec.block_bytes_total, non_block_bytes=spec.non_block_bytes,
-            spec=spec if spec.derived is not None else None,  # a derived entry travels with its plan (model_of)
+            # a derived entry, or one in a stored format, travels with its plan (model_of)
+            spec=spec if spec.derived is not None or spec.stored is not None else None,
         ),
         workload=PlanWorkload(
             batch=workload.batch, frames=workload.frames, height=workload.height, width=workload.width,
@@ -384,6 +390,7 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
             baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise),
                                 none_cfg_batched=decision.none.cfg.cfg_batched),
         ),
+        format=plan_format(spec, chosen.cfg, workload, hw),
         memory_budget_bytes=budget,
         memory_margin=margin,
         target_step_time_s=decision.target_s,

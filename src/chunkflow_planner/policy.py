@@ -178,6 +178,9 @@ class Decision:
 def codec_refusal(spec: ModelSpec, hw: HardwareSpec) -> str | None:
     """Why the codec cannot be planned for `spec` on `hw` (None: it can): the profile gives no decode rate
     (tiers.CODEC_RATE_REMEDY says what to do), or the model's weights are not 16-bit floats."""
+    if spec.stored is not None:
+        return (f"the codec encodes bf16 weights; a {spec.stored.format} file streams its stored bytes as they are. "
+                "Leave it off (--codec off)")
     if spec.dtype_bytes != 2:
         return (f"the codec encodes 16-bit (bf16) weights; {spec.name} holds {spec.dtype_bytes}-byte weights. Leave "
                 "it off (--codec off)")
@@ -249,6 +252,10 @@ class Problem:
     comm_aware: bool | None = None  # pace chunk copies around collectives; None: as the hardware's link says
     levers: Levers = Levers()
     share_host: bool = True  # under SP, the host's ranks share the shareable host bytes (pipeline/hostshare.py)
+
+    def __post_init__(self) -> None:
+        if self.spec.stored is not None:  # a stored format streams its own bytes: no fp8 cast or codec over them
+            object.__setattr__(self, "levers", Levers(self.levers.cfg_batched))
 
     @property
     def aware(self) -> bool:
@@ -460,7 +467,8 @@ def unlocks(problem: Problem, budget: int, max_slowdown: float | None, target_st
     """The levers the user did not allow that would make a plan feasible: "weight_dtype" (fp8 storage,
     --allow-fp8), "cfg_batching" (batched CFG). Only the points of the lever not tried yet are evaluated."""
     lv = problem.levers
-    options = [(Levers(lv.cfg_batched, ("fp8_e4m3",)), "fp8_e4m3" not in lv.weight_dtypes, "weight_dtype"),
+    fp8_untried = "fp8_e4m3" not in lv.weight_dtypes and problem.spec.stored is None  # a stored format casts none
+    options = [(Levers(lv.cfg_batched, ("fp8_e4m3",)), fp8_untried, "weight_dtype"),
                (Levers((True,), lv.weight_dtypes, lv.codecs),
                 problem.workload.cfg_passes > 1 and True not in lv.cfg_batched, "cfg_batching")]
     found = []

@@ -24,6 +24,9 @@ the link encoded (rho B in eq. 2) and are decoded on the GPU, chunk by chunk beh
 (B / D) is added to the compute path of the block whose window it runs in (its kernels share the SMs, as the cast's
 do), and the last chunk's decode, which no copy hides, to the copy path. The disk tier's blocks stream encoded too
 (from the codec's spill file, memory.disk_bytes): the same rho and decode, and rho of their bytes read from disk.
+A stored format (issue 52, formats.py) streams its stored bytes (the blocks' volumes are theirs) and each block
+dequantizes its weights in its own forward, on the compute stream: their decoded bytes at the format's rate are added
+to the block's compute path, in every mode (diffusers' GGUF pipeline all on the GPU dequantizes every forward too).
 Non-block layers are not modelled.
 """
 
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
+from chunkflow_planner.formats import block_decode_s
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
@@ -140,14 +144,15 @@ def step_time(
     # that does not stream on the compute stream)
     on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
     rho, dec, dec_chunk = codec_terms(V, cfg, hw)
+    dequant = [block_decode_s(g.stored, hw) for g in groups]  # a stored format's decode, each call (formats.py)
     out = StepTime()
     seen: dict[tuple, tuple[float, float, float, float, float, float]] = {}  # blocks alike are computed once
     for l, g in enumerate(groups):
         nxt = (l + 1) % len(groups)
-        key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt], rho[nxt])
+        key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt], rho[nxt], dequant[l])
         if key not in seen:
             tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
-            tc += cast[l]  # on either stream: the cast kernels take the SMs (module docstring)
+            tc += cast[l] + dequant[l]  # on either stream: the cast kernels take the SMs (module docstring)
             tc += dec[nxt]  # the next block's decode runs in this block's window, on the SMs too
             n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
             tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)

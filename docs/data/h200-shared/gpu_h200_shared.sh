@@ -39,15 +39,17 @@ two() { local name=$1 plan=$2
   grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-before-$name.txt"
   sample > "$out/$name-meminfo.txt" & local sampler=$!
   echo "[$(date +%T)] $name: two processes sharing" | tee "$out/$name.log"
-  local pids=()
-  for r in 0 1; do
-    LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 TORCHELASTIC_RUN_ID=$name-$$ CHUNKFLOW_SHARE_HOST=${SHARE:-1} timeout 500 \
-        python3 -m chunkflow run \
-        --plan "$out/$plan.json" --weights "$data/flux" --prompt "$prompt" --warmup 1 --out "$out/flux-$name-$r.png" \
-        --latents "$out/flux-$name-$r-latents.safetensors" --report "$out/flux-$name-$r-report.json" > "$out/$name-$r.log" 2>&1 &
-    pids[$r]=$!
-  done
-  for r in 0 1; do wait ${pids[$r]}; echo "rank $r exit $?" | tee -a "$out/$name.log"; done
+  # both ranks are children of one shell, as torchrun's agent starts them: the shared copy serves only a sibling of
+  # its owner (one `timeout` per rank would give each its own parent, and the owner would rightly refuse the other)
+  NAME=$name PLAN="$out/$plan.json" OUTD="$out" DATA="$data" PROMPT="$prompt" SHARE=${SHARE:-1} timeout 560 bash -c '
+    for r in 0 1; do
+      LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 TORCHELASTIC_RUN_ID=$NAME-$$ CHUNKFLOW_SHARE_HOST=$SHARE python3 -m chunkflow run \
+          --plan "$PLAN" --weights "$DATA/flux" --prompt "$PROMPT" --warmup 1 --out "$OUTD/flux-$NAME-$r.png" \
+          --latents "$OUTD/flux-$NAME-$r-latents.safetensors" --report "$OUTD/flux-$NAME-$r-report.json" \
+          > "$OUTD/$NAME-$r.log" 2>&1 &
+      pids[$r]=$!
+    done
+    for r in 0 1; do wait ${pids[$r]}; echo "rank $r exit $?"; done' | tee -a "$out/$name.log"
   kill $sampler
   sleep 1; grep -E "MemAvailable|Shmem:" /proc/meminfo > "$out/meminfo-after-$name.txt"
   ls /dev/shm > "$out/dev-shm-after-$name.txt" 2>&1
@@ -61,6 +63,17 @@ if wanted two; then  # the two-process runs alone (part flux made the reference 
   two two-on flux-plan-on
   SHARE=0 two two-on-private flux-plan-on
   two two-off flux-plan-off
+fi
+if wanted trust; then  # issue 51's rerun: hardened shared copy (codec on), two ranks against one process alone
+  [ -d "$data/flux" ] || step saveflux 300 python3 "$repo/scripts/save_pipeline.py" flux "$data/flux"
+  step flux-plan-on 60 python3 -m chunkflow plan --model flux --height 1024 --width 1024 --steps 8 --mem-budget 6GB \
+      --hardware h200 --weights "$data/flux" --codec on --out "$out/flux-plan-on.json"
+  two two-on flux-plan-on
+  step flux-sp1 400 python3 -m chunkflow run --plan "$out/flux-plan-on.json" --weights "$data/flux" --prompt "$prompt" \
+      --warmup 1 --out "$out/flux-sp1.png" --latents "$out/flux-sp1-latents.safetensors" --report "$out/flux-sp1-report.json"
+  step compare 60 python3 "$repo/scripts/compare_latents.py" "$out/flux-sp1-latents.safetensors" \
+      "$out"/flux-two-on-*-latents.safetensors --out "$out/latents.json"
+  keep
 fi
 if wanted flux; then
   [ -d "$data/flux" ] || step saveflux 300 python3 "$repo/scripts/save_pipeline.py" flux "$data/flux"

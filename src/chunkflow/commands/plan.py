@@ -124,9 +124,23 @@ _EtaComp = Annotated[Optional[float], typer.Option(help="what-if: compute effici
 _EtaPref = Annotated[Optional[float], typer.Option(help="what-if: prefetch efficiency factor")]
 _PrefetchBytes = Annotated[Optional[str], typer.Option(help="what-if: per-block prefetch volume, e.g. 520MB")]
 _TextLen = Annotated[Optional[int], typer.Option(help="what-if: text context length L_ctx")]
+_Format = Annotated[Optional[str], typer.Option(
+    "--format", help="price the transformer in the stored format users download, before the download, from its bits "
+    "per weight: bf16, q8_0, q6_k, q5_k, q4_k, q4_0 (GGUF) or fp8-scaled (Comfy's float8 with a per-tensor scale). "
+    "One plans it fully (the plan file records it, and its bytes a step against bf16's); several, comma-separated "
+    "(q8_0,q4_k,fp8-scaled,bf16), print one row a format: fits or not, GPU peak, host memory, disk, bytes a step "
+    "against bf16, time; --out then needs {format} in its name (plan-{format}.json), one plan file a format that "
+    "fits")]
 _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or Hub id in the local cache) it will "
                                                       "load: its files' headers give the bytes the load reads, and it "
                                                       "is checked to hold this model's pipeline"), INPUT]
+
+
+_Transformer = Annotated[Optional[str], typer.Option(help="with --weights DIR: the transformer the run will read from "
+                                                           "this single file (a GGUF file), checked from its header "
+                                                           "against the folder's config"), INPUT]
+_Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
+                         INPUT]
 
 
 @_command("plan")
@@ -142,15 +156,19 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              peak_tflops: _PeakTflops = None, h2d_gbps: _H2dGbps = None, disk_gbps: _DiskGbps = None,
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
-             weights: _Weights = None, variant: Variant = None) -> None:
+             weights: _Weights = None, variant: Variant = None, weight_format: _Format = None,
+             transformer: _Transformer = None, transformer_2: _Transformer2 = None) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency; with --weights DIR
     (or --model DIR) and no catalog model, for the model derived from that folder. Every prediction carries a band
     (`12.4 s +-6%`: about 95% of runs on the profile's machine), from the profile's fits and the planner's own error;
-    `chunkflow calibrate` and `calibrate --from-report` narrow it."""
+    `chunkflow calibrate` and `calibrate --from-report` narrow it. With --format, in the stored formats users
+    download (GGUF, fp8-scaled), priced before the download."""
     from chunkflow_planner.planner import make_plan, resolve_hardware
     from chunkflow_planner.policy import Levers, codec_refusal
     from chunkflow_planner.workload import make_workload
+    from chunkflow.commands.plan_formats import check_format_flags, show_formats
 
+    formats, out = check_format_flags(weight_format, out, weight_dtype, allow_fp8)
     _check_plan_flags(max_slowdown, target_step_time, text_len, mem_margin, out, hardware)
     if host_mem_margin is not None and not (math.isfinite(host_mem_margin) and 0 <= host_mem_margin <= 0.5):
         raise UserError(f"--host-mem-margin is a share of the host budget between 0 and 0.5 (e.g. 0.05), got "
@@ -162,8 +180,6 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
     resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
                                 eta_pref=eta_pref, disk_gbps=disk_gbps)
-    levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
-                       codec_refusal(spec, resolved.spec))
     budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
     target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
     gen_target = parse_duration(target_time, "--target-time") if target_time is not None else None
@@ -172,13 +188,35 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     if transformer_only and gen_target is not None:
         raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
     read_bytes = _read_bytes(spec, weights, variant, transformer_only)
-    plan, decision, analysis = make_plan(
-        spec, workload, resolved, sp=sp, budget=budget,
-        max_slowdown=None if target is not None else (max_slowdown or 1.05),
-        target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
-        host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
-        mem_margin=mem_margin, read_bytes=read_bytes, host_mem_margin=host_mem_margin, share_host=not no_share_host,
-    )
+
+    def plan_of(model, with_band: bool = True):  # noqa: ANN001, ANN202 - the model in one format, planned
+        levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
+                           codec_refusal(model, resolved.spec))
+        return make_plan(
+            model, workload, resolved, sp=sp, budget=budget,
+            max_slowdown=None if target is not None else (max_slowdown or 1.05),
+            target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
+            host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
+            mem_margin=mem_margin, read_bytes=None if model.stored is not None else read_bytes,
+            host_mem_margin=host_mem_margin, share_host=not no_share_host, with_band=with_band,
+        )
+
+    _check_transformer_files(spec, weights, {"transformer": transformer, "transformer_2": transformer_2})
+    if transformer is not None:  # priced from the file's header, block by block, as it will stream
+        if formats is not None:
+            raise UserError("--transformer FILE is priced from the file itself; --format prices a format before "
+                            "its download: give one or the other")
+        from chunkflow_planner.stored_file import from_file
+
+        spec = from_file(spec, transformer)
+    if formats is not None and len(formats) > 1:
+        show_formats(console, spec, formats, plan_of, out, json_out)
+        return
+    if formats is not None:
+        from chunkflow_planner.formats import with_format
+
+        spec = with_format(spec, formats[0])
+    plan, decision, analysis = plan_of(spec)
     if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
         flags = [f for f, given in (("--prefetch-bytes", pbytes is not None),
                                     ("--text-len", text_len is not None)) if given]
@@ -186,6 +224,23 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
              "components for their phase only")
     _show_plan(plan, decision, analysis, out, json_out)
+
+
+def _check_transformer_files(spec, weights: str | None, files: dict[str, str | None]) -> None:
+    """--transformer FILE: checked from its header against the folder's transformer config (a file the run could
+    not load is refused now, before anything is downloaded or run)."""
+    files = {k: v for k, v in files.items() if v}
+    if not files:
+        return
+    if weights is None:
+        raise UserError("--transformer FILE is checked against the pipeline folder's transformer config: give "
+                        "--weights DIR with it")
+    from chunkflow.models.transformer_file import check_files
+    from chunkflow.weights import resolve_weights
+
+    formats = check_files(spec, resolve_weights(weights), files)
+    _say("; ".join(f"{name}: {files[name]} ({fmt}), checked against the folder's config" for name, fmt in
+                   formats.items()))
 
 
 def _check_plan_flags(max_slowdown: float | None, target_step_time: str | None, text_len: int | None,

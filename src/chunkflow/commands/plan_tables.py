@@ -59,6 +59,21 @@ def bands_note(plan: Plan) -> str | None:
     return text
 
 
+def format_said(plan: Plan) -> str | None:
+    """The plan's stored format in one line: its bytes against bf16's, a step's host-to-device bytes, the decode
+    and its rate (measured or supposed); None in the model's own dtype."""
+    f = plan.format
+    if f is None:
+        return None
+    rates = ", ".join(f"{n} {r:.0f} GB/s" for n, r in f.decode_gbps.items())
+    moved = (f"{format_bytes(f.h2d_bytes_per_step)} host-to-device a step against {format_bytes(f.h2d_bytes_per_step_bf16)} "
+             "in bf16" if f.h2d_bytes_per_step_bf16 else "nothing streamed")
+    return (f"format: {f.name} ({f.source}): the blocks {f.block_bytes_ratio:.2f}x of bf16's bytes, the transformer "
+            f"{format_bytes(f.stored_bytes)} against {format_bytes(f.bf16_bytes)}; {moved}; dequantized on the GPU "
+            f"in each block's forward, {format_seconds(f.decode_s_per_step)} a step at {rates} "
+            + ("(measured)" if f.decode_measured else "(supposed: `chunkflow calibrate` measures it)"))
+
+
 def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noqa: ANN001 - planner types
     """The analysis, each mode's prediction, the chosen plan and one line saying why."""
     w, hw = plan.workload, plan.hardware
@@ -69,6 +84,9 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         highlight=False,
     )
     console.print(escape(f"hardware: {hw.name} [{hw.source}]"), highlight=False)
+    said = format_said(plan)
+    if said:
+        console.print(said, markup=False, highlight=False)
     if hw.device_is_host:
         console.print("note: a plan for the CPU (chunkflow's CPU mode, the same runtime with synchronous copies): "
                       "its times are nominal figures, not predictions; its memory is host memory, and that is "
@@ -149,7 +167,9 @@ def _chosen_text(plan: Plan) -> str:
                                  if o.mode == "chunkflow" else "")
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
-    if o.mode != "none":
+    if o.mode != "none" and plan.format is not None:
+        chosen += f", weights streamed as the {plan.format.name} file stores them"
+    elif o.mode != "none":
         chosen += f", weights stored {o.weight_dtype}" + (
             " (cast on the copy stream)" if o.weight_dtype != "bf16" and o.fp8_cast == "copy" else "")
     if o.mode == "chunkflow" and plan.parallel.sp_degree > 1:

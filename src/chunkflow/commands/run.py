@@ -30,6 +30,11 @@ _Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: 
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
                                                       "weights); with --prompt also a Hub id in the local cache"),
                      INPUT]
+_Transformer = Annotated[Optional[str], typer.Option(help="with --prompt and --weights: read the transformer from "
+                                                           "this single file (a GGUF file: Q8_0, Q6_K, Q5_K, Q4_K, "
+                                                           "Q4_0), the rest of the pipeline from the folder"), INPUT]
+_Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2, "
+                                                            "Wan2.2-A14B's low-noise model)"), INPUT]
 _Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
                                                      "generations before the measured one (default 0: the process's "
                                                      "first, start-up included, as the plan predicts; 1 with --repeat)")]
@@ -69,7 +74,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
             guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
-            prompts: _Prompts = None, out_dir: _OutDir = None) -> None:
+            prompts: _Prompts = None, out_dir: _OutDir = None, transformer: _Transformer = None,
+            transformer_2: _Transformer2 = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -114,14 +120,19 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
         _check_priced(p, cfg, profile)
         if prompts is not None:
+            if transformer or transformer_2:
+                raise UserError("--transformer FILE goes with --prompt for now (a prompt file loads the folder's "
+                                "transformer)")
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
                                 "parallelism is not supported yet: run each prompt with --prompt under torchrun)")
             return p, cfg, None, None
         if out_dir is not None:
             raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
+        if (transformer or transformer_2) and not generating:
+            raise UserError("--transformer FILE goes with --prompt (a generation of the whole pipeline)")
         opts = RunOptions(device=device, weights=weights, variant=variant, steps=steps, profile=profile, seed=seed,
-                          repeat=repeat, warmup=(((1 if repeat > 1 else 0) if generating else 1) if warmup is None
+                          repeat=repeat, transformer=transformer, transformer_2=transformer_2, warmup=(((1 if repeat > 1 else 0) if generating else 1) if warmup is None
                                                  else warmup))
         picture = _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents, image)
         return p, cfg, opts, picture
@@ -220,7 +231,16 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     check_distinct({"--out": out, "--report": report, "--latents": latents},
                    {"--plan": plan, "--weights": folder, "--image": image,
                     "--profile": opts.profile if opts.profile and Path(opts.profile).exists() else None})
-    return _check_pipeline(p, folder, image) if generating else None
+    picture = _check_pipeline(p, folder, image) if generating else None
+    if opts.transformers:
+        from chunkflow.models.transformer_file import check_files
+        from chunkflow_planner.plan import model_of
+
+        check_files(model_of(p), folder, opts.transformers)
+    from chunkflow.models.transformer_file import check_plan_format
+
+    check_plan_format(p, opts.transformers or {})  # headers against the folder's configs, nothing read
+    return picture
 
 
 def _check_pipeline(p, folder: Path | None, image: str | None):

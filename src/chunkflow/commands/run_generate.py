@@ -90,7 +90,8 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False
 
     def build() -> PipelineSetup:
         setup = setup_pipeline(plan, cfg, device, weights=o.weights, variant=o.variant, profile=o.profile,
-                               seed=o.seed, steps=o.steps, progress=progress, log=log, image=image)
+                               seed=o.seed, steps=o.steps, progress=progress, log=log, image=image,
+                               transformers=o.transformers)
         if world > 1:
             from chunkflow.parallel import enable_sequence_parallel
 

@@ -29,6 +29,11 @@ _OutDir = Annotated[str, typer.Option(help="folder the server writes each job's 
 _MaxQueue = Annotated[int, typer.Option(help="jobs that may wait at once; more are refused (HTTP 429)")]
 _Image = Annotated[bool, typer.Option("--image", help="load the image pipeline of the plan's model "
                                                       "(image-to-video, edit): each job sends its image")]
+_Transformer = Annotated[Optional[str], typer.Option(help="with --weights: read the transformer from this single file "
+                                                           "(a GGUF file), the rest of the pipeline from the folder"),
+                        INPUT]
+_Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
+                         INPUT]
 _LogLevel = Annotated[str, typer.Option(help="the HTTP server's log: debug, info (each request), warning, error")]
 
 MAX_QUEUE_LIMIT = 10_000
@@ -39,7 +44,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", port: _Port = 8000,
               out_dir: _OutDir = "chunkflow-serve-outputs", max_queue: _MaxQueue = 64, device: Device = None,
               variant: Variant = None, image: _Image = False, log_level: _LogLevel = "info",
-              allow_remote: _AllowRemote = False) -> None:
+              allow_remote: _AllowRemote = False, transformer: _Transformer = None,
+              transformer_2: _Transformer2 = None) -> None:
     """Serve a plan's pipeline over HTTP: load it once, then generate each job submitted (POST /jobs) in turn.
 
     Jobs are JSON (prompt, seed, steps, height, width, frames, ...), checked against the loaded placement when they
@@ -58,12 +64,21 @@ def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", 
 
     require_serve_extras()
     p, folder = _check_serve(plan, weights, port, out_dir, max_queue, image, log_level)
+    files = {k: v for k, v in (("transformer", transformer), ("transformer_2", transformer_2)) if v}
+    if files:
+        from chunkflow.models.transformer_file import check_files
+        from chunkflow_planner.plan import model_of
+
+        check_files(model_of(p), folder, files)  # headers against the folder's configs, before the port and load
+    from chunkflow.models.transformer_file import check_plan_format
+
+    check_plan_format(p, files)  # the plan's format against the file's (or the folder's own weights)
     token = _check_access(host, allow_remote)
     from chunkflow.serve.server import bind
 
     sock = bind(host, port)  # a port in use is said now, not after the load
     try:
-        session = _load(plan, folder, device, variant, image)
+        session = _load(plan, folder, device, variant, image, files)
     except BaseException:
         sock.close()
         raise
@@ -124,7 +139,7 @@ def _check_serve(plan: str, weights: str | None, port: int, out_dir: str, max_qu
     return p, folder
 
 
-def _load(plan: str, folder, device: str | None, variant: str | None, image: bool):
+def _load(plan: str, folder, device: str | None, variant: str | None, image: bool, files: dict[str, str]):
     """The session, its load's bytes on a progress bar (stderr)."""
     import chunkflow
     from chunkflow_planner.units import format_bytes
@@ -141,6 +156,7 @@ def _load(plan: str, folder, device: str | None, variant: str | None, image: boo
             bar.update(task, completed=done or 0, total=total or None, count=count)
 
         session = chunkflow.load(plan, weights=folder, device=device, variant=variant, image=image,
+                                 transformer=files.get("transformer"), transformer_2=files.get("transformer_2"),
                                  progress=progress, log=_say)
         t = bar.tasks[task]
         bar.update(task, completed=t.total or 1, total=t.total or 1, count=t.fields["count"] or "done")

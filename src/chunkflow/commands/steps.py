@@ -180,6 +180,13 @@ class RunOptions:
     seed: int = 0
     latents: str | None = None  # save the final latents here (safetensors)
     repeat: int = 1  # with --prompt: generations measured after the warm-up (their median is reported)
+    transformer: str | None = None  # --transformer FILE: the transformer from a single file (a GGUF file)
+    transformer_2: str | None = None  # --transformer-2 FILE: the second expert's (Wan2.2-A14B)
+
+    @property
+    def transformers(self) -> dict[str, str]:
+        """Transformer component -> the single file it is read from."""
+        return {k: v for k, v in (("transformer", self.transformer), ("transformer_2", self.transformer_2)) if v}
 
     def check(self) -> None:
         if self.steps is not None and not 1 <= self.steps <= MAX_STEPS:
@@ -195,6 +202,9 @@ class RunOptions:
                            "its start-up, which the plan predicts apart. Use --warmup 1 (the default with --repeat)")
         if self.variant is not None and self.weights is None:
             raise RunError("--variant picks files in a weights directory; give --weights DIR with it")
+        if self.transformers and self.weights is None:
+            raise RunError("--transformer FILE reads the transformer from a file and the rest of the pipeline from "
+                           "the folder: give --weights DIR with it")
 
 
 def _place(o: RunOptions, world: int, plan: Plan, log: Callable[[str], None]):

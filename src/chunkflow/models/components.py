@@ -30,13 +30,17 @@ __all__ = ["Component", "text_encoder_component", "vae_component", "meta_text_en
 
 @dataclass
 class Component:
-    """A module on the meta device (final dtypes) and where its values come from."""
+    """A module on the meta device (final dtypes) and where its values come from; a transformer from a single file
+    has no module until it is loaded (`file`)."""
 
     name: str  # the pipeline's attribute: text_encoder, transformer, vae, ...
     module: nn.Module
     source: TensorSource
     read_bytes: int = 0  # bytes its checkpoint files give it (0: random weights)
     variant: str | None = None  # the variant files read, where a folder's were
+    file: Path | None = None  # a transformer read from a single file (--transformer FILE): models/transformer_file.py
+    fmt: str | None = None  # that file's format (chunkflow.formats: "gguf", "fp8-scaled")
+    config_dir: Path | None = None  # the folder's config the file is checked against and loaded with
 
 
 def distinct_params(module: nn.Module) -> int:

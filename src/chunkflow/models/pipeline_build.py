@@ -38,6 +38,7 @@ from torch import nn
 from chunkflow.models.components import Component, text_encoder_component, vae_component
 from chunkflow.models.prompt_cache import PromptCache
 from chunkflow.models.slots import FolderSlots, check_slots
+from chunkflow.models.transformer_file import file_setting
 from chunkflow.api import offload
 from chunkflow.runtime.handle import OffloadError, OffloadHandle, take_turns
 from chunkflow_planner.checkpoint import CheckpointError
@@ -62,6 +63,7 @@ class BuiltPipeline:
     prompts: "PromptCache | None" = None  # the text encoders' outputs kept for prompts already encoded
     extra_models: list[str] = field(default_factory=list)  # models beyond the plan's (an image encoder)
     folder: Path | None = None  # the pipeline folder it was loaded from (None: random weights)
+    transformer_files: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (file, format) read
 
     def disk_reads(self) -> dict[str, int]:
         """Bytes each component read from the checkpoint's files since it was built (its blocks' tails and its
@@ -224,17 +226,27 @@ class LoadMeasurement:
 
 
 def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch.dtype, device: torch.device,
-             seed: int, reader, variant: str | None, slots: FolderSlots | None = None) -> list[tuple[str, Component]]:
+             seed: int, reader, variant: str | None, slots: FolderSlots | None = None,
+             files: dict[str, Path] | None = None) -> list[tuple[str, Component]]:
     """Every component on the meta device with its source, in build order (transformers, text encoders, image
-    encoders, VAE); each of a folder checked (class, size, files, tensors) before any is read."""
+    encoders, VAE); each of a folder checked (class, size, files, tensors) before any is read. `files`: transformers
+    read from a single file each (checked here, loaded when placed: models/transformer_file.py)."""
     from chunkflow.models.components import extra_component
 
     from chunkflow.models.build import transformer_module, transformer_source
     from chunkflow.models.meta import RandomSource
+    from chunkflow.models.transformer_file import FILE_OPTIONS, file_component
 
     pipe_spec = spec.pipeline
     out: list[tuple[str, Component]] = []
-    for k, name in enumerate(BuiltPipeline(None, spec, device, {}).names("transformer")):
+    names = BuiltPipeline(None, spec, device, {}).names("transformer")
+    for name in files or {}:
+        if name not in names:
+            raise CheckpointError(f"{FILE_OPTIONS.get(name, name)} was given, but {spec.name} has no {name}")
+    for k, name in enumerate(names):
+        if files and name in files:
+            out.append(("transformer", file_component(name, Path(files[name]), spec, folder)))
+            continue
         module = transformer_module(spec, dtype)
         if folder is not None:
             source = transformer_source(folder / name, spec, module, reader, variant, fallback=True)
@@ -257,6 +269,8 @@ def _place_component(kind: str, c: Component, where: str, device: torch.device, 
                      vae_tiling: bool) -> tuple[OffloadHandle, list, str]:
     """One prepared component offloaded where the plan puts it: (handle, extra hooks, what to log)."""
     share = transformer_cfg.share_host  # the plan's, for every component of the run
+    if c.file is not None:
+        transformer_cfg = file_setting(transformer_cfg, c.fmt, lambda s: None)
     if kind == "transformer" and where == "disk":
         cfg = transformer_cfg if transformer_cfg.streams else TEXT_STREAM.with_overrides(share_host=share)
         handle = _on_disk(c.module, cfg, device, c.source)
@@ -287,13 +301,17 @@ def _place_component(kind: str, c: Component, where: str, device: torch.device, 
 def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadConfig, device: torch.device, *,
                    weights: Path | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                    vae_tiling: bool = False, variant: str | None = None, log=lambda s: None,
-                   on_bytes: Callable[[int, int], None] | None = None, image: bool = False) -> BuiltPipeline:
+                   on_bytes: Callable[[int, int], None] | None = None, image: bool = False,
+                   transformer_files: dict[str, Path] | None = None) -> BuiltPipeline:
     """The catalog model's pipeline with its components placed (`placements`: component name -> placement), from
     random weights or the pipeline folder `weights` (its `variant` files, e.g. "fp16", if given). Everything in the
     folder is checked before anything is read; then each component is read straight into its place.
     `on_bytes(done, total)` hears of the bytes read; `built.load` says how the build went. `image`: the run gives
-    the pipeline an image (image-to-video, edit), so its class is the one that takes it (module docstring)."""
+    the pipeline an image (image-to-video, edit), so its class is the one that takes it (module docstring).
+    `transformer_files`: transformer component name -> a single file it is read from instead of the folder
+    (`--transformer FILE`; models/transformer_file.py)."""
     from chunkflow.launch import torchrun_world
+    from chunkflow.models.transformer_file import load_file_component
     from chunkflow.loading.reader import FileReader
 
     t0 = time.perf_counter()
@@ -313,7 +331,8 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     # from the disk again, so under torchrun the page cache keeps them
     reader = FileReader(on_bytes=counter.heard, keep_cache=torchrun_world() > 1)
     try:
-        parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant, slots)
+        parts = _prepare(spec, placements, folder, dtype, device, seed, reader, variant, slots, transformer_files)
+        built.transformer_files = {c.name: (str(c.file), c.fmt) for _, c in parts if c.file is not None}
         built.extra_models = [c.name for kind, c in parts if kind == "image_encoder"]
         _check_variant(parts, folder, variant, log)
         objects, extra = _pipeline_objects(folder, pipe_spec, slots)  # once every component's files are checked
@@ -321,6 +340,9 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         t_first = time.perf_counter()
         counter.begin(sum(c.read_bytes for _, c in parts if placements.get(c.name) != "disk"))  # disk: not read
         for kind, c in parts:
+            if c.file is not None:  # a transformer from its own file: loaded now, every file checked
+                load_file_component(c, spec, dtype)
+                file_setting(transformer_cfg, c.fmt, log)
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
             built.placements.setdefault(c.name, where)
             handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)

@@ -1,6 +1,6 @@
 """What one block prefetch copies its chunks from: a tier's answer to `Tier.source` (runtime/tiers/base.py), asked
 once a block so that the streamer's chunk loop calls no tier. The plain one slices a flat host buffer; a codec's
-(runtime/tiers/encoded.py) copies encoded bytes and decodes them when the block's chunks are all enqueued."""
+(runtime/codecs/stream.py) copies encoded bytes and decodes them as the block's chunks are enqueued."""
 
 from __future__ import annotations
 

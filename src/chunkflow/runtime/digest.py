@@ -52,7 +52,9 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def _header(name: str, t: torch.Tensor) -> bytes:
-    return name.encode() + b"\0" + str(t.dtype).encode() + str(tuple(t.shape)).encode() + b"\0"
+    quant = getattr(t, "quant_type", None)  # a GGUF tensor's type: bytes of one type are not those of another
+    return (name.encode() + b"\0" + str(t.dtype).encode() + str(tuple(t.shape)).encode()
+            + (f" {getattr(quant, 'name', quant)}".encode() if quant is not None else b"") + b"\0")
 
 
 def _said(source, names: list[str]) -> dict[str, str] | None:

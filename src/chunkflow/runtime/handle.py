@@ -36,6 +36,7 @@ from chunkflow.runtime.observe import Observer, Observers
 from chunkflow.runtime.order import ExecutionOrder
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.parking import Parking, TurnTaking, take_turns
+from chunkflow.runtime.quantized import check_quantized
 from chunkflow.runtime.resolve import (
     check_not_offloaded,
     check_parameters,
@@ -50,7 +51,8 @@ from chunkflow.runtime.storage import check_no_layerwise_casting, storage_dtype
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
-from chunkflow.runtime.tiers import Tier, park_home, tiers_for
+from chunkflow.runtime.codecs.layer import tiers_with_codec
+from chunkflow.runtime.tiers import Tier, park_home
 from chunkflow.runtime.writes import WriteWatch
 from chunkflow_planner.offload import OffloadConfig
 
@@ -629,7 +631,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     path, with a second block-sized cast buffer), `disk_blocks` (that many blocks, spread over the forward, keep their
     streamed bytes in the checkpoint's files and are read from disk each forward, runtime/tiers/disk.py; needs a
     loader's `source` that knows the files), `codec` ('none', the default; 'exponent-pack': the streamed tails kept
-    encoded in host memory, copied encoded and decoded on the device, bit for bit, runtime/tiers/encoded.py; needs a
+    encoded in host memory, copied encoded and decoded on the device, bit for bit, runtime/codecs/layer.py; needs a
     loader's `source` as `disk_blocks` does), `park_to` (where the tensors outside the blocks go while the module is
     parked: 'host', the default, a pinned host copy; 'disk', left in the checkpoint's files and read back to the
     device at the next forward, so host memory holds none of them: offload() then returns the module parked, its
@@ -650,9 +652,10 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     check_parameters(named)
+    check_quantized(named, cfg.weight_dtype, cfg.codec)
     if cfg.streams:
         check_no_layerwise_casting(module)
-    tiers = tiers_for(cfg, module, len(named), source) if cfg.streams else []
+    tiers = tiers_with_codec(cfg, module, len(named), source) if cfg.streams else []
     handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source, cfg))
     try:
         handle._attach(source, first=True)

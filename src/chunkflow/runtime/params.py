@@ -72,10 +72,37 @@ class OffloadedParameter(nn.Parameter):
         _DATA.__set__(self, value)
 
 
+_OFFLOADED: dict[type, type] = {nn.Parameter: OffloadedParameter}  # a parameter class -> its offloaded class
+
+
+def offloaded_class(before: type) -> type:
+    """The class a parameter of class `before` has while offloaded: OffloadedParameter for nn.Parameter; for a
+    parameter class that stores quantized bytes (runtime/quantized.py: diffusers' GGUFParameter) a subclass of
+    both, so the layers that read it (GGUFLinear dequantizing `weight.quant_type`) find it as it was, and the
+    results of torch ops on it are `before`'s, as without offload."""
+    cls = _OFFLOADED.get(before)
+    if cls is None:
+        torch_function = before.__torch_function__.__func__
+
+        def __torch_function__(_cls, func, types, args=(), kwargs=None):
+            return torch_function(before, func, types, args, kwargs)
+
+        cls = type(f"Offloaded{before.__name__}", (OffloadedParameter, before),
+                   {"__torch_function__": classmethod(__torch_function__), "__module__": __name__})
+        _OFFLOADED[before] = cls
+    return cls
+
+
+def is_offloaded(p: torch.Tensor) -> bool:
+    """Whether `p` is a parameter the runtime wrapped (its class not swapped since, e.g. by swap_tensors)."""
+    return type(p) in _OFFLOADED.values()
+
+
 def wrap(p: nn.Parameter, tracker: WriteTracker) -> type:
-    """Make `p` (an nn.Parameter) an OffloadedParameter watched by `tracker`; returns its class before."""
+    """Make `p` (an nn.Parameter, or a quantized one) offloaded (`offloaded_class`) and watched by `tracker`;
+    returns its class before."""
     before = type(p)
-    p.__class__ = OffloadedParameter
+    p.__class__ = offloaded_class(before)
     p.__dict__["_chunkflow_tracker"] = tracker
     return before
 

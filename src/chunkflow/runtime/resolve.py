@@ -164,10 +164,13 @@ def unwrap_module(module) -> nn.Module:
 
 
 def check_parameters(blocks: list[tuple[str, nn.Module]]) -> None:
-    """Block parameters must be plain nn.Parameters (quantized or other parameter types cannot be streamed)."""
+    """Block parameters must be plain nn.Parameters, or GGUF-quantized ones streamed as stored
+    (runtime/quantized.py); other parameter types (bitsandbytes, torchao, custom) cannot be streamed."""
+    from chunkflow.runtime.quantized import streamable
+
     for name, b in blocks:
         for pname, p in b.named_parameters(recurse=True):
-            if type(p) is not nn.Parameter:
+            if not streamable(p):
                 raise OffloadError(f"parameter {name}.{pname} is a {type(p).__name__}, which chunkflow cannot stream "
-                                   "(only plain nn.Parameter); offload a module without quantized or custom "
-                                   "parameters")
+                                   "(plain nn.Parameter, or diffusers' GGUFParameter from a GGUF file); offload a "
+                                   "module without other quantized or custom parameters")

@@ -37,7 +37,7 @@ class OffloadStats:
     disk_blocks: int = 0  # blocks whose streamed bytes are read from the checkpoint's files each forward
     disk_bytes_per_step: int = 0  # bytes a full forward reads from disk
     disk_bytes_read: int = 0  # bytes read from disk so far
-    codec: str = "none"  # the codec streamed tails are kept encoded with (runtime/tiers/encoded.py), or none
+    codec: str = "none"  # the codec streamed tails are kept encoded with (runtime/codecs/layer.py), or none
     codec_blocks: int = 0  # blocks streamed encoded
     codec_raw_bytes: int = 0  # their tails' bytes as the model holds them (what a forward would copy raw)
     codec_stored_bytes: int = 0  # the same encoded: what a forward copies and pinned memory holds (less alignment)

@@ -29,7 +29,7 @@ from torch.nn.modules import module as torch_module
 from chunkflow.runtime.errors import OffloadError
 from chunkflow.runtime.feature import HandleFeature
 from chunkflow.runtime.layout import BlockLayout
-from chunkflow.runtime.params import OffloadedParameter, raw_data, unwrap, wrap
+from chunkflow.runtime.params import is_offloaded, raw_data, unwrap, wrap
 from chunkflow.runtime.streamer import current
 
 _DETACH = torch._C.TensorBase.detach
@@ -169,8 +169,7 @@ class WriteWatch(HandleFeature):
         relayout = self.changed
         for i, (owner, attr, obj, version, block) in enumerate(self._entries):
             now = owner.get(attr)
-            if now is not obj or (owner is not None and isinstance(obj, nn.Parameter)
-                                  and type(obj) is not OffloadedParameter):
+            if now is not obj or (owner is not None and isinstance(obj, nn.Parameter) and not is_offloaded(obj)):
                 # replaced without a registration (`m._parameters[name] = x`), or its contents swapped
                 # (`torch.utils.swap_tensors`, e.g. a LoRA hot-swap to a larger rank)
                 relayout = True

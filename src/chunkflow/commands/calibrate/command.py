@@ -233,6 +233,8 @@ def _print_profile(hw) -> None:
                 "mem_margin", "disk_read_gbps", "codec_ratio", "codec_decode_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
         v = hw.figure(key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
+    if hw.format_decode_gbps:
+        t.add_row("format_decode_gbps", ", ".join(f"{k} {v:.4g}" for k, v in hw.format_decode_gbps.items()))
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
     t.add_row("process_host_bytes", format_bytes(hw.pipeline.process_host_bytes))
     if hw.pipeline.startup_s:

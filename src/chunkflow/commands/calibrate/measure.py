@@ -675,6 +675,12 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
 
         codec_extra, codec_raw = measure_codec(weights, s.device, log)
         extra.update(codec_extra)
+    formats_raw = None
+    if torchrun_rank() == 0:  # the stored formats' dequantization on this device (issue 52)
+        from chunkflow.commands.calibrate.formats import measure_formats
+
+        formats_extra, formats_raw = measure_formats(s.device, log)
+        extra.update(formats_extra)
     log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
     coll = _collectives(s, progress, log) if s.world > 1 else None
     if coll is not None:
@@ -695,5 +701,6 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
-               operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw, codec=codec_raw)
+               operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw, codec=codec_raw,
+               formats=formats_raw)
     return Calibration(profile, raw)

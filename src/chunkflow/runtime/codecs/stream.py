@@ -1,6 +1,7 @@
-"""A codec streaming blocks' tails, whatever tier keeps their encoded bytes (pinned host memory: tiers/encoded.py;
-a spill file read into the disk tier's ring: tiers/disk.py): the encoding of a block's tail chunk by chunk, and the
-device side of a prefetch.
+"""A codec streaming blocks' tails, whatever tier holds their encoded bytes (runtime/codecs/layer.py: pinned host
+memory, one copy per host, a spill file read into the disk tier's ring): the encoding of a block's tail chunk by
+chunk, and the device side of a prefetch. It talks to the codec through its interface only (runtime/codecs/base.py):
+what a codec keeps per chunk to decode it is the codec's.
 
 - `encode(b, raw)` encodes block b's tail (its chunks, each 16-byte aligned in the block's encoded bytes) and gives
   the block's `EncodedBlock` (where each chunk's bytes are) and its bytes. A chunk that starts at an odd byte of the
@@ -21,11 +22,11 @@ device side of a prefetch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from chunkflow.runtime.codecs import Codec
+from chunkflow.runtime.codecs.base import Codec
 from chunkflow_planner.offload import CODEC_STAGING_CHUNKS, codec_group_chunks
 
 if TYPE_CHECKING:  # annotations only: the codec needs nothing of the layout's module
@@ -36,16 +37,27 @@ ALIGN = 16  # each chunk's encoded bytes start at a multiple of this in its bloc
 
 @dataclass
 class EncodedBlock:
-    """One block's tail encoded: each chunk's place in its encoded bytes (by the chunk's first block byte), the
-    layout it was encoded for, and where its tier keeps it (`store`: a HostStore, or `at`: its offset in a file)."""
+    """One block's tail encoded: each chunk's place in its encoded bytes (by the chunk's first block byte) and the
+    layout it was encoded for; its tier holds the bytes."""
 
     key: tuple
     chunks: dict[int, tuple[int, int, object]]  # lo -> (encoded offset, encoded bytes, the codec's Chunk)
     raw_bytes: int
     stored_bytes: int
     nbytes: int  # its encoded bytes with the chunks' alignment
-    store: object = None
-    at: int = 0
+
+    def row(self) -> list:
+        """What it is, as JSON (kept by its tier with the bytes, and given to ranks that share them)."""
+        return [self.raw_bytes, self.stored_bytes, self.nbytes,
+                [[lo, o, n, list(c)] for lo, (o, n, c) in self.chunks.items()]]
+
+    @classmethod
+    def from_row(cls, key: tuple, row: list, codec: Codec) -> EncodedBlock:
+        raw, stored, nbytes, chunks = row
+        return cls(key, {lo: (o, n, codec.Chunk(*c)) for lo, o, n, c in chunks}, raw, stored, nbytes)
+
+
+Held = tuple  # (EncodedBlock, its encoded bytes where they lie in host memory, else None)
 
 
 @dataclass(frozen=True)
@@ -98,8 +110,7 @@ class EncodedSource:
         cs = self.cs
         if not cs.staging:  # no CUDA: decoded now, exactly
             head = head_byte(self.blk, lo)
-            cs.codec.decode(src[: n - head], slot[c.dst : c.dst + c.nbytes], nbytes=c.nbytes, k=c.k,
-                            n_escapes=c.n_escapes)
+            cs.codec.decode(src[: n - head], slot[c.dst : c.dst + c.nbytes], c)
             if head:
                 slot[c.dst - 1 : c.dst].copy_(src[n - 1 :])
             return n
@@ -161,25 +172,25 @@ class CodecStream:
         for lo, hi in b.chunks:
             seg = raw[lo - R : hi - R]
             head = (lo - A) & 1  # an odd first byte: kept as it is, after the encoded rest (module docstring)
-            enc = self.codec.encode(seg[head:])
-            n = enc.stored + head
-            chunks[lo] = (off, n, self.codec.Chunk(off, lo - A + head, enc.nbytes, enc.k, enc.n_escapes))
-            pieces.append((off, torch.cat([enc.data, seg[:head]]) if head else enc.data))
+            data, chunk = self.codec.encode(seg[head:], off, lo - A + head)
+            n = data.numel() + head
+            chunks[lo] = (off, n, chunk)
+            pieces.append((off, torch.cat([data, seg[:head]]) if head else data))
             off += -(-n // ALIGN) * ALIGN
         stored = sum(n for _, n, _ in chunks.values())
         return EncodedBlock(layout_key(b), chunks, b.nbytes - R, stored, off), pieces
 
-    def source(self, blk: EncodedBlock, buffer: torch.Tensor, blocks) -> EncodedSource:
-        """A prefetch of `blk` from `buffer`; `blocks` (every EncodedBlock of the tier) size the device buffers the
-        first time."""
+    def source(self, blk: EncodedBlock, buffer: torch.Tensor, blocks: Callable[[], list[Held]]) -> EncodedSource:
+        """A prefetch of `blk` from `buffer`; `blocks()` (every block of the tier, with its bytes where they are in
+        host memory) sizes the device buffers the first time."""
         if self.device is not None and self.device.type == "cuda" and not self.staging:
-            self.make_device(list(blocks))
+            self.make_device(blocks())
         return EncodedSource(self, blk, buffer)
 
-    def make_device(self, blocks: list[EncodedBlock]) -> None:
+    def make_device(self, blocks: list[Held]) -> None:
         """Every block's decode groups (their tables on the device), the staging buffers (the largest group's encoded
         bytes each), the decode stream, and the decoder's launch shape timed."""
-        self.groups = {id(blk): self._groups_of(blk) for blk in blocks}
+        self.groups = {id(blk): self._groups_of(blk) for blk, _ in blocks}
         most = max((g.nbytes for gs in self.groups.values() for g in gs.values()), default=0)
         self.staging = [torch.empty(max(most, 16), dtype=torch.uint8, device=self.device)
                         for _ in range(CODEC_STAGING_CHUNKS)]
@@ -205,35 +216,30 @@ class CodecStream:
             rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - start) for lo in part]
             heads = [(blk.chunks[lo][0] - start + blk.chunks[lo][1] - 1, blk.chunks[lo][2].dst - 1)
                      for lo in part if head_byte(blk, lo)]
-            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.Decode(rows, self.device),
+            g = DecodeGroup(start, part[0], part[-1], end - start, self.codec.group(rows, self.device),
                             _heads(heads, self.device))
             out.update((lo, g) for lo in part)
         return out
 
-    def _tune(self, blocks: list[EncodedBlock]):
+    def _tune(self, blocks: list[Held]):
         """The decoder's fastest launch shape here, timed on the largest decode group (once an offload), on its bytes
-        where they are in memory (`tier_bytes`), else on zeros through the raw path (a spill file's blocks)."""
-        blk, g = max(((blk, g) for blk in blocks for g in self.groups[id(blk)].values()), key=lambda x: x[1].nbytes)
+        where they are in host memory, else on any bytes (a spill file's blocks)."""
+        blk, held, g = max(((blk, held, g) for blk, held in blocks for g in self.groups[id(blk)].values()),
+                           key=lambda x: x[2].nbytes)
         los = [lo for lo in sorted(blk.chunks) if g.first <= lo <= g.last]
         base = blk.chunks[los[0]][2].dst
         rows = [blk.chunks[lo][2]._replace(src=blk.chunks[lo][0] - g.start, dst=blk.chunks[lo][2].dst - base)
                 for lo in los]
         src = self.staging[0][: g.nbytes]
-        data = self.tier_bytes(blk, g.start, g.nbytes)
-        if data is not None:
-            src.copy_(data)
+        if held is not None:
+            src.copy_(held[g.start : g.start + g.nbytes])
         else:  # the tier cannot give them now (a file being read): any bytes time the same shapes
             src.zero_()
-            rows = [r._replace(k=0) for r in rows]
+            rows = [self.codec.any_bytes(r) for r in rows]
         out = torch.empty(max(r.dst + r.nbytes for r in rows) + 2, dtype=torch.uint8, device=self.device)
-        config = self.codec.Decode(rows, self.device).tune(self.staging[0], out)
+        config = self.codec.group(rows, self.device).tune(self.staging[0], out)
         torch.cuda.synchronize(self.device)
         return config
-
-    def tier_bytes(self, blk: EncodedBlock, start: int, nbytes: int) -> torch.Tensor | None:
-        """`nbytes` of a block's encoded bytes from `start` where they are in host memory (its HostStore), else None."""
-        store = blk.store
-        return store.data[start : start + nbytes] if store is not None else None
 
     def drop_device(self) -> None:
         """The device buffers go (a park, a new layout, the end), once every decode is done."""
@@ -242,9 +248,11 @@ class CodecStream:
         self.staging, self.free = [], []
         self.groups = {}
 
-    def stats(self, blocks: list[EncodedBlock]) -> dict:
-        return dict(codec=self.codec.name, codec_blocks=len(blocks),
-                    codec_raw_bytes=sum(b.raw_bytes for b in blocks),
-                    codec_stored_bytes=sum(b.stored_bytes for b in blocks),
-                    codec_staging_bytes=sum(t.numel() for t in self.staging),
-                    codec_decode_config=str(self.decode_config) if self.decode_config is not None else "")
+    def stats(self, blocks: list[EncodedBlock], prefix: str) -> dict:
+        """Its OffloadStats fields for `blocks`, each named `prefix`_..."""
+        return {f"{prefix}_blocks": len(blocks), f"{prefix}_raw_bytes": sum(b.raw_bytes for b in blocks),
+                f"{prefix}_stored_bytes": sum(b.stored_bytes for b in blocks),
+                f"{prefix}_staging_bytes": sum(t.numel() for t in self.staging)}
+
+    def decode_config_name(self) -> str:
+        return str(self.decode_config) if self.decode_config is not None else ""

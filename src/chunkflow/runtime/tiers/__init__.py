@@ -1,20 +1,21 @@
 """Where a block's bytes live: one module per tier behind one interface (runtime/tiers/base.py), and their registry.
 
 `TIERS` maps a tier's name to its class, in the order the handle asks them to take a block (the first that claims it
-holds its tail); the host tier, which takes every block, is last. Adding a tier (compressed bytes, a host store shared
-by ranks) is its module and one `register_tier` call: the handle, streamer, layout and fill code only ever see the
-interface. `PARK_HOMES` does the same for where a parked module's non-block tensors live (runtime/parking.py).
+holds its tail); the host tier, which takes every block, is last. Adding a tier is its module and one `register_tier`
+call: the handle, streamer, layout and fill code only ever see the interface. `PARK_HOMES` does the same for where a
+parked module's non-block tensors live (runtime/parking.py). A tier holds bytes and does not ask what they are: a
+codec is a layer over the tiers (runtime/codecs/layer.py). files.py and hostcopies.py are helpers some tiers share,
+not tiers.
 """
 
 from __future__ import annotations
 
 from chunkflow.runtime.tiers.base import ParkHome, Tier
 from chunkflow.runtime.tiers.disk import DiskParking, DiskTier
-from chunkflow.runtime.tiers.encoded import EncodedTier
 from chunkflow.runtime.tiers.host import HostParking, HostTier
 from chunkflow.runtime.tiers.shared import SharedHostTier, SharedParking
 
-TIERS: dict[str, type[Tier]] = {"disk": DiskTier, "encoded": EncodedTier, "shared": SharedHostTier, "host": HostTier}
+TIERS: dict[str, type[Tier]] = {"disk": DiskTier, "shared": SharedHostTier, "host": HostTier}
 # asked in this order for a park_to: the first home that takes it holds the parked tensors (shared before host)
 PARK_HOMES: dict[str, type[ParkHome]] = {"shared": SharedParking, "host": HostParking, "disk": DiskParking}
 

@@ -24,6 +24,7 @@ A tier may also keep a module's non-block tensors while it is parked (runtime/pa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
@@ -73,7 +74,7 @@ class Tier(HandleFeature):
 
     def view(self, store: HostStore, b: BlockLayout, e: TensorEntry) -> torch.Tensor:
         """Tensor e of block b outside its forward: its true shape, dtype and values, with a storage of its own."""
-        return store.alias(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
+        return store_view(store, b, e)
 
     def prepare(self, b: BlockLayout) -> None:
         """Start bringing block b's tail within reach (`acquire` takes it, waiting for what is left)."""
@@ -110,6 +111,87 @@ class Tier(HandleFeature):
         """The files it reads the module's weights from while the handle lives (runtime/saveguard.py keeps a save
         from replacing them)."""
         return set()
+
+
+@dataclass(frozen=True)
+class ByteKind:
+    """What bytes a layer above gives a tier are, in the words the tier needs: `tag` (JSON-able: checked between the
+    ranks that share them) and how an error names a file holding them (`file`, what it `holds`, and what to do
+    instead: `leave_off`, `run_without` as a command-line remedy)."""
+
+    tag: dict
+    file: str
+    holds: str
+    leave_off: str
+    run_without: str
+
+
+def store_view(store: HostStore, b: BlockLayout, e: TensorEntry) -> torch.Tensor:
+    """Tensor e of block b as the host store holds it (a storage of its own: HostStore.alias)."""
+    return store.alias(b.host_offset + e.offset, e.nbytes).view(e.dtype).view(e.shape)
+
+
+@dataclass
+class Bytes:
+    """One block's bytes a layer above gives a tier to hold (`BlockBytes.keep`): how many, a JSON-able row that
+    says what they are (the layer's, opaque to the tier: kept with them and given to ranks that share them), and,
+    where they were made here, the pieces (offset, flat uint8 tensor) to write."""
+
+    nbytes: int
+    row: list
+    pieces: list[tuple[int, torch.Tensor]] | None = None
+
+
+def host_copy(made: Bytes, pin: bool) -> HostStore:
+    """Bytes made for a block in a host buffer of their own (page-locked where `pin`)."""
+    from chunkflow.runtime.store import HostStore
+
+    store = HostStore(made.nbytes, pin=pin)
+    for at, data in made.pieces:
+        store.data[at : at + data.numel()].copy_(data)
+    return store
+
+
+class BlockBytes:
+    """A tier holding bytes a layer above gives it for some blocks (raw or encoded, it does not care), in place of
+    the blocks' tensors: it stores them when the layout is made (`keep`) and hands out one block's at a time
+    (`acquire`), as the tier's own source would. A tier module gives its way of holding them (host.py: pinned host
+    memory; shared.py: one copy per host; disk.py: a spill file read into a ring)."""
+
+    recycles: ClassVar[bool] = False  # the buffer `acquire` gives is reused: `release` follows the block's copies
+
+    def keep(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool) -> dict[int, list]:
+        """Hold block l's bytes for each l of `wanted` (block -> key: what its bytes depend on; bytes held under
+        the same key are kept, not made again), those of new keys from `make(l)`; let go of the rest. Returns each
+        block's row (where the bytes came from another rank, that rank's). `pin`: the device is a GPU."""
+        raise NotImplementedError
+
+    def acquire(self, l: int) -> torch.Tensor:
+        """Block l's bytes from its byte 0, as a flat uint8 tensor (may wait for a read)."""
+        raise NotImplementedError
+
+    def in_memory(self, l: int) -> torch.Tensor | None:
+        """Block l's bytes where they lie in host memory now, else None (a file's, read only when asked)."""
+        return None
+
+    def prepare(self, l: int) -> None:
+        """Start bringing block l's bytes within reach."""
+
+    def pause(self) -> None:
+        """Stop what is brought ahead for the next forward."""
+
+    def release(self, l: int, copied) -> None:
+        """Block l's copies from `acquire`'s buffer are enqueued, `copied` recorded after them."""
+
+    def detach(self) -> None:
+        """Buffers made for the blocks' reads go (the next layout makes them again)."""
+
+    def close(self) -> None:
+        """Everything held goes."""
+
+    def stats(self) -> dict:
+        """What it holds: host_bytes, pinned_bytes, shared_bytes (host memory), or its disk fields."""
+        return {}
 
 
 class ParkHome(HandleFeature):

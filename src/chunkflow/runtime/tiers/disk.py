@@ -1,29 +1,26 @@
 """The disk tier: blocks whose streamed bytes stay in the checkpoint's own safetensors files, read each forward;
-and a parked module's non-block tensors kept in those files (`DiskParking`).
-
-With a codec (OffloadConfig.codec, runtime/codecs/stream.py) a disk block's tail is read from the files once, at
-layout, encoded, and written to a spill file chunkflow owns (in CHUNKFLOW_CACHE_DIR or ~/.cache/chunkflow, unlinked
-as it is made: gone with the process, even one killed; never in the checkpoint's folder); each forward then reads
-its encoded bytes (about 0.7 of them for bf16) into the ring and the streamer copies and decodes them as it does the
-encoded tier's. Outside the forward its tensors are the checkpoint's, mapped, as below.
+bytes a layer above gives it for some blocks (a codec's encoded tails) in a spill file read the same way
+(`SpillBytes`); and a parked module's non-block tensors kept in the checkpoint's files (`DiskParking`).
 
 A plan's `disk_blocks` (chunkflow_planner.offload.disk_block_indices: spread evenly over the blocks) keep their
 resident head [0, R_l) as every block does (host store, resident buffer); their streamed tail [R_l, V_l) is not in
 host memory. A reader thread reads a disk block's tail straight from the files (offsets from their headers) into one
-of DISK_RING_BLOCKS page-locked ring buffers, running that many disk blocks ahead of the copy stream; the streamer
-copies its chunks from the ring buffer as it copies a host block's from the host store (runtime/streamer.py), then
-records an event on the copy stream after which the buffer may take the next read. The reads drop the pages they
+of DISK_RING_BLOCKS page-locked ring buffers (`Ring`), running that many disk blocks ahead of the copy stream; the
+streamer copies its chunks from the ring buffer as it copies a host block's from the host store (runtime/streamer.py),
+then records an event on the copy stream after which the buffer may take the next read. The reads drop the pages they
 bring into the page cache (FileReader), so host memory holds the ring, not the weights.
 
-Outside its forward a tail tensor is a private, copy-on-write map of its bytes in the file: a normal tensor with the
-file's values that costs no memory until read. The files are checked when the tier is made (readable, long enough,
-each tensor where its header says, in the dtype the block stores) and before and after every read: its size,
-modification time and inode, and the kernel's word that no process wrote it (runtime/filewatch.py: a rewrite in place
-with its modification time restored is seen too). A checkpoint changed after offload is an error at the next forward,
-`state_dict()` or `remove()`, never other weights. Not seen: writes through another process's shared map of the file,
-or from another machine on a network file system that keep size and times (a documented limit). A write to a tail tensor (peft's merge,
+Outside its forward a tail tensor is a private, copy-on-write map of its bytes in the file (runtime/tiers/files.py:
+`FileValues`, which checks the files when the tier is made and watches them; before and after every read they are
+checked again). A checkpoint changed after offload is an error at the next forward, `state_dict()` or `remove()`,
+never other weights. Not seen: writes through another process's shared map of the file, or from another machine on a
+network file system that keep size and times (a documented limit). A write to a tail tensor (peft's merge,
 load_state_dict) or a new tensor inside a disk block moves that block to the host tier at the next forward (its
 current values copied into the host store, a warning saying so): the file is never written and never disagrees.
+
+Bytes given to it (`hold_bytes`) are written once, at layout, to a spill file chunkflow owns (in CHUNKFLOW_CACHE_DIR
+or ~/.cache/chunkflow, unlinked as it is made: gone with the process, even one killed; never in the checkpoint's
+folder), its pages dropped from the page cache; each forward reads them into the ring as above.
 """
 
 from __future__ import annotations
@@ -34,526 +31,88 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from chunkflow.runtime.codecs import codec_of
-from chunkflow.runtime.codecs.stream import CodecStream, EncodedBlock, layout_key
 from chunkflow.runtime.errors import OffloadError, warn_user
 from chunkflow.runtime.filewatch import FileWatch
-from chunkflow.runtime.layout import BlockLayout, TensorEntry
+from chunkflow.runtime.layout import BlockLayout
 from chunkflow.runtime.store import HostStore, own_storage
 from chunkflow.runtime.tensors import all_tensors
-from chunkflow.runtime.tiers.base import ParkHome, Tier
-from chunkflow.runtime.tiers.host import HostParking
+from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes, ParkHome, Tier
+from chunkflow.runtime.tiers.files import (DiskFiles, DiskTierError, DiskTierWarning, FileValues, _FileState, _state,
+                                           ValuesInFiles, disk_files, pwrite_all)
+from chunkflow.runtime.tiers.hostcopies import HostCopies
 from chunkflow_planner.checkpoint import TensorRecord
 from chunkflow_planner.offload import DISK_RING_BLOCKS
 
 if TYPE_CHECKING:  # annotations only
     from chunkflow.runtime.handle import OffloadHandle
 
+__all__ = ["DiskTier", "DiskTierError", "DiskTierWarning", "DiskParking", "SpillBytes", "READ_PIECE"]
 
 READ_PIECE = 16 << 20  # a tail is read in pieces this large, so that a read no longer wanted stops within one (11 ms
 # at 1.44 GB/s, the H200 host's NVMe, docs/tiers-h200.md)
 
 
 def spill_dir() -> Path:
-    """Where a codec's spill file for the disk blocks goes: CHUNKFLOW_CACHE_DIR, else ~/.cache/chunkflow (a disk,
-    where /tmp may be memory)."""
+    """Where a spill file goes: CHUNKFLOW_CACHE_DIR, else ~/.cache/chunkflow (a disk, where /tmp may be memory)."""
     env = os.environ.get("CHUNKFLOW_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "chunkflow"
-
-
-def _spill_failed(folder: Path, exc: OSError, written: int) -> str:
-    """Why the codec's spill file could not be written in the cache folder `folder`, and what to do."""
-    import errno
-
-    from chunkflow_planner.units import format_bytes
-
-    env = os.environ.get("CHUNKFLOW_CACHE_DIR")
-    named = f"CHUNKFLOW_CACHE_DIR {str(folder)!r}" if env else f"the cache folder {str(folder)!r}"
-    why = {errno.ENOSPC: "its file system is full", errno.EDQUOT: "your disk quota there is used up",
-           errno.EFBIG: "a limit on file size (ulimit -f) stops the file"}.get(exc.errno, exc.strerror or str(exc))
-    return (f"the codec's spill file for the disk blocks cannot be written in {named}: {why} (after "
-            f"{format_bytes(written)}; it is removed). Free space there, or set CHUNKFLOW_CACHE_DIR to a folder on a "
-            "disk with room for the encoded disk blocks, or run without the codec (--codec off); the output and "
-            "the checkpoint were not touched")
-
-
-def _pwrite_all(fd: int, data: bytes, at: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
 
 
 class _Cancelled(Exception):
     """A read ended before its end: no longer wanted (stop(cancel=True))."""
 
 
-class DiskTierError(OffloadError):
-    """The disk tier cannot read what it was given, or its files changed; the message says which and what to do."""
+class Ring:
+    """DISK_RING_BLOCKS host buffers (page-locked on CUDA) a reader thread fills, a block each, in execution order,
+    ahead of the copy stream. `fill(l, base)` writes block l's bytes into `ring.data` from `base`, calling `piece()`
+    before each piece it reads (a read no longer wanted ends there)."""
 
-
-class DiskFiles(Protocol):
-    """What a loader's TensorSource gives the disk tier (`source.disk_files()`): where each tensor lies in the files,
-    and a reader of raw byte ranges that leaves nothing in the page cache."""
-
-    def record(self, name: str) -> TensorRecord | None: ...
-
-    def read_range(self, path: Path, begin: int, nbytes: int, out: torch.Tensor) -> None: ...
-
-    def read_tensor(self, rec: TensorRecord, out: torch.Tensor) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class _Part:
-    """The bytes of one tail tensor a read fills: [skip, nbytes) of the tensor (in the block's dtype), at `at` of the
-    ring buffer; `held`: the file stores it in another dtype, so a converted copy of it is kept in host memory and
-    copied from (the small tensors a model keeps in float32, such as norms, in a bf16 file)."""
-
-    rec: TensorRecord
-    skip: int
-    at: int
-    key: tuple[int, str]
-    held: bool = False
-
-
-@dataclass(frozen=True)
-class _FileState:
-    size: int
-    mtime_ns: int
-    ino: int
-
-
-def _state(path: Path) -> _FileState:
-    st = os.stat(path)
-    return _FileState(st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-def disk_files(source, what: str) -> DiskFiles:
-    """The files a loader's `source` reads (`source.disk_files()`); an OffloadError saying what to do where it
-    knows none (`what`: the setting that asks for them)."""
-    opener = getattr(source, "disk_files", None)
-    if opener is None:
-        raise OffloadError(f"{what} keeps weights in the checkpoint's files, but this module's weights come from no "
-                           "file chunkflow reads: load it from its folder through chunkflow (`chunkflow run --weights "
-                           "DIR`, chunkflow.models.build), or leave it out")
-    return opener()
-
-
-class DiskTier(Tier):
-    """The disk tier of one handle (module docstring). `blocks`: the block indices whose tails live on disk."""
-
-    name = "disk"
-    recycles = True
-    demoted_note = "their weights now live in host memory, not on disk"
-
-    @classmethod
-    def for_setting(cls, cfg, module, n_blocks: int, source) -> DiskTier | None:
-        """The tier `cfg.disk_blocks` asks for, reading the files `source` knows; an error where it knows none."""
-        if not cfg.disk_blocks:
-            return None
-        from chunkflow_planner.offload import disk_block_indices
-
-        codec = codec_of(cfg)  # refused before the files are opened where it cannot be used
-        files = disk_files(source, f"disk_blocks={cfg.disk_blocks}")
-        if cfg.disk_blocks > n_blocks:
-            files.close()
-            raise OffloadError(f"disk_blocks={cfg.disk_blocks} but the module has {n_blocks} blocks")
-        tier = cls(set(disk_block_indices(n_blocks, cfg.disk_blocks)), files, codec)
-        tier.note_records(all_tensors(module))
-        return tier
-
-    def __init__(self, blocks: set[int], files: DiskFiles, codec=None):
-        self.blocks = set(blocks)
-        self.files = files
-        self.stream = CodecStream(codec) if codec is not None else None  # with a codec: tails encoded
-        self.spill = None  # with a codec: the unlinked file the disk blocks' encoded tails are read from
-        self.spill_end = 0
-        self.spilled: dict[int, EncodedBlock] = {}  # disk block -> its encoded tail (EncodedBlock.at: in the file)
-        self._records: dict[tuple[int, str], TensorRecord] = {}  # (id(owner module), attr) -> record
-        self._states: dict[Path, _FileState] = {}
-        self._maps: dict[Path, torch.Tensor] = {}  # each file as one private copy-on-write map (uint8)
-        self._held: dict[tuple[int, str], torch.Tensor] = {}  # tail tensors stored in another dtype: converted copies
-        self.parts: dict[int, list[_Part]] = {}  # disk block -> what its read fills
-        self.tail: dict[int, int] = {}  # disk block -> R_l (its ring buffer holds [R_l, V_l))
-        self.order: list[int] = []  # disk blocks in execution order
+    def __init__(self, fill: Callable[[int, int], None]):
+        self.fill = fill
+        self.order: list[int] = []  # its blocks in execution order
         self.ring: HostStore | None = None
         self.entry_bytes = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._reads: dict[int, tuple[Future, int]] = {}  # disk block -> (its read, the ring entry it fills)
+        self._reads: dict[int, tuple[Future, int]] = {}  # block -> (its read, the ring entry it fills)
         self._free: list[int] = []  # ring entries no read holds
         self._consumed: dict[int, object] = {}  # ring entry -> copy-stream event after its last copy
         self._cancel = threading.Event()  # set: the read in progress ends at its next piece (stop(cancel=True))
         self.bytes_read = 0
         self.reads = 0
         self.stall_s = 0.0
-        self.demoted: set[int] = set()
-        self._watch = FileWatch()
-        self._state_hooks: list = []  # state_dict() of a disk block checks its files first
 
-    # ---- set-up: before the host store is filled
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes if self.ring is not None else 0
 
-    def note_records(self, tensors) -> None:
-        """Where each tensor of the module lies in the files, keyed by its owner (stable when peft wraps a layer)."""
-        for t in tensors:
-            rec = self.files.record(t.name)
-            if rec is not None:
-                self._records[(id(t.owners[0][0]), t.owners[0][1])] = rec
-
-    def claim(self, b: BlockLayout) -> bool:
-        """Block b's tail stays on disk where the setting put it there and every tail tensor is in the files; one
-        with a tensor the files lack (a LoRA layer) goes to the host tier."""
-        self.parts.pop(b.index, None)
-        if b.index not in self.blocks or not b.is_streamed:
-            return False
-        parts = self._parts_of(b)
-        if parts is None:
-            self.blocks.discard(b.index)
-            self.demoted.add(b.index)
-            return False
-        self.parts[b.index], self.tail[b.index] = parts, b.resident_bytes
-        return True
-
-    def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
-        """Check every tail tensor of the disk blocks against its file and map the files; then the ring
-        (page-locked where `pin`) and the reader. Raises DiskTierError before anything is written."""
-        self._check_parts(layouts)
-        if self.stream is not None:
-            self._spill(layouts, pin)
+    def lay_out(self, order: list[int], entry_bytes: int, pin: bool) -> None:
+        """The blocks it reads, in execution order, and the most bytes one takes: the ring (page-locked where `pin`)
+        and the reader."""
+        self.order = list(order)
         if self.order:
-            self.entry_bytes = (max(self.spilled[l].nbytes for l in self.order) if self.stream is not None
-                                else max(layouts[l].nbytes - self.tail[l] for l in self.order))
+            self.entry_bytes = entry_bytes
             entries = min(DISK_RING_BLOCKS, len(self.order))
             self.ring = HostStore(entries * self.entry_bytes, pin=pin)
             self._free = list(range(entries))
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkflow-disk")
 
-    def _raw_tail(self, b: BlockLayout, device: torch.device) -> torch.Tensor:
-        """Block b's tail [R_l, V_l) read from the files onto `device` (gaps zero), as the module holds it."""
-        R = b.resident_bytes
-        raw = torch.zeros(b.nbytes - R, dtype=torch.uint8, device=device)
-        entries = [e for e in b.tensors if e.end > R]
-        for e, p in zip(entries, self.parts[b.index]):
-            n = p.rec.nbytes - p.skip
-            if p.held:  # stored in another dtype: converted as the module holds it
-                t = torch.empty(e.shape, dtype=e.dtype)
-                self.files.read_tensor(p.rec, t)
-                flat = t.reshape(-1).view(torch.uint8)[p.skip:]
-                raw[p.at : p.at + flat.numel()].copy_(flat)
-            else:
-                self.files.read_range(p.rec.file, p.rec.begin + p.skip, n, raw[p.at : p.at + n])
-        return raw
-
-    def _spill(self, layouts: list[BlockLayout], pin: bool) -> None:
-        """With a codec: every disk block whose layout is new read once from the files, encoded, and written to the
-        spill file (an unlinked file in spill_dir(): gone with the process, never in the checkpoint's folder); its
-        pages are dropped from the page cache once written."""
-        self.stream.set_device(pin, f"codec={self.stream.codec.name!r} with disk_blocks")
-        if self.spill is None:
-            folder = spill_dir()
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                self.spill = tempfile.TemporaryFile(dir=folder)
-            except OSError as exc:
-                raise DiskTierError(f"the codec's spill file for the disk blocks cannot be made in {str(folder)!r}: "
-                                    f"{exc.strerror or exc}; set CHUNKFLOW_CACHE_DIR to a folder on a disk with room, "
-                                    "or leave the codec off") from None
-        kept = {}
-        fd = self.spill.fileno()
-        by_key = {blk.key: blk for blk in self.spilled.values()}  # by block and layout: a re-layout in the order
-        try:
-            for l in self.order:  # the blocks ran moves them to other indices
-                old = by_key.get(layout_key(layouts[l]))
-                if old is not None:
-                    kept[l] = old
-                    continue
-                blk, pieces = self.stream.encode(layouts[l], self._raw_tail(layouts[l], self.stream.device))
-                blk.at = self.spill_end
-                for off, data in pieces:
-                    _pwrite_all(fd, data.cpu().numpy().tobytes(), blk.at + off)
-                self.spill_end += -(-blk.nbytes // 4096) * 4096
-                kept[l] = blk
-            os.ftruncate(fd, self.spill_end)  # the last block's alignment padding is in the file too
-            os.fsync(fd)
-        except OSError as exc:  # a full cache disk (ENOSPC), a quota, an I/O error: the cache folder's, said so
-            raise DiskTierError(_spill_failed(spill_dir(), exc, self.spill_end)) from None
-        self.spilled = kept
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-    def _read_spill(self, at: int, nbytes: int, base: int) -> None:
-        """`nbytes` of the spill file from `at` into the ring from `base`, in pieces (a read no longer wanted ends at
-        the next one), their pages dropped from the page cache."""
-        fd = self.spill.fileno()
-        ring = self.ring.data.numpy()
-        for a in range(0, nbytes, READ_PIECE):
-            if self._cancel.is_set():
-                raise _Cancelled
-            k = min(READ_PIECE, nbytes - a)
-            view = memoryview(ring[base + a : base + a + k])
-            got = 0
-            while got < k:
-                n = os.preadv(fd, [view[got:]], at + a + got)
-                if n <= 0:
-                    raise DiskTierError("the codec's spill file ended before its bytes; it was changed or truncated "
-                                        "by another program: offload (load) the model again")
-                got += n
-            self.bytes_read += k
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, at, nbytes, os.POSIX_FADV_DONTNEED)
-
-    def source(self, store: HostStore, b: BlockLayout, non_blocking: bool):
-        """With a codec: the block's encoded tail in its ring buffer (the read waited for), copied and decoded."""
-        if self.stream is None:
-            return super().source(store, b, non_blocking)
-        buf, _ = self.acquire(store, b)
-        return self.stream.source(self.spilled[b.index], buf, [self.spilled[l] for l in self.order])
-
-    def _check_parts(self, layouts: list[BlockLayout]) -> None:
-        """The blocks this tier took, each tail tensor checked against its file and the files mapped."""
-        self.order = [b.index for b in layouts if b.tier is self]
-        self.parts = {l: self.parts[l] for l in self.order}
-        self.tail = {l: self.tail[l] for l in self.order}
-        self._check_held(layouts)
-        for path in {p.rec.file for ps in self.parts.values() for p in ps}:
-            self._check_file(path)
-
-    def _parts_of(self, b: BlockLayout) -> list[_Part] | None:
-        """The reads that fill block b's tail, or None where a tail tensor is not in the files."""
-        R = b.resident_bytes
-        parts = []
-        for e in b.tensors:
-            if e.end <= R:
-                continue
-            key = (id(e.owners[0][0]), e.owners[0][1])
-            rec = self._records.get(key)
-            if rec is None:
-                return None
-            held = self._check_record(b, e, rec)
-            skip = max(0, R - e.offset)
-            parts.append(_Part(rec, skip, e.offset + skip - R, key, held))
-        return parts
-
-    def _check_held(self, layouts: list[BlockLayout]) -> None:
-        """Converted copies are for a few small tensors: a file whose big tensors are in another dtype is refused."""
-        held = sum(p.rec.nbytes for l in self.order for p in self.parts[l] if p.held)
-        total = sum(p.rec.nbytes for l in self.order for p in self.parts[l])
-        if total and held > total / 8:
-            p = next(p for l in self.order for p in self.parts[l] if p.held)
-            raise DiskTierError(
-                f"{p.rec.key} is {p.rec.dtype_name} in {p.rec.file.name} but the module runs it in another dtype, as "
-                f"{held / total:.0%} of the bytes the disk tier would read; it reads the file's bytes as they are. "
-                "Save the model once in its run dtype (`Model.from_pretrained(dir, torch_dtype=...)"
-                ".save_pretrained(out)`), or plan with more host memory")
-
-    def _check_record(self, b: BlockLayout, e: TensorEntry, rec: TensorRecord) -> bool:
-        """Whether the tensor is stored in another dtype than the block holds it (a converted copy is held)."""
-        stored = getattr(torch, rec.dtype_name, None)
-        if e.compute_dtype is not None:
-            raise DiskTierError(f"{b.name}.{e.name} is stored in fp8 by this offload; the disk tier reads the file's "
-                                "bytes as they are: use weight_dtype bf16 with a disk tier")
-        if stored != e.dtype or rec.nbytes != e.nbytes:
-            return True
-        if rec.begin % max(1, e.dtype.itemsize):
-            raise DiskTierError(f"{b.name}.{e.name} starts at byte {rec.begin} of {rec.file.name}, not a multiple of "
-                                f"its {e.dtype.itemsize}-byte elements; re-save the checkpoint with safetensors")
-
-    def _check_file(self, path: Path) -> None:
-        """The file is readable and holds every tail tensor's bytes; its state is noted (reads compare it)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise DiskTierError(f"{str(path)!r} cannot be read for the disk tier: {exc.strerror or exc}") from None
-        try:
-            st = os.fstat(fd)
-            end = max(p.rec.end for ps in self.parts.values() for p in ps if p.rec.file == path)
-            if st.st_size < end:
-                raise DiskTierError(f"{str(path)!r} is {st.st_size} bytes but its header places tensors up to byte "
-                                    f"{end}; it is truncated: download or save it again")
-            header = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
-            first = min(p.rec.begin for ps in self.parts.values() for p in ps if p.rec.file == path)
-            if 8 + header > first:
-                raise DiskTierError(f"{str(path)!r}'s header ({header} bytes) overlaps the tensors it describes; the "
-                                    "file changed since it was opened or is damaged: download or save it again")
-            if path not in self._maps:  # private: a write to a tail tensor never reaches the file
-                mm = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                self._maps[path] = torch.frombuffer(mm, dtype=torch.uint8)
-        finally:
-            os.close(fd)
-        state = _state(path)
-        if self._states.setdefault(path, state) != state:
-            raise self._changed(path)
-        self._watch.add(path)
-        if path in self._watch.changed():
-            raise self._changed(path)
-
-    def _changed(self, path: Path) -> DiskTierError:
-        return DiskTierError(f"{str(path)!r} changed after the model was offloaded with part of its weights read "
-                             "from it (written, or its size, modification time or inode differ); its weights are no "
-                             "longer the model's. Offload (load) the model again, or handle.discard() to drop it")
-
-    def verify(self) -> None:
-        """Every file still as it was offloaded (state and the kernel's word); DiskTierError naming one that is not."""
-        self._unchanged(list(self._states))
-
-    def files_read(self) -> set[Path]:
-        return set(self._states)
-
-    def check_dtypes(self, layouts: list[BlockLayout], mapping: dict[torch.dtype, torch.dtype]) -> None:
-        """A dtype change of the module (`mapping`) is refused where it would change a tensor the disk tier reads from
-        its file (the file holds the old dtype; the block would have to move to host memory whole), before anything
-        changes."""
-        hit = [(b, e) for b in layouts if b.index in self.parts for e in b.tensors
-               if e.end > b.resident_bytes and e.dtype in mapping]
-        if not hit:
-            return
-        from chunkflow_planner.units import format_bytes
-
-        b, e = hit[0]
-        held = sum(layouts[l].nbytes - self.tail[l] for l in self.order)
-        raise DiskTierError(
-            f"cannot change {b.name}.{e.name} from {str(e.dtype).removeprefix('torch.')} to "
-            f"{str(mapping[e.dtype]).removeprefix('torch.')}: {len(self.order)} block(s) keep their weights in the "
-            f"checkpoint's files in the dtype they have now, and a change would need all of them in host memory "
-            f"({format_bytes(held)}); nothing was changed. Load the model in the dtype you want "
-            "(`torch_dtype=` / `chunkflow run` plans it), or offload it without disk blocks")
-
-    def _rec(self, e: TensorEntry) -> TensorRecord:
-        return self._records[(id(e.owners[0][0]), e.owners[0][1])]
-
-    def view(self, store: HostStore, b: BlockLayout, e: TensorEntry) -> torch.Tensor:
-        """Tensor e of a disk block outside its forward; one of its tail: its bytes in the file, mapped copy-on-write
-        (a converted copy in host memory where the file stores another dtype)."""
-        if e.end <= b.resident_bytes:
-            return super().view(store, b, e)
-        rec = self._rec(e)
-        if getattr(torch, rec.dtype_name, None) == e.dtype and rec.nbytes == e.nbytes:  # a storage of its own, as
-            # the host store's views have (HostStore.alias)
-            return own_storage(self._maps[rec.file][rec.begin:rec.end]).view(e.dtype).view(e.shape)
-        key = (id(e.owners[0][0]), e.owners[0][1])
-        if key not in self._held:
-            held = torch.empty(e.shape, dtype=e.dtype)
-            self.files.read_tensor(rec, held)
-            self._held[key] = held
-        return self._held[key]
-
-    def supply(self, store: HostStore, b: BlockLayout, e: TensorEntry, write) -> bool:
-        """A tail tensor's values are the file's (nothing is read: `write` is not used): the part of one straddling
-        R_l that lies in the head is copied from there into the store."""
-        if e.end <= b.resident_bytes:
-            return False
-        if e.offset < b.resident_bytes:
-            head = self.view(store, b, e).reshape(-1).view(torch.uint8)[:b.resident_bytes - e.offset]
-            store.view(b.host_offset + e.offset, b.resident_bytes - e.offset).copy_(head)
-        return True
-
-    def host_extent(self, b: BlockLayout) -> int:
-        """Only the head is in the host store."""
-        return b.resident_bytes
-
-    # ---- the handle's part
-
-    def attach(self, handle: OffloadHandle) -> None:
-        """Say which blocks moved to the host tier since the last layout; a disk block's state_dict() checks the files
-        first (outside a forward its tail tensors read them)."""
-        self._state_hooks = [handle.layouts[l].module.register_state_dict_pre_hook(self._before_state_dict)
-                             for l in self.order]
-        if self.demoted:
-            warn_user(f"chunkflow: block(s) {', '.join(map(str, sorted(self.demoted)))} hold tensors the checkpoint's "
-                      f"files do not (a LoRA layer?) or were written; {self.demoted_note}", DiskTierWarning)
-            self.demoted = set()
-
-    def _before_state_dict(self, module, prefix, keep_vars) -> None:
-        self.verify()
-
-    def detach(self, handle: OffloadHandle) -> None:
-        self._held = {}  # converted copies are made again for the next layout's tensors
-        for h in self._state_hooks:
-            h.remove()
-        self._state_hooks = []
-        self.stop()
-        if self.stream is not None:
-            self.stream.drop_device()
-        if self.ring is not None:
-            self.ring.release()
-        self.ring = None
-
-    def close(self, handle: OffloadHandle, restore: bool) -> None:
-        """The reader thread ends and the files close; the maps go with the last tensor viewing them."""
-        self.stop()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self.files.close()
-        self._watch.close()
-        self._maps = {}
-        if self.spill is not None:  # unlinked already: closing it gives its room back
-            self.spill.close()
-            self.spill = None
-        self.spilled = {}
-
-    def demote(self, blocks: set[int]) -> bool:
-        """Blocks written while on disk go to the host tier at the next layout; whether any did."""
-        hit = blocks & self.blocks
-        self.blocks -= hit
-        self.demoted |= hit
-        return bool(hit)
-
-    # ---- reads (the reader thread) and what the streamer asks
+    def piece(self) -> None:
+        """A piece is about to be read: _Cancelled where the read is no longer wanted."""
+        if self._cancel.is_set():
+            raise _Cancelled
 
     def _read(self, l: int, entry: int, after) -> int:
         if after is not None and hasattr(after, "synchronize"):
             after.synchronize()  # the copies out of this buffer are done
-        base = entry * self.entry_bytes
-        paths = {p.rec.file for p in self.parts[l]}
-        self._unchanged(paths)
-        if self.stream is not None:  # its encoded tail, from the spill file
-            blk = self.spilled[l]
-            self._read_spill(blk.at, blk.nbytes, base)
-            self._unchanged(paths)
-            self.reads += 1
-            return entry
-        try:
-            for p in self.parts[l]:
-                if p.held:  # converted once: copied from host memory
-                    src = self._held[p.key].reshape(-1).view(torch.uint8)
-                    self.ring.view(base + p.at, src.numel() - p.skip).copy_(src[p.skip:])
-                    continue
-                n = p.rec.nbytes - p.skip
-                for a in range(0, n, READ_PIECE):  # in pieces: a read no longer wanted ends at the next one
-                    if self._cancel.is_set():
-                        raise _Cancelled
-                    k = min(READ_PIECE, n - a)
-                    self.files.read_range(p.rec.file, p.rec.begin + p.skip + a, k, self.ring.view(base + p.at + a, k))
-                    self.bytes_read += k
-        except _Cancelled:
-            raise
-        except Exception:
-            self._unchanged(paths)  # a file changed under the read: say that, not what the read met
-            raise
-        self._unchanged(paths)  # changed while it was read: these bytes may be of two versions
+        self.fill(l, entry * self.entry_bytes)
         self.reads += 1
         return entry
-
-    def _unchanged(self, paths) -> None:
-        written = self._watch.changed()
-        for path in paths:
-            if path in written:
-                raise self._changed(path)
-            try:
-                state = _state(path)
-            except OSError:
-                state = None
-            if state != self._states[path]:
-                raise self._changed(path)
 
     def _submit(self, l: int) -> None:
         entry = self._free.pop(0)
@@ -568,21 +127,13 @@ class DiskTier(Tier):
         for k in range(len(self._free)):
             self._submit(self.order[(i + k) % len(self.order)])
 
-    def prepare(self, b: BlockLayout) -> None:
-        """Block b's read started if none is in flight for it."""
-        if b.index not in self._reads:
-            self._restart(b.index)
+    def prepare(self, l: int) -> None:
+        """Block l's read started if none is in flight for it."""
+        if l not in self._reads:
+            self._restart(l)
 
-    def pause(self) -> None:
-        """Parked: the reads ahead are not wanted until the next forward (which reads again from its first block):
-        those not started are cancelled, the one in progress ends at its next piece; a codec's device buffers go."""
-        self.stop(cancel=True)
-        if self.stream is not None:
-            self.stream.drop_device()
-
-    def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
-        """Block l's tail bytes, read (waiting for the read: a stall), and R_l: chunk [lo, hi) is at lo - R_l."""
-        l = b.index
+    def acquire(self, l: int) -> torch.Tensor:
+        """Block l's ring buffer, read (waiting for the read: a stall)."""
         if l not in self._reads:
             self._restart(l)
         fut, entry = self._reads[l]
@@ -592,11 +143,11 @@ class DiskTier(Tier):
             self.stall_s += time.perf_counter() - t0
         fut.result()  # raises what the read met
         base = entry * self.entry_bytes
-        return self.ring.data[base:base + self.entry_bytes], self.tail[l]
+        return self.ring.data[base:base + self.entry_bytes]
 
     def release(self, l: int, copied) -> None:
-        """Block l's copies are enqueued: its buffer takes the read of the disk block DISK_RING_BLOCKS on, once they
-        are done (`copied`: an event recorded on the copy stream after them)."""
+        """Block l's copies are enqueued: its buffer takes the read of the block DISK_RING_BLOCKS on, once they are
+        done (`copied`: an event recorded on the copy stream after them)."""
         hit = self._reads.pop(l, None)
         if hit is None:
             return
@@ -624,26 +175,256 @@ class DiskTier(Tier):
         self._reads = {}
         self._consumed = {}
 
-    def tail_bytes(self, layouts: list[BlockLayout]) -> int:
-        """Bytes a forward reads from disk: every disk block's tail (encoded, with a codec)."""
-        if self.stream is not None:
-            return sum(self.spilled[l].nbytes for l in self.order)
-        return sum(layouts[l].nbytes - self.tail[l] for l in self.order)
+    def drop(self) -> None:
+        """Reads stopped, the buffers freed (the next layout makes them again)."""
+        self.stop()
+        if self.ring is not None:
+            self.ring.release()
+        self.ring = None
+
+    def close(self) -> None:
+        """The reader thread ends."""
+        self.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def stats(self, blocks: int, per_step: int) -> dict:
+        return dict(disk_blocks=blocks, disk_bytes_per_step=per_step, disk_bytes_read=self.bytes_read,
+                    disk_read_stall_s=self.stall_s, disk_ring_bytes=self.nbytes)
+
+
+class DiskTier(ValuesInFiles, Tier):
+    """The disk tier of one handle (module docstring): `values`, the blocks whose tails live in the files."""
+
+    name = "disk"
+    recycles = True
+
+    @classmethod
+    def for_setting(cls, cfg, module, n_blocks: int, source) -> DiskTier | None:
+        """The tier `cfg.disk_blocks` asks for, reading the files `source` knows; an error where it knows none."""
+        if not cfg.disk_blocks:
+            return None
+        from chunkflow_planner.offload import disk_block_indices
+
+        files = disk_files(source, f"disk_blocks={cfg.disk_blocks}")
+        if cfg.disk_blocks > n_blocks:
+            files.close()
+            raise OffloadError(f"disk_blocks={cfg.disk_blocks} but the module has {n_blocks} blocks")
+        values = FileValues(set(disk_block_indices(n_blocks, cfg.disk_blocks)), files,
+                            "their weights now live in host memory, not on disk")
+        values.note_records(all_tensors(module))
+        return cls(values)
+
+    def __init__(self, values: FileValues):
+        self.values = values
+        self.ring = Ring(self._fill)
+
+    def hold_bytes(self, kind: ByteKind) -> SpillBytes:
+        """This tier holding bytes given to it for its blocks (BlockBytes), in a spill file (`kind` names it in
+        errors). Each read checks the checkpoint's files as this tier's own reads do."""
+        return SpillBytes(kind, lambda l: self.values.unchanged(self.values.paths(l)))
+
+    @property
+    def bytes_read(self) -> int:
+        return self.ring.bytes_read
+
+    @property
+    def _reads(self) -> dict:
+        return self.ring._reads
+
+    # ---- set-up: before the host store is filled
+
+    def claim(self, b: BlockLayout) -> bool:
+        return self.values.claim(b)
+
+    def laid_out(self, layouts: list[BlockLayout], pin: bool) -> None:
+        """Check every tail tensor of the disk blocks against its file and map the files; then the ring (page-locked
+        where `pin`) and the reader. Raises DiskTierError before anything is written."""
+        v = self.values
+        v.laid_out(layouts, self)
+        self.ring.lay_out(v.order, max((layouts[l].nbytes - v.tail[l] for l in v.order), default=0), pin)
+
+    # ---- the handle's part
+
+    def attach(self, handle: OffloadHandle) -> None:
+        self.values.attach(handle)
+
+    def detach(self, handle: OffloadHandle) -> None:
+        self.values.detach(handle)
+        self.ring.drop()
+
+    def close(self, handle: OffloadHandle, restore: bool) -> None:
+        """The reader thread ends and the files close; the maps go with the last tensor viewing them."""
+        self.ring.close()
+        self.values.close()
+
+    # ---- reads (the reader thread) and what the streamer asks
+
+    def _fill(self, l: int, base: int) -> None:
+        """Block l's tail from the files into the ring from `base`, the files checked before and after."""
+        v = self.values
+        paths = v.paths(l)
+        v.unchanged(paths)
+        ring = self.ring.ring
+        try:
+            for p in v.parts[l]:
+                if p.held:  # converted once: copied from host memory
+                    src = v.converted(p).reshape(-1).view(torch.uint8)
+                    ring.view(base + p.at, src.numel() - p.skip).copy_(src[p.skip:])
+                    continue
+                n = p.rec.nbytes - p.skip
+                for a in range(0, n, READ_PIECE):  # in pieces: a read no longer wanted ends at the next one
+                    self.ring.piece()
+                    k = min(READ_PIECE, n - a)
+                    v.files.read_range(p.rec.file, p.rec.begin + p.skip + a, k, ring.view(base + p.at + a, k))
+                    self.ring.bytes_read += k
+        except _Cancelled:
+            raise
+        except Exception:
+            v.unchanged(paths)  # a file changed under the read: say that, not what the read met
+            raise
+        v.unchanged(paths)  # changed while it was read: these bytes may be of two versions
+
+    def prepare(self, b: BlockLayout) -> None:
+        self.ring.prepare(b.index)
+
+    def pause(self) -> None:
+        """Parked: the reads ahead are not wanted until the next forward (which reads again from its first block):
+        those not started are cancelled, the one in progress ends at its next piece."""
+        self.ring.stop(cancel=True)
+
+    def acquire(self, store: HostStore, b: BlockLayout) -> tuple[torch.Tensor, int]:
+        """Block l's tail bytes, read (waiting for the read: a stall), and R_l: chunk [lo, hi) is at lo - R_l."""
+        return self.ring.acquire(b.index), self.values.tail[b.index]
+
+    def release(self, l: int, copied) -> None:
+        self.ring.release(l, copied)
+
+    def stop(self, cancel: bool = False) -> None:
+        self.ring.stop(cancel)
 
     def stats(self, layouts: list[BlockLayout]) -> dict:
-        out = dict(disk_blocks=len(self.order), disk_bytes_per_step=self.tail_bytes(layouts),
-                   disk_bytes_read=self.bytes_read, disk_read_stall_s=self.stall_s,
-                   disk_ring_bytes=self.ring.nbytes if self.ring is not None else 0)
-        if self.stream is not None:
-            blks = [self.spilled[l] for l in self.order]
-            out.update(codec_disk_blocks=len(blks), codec_disk_raw_bytes=sum(b.raw_bytes for b in blks),
-                       codec_disk_stored_bytes=sum(b.stored_bytes for b in blks), codec_spill_bytes=self.spill_end,
-                       codec_disk_staging_bytes=sum(t.numel() for t in self.stream.staging))
-        return out
+        v = self.values
+        return self.ring.stats(len(v.order), sum(layouts[l].nbytes - v.tail[l] for l in v.order))
 
 
-class DiskTierWarning(UserWarning):
-    """Blocks moved from the disk tier to host memory (written, or holding tensors the files lack)."""
+class SpillBytes(BlockBytes):
+    """Bytes given for the disk tier's blocks, written once to a spill file (module docstring) and read from it into a
+    ring each forward. `check(l)` runs before and after each read of block l (the tier's own files checked)."""
+
+    recycles = True
+
+    def __init__(self, words: ByteKind, check: Callable[[int], None]):
+        self.words, self.check = words, check
+        self.spill = None  # the unlinked file the blocks' bytes are read from
+        self.end = 0  # its size: every block's bytes, each from a 4096-byte boundary
+        self.held: dict[str, tuple[int, int, list]] = {}  # key -> (offset in the file, bytes, row)
+        self.keys: dict[int, str] = {}  # block -> key in this layout
+        self.ring = Ring(self._fill)
+
+    def _open(self) -> None:
+        if self.spill is not None:
+            return
+        folder = spill_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.spill = tempfile.TemporaryFile(dir=folder)
+        except OSError as exc:
+            raise DiskTierError(f"{self.words.file} for the disk blocks cannot be made in {str(folder)!r}: "
+                                f"{exc.strerror or exc}; set CHUNKFLOW_CACHE_DIR to a folder on a disk with room, "
+                                f"or {self.words.leave_off}") from None
+
+    def keep(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool) -> dict[int, list]:
+        """Every block whose key is new made and written to the spill file (its pages dropped from the page cache
+        once written); then the ring."""
+        self._open()
+        kept = {}
+        fd = self.spill.fileno()
+        try:
+            for l, key in wanted.items():
+                old = self.held.get(key)
+                if old is not None:
+                    kept[key] = old
+                    continue
+                made = make(l)
+                for off, data in made.pieces:
+                    pwrite_all(fd, data.cpu().numpy().tobytes(), self.end + off)
+                kept[key] = (self.end, made.nbytes, made.row)
+                self.end += -(-made.nbytes // 4096) * 4096
+            os.ftruncate(fd, self.end)  # the last block's alignment padding is in the file too
+            os.fsync(fd)
+        except OSError as exc:  # a full cache disk (ENOSPC), a quota, an I/O error: the cache folder's, said so
+            raise DiskTierError(self._write_failed(spill_dir(), exc)) from None
+        self.held, self.keys = kept, dict(wanted)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.ring.lay_out(list(wanted), max((kept[k][1] for k in wanted.values()), default=0), pin)
+        return {l: kept[key][2] for l, key in wanted.items()}
+
+    def _write_failed(self, folder: Path, exc: OSError) -> str:
+        """Why the spill file could not be written in the cache folder `folder`, and what to do."""
+        import errno
+
+        from chunkflow_planner.units import format_bytes
+
+        env = os.environ.get("CHUNKFLOW_CACHE_DIR")
+        named = f"CHUNKFLOW_CACHE_DIR {str(folder)!r}" if env else f"the cache folder {str(folder)!r}"
+        why = {errno.ENOSPC: "its file system is full", errno.EDQUOT: "your disk quota there is used up",
+               errno.EFBIG: "a limit on file size (ulimit -f) stops the file"}.get(exc.errno, exc.strerror or str(exc))
+        return (f"{self.words.file} for the disk blocks cannot be written in {named}: {why} (after "
+                f"{format_bytes(self.end)}; it is removed). Free space there, or set CHUNKFLOW_CACHE_DIR to a folder "
+                f"on a disk with room for {self.words.holds}, or {self.words.run_without}; the output and the "
+                "checkpoint were not touched")
+
+    def _fill(self, l: int, base: int) -> None:
+        """Block l's bytes from the spill file into the ring from `base`, in pieces, their pages dropped from the
+        page cache; `check(l)` before and after."""
+        at, nbytes, _row = self.held[self.keys[l]]
+        self.check(l)
+        fd = self.spill.fileno()
+        ring = self.ring.ring.data.numpy()
+        for a in range(0, nbytes, READ_PIECE):
+            self.ring.piece()
+            k = min(READ_PIECE, nbytes - a)
+            view = memoryview(ring[base + a : base + a + k])
+            got = 0
+            while got < k:
+                n = os.preadv(fd, [view[got:]], at + a + got)
+                if n <= 0:
+                    raise DiskTierError(f"{self.words.file} ended before its bytes; it was changed or truncated by "
+                                        "another program: offload (load) the model again")
+                got += n
+            self.ring.bytes_read += k
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, at, nbytes, os.POSIX_FADV_DONTNEED)
+        self.check(l)
+
+    def acquire(self, l: int) -> torch.Tensor:
+        return self.ring.acquire(l)
+
+    def prepare(self, l: int) -> None:
+        self.ring.prepare(l)
+
+    def pause(self) -> None:
+        self.ring.stop(cancel=True)
+
+    def release(self, l: int, copied) -> None:
+        self.ring.release(l, copied)
+
+    def detach(self) -> None:
+        self.ring.drop()
+
+    def close(self) -> None:
+        self.ring.close()
+        if self.spill is not None:  # unlinked already: closing it gives its room back
+            self.spill.close()
+            self.spill = None
+        self.held, self.keys = {}, {}
+
+    def stats(self) -> dict:
+        per_step = sum(self.held[k][1] for k in self.keys.values())
+        return dict(self.ring.stats(len(self.keys), per_step), spill_bytes=self.end)
 
 
 class DiskParking(ParkHome):
@@ -651,7 +432,7 @@ class DiskParking(ParkHome):
 
     While parked, a tensor whose file holds it in its dtype is a private copy-on-write map of its bytes (no memory
     until read; the pages a read touched are given back at unpark); the rest (not in the files, stored in another
-    dtype, or written since it was read) wait in host memory as `HostParking` keeps them. Unpark reads each from its
+    dtype, or written since it was read) wait in host memory as `HostCopies` keeps them. Unpark reads each from its
     file straight into a new device tensor (through the reader's small page-locked staging buffers on a GPU,
     dropping the pages it read). A tensor written while parked (through its map) or while on the device is never
     lost: its values go to the device, and from then on it is parked in host memory (a DiskTierWarning says so).
@@ -665,7 +446,7 @@ class DiskParking(ParkHome):
 
     def __init__(self, files: DiskFiles):
         self.files = files
-        self.host = HostParking()  # the tensors the files cannot give back
+        self.host = HostCopies()  # the tensors the files cannot give back
         self._records: dict[tuple[int, str], TensorRecord] = {}  # (id(owner), attr) -> record, same dtype only
         self._fresh: set[tuple[int, str]] = set()  # never read: held by the files from offload on
         self._clean: dict[tuple[int, str], tuple[int, int]] = {}  # (version, data_ptr) when read from its file
@@ -832,3 +613,4 @@ class DiskParking(ParkHome):
         return dict(park_to=self.name, disk_park_bytes=sum(r.nbytes for k, r in self._records.items()
                                                            if k not in self._demoted),
                     disk_unpark_bytes_read=self.bytes_read)
+

@@ -1,5 +1,6 @@
-"""The host tier: a block's tail in the pinned host store with its head, chunks copied straight from the store; and
-a parked module's non-block tensors in one host allocation (`HostParking`).
+"""The host tier: a block's tail in the pinned host store with its head, chunks copied straight from the store; bytes
+a layer above gives it for some blocks (a codec's encoded tails), one pinned buffer a block (`HostBytes`); and a parked
+module's non-block tensors in one host allocation (`HostParking`).
 
 Everything the interface's defaults do (runtime/tiers/base.py) is this tier's way; it takes every block no other tier
 took, so it is last in the registry."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from chunkflow.runtime.store import HostStore
-from chunkflow.runtime.tiers.base import ParkHome, Tier
+from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes, ParkHome, Tier, host_copy
+from chunkflow.runtime.tiers.hostcopies import HostCopies
 
 
 class HostTier(Tier):
@@ -22,74 +24,55 @@ class HostTier(Tier):
     def claim(self, b) -> bool:
         return True
 
+    def hold_bytes(self, kind: ByteKind) -> HostBytes:
+        """This tier holding bytes given to it (BlockBytes)."""
+        return HostBytes()
 
-class HostParking(ParkHome):
+
+class HostBytes(BlockBytes):
+    """Bytes given for some blocks, each block's in a host buffer of its own (page-locked on CUDA), kept by key
+    across layouts."""
+
+    def __init__(self):
+        self.held: dict[str, tuple[HostStore, list]] = {}  # key -> (its bytes, its row)
+        self.keys: dict[int, str] = {}  # block -> key in this layout
+
+    def keep(self, wanted: dict[int, str], make, pin: bool) -> dict[int, list]:
+        kept = {}
+        for l, key in wanted.items():
+            if key not in kept:
+                kept[key] = self.held.pop(key, None) or self._put(make(l), pin)
+        for store, _row in self.held.values():
+            store.release()
+        self.held, self.keys = kept, dict(wanted)
+        return {l: kept[key][1] for l, key in wanted.items()}
+
+    @staticmethod
+    def _put(made: Bytes, pin: bool) -> tuple[HostStore, list]:
+        return host_copy(made, pin), made.row
+
+    def acquire(self, l: int) -> torch.Tensor:
+        return self.held[self.keys[l]][0].data
+
+    def in_memory(self, l: int) -> torch.Tensor:
+        return self.acquire(l)
+
+    def close(self) -> None:
+        for store, _row in self.held.values():
+            store.release()
+        self.held, self.keys = {}, {}
+
+    def stats(self) -> dict:
+        stores = [self.held[k][0] for k in self.keys.values()]
+        return dict(host_bytes=sum(s.nbytes for s in stores), pinned_bytes=sum(s.pinned_bytes for s in stores))
+
+
+class HostParking(HostCopies, ParkHome):
     """A parked module's non-block tensors in host memory: one allocation (pinned on CUDA), kept for the next park,
-    where a tensor not written since the last unpark is not copied again."""
+    where a tensor not written since the last unpark is not copied again (runtime/tiers/hostcopies.py)."""
 
     name = "host"
 
     @classmethod
     def for_setting(cls, park_to: str, source, cfg=None) -> HostParking | None:
         return cls() if park_to in ("host", "shared") else None
-
-    def __init__(self):
-        self.store: HostStore | None = None  # host homes of the non-block tensors while parked
-        self.store_device: torch.device | None = None  # the device the store's tensors were copied to and from
-        self.versions: list[tuple[int, int]] | None = None  # (version, data_ptr) of each at the last unpark
-
-    def attach(self, handle) -> None:
-        self.versions = None  # new non-block tensors: each is copied at the next park
-
-    def release_store(self) -> None:
-        """Free the park store (the next park makes another), once any copy out of it has finished."""
-        if self.store is not None:
-            if self.store_device is not None and self.store_device.type == "cuda":
-                torch.cuda.synchronize(self.store_device)
-            self.store.release()
-            self.store = None
-
-    def park(self, tensors, device: torch.device) -> None:
-        views = self._views(tensors, device)
-        with torch.no_grad(), torch.inference_mode(False):
-            for t, host, version in zip(tensors, views, self.versions or [None] * len(views)):
-                cur = t.get()
-                if version is None or (cur._version, cur.data_ptr()) != version or cur.device == host.device:
-                    host.copy_(cur.detach())
-                if t.is_param:
-                    cur.data = host
-                else:
-                    t.set_buffer(host)
-
-    def _views(self, tensors, device: torch.device) -> list[torch.Tensor]:
-        """Host homes of the non-block tensors while parked: views of one host allocation (pinned on CUDA)."""
-        sizes = [t.get().numel() * t.get().element_size() for t in tensors]
-        offsets, total = [], 0
-        for n in sizes:
-            total = -(-total // 256) * 256
-            offsets.append(total)
-            total += n
-        if self.store is None or self.store.nbytes != total:
-            if self.store is not None:
-                self.store.release()
-            self.store = HostStore(total, pin=device.type == "cuda")
-            self.store_device = device
-            self.versions = None
-        out = []
-        for t, off, n in zip(tensors, offsets, sizes):
-            cur = t.get()
-            out.append(self.store.alias(off, n).view(cur.dtype).view(cur.shape))
-        return out
-
-    def unpark(self, tensors, device: torch.device) -> None:
-        versions = []
-        with torch.no_grad(), torch.inference_mode(False):
-            for t in tensors:
-                cur = t.get()
-                dev = cur.detach().to(device, non_blocking=device.type == "cuda", copy=True)
-                if t.is_param:
-                    cur.data = dev
-                else:
-                    t.set_buffer(dev)
-                versions.append((t.get()._version, t.get().data_ptr()))
-        self.versions = versions

@@ -17,12 +17,18 @@ writing rank's own pages, never in the other ranks' weights, and moves that bloc
 so), as the disk tier does with its files. A block whose layout changes (a dtype change) leaves the segment the same
 way; a layout never grows the segment, so only the first layout meets the other ranks.
 
+Bytes a layer above gives it for some blocks (a codec's encoded tails, `SharedBytes`) are one copy per host too: at
+the first layout local rank 0 makes every block's bytes into a segment it then offers with each block's row (what the
+layer says they are); the other local ranks map it (their blocks' keys checked against rank 0's) and make none of
+them. A block laid out anew later is made by each rank into a buffer of its own.
+
 On by default under torchrun with more than one local rank; `OffloadConfig(share_host=False)` or the environment's
 CHUNKFLOW_SHARE_HOST=0 keep one copy per rank.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -33,8 +39,9 @@ from chunkflow.runtime.digest import module_digest, tensors_digest
 from chunkflow.runtime.hostshare import PAGE, HostGroup, SharedSegment, host_group
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
 from chunkflow.runtime.store import HostStore, own_storage
-from chunkflow.runtime.tiers.base import ParkHome, Tier
-from chunkflow.runtime.tiers.host import HostParking
+from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes, ParkHome, Tier, host_copy
+from chunkflow.runtime.tiers.files import pwrite_all
+from chunkflow.runtime.tiers.hostcopies import HostCopies
 
 if TYPE_CHECKING:  # annotations only
     from chunkflow.runtime.handle import OffloadHandle
@@ -101,6 +108,11 @@ class SharedHostTier(Tier):
         self.leaving: set[str] = set()  # ... since the last attach (said once)
         self._names: dict[int, str] = {}  # index -> block name in this layout
         self.first = True
+
+    def hold_bytes(self, kind: ByteKind) -> SharedBytes:
+        """This tier holding bytes given to it (BlockBytes); `kind.tag` says what they are to the other ranks, which
+        check it."""
+        return SharedBytes(self.group, self.what, self.values, kind.tag)
 
     # ---- layout
 
@@ -237,11 +249,88 @@ class SharedHostTier(Tier):
                     shared_owner=self.group.owner)
 
 
+class SharedBytes(BlockBytes):
+    """Bytes given for some blocks in one copy per host (module docstring), each block's seen through a host buffer
+    of its own (page-locked on CUDA); blocks laid out anew later in this rank's own buffers."""
+
+    def __init__(self, group: HostGroup, what: str, values: str, tag: dict):
+        self.group, self.what, self.values, self.tag = group, what, values, tag
+        self.segment: SharedSegment | None = None
+        self.held: dict[str, tuple[HostStore, list]] = {}  # key -> (its bytes, its row)
+        self.keys: dict[int, str] = {}  # block -> key in this layout
+
+    def keep(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool) -> dict[int, list]:
+        if self.segment is None and not self.held and wanted:
+            self.held = self._shared(wanted, make, pin)
+        kept = {}
+        for l, key in wanted.items():
+            if key not in kept:
+                old = self.held.pop(key, None)
+                kept[key] = old if old is not None else self._own(make(l), pin)
+        for store, _row in self.held.values():
+            store.release()
+        self.held, self.keys = kept, dict(wanted)
+        return {l: kept[key][1] for l, key in wanted.items()}
+
+    @staticmethod
+    def _own(made: Bytes, pin: bool) -> tuple[HostStore, list]:
+        return host_copy(made, pin), made.row
+
+    def _shared(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool
+                ) -> dict[str, tuple[HostStore, list]]:
+        """Every block's bytes once per host: local rank 0 makes them into a segment and offers it with their rows;
+        the others take both (runtime/hostshare.py)."""
+        manifest = {"module": self.what, **self.tag, "values": self.values,
+                    "blocks": [[l, key] for l, key in wanted.items()]}
+        if self.group.owner:
+            fd = SharedSegment.new_fd(self.what)
+            try:
+                rows, off = {}, 0
+                for l in wanted:
+                    made = make(l)
+                    for at, data in made.pieces:
+                        pwrite_all(fd, data.cpu().numpy().tobytes(), off + at)
+                    rows[str(l)] = [off, made.nbytes, made.row]
+                    off += _page_up(made.nbytes)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.segment = SharedSegment.offer_filled(self.group, fd, off, manifest, rows, self.what)
+        else:
+            self.segment = SharedSegment.join_filled(self.group, manifest, self.what)
+            rows = self.segment.extra
+        out = {}
+        for l, key in wanted.items():
+            off, nbytes, row = rows[str(l)]
+            out[key] = (HostStore(nbytes, pin=pin, data=self.segment.shared[off:off + max(nbytes, 1)],
+                                  read_only=True), row)
+        return out
+
+    def acquire(self, l: int) -> torch.Tensor:
+        return self.held[self.keys[l]][0].data
+
+    def in_memory(self, l: int) -> torch.Tensor:
+        return self.acquire(l)
+
+    def close(self) -> None:
+        for store, _row in self.held.values():
+            store.release()
+        self.held, self.keys = {}, {}
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    def stats(self) -> dict:
+        stores = [self.held[k][0] for k in self.keys.values()]
+        return dict(host_bytes=sum(s.nbytes for s in stores), pinned_bytes=sum(s.pinned_bytes for s in stores),
+                    shared_bytes=self.segment.nbytes if self.segment is not None else 0)
+
+
 class SharedParking(ParkHome):
     """A parked module's non-block tensors in one host copy per host: at the first park local rank 0 copies them into a
     segment the other local ranks map (they copy nothing); a tensor unchanged since is parked there again and
     unparked from its page-locked pages; one written since (or while parked, through its copy-on-write view), or a
-    module whose tensors changed, is parked in this rank's own store (`HostParking`)."""
+    module whose tensors changed, is parked in this rank's own store (`HostCopies`)."""
 
     name = "shared"
 
@@ -254,7 +343,7 @@ class SharedParking(ParkHome):
 
     def __init__(self, group: HostGroup, what: str):
         self.group, self.what = group, what
-        self.own = HostParking()  # the tensors no longer as the segment holds them
+        self.own = HostCopies()  # the tensors no longer as the segment holds them
         self.segment: SharedSegment | None = None
         self.pinned: HostStore | None = None  # the segment's shared map, read-only (page-locked on CUDA)
         self.names: list[tuple[str, str, tuple]] = []  # (name, dtype, shape) of each tensor in the segment
@@ -319,7 +408,7 @@ class SharedParking(ParkHome):
                 self.parked[i] = (t.get()._version, t.get().data_ptr())
 
     def unpark(self, tensors, device: torch.device) -> None:
-        """Tensors still as the segment holds them come back from its page-locked pages; the rest as HostParking
+        """Tensors still as the segment holds them come back from its page-locked pages; the rest as HostCopies
         brings them."""
         for i, t in enumerate(tensors):
             if i < len(self.parked) and self.parked[i] is not None and (t.get()._version, t.get().data_ptr()) != self.parked[i]:

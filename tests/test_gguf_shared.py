@@ -1,0 +1,70 @@
+"""A GGUF module's quantized bytes in the shared tier (one host copy for the ranks of a torchrun job, gloo on the
+CPU): each rank loads the module diffusers builds from the same .gguf file; both stream bit-identically to the module
+without chunkflow from one segment (its bytes counted once), the digests agree (the quant types are in them), and
+remove() gives back GGUFParameters."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def _worker(out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from diffusers import WanTransformer3DModel
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    from chunkflow.runtime.handle import offload
+    from chunkflow_planner.offload import OffloadConfig
+    from gguf_files import Q, load_gguf, wan_gguf, wan_inputs
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    folder = Path(out_path).parent / "file"
+    if rank == 0:
+        folder.mkdir(exist_ok=True)
+        wan_gguf(folder, Q.Q4_K)
+    dist.barrier()
+    m = load_gguf(WanTransformer3DModel, folder / "wan-Q4_K.gguf", folder)
+    kw = wan_inputs()
+    with torch.no_grad():
+        ref = m(**kw)[0]
+    h = offload(m, OffloadConfig("chunkflow", "64KB", 0.3), device="cpu", blocks=[m.blocks])
+    with torch.no_grad():
+        out = m(**kw)[0]
+    st = h.stats()
+    res = dict(equal=torch.equal(out, ref), shared_blocks=st.shared_blocks, shared_bytes=st.shared_bytes,
+               owner=st.shared_owner, host_bytes=st.host_bytes)
+    dist.barrier()
+    h.remove()
+    with torch.no_grad():
+        res["removed_equal"] = torch.equal(m(**kw)[0], ref)
+    res["gguf_params"] = sum(type(p) is GGUFParameter for p in m.parameters())
+    gathered = [None, None]
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_gguf_blocks_one_copy_per_host(tmp_path, workers):
+    got = workers(__file__, 2, tmp_path / "result.json", timeout=300)
+    r0, r1 = got
+    assert r0["equal"] and r1["equal"] and r0["removed_equal"] and r1["removed_equal"]
+    assert r0["shared_blocks"] == r1["shared_blocks"] == 2
+    assert r0["shared_bytes"] == r1["shared_bytes"] > 0 and r0["owner"] != r1["owner"]
+    assert r0["gguf_params"] == r1["gguf_params"] > 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    _worker(sys.argv[1])
