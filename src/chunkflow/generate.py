@@ -300,6 +300,7 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
     with `output_type="latent"`, except where it mixes a condition in after the loop (Wan2.2-TI2V's image-to-video,
     expand_timesteps, puts the image's latents back into the first frame)."""
     from chunkflow.hostmem import peak_rss_bytes
+    from chunkflow.loading.folder_errors import folder_error
 
     tell = on_phase or (lambda name: None)
     device, pipe = built.device, built.pipe
@@ -325,6 +326,11 @@ def generate(built: BuiltPipeline, w, prompt: str, *, negative: str | None = Non
             clock.start("encode")
             out = pipe(**kwargs)
             clock.stop()
+    except Exception as exc:
+        blamed = folder_error(exc, pipe, built.folder)  # the folder's configs, not chunkflow (loading/folder_errors)
+        if blamed is None:
+            raise
+        raise blamed from exc
     finally:
         gc.callbacks.remove(clock.on_gc)
         watch.remove()

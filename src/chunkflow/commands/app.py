@@ -99,45 +99,6 @@ def _os_error(exc: BaseException) -> str | None:
     return None
 
 
-def _folder_config_error(exc: BaseException) -> str | None:
-    """The one line for an exception diffusers or transformers raised inside a component whose own config holds a
-    value of the wrong type for its class (a scheduler's flow_shift "x"): the folder's error, not chunkflow's. Only
-    then: the component raising is the deepest object of the traceback with a config, and a value of that config has
-    another type than its class's default for it; None for anything else (a bug stays a bug)."""
-    import inspect
-
-    tb, culprit = exc.__traceback__, None
-    while tb is not None:
-        frame = tb.tb_frame
-        owner = frame.f_locals.get("self")
-        if getattr(owner, "config", None) is not None and hasattr(type(owner), "config_name"):
-            culprit = owner
-        tb = tb.tb_next
-    if culprit is None or not (frame.f_globals.get("__name__", "").split(".")[0] in
-                               ("diffusers", "transformers", "numpy", "torch")):
-        return None
-    try:
-        defaults = {k: v.default for k, v in inspect.signature(type(culprit).__init__).parameters.items()
-                    if v.default is not inspect.Parameter.empty}
-    except (TypeError, ValueError):
-        return None
-    wrong = []
-    for key, value in dict(culprit.config).items():
-        default = defaults.get(key)
-        if value is None or not isinstance(default, (bool, int, float, str)):
-            continue
-        both_numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (value, default))
-        if type(value) is not type(default) and not both_numbers:
-            wrong.append((key, value, default))
-    if not wrong:
-        return None
-    key, value, default = wrong[0]
-    name, config = type(culprit).__name__, type(culprit).config_name
-    return (f"the folder's {name} ({config}) has {key} = {value!r} where {name} takes a {type(default).__name__} "
-            f"(its default is {default!r}); diffusers stopped on it: {type(exc).__name__}: {exc}. Fix {key} in that "
-            f"component's {config}, or load another folder")
-
-
 def _command(name: str):
     """Register a command behind the one error boundary (see the module docstring)."""
     from chunkflow_planner.policy import Infeasible
@@ -187,7 +148,9 @@ def _command(name: str):
                 if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: stdout or an output on a full disk
                     _fail(f"no space left on the device to write to ({exc.filename or 'the output'}); free some "
                           "and run it again", code=1)
-                said = _os_error(exc) or _folder_config_error(exc)
+                from chunkflow.loading.folder_errors import wrong_type
+
+                said = _os_error(exc) or wrong_type(exc)
                 if said is not None:
                     _fail(said)
                 what = shown(_cut(f"{type(exc).__name__}: {exc}"), one_line=True)

@@ -185,7 +185,8 @@ class CheckpointSource:
     def _check(self, name: str, rec: TensorRecord, t: torch.Tensor, is_param: bool) -> None:
         if tuple(rec.shape) != tuple(t.shape):
             raise CheckpointError(f"{self.what}: tensor {name!r} in {rec.file.name} has shape {list(rec.shape)}, the "
-                                  f"model expects {list(t.shape)}; the checkpoint does not match the config")
+                                  f"model its config.json makes expects {list(t.shape)}; the checkpoint and its "
+                                  "config.json do not match: download or save the folder again")
         want = _kind(t.dtype)
         if rec.kind != want:
             raise CheckpointError(

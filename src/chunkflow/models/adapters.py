@@ -133,6 +133,16 @@ def needs_image(cls: type) -> bool:
     return p is not None and p.default is inspect.Parameter.empty
 
 
+def check_masks(cls: type) -> None:
+    """A pipeline that paints into the masked part of an image (FluxFillPipeline, the inpainting ones: their
+    `__call__` takes `mask_image`) is refused: chunkflow gives no mask, and the call would fail in the middle of the
+    run. Asked after the folder's own checks, so a broken folder says so first."""
+    if "mask_image" in call_parameters(cls):
+        raise PipelineClassError(f"{cls.__name__} paints into the masked part of an image (its mask_image), and "
+                                 "chunkflow gives no mask: it cannot run this pipeline; point --weights at a folder "
+                                 "of a pipeline that takes none")
+
+
 def _init_parameters(cls: type) -> set[str]:
     return set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
 

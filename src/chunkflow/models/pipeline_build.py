@@ -62,6 +62,7 @@ class BuiltPipeline:
     load: "LoadMeasurement | None" = None  # how the build went (build_pipeline)
     prompts: "PromptCache | None" = None  # the text encoders' outputs kept for prompts already encoded
     extra_models: list[str] = field(default_factory=list)  # models beyond the plan's (an image encoder)
+    folder: Path | None = None  # the pipeline folder it was loaded from (None: random weights)
     transformer_files: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (file, format) read
 
     def disk_reads(self) -> dict[str, int]:
@@ -317,7 +318,8 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
     folder = Path(weights) if weights is not None else None
-    from chunkflow.models.adapters import run_class
+    built.folder = folder
+    from chunkflow.models.adapters import check_masks, run_class
 
     slots = check_slots(folder, spec, image) if folder is not None else None  # every class it names, first
     pipe_cls = slots.pipeline if slots is not None else run_class(pipe_spec.cls, None, image, spec=spec)
@@ -334,6 +336,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         built.extra_models = [c.name for kind, c in parts if kind == "image_encoder"]
         _check_variant(parts, folder, variant, log)
         objects, extra = _pipeline_objects(folder, pipe_spec, slots)  # once every component's files are checked
+        check_masks(pipe_cls)  # its files checked first (a broken folder says so), before any byte of them is read
         t_first = time.perf_counter()
         counter.begin(sum(c.read_bytes for _, c in parts if placements.get(c.name) != "disk"))  # disk: not read
         for kind, c in parts:
