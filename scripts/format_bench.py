@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_bench import FLUX_DEV, _qtype, _random_blocks  # noqa: E402
+from gguf_bench import FLUX_DEV, _qtype, _random_blocks, timed_forwards  # noqa: E402
 
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
@@ -173,21 +173,6 @@ def _offload(model_: torch.nn.Module, plan: dict, device, way: str, row: dict):
     return chunkflow.offload(model_, **kw)
 
 
-def _timed(model_: torch.nn.Module, kw: dict, repeat: int, device) -> tuple[torch.Tensor, list[float]]:
-    times = []
-    with torch.no_grad():
-        for _ in range(repeat + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            y = model_(**kw)[0]
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    return y, times
-
-
 def time_way(folder: Path, model: str, fmt: str, way: str, out: Path, budget: str, repeat: int, tiny: bool) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m, load_s = _load(folder, model, fmt)
@@ -202,7 +187,7 @@ def time_way(folder: Path, model: str, fmt: str, way: str, out: Path, budget: st
     elif way == "leaf":
         m.enable_group_offload(device, offload_device=torch.device("cpu"), offload_type="leaf_level",
                                use_stream=device.type == "cuda")
-    y, times = _timed(m, _inputs(model, cfg, device, tiny), repeat, device)
+    y, times = timed_forwards(m, _inputs(model, cfg, device, tiny), repeat, device)
     rest = sorted(times[1:])
     row.update(times_s=times, warmup_s=times[0], median_s=rest[len(rest) // 2],
                peak_allocated_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None)

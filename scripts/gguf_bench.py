@@ -111,6 +111,23 @@ def _plan(folder: Path, qtype_name: str, budget: str, tiny: bool) -> dict:
     return json.loads(out.read_text())
 
 
+def timed_forwards(model, kw: dict, repeat: int, device) -> tuple[torch.Tensor, list[float]]:
+    """One warm-up forward and `repeat` timed ones (the device synchronized around each, its peak reset): the last
+    output and every forward's seconds, the warm-up's first."""
+    times = []
+    with torch.no_grad():
+        for _ in range(repeat + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            y = model(**kw)[0]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return y, times
+
+
 def time_way(folder: Path, qtype_name: str, way: str, out: Path, budget: str, repeat: int, tiny: bool) -> None:
     import chunkflow
 
@@ -129,18 +146,7 @@ def time_way(folder: Path, qtype_name: str, way: str, out: Path, budget: str, re
     elif way == "leaf":
         model.enable_group_offload(device, offload_device=torch.device("cpu"), offload_type="leaf_level",
                                    use_stream=device.type == "cuda")
-    kw = _inputs(cfg, device, tiny)
-    times = []
-    with torch.no_grad():
-        for i in range(repeat + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            y = model(**kw)[0]
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+    y, times = timed_forwards(model, _inputs(cfg, device, tiny), repeat, device)
     row.update(times_s=times, warmup_s=times[0], median_s=sorted(times[1:])[len(times[1:]) // 2],
                peak_allocated_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None)
     if way == "chunkflow":
