@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunkflow.runtime.params import DECODED
 from chunkflow_planner.checkpoint import CheckpointError, TensorRecord, few_names, read_header, shown
 
 __all__ = ["detect", "check", "build", "load", "ScaledFp8Linear", "Fp8ScaledError", "Fp8ScaledSource"]
@@ -83,8 +84,16 @@ class ScaledFp8Linear(nn.Module):
                                    requires_grad=False)
         self.register_buffer(SCALE, torch.ones((), dtype=torch.float32, device=device))
 
+    @staticmethod
+    def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stored weight in `dtype`: the one dequantization, in the forward or ahead of it (chunkflow's
+        runtime/codecs/fp8_scaled.py decodes a streamed block's weights with it, on the copy stream)."""
+        return weight.to(dtype) * scale.to(dtype)
+
     def dequantized_weight(self) -> torch.Tensor:
-        return self.weight.to(self.compute_dtype) * self.scale_weight.to(self.compute_dtype)
+        if getattr(type(self.weight), DECODED, False):  # chunkflow bound it to `dequantize`'s result already
+            return self.weight
+        return self.dequantize(self.weight, self.scale_weight, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight(), self.bias)
