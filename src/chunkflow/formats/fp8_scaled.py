@@ -10,7 +10,9 @@ A `scaled_fp8` tensor at the top level marks the file (its dtype names the fp8 t
 Dequantization follows ComfyUI's `scaled_fp8_ops` (comfy/ops.py): the weight is cast to the compute dtype and
 multiplied by the scale cast to the compute dtype, `weight.to(dt) * scale_weight.to(dt)` (its `convert_weight`,
 and the forward's branch for weights smaller than the input); `ScaledFp8Linear` computes
-`F.linear(x, that, bias)` on the device, so chunkflow streams the file's fp8 bytes (half of bf16's) as they are.
+`F.linear(x, that, bias)` on the device, so chunkflow streams the file's fp8 bytes (half of bf16's) as they are
+(and, for a streamed block, runs that dequantization ahead of the forward on the copy stream: runtime/codecs/ahead.py;
+the layer then finds its weight decoded, its class marked `DECODED`, and uses it as it is).
 Not the same bits as ComfyUI's other paths: its forward scales the *input* instead where the weight has more
 elements than the input, its fp8-matmul path (`torch._scaled_mm`) and its newer quant_ops layout multiply by the
 float32 scale unrounded; each rounds differently. The reference here is the one the issue names:

@@ -131,7 +131,8 @@ class DecodeAhead(BlockFeature):
         for l, planned in self.plans.items():
             src = {id(t): v for t, v in streamer.slot_views[(l, slot)] + streamer.resident_views[l]}
             self.jobs[(l, slot)] = [
-                Job(p, src[id(p.entry)], p.codec.source(src[id(p.entry)], p.decoding), [src[id(r)] for r in p.decoding.reads],
+                Job(p, src[id(p.entry)], p.codec.source(src[id(p.entry)], p.decoding),
+                    [src[id(r)] for r in p.decoding.reads],
                     buf[p.offset : p.offset + p.decoding.nbytes].view(p.decoding.dtype).view(p.decoding.shape))
                 for p in planned]
         self.refs[slot] = storage_refs(buf)

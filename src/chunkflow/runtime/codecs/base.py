@@ -1,6 +1,8 @@
-"""What a codec is to the rest of the runtime: how a block's bytes travel between the tier that holds them and the
-slot on the device. The streaming side (runtime/codecs/stream.py) and the codec layer over the tiers
-(runtime/codecs/layer.py) talk to a codec through this interface only; what a codec keeps per chunk to decode it
+"""What a codec is to the rest of the runtime (two kinds: `Codec`, bytes encoded at load and decoded into the slot
+chunk by chunk; `FormatCodec`, a stored format's quantized weights, encoded in the file, decoded per tensor into the
+compute dtype ahead of the forward by runtime/codecs/ahead.py). For a `Codec`: how a block's bytes travel between
+the tier that holds them and the slot on the device. The streaming side (runtime/codecs/stream.py) and the codec
+layer over the tiers (runtime/codecs/layer.py) talk to a codec through this interface only; what a codec keeps per chunk to decode it
 is its own (`Chunk`'s fields after the first three).
 
 - `encode(raw, src, dst)`: one chunk's raw bytes encoded, where its tier must encode them at load, with the record
