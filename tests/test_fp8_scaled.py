@@ -535,7 +535,8 @@ def _worker(out_path: str) -> None:
         h = chunkflow.offload(loaded, mode="chunkflow", chunk_size=4096, residency=0.3, device="cpu",
                               blocks=blocks_of(loaded))
         res[f"{case} loaded"] = dict(equal=torch.equal(forward(loaded, inputs), want),
-                                     shared=h.stats().shared_blocks, blocks=len(h.layouts))
+                                     shared=h.stats().shared_blocks, blocks=len(h.layouts),
+                                     decoded=h.stats().decoded_tensors)
         dist.barrier()
         h.remove()
         with FileReader() as reader:
@@ -543,7 +544,8 @@ def _worker(out_path: str) -> None:
             h = chunkflow.offload(module, mode="chunkflow", chunk_size=3001, residency=0.0, device="cpu",
                                   blocks=blocks_of(module), source=source)
         res[f"{case} built"] = dict(equal=torch.equal(forward(module, inputs), want),
-                                    shared=h.stats().shared_blocks, blocks=len(h.layouts))
+                                    shared=h.stats().shared_blocks, blocks=len(h.layouts),
+                                    decoded=h.stats().decoded_tensors)
         dist.barrier()
         h.remove()
     gathered = [None] * dist.get_world_size()
@@ -561,6 +563,7 @@ def test_two_ranks_stream_the_fp8_bytes_from_one_shared_host_copy(tmp_path, work
         for what, seen in rank.items():
             assert seen["equal"], what
             assert seen["shared"] == seen["blocks"] > 0, what
+            assert seen["decoded"] > 0, what  # streamed blocks' weights decoded ahead (the default)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ A `scaled_fp8` tensor at the top level marks the file (its dtype names the fp8 t
 Dequantization follows ComfyUI's `scaled_fp8_ops` (comfy/ops.py): the weight is cast to the compute dtype and
 multiplied by the scale cast to the compute dtype, `weight.to(dt) * scale_weight.to(dt)` (its `convert_weight`,
 and the forward's branch for weights smaller than the input); `ScaledFp8Linear` computes
-`F.linear(x, that, bias)` on the device, so chunkflow streams the file's fp8 bytes (half of bf16's) as they are.
+`F.linear(x, that, bias)` on the device, so chunkflow streams the file's fp8 bytes (half of bf16's) as they are
+(and, for a streamed block, runs that dequantization ahead of the forward on the copy stream: runtime/codecs/ahead.py;
+the layer then finds its weight decoded, its class marked `DECODED`, and uses it as it is).
 Not the same bits as ComfyUI's other paths: its forward scales the *input* instead where the weight has more
 elements than the input, its fp8-matmul path (`torch._scaled_mm`) and its newer quant_ops layout multiply by the
 float32 scale unrounded; each rounds differently. The reference here is the one the issue names:
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunkflow.runtime.params import DECODED
 from chunkflow_planner.checkpoint import CheckpointError, TensorRecord, few_names, read_header, shown
 
 __all__ = ["detect", "check", "build", "load", "ScaledFp8Linear", "Fp8ScaledError", "Fp8ScaledSource"]
@@ -83,8 +86,16 @@ class ScaledFp8Linear(nn.Module):
                                    requires_grad=False)
         self.register_buffer(SCALE, torch.ones((), dtype=torch.float32, device=device))
 
+    @staticmethod
+    def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stored weight in `dtype`: the one dequantization, in the forward or ahead of it (chunkflow's
+        runtime/codecs/fp8_scaled.py decodes a streamed block's weights with it, on the copy stream)."""
+        return weight.to(dtype) * scale.to(dtype)
+
     def dequantized_weight(self) -> torch.Tensor:
-        return self.weight.to(self.compute_dtype) * self.scale_weight.to(self.compute_dtype)
+        if getattr(type(self.weight), DECODED, False):  # chunkflow bound it to `dequantize`'s result already
+            return self.weight
+        return self.dequantize(self.weight, self.scale_weight, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight(), self.bias)

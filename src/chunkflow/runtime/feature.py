@@ -51,6 +51,15 @@ class BlockFeature:
     def exited(self, streamer: Streamer, block: int) -> None:
         """`block` ran and released its slot; its tensors are bound to the host store next."""
 
+    def copy_in(self, streamer: Streamer, block: int, positions: list[int]) -> list[int]:
+        """The entered `block`'s tensors at `positions` (in its tensor list) take their host values anew: returns
+        those the feature brought to the device itself (the streamer copies the rest into what they are bound to)."""
+        return []
+
+    def writes_back(self, streamer: Streamer, block: int, positions: list[int]) -> None:
+        """The running `block` wrote its tensors at `positions` through what they are bound to; the host store takes
+        their values next (a feature may refuse, OffloadError)."""
+
     def slot_renewed(self, streamer: Streamer, slot: int) -> None:
         """The streamer took a new buffer for `slot` (the old one is held by a tensor taken inside a forward):
         views of it must be made again."""

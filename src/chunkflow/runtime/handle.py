@@ -51,6 +51,7 @@ from chunkflow.runtime.storage import check_no_layerwise_casting, storage_dtype
 from chunkflow.runtime.store import HostStore
 from chunkflow.runtime.streamer import CpuBackend, CudaBackend, Streamer, bind, current
 from chunkflow.runtime.tensors import ModuleTensor, TensorSource, all_tensors, check_values, fill, home, place
+from chunkflow.runtime.codecs.ahead import DecodeAhead, check_decode
 from chunkflow.runtime.codecs.layer import tiers_with_codec
 from chunkflow.runtime.tiers import Tier, park_home
 from chunkflow.runtime.writes import WriteWatch
@@ -95,7 +96,8 @@ class OffloadHandle:
     """State of one offloaded module. Made by `offload()`; undo with `remove()`."""
 
     def __init__(self, module: nn.Module, cfg: OffloadConfig, device: torch.device,
-                 blocks: list[tuple[str, nn.Module]], tiers: list[Tier] | None = None, park=None):
+                 blocks: list[tuple[str, nn.Module]], tiers: list[Tier] | None = None, park=None,
+                 decode: str = "ahead"):
         self.module = module
         self.cfg = cfg
         self.device = device
@@ -118,6 +120,8 @@ class OffloadHandle:
         self.parking = Parking(park) if park is not None else Parking()
         self.casting = Fp8Storage(fp8, on_copy=cfg.fp8_cast == "copy") if fp8 is not None else None
         self.writes = WriteWatch() if cfg.streams else None
+        self.decode = decode  # streamed blocks' quantized weights: decoded ahead of their forward, or in it
+        self.ahead: DecodeAhead | None = None  # the streamer's decode buffers while attached (runtime/codecs/ahead.py)
         self.comm = CommAwareness()
         # where the blocks' tails live (runtime/tiers/): each block is taken by the first tier that claims it
         self.tiers: list[Tier] = list(tiers or [])
@@ -219,6 +223,9 @@ class OffloadHandle:
     def _start_streaming(self) -> None:
         """The streamer (device buffers, the first block prefetched) and the block hooks."""
         features = self.casting.block_casts(self.layouts, self.device) if self.casting is not None else []
+        ahead = DecodeAhead(self.layouts, self.device) if self.decode == "ahead" else None
+        self.ahead = ahead if ahead else None
+        features += [self.ahead] if self.ahead is not None else []
         backend = CudaBackend(self.device) if self.device.type == "cuda" else CpuBackend()
         self.streamer = Streamer(self.layouts, self.store, self.device, backend, features)
         self.streamer.fill_resident_and_start()
@@ -235,7 +242,7 @@ class OffloadHandle:
         self.hooks = []
         if self.streamer is not None:
             self.streamer.release()
-        self.streamer = None
+        self.streamer, self.ahead = None, None
         if not to_host:
             self._give_back_blocks()
         store, self.store, self.layouts = self.store, None, []
@@ -356,9 +363,11 @@ class OffloadHandle:
 
     def exit_block(self, l: int) -> None:
         written = self.writes.written(l) if self.writes is not None else []
-        if written:  # the block wrote its own tensors' device copies: the host store, the truth, takes them
-            self.streamer.write_back(l, written)
-        self.streamer.exit(l)
+        try:
+            if written:  # the block wrote its own tensors' device copies: the host store, the truth, takes them
+                self.streamer.write_back(l, written)
+        finally:  # a refused write still gives the slot back
+            self.streamer.exit(l)
 
     def sync(self) -> None:
         """Bring the device copies up to date with writes to the blocks since the last forward (writes.py)."""
@@ -507,6 +516,9 @@ class OffloadHandle:
         slot = s.slots[0].numel() if s is not None and s.slots else 0
         nb = sum(t.get().numel() * t.get().element_size() for t in self.non_block)
         cast_bytes = self.casting.buffer_bytes() if self.casting is not None and s is not None else 0
+        ahead = self.ahead
+        decode_bytes = ahead.device_bytes() if ahead is not None and s is not None else 0
+        stored, decoded = ahead.stored_and_decoded() if ahead is not None else (0, 0)
         return OffloadStats(
             mode=self.cfg.mode,
             device=str(self.device),
@@ -523,7 +535,7 @@ class OffloadHandle:
             target_residency=self.cfg.residency,
             achieved_residency=(R / V) if V else 1.0,
             slot_bytes=slot,
-            device_buffer_bytes=(s.resident.numel() + 2 * slot + cast_bytes) if s is not None else 0,
+            device_buffer_bytes=(s.resident.numel() + 2 * slot + cast_bytes + decode_bytes) if s is not None else 0,
             forwards=s.forwards if s is not None else 0,
             h2d_bytes_issued=s.bytes_h2d if s is not None else 0,
             comm_aware=s is not None and s.pacer is not None,
@@ -534,6 +546,11 @@ class OffloadHandle:
             fp8_tensors=self.casting.tensor_count(L) if self.casting is not None else 0,
             cast_buffer_bytes=cast_bytes,
             fp8_cast_kernel=cast_kernel_name(self.device) if self.casting is not None else "",
+            decode=self.decode,
+            decoded_tensors=ahead.tensor_count() if ahead is not None else 0,
+            decoded_stored_bytes=stored,
+            decoded_bytes=decoded,
+            decode_buffer_bytes=decode_bytes,
             **{k: v for t in self.tiers for k, v in t.stats(L).items()},
             **self.parking.stats(),
         )
@@ -617,7 +634,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
             fp8_cast: str | None = None, disk_blocks: int | None = None, codec: str | None = None,
             device: str | torch.device | None = "cuda", blocks=None,
-            source: TensorSource | None = None, park_to: str = "host") -> OffloadHandle:
+            source: TensorSource | None = None, park_to: str = "host", decode: str = "ahead") -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
     The setting: `config` (an OffloadConfig, a plan object or `plan.json` path, or a mode name) or `plan=`, and/or
@@ -635,7 +652,10 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     loader's `source` as `disk_blocks` does), `park_to` (where the tensors outside the blocks go while the module is
     parked: 'host', the default, a pinned host copy; 'disk', left in the checkpoint's files and read back to the
     device at the next forward, so host memory holds none of them: offload() then returns the module parked, its
-    files checked but not read; needs a loader's `source` as `disk_blocks` does).
+    files checked but not read; needs a loader's `source` as `disk_blocks` does), `decode` (blocks holding quantized
+    weights, a GGUF or fp8-scaled file's: 'ahead', the default, decodes a streamed block's weights into the compute
+    dtype on the copy stream right after its copies, with the layer's own function, into a decode buffer per slot;
+    'forward' leaves each layer to dequantize in its forward; resident blocks always do; runtime/codecs/ahead.py).
     Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
     needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
     from the catalog or in the module); the first forward's order is checked and the blocks laid out again in the
@@ -644,6 +664,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
     offloaded through the module it wraps.
     """
+    check_decode(decode)
     module = unwrap_module(module)
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, blocks=blocks, mode=mode, chunk_size=chunk_size, residency=residency,
@@ -656,7 +677,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     if cfg.streams:
         check_no_layerwise_casting(module)
     tiers = tiers_with_codec(cfg, module, len(named), source) if cfg.streams else []
-    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source, cfg))
+    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source, cfg), decode)
     try:
         handle._attach(source, first=True)
     except BaseException:

@@ -72,6 +72,18 @@ class OffloadedParameter(nn.Parameter):
         _DATA.__set__(self, value)
 
 
+DECODED = "chunkflow_decoded"  # a class attribute, True on the class of a parameter bound to its decoded values
+
+
+class DecodedParameter(OffloadedParameter):
+    """A parameter of quantized bytes while bound, inside its block's forward, to its values decoded ahead into its
+    layer's compute dtype (runtime/codecs/ahead.py): a plain parameter of those values (ops on it give plain tensors,
+    as nn.Parameter's do), whose class says so (`DECODED`; formats/fp8_scaled.py's layer reads it). Its offloaded
+    class comes back when the block exits."""
+
+    chunkflow_decoded = True
+
+
 _OFFLOADED: dict[type, type] = {nn.Parameter: OffloadedParameter}  # a parameter class -> its offloaded class
 
 

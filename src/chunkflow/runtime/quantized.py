@@ -5,7 +5,9 @@ Such a parameter holds a tensor's GGUF blocks as uint8 bytes and its `quant_type
 (GGUFLinear) dequantizes it in its forward. The runtime treats its bytes as any tensor's: laid out, stored in the
 host store (or read from the file by the disk tier), copied to the device slots, bound back; the parameter object and
 its class stay the module's (runtime/params.py `offloaded_class`), so the layer's dequantization runs on the device
-exactly as without offload. What does not apply to bytes already quantized is refused before anything changes.
+exactly as without offload; a streamed block's are decoded ahead of its forward by the same function
+(runtime/codecs/ahead.py, the default), and the layer finds them decoded. What does not apply to bytes already
+quantized is refused before anything changes.
 """
 
 from __future__ import annotations

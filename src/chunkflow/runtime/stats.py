@@ -22,7 +22,7 @@ class OffloadStats:
     target_residency: float
     achieved_residency: float  # sum R_l / sum V_l
     slot_bytes: int  # one streaming slot
-    device_buffer_bytes: int  # resident buffer plus both slots
+    device_buffer_bytes: int  # resident buffer plus both slots (plus the cast and decode buffers)
     forwards: int  # forwards seen by the ring so far
     h2d_bytes_issued: int  # H2D bytes enqueued so far
     comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
@@ -34,6 +34,12 @@ class OffloadStats:
     cast_buffer_bytes: int = 0  # device bytes the fp8 -> compute-dtype cast writes into: one block's worth; with
     # fp8_cast "copy" one per slot, and one more where some blocks do not stream (they are cast on the compute stream)
     fp8_cast_kernel: str = ""  # with fp8 storage on a device: the kernel that casts, triton or torch (runtime/fp8cast.py)
+    decode: str = "ahead"  # quantized weights of streamed blocks: decoded ahead (runtime/codecs/ahead.py) or in the forward
+    decoded_tensors: int = 0  # block tensors decoded ahead (GGUF types, fp8-scaled) into their compute dtype
+    decoded_stored_bytes: int = 0  # their bytes as stored (what the slots take and a forward copies)
+    decoded_bytes: int = 0  # the same decoded, summed over the streamed blocks
+    decode_buffer_bytes: int = 0  # device bytes they are decoded into: one buffer per slot, each the largest streamed
+    # block's decoded weights (256-byte aligned); in device_buffer_bytes
     disk_blocks: int = 0  # blocks whose streamed bytes are read from the checkpoint's files each forward
     disk_bytes_per_step: int = 0  # bytes a full forward reads from disk
     disk_bytes_read: int = 0  # bytes read from disk so far

@@ -301,13 +301,18 @@ class Streamer:
     def write_back(self, l: int, positions: list[int]) -> None:
         """Block l (running) wrote these of its tensors (positions in its tensor list) through their device copies:
         the host store takes their values (cast to the stored dtype where it is fp8), after the compute stream's work
-        that wrote them."""
+        that wrote them. A feature may refuse (a weight bound to values it decoded: runtime/codecs/ahead.py)."""
+        for f in self.features:
+            f.writes_back(self, l, positions)
         for dev, view in self._bound_and_host(l, positions):
             view.copy_(dev)
 
     def copy_in(self, l: int, positions: list[int]) -> None:
         """Block l (entered) holds old device copies of these of its tensors: their host views' values, on the compute
-        stream, before the block runs."""
+        stream, before the block runs (those a feature brings there itself: decoded again, runtime/codecs/ahead.py)."""
+        for f in self.features:
+            taken = set(f.copy_in(self, l, positions))
+            positions = [j for j in positions if j not in taken]
         for dev, view in self._bound_and_host(l, positions):
             dev.copy_(view)
 

@@ -1,6 +1,8 @@
-"""What a codec is to the rest of the runtime: how a block's bytes travel between the tier that holds them and the
-slot on the device. The streaming side (runtime/codecs/stream.py) and the codec layer over the tiers
-(runtime/codecs/layer.py) talk to a codec through this interface only; what a codec keeps per chunk to decode it
+"""What a codec is to the rest of the runtime (two kinds: `Codec`, bytes encoded at load and decoded into the slot
+chunk by chunk; `FormatCodec`, a stored format's quantized weights, encoded in the file, decoded per tensor into the
+compute dtype ahead of the forward by runtime/codecs/ahead.py). For a `Codec`: how a block's bytes travel between
+the tier that holds them and the slot on the device. The streaming side (runtime/codecs/stream.py) and the codec
+layer over the tiers (runtime/codecs/layer.py) talk to a codec through this interface only; what a codec keeps per chunk to decode it
 is its own (`Chunk`'s fields after the first three).
 
 - `encode(raw, src, dst)`: one chunk's raw bytes encoded, where its tier must encode them at load, with the record
@@ -60,4 +62,55 @@ class Codec:
     def any_bytes(self, chunk: ChunkRecord) -> ChunkRecord:
         """A record of the same size whose decode reads any bytes (zeros): what times a launch shape where the
         encoded bytes are not in memory."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------ stored formats
+
+
+class Decoding(NamedTuple):
+    """How a stored format decodes one block tensor (`FormatCodec.decoding`): into `shape` of `dtype` (its layer's
+    compute dtype), reading besides its own bytes the block tensors `reads` (TensorEntries: fp8-scaled's scale);
+    `how` is the codec's own (GGUF: the quant type)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    reads: tuple = ()
+    how: object = None
+
+    @property
+    def nbytes(self) -> int:
+        """Its decoded bytes."""
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class FormatCodec:
+    """A stored format (a GGUF type, fp8-scaled): a codec whose bytes are already encoded in the file. Its tiers hold
+    and copy them as they are (nothing encodes); a layer of the format dequantizes its weight in its forward, and a
+    streamed block's quantized weights may instead be decoded ahead (runtime/codecs/ahead.py), right after the
+    block's copies, by the very function the layer runs, into the layer's compute dtype: the same values, bit for
+    bit. What a block takes stored against decoded is `Decoding.nbytes` against its tensors' own bytes.
+
+    - `decoding(t, block)`: how block tensor `t` decodes (None: not one of this format's, or not one its layer can
+      take decoded, e.g. diffusers' CUDA GGUF kernels, which read the quantized bytes themselves).
+    - `source(stored, d)`: what the decode reads, made once per device view of the stored bytes.
+    - `decode(source, reads, out, d)`: exactly the layer's dequantization into `out` (`d.shape`, `d.dtype`) on the
+      current stream, on any device: the CPU runs the same call (the reference), synchronously.
+    - `decoded_class`: the class the parameter has while bound to its decoded values: the layer's forward then
+      finds nothing to dequantize (runtime/params.py DecodedParameter).
+    """
+
+    name: ClassVar[str] = ""
+    decoded_class: ClassVar[type]
+
+    def decoding(self, t, block: list) -> Decoding | None:
+        raise NotImplementedError
+
+    def source(self, stored: torch.Tensor, d: Decoding):
+        return stored
+
+    def decode(self, source, reads: list[torch.Tensor], out: torch.Tensor, d: Decoding) -> None:
         raise NotImplementedError
