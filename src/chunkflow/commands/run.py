@@ -120,9 +120,6 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
         _check_priced(p, cfg, profile)
         if prompts is not None:
-            if transformer or transformer_2:
-                raise UserError("--transformer FILE goes with --prompt for now (a prompt file loads the folder's "
-                                "transformer)")
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
                                 "parallelism is not supported yet: run each prompt with --prompt under torchrun)")
@@ -148,6 +145,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
         run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
                     profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
+                    transformers={"transformer": transformer, "transformer_2": transformer_2},
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
