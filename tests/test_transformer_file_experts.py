@@ -80,7 +80,10 @@ def test_run_with_a_file_each_expert_equals_diffusers_pipeline(cli, workdir, exp
     assert result.exit_code == 0, result.output
     for name, where in PLACED[fmt].items():
         assert f"{name}: {where} (" in result.output, result.output
-    load = json.loads(Path("r.json").read_text())["generation"]["load"]
+    gen = json.loads(Path("r.json").read_text())["generation"]
+    on_disk = [n for n, where in PLACED[fmt].items() if where == "disk"]
+    assert all(gen["disk_read_bytes"].get(n, 0) > 0 for n in on_disk), gen["disk_read_bytes"]  # read from the file
+    load = gen["load"]
     assert load["transformer_files"] == {n: str(files[fmt][n][0]) for n in EXPERTS}
     assert load["transformer_formats"] == {n: fmt for n in EXPERTS}
     got = load_file("l.safetensors")["latents"]

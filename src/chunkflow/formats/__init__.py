@@ -22,7 +22,7 @@ from types import ModuleType
 
 from chunkflow_planner.checkpoint import CheckpointError
 
-__all__ = ["FormatError", "detect", "format_module", "check", "load", "build", "FORMAT_MODULES"]
+__all__ = ["FormatError", "detect", "format_module", "check", "load", "build", "read_bytes", "FORMAT_MODULES"]
 
 # format name -> the module implementing it (imported when used)
 FORMAT_MODULES = {"gguf": "chunkflow.formats.gguf", "fp8-scaled": "chunkflow.formats.fp8_scaled"}
@@ -102,6 +102,15 @@ def build(path: str | os.PathLike, model_cls: type, config_dir: str | os.PathLik
         return mod.build(Path(path), model_cls, config, compute_dtype, reader)
     module = mod.load(Path(path), model_cls, config, compute_dtype)
     return module, mod.source(Path(path), module)
+
+
+def read_bytes(path: str | os.PathLike, fmt: str) -> int:
+    """Bytes `build` reads through the caller's reader (what a load's progress counts): an fp8-scaled file's
+    tensors, header only; 0 for GGUF (diffusers reads the file itself)."""
+    if fmt != "fp8-scaled":
+        return 0
+    file = format_module(fmt).read_file(Path(path))
+    return sum(r.nbytes for r in file.records.values()) + sum(r.nbytes for r in file.scales.values())
 
 
 def _config(fmt: str, model_cls: type, config_dir: str | os.PathLike):

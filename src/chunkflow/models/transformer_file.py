@@ -41,7 +41,8 @@ def file_component(name: str, path: Path, spec, folder: Path | None) -> Componen
         fmt = formats.check(path, _model_class(spec), folder / name)
     except CheckpointError as exc:
         raise type(exc)(_with_option(str(exc), flag, path)) from None
-    return Component(name, None, None, 0, None, file=path, fmt=fmt, config_dir=folder / name)
+    return Component(name, None, None, formats.read_bytes(path, fmt), None, file=path, fmt=fmt,
+                     config_dir=folder / name)
 
 
 def _with_option(msg: str, flag: str, path: Path) -> str:
