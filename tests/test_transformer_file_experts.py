@@ -19,7 +19,7 @@ from pipelines import one_thread
 
 EXPERTS = ("transformer", "transformer_2")
 PROMPT, NEGATIVE, SEED = "a red fox in the snow", "blurry", 5
-SHAPE = ["--height", "64", "--width", "64", "--frames", "5", "--steps", "4"]
+SHAPE = ["--height", "64", "--width", "64", "--frames", "5", "--steps", "6"]  # 5 high-noise steps, 1 low-noise
 # one expert streamed from host memory, the other read from its file on disk; a tiny GGUF expert cannot be parked
 # on disk (its F32 norms are a quarter of its non-block bytes, which the disk tier refuses to hold converted), so
 # both of its experts stream
@@ -61,8 +61,11 @@ def _reference(experts, fmt: str, plan: Path) -> torch.Tensor:
 
     folder, files, cache = experts
     if fmt not in cache:
+        from chunkflow_planner.pipeline.experts import expert_steps
+
         p = load_plan(plan)
         spec, w = model_of(p), p.workload.to_workload()
+        assert min(expert_steps(spec.pipeline, w.steps)) > 0  # each expert runs
         cache[fmt] = reference_latents(spec, folder, {n: files[fmt][n][1] for n in EXPERTS}, PROMPT, NEGATIVE, SEED,
                                        w)
     return cache[fmt]
