@@ -128,8 +128,8 @@ def _check_scale(path: Path, name: str, rec: TensorRecord, records: dict[str, Te
     """The weight a scale belongs to, after checking both."""
     weight = name[: -len(SCALE)] + "weight"
     if rec.dtype not in SCALE_DTYPES or rec.nbytes != rec.itemsize:
-        raise _err(path, f"tensor {shown(rec.key)} is {rec.dtype} {list(rec.shape)}, not a scalar float (a per-tensor "
-                         "scale); the file is another quantization: use a GGUF or bf16 file")
+        raise _err(path, f"tensor {shown(rec.key)} is {rec.dtype} {list(rec.shape)}; a per-tensor scale is one "
+                         f"{', '.join(SCALE_DTYPES)} value: the file is another quantization, use a GGUF or bf16 file")
     if weight not in records:
         raise _err(path, f"tensor {shown(rec.key)} scales a weight the file does not hold ({shown(weight)}); it is "
                          "incomplete: download it again")
