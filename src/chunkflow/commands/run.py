@@ -30,9 +30,11 @@ _Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: 
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
                                                       "weights); with --prompt also a Hub id in the local cache"),
                      INPUT]
-_Transformer = Annotated[Optional[str], typer.Option(help="with --prompt and --weights: read the transformer from "
-                                                           "this single file (a GGUF file: Q8_0, Q6_K, Q5_K, Q4_K, "
-                                                           "Q4_0), the rest of the pipeline from the folder"), INPUT]
+_Transformer = Annotated[Optional[str], typer.Option(help="with --prompt (or --prompts: every job) and --weights: "
+                                                           "read the transformer from this single file (a GGUF file: "
+                                                           "Q8_0, Q6_K, Q5_K, Q4_K, Q4_0; or an fp8-scaled "
+                                                           ".safetensors), the rest of the pipeline from the folder"),
+                        INPUT]
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2, "
                                                             "Wan2.2-A14B's low-noise model)"), INPUT]
 _Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
