@@ -357,13 +357,25 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
 
 
+def _header_size_past_the_end(path: Path) -> None:
+    raw = path.read_bytes()
+    path.write_bytes((len(raw) + 10).to_bytes(8, "little") + raw[8:])
+
+
+def _edit(key: str, **fields):
+    """A header edit setting `fields` of tensor `key` (functions of its entry)."""
+    def edit(h: dict) -> None:
+        h[key].update({f: make(h[key]) for f, make in fields.items()})
+    return edit
+
+
 Q = "blocks.0.self_attn.q"
 ATTACKS = {  # name -> (how the file is damaged, what the one-line error says)
     "truncated": (lambda p: _truncate(p), "truncated"),
     "offsets past the end": (lambda p: rewrite_header(p, _past_end), "unused"),
     "a scale missing": (lambda p: rewrite_tensors(p, lambda t: t.pop(f"{Q}.scale_weight")), "without a 'scale_weight'"),
     "a scale not a scalar": (lambda p: rewrite_tensors(p, lambda t: t.update({f"{Q}.scale_weight": torch.ones(2)})),
-                             "not a scalar float"),
+                             "a per-tensor scale is one F32, F16, BF16 value"),
     "a scale of no weight": (lambda p: rewrite_tensors(p, lambda t: t.update({"blocks.0.x.scale_weight": torch.ones(())})),
                              "does not hold"),
     "a wrong shape": (lambda p: rewrite_tensors(p, lambda t: t.update({"blocks.0.ffn.0.weight": t["blocks.0.ffn.0.weight"].T.contiguous()})),
@@ -373,6 +385,22 @@ ATTACKS = {  # name -> (how the file is damaged, what the one-line error says)
     "a tensor missing": (lambda p: rewrite_tensors(p, lambda t: t.pop("blocks.1.ffn.2.bias")), "lacks tensor"),
     "e5m2 weights": (lambda p: rewrite_tensors(p, lambda t: t.update({"scaled_fp8": torch.empty(0, dtype=torch.float8_e5m2)})),
                      "e5m2"),
+    "a header longer than the file": (_header_size_past_the_end, "a header of"),
+    "a size its range does not hold": (lambda p: rewrite_header(p, _edit(f"{Q}.weight", data_offsets=lambda e: [
+        e["data_offsets"][0], e["data_offsets"][1] - 1])), "does not describe its bytes"),
+    "a scale's shape lying": (lambda p: rewrite_header(p, _edit(f"{Q}.scale_weight", shape=lambda e: [2])),
+                              "does not describe its bytes"),
+    "e5m2 bytes under a scale": (lambda p: rewrite_header(p, _edit(f"{Q}.weight", dtype=lambda e: "F8_E5M2")),
+                                 "F8_E5M2, not F8_E4M3"),
+    "bf16 bytes under a scale": (lambda p: rewrite_header(p, _edit(f"{Q}.weight", dtype=lambda e: "BF16",
+                                                                   shape=lambda e: [e["shape"][0], e["shape"][1] // 2])),
+                                 "BF16, not F8_E4M3"),
+    "a float64 scale": (lambda p: rewrite_tensors(p, lambda t: t.update({f"{Q}.scale_weight": torch.ones((), dtype=torch.float64)})),
+                        "F64 []; a per-tensor scale is one"),
+    "an integer scale": (lambda p: rewrite_tensors(p, lambda t: t.update({f"{Q}.scale_weight": torch.ones((), dtype=torch.int32)})),
+                         "I32 []; a per-tensor scale is one"),
+    "a per-row scale": (lambda p: rewrite_tensors(p, lambda t: t.update({f"{Q}.scale_weight": torch.ones(t[f"{Q}.weight"].shape[0])})),
+                        "; a per-tensor scale is one"),
 }
 
 
@@ -392,6 +420,16 @@ def test_a_lying_or_wrong_file_is_refused_in_one_line_before_any_data_is_read(tm
         msg = str(err.value)
         assert said in msg and path.name in msg and "\n" not in msg
     assert reads == []
+
+
+def test_a_one_element_scale_is_the_same_scale(tmp_path):
+    """A scale stored as [1] (one value, as some repackagers write it) is the scalar it holds: the same model."""
+    m, cfg, inputs, path, _ = wan_case(tmp_path)
+    want = forward(fp8_scaled.load(path, type(m), cfg, BF16), inputs)
+    rewrite_tensors(path, lambda t: t.update({f"{Q}.scale_weight": t[f"{Q}.scale_weight"].reshape(1)}))
+    loaded = fp8_scaled.load(path, type(m), cfg, BF16)
+    assert loaded.blocks[0].attn1.to_q.scale_weight.shape == ()
+    assert torch.equal(forward(loaded, inputs), want)
 
 
 def test_flux_files_for_another_config_or_missing_a_tensor_are_refused_naming_it(tmp_path):

@@ -59,3 +59,25 @@ def test_run_latents_equal_the_reference_pipeline(cli, workdir, saved):
                     generator=torch.Generator("cpu").manual_seed(5), output_type="latent").frames
     got = next(iter(load_file("l.safetensors").values()))
     assert torch.equal(got, want.to(got.dtype).reshape(got.shape))
+
+
+@pytest.mark.parametrize("attack", ["truncated", "a header longer than the file", "e5m2 bytes under a scale",
+                                    "a per-row scale"])
+def test_a_lying_file_is_one_line_before_the_load(cli, workdir, saved, attack):
+    """`run --transformer` with a damaged or lying fp8-scaled file: exit 2, one line naming the file, no traceback,
+    nothing loaded or written."""
+    from test_fp8_scaled import ATTACKS
+
+    folder, path, _ = saved
+    bad = workdir / "bad.safetensors"
+    bad.write_bytes(path.read_bytes())
+    damage, said = ATTACKS[attack]
+    damage(bad)
+    assert cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB",
+               "--out", "plan.json").exit_code == 0
+    result = cli("run", "--plan", "plan.json", "--weights", folder, "--transformer", bad, "--prompt", "a cat",
+                 "--device", "cpu", "--report", "r.json")
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "bad.safetensors" in out and (said in out or "not an fp8-scaled transformer" in out), out
+    assert not Path("r.json").exists()

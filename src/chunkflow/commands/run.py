@@ -30,9 +30,11 @@ _Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: 
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
                                                       "weights); with --prompt also a Hub id in the local cache"),
                      INPUT]
-_Transformer = Annotated[Optional[str], typer.Option(help="with --prompt and --weights: read the transformer from "
-                                                           "this single file (a GGUF file: Q8_0, Q6_K, Q5_K, Q4_K, "
-                                                           "Q4_0), the rest of the pipeline from the folder"), INPUT]
+_Transformer = Annotated[Optional[str], typer.Option(help="with --prompt (or --prompts: every job) and --weights: "
+                                                           "read the transformer from this single file (a GGUF file: "
+                                                           "Q8_0, Q6_K, Q5_K, Q4_K, Q4_0; or an fp8-scaled "
+                                                           ".safetensors), the rest of the pipeline from the folder"),
+                        INPUT]
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2, "
                                                             "Wan2.2-A14B's low-noise model)"), INPUT]
 _Warmup = Annotated[Optional[int], typer.Option(help="untimed warm-up steps (default 1); with --prompt, whole "
@@ -120,9 +122,6 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
         _check_priced(p, cfg, profile)
         if prompts is not None:
-            if transformer or transformer_2:
-                raise UserError("--transformer FILE goes with --prompt for now (a prompt file loads the folder's "
-                                "transformer)")
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
                                 "parallelism is not supported yet: run each prompt with --prompt under torchrun)")
@@ -148,6 +147,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
         run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
                     profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
+                    transformers={"transformer": transformer, "transformer_2": transformer_2},
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return

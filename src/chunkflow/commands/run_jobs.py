@@ -129,7 +129,8 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
     t0 = time.perf_counter()
     image = any(p.job is not None and p.job.image is not None and p.error is None for p in planned)
     session = Session(plan, opts.weights, device=opts.device, variant=opts.variant, profile=opts.profile,
-                      image=image, offload=cfg, progress=progress, log=log)
+                      image=image, offload=cfg, transformer=opts.transformer, transformer_2=opts.transformer_2,
+                      progress=progress, log=log)
     results: list[JobResult] = []
     runnable = [p for p in planned if p.error is None]
     interrupted: BaseException | None = None

@@ -13,7 +13,10 @@ from chunkflow_planner.units import format_bytes
 
 
 def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
-                profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any]) -> None:
+                profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any],
+                transformers: dict[str, str | None] | None = None) -> None:
+    """Every job of `prompts` on one load of the plan's pipeline; `transformers` (--transformer FILE,
+    --transformer-2 FILE): the same files for every job, checked with the folder before any job is read."""
     from chunkflow.commands.run_jobs import JobsError, plan_jobs
     from chunkflow.commands.steps import RunOptions
     from chunkflow.launch import torchrun_world
@@ -33,8 +36,9 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
         raise UserError(f"{spec.name} has no pipeline to generate with; --prompts needs a plan of a whole pipeline")
     if guidance is not None and not guidance > 0:
         raise UserError(f"--guidance must be a positive number, got {guidance}")
+    files = {k: v for k, v in (transformers or {}).items() if v}
     opts = RunOptions(device=device, weights=weights, variant=variant, profile=profile, seed=seed, steps=steps,
-                      warmup=0)
+                      warmup=0, transformer=files.get("transformer"), transformer_2=files.get("transformer_2"))
     opts.check()
     why = files_needed(p)
     if why is not None and weights is None:
@@ -49,6 +53,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
 
         resolved = resolve_weights(weights)
         opts.weights = str(resolved)
+    _check_files(p, spec, resolved if weights is not None else None, files)
     hw = hardware_of(p, profile)
     defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
                 "steps": steps}
@@ -78,6 +83,19 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     rep.write(report)
     print_jobs(rep)
     console.print(f"Report written to {report}", markup=False)
+
+
+def _check_files(p, spec, folder: Path | None, files: dict[str, str]) -> None:
+    """The transformer files against the folder's configs and the plan's format, from their headers, before any
+    job is read or output written (the same check as `run --prompt`'s)."""
+    from chunkflow.models.transformer_file import check_files, check_plan_format
+
+    if files and folder is None:
+        raise UserError("--transformer FILE reads the transformer from a file and the rest of the pipeline from the "
+                        "folder: give --weights DIR with it")
+    if files:
+        check_files(spec, folder, files)
+    check_plan_format(p, files)
 
 
 def _make(folder: Path) -> None:

@@ -9,7 +9,8 @@ from its first bytes (never from its name alone), and the module that checks and
 
 Every format module has `check(path, model_cls, config_dir)` (the file against the model before anything is read;
 a CheckpointError of one line, naming the file and the tensor, for a mismatch) and `load(path, model_cls,
-config_dir, compute_dtype) -> nn.Module`.
+config_dir, compute_dtype) -> nn.Module`. `build` gives what a pipeline places (models/transformer_file.py): the
+module and the source the runtime reads it by, so the file streams from every tier (host, disk, shared).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from types import ModuleType
 
 from chunkflow_planner.checkpoint import CheckpointError
 
-__all__ = ["FormatError", "detect", "format_module", "check", "load", "FORMAT_MODULES"]
+__all__ = ["FormatError", "detect", "format_module", "check", "load", "build", "read_bytes", "FORMAT_MODULES"]
 
 # format name -> the module implementing it (imported when used)
 FORMAT_MODULES = {"gguf": "chunkflow.formats.gguf", "fp8-scaled": "chunkflow.formats.fp8_scaled"}
@@ -87,6 +88,29 @@ def load(path: str | os.PathLike, model_cls: type, config_dir: str | os.PathLike
     """The module `model_cls` from the file (checked first), computing in `compute_dtype`."""
     fmt = detect(path)
     return format_module(fmt).load(Path(path), model_cls, _config(fmt, model_cls, config_dir), compute_dtype)
+
+
+def build(path: str | os.PathLike, model_cls: type, config_dir: str | os.PathLike, compute_dtype, reader=None):
+    """(module, source) for `chunkflow.offload(module, source=source)`: an fp8-scaled file's module on the meta
+    device, its source reading each tensor from the file into its final place (through `reader`, a FileReader the
+    caller closes) and giving the disk tier the file's byte ranges; a GGUF file's module as diffusers loads it, its
+    source the file's byte ranges for the disk tier (formats/gguf.GGUFSource). The file is checked first."""
+    fmt = detect(path)
+    mod = format_module(fmt)
+    config = _config(fmt, model_cls, config_dir)
+    if fmt == "fp8-scaled":
+        return mod.build(Path(path), model_cls, config, compute_dtype, reader)
+    module = mod.load(Path(path), model_cls, config, compute_dtype)
+    return module, mod.source(Path(path), module)
+
+
+def read_bytes(path: str | os.PathLike, fmt: str) -> int:
+    """Bytes `build` reads through the caller's reader (what a load's progress counts): an fp8-scaled file's
+    tensors, header only; 0 for GGUF (diffusers reads the file itself)."""
+    if fmt != "fp8-scaled":
+        return 0
+    file = format_module(fmt).read_file(Path(path))
+    return sum(r.nbytes for r in file.records.values()) + sum(r.nbytes for r in file.scales.values())
 
 
 def _config(fmt: str, model_cls: type, config_dir: str | os.PathLike):

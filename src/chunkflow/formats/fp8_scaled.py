@@ -52,7 +52,8 @@ from torch import nn
 from chunkflow.runtime.params import DECODED
 from chunkflow_planner.checkpoint import CheckpointError, TensorRecord, few_names, read_header, shown
 
-__all__ = ["detect", "check", "build", "load", "ScaledFp8Linear", "Fp8ScaledError", "Fp8ScaledSource"]
+__all__ = ["detect", "check", "build", "load", "source", "ScaledFp8Linear", "Fp8ScaledError", "Fp8ScaledSource",
+           "Fp8ScaledFileRanges"]
 
 SCALE = "scale_weight"
 INPUT_SCALE = "scale_input"
@@ -138,8 +139,8 @@ def _check_scale(path: Path, name: str, rec: TensorRecord, records: dict[str, Te
     """The weight a scale belongs to, after checking both."""
     weight = name[: -len(SCALE)] + "weight"
     if rec.dtype not in SCALE_DTYPES or rec.nbytes != rec.itemsize:
-        raise _err(path, f"tensor {shown(rec.key)} is {rec.dtype} {list(rec.shape)}, not a scalar float (a per-tensor "
-                         "scale); the file is another quantization: use a GGUF or bf16 file")
+        raise _err(path, f"tensor {shown(rec.key)} is {rec.dtype} {list(rec.shape)}; a per-tensor scale is one "
+                         f"{', '.join(SCALE_DTYPES)} value: the file is another quantization, use a GGUF or bf16 file")
     if weight not in records:
         raise _err(path, f"tensor {shown(rec.key)} scales a weight the file does not hold ({shown(weight)}); it is "
                          "incomplete: download it again")
@@ -447,6 +448,35 @@ class Fp8ScaledSource:
     def close(self) -> None:
         if self.owns_reader:
             self.reader.close()
+
+
+class Fp8ScaledFileRanges:
+    """`chunkflow.offload(module, disk_blocks=k, source=source(path, module))` for a module `load` made from the
+    fp8-scaled file at `path` (as formats/gguf.GGUFSource for a GGUF module): the module keeps its own values
+    (nothing is provided), and the disk tier reads its blocks' bytes from the file, where each lies (the e4m3
+    weights and scales as stored, the rest cast on the way in where the module holds another dtype)."""
+
+    def __init__(self, path: str | Path, module: nn.Module):
+        parts = plan(path, type(module), dict(module.config)).parts
+        held = module.state_dict(keep_vars=True)
+        self.records = {n: recs[0] for n, recs in parts.items()
+                        if len(recs) == 1 and n in held and tuple(held[n].shape) == tuple(recs[0].shape)}
+
+    def provides(self, name: str) -> bool:
+        return False
+
+    def fill(self, name: str, module: nn.Module, attr: str, out: torch.Tensor) -> None:
+        raise KeyError(name)
+
+    def disk_files(self):
+        from chunkflow.loading.source import CheckpointFiles
+
+        return CheckpointFiles(dict(self.records))
+
+
+def source(path: str | Path, module: nn.Module) -> Fp8ScaledFileRanges:
+    """What the runtime's disk tier reads a loaded module's blocks by (formats' optional `source` hook)."""
+    return Fp8ScaledFileRanges(path, module)
 
 
 def _replace(module: nn.Module, layer: str, compute_dtype: torch.dtype) -> None:

@@ -235,14 +235,14 @@ def _prepare(spec, placements: dict[str, str], folder: Path | None, dtype: torch
 
     from chunkflow.models.build import transformer_module, transformer_source
     from chunkflow.models.meta import RandomSource
-    from chunkflow.models.transformer_file import FILE_OPTIONS, file_component
+    from chunkflow.models.transformer_file import file_component, no_expert
 
     pipe_spec = spec.pipeline
     out: list[tuple[str, Component]] = []
     names = BuiltPipeline(None, spec, device, {}).names("transformer")
     for name in files or {}:
         if name not in names:
-            raise CheckpointError(f"{FILE_OPTIONS.get(name, name)} was given, but {spec.name} has no {name}")
+            raise CheckpointError(no_expert(spec, name))
     for k, name in enumerate(names):
         if files and name in files:
             out.append(("transformer", file_component(name, Path(files[name]), spec, folder)))
@@ -341,7 +341,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
         counter.begin(sum(c.read_bytes for _, c in parts if placements.get(c.name) != "disk"))  # disk: not read
         for kind, c in parts:
             if c.file is not None:  # a transformer from its own file: loaded now, every file checked
-                load_file_component(c, spec, dtype)
+                load_file_component(c, spec, dtype, reader)
                 file_setting(transformer_cfg, c.fmt, log)
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
             built.placements.setdefault(c.name, where)

@@ -13,7 +13,7 @@ from chunkflow.models.components import Component
 from chunkflow_planner.checkpoint import CheckpointError
 from chunkflow_planner.offload import OffloadConfig
 
-__all__ = ["file_component", "check_files", "load_file_component", "file_setting", "FILE_OPTIONS"]
+__all__ = ["file_component", "check_files", "no_expert", "load_file_component", "file_setting", "FILE_OPTIONS"]
 
 FILE_OPTIONS = {"transformer": "--transformer", "transformer_2": "--transformer-2"}
 
@@ -37,8 +37,31 @@ def file_component(name: str, path: Path, spec, folder: Path | None) -> Componen
     if not path.is_file():
         raise CheckpointError(f"{flag} {str(path)!r} is not a file")
     check_transformer_config(folder / name, spec)
-    fmt = formats.check(path, _model_class(spec), folder / name)
-    return Component(name, None, None, 0, None, file=path, fmt=fmt, config_dir=folder / name)
+    try:
+        fmt = formats.check(path, _model_class(spec), folder / name)
+    except CheckpointError as exc:
+        raise type(exc)(_with_option(str(exc), flag, path)) from None
+    return Component(name, None, None, formats.read_bytes(path, fmt), None, file=path, fmt=fmt,
+                     config_dir=folder / name)
+
+
+def _with_option(msg: str, flag: str, path: Path) -> str:
+    """A format's line about `path` as the line about the option it was given with (`--transformer-2 'B.gguf': ...`:
+    with two experts' files, which one is wrong)."""
+    shown_path = repr(str(path))
+    for head in (f"--transformer {shown_path}", f"fp8-scaled file {shown_path}", shown_path):
+        if msg.startswith(head):
+            return f"{flag} {shown_path}{msg[len(head):]}"
+    return f"{flag} {shown_path}: {msg}"
+
+
+def no_expert(spec, name: str) -> str:
+    """The line for a file given for transformer component `name`, which the plan's pipeline does not have."""
+    flag = FILE_OPTIONS.get(name, name)
+    n = spec.pipeline.experts if spec.pipeline is not None else 1
+    return (f"{flag} was given, but {spec.name} has no {name} ({n} transformer{'s' if n != 1 else ''}: "
+            f"transformer{', transformer_2' if n > 1 else ''}); leave {flag} out, or plan the pipeline whose folder "
+            f"has a {name}")
 
 
 def check_files(spec, folder: Path | None, files: dict[str, str]) -> dict[str, str]:
@@ -47,19 +70,19 @@ def check_files(spec, folder: Path | None, files: dict[str, str]) -> dict[str, s
     out = {}
     for name, path in files.items():
         if name not in names:
-            raise CheckpointError(f"{FILE_OPTIONS.get(name, name)} was given, but {spec.name} has no {name}")
+            raise CheckpointError(no_expert(spec, name))
         out[name] = file_component(name, Path(path).expanduser(), spec, folder).fmt
     return out
 
 
-def load_file_component(c: Component, spec, dtype: torch.dtype) -> None:
-    """The module from its file (diffusers' own loading of the format) and the source the disk tier reads by."""
+def load_file_component(c: Component, spec, dtype: torch.dtype, reader=None) -> None:
+    """The module from its file and the source the runtime reads it by (formats.build): an fp8-scaled file's module
+    on the meta device, filled from the file through `reader` (the build's, which counts the bytes) where it is
+    placed, its blocks read from the file by the disk tier; a GGUF file's as diffusers loads it."""
     from chunkflow import formats
 
-    mod = formats.format_module(c.fmt)
-    c.module = formats.load(c.file, _model_class(spec), c.config_dir, dtype).requires_grad_(False)
-    make_source = getattr(mod, "source", None)
-    c.source = make_source(c.file, c.module) if make_source is not None else None
+    module, c.source = formats.build(c.file, _model_class(spec), c.config_dir, dtype, reader)
+    c.module = module.requires_grad_(False)
 
 
 def file_setting(cfg: OffloadConfig, fmt: str, log) -> OffloadConfig:

@@ -1,0 +1,148 @@
+"""Two experts, each from its own file (`--transformer A --transformer-2 B`, Wan2.2-A14B's high- and low-noise
+files): a tiny Wan2.2-A14B-style pipeline saved with save_pretrained, its experts written as two GGUF files (and,
+apart, two fp8-scaled files); `plan` checks both, `run` and `chunkflow.load` stream them (one expert from host
+memory, the other from the file on disk) and the latents equal diffusers' WanPipeline holding both experts from the
+same files, bit for bit. A file for an expert the folder lacks, or of another shape than its expert, is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import chunkflow
+from file_pipelines import FORMATS, expert_file, reference_latents, two_expert_folder
+from pipelines import one_thread
+
+EXPERTS = ("transformer", "transformer_2")
+PROMPT, NEGATIVE, SEED = "a red fox in the snow", "blurry", 5
+SHAPE = ["--height", "64", "--width", "64", "--frames", "5", "--steps", "6"]  # 5 high-noise steps, 1 low-noise
+# one expert streamed from host memory, the other read from its file on disk; a tiny GGUF expert cannot be parked
+# on disk (its F32 norms are a quarter of its non-block bytes, which the disk tier refuses to hold converted), so
+# both of its experts stream
+PLACED = {"gguf": {"transformer": "stream", "transformer_2": "stream"},
+          "fp8-scaled": {"transformer": "stream", "transformer_2": "disk"}}
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    """The two-expert folder and, per format, its experts' files and diffusers' modules of them."""
+    root = tmp_path_factory.mktemp("experts")
+    folder = two_expert_folder(root / "pipe")
+    files = {fmt: {n: expert_file(folder, n, fmt, root / f"{fmt}-{n}") for n in EXPERTS} for fmt in FORMATS}
+    return folder, files, {}
+
+
+def _plan(cli, folder: Path, files: dict, out: str = "plan.json") -> Path:
+    result = cli("plan", "--weights", folder, "--hardware", "cpu", "--host-mem-budget", "8GB", *SHAPE,
+                 "--transformer", files["transformer"][0], "--transformer-2", files["transformer_2"][0], "--out", out)
+    assert result.exit_code == 0, result.output
+    for name in EXPERTS:
+        assert f"{name}: {files[name][0]} (" in result.output and "checked against the folder's config" in result.output
+    return Path(out)
+
+
+def _placed(plan: Path, where: dict[str, str]) -> Path:
+    """The plan with its experts placed as `where` says (one streamed from host memory, one read from disk)."""
+    data = json.loads(plan.read_text())
+    for c in data["pipeline"]["components"]:
+        c["placement"] = where.get(c["name"], c["placement"])
+    out = plan.with_name("placed.json")
+    out.write_text(json.dumps(data))
+    return out
+
+
+def _reference(experts, fmt: str, plan: Path) -> torch.Tensor:
+    """diffusers' WanPipeline with both experts from the format's files (computed once a format)."""
+    from chunkflow_planner.plan import load_plan, model_of
+
+    folder, files, cache = experts
+    if fmt not in cache:
+        from chunkflow_planner.pipeline.experts import expert_steps
+
+        p = load_plan(plan)
+        spec, w = model_of(p), p.workload.to_workload()
+        assert min(expert_steps(spec.pipeline, w.steps)) > 0  # each expert runs
+        cache[fmt] = reference_latents(spec, folder, {n: files[fmt][n][1] for n in EXPERTS}, PROMPT, NEGATIVE, SEED,
+                                       w)
+    return cache[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_run_with_a_file_each_expert_equals_diffusers_pipeline(cli, workdir, experts, fmt):
+    folder, files, _ = experts
+    plan = _placed(_plan(cli, folder, files[fmt]), PLACED[fmt])
+    with one_thread():
+        result = cli("run", "--plan", plan, "--weights", folder, "--transformer", files[fmt]["transformer"][0],
+                     "--transformer-2", files[fmt]["transformer_2"][0], "--prompt", PROMPT, "--negative-prompt",
+                     NEGATIVE, "--seed", SEED, "--latents", "l.safetensors", "--report", "r.json", "--device", "cpu",
+                     "--mode", "chunkflow", "--chunk-size", "16KB", "--residency", "0.3")
+    assert result.exit_code == 0, result.output
+    for name, where in PLACED[fmt].items():
+        assert f"{name}: {where} (" in result.output, result.output
+    gen = json.loads(Path("r.json").read_text())["generation"]
+    on_disk = [n for n, where in PLACED[fmt].items() if where == "disk"]
+    assert all(gen["disk_read_bytes"].get(n, 0) > 0 for n in on_disk), gen["disk_read_bytes"]  # read from the file
+    load = gen["load"]
+    assert load["transformer_files"] == {n: str(files[fmt][n][0]) for n in EXPERTS}
+    assert load["transformer_formats"] == {n: fmt for n in EXPERTS}
+    got = load_file("l.safetensors")["latents"]
+    want = _reference(experts, fmt, plan)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_session_with_a_file_each_expert_equals_diffusers_pipeline(cli, workdir, experts, fmt):
+    folder, files, _ = experts
+    plan = _plan(cli, folder, files[fmt])
+    with one_thread(), chunkflow.load(plan, weights=folder, transformer=files[fmt]["transformer"][0],
+                                      transformer_2=files[fmt]["transformer_2"][0], device="cpu") as session:
+        assert session.load_result.transformer_formats == {n: fmt for n in EXPERTS}
+        r = session.generate(PROMPT, negative_prompt=NEGATIVE, seed=SEED)
+    assert torch.equal(r.latents, _reference(experts, fmt, plan))
+
+
+def test_a_file_for_an_expert_the_folder_lacks_is_one_line(cli, workdir, experts, tmp_path):
+    from pipelines import save_catalog_pipeline
+
+    _, files, _ = experts
+    with one_thread():
+        one = save_catalog_pipeline("tiny", tmp_path / "one", 3)
+    second = files["gguf"]["transformer_2"][0]
+    said = "--transformer-2 was given, but tiny-wan has no transformer_2 (1 transformer: transformer)"
+    planned = cli("plan", "--model", "tiny", "--hardware", "cpu", "--weights", one, "--transformer-2", second)
+    assert planned.exit_code == 2 and said in planned.output and "Traceback" not in planned.output, planned.output
+    assert cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB", "--out",
+               "tiny.json").exit_code == 0
+    ran = cli("run", "--plan", "tiny.json", "--weights", one, "--transformer-2", second, "--prompt", "a cat",
+              "--device", "cpu", "--report", "r.json")
+    assert ran.exit_code == 2 and said in ran.output and "Traceback" not in ran.output, ran.output
+    assert not Path("r.json").exists()
+    with pytest.raises(chunkflow.ChunkflowError, match=r"has no transformer_2 \(1 transformer"):
+        chunkflow.load("tiny.json", one, transformer_2=second, device="cpu")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_files_of_another_shape_than_their_expert_are_one_line_naming_the_option(cli, workdir, experts, fmt,
+                                                                                 tmp_path):
+    """Each expert's file is checked against that expert's config: a file of another shape (another model's
+    expert, the two of a pair of differently shaped experts swapped) names the option it was given with."""
+    import diffusers
+
+    folder, files, _ = experts
+    cfg = diffusers.WanTransformer3DModel.load_config(str(folder / "transformer_2"))
+    other = tmp_path / "other"
+    with one_thread():
+        m = diffusers.WanTransformer3DModel.from_config({**cfg, "ffn_dim": cfg["ffn_dim"] * 2}).to(torch.bfloat16)
+        m.save_pretrained(other / "transformer_2")
+    wrong, _ = expert_file(other, "transformer_2", fmt, tmp_path / "wrong")
+    for order in ((files[fmt]["transformer"][0], wrong), (wrong, files[fmt]["transformer_2"][0])):
+        flag = "--transformer-2" if order[1] == wrong else "--transformer"
+        result = cli("plan", "--weights", folder, "--hardware", "cpu", *SHAPE, "--transformer", order[0],
+                     "--transformer-2", order[1])
+        out = " ".join(result.output.split())  # the terminal wraps long lines
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"{flag} {str(wrong)!r}" in out and "ffn" in out, out
