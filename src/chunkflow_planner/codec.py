@@ -10,7 +10,8 @@ if TYPE_CHECKING:
     from chunkflow_planner.catalog import HardwareSpec
 
 SUPPOSED_CODEC_RATIO = 0.71  # supposed: exponent-pack on bf16 weights left 0.69-0.71 of their bytes (random normal,
-# uniform and Laplace values, docs/notes/codec-research/); `chunkflow calibrate --weights DIR` measures the user's
+# uniform and Laplace values, docs/notes/codec-research/; trained CNN/OCR weights 0.74, their 2-D matrices 0.71:
+# docs/data/codec-trained/); `chunkflow calibrate --weights DIR` measures the user's
 
 
 def codec_ratio(hw: HardwareSpec | None) -> tuple[float, bool]:

@@ -6,7 +6,8 @@ bytes with a Triton kernel.
 
 Why: bf16 weights carry about 2.5-3 bits of information in their 8 exponent bits and almost 8 in their sign and
 mantissa; with K = 3 a word takes 8 + 3 bits plus 8 for each escaped exponent, so a chunk shrinks to about 0.69-0.71
-of itself (random normal, uniform or Laplace values: docs/notes/codec-research/); fewer bytes on a saturated
+of itself (random normal, uniform or Laplace values: docs/notes/codec-research/; 0.74 on trained CNN/OCR weights,
+0.71 on their 2-D matrices: docs/data/codec-trained/); fewer bytes on a saturated
 host-to-device link are a shorter step, bit for bit. A Huffman code gets nearer the entropy (0.66-0.68) but decodes
 serially within a segment; every word here decodes on its own, so the decoder is one pass at the memory rate.
 

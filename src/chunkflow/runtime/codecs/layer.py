@@ -1,7 +1,7 @@
 """A codec as a layer over any tier: blocks whose streamed tails a tier holds encoded (OffloadConfig.codec), copied
 to the device encoded and decoded there before the block runs.
 
-Fewer bytes cross the host link and sit in pinned memory (bf16 weights: about 0.7 of them with exponent-pack), the
+Fewer bytes cross the host link and sit in pinned memory (bf16 weights: 0.70-0.75 of them with exponent-pack, docs/data/codec-trained/), the
 same bytes arrive in the slot: outputs are bit for bit those without it.
 
 - A tier only holds the encoded bytes (runtime/tiers/base.py's BlockBytes, each tier's `hold_bytes`): the host tier
