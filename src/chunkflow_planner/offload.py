@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from chunkflow_planner.errors import ChunkflowError
 
-from chunkflow_planner.units import UnitError, parse_size, short_bytes
+from chunkflow_planner.units import DEFAULT_CHUNK_BYTES, UnitError, parse_size, short_bytes  # noqa: F401 (re-exported)
 
 Mode = Literal["none", "layerwise", "chunkflow"]
 MODES: tuple[str, ...] = ("none", "layerwise", "chunkflow")
@@ -42,7 +42,6 @@ WEIGHT_DTYPES: tuple[str, ...] = ("bf16", "fp8_e4m3")  # bf16: the weights as th
 Fp8Cast = Literal["compute", "copy"]
 FP8_CASTS: tuple[str, ...] = ("compute", "copy")  # where a streamed block's fp8 weights become its compute dtype
 FP8_BYTES_PER_PARAM = 1
-DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 DISK_RING_BLOCKS = 2  # disk tier: page-locked ring buffers, one disk block's streamed bytes each; reads run this far ahead
 Codec = Literal["none", "exponent-pack"]
 CODECS: tuple[str, ...] = ("none", "exponent-pack")  # none: streamed bytes travel as they are stored
