@@ -27,6 +27,7 @@ the rest in ceil((V_l - R_l) / C) copies. The memory and step-time models and th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -295,6 +296,13 @@ class OffloadConfig(BaseModel):
         return min(float(self.chunk_bytes), self.streamed_bytes(V))
 
 
+def per_volume(fn: Callable[[float], Any], V: list[float]) -> list[Any]:
+    """[fn(v) for v in V], with `fn` (a pure function of a block's volume) called once per distinct volume: most of
+    a model's blocks are alike, and the policy prices hundreds of points (the same values, in the same order)."""
+    once = {v: fn(v) for v in dict.fromkeys(V)}
+    return [once[v] for v in V]
+
+
 def codec_group_chunks(chunk_bytes: float) -> int:
     """Chunks of `chunk_bytes` one decode launch takes: as many as fit CODEC_DECODE_BYTES, at least one."""
     return max(1, int(CODEC_DECODE_BYTES // max(1.0, float(chunk_bytes))))
@@ -324,7 +332,8 @@ def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
         return 0.0
     disk = set(disk_block_indices(len(V), cfg.disk_blocks))
     rings = 0.0
+    group = per_volume(lambda v: codec_group_bytes(cfg, v), V)
     for mine in (lambda l: l not in disk, lambda l: l in disk):
-        largest = max((codec_group_bytes(cfg, v) for l, v in enumerate(V) if mine(l)), default=0.0)
+        largest = max((group[l] for l in range(len(V)) if mine(l)), default=0.0)
         rings += CODEC_STAGING_CHUNKS * max(0.0, largest)
     return float(rings)

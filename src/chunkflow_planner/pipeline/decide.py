@@ -288,7 +288,7 @@ def _fastest(fits: list[PipelineEstimate]) -> PipelineEstimate:
 
 def _stream_levers(best: PipelineEstimate, cands: _Transformer, room: float, problem: Problem) -> tuple[Lever, ...]:
     """The levers of a streamed transformer that meets the step target, against the points that do in its room."""
-    feasible = [p for p in cands.points if cands.meets(p) and cands.within(p, room, problem.hw)]
+    feasible = [p for p in cands.points if cands.within(p, room, problem.hw) and cands.meets(p)]
     return levers_of(best.transformer, feasible, problem.levers, cands.none)
 
 
