@@ -131,10 +131,20 @@ def stored_volumes(spec: ModelSpec, cfg: OffloadConfig) -> list[float]:
     return [float(v) for v in hit[1]]
 
 
+_CAST: dict[int, tuple[ModelSpec, list[float]]] = {}
+
+
 def cast_volumes(spec: ModelSpec) -> list[float]:
-    """Each block's tensors fp8 storage casts, in their compute dtype: the cast buffer one block needs."""
-    return [float((spec.block_params(g) - spec.block_fp8_kept_params(g)) * spec.dtype_bytes)
-            for g in spec.block_sequence()]
+    """Each block's tensors fp8 storage casts, in their compute dtype: the cast buffer one block needs (kept per spec
+    object, as block_volumes: every fp8 point of the policy asks)."""
+    hit = _CAST.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(_CAST) > 256:
+            _CAST.clear()
+        hit = (spec, [float((spec.block_params(g) - spec.block_fp8_kept_params(g)) * spec.dtype_bytes)
+                      for g in spec.block_sequence()])
+        _CAST[id(spec)] = hit
+    return list(hit[1])
 
 
 def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1,
