@@ -27,6 +27,7 @@ Assumptions (stated so they can be checked against `chunkflow run`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import sub
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.formats import dequant_peak
@@ -159,7 +160,7 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
     full = V
     V = stored_volumes(spec, cfg)
     resident = per_volume(cfg.resident_bytes, V)
-    slot = max(v - r for v, r in zip(V, resident))
+    slot = max(map(sub, V, resident))
     if cfg.weight_dtype != "bf16":  # the cast's target: one block's cast tensors in bf16 (not the ones kept)
         full = cast_volumes(spec)
     cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(full))

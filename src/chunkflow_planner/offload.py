@@ -333,7 +333,8 @@ def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
     disk = set(disk_block_indices(len(V), cfg.disk_blocks))
     rings = 0.0
     group = per_volume(lambda v: codec_group_bytes(cfg, v), V)
-    for mine in (lambda l: l not in disk, lambda l: l in disk):
-        largest = max((group[l] for l in range(len(V)) if mine(l)), default=0.0)
+    host_tier = [g for l, g in enumerate(group) if l not in disk] if disk else group
+    for mine in (host_tier, [group[l] for l in sorted(disk)]):
+        largest = max(mine, default=0.0)
         rings += CODEC_STAGING_CHUNKS * max(0.0, largest)
     return float(rings)
