@@ -1,6 +1,7 @@
 """The planner's fast path (issue 53: a plan in under half a second of CPU) decides exactly what pricing every point
 in full decides: blocks alike priced once (offload.per_volume) and step times computed only for the points that are
-asked for (policy.Point.time) give the same plan file, tables and messages, bit for bit, as every block of every
+asked for (policy.Point.time), and the transformer's candidates shared by the plan at a supposed disk rate
+(pipeline/decide._disk_facts), give the same plan file, tables and messages, bit for bit, as every block of every
 candidate priced and timed at once."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typer.testing import CliRunner
 
 from chunkflow.commands.cli import app
 from chunkflow_planner import memory, offload, policy, steptime
+from chunkflow_planner.pipeline import decide
 
 runner = CliRunner()
 
@@ -25,6 +27,8 @@ CASES = [  # varied: pipeline and transformer alone, budgets that bind, formats,
      "200GB"],
     ["--model", "wan2.1-14b", "--mem-budget", "24GB", "--hardware", "h200", "--host-mem-budget", "24GB",
      "--disk-gbps", "2"],
+    ["--model", "wan2.1-14b", "--mem-budget", "24GB", "--hardware", "h200", "--host-mem-budget", "24GB"],  # host
+    # memory binds, no disk rate: the plan at a supposed one is decided too, from the same candidates
     ["--model", "hunyuan", "--transformer-only", "--mem-budget", "12GB", "--max-slowdown", "1.01", "--hardware",
      "h200"],  # infeasible: the message is compared too
 ]
@@ -50,6 +54,12 @@ def _exhaustive(monkeypatch: pytest.MonkeyPatch) -> None:
         return point
 
     monkeypatch.setattr(policy.Problem, "evaluate", timed_at_once)
+    decide_again = decide.decide_pipeline
+
+    def candidates_anew(*args, cands=None, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return decide_again(*args, **kwargs)
+
+    monkeypatch.setattr(decide, "decide_pipeline", candidates_anew)
 
 
 @pytest.mark.parametrize("args", CASES, ids=[" ".join(a[:2] + a[-2:]) for a in CASES])
