@@ -245,6 +245,16 @@ def test_packaged_data_matches_top_level_file(filename):
     assert packaged == (ROOT / filename).read_bytes()
 
 
+@pytest.mark.parametrize("filename", ["models.yaml", "hardware.yaml"])
+def test_shipped_catalogs_parse_alike_with_libyaml_and_pure_python(filename):
+    """The shipped catalogs are read with libyaml's parser where PyYAML has it (plan's start-up): the same values,
+    types included, as the pure-Python parser gives (a float stays a float, a date-like string a string)."""
+    text = resources.files("chunkflow_planner").joinpath("data", filename).read_text()
+    fast = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    plain = yaml.load(text, Loader=yaml.SafeLoader)
+    assert fast == plain and repr(fast) == repr(plain)
+
+
 # ---- hardware ----
 
 

@@ -716,9 +716,17 @@ def _catalog_text(filename: str) -> str:
     return resources.files("chunkflow_planner").joinpath("data", filename).read_text()
 
 
-def _read_yaml(text: str, what: str) -> dict[str, Any]:
+# the shipped catalogs are ours: libyaml's parser (about ten times the pure-Python one's speed) where PyYAML has it;
+# a user's profile keeps the pure-Python parser, whose depth ends in a RecursionError (refused in one line) where
+# libyaml's recursion would overflow the C stack
+_CATALOG_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _read_yaml(text: str, what: str, shipped: bool = False) -> dict[str, Any]:
+    """`text` parsed as a YAML mapping (`shipped`: one of the package's own catalogs, parsed by libyaml where
+    installed; both parsers build the same values with the same constructor, yaml.SafeConstructor)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_CATALOG_LOADER) if shipped else yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise CatalogError(f"{what} is not valid YAML: {exc}") from None
     except RecursionError:
@@ -740,7 +748,7 @@ def _errors(exc: ValidationError) -> str:
 @lru_cache(maxsize=None)
 def load_models() -> dict[str, ModelSpec]:
     """All models of the shipped `models.yaml`, by canonical name."""
-    data = _read_yaml(_catalog_text("models.yaml"), "models.yaml")
+    data = _read_yaml(_catalog_text("models.yaml"), "models.yaml", shipped=True)
     out: dict[str, ModelSpec] = {}
     for name, entry in data.get("models", {}).items():
         try:
@@ -753,7 +761,7 @@ def load_models() -> dict[str, ModelSpec]:
 @lru_cache(maxsize=None)
 def load_hardware() -> dict[str, HardwareSpec]:
     """All hardware of the shipped `hardware.yaml`, by name."""
-    data = _read_yaml(_catalog_text("hardware.yaml"), "hardware.yaml")
+    data = _read_yaml(_catalog_text("hardware.yaml"), "hardware.yaml", shipped=True)
     out: dict[str, HardwareSpec] = {}
     for name, entry in data.get("hardware", {}).items():
         try:

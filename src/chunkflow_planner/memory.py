@@ -27,10 +27,11 @@ Assumptions (stated so they can be checked against `chunkflow run`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import sub
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.formats import dequant_peak
-from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices
+from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices, per_volume
 from chunkflow_planner.tiers import encoded_bytes
 from chunkflow_planner.workload import per_forward, tokens
 
@@ -131,10 +132,20 @@ def stored_volumes(spec: ModelSpec, cfg: OffloadConfig) -> list[float]:
     return [float(v) for v in hit[1]]
 
 
+_CAST: dict[int, tuple[ModelSpec, list[float]]] = {}
+
+
 def cast_volumes(spec: ModelSpec) -> list[float]:
-    """Each block's tensors fp8 storage casts, in their compute dtype: the cast buffer one block needs."""
-    return [float((spec.block_params(g) - spec.block_fp8_kept_params(g)) * spec.dtype_bytes)
-            for g in spec.block_sequence()]
+    """Each block's tensors fp8 storage casts, in their compute dtype: the cast buffer one block needs (kept per spec
+    object, as block_volumes: every fp8 point of the policy asks)."""
+    hit = _CAST.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        if len(_CAST) > 256:
+            _CAST.clear()
+        hit = (spec, [float((spec.block_params(g) - spec.block_fp8_kept_params(g)) * spec.dtype_bytes)
+                      for g in spec.block_sequence()])
+        _CAST[id(spec)] = hit
+    return list(hit[1])
 
 
 def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 1,
@@ -148,8 +159,8 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0, dequant=dequant)
     full = V
     V = stored_volumes(spec, cfg)
-    resident = [cfg.resident_bytes(v) for v in V]
-    slot = max(v - r for v, r in zip(V, resident))
+    resident = per_volume(cfg.resident_bytes, V)
+    slot = max(map(sub, V, resident))
     if cfg.weight_dtype != "bf16":  # the cast's target: one block's cast tensors in bf16 (not the ones kept)
         full = cast_volumes(spec)
     cast = 0.0 if cfg.weight_dtype == "bf16" else float(max(full))

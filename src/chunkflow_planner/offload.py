@@ -27,13 +27,14 @@ the rest in ceil((V_l - R_l) / C) copies. The memory and step-time models and th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from chunkflow_planner.errors import ChunkflowError
 
-from chunkflow_planner.units import UnitError, parse_size, short_bytes
+from chunkflow_planner.units import DEFAULT_CHUNK_BYTES, UnitError, parse_size, short_bytes  # noqa: F401 (re-exported)
 
 Mode = Literal["none", "layerwise", "chunkflow"]
 MODES: tuple[str, ...] = ("none", "layerwise", "chunkflow")
@@ -42,7 +43,6 @@ WEIGHT_DTYPES: tuple[str, ...] = ("bf16", "fp8_e4m3")  # bf16: the weights as th
 Fp8Cast = Literal["compute", "copy"]
 FP8_CASTS: tuple[str, ...] = ("compute", "copy")  # where a streamed block's fp8 weights become its compute dtype
 FP8_BYTES_PER_PARAM = 1
-DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4)
 DISK_RING_BLOCKS = 2  # disk tier: page-locked ring buffers, one disk block's streamed bytes each; reads run this far ahead
 Codec = Literal["none", "exponent-pack"]
 CODECS: tuple[str, ...] = ("none", "exponent-pack")  # none: streamed bytes travel as they are stored
@@ -296,6 +296,13 @@ class OffloadConfig(BaseModel):
         return min(float(self.chunk_bytes), self.streamed_bytes(V))
 
 
+def per_volume(fn: Callable[[float], Any], V: list[float]) -> list[Any]:
+    """[fn(v) for v in V], with `fn` (a pure function of a block's volume) called once per distinct volume: most of
+    a model's blocks are alike, and the policy prices hundreds of points (the same values, in the same order)."""
+    once = {v: fn(v) for v in dict.fromkeys(V)}
+    return [once[v] for v in V]
+
+
 def codec_group_chunks(chunk_bytes: float) -> int:
     """Chunks of `chunk_bytes` one decode launch takes: as many as fit CODEC_DECODE_BYTES, at least one."""
     return max(1, int(CODEC_DECODE_BYTES // max(1.0, float(chunk_bytes))))
@@ -325,7 +332,9 @@ def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
         return 0.0
     disk = set(disk_block_indices(len(V), cfg.disk_blocks))
     rings = 0.0
-    for mine in (lambda l: l not in disk, lambda l: l in disk):
-        largest = max((codec_group_bytes(cfg, v) for l, v in enumerate(V) if mine(l)), default=0.0)
+    group = per_volume(lambda v: codec_group_bytes(cfg, v), V)
+    host_tier = [g for l, g in enumerate(group) if l not in disk] if disk else group
+    for mine in (host_tier, [group[l] for l in sorted(disk)]):
+        largest = max(mine, default=0.0)
         rings += CODEC_STAGING_CHUNKS * max(0.0, largest)
     return float(rings)

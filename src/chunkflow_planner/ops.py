@@ -163,8 +163,11 @@ def op_time(op: Op, hw: HardwareSpec) -> float:
 
 
 def ops_time(ops: list[Op], hw: HardwareSpec) -> float:
-    """Seconds of a list of operators run one after the other on the GPU."""
-    return sum(op_time(op, hw) for op in ops)
+    """Seconds of a list of operators run one after the other on the GPU; an operator repeated (every layer of a
+    model runs the same shapes) is priced once, the sum taken in order."""
+    once: dict[Op, float] = {}
+    times = [once[op] if op in once else once.setdefault(op, op_time(op, hw)) for op in ops]
+    return sum(times)
 
 
 def split(ops: list[Op], hw: HardwareSpec) -> tuple[float, float]:

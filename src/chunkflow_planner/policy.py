@@ -29,7 +29,9 @@ words them. The budget comes in as one number, the device bytes the points are c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import cached_property, partial
 
 from chunkflow_planner import explain
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
@@ -42,7 +44,7 @@ from chunkflow_planner.memory import (
 )
 from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES, OffloadConfig
 from chunkflow_planner.steptime import StepTime, step_time
-from chunkflow_planner.tiers import CODEC_RATE_REMEDY, codec_known
+from chunkflow_planner.tiers import CODEC_RATE_REMEDY, codec_known, disk_known
 
 CODEC = "exponent-pack"  # the codec the policy may turn on
 
@@ -96,18 +98,31 @@ class Infeasible(ChunkflowError):
         return self.facts.time_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Point:
-    """One evaluated configuration."""
+    """One evaluated configuration: its memory at once, its step time (`time`) on first use. Most of the design
+    space's points are ruled out by memory alone, and the step time is most of a point's price; the time is the
+    same pure function of the problem and the setting whenever it is computed."""
 
     cfg: OffloadConfig
-    time: StepTime
     memory: MemoryEstimate
     need: int  # device memory the GPU must have: memory.device_need of the peak on the problem's hardware
+    timed: Callable[[], StepTime] = field(repr=False)
+
+    @cached_property
+    def time(self) -> StepTime:
+        return self.timed()
 
     @property
     def step_time(self) -> float:
         return self.time.total
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Point):
+            return NotImplemented
+        return (self.cfg, self.memory, self.need, self.time) == (other.cfg, other.memory, other.need, other.time)
+
+    __hash__ = None  # type: ignore[assignment]  (as before: a StepTime holds a list)
 
 
 @dataclass(frozen=True)
@@ -262,9 +277,14 @@ class Problem:
         return self.hw.pace_collectives if self.comm_aware is None else self.comm_aware
 
     def evaluate(self, cfg: OffloadConfig) -> Point:
-        t = step_time(self.spec, self.workload, self.hw, cfg, self.sp, self.prefetch_bytes, self.text_len)
+        """`cfg`'s point: its memory now, its step time when first asked (at once where pricing it raises: a codec
+        or disk tier the profile has no rate for, so that the error comes where it always came)."""
         m = estimate_memory(self.spec, self.workload, cfg, self.sp, self.hw)
-        return Point(cfg, t, m, device_need(m.peak, m.activations, self.hw))
+        point = Point(cfg, m, device_need(m.peak, m.activations, self.hw), partial(
+            step_time, self.spec, self.workload, self.hw, cfg, self.sp, self.prefetch_bytes, self.text_len))
+        if (cfg.codec != "none" and not codec_known(self.hw)) or (cfg.disk_blocks and not disk_known(self.hw)):
+            point.time  # noqa: B018 - raises tiers.CodecRateUnknown or DiskRateUnknown, saying what to do
+        return point
 
     def none(self, cfg_batched: bool = False) -> Point:
         """No offload, with the guidance passes run as `cfg_batched` says."""

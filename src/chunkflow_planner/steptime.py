@@ -38,7 +38,7 @@ from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workl
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.formats import block_decode_s
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
-from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups
+from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups, per_volume
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
 from chunkflow_planner.tiers import DiskRateUnknown, codec_ratio, decode_s, read_s  # noqa: F401 (DiskRateUnknown: its old home)
 from chunkflow_planner.workload import per_forward, tokens
@@ -142,15 +142,19 @@ def step_time(
          else [cfg.stored_bytes(v, spec.dtype_bytes) for v in V])
     # fp8_cast "copy": a streamed block is cast on the copy stream after its copies (the runtime casts a block
     # that does not stream on the compute stream)
-    on_copy = [cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0 for v in V]
+    on_copy = per_volume(lambda v: cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0, V)
     rho, dec, dec_chunk = codec_terms(V, cfg, hw)
-    dequant = [block_decode_s(g.stored, hw) for g in groups]  # a stored format's decode, each call (formats.py)
+    decodes = {id(g): block_decode_s(g.stored, hw) for g in spec.blocks}  # a stored format's decode (formats.py)
+    dequant = [decodes[id(g)] for g in groups]
     out = StepTime()
     seen: dict[tuple, tuple[float, float, float, float, float, float]] = {}  # blocks alike are computed once
-    for l, g in enumerate(groups):
-        nxt = (l + 1) % len(groups)
-        key = (g.kind, V[l], V[nxt], on_copy[l], on_copy[nxt], cast[l], cast[nxt], rho[nxt], dequant[l])
+    n = len(groups)
+    keys = zip([g.kind for g in groups], V, V[1:] + V[:1], on_copy, on_copy[1:] + on_copy[:1], cast,
+               cast[1:] + cast[:1], rho[1:] + rho[:1], dequant)  # block l's and its next block's (l + 1) % n
+    compute = collective = prefetch_stall = contention_stall = overhead = 0.0  # summed block by block, in order
+    for l, key in enumerate(keys):
         if key not in seen:
+            g, nxt = groups[l], (l + 1) % n
             tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
             tc += cast[l] + dequant[l]  # on either stream: the cast kernels take the SMs (module docstring)
             tc += dec[nxt]  # the next block's decode runs in this block's window, on the SMs too
@@ -159,12 +163,14 @@ def step_time(
             seen[key] = (tc, tcoll, *block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
                                                   cast[nxt] if on_copy[nxt] else 0.0, rho[nxt], dec_chunk[nxt]))
         tc, tcoll, wall, stall, cont, over = seen[key]
-        out.compute += tc
-        out.collective += tcoll
-        out.prefetch_stall += stall
-        out.contention_stall += cont
-        out.overhead += over
+        compute += tc
+        collective += tcoll
+        prefetch_stall += stall
+        contention_stall += cont
+        overhead += over
         out.per_block.append(wall)
+    out.compute, out.collective, out.prefetch_stall = compute, collective, prefetch_stall
+    out.contention_stall, out.overhead = contention_stall, overhead
     out.disk_stall = disk_stall(sum(out.per_block), V, cfg, hw)
     for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead", "disk_stall"):
         setattr(out, name, getattr(out, name) * passes)
@@ -181,13 +187,16 @@ def codec_terms(V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> tuple[l
     if cfg.codec == "none":
         return [1.0] * n, [0.0] * n, [0.0] * n
     ratio = codec_ratio(hw)[0]
-    encoded = [cfg.streamed_bytes(v) > 0 for v in V]
-    rho = [ratio if e else 1.0 for e in encoded]
     launch = hw.codec_launch_us * 1e-6
-    dec = [decode_s(cfg.streamed_bytes(v), hw) + launch * codec_groups(cfg, v) if e else 0.0
-           for v, e in zip(V, encoded)]
-    last = [decode_s(codec_group_bytes(cfg, v), hw) if e else 0.0 for v, e in zip(V, encoded)]
-    return rho, dec, last
+
+    def terms(v: float) -> tuple[float, float, float]:  # a block's three, computed once per distinct volume
+        if not cfg.streamed_bytes(v) > 0:
+            return 1.0, 0.0, 0.0
+        return (ratio, decode_s(cfg.streamed_bytes(v), hw) + launch * codec_groups(cfg, v),
+                decode_s(codec_group_bytes(cfg, v), hw))
+
+    per_block = per_volume(terms, V)
+    return [t[0] for t in per_block], [t[1] for t in per_block], [t[2] for t in per_block]
 
 
 def disk_stall(forward_s: float, V: list[float], cfg: OffloadConfig, hw: HardwareSpec) -> float:

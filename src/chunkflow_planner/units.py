@@ -19,6 +19,9 @@ _SIZE_UNITS: dict[str, int] = {
     "tib": 2**40,
 }
 _TIME_UNITS: dict[str, float] = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0}
+DEFAULT_CHUNK_BYTES = 16 * 10**6  # the paper's operating point (section 4.4); here, not in offload.py, so that the
+# command line's help (bench's --chunk-sizes default) imports no pydantic model to print it
+
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 

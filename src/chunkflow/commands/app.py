@@ -100,8 +100,8 @@ def _os_error(exc: BaseException) -> str | None:
 
 
 def _command(name: str):
-    """Register a command behind the one error boundary (see the module docstring)."""
-    from chunkflow_planner.policy import Infeasible
+    """Register a command behind the one error boundary (see the module docstring). The planner is imported when a
+    command runs, not when it registers: `chunkflow --help` imports none of it."""
 
     def decorate(fn):
         marked = _path_params(fn)
@@ -112,6 +112,7 @@ def _command(name: str):
 
             from chunkflow.signals import Terminated, exit_code, interrupted
             from chunkflow_planner.files import note_interrupt
+            from chunkflow_planner.policy import Infeasible
 
             note_interrupt(None)  # a command of its own (several may run in one process: tests, notebooks)
             try:

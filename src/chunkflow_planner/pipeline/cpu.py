@@ -31,5 +31,8 @@ def cpu_op_time(op: Op, hw: HardwareSpec) -> float:
 
 
 def ops_time_cpu(ops: list[Op], hw: HardwareSpec) -> float:
-    """Seconds of a list of operators on the host CPU (cpu_op_time), the per-operator host cost not included."""
-    return sum(cpu_op_time(op, hw) for op in ops)
+    """Seconds of a list of operators on the host CPU (cpu_op_time), the per-operator host cost not included; an
+    operator repeated (every layer of an encoder runs the same shapes) is priced once, the sum taken in order."""
+    once: dict[Op, float] = {}
+    times = [once[op] if op in once else once.setdefault(op, cpu_op_time(op, hw)) for op in ops]
+    return sum(times)

@@ -288,7 +288,7 @@ def _fastest(fits: list[PipelineEstimate]) -> PipelineEstimate:
 
 def _stream_levers(best: PipelineEstimate, cands: _Transformer, room: float, problem: Problem) -> tuple[Lever, ...]:
     """The levers of a streamed transformer that meets the step target, against the points that do in its room."""
-    feasible = [p for p in cands.points if cands.meets(p) and cands.within(p, room, problem.hw)]
+    feasible = [p for p in cands.points if cands.within(p, room, problem.hw) and cands.meets(p)]
     return levers_of(best.transformer, feasible, problem.levers, cands.none)
 
 
@@ -319,7 +319,7 @@ SUPPOSED_DISK_GBPS = 1.5  # what a shortfall supposes without a disk rate: the H
 
 
 def _disk_facts(facts: PipelineFacts, spec: ModelSpec, w: Workload, problem: Problem, target: float,
-                asked: dict) -> PipelineFacts:
+                asked: dict, cands: _Transformer | None = None) -> PipelineFacts:
     """A shortfall's facts with what the disk tier would do: where host memory binds and the disk's rate is unknown,
     the plan at SUPPOSED_DISK_GBPS; where latency binds and the placement reads from disk, the rate that would meet
     the target."""
@@ -329,7 +329,8 @@ def _disk_facts(facts: PipelineFacts, spec: ModelSpec, w: Workload, problem: Pro
     if facts.binding == "host memory" and not disk_known(hw):
         supposed = hw.model_copy(update={"disk_read_gbps": SUPPOSED_DISK_GBPS})
         try:
-            would = decide_pipeline(spec, w, supposed, replace(problem, hw=supposed), **asked)
+            # the transformer's candidates keep no block on disk: the disk's rate prices none of them (`cands`)
+            would = decide_pipeline(spec, w, supposed, replace(problem, hw=supposed), **asked, cands=cands)
         except Infeasible:
             return facts
         return replace(facts, disk_would=would.chosen)
@@ -368,6 +369,7 @@ def decide_pipeline(
     target_step_time: float | None = None,
     target_time: float | None = None,
     generation_slowdown: float | None = None,
+    cands: _Transformer | None = None,
 ) -> PipelineDecision:
     """The fastest placement that fits the GPU budget (the device bytes checked) in every phase and the host budget,
     and meets the latency target for the whole generation if one is set (`target_time`, or `generation_slowdown` x
@@ -377,7 +379,8 @@ def decide_pipeline(
     if spec.pipeline is None:
         raise PipelineError(f"{spec.name} has no pipeline in the catalog; plan the transformer alone "
                             "(--transformer-only)")
-    cands = transformer_candidates(problem, max_slowdown, target_step_time)
+    if cands is None:  # given: the same problem's, on a profile that differs in its disk rate only (_disk_facts)
+        cands = transformer_candidates(problem, max_slowdown, target_step_time)
     costs = text_costs(spec, w, hw)
     base = _estimate(problem, Placements(("gpu",) * len(spec.pipeline.text_encoders), "gpu", "gpu", False),
                      cands.none, costs, hw=hw)
@@ -391,7 +394,7 @@ def decide_pipeline(
         facts = _disk_facts(_shortfall(quickest, fits_gpu, seen, facts_of), spec, w, problem, target,
                             dict(gpu_budget=gpu_budget, host_budget=host_budget, max_slowdown=max_slowdown,
                                  target_step_time=target_step_time, target_time=target_time,
-                                 generation_slowdown=generation_slowdown))
+                                 generation_slowdown=generation_slowdown), cands)
         raise Infeasible(facts, explain.pipeline_infeasible(facts))
     best = _fastest([e for e in fits if e.generation_time <= target])
     streamed = best.placements.transformer == "stream" and cands.meets(best.transformer)

@@ -7,22 +7,38 @@ bench.json alone, so `chunkflow bench --from-dir DIR` redraws a GPU run on any m
 
 from __future__ import annotations
 
+import importlib
 import io
 from pathlib import Path
-
-from chunkflow.commands.bench.choices import PlannerChoice, planner_choice
-from chunkflow.commands.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
-from chunkflow.commands.bench.sweep import BenchError, BenchMeta, BenchSpec
-from chunkflow_planner.catalog import HardwareSpec, get_model
-from chunkflow_planner.files import FileError, read_text, write_atomic
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["COLUMNS", "BenchError", "BenchMeta", "BenchSpec", "PlannerChoice", "planner_choice",
            "run_bench", "write_outputs", "load"]
 
+# the package's names, each imported from its module on first use: the command line imports bench.command to
+# register `chunkflow bench`, and `chunkflow --help` or `plan` should not pay for the planner and pandas here
+_LAZY = {"PlannerChoice": "choices", "planner_choice": "choices", "COLUMNS": "measure",
+         "OPTIONAL_COLUMNS": "measure", "run_bench": "measure", "BenchError": "sweep", "BenchMeta": "sweep",
+         "BenchSpec": "sweep"}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from chunkflow.commands.bench.choices import PlannerChoice, planner_choice
+    from chunkflow.commands.bench.measure import COLUMNS, OPTIONAL_COLUMNS, run_bench
+    from chunkflow.commands.bench.sweep import BenchError, BenchMeta, BenchSpec
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"chunkflow.commands.bench.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def write_outputs(df, meta: BenchMeta, out: Path, plots: bool = True) -> list[Path]:
     """bench.csv, bench.json, summary.md and (plots=True) the PNGs in `out`; returns the paths written."""
+    from chunkflow.commands.bench.choices import planner_choice
     from chunkflow.commands.bench.summary import summary_markdown
+    from chunkflow_planner.catalog import HardwareSpec, get_model
+    from chunkflow_planner.files import write_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model(meta.spec.model)
@@ -42,6 +58,10 @@ def write_outputs(df, meta: BenchMeta, out: Path, plots: bool = True) -> list[Pa
 def load(out: Path):
     """(DataFrame, BenchMeta) of a directory written by `chunkflow bench`."""
     import pandas as pd
+
+    from chunkflow.commands.bench.measure import COLUMNS, OPTIONAL_COLUMNS
+    from chunkflow.commands.bench.sweep import BenchError, BenchMeta
+    from chunkflow_planner.files import FileError, read_text
 
     if not out.is_dir():
         raise BenchError(f"{out} not found: --from-dir needs a directory written by chunkflow bench")

@@ -12,8 +12,7 @@ import typer
 from chunkflow.commands.app import console, UserError, _command, _progress
 from chunkflow.commands.options import INPUT, OUTPUT, Device, Hardware, Height, OptionalModel, Width
 from chunkflow.launch import torchrun_world
-from chunkflow_planner.offload import DEFAULT_CHUNK_BYTES
-from chunkflow_planner.units import format_seconds, parse_size, short_bytes
+from chunkflow_planner.units import DEFAULT_CHUNK_BYTES, format_seconds, parse_size, short_bytes
 
 
 def _int_list(text: str, what: str) -> list[int]:
