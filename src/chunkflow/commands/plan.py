@@ -34,8 +34,10 @@ def models_cmd(describe: _Describe = None) -> None:
         return
 
     table = Table(title="Models (models.yaml): weights in the dtypes a plan runs them in")
-    for col in ("name", "aliases", "blocks x width", "transformer", "pipeline", "default workload"):
-        table.add_column(col, no_wrap=col in ("name", "transformer", "pipeline"),
+    # every name a user types whole on its own line (no column cuts one at 80 columns): the rest wraps
+    table.add_column("name: any of these", no_wrap=True)
+    for col in ("blocks x width", "transformer", "pipeline", "default workload"):
+        table.add_column(col, no_wrap=col in ("transformer", "pipeline"),
                          justify="right" if col in ("transformer", "pipeline") else "left")
     for spec in load_models().values():
         blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks) + f" x {spec.d}"
@@ -43,12 +45,19 @@ def models_cmd(describe: _Describe = None) -> None:
         wl = f"{w.width}x{w.height}" + (f" x{w.frames}" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
         experts = spec.pipeline.experts if spec.pipeline is not None else 1
         transformer = (f"{experts} x " if experts > 1 else "") + format_bytes(spec.nbytes)
-        table.add_row(spec.name, ", ".join(spec.aliases), blocks, transformer,
+        table.add_row("\n".join(typed_names(spec)), blocks, transformer,
                       format_bytes(sum(spec.component_bytes().values())), wl)
     console.print(table)
-    console.print("pipeline: the text encoders, every transformer (Wan2.2-A14B has two experts) and the VAE, what "
-                  "`chunkflow plan` loads; host memory needs the process on top (`chunkflow plan` prints it)",
-                  markup=False)
+    console.print("name: the model's name (in any case) and its aliases, each what --model takes; pipeline: the "
+                  "text encoders, every transformer (Wan2.2-A14B has two experts) and the VAE, what `chunkflow plan` "
+                  "loads; host memory needs the process on top (`chunkflow plan` prints it)", markup=False)
+
+
+def typed_names(spec) -> list[str]:
+    """What --model takes for `spec`: its name, its lower-case form where that differs (`qwen-image`), its
+    aliases."""
+    names = [spec.name] + ([spec.name.lower()] if spec.name.lower() != spec.name else [])
+    return names + [a for a in spec.aliases if a not in names]
 
 
 @_command("hardware")

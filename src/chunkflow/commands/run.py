@@ -112,12 +112,15 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
         quiet_rank()  # ranks other than 0 print nothing but errors
 
+    imported: dict[str, float | None] = {"s": None}
+
     def checked():
         """Everything checked before anything is built: (plan, offload, options, image)."""
         p = load_plan(plan)
         cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
                                        fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
+        imported["s"] = import_libraries()  # said before the silence it would be (the checks below need them)
         _check_priced(p, cfg, profile)
         if prompts is not None:
             if transformer or transformer_2:
@@ -148,11 +151,12 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
         run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
                     profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
+                    imports_s=imported["s"],
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
     if generating:
-        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture)
+        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture, imported["s"])
         return
     from chunkflow.commands.plan_tables import print_run
 
@@ -165,6 +169,24 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}", markup=False)
+
+
+def import_libraries() -> float | None:
+    """torch and diffusers imported, said first where they are not yet (tens of seconds on a slow disk, before
+    which the command would print nothing): the seconds it took, None where they were already imported."""
+    import sys
+    import time
+
+    if "torch" in sys.modules and "diffusers" in sys.modules:
+        return None
+    if speaks():
+        _say("loading torch and diffusers ...")
+    t0 = time.perf_counter()
+    import torch  # noqa: F401
+    import diffusers
+
+    diffusers.DiffusionPipeline  # noqa: B018 - diffusers is lazy: its pipelines' base (and transformers) now
+    return time.perf_counter() - t0
 
 
 def _check_priced(p, cfg, profile: str | None) -> None:
@@ -322,7 +344,8 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
             raise UserError(f"{spec.name} makes images; write --out to a .png file (not {out!r})")
 
 
-def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None) -> None:
+def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None,
+              imports_s: float | None = None) -> None:
     """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps. Under
     torchrun every rank generates, rank 0 alone with bars, notes, files and tables (commands.ranks)."""
     from chunkflow.commands.plan_tables import print_generation
@@ -336,6 +359,8 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
     with _phase_bars() as (progress, finish):
         rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
         finish()
+    if rep.generation is not None and rep.generation.load is not None:
+        rep.generation.load.imports_s = imports_s  # the command's start-up, said with the load's
     rep.write(report)
     print_generation(console, rep)
     if out:

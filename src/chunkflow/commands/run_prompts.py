@@ -13,7 +13,8 @@ from chunkflow_planner.units import format_bytes
 
 
 def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
-                profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any]) -> None:
+                profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any],
+                imports_s: float | None = None) -> None:
     from chunkflow.commands.run_jobs import JobsError, plan_jobs
     from chunkflow.commands.steps import RunOptions
     from chunkflow.launch import torchrun_world
@@ -68,9 +69,11 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
          + f"; outputs to {folder}/")
     try:
         rep = _with_bars(p, cfg, opts, planned, folder, prompts, len(runnable))
+        rep.load.imports_s = imports_s
     except BaseException as exc:  # Ctrl-C, SIGTERM: the report of what was done
         rep = getattr(exc, "jobs_report", None)
         if rep is not None:
+            rep.load.imports_s = imports_s
             rep.write(report)
             print_jobs(rep)
             console.print(f"Interrupted: the jobs done are written; report written to {report}", markup=False)
@@ -136,8 +139,9 @@ def print_jobs(rep) -> None:
 
     done = [j for j in rep.jobs if j.state == "done"]
     timed = any(j.predicted_s is not None for j in rep.jobs)
+    imports = f" after {rep.load.imports_s:.1f} s importing torch and diffusers" if rep.load.imports_s else ""
     t = Table(title=f"{rep.plan.model.name}: {len(done)} of {len(rep.jobs)} jobs done, one load "
-                    f"({rep.load.measured_time_s:.1f} s), {rep.total_s:.1f} s in all, on {rep.gpu}")
+                    f"({rep.load.measured_time_s:.1f} s{imports}), {rep.total_s:.1f} s in all, on {rep.gpu}")
     cols = ["line", "state", "prompt", "shape", "measured"] + (["predicted", "error"] if timed else [])
     for col in cols + ["output / reason"]:
         t.add_column(col, justify="right" if col in ("line", "measured", "predicted", "error") else "left")
