@@ -336,3 +336,24 @@ def test_a_negative_prompt_for_a_model_without_one_is_refused_in_the_same_words_
         with pytest.raises(chunkflow.ChunkflowError, match="takes no image"):
             session.generate("x", image=workdir / "cat.png")
         assert session.generations == 0
+
+
+def test_an_image_line_on_a_folder_without_an_image_pipeline_is_skipped_and_the_others_run(cli, workdir, saved):
+    """Issue 53: a FLUX folder (FluxPipeline takes no image, and no image pipeline of its family runs on its
+    components alone) with one `image` line: that line is skipped with its reason, the text-only lines run."""
+    from PIL import Image
+
+    plan = _plan(cli, "tiny-flux")
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(workdir / "cat.png")
+    Path("jobs.jsonl").write_text('{"prompt": "a red fox", "seed": 1}\n'
+                                  '{"prompt": "the cat", "image": "cat.png"}\n'
+                                  '{"prompt": "a green apple", "seed": 2}\n')
+    with one_thread():
+        r = cli("run", "--plan", plan, "--weights", saved["tiny-flux"], "--device", "cpu", "--prompts",
+                "jobs.jsonl", "--out-dir", "out", "--report", "rep.json")
+    assert r.exit_code == 0, r.output
+    assert "line 2: skipped: this folder's pipeline takes no image: FluxPipeline takes no image" in \
+        " ".join(r.stderr.split())
+    jobs = {j["line"]: j for j in json.loads(Path("rep.json").read_text())["jobs"]}
+    assert [jobs[n]["state"] for n in (1, 2, 3)] == ["done", "refused", "done"]
+    assert sorted(p.name for p in Path("out").iterdir()) == sorted([jobs[1]["out"], jobs[3]["out"]])

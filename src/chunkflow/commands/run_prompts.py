@@ -9,6 +9,7 @@ from typing import Any
 
 from chunkflow.commands.app import UserError, _say, console, err_console
 from chunkflow.commands.terminal import shown
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.units import format_bytes
 
 
@@ -54,6 +55,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
                 "steps": steps}
     planned = plan_jobs(p, spec, hw, lines, defaults, folder)
+    _refuse_images(spec, resolved if weights is not None else None, planned)
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
@@ -81,6 +83,27 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     rep.write(report)
     print_jobs(rep)
     console.print(f"Report written to {report}", markup=False)
+
+
+def _refuse_images(spec, folder: Path | None, planned) -> None:
+    """The jobs giving an image, refused with the reason where the folder's pipeline (or the plan's, with random
+    weights) has no image pipeline the same components run: those lines are skipped, the others run."""
+    from chunkflow.models.adapters import run_class
+    from chunkflow.models.pipeline_build import check_folder
+
+    with_image = [j for j in planned if j.error is None and j.job.image is not None]
+    if not with_image:
+        return
+    try:
+        if folder is not None:
+            check_folder(spec, folder, image=True)
+        else:
+            run_class(spec.pipeline.cls, None, True, spec=spec)
+    except ChunkflowError as exc:
+        if folder is not None:
+            check_folder(spec, folder, image=False)  # a folder wrong whatever the jobs: its own error, for all
+        for j in with_image:
+            j.error = f"this folder's pipeline takes no image: {exc}"
 
 
 def _make(folder: Path) -> None:
