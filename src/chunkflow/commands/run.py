@@ -62,6 +62,9 @@ _Prompts = Annotated[Optional[str], typer.Option(help="generate every job of thi
                                                       "outputs go to --out-dir"), INPUT]
 _OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder the outputs are written to (made if "
                                                      "missing; default: outputs)"), OUTPUT]
+_MaxJobTime = Annotated[Optional[str], typer.Option(help="with --prompts: skip, before the load, each job whose "
+                                                          "predicted time (the upper end of its band) is over this, "
+                                                          "e.g. 10min or 600s")]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
                                                       "with --prompt, else of the timed steps (to compare settings)"),
                      OUTPUT]
@@ -75,7 +78,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
             guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
             prompts: _Prompts = None, out_dir: _OutDir = None, transformer: _Transformer = None,
-            transformer_2: _Transformer2 = None) -> None:
+            transformer_2: _Transformer2 = None, max_job_time: _MaxJobTime = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -132,6 +135,9 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             return p, cfg, None, None
         if out_dir is not None:
             raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
+        if max_job_time is not None:
+            raise UserError("--max-job-time goes with --prompts (a file of jobs); a single generation is yours to "
+                            "time: `chunkflow plan` predicts it")
         if (transformer or transformer_2) and not generating:
             raise UserError("--transformer FILE goes with --prompt (a generation of the whole pipeline)")
         opts = RunOptions(device=device, weights=weights, variant=variant, steps=steps, profile=profile, seed=seed,
@@ -151,7 +157,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
         run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
                     profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
-                    imports_s=imported["s"],
+                    imports_s=imported["s"], max_job_s=_duration(max_job_time, "--max-job-time"),
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
@@ -169,6 +175,18 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}", markup=False)
+
+
+def _duration(text: str | None, flag: str) -> float | None:
+    """A duration flag in seconds (None where not given); one line for a bad one."""
+    if text is None:
+        return None
+    from chunkflow_planner.units import UnitError, parse_duration
+
+    try:
+        return parse_duration(text, flag)
+    except UnitError as exc:
+        raise UserError(str(exc)) from None
 
 
 def import_libraries() -> float | None:

@@ -10,12 +10,12 @@ from typing import Any
 from chunkflow.commands.app import UserError, _say, console, err_console
 from chunkflow.commands.terminal import shown
 from chunkflow_planner.errors import ChunkflowError
-from chunkflow_planner.units import format_bytes
+from chunkflow_planner.units import format_bytes, format_seconds
 
 
 def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
                 profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any],
-                imports_s: float | None = None) -> None:
+                imports_s: float | None = None, max_job_s: float | None = None) -> None:
     from chunkflow.commands.run_jobs import JobsError, plan_jobs
     from chunkflow.commands.steps import RunOptions
     from chunkflow.launch import torchrun_world
@@ -56,6 +56,7 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
                 "steps": steps}
     planned = plan_jobs(p, spec, hw, lines, defaults, folder)
     _refuse_images(spec, resolved if weights is not None else None, planned)
+    admit_by_time(p, planned, max_job_s)
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
@@ -78,11 +79,34 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
             rep.load.imports_s = imports_s
             rep.write(report)
             print_jobs(rep)
-            console.print(f"Interrupted: the jobs done are written; report written to {report}", markup=False)
+            how = "Interrupted" if rep.interrupted else f"Stopped by an error ({type(exc).__name__})"
+            console.print(f"{how}: the jobs done are written; report written to {report}", markup=False)
         raise
     rep.write(report)
     print_jobs(rep)
     console.print(f"Report written to {report}", markup=False)
+
+
+def admit_by_time(plan, planned, max_job_s: float | None) -> None:
+    """Each job's predicted time and the upper end of its band (the plan's generation band), the first job to run
+    with the process's start-up; with `max_job_s`, a job whose upper end is over it refused with both."""
+    from chunkflow_planner.bands import MODEL_PRIOR
+
+    band = plan.prediction.bands.get("generation_time_s") if plan.prediction is not None else None
+    rel = band.rel if band is not None else MODEL_PRIOR["generation_time"]
+    nominal = " (nominal: a CPU plan's times are not predictions)" if plan.hardware.device_is_host else ""
+    first = True
+    for j in planned:
+        if j.error is not None or j.fit is None:
+            continue
+        j.predicted_s = j.fit.expected_s(first)
+        j.upper_s = j.predicted_s * (1 + rel)
+        if max_job_s is not None and j.upper_s > max_job_s:
+            j.error = (f"predicted {format_seconds(j.predicted_s)}, up to {format_seconds(j.upper_s)} (+{rel:.0%}), "
+                       f"over --max-job-time {format_seconds(max_job_s)}{nominal}: make it smaller (fewer frames, "
+                       "a smaller size, fewer steps) or raise the limit")
+            continue
+        first = False
 
 
 def _refuse_images(spec, folder: Path | None, planned) -> None:
@@ -145,6 +169,9 @@ def _with_bars(p, cfg, opts, planned, folder: Path, prompts: str, total: int):
         if state["jobs"] is None:
             state["jobs"] = bar.add_task("jobs", total=n, count="")
         bar.update(state["jobs"], completed=k - 1, count=f"{k}/{n}: line {job.line} {job.job.label(40)!r}")
+        if job.predicted_s is not None:
+            _say(f"line {job.line}: starting, predicted {format_seconds(job.predicted_s)} (up to "
+                 f"{format_seconds(job.upper_s)})")
 
     def on_done(_res) -> None:
         t = bar.tasks[state["jobs"]]
