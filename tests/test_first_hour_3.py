@@ -139,3 +139,24 @@ def test_the_float32_notice_of_a_real_cast_is_dropped(caplog):
     with caplog.at_level(logging.WARNING):
         m.to(torch.bfloat16)
     assert not [r for r in caplog.records if "kept in float32" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_an_infeasible_plan_of_a_folder_names_its_workload_and_one_that_fits(cli, workdir):
+    """Issue 53 item 1: `plan --weights DIR` over its budget says the workload it assumed (the folder's pipeline
+    defaults: LTX-Video's 161 frames at 704x512, 50 steps) and a smaller one that fits, as flags; planned with those
+    flags it fits."""
+    import re
+
+    from test_run_any import _ltx
+
+    _ltx(workdir / "ltx")
+    budgets = ["--hardware", "cpu", "--mem-budget", "200MB", "--host-mem-budget", "8GB"]
+    r = cli("plan", "--weights", "ltx", *budgets)
+    assert r.exit_code == 2
+    said = _flat(r.output)
+    assert said.startswith("infeasible:") and "(planned for 161 frames at 704x512, 50 steps;" in said, said
+    m = re.search(r"fits these budgets: (--frames \d+ --height \d+ --width \d+)\)", said)
+    assert m, said
+    r = cli("plan", "--weights", "ltx", *budgets, *m.group(1).split())
+    assert r.exit_code == 0, r.output

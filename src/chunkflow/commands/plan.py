@@ -173,7 +173,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     `chunkflow calibrate` and `calibrate --from-report` narrow it. With --format, in the stored formats users
     download (GGUF, fp8-scaled), priced before the download."""
     from chunkflow_planner.planner import make_plan, resolve_hardware
-    from chunkflow_planner.policy import Levers, codec_refusal
+    from chunkflow_planner.policy import Infeasible, Levers, codec_refusal
     from chunkflow_planner.workload import make_workload
     from chunkflow.commands.plan_formats import check_format_flags, show_formats
 
@@ -198,11 +198,11 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
         raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
     read_bytes = _read_bytes(spec, weights, variant, transformer_only)
 
-    def plan_of(model, with_band: bool = True):  # noqa: ANN001, ANN202 - the model in one format, planned
+    def plan_of(model, with_band: bool = True, at=None):  # noqa: ANN001, ANN202 - the model in one format, planned
         levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
                            codec_refusal(model, resolved.spec))
         return make_plan(
-            model, workload, resolved, sp=sp, budget=budget,
+            model, at if at is not None else workload, resolved, sp=sp, budget=budget,
             max_slowdown=None if target is not None else (max_slowdown or 1.05),
             target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
             host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
@@ -225,7 +225,14 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
         from chunkflow_planner.formats import with_format
 
         spec = with_format(spec, formats[0])
-    plan, decision, analysis = plan_of(spec)
+    try:
+        plan, decision, analysis = plan_of(spec)
+    except Infeasible as exc:
+        if spec.derived is None:
+            raise
+        from chunkflow.commands.plan_smaller import explain_infeasible  # a folder's defaults: say them, and what fits
+
+        raise explain_infeasible(spec, workload, exc, lambda w: plan_of(spec, with_band=False, at=w)) from None
     if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
         flags = [f for f, given in (("--prefetch-bytes", pbytes is not None),
                                     ("--text-len", text_len is not None)) if given]
