@@ -13,6 +13,58 @@ from pipelines import _seeded, _t5, one_thread, t5_tokenizer
 pytest.importorskip("diffusers")
 
 
+def _latte(folder: Path) -> Path:
+    """A tiny Latte folder: LattePipeline counts frames as `video_length`; its 2D VAE decodes frame by frame (saved
+    in bf16, as diffusers' from_pretrained(torch_dtype=bf16) runs it: Latte decodes with the latents' dtype)."""
+    import torch
+    from diffusers import AutoencoderKL, DDIMScheduler, LattePipeline, LatteTransformer3DModel
+
+    from test_run_any import _save
+
+    tok = t5_tokenizer()
+    transformer = _seeded(0, lambda: LatteTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=16, caption_channels=16, sample_size=8, patch_size=2, norm_type="ada_norm_single",
+        video_length=4))
+    vae = _seeded(2, lambda: AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1,
+        norm_num_groups=4, sample_size=32))
+    pipe = LattePipeline(tokenizer=tok, text_encoder=_t5(tok, 1, d_model=16, t5_class="T5EncoderModel"), vae=vae,
+                         transformer=transformer, scheduler=DDIMScheduler())
+    return _save(pipe, folder, vae=torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_latte_frames_are_its_video_length_planned_and_run_with_diffusers_latents(cli, workdir):
+    """Latte's frames: the plan prices the pipeline's default video_length (16), not 1 frame; --frames 4 is taken,
+    priced as 4 frames, and run as video_length=4 with diffusers' own latents, bit for bit."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from test_run_any import PROMPT, _diffusers
+
+    folder = _latte(workdir / "latte")
+    shape = ["--hardware", "cpu", "--height", "32", "--width", "32", "--steps", "2", "--text-len", "16"]
+    r = cli("plan", "--weights", folder, *shape, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["workload"]["frames"] == 16
+    r = cli("plan", "--weights", folder, *shape, "--frames", "4", "--out", "plan.json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(Path("plan.json").read_text())["workload"]["frames"] == 4
+    with one_thread():
+        r = cli("run", "--plan", "plan.json", "--weights", folder, "--prompt", PROMPT, "--seed", "7", "--latents",
+                "l.safetensors", "--out", "latte.mp4")
+    assert r.exit_code == 0, r.output
+    guidance = json.loads(Path("plan.json").read_text())["model"]["spec"]["pipeline"]["guidance"]
+    loop, _ = _diffusers("LattePipeline", folder, 7, dtypes=torch.bfloat16, height=32, width=32, video_length=4,
+                         guidance_scale=guidance)
+    got = load_file("l.safetensors")["latents"]
+    assert got.shape[2] == 4 and torch.equal(got, loop)
+
+
 def _pixart(folder: Path) -> Path:
     from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
 
