@@ -190,14 +190,15 @@ def _duration(text: str | None, flag: str) -> float | None:
 
 
 def import_libraries() -> float | None:
-    """torch and diffusers imported, said first where they are not yet (tens of seconds on a slow disk, before
-    which the command would print nothing): the seconds it took, None where they were already imported."""
+    """torch and diffusers imported, said first on a terminal where they are not yet (tens of seconds on a slow
+    disk, before which the command would print nothing): the seconds it took, None where they were already
+    imported."""
     import sys
     import time
 
     if "torch" in sys.modules and "diffusers" in sys.modules:
         return None
-    if speaks():
+    if speaks() and sys.stderr.isatty():  # on a terminal; a pipe keeps an error to its one line
         _say("loading torch and diffusers ...")
     t0 = time.perf_counter()
     import torch  # noqa: F401
