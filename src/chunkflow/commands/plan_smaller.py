@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.policy import Infeasible
 from chunkflow_planner.workload import Workload, WorkloadError, make_workload
 
@@ -66,7 +67,7 @@ def explain_infeasible(spec, w: Workload, exc: Infeasible, plan_at: Callable[[Wo
     for cand in _smaller(spec, w):
         try:
             plan_at(cand)
-        except Infeasible:
+        except ChunkflowError:  # infeasible too, or a size this model's plan refuses: the next
             continue
         fits = cand
         break
