@@ -336,3 +336,76 @@ def test_a_negative_prompt_for_a_model_without_one_is_refused_in_the_same_words_
         with pytest.raises(chunkflow.ChunkflowError, match="takes no image"):
             session.generate("x", image=workdir / "cat.png")
         assert session.generations == 0
+
+
+def test_an_image_line_on_a_folder_without_an_image_pipeline_is_skipped_and_the_others_run(cli, workdir, saved):
+    """Issue 53: a FLUX folder (FluxPipeline takes no image, and no image pipeline of its family runs on its
+    components alone) with one `image` line: that line is skipped with its reason, the text-only lines run."""
+    from PIL import Image
+
+    plan = _plan(cli, "tiny-flux")
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(workdir / "cat.png")
+    Path("jobs.jsonl").write_text('{"prompt": "a red fox", "seed": 1}\n'
+                                  '{"prompt": "the cat", "image": "cat.png"}\n'
+                                  '{"prompt": "a green apple", "seed": 2}\n')
+    with one_thread():
+        r = cli("run", "--plan", plan, "--weights", saved["tiny-flux"], "--device", "cpu", "--prompts",
+                "jobs.jsonl", "--out-dir", "out", "--report", "rep.json")
+    assert r.exit_code == 0, r.output
+    assert "line 2: skipped: this folder's pipeline takes no image: FluxPipeline takes no image" in \
+        " ".join(r.stderr.split())
+    jobs = {j["line"]: j for j in json.loads(Path("rep.json").read_text())["jobs"]}
+    assert [jobs[n]["state"] for n in (1, 2, 3)] == ["done", "refused", "done"]
+    assert sorted(p.name for p in Path("out").iterdir()) == sorted([jobs[1]["out"], jobs[3]["out"]])
+
+
+def test_an_error_that_stops_the_batch_still_gives_the_report_of_what_ran(cli, workdir, saved):
+    """Issue 53: not a signal but an unexpected error in the second job: the batch stops, and the report says the
+    first done, the second failed with the error, the third not run (not an interrupt)."""
+    from chunkflow.commands.run_jobs import run_jobs
+
+    p, opts, planned = _planned(cli, saved, "one\ntwo\nthree\n")
+    jobs = []
+
+    def progress(phase, i, n):
+        if phase == "denoise" and i == 1 and jobs[-1] == 2:
+            raise RuntimeError("a bug")
+
+    with one_thread(), pytest.raises(RuntimeError) as stopped:
+        run_jobs(p, p.offload, opts, planned, workdir, "jobs.txt", progress=progress,
+                 on_job=lambda k, n, job: jobs.append(k))
+    rep = stopped.value.jobs_report
+    assert not rep.interrupted and [j.state for j in rep.jobs] == ["done", "failed", "not run"]
+    assert rep.jobs[1].error == "RuntimeError: a bug" and "stopped on RuntimeError" in rep.jobs[2].error
+
+
+def test_max_job_time_skips_a_job_predicted_over_it_and_says_each_prediction(cli, workdir, saved):
+    """Issue 53: --max-job-time admits by time: a job whose predicted time's upper band end is over the limit is
+    skipped before the load with both figures; each job that runs has its prediction said before it starts."""
+    from chunkflow.commands.run_prompts import admit_by_time
+    from chunkflow.commands.run_jobs import plan_jobs
+    from chunkflow_planner.pipeline.jobs import parse_jobs
+    from chunkflow_planner.plan import hardware_of, load_plan, model_of
+
+    text = ('{"prompt": "small", "seed": 1}\n{"prompt": "huge", "height": 1024, "width": 1024}\n'
+            '{"prompt": "small too", "seed": 2}\n')
+    p = load_plan(_plan(cli, "tiny"))
+    planned = plan_jobs(p, model_of(p), hardware_of(p), parse_jobs(text), {})
+    admit_by_time(p, planned, None)
+    small, huge = max(planned[0].upper_s, planned[2].upper_s), planned[1].upper_s
+    assert huge > 2 * small
+    limit = (small + huge) / 2
+    Path("jobs.jsonl").write_text(text)
+    with one_thread():
+        r = cli("run", "--plan", "plan.json", "--weights", saved["tiny"], "--device", "cpu", "--prompts",
+                "jobs.jsonl", "--out-dir", "out", "--report", "rep.json", "--max-job-time", f"{limit}s")
+    assert r.exit_code == 0, r.output
+    err = " ".join(r.stderr.split())
+    assert "line 2: skipped: predicted" in err and "over --max-job-time" in err, err
+    assert "line 1: starting, predicted" in err and "line 3: starting, predicted" in err
+    jobs = {j["line"]: j["state"] for j in json.loads(Path("rep.json").read_text())["jobs"]}
+    assert jobs == {1: "done", 2: "refused", 3: "done"}
+    bad = cli("run", "--plan", "plan.json", "--prompt", "x", "--max-job-time", "1min")
+    assert bad.exit_code == 2 and "--max-job-time goes with --prompts" in bad.output
+    bad = cli("run", "--plan", "plan.json", "--prompts", "jobs.jsonl", "--max-job-time", "soon")
+    assert bad.exit_code == 2 and "--max-job-time" in bad.output

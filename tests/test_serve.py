@@ -497,7 +497,7 @@ def test_chunkflow_serve_serves_and_stops_cleanly_on_ctrl_c(setup, tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, err
-    assert "stopping (Ctrl-C)" in err and "stopped: 1 jobs done, 0 failed, 0 cancelled" in err
+    assert "stopping (Ctrl-C)" in err and "stopped: 1 job done, 0 failed, 0 cancelled" in err
     assert "Traceback" not in err and "every request needs the token" in err and token not in err + out, err
     (gone,) = [line for line in err.splitlines() if "went away" in line]  # the dropped client: one line
     assert "nothing queued" in gone and "Exception" not in err, err

@@ -66,6 +66,9 @@ class LoadResult(BaseModel):
     startup_s: float | None = Field(None, description="of measured_time_s, the part before the first byte was read "
                                     "(or drawn): imports, tokenizers and scheduler, the modules built on the meta "
                                     "device, the folder checked")
+    imports_s: float | None = Field(None, description="seconds the command spent importing torch and diffusers "
+                                    "before the load (not in measured_time_s; None: already imported, or not a "
+                                    "command)")
     read_bytes: int = 0
     cached_fraction: float | None = Field(None, description="share of the bytes read that the page cache held "
                                           "before the load (None: not known on this system)")
@@ -106,10 +109,12 @@ class OutputPixels(BaseModel):
 
     def said(self, what: str = "picture") -> str:
         """What the output (a `what`: picture, clip) looks like, in words."""
+        # a video's pixels are the frames' before its lossy encoding, which moves some by a few levels
+        coded = ", as decoded; the .mp4's compression moves some by a few levels" if what == "clip" else ""
         if self.flat:
             return (f"a flat {'grey' if self.grey else 'single-colour'} {what} (pixels {self.low}-{self.high} of "
-                    "255)")
-        return f"noise (pixels {self.low}-{self.high} of 255)"
+                    f"255{coded})")
+        return f"noise (pixels {self.low}-{self.high} of 255{coded})"
 
 
 class GenerationResult(BaseModel):

@@ -246,9 +246,9 @@ class OffloadConfig(BaseModel):
 
     @property
     def label(self) -> str:
-        """`none`, `layerwise` or `chunkflow C=16MB r=0.3`, with ` cfg-batched` and ` fp8` where set: for tables."""
+        """`none`, `layerwise` or `chunkflow C=16MB r=0.3` (r to 3 digits), with ` cfg-batched` and ` fp8` where set: for tables."""
         base = self.mode if self.mode != "chunkflow" else \
-            f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:g}"
+            f"chunkflow C={short_bytes(self.chunk_bytes or 0)} r={self.residency:.3g}"  # r=0.333, not 0.333333
         return base + self.levers_label
 
     @property

@@ -185,7 +185,10 @@ def main_callback(
     debug: bool = typer.Option(False, "--debug", help="show the Python traceback of an unexpected error"),
 ) -> None:
     """Run large diffusion transformers with weights streamed from host memory in chunks."""
+    from chunkflow.notices import quiet_known_notices
+
     _debug["on"] = debug
+    quiet_known_notices()  # before any command imports diffusers or transformers
     if ctx.invoked_subcommand is None:
         console.print(ctx.get_help(), highlight=False)
         raise typer.Exit(0)

@@ -34,8 +34,10 @@ def models_cmd(describe: _Describe = None) -> None:
         return
 
     table = Table(title="Models (models.yaml): weights in the dtypes a plan runs them in")
-    for col in ("name", "aliases", "blocks x width", "transformer", "pipeline", "default workload"):
-        table.add_column(col, no_wrap=col in ("name", "transformer", "pipeline"),
+    # every name a user types whole on its own line (no column cuts one at 80 columns): the rest wraps
+    table.add_column("name: any of these", no_wrap=True)
+    for col in ("blocks x width", "transformer", "pipeline", "default workload"):
+        table.add_column(col, no_wrap=col in ("transformer", "pipeline"),
                          justify="right" if col in ("transformer", "pipeline") else "left")
     for spec in load_models().values():
         blocks = " + ".join(f"{g.count} {g.kind.replace('mmdit_', '')}" for g in spec.blocks) + f" x {spec.d}"
@@ -43,12 +45,19 @@ def models_cmd(describe: _Describe = None) -> None:
         wl = f"{w.width}x{w.height}" + (f" x{w.frames}" if spec.is_video else f", batch {w.batch}") + f", {w.steps} steps"
         experts = spec.pipeline.experts if spec.pipeline is not None else 1
         transformer = (f"{experts} x " if experts > 1 else "") + format_bytes(spec.nbytes)
-        table.add_row(spec.name, ", ".join(spec.aliases), blocks, transformer,
+        table.add_row("\n".join(typed_names(spec)), blocks, transformer,
                       format_bytes(sum(spec.component_bytes().values())), wl)
     console.print(table)
-    console.print("pipeline: the text encoders, every transformer (Wan2.2-A14B has two experts) and the VAE, what "
-                  "`chunkflow plan` loads; host memory needs the process on top (`chunkflow plan` prints it)",
-                  markup=False)
+    console.print("name: the model's name (in any case) and its aliases, each what --model takes; pipeline: the "
+                  "text encoders, every transformer (Wan2.2-A14B has two experts) and the VAE, what `chunkflow plan` "
+                  "loads; host memory needs the process on top (`chunkflow plan` prints it)", markup=False)
+
+
+def typed_names(spec) -> list[str]:
+    """What --model takes for `spec`: its name, its lower-case form where that differs (`qwen-image`), its
+    aliases."""
+    names = [spec.name] + ([spec.name.lower()] if spec.name.lower() != spec.name else [])
+    return names + [a for a in spec.aliases if a not in names]
 
 
 @_command("hardware")
@@ -164,7 +173,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     `chunkflow calibrate` and `calibrate --from-report` narrow it. With --format, in the stored formats users
     download (GGUF, fp8-scaled), priced before the download."""
     from chunkflow_planner.planner import make_plan, resolve_hardware
-    from chunkflow_planner.policy import Levers, codec_refusal
+    from chunkflow_planner.policy import Infeasible, Levers, codec_refusal
     from chunkflow_planner.workload import make_workload
     from chunkflow.commands.plan_formats import check_format_flags, show_formats
 
@@ -189,11 +198,11 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
         raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
     read_bytes = _read_bytes(spec, weights, variant, transformer_only)
 
-    def plan_of(model, with_band: bool = True):  # noqa: ANN001, ANN202 - the model in one format, planned
+    def plan_of(model, with_band: bool = True, at=None):  # noqa: ANN001, ANN202 - the model in one format, planned
         levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
                            codec_refusal(model, resolved.spec))
         return make_plan(
-            model, workload, resolved, sp=sp, budget=budget,
+            model, at if at is not None else workload, resolved, sp=sp, budget=budget,
             max_slowdown=None if target is not None else (max_slowdown or 1.05),
             target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
             host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
@@ -216,7 +225,14 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
         from chunkflow_planner.formats import with_format
 
         spec = with_format(spec, formats[0])
-    plan, decision, analysis = plan_of(spec)
+    try:
+        plan, decision, analysis = plan_of(spec)
+    except Infeasible as exc:
+        if spec.derived is None:
+            raise
+        from chunkflow.commands.plan_smaller import explain_infeasible  # a folder's defaults: say them, and what fits
+
+        raise explain_infeasible(spec, workload, exc, lambda w: plan_of(spec, with_band=False, at=w)) from None
     if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
         flags = [f for f, given in (("--prefetch-bytes", pbytes is not None),
                                     ("--text-len", text_len is not None)) if given]

@@ -541,7 +541,11 @@ def load_line(ld, gpu: bool = True) -> str:  # noqa: ANN001 - chunkflow.commands
     rate, the host peak at its end."""
     startup = ld.startup_s or 0.0
     line = f"load: {format_seconds(ld.measured_time_s)}"
-    if startup > 0:
+    if ld.imports_s:  # the command's start-up is the imports too: said in it, not left out of it
+        line = (f"start-up: {format_seconds(ld.imports_s + startup)} ({format_seconds(ld.imports_s)} importing torch "
+                f"and diffusers, {format_seconds(startup)} in the load: tokenizers, the modules built"
+                + (", the folder checked" if ld.weights != "random" else "") + f"); {line}")
+    elif startup > 0:
         line += (f" ({format_seconds(startup)} of start-up: imports, tokenizers, the modules built"
                  + (", the folder checked" if ld.weights != "random" else "") + ")")
     if ld.weights == "random":

@@ -64,6 +64,9 @@ _Prompts = Annotated[Optional[str], typer.Option(help="generate every job of thi
                                                       "outputs go to --out-dir"), INPUT]
 _OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder the outputs are written to (made if "
                                                      "missing; default: outputs)"), OUTPUT]
+_MaxJobTime = Annotated[Optional[str], typer.Option(help="with --prompts: skip, before the load, each job whose "
+                                                          "predicted time (the upper end of its band) is over this, "
+                                                          "e.g. 10min or 600s")]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
                                                       "with --prompt, else of the timed steps (to compare settings)"),
                      OUTPUT]
@@ -77,7 +80,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
             guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
             prompts: _Prompts = None, out_dir: _OutDir = None, transformer: _Transformer = None,
-            transformer_2: _Transformer2 = None) -> None:
+            transformer_2: _Transformer2 = None, max_job_time: _MaxJobTime = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -114,12 +117,15 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
 
         quiet_rank()  # ranks other than 0 print nothing but errors
 
+    imported: dict[str, float | None] = {"s": None}
+
     def checked():
         """Everything checked before anything is built: (plan, offload, options, image)."""
         p = load_plan(plan)
         cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
                                        fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
+        imported["s"] = import_libraries()  # said before the silence it would be (the checks below need them)
         _check_priced(p, cfg, profile)
         if prompts is not None:
             if torchrun_world() > 1:
@@ -128,6 +134,9 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             return p, cfg, None, None
         if out_dir is not None:
             raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
+        if max_job_time is not None:
+            raise UserError("--max-job-time goes with --prompts (a file of jobs); a single generation is yours to "
+                            "time: `chunkflow plan` predicts it")
         if (transformer or transformer_2) and not generating:
             raise UserError("--transformer FILE goes with --prompt (a generation of the whole pipeline)")
         opts = RunOptions(device=device, weights=weights, variant=variant, steps=steps, profile=profile, seed=seed,
@@ -148,11 +157,12 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
                     profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
                     transformers={"transformer": transformer, "transformer_2": transformer_2},
+                    imports_s=imported["s"], max_job_s=_duration(max_job_time, "--max-job-time"),
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
     if generating:
-        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture)
+        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture, imported["s"])
         return
     from chunkflow.commands.plan_tables import print_run
 
@@ -165,6 +175,37 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     rep.write(report)
     print_run(console, rep)
     console.print(f"Run report written to {report}", markup=False)
+
+
+def _duration(text: str | None, flag: str) -> float | None:
+    """A duration flag in seconds (None where not given); one line for a bad one."""
+    if text is None:
+        return None
+    from chunkflow_planner.units import UnitError, parse_duration
+
+    try:
+        return parse_duration(text, flag)
+    except UnitError as exc:
+        raise UserError(str(exc)) from None
+
+
+def import_libraries() -> float | None:
+    """torch and diffusers imported, said first on a terminal where they are not yet (tens of seconds on a slow
+    disk, before which the command would print nothing): the seconds it took, None where they were already
+    imported."""
+    import sys
+    import time
+
+    if "torch" in sys.modules and "diffusers" in sys.modules:
+        return None
+    if speaks() and sys.stderr.isatty():  # on a terminal; a pipe keeps an error to its one line
+        _say("loading torch and diffusers ...")
+    t0 = time.perf_counter()
+    import torch  # noqa: F401
+    import diffusers
+
+    diffusers.DiffusionPipeline  # noqa: B018 - diffusers is lazy: its pipelines' base (and transformers) now
+    return time.perf_counter() - t0
 
 
 def _check_priced(p, cfg, profile: str | None) -> None:
@@ -231,7 +272,7 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     check_distinct({"--out": out, "--report": report, "--latents": latents},
                    {"--plan": plan, "--weights": folder, "--image": image,
                     "--profile": opts.profile if opts.profile and Path(opts.profile).exists() else None})
-    picture = _check_pipeline(p, folder, image) if generating else None
+    picture = _check_pipeline(p, folder, image, latents) if generating else None
     if opts.transformers:
         from chunkflow.models.transformer_file import check_files
         from chunkflow_planner.plan import model_of
@@ -243,7 +284,7 @@ def _check_run(p, opts, plan: str, report: str, prompt: str | None, negative_pro
     return picture
 
 
-def _check_pipeline(p, folder: Path | None, image: str | None):
+def _check_pipeline(p, folder: Path | None, image: str | None, latents: str | None = None):
     """The run's pipeline against the plan, before the load and its progress bar: --image read and checked (format,
     size), the folder's classes and configs (a folder of another model is refused here, not after the load began),
     the pipeline class given --image or not. Returns the image."""
@@ -258,9 +299,15 @@ def _check_pipeline(p, folder: Path | None, image: str | None):
     if spec.pipeline is None:
         return picture  # run_generation says what to do
     if folder is not None:
-        check_folder(spec, folder, image=image is not None)
+        cls = check_folder(spec, folder, image=image is not None).pipeline
     else:
-        run_class(spec.pipeline.cls, None, image is not None, spec=spec)
+        cls = run_class(spec.pipeline.cls, None, image is not None, spec=spec)
+    if latents is not None and cls is not None:
+        from chunkflow.models.adapters import hands_out_latents
+
+        if not hands_out_latents(cls):  # refused now: the run would end without the file asked for
+            raise UserError(f"--latents: {cls.__name__} hands no step callback the latents (no "
+                            "callback_on_step_end), so they cannot be saved; leave --latents out")
     if image is not None and speaks():  # what the plan cannot promise (docs/any-h200.md)
         console.print("note: the plan does not price the image's encode by the VAE (once, in the encode phase): that "
                       "phase may hold more than planned (Wan2.2-TI2V-5B at 704x1280 on an H200: 8.99 GB against "
@@ -322,7 +369,8 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
             raise UserError(f"{spec.name} makes images; write --out to a .png file (not {out!r})")
 
 
-def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None) -> None:
+def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None,
+              imports_s: float | None = None) -> None:
     """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps. Under
     torchrun every rank generates, rank 0 alone with bars, notes, files and tables (commands.ranks)."""
     from chunkflow.commands.plan_tables import print_generation
@@ -336,6 +384,8 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
     with _phase_bars() as (progress, finish):
         rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
         finish()
+    if rep.generation is not None and rep.generation.load is not None:
+        rep.generation.load.imports_s = imports_s  # the command's start-up, said with the load's
     rep.write(report)
     print_generation(console, rep)
     if out:

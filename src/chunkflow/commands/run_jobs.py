@@ -6,7 +6,8 @@ shape the loaded placement cannot fit (planned against it, the planner's reason 
 the others run. The pipeline is loaded once (a session, chunkflow.session), the image pipeline of the model's family
 where any job gives an image. Each output is written atomically into the output folder as its job finishes; a job
 that breaks (NaN latents, an image that became unreadable) is reported and the next one runs. Ctrl-C stops the job
-running, writes the report of what was done, and exits 130. The report (reports.JobsReport) holds every job measured
+running, writes the report of what was done, and exits 130; an unexpected error writes it too. With --max-job-time a
+job whose predicted time (its band's upper end) is over the limit is refused before the load. The report (reports.JobsReport) holds every job measured
 against the plan's prediction for it.
 """
 
@@ -36,6 +37,8 @@ class PlannedJob:
     out: str | None = None  # file name in the output folder
     fit: JobFit | None = None
     error: str | None = None
+    predicted_s: float | None = None  # as it runs in the batch (the first job with the start-up)
+    upper_s: float | None = None  # the upper end of its band
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -164,6 +167,9 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
                 results.append(_result(p, "failed", error=str(exc)))
                 log(f"line {p.line}: failed: {exc}")
                 continue
+            except Exception as exc:  # not the job's fault: the batch stops, with the report of what ran
+                results.append(_result(p, "failed", error=f"{type(exc).__name__}: {exc}"))
+                raise
             try:
                 res.save(out_dir / p.out)
             except (ChunkflowError, OSError) as exc:  # this job's output lost (nothing half-written); the next runs
@@ -174,10 +180,12 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
             results.append(done)
             if on_done is not None:
                 on_done(done)
-    except (KeyboardInterrupt, Terminated) as exc:  # during the load, or between jobs
+    except BaseException as exc:  # a signal during the load or between jobs, or an error that stops the batch
         interrupted = exc
+        why = ("interrupted before it began" if isinstance(exc, (KeyboardInterrupt, Terminated)) else
+               f"not run: the batch stopped on {type(exc).__name__}: {exc}")
         seen = {r.line for r in results}
-        results += [_result(p, "not run", error="interrupted before it began") for p in planned if p.line not in seen]
+        results += [_result(p, "not run", error=why) for p in planned if p.line not in seen]
     finally:
         load = session.load_result
         session.close()
@@ -185,7 +193,7 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
     report = JobsReport(date=env["date"], command=env["command"], gpu=env["gpu"], torch=env["torch"],
                         diffusers=env["diffusers"], plan=plan, prompts_file=prompts_file, out_dir=str(out_dir),
                         load=load, jobs=results, total_s=time.perf_counter() - t0,
-                        interrupted=interrupted is not None)
+                        interrupted=isinstance(interrupted, (KeyboardInterrupt, Terminated)))
     if interrupted is not None:
         interrupted.jobs_report = report  # type: ignore[attr-defined]
         raise interrupted

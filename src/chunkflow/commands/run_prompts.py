@@ -9,12 +9,14 @@ from typing import Any
 
 from chunkflow.commands.app import UserError, _say, console, err_console
 from chunkflow.commands.terminal import shown
-from chunkflow_planner.units import format_bytes
+from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.units import format_bytes, format_seconds
 
 
 def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
                 profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any],
-                transformers: dict[str, str | None] | None = None) -> None:
+                transformers: dict[str, str | None] | None = None, imports_s: float | None = None,
+                max_job_s: float | None = None) -> None:
     """Every job of `prompts` on one load of the plan's pipeline; `transformers` (--transformer FILE,
     --transformer-2 FILE): the same files for every job, checked with the folder before any job is read."""
     from chunkflow.commands.run_jobs import JobsError, plan_jobs
@@ -58,6 +60,8 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
                 "steps": steps}
     planned = plan_jobs(p, spec, hw, lines, defaults, folder)
+    _refuse_images(spec, resolved if weights is not None else None, planned)
+    admit_by_time(p, planned, max_job_s)
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
@@ -73,12 +77,15 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
          + f"; outputs to {folder}/")
     try:
         rep = _with_bars(p, cfg, opts, planned, folder, prompts, len(runnable))
+        rep.load.imports_s = imports_s
     except BaseException as exc:  # Ctrl-C, SIGTERM: the report of what was done
         rep = getattr(exc, "jobs_report", None)
         if rep is not None:
+            rep.load.imports_s = imports_s
             rep.write(report)
             print_jobs(rep)
-            console.print(f"Interrupted: the jobs done are written; report written to {report}", markup=False)
+            how = "Interrupted" if rep.interrupted else f"Stopped by an error ({type(exc).__name__})"
+            console.print(f"{how}: the jobs done are written; report written to {report}", markup=False)
         raise
     rep.write(report)
     print_jobs(rep)
@@ -96,6 +103,49 @@ def _check_files(p, spec, folder: Path | None, files: dict[str, str]) -> None:
     if files:
         check_files(spec, folder, files)
     check_plan_format(p, files)
+
+
+def admit_by_time(plan, planned, max_job_s: float | None) -> None:
+    """Each job's predicted time and the upper end of its band (the plan's generation band), the first job to run
+    with the process's start-up; with `max_job_s`, a job whose upper end is over it refused with both."""
+    from chunkflow_planner.bands import MODEL_PRIOR
+
+    band = plan.prediction.bands.get("generation_time_s") if plan.prediction is not None else None
+    rel = band.rel if band is not None else MODEL_PRIOR["generation_time"]
+    nominal = " (nominal: a CPU plan's times are not predictions)" if plan.hardware.device_is_host else ""
+    first = True
+    for j in planned:
+        if j.error is not None or j.fit is None:
+            continue
+        j.predicted_s = j.fit.expected_s(first)
+        j.upper_s = j.predicted_s * (1 + rel)
+        if max_job_s is not None and j.upper_s > max_job_s:
+            j.error = (f"predicted {format_seconds(j.predicted_s)}, up to {format_seconds(j.upper_s)} (+{rel:.0%}), "
+                       f"over --max-job-time {format_seconds(max_job_s)}{nominal}: make it smaller (fewer frames, "
+                       "a smaller size, fewer steps) or raise the limit")
+            continue
+        first = False
+
+
+def _refuse_images(spec, folder: Path | None, planned) -> None:
+    """The jobs giving an image, refused with the reason where the folder's pipeline (or the plan's, with random
+    weights) has no image pipeline the same components run: those lines are skipped, the others run."""
+    from chunkflow.models.adapters import run_class
+    from chunkflow.models.pipeline_build import check_folder
+
+    with_image = [j for j in planned if j.error is None and j.job.image is not None]
+    if not with_image:
+        return
+    try:
+        if folder is not None:
+            check_folder(spec, folder, image=True)
+        else:
+            run_class(spec.pipeline.cls, None, True, spec=spec)
+    except ChunkflowError as exc:
+        if folder is not None:
+            check_folder(spec, folder, image=False)  # a folder wrong whatever the jobs: its own error, for all
+        for j in with_image:
+            j.error = f"this folder's pipeline takes no image: {exc}"
 
 
 def _make(folder: Path) -> None:
@@ -137,6 +187,9 @@ def _with_bars(p, cfg, opts, planned, folder: Path, prompts: str, total: int):
         if state["jobs"] is None:
             state["jobs"] = bar.add_task("jobs", total=n, count="")
         bar.update(state["jobs"], completed=k - 1, count=f"{k}/{n}: line {job.line} {job.job.label(40)!r}")
+        if job.predicted_s is not None:
+            _say(f"line {job.line}: starting, predicted {format_seconds(job.predicted_s)} (up to "
+                 f"{format_seconds(job.upper_s)})")
 
     def on_done(_res) -> None:
         t = bar.tasks[state["jobs"]]
@@ -154,8 +207,9 @@ def print_jobs(rep) -> None:
 
     done = [j for j in rep.jobs if j.state == "done"]
     timed = any(j.predicted_s is not None for j in rep.jobs)
+    imports = f" after {rep.load.imports_s:.1f} s importing torch and diffusers" if rep.load.imports_s else ""
     t = Table(title=f"{rep.plan.model.name}: {len(done)} of {len(rep.jobs)} jobs done, one load "
-                    f"({rep.load.measured_time_s:.1f} s), {rep.total_s:.1f} s in all, on {rep.gpu}")
+                    f"({rep.load.measured_time_s:.1f} s{imports}), {rep.total_s:.1f} s in all, on {rep.gpu}")
     cols = ["line", "state", "prompt", "shape", "measured"] + (["predicted", "error"] if timed else [])
     for col in cols + ["output / reason"]:
         t.add_column(col, justify="right" if col in ("line", "measured", "predicted", "error") else "left")

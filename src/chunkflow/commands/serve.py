@@ -200,4 +200,9 @@ def _serve(session, sock, host: str, port: int, out_dir: Path, max_queue: int, l
         # command (a second signal during the shutdown above still ends it as interrupted)
         note_interrupt(None)
     counts = queue.counts()
-    _say(f"stopped: {counts['done']} jobs done, {counts['failed']} failed, {counts['cancelled']} cancelled")
+    _say(f"stopped: {_jobs(counts['done'])} done, {counts['failed']} failed, {counts['cancelled']} cancelled")
+
+
+def _jobs(n: int) -> str:
+    """`1 job`, `2 jobs`."""
+    return f"{n} job{'' if n == 1 else 's'}"

@@ -143,6 +143,14 @@ def check_masks(cls: type) -> None:
                                  "of a pipeline that takes none")
 
 
+def hands_out_latents(cls: type) -> bool:
+    """Whether a call of `cls` hands its step callback the latents (`callback_on_step_end` taking "latents"): what
+    `run --latents` saves them from (PixArt's pipelines have no such callback)."""
+    if "callback_on_step_end" not in call_parameters(cls):
+        return False
+    return "latents" in (getattr(cls, "_callback_tensor_inputs", None) or ["latents"])
+
+
 def _init_parameters(cls: type) -> set[str]:
     return set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
 
@@ -265,7 +273,8 @@ def call_kwargs(spec, pipe_cls: type, w, prompt: str, negative: str | None, guid
     if negative is not None and not takes_negative_prompt(spec, pipe_cls):
         raise ValueError(f"{spec.name}'s pipeline takes no negative prompt")
     kw = dict(prompt=prompt, height=w.height, width=w.width, num_inference_steps=steps, generator=generator,
-              output_type="np", num_frames=w.frames if spec.is_video else None, image=image)
+              output_type="np", num_frames=w.frames if spec.is_video else None, image=image,
+              video_length=w.frames if spec.is_video else None)  # Latte's name for num_frames
     if cfg and "true_cfg_scale" in params:  # true CFG only with a negative prompt (Qwen-Image): " " by default
         kw.update(true_cfg_scale=g, negative_prompt=negative if negative is not None else " ")
     else:

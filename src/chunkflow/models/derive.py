@@ -229,6 +229,10 @@ def _groups(module, lists) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- pipeline
 
 
+# what a video pipeline's call names its frame count: most `num_frames`, Latte `video_length`
+FRAME_PARAMS = ("num_frames", "video_length")
+
+
 def _call_defaults(pipe_cls) -> dict[str, Any]:
     try:
         sig = inspect.signature(pipe_cls.__call__)
@@ -245,7 +249,8 @@ def _vae_factors(vae, cfg: dict, video: bool, fam) -> tuple[int, int | None]:
     temporal = None
     if video:
         temporal = (cfg.get("temporal_compression_ratio") or cfg.get("scale_factor_temporal")
-                    or vars(vae).get("temporal_compression_ratio") or fam.vae_temporal)  # an attribute, not config
+                    or vars(vae).get("temporal_compression_ratio") or fam.vae_temporal  # an attribute, not config
+                    or (1 if "2D" in "".join(cfg.get("down_block_types") or []) else None))  # frame by frame: Latte
     return int(spatial or fam.vae_spatial or 8), (int(temporal) if temporal else None)
 
 
@@ -451,7 +456,7 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
             raise DeriveError(f"model_index.json in {str(pipe_folder)!r} names {pipe_cls_name}, a pipeline class "
                               f"diffusers {diffusers.__version__} does not have; upgrade diffusers")
         defaults = _call_defaults(pipe_cls)
-        video = "num_frames" in defaults
+        video = any(k in defaults for k in FRAME_PARAMS)
         vae_name = next((n for n, (lib, c) in components.items() if lib == "diffusers" and c.startswith("Autoencoder")),
                         None)
         if vae_name is None:
@@ -513,7 +518,7 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
             v = alt * vae_spatial
         want[key] = v
     if vae_temporal:
-        v = overrides.get("frames") or defaults.get("num_frames")
+        v = overrides.get("frames") or next((defaults[k] for k in FRAME_PARAMS if k in defaults), None)
         sf = config.get("sample_frames")
         if not isinstance(v, int) and isinstance(sf, int):
             v = sf if fam.sample_frames_out else (sf - 1) * vae_temporal + 1

@@ -86,7 +86,8 @@ def _load_checked(folder: Path, name: str, cls: type, what: str):
 def load_tokenizer(folder: Path, name: str, cls: type):
     """The folder's tokenizer `name` made by `cls` (slots.py checked it is a transformers tokenizer), its files
     checked first; local files only."""
-    return _load_checked(folder, name, cls, f"tokenizer {name} in {str(folder)!r}")
+    said = name if name.startswith("tokenizer") else f"tokenizer {name}"  # `tokenizer_2`, never `tokenizer tokenizer`
+    return _load_checked(folder, name, cls, f"{said} in {str(folder)!r}")
 
 
 def _scheduler_bounds(config: dict, what: str, max_int: int = MAX_SCHEDULER_INT, max_list: int = MAX_SCHEDULER_LIST,

@@ -298,6 +298,16 @@ def _place_component(kind: str, c: Component, where: str, device: torch.device, 
     return handle, hooks, where + (" (tiled decode)" if vae_tiling else "")
 
 
+def placement_words(said: str, device: torch.device) -> str:
+    """What a component's placement is called on `device`: on the CPU the plan's "gpu" (and "phase") is the device,
+    which is the CPU (`vae: on the device, the CPU (tiled decode)`, never `gpu`)."""
+    if device.type == "cuda":
+        return said
+    where, _, rest = said.partition(" ")
+    words = {"gpu": "on the device, the CPU", "phase": "on the device, the CPU, for its phase"}.get(where, where)
+    return f"{words} {rest}".rstrip()
+
+
 def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadConfig, device: torch.device, *,
                    weights: Path | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                    vae_tiling: bool = False, variant: str | None = None, log=lambda s: None,
@@ -348,7 +358,7 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
             handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)
             objects[c.name], built.handles[c.name] = c.module, handle
             built.hooks += hooks
-            log(f"{c.name}: {said}")
+            log(f"{c.name}: {placement_words(said, device)}")
         if pipe_spec.experts > 1:
             built.hooks.append(take_turns(*[built.handles[n] for n in built.names("transformer")]))
         built.pipe = pipe_cls(**objects, **extra)

@@ -123,10 +123,12 @@ def _tokenizer_class(folder: Path, slot: str, declared: dict[str, tuple[str, str
     return cls
 
 
-def scheduler_calls(pipe_cls: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def scheduler_calls(pipe_cls: str, sched_cls: type | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the scheduler methods, the keywords of its set_timesteps) the diffusers pipeline class's `__call__` calls,
     read from its source (retrieve_timesteps calls set_timesteps with the keywords it is given): what a pipeline
-    outside the catalog asks of its scheduler. None asked where the source cannot be read."""
+    outside the catalog asks of its scheduler. With `sched_cls`, a branch under `isinstance(self.scheduler, X)`
+    counts only where it runs for that class (Bria gives DDIM no sigmas, FlowMatchEuler a mu). None asked where the
+    source cannot be read."""
     import ast
     import textwrap
 
@@ -137,9 +139,7 @@ def scheduler_calls(pipe_cls: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     except (OSError, TypeError, SyntaxError, AttributeError):
         return ("set_timesteps", "step"), ()
     called, keywords = {"set_timesteps", "step"}, set()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
+    for node in _reached_calls(tree, sched_cls):
         f = node.func
         if isinstance(f, ast.Attribute) and ast.unparse(f.value) == "self.scheduler":
             called.add(f.attr)
@@ -148,6 +148,49 @@ def scheduler_calls(pipe_cls: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if isinstance(f, ast.Name) and f.id == "retrieve_timesteps":
             keywords |= {k.arg for k in node.keywords if k.arg}
     return tuple(sorted(called)), tuple(sorted(keywords - {"device", "num_inference_steps"}))
+
+
+def _scheduler_is(test, sched_cls: type | None) -> tuple[bool, bool]:
+    """(whether an `if`'s body may run, whether its else may) for a scheduler of `sched_cls`, from the
+    isinstance(self.scheduler, ...) calls of its test: a test of isinstance calls alone (or-ed) decides both; one
+    and-ed with other conditions decides only that the body cannot run; anything else, both may."""
+    import ast
+
+    import diffusers
+
+    checks = [n for n in ast.walk(test) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id == "isinstance" and len(n.args) == 2 and ast.unparse(n.args[0]) == "self.scheduler"]
+    if sched_cls is None or not checks:
+        return True, True
+    names = [ast.unparse(e) for c in checks for e in (c.args[1].elts if isinstance(c.args[1], ast.Tuple)
+                                                       else [c.args[1]])]
+    kinds = [k for k in (getattr(diffusers, n.split(".")[-1], None) for n in names) if isinstance(k, type)]
+    if len(kinds) != len(names):
+        return True, True
+    hit = issubclass(sched_cls, tuple(kinds))
+    alone = test in checks or (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or)
+                               and all(v in checks for v in test.values))
+    if alone:
+        return hit, not hit
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(v in checks for v in test.values):
+        return hit, True
+    return True, True
+
+
+def _reached_calls(node, sched_cls: type | None):
+    """The Call nodes under `node` a scheduler of `sched_cls` may reach (_scheduler_is prunes the branches)."""
+    import ast
+
+    if isinstance(node, ast.If):
+        body, orelse = _scheduler_is(node.test, sched_cls)
+        yield from _reached_calls(node.test, sched_cls)
+        for stmt in (node.body if body else []) + (node.orelse if orelse else []):
+            yield from _reached_calls(stmt, sched_cls)
+        return
+    if isinstance(node, ast.Call):
+        yield node
+    for child in ast.iter_child_nodes(node):
+        yield from _reached_calls(child, sched_cls)
 
 
 def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cls: str) -> type:
@@ -170,7 +213,7 @@ def _scheduler_class(folder: Path, declared: dict[str, tuple[str, str]], pipe_cl
                               "SchedulerMixin); nothing was made from it: fix model_index.json or download the "
                               "pipeline again")
     methods, keywords = ((SCHEDULER_METHODS, SCHEDULER_KEYWORDS[pipe_cls]) if pipe_cls in SCHEDULER_KEYWORDS
-                         else scheduler_calls(pipe_cls))
+                         else scheduler_calls(pipe_cls, cls))
     lacks = [m for m in methods if not callable(getattr(cls, m, None))]
     if not lacks:
         takes = inspect.signature(cls.set_timesteps).parameters

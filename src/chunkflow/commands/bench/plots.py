@@ -183,7 +183,7 @@ class _Figures:
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
         self.finish(fig, "breakdown.png", f"{self.spec.name}: step-time breakdown per {b.axis} and mode (chunkflow "
-                                          f"C={short_bytes(b.chunk)} r={b.residency:g})")
+                                          f"C={short_bytes(b.chunk)} r={b.residency:.3g})")
 
     def chunk_size(self) -> None:
         """Figure 5: step time against the chunk size at one workload, chunkflow against layerwise."""
@@ -210,7 +210,7 @@ class _Figures:
         ax.set_xticklabels([short_bytes(c) for c in cs])
         _axes(ax, "chunk size C", "step time (s)")
         self.finish(fig, "chunk_size.png", f"{self.spec.name} at {b.chunk_value} {b.axis}: step time vs chunk size "
-                                           f"(residency {b.residency:g})")
+                                           f"(residency {b.residency:.3g})")
 
     def residency(self) -> None:
         """Figure 6: step time and peak memory against the residency at one workload, against no offload."""
