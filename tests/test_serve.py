@@ -164,6 +164,11 @@ def test_jobs_run_in_order_and_give_the_frames_a_separate_session_gives(server, 
         assert snap["seconds"] > 0 and snap["output"] == snap["id"] + ".mp4"
         assert snap["result_url"] == f"/jobs/{snap['id']}/result"
         assert snap["step"] == snap["steps_total"] == snap["steps"], [(s["step"], s["steps_total"], s["steps"]) for s in snaps]
+        assert snap["progress"] == 1.0 and snap["phase"] is None
+    for job, snap in zip(jobs, snaps):  # what each ran with: the plan's defaults filled in, the seed as text
+        assert snap["settings"] == {"seed": str(job["seed"]), "steps": job["steps"], "width": 64, "height": 64,
+                                    "frames": 5, "guidance": server.session.spec.pipeline.guidance,
+                                    "negative_prompt": None}
 
     reference = root / "reference"
     reference.mkdir()
@@ -209,7 +214,9 @@ def test_a_running_job_stops_at_its_next_step_when_cancelled(server):
         status, snap, _ = call(server, "POST", "/jobs", {"prompt": "a long one", "seed": 5, "steps": 4})
         assert status == 201
         wait_until(server.at_step.is_set, "the job's first step")  # the worker waits inside step 1
-        assert call(server, "GET", f"/jobs/{snap['id']}")[1]["state"] == "running"
+        running = call(server, "GET", f"/jobs/{snap['id']}")[1]
+        assert running["state"] == "running" and running["phase"] == "denoise"
+        assert (running["step"], running["steps_total"], running["progress"]) == (1, 4, 0.25)
         status, after, _ = call(server, "DELETE", f"/jobs/{snap['id']}")
         assert status == 200 and after["state"] == "running" and after["cancel_requested"]
     finally:
@@ -226,6 +233,60 @@ def test_a_job_that_does_not_fit_is_refused_with_the_planners_reason(server):
     assert status == 422
     assert "host memory" in err["error"] or "memory" in err["error"], err
     assert "smaller size" in err["error"] and "chunkflow plan --height 8192 --width 8192" in err["error"]
+
+
+@pytest.mark.parametrize("job, fields, words", [
+    ({"width": 50}, ["width"], "divisible by 16"),
+    ({"frames": 6}, ["frames"], "frames = 1 mod 4"),
+    ({"steps": "3"}, ["steps"], "steps"),
+    ({"seed": -1, "guidance": 0}, ["seed", "guidance"], "seed"),
+    ({"height": 8192, "width": 8192}, ["height", "width", "frames"], "smaller size"),
+])
+def test_a_refusal_names_the_fields_it_is_about(server, job, fields, words):
+    got, err, _ = call(server, "POST", "/jobs", {"prompt": "x", **job})
+    assert got == 422 and err["fields"] == fields and words in err["error"], err
+
+
+def test_error_fields_reads_the_field_a_message_is_about():
+    from chunkflow.serve.app import error_fields
+
+    assert error_fields("image_base64 is not valid base64; give the image file's bytes base64-encoded") == [
+        "image_base64"]
+    assert error_fields("tiny's pipeline takes no negative prompt (its guidance is embedded: guidance sets it); "
+                        "leave negative_prompt out") == ["negative_prompt"]
+    assert error_fields("prompt: Field required") == ["prompt"]
+    assert error_fields("a job is a JSON object with at least \"prompt\", not list") == []
+
+
+def test_the_plan_route_says_what_the_page_shows(server, setup):
+    from chunkflow_planner.units import format_bytes, format_seconds
+
+    plan = json.loads(setup[1].read_text())
+    status, view, _ = call(server, "GET", "/plan")
+    assert status == 200 and view["model"] == "tiny-wan" and view["device"] == "cpu"
+    w = plan["workload"]
+    assert view["form"]["defaults"] == {"seed": 0, "steps": w["steps"], "width": w["width"], "height": w["height"],
+                                        "frames": w["frames"], "guidance": server.session.spec.pipeline.guidance}
+    assert view["form"]["video"] and view["form"]["negative_prompt"] and not view["form"]["image"]
+    assert view["form"]["limits"]["width_step"] == 16 and view["form"]["limits"]["frames_step"] == 4
+    assert view["form"]["limits"]["max_body_bytes"] == BODY_LIMIT
+    # a CPU plan's times are nominal: the queue predicts nothing and says why
+    assert not view["predicts"] and view["nominal"] and view["prediction_note"].startswith("No prediction")
+    comps = plan["pipeline"]["components"]
+    assert [(c["name"], c["placement"], c["bytes"]) for c in view["components"]] == [
+        (c["name"], c["placement"], c["bytes"]) for c in comps]
+    by_name = {c["name"]: c for c in view["components"]}
+    assert by_name["text_encoder"]["runs_on"] == "CPU" and by_name["text_encoder"]["held_in"] == "host memory"
+    assert by_name["transformer"]["runs_on"] == "device (the CPU)"
+    assert by_name["vae"]["runs_on"].endswith("tiled decode") == plan["pipeline"]["vae_tiling"]
+    assert by_name["text_encoder"]["host_bytes"] == plan["prediction"]["host_memory"]["text_encoder"]
+    pp, got = plan["prediction"], view["prediction"]
+    assert got["step_time"] == {"s": pp["step_time_s"], "text": format_seconds(pp["step_time_s"])}
+    assert got["generation_time"]["s"] == pp["generation_time_s"]
+    assert [(p["name"], p["time"]["s"], p["peak_memory"]["text"]) for p in got["phases"]] == [
+        (n, pp["phases"][n]["time_s"], format_bytes(pp["phases"][n]["peak_memory_bytes"]))
+        for n in ("encode", "denoise", "decode")]
+    assert got["host_budget"]["bytes"] == plan["host_memory_budget_bytes"]
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -334,8 +395,11 @@ def test_the_page_has_the_form_and_no_external_assets(server):
     status, page, headers = call(server, "GET", "/")
     assert status == 200 and headers["content-type"].startswith("text/html")
     page = page.decode()
-    assert '<form id="submit">' in page and 'id="prompt"' in page and 'id="seed"' in page and 'id="steps"' in page
+    assert '<form id="submit"' in page and 'id="prompt"' in page and 'id="seed"' in page and 'id="steps"' in page
     assert 'type="file"' not in page  # the tiny Wan pipeline takes no image
+    # the fields the tiny Wan pipeline takes: a video model (frames) with true guidance (a negative prompt)
+    assert 'id="frames"' in page and 'id="negative_prompt"' in page and 'id="guidance"' in page
+    assert 'id="width"' in page and 'id="height"' in page and 'id="plan"' in page
     assert "innerHTML" not in page and "http://" not in page and "https://" not in page and "<link" not in page
 
 
@@ -613,7 +677,7 @@ def test_another_sites_fetch_or_embed_is_refused_and_a_link_to_the_page_works(se
     assert raw(server.port, "POST", "/jobs", JOB, post)[0] == 403
     link = own(server) | {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
     status, page, headers = raw(server.port, "GET", "/", headers=link)
-    assert status == 200 and b'<form id="submit">' in page
+    assert status == 200 and b'<form id="submit"' in page
     assert "frame-ancestors 'none'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
     assert headers["cross-origin-resource-policy"] == "same-origin"
     framed = link | {"Sec-Fetch-Dest": "iframe"}
@@ -750,12 +814,15 @@ class ImageSession:
         self.got = []
 
     def fit(self, job, with_image=None):
-        return type("Fit", (), {"reason": None})()
+        from chunkflow_planner.catalog import Workload
+
+        w = Workload(height=job.height or 64, width=job.width or 64, steps=job.steps or 2)
+        return type("Fit", (), {"reason": None, "workload": w})()
 
     def predicted_s(self, job, first):
         return None
 
-    def generate(self, job, image=None, on_step=None):
+    def generate(self, job, image=None, on_step=None, on_phase=None):
         self.got.append(image)
         out = type("Result", (), {"is_video": False, "seconds": 0.01, "predicted_s": None})()
         out.save = lambda path: (Path(path).write_bytes(b"png"), Path(path))[1]

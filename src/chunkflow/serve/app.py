@@ -1,10 +1,12 @@
-"""The HTTP API over a JobQueue (FastAPI): submit, watch, fetch and cancel jobs; health, metrics and a small page.
+"""The HTTP API over a JobQueue (FastAPI): submit, watch, fetch and cancel jobs; the loaded plan (GET /plan, as the
+page shows it: serve.plan_view), health, metrics and the page.
 
 Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is not JSON or an id that is not one,
 401 a missing or wrong token, 403 a Host, Origin or cross-site request the server does not answer (serve.guard),
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
 Content-Length and again while it is read), 415 a job not sent as application/json, 422 a job that is malformed or
-does not fit the loaded placement (the planner's reason), 429 a full queue, 503 a server shutting down. Request
+does not fit the loaded placement (the planner's reason; `fields` then names the job's fields it is about, for a
+form to show it beside them), 429 a full queue, 503 a server shutting down. Request
 bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
 its image as the compressed bytes it came as (checked from the header: format, bytes, pixels), decoded when it runs.
 A client that goes away mid-body is one log line.
@@ -31,6 +33,7 @@ from starlette.requests import ClientDisconnect  # noqa: E402
 from chunkflow.serve.guard import Guard  # noqa: E402
 from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
 from chunkflow.serve.page import page_policy, render_page  # noqa: E402
+from chunkflow.serve.plan_view import plan_view  # noqa: E402
 from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
 from chunkflow_planner.pipeline.jobs import JobError, JobJSONError, load_json, parse_job  # noqa: E402
@@ -39,6 +42,8 @@ __all__ = ["make_app", "MAX_BODY_BYTES"]
 
 MAX_BODY_BYTES = 32 * 2**20  # a job's JSON with a base64 image of ~24 MB
 _ID = re.compile(r"[0-9a-f]{32}")
+FIELDS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "height", "width", "frames", "image_base64")
+_NAMED = re.compile(r"\b(negative_prompt|image_base64|guidance|seed|steps|height|width|frames)\b")
 _MEDIA = {".mp4": "video/mp4", ".png": "image/png"}
 _log = logging.getLogger("uvicorn.error")  # the server's own log: one format, one --log-level
 
@@ -49,6 +54,37 @@ class _Gone(Exception):
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+def error_fields(message: str) -> list[str]:
+    """The job fields a refusal is about: those it names first ("steps: ...; seed: ..." from the job's checks),
+    else a shape over a budget ("give a smaller size": height, width, frames), else the negative prompt or image it
+    names, else the first field it names."""
+    if "a smaller size" in message:
+        return ["height", "width", "frames"]
+    named = [part.split(":", 1)[0].strip() for part in message.split("; ")]
+    first = [n for n in named if n in FIELDS]
+    if first:
+        return list(dict.fromkeys(first))
+    found = _NAMED.findall(message)
+    for field in ("negative_prompt", "image_base64"):  # "leave negative_prompt out" names guidance as the way
+        if field in found:
+            return [field]
+    return found[:1]
+
+
+def _refused(message: str) -> JSONResponse:
+    """A 422: the job does not fit or is malformed; `fields` names the fields it is about."""
+    return JSONResponse({"error": message, "fields": error_fields(message)}, status_code=422)
+
+
+def takes_negative(spec) -> bool:
+    """Whether the loaded pipeline uses a negative prompt (the page shows the field only then)."""
+    if getattr(spec, "pipeline", None) is None:
+        return False
+    from chunkflow.models.adapters import negative_prompt_refusal
+
+    return negative_prompt_refusal(spec) is None
 
 
 def _check_id(job_id: str) -> JSONResponse | None:
@@ -118,6 +154,7 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
     connection arrived on; `token` (None: none) the bearer token every request but the page must carry."""
     session = queue.session
     model = session.spec.name
+    negative = takes_negative(session.spec)
     app = FastAPI(title=title or f"chunkflow serve: {model}", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, names=hosts, token=token)
 
@@ -161,7 +198,7 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
         except QueueClosed as exc:
             return _error(503, str(exc))
         except ChunkflowError as exc:
-            return _error(422, str(exc))
+            return _refused(str(exc))
         return JSONResponse(snap, status_code=201, headers={"Location": f"/jobs/{snap['id']}"})
 
     @app.get("/jobs")
@@ -212,6 +249,10 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
                 "image": bool(getattr(session, "image", False)), "video": bool(session.spec.is_video),
                 "queue_length": len(queue), "max_queue": queue.max_queue, "paused": queue.paused}
 
+    @app.get("/plan")
+    def plan() -> dict:
+        return plan_view(session, max_body_bytes)
+
     @app.get("/metrics")
     def metrics() -> Response:
         return PlainTextResponse(render_metrics(queue), media_type=CONTENT_TYPE)
@@ -220,7 +261,7 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
     def page() -> HTMLResponse:
         # with a token the page is served to anyone who reaches the server: it names no model (it asks /health)
         text = render_page(None if token else model, image=bool(getattr(session, "image", False)),
-                           video=bool(session.spec.is_video))
+                           video=bool(session.spec.is_video), negative=negative)
         return HTMLResponse(text, headers={"Content-Security-Policy": page_policy(text),
                                            "X-Frame-Options": "DENY", "Cache-Control": "no-store"})
 

@@ -67,6 +67,8 @@ class QueuedJob:
     output: str | None = None  # the output's file name in the queue's folder
     step: int = 0
     steps: int | None = None
+    phase: str | None = None  # while running: encode, denoise, decode, then write (its output saved)
+    settings: dict = field(default_factory=dict)  # what it runs with, the plan's defaults filled in (settings())
     cancel_requested: bool = False
 
     def predicted(self, first: bool) -> float | None:
@@ -91,6 +93,27 @@ def chain_times(now: float | None, running: tuple[float | None, float | None] | 
         out.append((start if finish is not None else None, finish))
         ahead = finish
     return out
+
+
+def settings(job: Job, workload, spec) -> dict:
+    """What a job runs with, the plan's defaults filled in: its seed (as decimal text: a browser's JSON reader holds
+    integers to 2**53 only), steps, size, frames (a video model's), guidance (the pipeline's default where the job
+    gives none) and negative prompt."""
+    pipeline = getattr(spec, "pipeline", None)
+    guidance = job.guidance if job.guidance is not None else getattr(pipeline, "guidance", None)
+    return {"seed": str(job.seed), "steps": workload.steps, "width": workload.width, "height": workload.height,
+            "frames": workload.frames if spec.is_video else None, "guidance": guidance,
+            "negative_prompt": job.negative_prompt}
+
+
+def progress(qj: QueuedJob) -> float | None:
+    """How far a job is, 0 to 1: a running job by its denoising steps done (the step callback), a done job 1,
+    otherwise None (queued, or finished without a result)."""
+    if qj.state == "done":
+        return 1.0
+    if qj.state != "running" or not qj.steps:
+        return 0.0 if qj.state == "running" else None
+    return min(1.0, qj.step / qj.steps)
 
 
 @dataclass
@@ -156,7 +179,7 @@ class JobQueue:
         if self._closing:
             raise QueueClosed("the server is shutting down; it takes no more jobs")
         try:
-            self._check(job, image)
+            fit = self._check(job, image)
         except JobError:
             with self._cond:
                 self.stats.refused += 1
@@ -170,14 +193,15 @@ class JobQueue:
                 self.stats.refused += 1
                 raise QueueFull(f"the queue holds {len(self._queue)} jobs already (at most {self.max_queue}); "
                                 "submit again when some have finished")
-            qj = QueuedJob(uuid.uuid4().hex, job, image, time.time(), first, later)
+            qj = QueuedJob(uuid.uuid4().hex, job, image, time.time(), first, later,
+                           settings=settings(job, fit.workload, self.session.spec))
             self._queue.append(qj)
             self._jobs[qj.id] = qj
             self.stats.submitted += 1
             self._cond.notify_all()
             return self._snapshots()[qj.id]
 
-    def _check(self, job: Job, image: bytes | None) -> None:
+    def _check(self, job: Job, image: bytes | None):  # noqa: ANN202 - planner.pipeline.jobs.JobFit
         """Whatever would make the job fail that can be known now: a path from the request, an image the
         pipeline does not take or needs, a negative prompt it does not use, a shape that does not fit."""
         if job.image is not None:
@@ -192,6 +216,7 @@ class JobQueue:
         fit = self.session.fit(job, with_image=image is not None)  # its shape, an image, a negative prompt
         if fit.reason is not None:
             raise JobError(fit.reason)
+        return fit
 
     def cancel(self, job_id: str) -> dict:
         """Cancel a job: a queued one leaves the queue, a running one stops after its current denoising step (its
@@ -235,18 +260,23 @@ class JobQueue:
 
     def _run(self, qj: QueuedJob) -> None:
         def on_step(i: int, n: int) -> None:
-            qj.step, qj.steps = i, n
+            qj.step, qj.steps, qj.phase = i, n, "denoise"
             if self._observer is not None:
                 self._observer(qj.id, i, n)
             if qj.cancel_requested:
                 raise _Cancelled
+
+        def on_phase(name: str) -> None:
+            qj.phase = name
 
         from chunkflow.media import load_input_image_bytes
 
         state, error, result = "done", None, None
         try:
             image = None if qj.image is None else load_input_image_bytes(qj.image, "image_base64")
-            result = self.session.generate(qj.job, image=image, on_step=on_step)
+            qj.phase = "encode"
+            result = self.session.generate(qj.job, image=image, on_step=on_step, on_phase=on_phase)
+            qj.phase = "write"
             saved = result.save(self.out_dir / f"{qj.id}{'.mp4' if result.is_video else '.png'}")
             qj.output = saved.name
             self._after.append(max(0.0, time.time() - qj.started - result.seconds))
@@ -269,7 +299,7 @@ class JobQueue:
 
     def _finish(self, qj: QueuedJob, state: str) -> None:
         """`qj` is over (the condition held): into the bounded history, the oldest forgotten (its file stays)."""
-        qj.state, qj.finished, qj.image = state, time.time(), None
+        qj.state, qj.finished, qj.image, qj.phase = state, time.time(), None, None
         self.stats.finished[state] += 1
         self._history.append(qj)
         while len(self._history) > self._history_max:
@@ -361,7 +391,8 @@ class JobQueue:
             "steps": j.steps, "height": j.height, "width": j.width, "frames": j.frames,
             "submitted": qj.submitted, "started": qj.started, "finished": qj.finished,
             "predicted_start": start, "predicted_finish": finish, "predicted_s": predicted,
-            "seconds": qj.seconds, "step": qj.step, "steps_total": qj.steps,
+            "seconds": qj.seconds, "step": qj.step, "steps_total": qj.steps, "phase": qj.phase,
+            "progress": progress(qj), "settings": qj.settings,
             "cancel_requested": qj.cancel_requested, "error": qj.error, "output": qj.output,
             "result_url": f"/jobs/{qj.id}/result" if qj.state == "done" and qj.output else None,
         }
