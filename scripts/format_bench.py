@@ -168,8 +168,7 @@ def _offload(model_: torch.nn.Module, plan: dict, device, way: str, row: dict):
     row.update(plan_setting=o, plan_hardware=plan.get("hardware", {}).get("name") if isinstance(plan.get("hardware"), dict) else None, predicted_step_s=plan["prediction"]["step_time_s"],
                predicted_peak_bytes=plan["prediction"]["peak_memory_bytes"], plan_format=plan.get("format"))
     kw = dict(mode=o["mode"], chunk_size=o["chunk_bytes"], residency=o["residency"], device=str(device))
-    if way == "forward":
-        kw["decode"] = "forward"
+    kw["decode"] = "forward" if way == "forward" else "ahead"
     return chunkflow.offload(model_, **kw)
 
 

@@ -85,7 +85,7 @@ def test_gguf_decoded_ahead_is_bit_identical_and_the_forward_skips_its_dequantiz
     before = _snapshot(m)
     layers = _block_layers(m, GGUFLinear)
     seen, hooks = _seen(layers)
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu")
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     st = h.stats()
     assert st.decode == "ahead" and st.decoded_tensors == len(layers) > 0
     assert torch.equal(_run(m, kw), ref) and torch.equal(_run(m, kw), ref)
@@ -128,7 +128,7 @@ def test_resident_blocks_keep_their_quantized_bytes(tmp_path):
     m, kw, _ = _gguf(tmp_path, "wan", Q.Q6_K)
     ref = _run(m, kw)
     seen, _ = _seen(_block_layers(m, GGUFLinear))
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=1.0, device="cpu")
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=1.0, device="cpu", decode="ahead")
     assert h.stats().n_streamed_blocks == 0 and h.stats().decoded_tensors == 0
     assert torch.equal(_run(m, kw), ref)
     assert seen and all(issubclass(c, GGUFParameter) for c in seen.values())
@@ -139,7 +139,7 @@ def test_resident_blocks_keep_their_quantized_bytes(tmp_path):
 def test_gguf_disk_blocks_decoded_ahead(tmp_path, kind, qtype):
     m, kw, path = _gguf(tmp_path, kind, qtype)
     ref = _run(m, kw)
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.25, device="cpu", disk_blocks=2,
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.25, device="cpu", disk_blocks=2, decode="ahead",
                           source=GGUFSource(path, m))
     assert h.stats().disk_blocks == 2 and h.stats().decoded_tensors > 0
     assert torch.equal(_run(m, kw), ref) and torch.equal(_run(m, kw), ref)
@@ -151,7 +151,7 @@ def test_a_write_between_forwards_is_decoded_again(tmp_path):
     m, kw, _ = _gguf(tmp_path, "flux", Q.Q8_0)
     (tmp_path / "p").mkdir()
     plain, _, _ = _gguf(tmp_path / "p", "flux", Q.Q8_0)
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu")
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     _run(m, kw)
     name = "transformer_blocks.1.ff.net.2.weight"
     src = plain.get_parameter(name).detach().clone()
@@ -181,7 +181,7 @@ def test_a_write_inside_the_forward_to_a_later_disk_block_is_decoded_again(tmp_p
 
     plain.blocks[0].register_forward_pre_hook(write(plain))
     want = _run(plain, kw)
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", disk_blocks=2,
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", disk_blocks=2, decode="ahead",
                           source=GGUFSource(path, m))
     m.blocks[0].register_forward_pre_hook(write(m))
     assert torch.equal(_run(m, kw), want)
@@ -190,7 +190,7 @@ def test_a_write_inside_the_forward_to_a_later_disk_block_is_decoded_again(tmp_p
 
 def test_a_write_to_a_decoded_weight_inside_its_forward_is_refused_and_the_block_released(tmp_path):
     m, kw, _ = _gguf(tmp_path, "wan", Q.Q8_0)
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu")
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     layer = m.blocks[0].attn1.to_q
     hk = layer.register_forward_pre_hook(lambda mod, args: mod.weight.data.mul_(1))
     with pytest.raises(OffloadError, match="decoded ahead"):
@@ -215,7 +215,7 @@ def test_lora_on_a_decoded_block_as_diffusers(tmp_path):
     (tmp_path / "p").mkdir()
     plain, _, _ = _gguf(tmp_path / "p", "wan", Q.Q4_K)
     adapter(plain)
-    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu")
+    h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     n = h.stats().decoded_tensors
     adapter(m)
     base = m.blocks[1].attn1.to_q.base_layer

@@ -201,6 +201,30 @@ def block_decode_s(block: StoredBlock | None, hw: HardwareSpec) -> float:
     return sum(nbytes / (decode_gbps(name, hw)[0] * 1e9) for name, nbytes in block.decoded.items())
 
 
+def decoded_bytes(block: StoredBlock | None) -> float:
+    """Bytes a block's quantized weights take decoded (compute dtype): what decoding ahead writes into a decode
+    buffer (0 in the model's own dtype)."""
+    return float(sum(block.decoded.values())) if block is not None else 0.0
+
+
+def decode_split(groups: list[BlockGroup], streams: list[bool], decode: str,
+                 hw: HardwareSpec) -> tuple[list[float], list[float]]:
+    """Per block (in `groups`' order): (seconds its layers dequantize in its own forward, seconds it is decoded
+    ahead on the copy stream). Decoding ahead (offload decode "ahead", runtime/codecs/ahead.py) takes a streamed
+    block's decode out of its forward; a block that does not stream (resident) decodes in its forward either way."""
+    own: dict[int, float] = {}
+    for g in groups:  # once per group (a model has one or two)
+        if id(g) not in own:
+            own[id(g)] = block_decode_s(g.stored, hw)
+    in_forward, ahead = [], []
+    for g, s in zip(groups, streams):
+        t = own[id(g)]
+        early = decode == "ahead" and s
+        in_forward.append(0.0 if early else t)
+        ahead.append(t if early else 0.0)
+    return in_forward, ahead
+
+
 def dequant_peak(spec: ModelSpec) -> float:
     """The transient a stored format's dequantization adds to the GPU peak: the largest quantized weight of any
     block, in the compute dtype (one layer dequantizes at a time; 0 in the model's own dtype)."""

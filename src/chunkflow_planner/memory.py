@@ -18,7 +18,9 @@ Assumptions (stated so they can be checked against `chunkflow run`):
   host memory), read from it each forward into a ring of DISK_RING_BLOCKS of the largest encoded tail.
 - Stored format (issue 52, formats.py): every weight byte above is the format's (the blocks' volumes are their stored
   bytes, ModelSpec.block_bytes), and one layer's dequantized weight lives beside them while it runs, in every mode
-  (the largest quantized weight of a block in the compute dtype: `dequant`).
+  (the largest quantized weight of a block in the compute dtype: `dequant`). Decoded ahead (offload decode "ahead"),
+  a streamed block's weights are decoded into one of two decode buffers instead (`decode_buffers`: the largest
+  streamed block's quantized weights in the compute dtype, each), and only blocks that do not stream keep `dequant`.
 - Prediction = torch's peak allocated bytes. The budget check (`device_need`) adds what the allocator holds of freed
   activations (the hardware's alloc_slack, measured: about a third of the activations on an H200), its reserve
   (reserve_fraction) and the device memory torch does not count (context_bytes: CUDA context and libraries).
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from operator import sub
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
-from chunkflow_planner.formats import dequant_peak
+from chunkflow_planner.formats import decoded_bytes, dequant_peak
 from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices, per_volume
 from chunkflow_planner.tiers import encoded_bytes
 from chunkflow_planner.workload import per_forward, tokens
@@ -59,11 +61,13 @@ class MemoryEstimate:
     codec_spill_raw: float = 0.0  # codec: the disk tier's tails, raw (read once at the load, decoded each forward)
     codec_spill: float = 0.0  # codec: the same encoded, the spill file (disk space, not host memory): disk_read
     dequant: float = 0.0  # stored format: the dequantized weight of the layer running (formats.dequant_peak)
+    decode_buffers: float = 0.0  # stored format decoded ahead: a decode buffer per slot, the largest streamed block's
+    # quantized weights in the compute dtype (runtime/codecs/ahead.py)
 
     @property
     def peak(self) -> int:
         return int(self.non_block_weights + self.resident_block_weights + self.streaming_buffers + self.activations
-                   + self.cast_buffer + self.codec_staging + self.dequant)
+                   + self.cast_buffer + self.codec_staging + self.dequant + self.decode_buffers)
 
     @property
     def codec_saved(self) -> float:
@@ -179,7 +183,20 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         codec = dict(codec_staging=codec_staging_bytes(cfg, V), codec_raw=tails, codec_stored=stored,
                      codec_spill_raw=on_disk, codec_spill=disk_read)
     return MemoryEstimate(spec.non_block_bytes, float(sum(resident)), 2.0 * slot, act, pinned, cast, disk_read, ring,
-                          dequant=dequant, **codec)
+                          **_decodes(spec, V, resident, cfg), **codec)
+
+
+def _decodes(spec: ModelSpec, V: list[float], resident: list[float], cfg: OffloadConfig) -> dict[str, float]:
+    """A stored format's decode memory: decoded ahead, two decode buffers (one a slot) of the largest streamed
+    block's decoded weights, and the dequantized layer of a block that does not stream (it decodes in its forward);
+    decoded in the forward, the largest dequantized layer of any block (formats.dequant_peak)."""
+    if cfg.decode != "ahead":
+        return {"dequant": dequant_peak(spec)}
+    streams = [v - r > 0 for v, r in zip(V, resident)]
+    groups = spec.block_sequence()
+    buffer = max((decoded_bytes(g.stored) for g, s in zip(groups, streams) if s), default=0.0)
+    kept = max((float(g.stored.dequant_peak_bytes) for g, s in zip(groups, streams) if not s and g.stored), default=0.0)
+    return {"dequant": kept, "decode_buffers": 2.0 * buffer}
 
 
 def host_need(m: MemoryEstimate, hw: HardwareSpec) -> float:

@@ -46,6 +46,10 @@ FP8_BYTES_PER_PARAM = 1
 DISK_RING_BLOCKS = 2  # disk tier: page-locked ring buffers, one disk block's streamed bytes each; reads run this far ahead
 Codec = Literal["none", "exponent-pack"]
 CODECS: tuple[str, ...] = ("none", "exponent-pack")  # none: streamed bytes travel as they are stored
+Decode = Literal["ahead", "forward"]
+# a stored format's quantized weights (GGUF, fp8-scaled): a streamed block's decoded on the copy stream right after its
+# copies, into a decode buffer per slot ("ahead"), or by each layer in its own forward ("forward", diffusers' way)
+DECODES: tuple[str, ...] = ("ahead", "forward")
 CODEC_STAGING_CHUNKS = 3  # device buffers, each one decode group, the encoded copies land in (the runtime's)
 CODEC_DECODE_BYTES = 64 << 20  # raw bytes one decode launch takes at most (whole chunks, at least one): fewer
 # launches and events on the thread that also launches the forward (per-chunk decodes cost about 50 us each on one
@@ -122,15 +126,18 @@ class OffloadConfig(BaseModel):
     codec: Codec = "none"  # how streamed bytes are stored and copied (host and disk tier): raw, or losslessly encoded
     share_host: bool = True  # under torchrun, the ranks of one host stream host-tier tails from one shared pinned copy
     # (runtime/tiers/shared.py) and park phase-placed components in one; False: each rank pins its own
+    decode: Decode = "forward"  # a stored format's streamed blocks: decoded in their forward (diffusers' way), or ahead
+    # of it on the copy stream (DECODES); forward by default: the step-time model prices ahead no faster (its kernels
+    # share the SMs, steptime.py) and its two decode buffers take GPU memory (memory.py)
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
                  weight_dtype: str = "bf16", fp8_cast: str = "compute", disk_blocks: int = 0,
-                 codec: str = "none", share_host: bool = True) -> None:
+                 codec: str = "none", share_host: bool = True, decode: str = "forward") -> None:
         try:
             super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
                              cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast,
-                             disk_blocks=disk_blocks, codec=codec, share_host=share_host)
+                             disk_blocks=disk_blocks, codec=codec, share_host=share_host, decode=decode)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -183,6 +190,10 @@ class OffloadConfig(BaseModel):
         share_host = data.get("share_host", True)
         if not isinstance(share_host, bool):
             raise OffloadConfigError(f"share_host must be true or false, got {share_host!r}")
+        decode = data.get("decode", "forward")
+        if decode not in DECODES:
+            raise OffloadConfigError(f"unknown decode {decode!r}; use ahead (a streamed block's quantized weights "
+                                     "decoded on the copy stream before its forward) or forward (in each layer's)")
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -196,13 +207,14 @@ class OffloadConfig(BaseModel):
             r = 0.0 if residency is None else _residency(residency)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
                 "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast,
-                "disk_blocks": disk, "codec": codec, "share_host": share_host}
+                "disk_blocks": disk, "codec": codec, "share_host": share_host, "decode": decode}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
                        residency: float | None = None, comm_aware: bool | None = None, *,
                        cfg_batched: bool | None = None, weight_dtype: str | None = None,
                        fp8_cast: str | None = None, disk_blocks: int | None = None,
-                       codec: str | None = None, share_host: bool | None = None) -> "OffloadConfig":
+                       codec: str | None = None, share_host: bool | None = None,
+                       decode: str | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
         storage only to a mode that streams. A chunk size or residency given for a mode without them is refused
@@ -230,6 +242,7 @@ class OffloadConfig(BaseModel):
                          else self.disk_blocks if new_mode != "none" and dtype == "bf16" else 0),
             codec=codec if codec is not None else (self.codec if new_mode != "none" and dtype == "bf16" else "none"),
             share_host=self.share_host if share_host is None else share_host,
+            decode=self.decode if decode is None else decode,
         )
 
     @classmethod
@@ -253,13 +266,14 @@ class OffloadConfig(BaseModel):
 
     @property
     def levers_label(self) -> str:
-        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N`, ` codec=NAME` and ` unshared` where set (empty without
+        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N`, ` codec=NAME`, ` unshared` and ` decode-ahead` where set (empty without
         levers): the tail of `label`."""
         fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
         disk = f" disk={self.disk_blocks}" if self.disk_blocks else ""
         codec = f" codec={self.codec}" if self.codec != "none" else ""
         unshared = "" if self.share_host else " unshared"
-        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec + unshared
+        decode = " decode-ahead" if self.decode == "ahead" else ""
+        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec + unshared + decode
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.

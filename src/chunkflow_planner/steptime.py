@@ -27,6 +27,10 @@ do), and the last chunk's decode, which no copy hides, to the copy path. The dis
 A stored format (issue 52, formats.py) streams its stored bytes (the blocks' volumes are theirs) and each block
 dequantizes its weights in its own forward, on the compute stream: their decoded bytes at the format's rate are added
 to the block's compute path, in every mode (diffusers' GGUF pipeline all on the GPU dequantizes every forward too).
+Decoded ahead (offload decode "ahead"; "forward" is the default) a streamed block's decode leaves its forward and runs
+on the copy stream right after its copies: like the codec's decode it is added to the copy path (after the block's
+last copy, nothing hides it) and to the compute path of the block whose window it runs in (its kernels share the
+SMs; a copy-stream cast ran within 1-2% of a compute-stream one, above).
 Non-block layers are not modelled.
 """
 
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 
 from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.formats import block_decode_s
+from chunkflow_planner.formats import decode_split
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
 from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups, per_volume
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
@@ -144,24 +148,25 @@ def step_time(
     # that does not stream on the compute stream)
     on_copy = per_volume(lambda v: cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0, V)
     rho, dec, dec_chunk = codec_terms(V, cfg, hw)
-    decodes = {id(g): block_decode_s(g.stored, hw) for g in spec.blocks}  # a stored format's decode (formats.py)
-    dequant = [decodes[id(g)] for g in groups]
+    # a stored format's decode (formats.py): in each block's forward, or ahead, on the copy stream after its copies
+    dequant, ahead = decode_split(groups, per_volume(lambda v: cfg.streamed_bytes(v) > 0, V), cfg.decode, hw)
     out = StepTime()
     seen: dict[tuple, tuple[float, float, float, float, float, float]] = {}  # blocks alike are computed once
     n = len(groups)
     keys = zip([g.kind for g in groups], V, V[1:] + V[:1], on_copy, on_copy[1:] + on_copy[:1], cast,
-               cast[1:] + cast[:1], rho[1:] + rho[:1], dequant)  # block l's and its next block's (l + 1) % n
+               cast[1:] + cast[:1], rho[1:] + rho[:1], dequant, ahead[1:] + ahead[:1])  # block l's and (l + 1) % n's
     compute = collective = prefetch_stall = contention_stall = overhead = 0.0  # summed block by block, in order
     for l, key in enumerate(keys):
         if key not in seen:
             g, nxt = groups[l], (l + 1) % n
             tc = T_comp_hw(F_kind(g.kind, w.batch, S, L, spec.d, spec.f) / sp, hw, same)  # eta_comp of this block
             tc += cast[l] + dequant[l]  # on either stream: the cast kernels take the SMs (module docstring)
-            tc += dec[nxt]  # the next block's decode runs in this block's window, on the SMs too
+            tc += dec[nxt] + ahead[nxt]  # the next block's decodes run in this block's window, on the SMs too
             n_coll = COLLECTIVES_PER_BLOCK if sp > 1 else 0
             tcoll = n_coll * t_all_to_all(spec, g, w, hw, sp)
             seen[key] = (tc, tcoll, *block_time(tc, tcoll, n_coll, V[nxt], cfg, hw,
-                                                  cast[nxt] if on_copy[nxt] else 0.0, rho[nxt], dec_chunk[nxt]))
+                                                  cast[nxt] if on_copy[nxt] else 0.0, rho[nxt],
+                                                  dec_chunk[nxt] + ahead[nxt]))  # after its copies: the copy path
         tc, tcoll, wall, stall, cont, over = seen[key]
         compute += tc
         collective += tcoll

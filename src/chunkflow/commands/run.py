@@ -27,6 +27,10 @@ _WeightDtype = Annotated[Optional[str], typer.Option(help="override the plan's w
                                                           "(lossy)")]
 _Codec = Annotated[Optional[str], typer.Option(help="override the plan's codec: on (the streamed bf16 weights stored "
                                                     "and copied losslessly encoded, exponent-pack) or off (raw)")]
+_Decode = Annotated[Optional[str], typer.Option(help="override the plan's decode of a GGUF or fp8-scaled transformer's "
+                                                     "weights: ahead (a streamed block's decoded on the copy stream "
+                                                     "before its forward, into a decode buffer per slot) or forward "
+                                                     "(each layer dequantizes in its forward, no buffer)")]
 _Weights = Annotated[Optional[str], typer.Option(help="local diffusers-format checkpoint directory (default: random "
                                                       "weights); with --prompt also a Hub id in the local cache"),
                      INPUT]
@@ -75,7 +79,7 @@ _Latents = Annotated[Optional[str], typer.Option(help="also save the final laten
 @_command("run")
 def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, residency: _Residency = None,
             cfg_batched: _CfgBatched = None, fp8_cast: _Fp8Cast = None, weight_dtype: _WeightDtype = None,
-            codec: _Codec = None, device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
+            codec: _Codec = None, decode: _Decode = None, device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
             steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
             guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
@@ -123,7 +127,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         """Everything checked before anything is built: (plan, offload, options, image)."""
         p = load_plan(plan)
         cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
-                                       fp8_cast=fp8_cast, codec=codec_override(codec))  # the flags parsed here, once
+                                       fp8_cast=fp8_cast, codec=codec_override(codec),
+                                       decode=decode)  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
         imported["s"] = import_libraries()  # said before the silence it would be (the checks below need them)
         _check_priced(p, cfg, profile)

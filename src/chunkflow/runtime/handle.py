@@ -634,7 +634,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
             fp8_cast: str | None = None, disk_blocks: int | None = None, codec: str | None = None,
             device: str | torch.device | None = "cuda", blocks=None,
-            source: TensorSource | None = None, park_to: str = "host", decode: str = "ahead") -> OffloadHandle:
+            source: TensorSource | None = None, park_to: str = "host", decode: str | None = None) -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
     The setting: `config` (an OffloadConfig, a plan object or `plan.json` path, or a mode name) or `plan=`, and/or
@@ -653,9 +653,10 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     parked: 'host', the default, a pinned host copy; 'disk', left in the checkpoint's files and read back to the
     device at the next forward, so host memory holds none of them: offload() then returns the module parked, its
     files checked but not read; needs a loader's `source` as `disk_blocks` does), `decode` (blocks holding quantized
-    weights, a GGUF or fp8-scaled file's: 'ahead', the default, decodes a streamed block's weights into the compute
-    dtype on the copy stream right after its copies, with the layer's own function, into a decode buffer per slot;
-    'forward' leaves each layer to dequantize in its forward; resident blocks always do; runtime/codecs/ahead.py).
+    weights, a GGUF or fp8-scaled file's; not given: the setting's or plan's, 'forward' by default): 'forward'
+    leaves each layer to dequantize in its forward, as diffusers does; 'ahead' decodes a streamed block's weights
+    into the compute dtype on the copy stream right after its copies, with the layer's own function, into a decode
+    buffer per slot (resident blocks decode in their forward either way; runtime/codecs/ahead.py).
     Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
     needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
     from the catalog or in the module); the first forward's order is checked and the blocks laid out again in the
@@ -664,12 +665,13 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     `source`: values for tensors on the meta device (loaders; see TensorSource). A torch.compile wrapper is
     offloaded through the module it wraps.
     """
-    check_decode(decode)
+    if decode is not None:
+        check_decode(decode)
     module = unwrap_module(module)
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, blocks=blocks, mode=mode, chunk_size=chunk_size, residency=residency,
                          comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast, disk_blocks=disk_blocks,
-                         codec=codec)
+                         codec=codec, decode=decode)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
     check_parameters(named)
@@ -677,7 +679,7 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     if cfg.streams:
         check_no_layerwise_casting(module)
     tiers = tiers_with_codec(cfg, module, len(named), source) if cfg.streams else []
-    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source, cfg), decode)
+    handle = OffloadHandle(module, cfg, dev, named, tiers, park_home(park_to, source, cfg), cfg.decode)
     try:
         handle._attach(source, first=True)
     except BaseException:

@@ -88,7 +88,7 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, b
                    chunk_size=None, residency: float | None = None,
                    comm_aware: bool | None = None, weight_dtype: str | None = None,
                    fp8_cast: str | None = None, disk_blocks: int | None = None,
-                   codec: str | None = None) -> OffloadConfig:
+                   codec: str | None = None, decode: str | None = None) -> OffloadConfig:
     """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
     any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
     if config is not None and plan is not None:
@@ -115,9 +115,9 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, b
             return OffloadConfig(mode or "chunkflow", chunk_size, residency,
                                  True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16",
                                  fp8_cast="compute" if fp8_cast is None else fp8_cast, disk_blocks=disk_blocks or 0,
-                                 codec=codec or "none")
+                                 codec=codec or "none", decode=decode or "forward")
         return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype,
-                                   fp8_cast=fp8_cast, disk_blocks=disk_blocks, codec=codec)
+                                   fp8_cast=fp8_cast, disk_blocks=disk_blocks, codec=codec, decode=decode)
     except OffloadConfigError as exc:
         raise OffloadError(str(exc)) from None
 
