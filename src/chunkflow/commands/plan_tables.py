@@ -68,9 +68,11 @@ def format_said(plan: Plan) -> str | None:
     rates = ", ".join(f"{n} {r:.0f} GB/s" for n, r in f.decode_gbps.items())
     moved = (f"{format_bytes(f.h2d_bytes_per_step)} host-to-device a step against {format_bytes(f.h2d_bytes_per_step_bf16)} "
              "in bf16" if f.h2d_bytes_per_step_bf16 else "nothing streamed")
+    where = ("in each block's forward" if plan.offload.decode != "ahead" or not plan.offload.streams else
+             "a streamed block's ahead of its forward, on the copy stream (two decode buffers)")
     return (f"format: {f.name} ({f.source}): the blocks {f.block_bytes_ratio:.2f}x of bf16's bytes, the transformer "
             f"{format_bytes(f.stored_bytes)} against {format_bytes(f.bf16_bytes)}; {moved}; dequantized on the GPU "
-            f"in each block's forward, {format_seconds(f.decode_s_per_step)} a step at {rates} "
+            f"{where}, {format_seconds(f.decode_s_per_step)} a step at {rates} "
             + ("(measured)" if f.decode_measured else "(supposed: `chunkflow calibrate` measures it)"))
 
 
