@@ -99,3 +99,34 @@ def test_run_decode_overrides_the_plans_and_a_bad_one_is_one_line(tmp_path):
     assert "unknown decode 'sideways'" in bad.output and "Traceback" not in bad.output
     helped = runner.invoke(app, ["run", "--help"])
     assert "--decode" in helped.output
+
+
+def test_the_planned_decode_buffers_are_the_runtimes(tmp_path):
+    """The memory model's two decode buffers against the ones the runtime allocates for the same GGUF file (priced
+    from its header): equal but for the runtime's 256-byte alignment of each tensor."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    import chunkflow
+    from chunkflow_planner.stored_file import from_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_files import Q, load_gguf, write_gguf
+    from test_plan_formats import _flux_256
+
+    module, spec = _flux_256()
+    path = write_gguf(tmp_path / "flux.gguf", module.state_dict(), Q.Q8_0)
+    planned = estimate_memory(from_file(spec, path), Workload(batch=1, frames=1, height=64, width=64, steps=1),
+                              OffloadConfig("chunkflow", "64KB", 0.0, decode="ahead"))
+    module.save_config(tmp_path / "transformer")  # the config diffusers' from_single_file reads beside the file
+    m = load_gguf(FluxTransformer2DModel, path, tmp_path)
+    with torch.no_grad():
+        h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
+        got = h.stats()
+        h.remove()
+    tensors = got.decoded_tensors  # every decoded tensor: a bound on one block's alignment padding
+    assert planned.decode_buffers > 0 and got.decode == "ahead"
+    assert planned.decode_buffers <= got.decode_buffer_bytes < planned.decode_buffers + 2 * 256 * tensors
