@@ -44,6 +44,9 @@ def test_plan_as_written_in_the_issue(tmp_path):
                                  "--host-mem-budget", "128GB"])
     assert result.exit_code == 0, result.output
     assert "Overlap analysis" in result.output and "why:" in result.output
+    # the answer (the plan, why, the generation's phases, host memory) before how it was reached (issue 53)
+    text = result.output
+    assert text.index("plan:") < text.index("why:") < text.index("host memory:") < text.index("Overlap analysis")
     assert "default:h200" in result.output  # says which hardware it assumed
     plan = json.loads(out.read_text())
     for key in ("schema_version",):

@@ -77,7 +77,8 @@ def format_said(plan: Plan) -> str | None:
 
 
 def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noqa: ANN001 - planner types
-    """The analysis, each mode's prediction, the chosen plan and one line saying why."""
+    """The answer first (the chosen plan, why, the pipeline's phases and memory), then how it was reached: the
+    overlap analysis and each mode's prediction."""
     w, hw = plan.workload, plan.hardware
     shape = f"{w.width}x{w.height}, " + (f"{w.frames} frames" if w.frames > 1 else f"batch {w.batch}")
     console.print(
@@ -93,11 +94,6 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         console.print("note: a plan for the CPU (chunkflow's CPU mode, the same runtime with synchronous copies): "
                       "its times are nominal figures, not predictions; its memory is host memory, and that is "
                       "planned for", highlight=False)
-    console.print(_analysis_table(plan))
-    console.print(_modes_table(plan))
-    tie = tie_note(plan)
-    if tie:
-        console.print(tie, highlight=False)
     total = plan.prediction.step_time_s * w.steps
     target, step = format_seconds_apart(plan.target_step_time_s or 0, plan.prediction.step_time_s)
     console.print(f"[bold green]plan:[/] {_chosen_text(plan)}; {hw.device_word} budget {_budget_text(plan)}; target "
@@ -108,6 +104,14 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         print_pipeline(console, plan)
     else:
         print_host_alone(console, plan)
+    # the answer first (issue 53), then how it was reached: the paper's overlap analysis and every mode priced
+    console.print("[bold]how:[/] the overlap analysis (ChunkFlow eqs. 5, 6) and each mode at this workload",
+                  highlight=False)
+    console.print(_analysis_table(plan))
+    console.print(_modes_table(plan))
+    tie = tie_note(plan)
+    if tie:
+        console.print(tie, highlight=False)
 
 
 def _analysis_table(plan: Plan) -> Table:
