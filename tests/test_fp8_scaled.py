@@ -571,7 +571,7 @@ def _worker(out_path: str) -> None:
         loaded = fp8_scaled.load(path, type(m), cfg, BF16)
         want = forward(loaded, inputs)
         h = chunkflow.offload(loaded, mode="chunkflow", chunk_size=4096, residency=0.3, device="cpu",
-                              blocks=blocks_of(loaded))
+                              blocks=blocks_of(loaded), decode="ahead")
         res[f"{case} loaded"] = dict(equal=torch.equal(forward(loaded, inputs), want),
                                      shared=h.stats().shared_blocks, blocks=len(h.layouts),
                                      decoded=h.stats().decoded_tensors)
@@ -580,7 +580,7 @@ def _worker(out_path: str) -> None:
         with FileReader() as reader:
             module, source = fp8_scaled.build(path, type(m), cfg, BF16, reader)
             h = chunkflow.offload(module, mode="chunkflow", chunk_size=3001, residency=0.0, device="cpu",
-                                  blocks=blocks_of(module), source=source)
+                                  blocks=blocks_of(module), source=source, decode="ahead")
         res[f"{case} built"] = dict(equal=torch.equal(forward(module, inputs), want),
                                     shared=h.stats().shared_blocks, blocks=len(h.layouts),
                                     decoded=h.stats().decoded_tensors)
@@ -601,7 +601,7 @@ def test_two_ranks_stream_the_fp8_bytes_from_one_shared_host_copy(tmp_path, work
         for what, seen in rank.items():
             assert seen["equal"], what
             assert seen["shared"] == seen["blocks"] > 0, what
-            assert seen["decoded"] > 0, what  # streamed blocks' weights decoded ahead (the default)
+            assert seen["decoded"] > 0, what  # streamed blocks' weights decoded ahead (asked for)
 
 
 if __name__ == "__main__":

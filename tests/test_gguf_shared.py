@@ -1,7 +1,7 @@
 """A GGUF module's quantized bytes in the shared tier (one host copy for the ranks of a torchrun job, gloo on the
 CPU): each rank loads the module diffusers builds from the same .gguf file; both stream bit-identically to the module
 without chunkflow from one segment (its bytes counted once), the digests agree (the quant types are in them), and
-remove() gives back GGUFParameters; every supported type, the streamed blocks' weights decoded ahead (the default,
+remove() gives back GGUFParameters; every supported type, the streamed blocks' weights decoded ahead (asked for,
 runtime/codecs/ahead.py)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _one(folder: Path, qtype) -> dict:
     kw = wan_inputs()
     with torch.no_grad():
         ref = m(**kw)[0]
-    h = offload(m, OffloadConfig("chunkflow", "64KB", 0.3), device="cpu", blocks=[m.blocks])
+    h = offload(m, OffloadConfig("chunkflow", "64KB", 0.3, decode="ahead"), device="cpu", blocks=[m.blocks])
     with torch.no_grad():
         out = m(**kw)[0]
     st = h.stats()
@@ -79,7 +79,7 @@ def test_gguf_blocks_one_copy_per_host(tmp_path, workers):
         assert r0["shared_blocks"] == r1["shared_blocks"] == 2, qtype
         assert r0["shared_bytes"] == r1["shared_bytes"] > 0 and r0["owner"] != r1["owner"], qtype
         assert r0["gguf_params"] == r1["gguf_params"] > 0, qtype
-        assert r0["decoded"] == r1["decoded"] > 0, qtype  # the streamed blocks' weights decoded ahead (the default)
+        assert r0["decoded"] == r1["decoded"] > 0, qtype  # the streamed blocks' weights decoded ahead (asked for)
 
 
 if __name__ == "__main__":
