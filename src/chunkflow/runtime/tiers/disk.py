@@ -70,9 +70,11 @@ class _Cancelled(Exception):
 class Ring:
     """DISK_RING_BLOCKS host buffers (page-locked on CUDA) a reader thread fills, a block each, in execution order,
     ahead of the copy stream. `fill(l, base)` writes block l's bytes into `ring.data` from `base`, calling `piece()`
-    before each piece it reads (a read no longer wanted ends there)."""
+    before each piece it reads (a read no longer wanted ends there), and returns how many it read from disk.
+    `bytes_read` counts a block's read when a forward takes it (acquire): reads ahead still in flight, or cancelled,
+    are not counted, so the count after each forward is the same whatever the reader thread is doing."""
 
-    def __init__(self, fill: Callable[[int, int], None]):
+    def __init__(self, fill: Callable[[int, int], int]):
         self.fill = fill
         self.order: list[int] = []  # its blocks in execution order
         self.ring: HostStore | None = None
@@ -108,11 +110,12 @@ class Ring:
             raise _Cancelled
 
     def _read(self, l: int, entry: int, after) -> int:
+        """Block l read into ring entry `entry`: the bytes it read from disk."""
         if after is not None and hasattr(after, "synchronize"):
             after.synchronize()  # the copies out of this buffer are done
-        self.fill(l, entry * self.entry_bytes)
+        nbytes = self.fill(l, entry * self.entry_bytes)
         self.reads += 1
-        return entry
+        return nbytes
 
     def _submit(self, l: int) -> None:
         entry = self._free.pop(0)
@@ -141,7 +144,7 @@ class Ring:
             t0 = time.perf_counter()
             fut.result()
             self.stall_s += time.perf_counter() - t0
-        fut.result()  # raises what the read met
+        self.bytes_read += fut.result()  # raises what the read met
         base = entry * self.entry_bytes
         return self.ring.data[base:base + self.entry_bytes]
 
@@ -261,12 +264,14 @@ class DiskTier(ValuesInFiles, Tier):
 
     # ---- reads (the reader thread) and what the streamer asks
 
-    def _fill(self, l: int, base: int) -> None:
-        """Block l's tail from the files into the ring from `base`, the files checked before and after."""
+    def _fill(self, l: int, base: int) -> int:
+        """Block l's tail from the files into the ring from `base`, the files checked before and after: the bytes
+        read from the files (a part held converted is copied from host memory, not read)."""
         v = self.values
         paths = v.paths(l)
         v.unchanged(paths)
         ring = self.ring.ring
+        nbytes = 0
         try:
             for p in v.parts[l]:
                 if p.held:  # converted once: copied from host memory
@@ -278,13 +283,14 @@ class DiskTier(ValuesInFiles, Tier):
                     self.ring.piece()
                     k = min(READ_PIECE, n - a)
                     v.files.read_range(p.rec.file, p.rec.begin + p.skip + a, k, ring.view(base + p.at + a, k))
-                    self.ring.bytes_read += k
+                    nbytes += k
         except _Cancelled:
             raise
         except Exception:
             v.unchanged(paths)  # a file changed under the read: say that, not what the read met
             raise
         v.unchanged(paths)  # changed while it was read: these bytes may be of two versions
+        return nbytes
 
     def prepare(self, b: BlockLayout) -> None:
         self.ring.prepare(b.index)
@@ -305,8 +311,11 @@ class DiskTier(ValuesInFiles, Tier):
         self.ring.stop(cancel)
 
     def stats(self, layouts: list[BlockLayout]) -> dict:
+        """The ring's counts; a forward's bytes are those its reads take from the files (not the parts held
+        converted in host memory)."""
         v = self.values
-        return self.ring.stats(len(v.order), sum(layouts[l].nbytes - v.tail[l] for l in v.order))
+        return self.ring.stats(len(v.order), sum(p.rec.nbytes - p.skip for l in v.order for p in v.parts[l]
+                                                 if not p.held))
 
 
 class SpillBytes(BlockBytes):
@@ -377,9 +386,9 @@ class SpillBytes(BlockBytes):
                 f"on a disk with room for {self.words.holds}, or {self.words.run_without}; the output and the "
                 "checkpoint were not touched")
 
-    def _fill(self, l: int, base: int) -> None:
+    def _fill(self, l: int, base: int) -> int:
         """Block l's bytes from the spill file into the ring from `base`, in pieces, their pages dropped from the
-        page cache; `check(l)` before and after."""
+        page cache; `check(l)` before and after. Returns the bytes read."""
         at, nbytes, _row = self.held[self.keys[l]]
         self.check(l)
         fd = self.spill.fileno()
@@ -395,10 +404,10 @@ class SpillBytes(BlockBytes):
                     raise DiskTierError(f"{self.words.file} ended before its bytes; it was changed or truncated by "
                                         "another program: offload (load) the model again")
                 got += n
-            self.ring.bytes_read += k
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, at, nbytes, os.POSIX_FADV_DONTNEED)
         self.check(l)
+        return nbytes
 
     def acquire(self, l: int) -> torch.Tensor:
         return self.ring.acquire(l)
