@@ -45,6 +45,7 @@ TINY = {"flux": dict(FLUX_DEV, num_layers=1, num_single_layers=1, num_attention_
         "wan": dict(WAN_14B, num_attention_heads=2, num_layers=2, text_dim=256, ffn_dim=512)}
 WORKLOAD = {"flux": ["--height", "1024", "--width", "1024", "--steps", "8"],
             "wan": ["--height", "480", "--width", "832", "--frames", "81", "--steps", "50"]}
+TIGHT = os.environ.get("CHUNKFLOW_BENCH_TIGHT", "1.01")  # the `tight` way's --max-slowdown: the fastest in the budget
 BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.", "blocks.")
 
 
@@ -143,8 +144,9 @@ def _load(folder: Path, model: str, fmt: str):
     return m.eval(), time.perf_counter() - t0
 
 
-def _plan(folder: Path, model: str, fmt: str, budget: str, tiny: bool) -> dict:
-    """The setting chunkflow's planner chooses for this format at `budget` (the catalog model, its workload)."""
+def _plan(folder: Path, model: str, fmt: str, budget: str, tiny: bool, slowdown: str | None = None) -> dict:
+    """The setting chunkflow's planner chooses for this format at `budget` (the catalog model, its workload;
+    `slowdown`: its --max-slowdown, the default 1.05 where None)."""
     profile = os.environ.get("CHUNKFLOW_BENCH_PROFILE", "")
     if tiny:
         hw = "cpu"
@@ -152,9 +154,10 @@ def _plan(folder: Path, model: str, fmt: str, budget: str, tiny: bool) -> dict:
         hw = profile
     else:
         hw = "h200" if "H200" in torch.cuda.get_device_name() else "h100-sxm"
-    out = folder / f"plan-{model}-{fmt}.json"
+    out = folder / f"plan-{model}-{fmt}{'-' + slowdown if slowdown else ''}.json"
     cmd = [sys.executable, "-m", "chunkflow", "plan", "--model", MODELS[model][2], *WORKLOAD[model],
-           "--transformer-only", "--mem-budget", budget, "--hardware", hw, "--format", fmt, "--out", str(out)]
+           "--transformer-only", "--mem-budget", budget, "--hardware", hw, "--format", fmt, "--out", str(out),
+           *(["--max-slowdown", slowdown] if slowdown else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}\n{done.stdout}{done.stderr}")
@@ -168,7 +171,7 @@ def _offload(model_: torch.nn.Module, plan: dict, device, way: str, row: dict):
     row.update(plan_setting=o, plan_hardware=plan.get("hardware", {}).get("name") if isinstance(plan.get("hardware"), dict) else None, predicted_step_s=plan["prediction"]["step_time_s"],
                predicted_peak_bytes=plan["prediction"]["peak_memory_bytes"], plan_format=plan.get("format"))
     kw = dict(mode=o["mode"], chunk_size=o["chunk_bytes"], residency=o["residency"], device=str(device))
-    kw["decode"] = "forward" if way == "forward" else "ahead"
+    kw["decode"] = "ahead" if way == "chunkflow" else "forward"
     return chunkflow.offload(model_, **kw)
 
 
@@ -183,6 +186,8 @@ def time_way(folder: Path, model: str, fmt: str, way: str, out: Path, budget: st
         m.to(device)
     elif way in ("chunkflow", "forward"):
         handle = _offload(m, _plan(folder, model, fmt, budget, tiny), device, way, row)
+    elif way == "tight":  # the fastest setting inside the budget the planner finds (--max-slowdown TIGHT)
+        handle = _offload(m, _plan(folder, model, fmt, budget, tiny, TIGHT), device, way, row)
     elif way == "leaf":
         m.enable_group_offload(device, offload_device=torch.device("cpu"), offload_type="leaf_level",
                                use_stream=device.type == "cuda")
@@ -196,9 +201,61 @@ def time_way(folder: Path, model: str, fmt: str, way: str, out: Path, budget: st
             if hasattr(s, "__dict__") else str(s)
         if "predicted_step_s" in row:
             row["plan_error"] = row["predicted_step_s"] / row["median_s"] - 1
+        from chunkflow.runtime.codecs.probe import measure_decode
+
+        probe = measure_decode(handle.layouts, device)  # what `chunkflow run` reports as the decode measured
+        row["decode_probe"] = probe._asdict() if probe is not None else None
     torch.save(y.float().cpu(), folder / f"out-{way}-{model}-{fmt}.pt")
     out.write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: v for k, v in row.items() if k not in ("times_s", "stats")}, default=str))
+
+
+def _copy_s(nbytes: int, chunk: int, device) -> float:
+    """Seconds to copy `nbytes` host-to-device from page-locked memory in `chunk`-byte copies on a side stream (the
+    link alone, as the streamer issues it), the median of three."""
+    if device.type != "cuda":
+        return 0.0
+    chunk = max(1, min(chunk, 1 << 30))
+    src = torch.empty(max(chunk, 1 << 28) // chunk * chunk, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(chunk, dtype=torch.uint8, device=device)
+    stream, times = torch.cuda.Stream(), []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for a in range(0, nbytes, chunk):
+                at = a % src.numel()
+                k = min(chunk, nbytes - a, src.numel() - at)
+                dst[:k].copy_(src[at:at + k], non_blocking=True)
+        stream.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[1]
+
+
+def phases(folder: Path, model: str, fmt: str, out: Path, budget: str, repeat: int, tiny: bool) -> None:
+    """Each phase of the plan's step on its own: compute (the same architecture in bf16, all on the GPU: no decode),
+    the link (the plan's bytes a step copied alone, in its chunks), and the decode (the `gpu` way's time less the
+    compute, from `compare`); with what the plans (this format's and bf16's) price each at."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan, bf16 = _plan(folder, model, fmt, budget, tiny), _plan(folder, model, "bf16", budget, tiny)
+    with torch.device(device):
+        m = _cls(model).from_config(_config(model, tiny)).to(torch.bfloat16).eval()
+    _, times = timed_forwards(m, _inputs(model, dict(m.config), device, tiny), repeat, device)
+    del m
+    compute = sorted(times[1:])[len(times[1:]) // 2]
+    fmt_row, o = plan.get("format") or {}, plan["offload"]
+    h2d = fmt_row.get("h2d_bytes_per_step") or plan["prediction"].get("h2d_bytes_per_step") or 0
+    hw = plan.get("hardware", {}) if isinstance(plan.get("hardware"), dict) else {}
+    row = dict(way="phases", model=model, format=fmt, date=time.strftime("%F %T"), mem_budget=budget,
+               gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               compute_s=compute, compute_times_s=times, copy_s=_copy_s(int(h2d), int(o["chunk_bytes"]), device),
+               h2d_bytes_per_step=h2d, plan_compute_s=bf16["prediction"]["baselines"]["none"]["step_time_s"],
+               plan_decode_s=fmt_row.get("decode_s_per_step"),
+               plan_copy_s=h2d / (hw["h2d_gbps"] * hw.get("eta_pref", 1.0) * 1e9) if hw.get("h2d_gbps") else None,
+               plan_gpu_s=plan["prediction"]["baselines"]["none"]["step_time_s"],
+               plan_step_s=plan["prediction"]["step_time_s"])
+    out.write_text(json.dumps(row, indent=1, default=str))
+    print(json.dumps({k: v for k, v in row.items() if k != "compute_times_s"}, default=str))
 
 
 def compare(folder: Path, out: Path) -> None:
@@ -257,13 +314,15 @@ def main() -> None:
     ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--model", default="flux", choices=sorted(MODELS))
     ap.add_argument("--format", default="q8_0", choices=["q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "fp8-scaled"])
-    ap.add_argument("--way", default="gpu", choices=["gpu", "chunkflow", "forward", "leaf"])
+    ap.add_argument("--way", default="gpu", choices=["gpu", "chunkflow", "forward", "tight", "leaf", "phases"])
     ap.add_argument("--mem-budget", default="6GB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     if a.what == "write":
         write(a.folder, a.model, a.format, a.tiny)
+    elif a.what == "time" and a.way == "phases":
+        phases(a.folder, a.model, a.format, a.out, a.mem_budget, a.repeat, a.tiny)
     elif a.what == "time":
         time_way(a.folder, a.model, a.format, a.way, a.out, a.mem_budget, a.repeat, a.tiny)
     elif a.what == "compare":

@@ -156,3 +156,40 @@ def test_a_format_plan_runs_only_its_format(cli, workdir, saved, tmp_path):
     assert ok.exit_code == 0, ok.output
     with pytest.raises(chunkflow.ChunkflowError, match="--transformer FILE"):
         chunkflow.load("q4.json", folder, device="cpu")
+
+
+@pytest.mark.parametrize("placement", ["gpu", "stream"])
+def test_the_report_measures_the_decode_against_the_plan(cli, workdir, saved, placement):
+    """A plan made from the file prices its decode; the run measures the decode of the same weights on its device:
+    the bytes every block's quantized weights decode into a step (diffusers' own dequantization of each, counted
+    here apart from chunkflow), a rate, and the plan's figure beside it (no error on the CPU: the plan's device is
+    not this one)."""
+    import diffusers
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+
+    folder, gguf = saved["tiny"]
+    result = cli("plan", "--model", "tiny", "--hardware", "cpu", "--host-mem-budget", "8GB", "--weights", folder,
+                 "--transformer", gguf, "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(Path("plan.json").read_text())
+    for c in data["pipeline"]["components"]:
+        c["placement"] = placement if c["name"] == "transformer" else c["placement"]
+    Path("plan.json").write_text(json.dumps(data))
+    prompt, negative = PROMPTS["tiny"]
+    with one_thread():
+        result = cli("run", "--plan", "plan.json", "--weights", folder, "--transformer", gguf, "--prompt", prompt,
+                     "--negative-prompt", negative, "--seed", "3", "--report", "r.json", "--device", "cpu",
+                     "--mode", "chunkflow", "--chunk-size", "16KB", "--residency", "0.3")
+    assert result.exit_code == 0, result.output
+    report = json.loads(Path("r.json").read_text())
+    dec, stats = report["generation"]["decode"], report["stats"]
+    module = load_gguf(diffusers.WanTransformer3DModel, gguf, folder)
+    per_forward = sum(dequantize_gguf_tensor(p).to(torch.bfloat16).nbytes for b in module.blocks
+                      for p in b.parameters() if isinstance(p, GGUFParameter) and p.quant_type == Q.Q8_0)
+    assert report["generation"]["components"]["transformer"] == placement
+    if placement == "stream":  # the forwards counted: the conditional and unconditional passes
+        assert stats["forwards"] == 2 * report["generation"]["steps"]
+    assert dec["decoded_bytes_per_step"] == per_forward * 2 > 0
+    assert dec["measured_gbps"] > 0 and dec["measured_s_per_step"] > 0
+    assert dec["planned_s_per_step"] > 0 and "q8_0" in dec["planned_gbps"] and dec["error"] is None
+    assert "decode: " in result.output and "a forward" in result.output

@@ -117,6 +117,21 @@ class OutputPixels(BaseModel):
         return f"noise (pixels {self.low}-{self.high} of 255{coded})"
 
 
+class DecodeResult(BaseModel):
+    """A stored format's decode (GGUF, fp8-scaled) measured on the run's device against the plan's: every block's
+    weights dequantized once a forward, at the rate chunkflow.runtime.codecs.probe measured after the generations."""
+
+    decoded_bytes_per_step: int = Field(ge=0, description="bytes the weights decode into a denoising step (every "
+                                        "forward of the step)")
+    measured_s_per_step: float = Field(ge=0, description="those bytes at the rate measured (the largest block's "
+                                       "weights decoded by their layers' own calls, timed)")
+    measured_gbps: float = Field(gt=0, description="GB/s of decoded output measured")
+    planned_s_per_step: float | None = Field(None, description="the plan's decode a step (its format's rate)")
+    planned_gbps: dict[str, float] = Field(default_factory=dict, description="the plan's rate per quant type")
+    error: float | None = Field(None, description="(measured - planned) / planned, where the plan's device is this "
+                                "run's kind")
+
+
 class GenerationResult(BaseModel):
     prompt: str
     negative_prompt: str | None = None
@@ -158,6 +173,8 @@ class GenerationResult(BaseModel):
     predicted_disk_read_bytes: dict[str, int] = Field(default_factory=dict, description="the plan's reads from the "
                                                       "checkpoint's files a generation, by component")
     output_pixels: OutputPixels | None = Field(None, description="what the output written (--out) holds")
+    decode: DecodeResult | None = Field(None, description="a GGUF or fp8-scaled transformer: its decode measured "
+                                        "against planned")
 
 
 class MemorySample(BaseModel):

@@ -123,6 +123,7 @@ class _Runs:
     last: Any  # chunkflow.generate.Generation
     encode_cached: list[bool]  # per measured generation: its encode ran no text encoder (the prompt cache)
     disk_reads: dict[str, int]  # component -> bytes it read from the checkpoint's files a measured generation
+    decode: Any = None  # the stored format's decode measured (runtime/codecs/probe.DecodeProbe), or None
 
 
 def _generations(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
@@ -193,7 +194,46 @@ def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOption
             plan_text += f" for the plan's {setup.plan_steps} steps"
         log(f"{name}: {format_bytes(n)} read from the checkpoint's files a generation{plan_text} "
             f"({setup.placements.get(name, 'stream')})")
-    return _Runs(measured, first, first_parts, stats, gen, cached, reads)
+    return _Runs(measured, first, first_parts, stats, gen, cached, reads, _measure_decode(handle, log))
+
+
+def _measure_decode(handle, log):
+    """The transformer's stored-format decode measured on its device after the generations (None: no such weights,
+    or not offloaded)."""
+    module = getattr(handle, "module", None)
+    if module is None:
+        return None
+    from chunkflow.runtime.codecs.probe import measure_decode, module_layouts
+
+    if handle.layouts:  # offloaded: its blocks as laid out, decoded on its device
+        probe = measure_decode(handle.layouts, handle.device)
+    else:  # placed whole: its weights decode where they are
+        device = next((p.device for p in module.parameters()), None)
+        probe = measure_decode(module_layouts(module), device) if device is not None else None
+    if probe is not None:
+        log(f"decode: {format_bytes(probe.decoded_bytes_per_forward)} of weights a forward, measured at "
+            f"{probe.gbps:.0f} GB/s: {probe.seconds_per_forward * 1e3:.1f} ms a forward")
+    return probe
+
+
+def _decode_result(plan: Plan, cfg: OffloadConfig, runs: _Runs, steps: int, compared: bool):
+    """The run report's decode: the probe's forward scaled to the step's forwards (counted where the transformer is
+    offloaded; else the guidance passes run apart), against the plan's."""
+    from chunkflow.reports import DecodeResult, rel_error
+
+    probe = runs.decode
+    if probe is None:
+        return None
+    forwards = runs.stats.get("forwards") or 0
+    passes = 1 if cfg.cfg_batched else plan.workload.cfg_passes
+    per_step = forwards / max(1, steps * len(runs.measured)) if forwards else passes
+    measured = probe.seconds_per_forward * per_step
+    f = plan.format
+    planned = f.decode_s_per_step if f is not None else None
+    return DecodeResult(decoded_bytes_per_step=round(probe.decoded_bytes_per_forward * per_step),
+                        measured_s_per_step=measured, measured_gbps=probe.gbps, planned_s_per_step=planned,
+                        planned_gbps=dict(f.decode_gbps) if f is not None else {},
+                        error=rel_error(measured, planned) if compared and planned else None)
 
 
 def _host_memory(world: int) -> tuple[int, list[int], int] | None:
@@ -273,7 +313,7 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
         warmup_generations=o.warmup, measured_generations=len(measured), generation_times_s=gen_times,
         first_phase_times_s=runs.first, first_parts_s=runs.first_parts, load=setup.load,
         encode_cached=runs.encode_cached, disk_read_bytes=runs.disk_reads,
-        predicted_disk_read_bytes=setup.planned_disk_reads)
+        predicted_disk_read_bytes=setup.planned_disk_reads, decode=_decode_result(plan, cfg, runs, steps, compared))
     return report
 
 
