@@ -146,3 +146,43 @@ def test_files_of_another_shape_than_their_expert_are_one_line_naming_the_option
         out = " ".join(result.output.split())  # the terminal wraps long lines
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
         assert f"{flag} {str(wrong)!r}" in out and "ffn" in out, out
+
+
+def test_a_pair_whose_names_say_the_other_stage_is_refused_before_the_load(cli, workdir, experts, tmp_path):
+    """The experts have the same shape, so a swapped pair passes every header check and would run each stage with
+    the other's weights; where the files' own names say their stage (city96's `..._high_noise_...`, QuantStack's
+    `...-LowNoise-...`), a file given for the other stage is one line naming the option, on plan and on run; named
+    the right way round they plan as before."""
+    import shutil
+
+    folder, files, _ = experts
+    named = {}
+    for name, stage in (("transformer", "high_noise"), ("transformer_2", "LowNoise")):
+        named[name] = tmp_path / f"wan2.2_t2v_{stage}_14B_Q8_0.gguf"
+        shutil.copy(files["gguf"][name][0], named[name])
+    right = _plan(cli, folder, {n: (named[n],) for n in EXPERTS})
+    swapped = ["--transformer", named["transformer_2"], "--transformer-2", named["transformer"]]
+    planned = cli("plan", "--weights", folder, "--hardware", "cpu", *SHAPE, *swapped)
+    ran = cli("run", "--plan", right, "--weights", folder, *swapped, "--prompt", "a cat", "--device", "cpu",
+              "--report", "r.json")
+    for result in (planned, ran):
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"--transformer {str(named['transformer_2'])!r} is named a low-noise expert" in out, out
+        assert "give it as --transformer-2" in out
+    assert not Path("r.json").exists()
+
+
+def test_a_format_plan_runs_each_expert_from_a_file_of_its_format(cli, workdir, experts):
+    """A plan priced from GGUF experts runs only GGUF experts: an fp8-scaled second expert, or none (the folder's
+    own weights for it), is one line before anything is read."""
+    folder, files, _ = experts
+    plan = _plan(cli, folder, files["gguf"])
+    for extra, said in ((["--transformer-2", files["fp8-scaled"]["transformer_2"][0]], "stores the transformer_2 as "
+                         "fp8-scaled, and the plan was made for q8_0"),
+                        ([], "transformer_2 was given no file: give it with --transformer-2 FILE")):
+        ran = cli("run", "--plan", plan, "--weights", folder, "--transformer", files["gguf"]["transformer"][0],
+                  *extra, "--prompt", "a cat", "--device", "cpu", "--report", "r.json")
+        out = " ".join(ran.output.split())
+        assert ran.exit_code == 2 and "Traceback" not in ran.output and said in out, out
+        assert not Path("r.json").exists()

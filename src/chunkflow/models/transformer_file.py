@@ -5,6 +5,7 @@ setting its stored bytes allow (a GGUF file's are streamed as stored: no fp8 sto
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +17,11 @@ from chunkflow_planner.offload import OffloadConfig
 __all__ = ["file_component", "check_files", "no_expert", "load_file_component", "file_setting", "FILE_OPTIONS"]
 
 FILE_OPTIONS = {"transformer": "--transformer", "transformer_2": "--transformer-2"}
+# the stage a two-expert pipeline runs each expert for (diffusers' WanPipeline: `transformer` the high-noise steps,
+# `transformer_2` the low-noise ones), and how the files' own names say it (city96's wan2.2_..._high_noise_14B_Q8_0,
+# QuantStack's ...-HighNoise-Q8_0)
+EXPERT_STAGES = {"transformer": "high", "transformer_2": "low"}
+_STAGE_IN_NAME = {stage: re.compile(rf"(?<![a-z]){stage}[ _.-]?noise", re.I) for stage in ("high", "low")}
 
 
 def _model_class(spec) -> type:
@@ -71,8 +77,24 @@ def check_files(spec, folder: Path | None, files: dict[str, str]) -> dict[str, s
     for name, path in files.items():
         if name not in names:
             raise CheckpointError(no_expert(spec, name))
+        if len(names) > 1:
+            check_expert_stage(name, Path(path))
         out[name] = file_component(name, Path(path).expanduser(), spec, folder).fmt
     return out
+
+
+def check_expert_stage(name: str, path: Path) -> None:
+    """A two-expert pipeline's file whose own name says it is the other stage's expert (`..._low_noise_...` given as
+    --transformer, the high-noise one): refused in one line. The experts have the same shape, so nothing else tells
+    a swapped pair, which would run each stage with the other's weights."""
+    stage = EXPERT_STAGES.get(name)
+    named = [s for s, pattern in _STAGE_IN_NAME.items() if pattern.search(path.name)]
+    if stage is None or len(named) != 1 or named[0] == stage:
+        return
+    other = next(n for n, s in EXPERT_STAGES.items() if s == named[0])
+    raise CheckpointError(f"{FILE_OPTIONS[name]} {str(path)!r} is named a {named[0]}-noise expert, but {name} runs the "
+                          f"{stage}-noise steps ({other} the {named[0]}-noise ones): give it as {FILE_OPTIONS[other]} "
+                          "(swap the two files)")
 
 
 def load_file_component(c: Component, spec, dtype: torch.dtype, reader=None) -> None:
@@ -109,8 +131,15 @@ def check_plan_format(plan, files: dict[str, str]) -> None:
     from chunkflow_planner.plan import model_of
     from chunkflow_planner.stored_file import from_file
 
-    path = files["transformer"]
-    stored = from_file(model_of(plan), path).stored
-    if stored is not None and stored.format != fmt.name:
-        raise CheckpointError(f"{path} stores the transformer as {stored.format}, and the plan was made for "
-                              f"{fmt.name}: plan again with --transformer {path}")
+    spec = model_of(plan)
+    experts = spec.pipeline.experts if spec.pipeline is not None else 1
+    lacking = [n for n in ("transformer", *(f"transformer_{k + 1}" for k in range(1, experts))) if n not in files]
+    if lacking:  # that expert would run the folder's own weights where the plan priced the format's
+        flag = FILE_OPTIONS.get(lacking[0], "--transformer")
+        raise CheckpointError(f"the plan streams every expert as {fmt.name}, and {lacking[0]} was given no file: give "
+                              f"it with {flag} FILE, or plan without --format to run the folder's own weights")
+    for name, path in files.items():  # each expert's file: the plan priced every expert's blocks in its format
+        stored = from_file(spec, path).stored
+        if stored is not None and stored.format != fmt.name:
+            raise CheckpointError(f"{path} stores the {name} as {stored.format}, and the plan was made for "
+                                  f"{fmt.name}: plan again with {FILE_OPTIONS.get(name, '--transformer')} {path}")
