@@ -186,3 +186,16 @@ def test_a_format_plan_runs_each_expert_from_a_file_of_its_format(cli, workdir, 
         out = " ".join(ran.output.split())
         assert ran.exit_code == 2 and "Traceback" not in ran.output and said in out, out
         assert not Path("r.json").exists()
+
+
+def test_a_session_refuses_a_pair_named_the_other_way_round(workdir, experts, tmp_path, cli):
+    """chunkflow.load checks the names as the commands do."""
+    import shutil
+
+    folder, files, _ = experts
+    plan = _plan(cli, folder, files["gguf"])
+    low = tmp_path / "Wan2.2-T2V-A14B-LowNoise-Q8_0.gguf"
+    shutil.copy(files["gguf"]["transformer_2"][0], low)
+    with pytest.raises(chunkflow.ChunkflowError, match="is named a low-noise expert"):
+        chunkflow.load(plan, weights=folder, transformer=low, transformer_2=files["gguf"]["transformer"][0],
+                       device="cpu")

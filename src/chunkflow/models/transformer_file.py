@@ -42,6 +42,8 @@ def file_component(name: str, path: Path, spec, folder: Path | None) -> Componen
                               "says the model's shape and which gives every other component")
     if not path.is_file():
         raise CheckpointError(f"{flag} {str(path)!r} is not a file")
+    if spec.pipeline is not None and spec.pipeline.experts > 1:
+        check_expert_stage(name, path)
     check_transformer_config(folder / name, spec)
     try:
         fmt = formats.check(path, _model_class(spec), folder / name)
@@ -77,8 +79,6 @@ def check_files(spec, folder: Path | None, files: dict[str, str]) -> dict[str, s
     for name, path in files.items():
         if name not in names:
             raise CheckpointError(no_expert(spec, name))
-        if len(names) > 1:
-            check_expert_stage(name, Path(path))
         out[name] = file_component(name, Path(path).expanduser(), spec, folder).fmt
     return out
 
