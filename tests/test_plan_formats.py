@@ -200,7 +200,7 @@ def test_the_plan_records_format_and_bytes_a_step_against_bf16():
     plan = make_plan(with_format(spec, "q8_0"), w, resolve_hardware("h200"), budget=8 * 10**9, pipeline=False,
                      max_slowdown=3)[0]
     f = plan.format
-    assert plan.schema_version == PLAN_SCHEMA_VERSION == 5 and f.name == "q8_0" and not f.decode_measured
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 6 and f.name == "q8_0" and not f.decode_measured
     assert plan.offload.mode != "none" and f.h2d_bytes_per_step > 0
     assert f.h2d_bytes_per_step / f.h2d_bytes_per_step_bf16 == pytest.approx(f.block_bytes_ratio, rel=0.02)
     assert f.stored_bytes < f.bf16_bytes and plan.model.spec is not None and plan.model.spec.stored is not None
@@ -277,14 +277,16 @@ def test_old_plan_files_still_read(tmp_path):
     new = _plan(get_model("tiny-flux"))
     data = json.loads(new.to_json())
     data.pop("format")
-    for version in (1, 2, 3, 4):
+    data["workload"].pop("cache")
+    data["prediction"].pop("cache")
+    for version in (1, 2, 3, 4, 5):
         path = tmp_path / f"v{version}.json"
         path.write_text(json.dumps({**data, "schema_version": version}))
         assert load_plan(path).format is None
-    path.write_text(json.dumps({**data, "schema_version": 6}))
+    path.write_text(json.dumps({**data, "schema_version": 7}))
     from chunkflow_planner.plan import PlanError
 
-    with pytest.raises(PlanError, match="schema_version 6"):
+    with pytest.raises(PlanError, match="schema_version 7"):
         load_plan(path)
     assert math.isfinite(plan.prediction.step_time_s)
 

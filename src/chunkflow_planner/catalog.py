@@ -29,6 +29,7 @@ from pydantic import (
 
 from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEncoderSpec, VaeSpec  # noqa: F401  (re-exported)
 from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.stepcache import StepCache
 
 CATALOG_SCHEMA_VERSION = 5  # 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
 # quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
@@ -120,6 +121,7 @@ class Workload(_Strict):
     width: int = Field(gt=0)
     steps: int = Field(gt=0)
     cfg_passes: int = Field(1, ge=1, le=2, description="transformer forwards per step: 2 with true CFG")
+    cache: StepCache | None = Field(None, description="a step cache skipping some steps' blocks (stepcache.py)")
 
 
 class ActivationModel(_Strict):

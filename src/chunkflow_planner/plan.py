@@ -20,10 +20,13 @@ from chunkflow_planner.versioned import field_errors, read_versioned
 
 # 2: model.spec, the whole entry of a model derived from a folder (issue 37). A version 1 plan reads as it is: its
 # model is the catalog's (model_of).
-PLAN_SCHEMA_VERSION = 5  # 5: the stored format (`format`, issue 52); 4: a band on every prediction (prediction.bands,
+PLAN_SCHEMA_VERSION = 6  # 6: a step cache (workload.cache, prediction.cache; issue 54); 5: the stored format (`format`, issue 52); 4: a band on every prediction (prediction.bands,
 # issue 41); 3: the codec (offload.codec and its prediction fields, issue 39); 4, 3, 2 and 1 read as they are (bf16;
 # no bands before 4)
-OLDER_PLAN_VERSIONS = (1, 2, 3, 4)
+OLDER_PLAN_VERSIONS = (1, 2, 3, 4, 5)  # 5 reads as it is: no cache
+
+
+from chunkflow_planner.stepcache import StepCache  # noqa: E402 (a field's type)
 
 
 class PlanError(ChunkflowError):
@@ -84,11 +87,13 @@ class PlanWorkload(_Section):
     tokens: int = Field(gt=0, description="global token count S per sample")
     steps: int = Field(gt=0)
     cfg_passes: int = Field(1, ge=1, le=2)
+    cache: StepCache | None = Field(None, description="the step cache the plan prices (stepcache.py); none: every "
+                                    "step computed")
 
     def to_workload(self) -> Workload:
         """The planner's Workload of this section (tokens are derived, not stored)."""
         return Workload(batch=self.batch, frames=self.frames, height=self.height, width=self.width, steps=self.steps,
-                        cfg_passes=self.cfg_passes)
+                        cfg_passes=self.cfg_passes, cache=self.cache)
 
 
 class PlanParallel(_Section):
@@ -187,7 +192,25 @@ class LoadPrediction(_Section):
                                                  "(None with one rank: host_peak_bytes)")
 
 
+class CachePrediction(_Section):
+    """What the step cache (workload.cache) saves: the steps it computes and skips at its hit rate (and at the
+    rate's spread), and the denoising steps' seconds with and without it, at the plan's setting."""
+
+    label: str
+    hit_rate: float | None = Field(None, description="the share of steps skipped, as planned (None: a schedule)")
+    hit_rate_source: str
+    computed_steps: int = Field(ge=0)
+    skipped_steps: int = Field(ge=0)
+    computed_steps_range: tuple[int, int] = Field(description="computed steps at the hit rate's spread: (fewest, "
+                                                  "most)")
+    steps_s: float = Field(ge=0, description="the denoising steps' seconds with the cache")
+    steps_s_range: tuple[float, float] = Field(description="the same at the spread's ends")
+    uncached_steps_s: float = Field(ge=0, description="the same steps, every one computed")
+    speedup: float = Field(gt=0, description="uncached_steps_s / steps_s")
+
+
 class PlanPrediction(Prediction):
+    cache: CachePrediction | None = Field(None, description="the step cache's saving (workload.cache)")
     baselines: Baselines
     load: LoadPrediction | None = Field(None, description="building the pipeline from its checkpoint folder")
     phases: PhasesPrediction | None = Field(None, description="the whole generation, phase by phase")

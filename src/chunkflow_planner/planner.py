@@ -31,6 +31,7 @@ from chunkflow_planner.overlap import OverlapAnalysis, analyse
 from chunkflow_planner.plan import (
     Analysis,
     Baselines,
+    CachePrediction,
     Critical,
     Plan,
     PlanHardware,
@@ -43,7 +44,7 @@ from chunkflow_planner.memory import host_need
 from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point, Problem, decide, fewest_disk_blocks,
                                      setting)
 from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
-from chunkflow_planner.workload import WorkloadError, tokens
+from chunkflow_planner.workload import WorkloadError, per_forward, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, repriced_whole, with_pipeline
 from chunkflow_planner.pipeline.decide import PipelineDecision
 from chunkflow_planner.bands import bands
@@ -376,6 +377,7 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
         workload=PlanWorkload(
             batch=workload.batch, frames=workload.frames, height=workload.height, width=workload.width,
             tokens=tokens(spec, workload), steps=workload.steps, cfg_passes=workload.cfg_passes,
+            cache=workload.cache,
         ),
         parallel=PlanParallel(sp_degree=problem.sp),
         hardware=PlanHardware(
@@ -386,7 +388,7 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
         analysis=_plan_analysis(analysis, hw),
         offload=chosen.cfg.with_overrides(comm_aware=problem.aware, share_host=problem.share_host),
         prediction=PlanPrediction(
-            **_prediction(chosen, hw, workload.cfg_passes).model_dump(),
+            **_prediction(chosen, hw, workload.cfg_passes).model_dump(), cache=cache_prediction(workload, chosen),
             baselines=Baselines(none=_prediction(decision.none), layerwise=_prediction(decision.layerwise),
                                 none_cfg_batched=decision.none.cfg.cfg_batched),
         ),
@@ -396,6 +398,32 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
         target_step_time_s=decision.target_s,
         reason=decision.reason,
     )
+
+
+def cache_prediction(workload: Workload, point) -> CachePrediction | None:
+    """The step cache's steps and seconds at `point` (stepcache.cached_steps), at its hit rate and the spread's
+    ends; None without a cache."""
+    from chunkflow_planner.stepcache import cached_steps
+
+    cache = workload.cache
+    if cache is None:
+        return None
+    passes = per_forward(workload, point.cfg.cfg_batched)[1]
+
+    def at(rate):  # noqa: ANN001, ANN202
+        return cached_steps(cache, workload.steps, point.step_time, point.time.per_block, passes, rate)
+
+    mid = at(None)
+    if cache.hit_rate is None:  # a schedule: no spread
+        ends = (mid, mid)
+    else:
+        ends = (at(min(0.999, cache.hit_rate + cache.hit_rate_spread)), at(max(0.0, cache.hit_rate - cache.hit_rate_spread)))
+    uncached = workload.steps * point.step_time
+    return CachePrediction(label=cache.label(), hit_rate=cache.hit_rate, hit_rate_source=cache.hit_rate_source,
+                           computed_steps=mid.computed, skipped_steps=mid.skipped,
+                           computed_steps_range=(ends[0].computed, ends[1].computed), steps_s=mid.time_s,
+                           steps_s_range=(ends[0].time_s, ends[1].time_s), uncached_steps_s=uncached,
+                           speedup=uncached / mid.time_s if mid.time_s > 0 else 1.0)
 
 
 def _plan_analysis(analysis: OverlapAnalysis, hw: HardwareSpec) -> Analysis:

@@ -148,6 +148,14 @@ _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or H
 _Transformer = Annotated[Optional[str], typer.Option(help="with --weights DIR: the transformer the run will read from "
                                                            "this single file (a GGUF file), checked from its header "
                                                            "against the folder's config"), INPUT]
+_Cache = Annotated[Optional[str], typer.Option(help="price a step cache: KIND[:PARAMS], one of first-block "
+                                                 "(threshold), taylorseer-lite or taylorseer (cache_interval, "
+                                                 "disable_cache_before_step), "
+                                                 "mag (threshold, max_skip_steps, retention_ratio); e.g. "
+                                                 "first-block:0.1 or taylorseer:5,3")]
+_CacheHitRate = Annotated[Optional[float], typer.Option(help="the share of steps the cache is expected to skip "
+                                                        "(first-block, mag; measured by an earlier run's report). "
+                                                        "Default: a wide prior")]
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
                          INPUT]
 
@@ -166,7 +174,8 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              eta_comp: _EtaComp = None,
              eta_pref: _EtaPref = None, prefetch_bytes: _PrefetchBytes = None, text_len: _TextLen = None,
              weights: _Weights = None, variant: Variant = None, weight_format: _Format = None,
-             transformer: _Transformer = None, transformer_2: _Transformer2 = None) -> None:
+             transformer: _Transformer = None, transformer_2: _Transformer2 = None, cache: _Cache = None,
+             cache_hit_rate: _CacheHitRate = None) -> None:
     """Predict step time and peak memory per offload mode and choose chunk size and residency; with --weights DIR
     (or --model DIR) and no catalog model, for the model derived from that folder. Every prediction carries a band
     (`12.4 s +-6%`: about 95% of runs on the profile's machine), from the profile's fits and the planner's own error;
@@ -187,6 +196,7 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     if spec.derived is not None:
         text_len = None  # the derived entry's own text length (--text-len went into it)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
+    workload = _with_cache(workload, cache, cache_hit_rate)
     resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
                                 eta_pref=eta_pref, disk_gbps=disk_gbps)
     budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
@@ -240,6 +250,20 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
              "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
              "components for their phase only")
     _show_plan(plan, decision, analysis, out, json_out)
+
+
+def _with_cache(workload, cache: str | None, hit_rate: float | None):
+    """The workload with the step cache `--cache` names (stepcache.parse_cache): one line for a bad spec."""
+    if cache is None:
+        if hit_rate is not None:
+            raise UserError("--cache-hit-rate is the hit rate of a cache: give the cache with --cache KIND")
+        return workload
+    from chunkflow_planner.stepcache import CacheError, parse_cache
+
+    try:
+        return workload.model_copy(update={"cache": parse_cache(cache, hit_rate)})
+    except CacheError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _check_transformer_files(spec, weights: str | None, files: dict[str, str | None]) -> None:

@@ -76,6 +76,30 @@ def format_said(plan: Plan) -> str | None:
             + ("(measured)" if f.decode_measured else "(supposed: `chunkflow calibrate` measures it)"))
 
 
+def cache_said(plan: Plan) -> str | None:
+    """The step cache in one line: the steps it computes and skips, and the steps' time with and without it; None
+    without a cache."""
+    c, w = plan.prediction.cache, plan.workload
+    if c is None:
+        return None
+    kind = w.cache.kind if w.cache is not None else ""
+    skipped = {"first-block": "the first block only", "taylorseer": "every block (only attention is predicted, so "
+               "every block still streams: use taylorseer-lite to skip the blocks)"}.get(kind, "no block")
+    if c.hit_rate is None:
+        rate = "a fixed schedule"
+    else:
+        spread = w.cache.hit_rate_spread if w.cache is not None else 0.0
+        rate = f"hit rate {c.hit_rate:.0%}" + (f" +-{spread:.0%}" if spread else "") + {
+            "given": " (given)", "prior": " (a prior: nothing measured it; --cache-hit-rate from a run's report)",
+        }.get(c.hit_rate_source, f" ({c.hit_rate_source})")
+    lo, hi = c.computed_steps_range
+    ends = f" ({lo}-{hi} at the spread)" if lo != hi else ""
+    return (f"cache: {c.label}, {rate}: {c.computed_steps} of {w.steps} steps computed{ends}, the other "
+            f"{c.skipped_steps} run {skipped}; the steps take {format_seconds(c.steps_s)} against "
+            f"{format_seconds(c.uncached_steps_s)} uncached ({c.speedup:.2f}x; the cache's output is not the "
+            "uncached one's)")
+
+
 def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noqa: ANN001 - planner types
     """The answer first (the chosen plan, why, the pipeline's phases and memory), then how it was reached: the
     overlap analysis and each mode's prediction."""
@@ -94,12 +118,16 @@ def print_plan(console: Console, plan: Plan, decision, analysis) -> None:  # noq
         console.print("note: a plan for the CPU (chunkflow's CPU mode, the same runtime with synchronous copies): "
                       "its times are nominal figures, not predictions; its memory is host memory, and that is "
                       "planned for", highlight=False)
-    total = plan.prediction.step_time_s * w.steps
+    cache = plan.prediction.cache
+    total = cache.steps_s if cache is not None else plan.prediction.step_time_s * w.steps
     target, step = format_seconds_apart(plan.target_step_time_s or 0, plan.prediction.step_time_s)
     console.print(f"[bold green]plan:[/] {_chosen_text(plan)}; {hw.device_word} budget {_budget_text(plan)}; target "
                   f"{target} per step, {step}{band_text(plan, 'step_time_s')} predicted; {w.steps} steps take about "
                   f"{format_seconds(total)}", highlight=False)
     console.print(f"[bold]why:[/] {escape(plan.reason)}", highlight=False)
+    said = cache_said(plan)
+    if said:
+        console.print(said, markup=False, highlight=False)
     if plan.pipeline is not None:
         print_pipeline(console, plan)
     else:

@@ -14,7 +14,9 @@ from chunkflow_planner.pipeline.decode import decode_cost, output_host_bytes
 from chunkflow_planner.pipeline.experts import expert_names, expert_steps
 from chunkflow_planner.pipeline.hostshare import shared_host_bytes
 from chunkflow_planner.pipeline.placement import ON_DISK, ExpertRun, Phase, PipelineEstimate, Placements
+from chunkflow_planner.stepcache import cached_steps
 from chunkflow_planner.tiers import read_s
+from chunkflow_planner.workload import per_forward
 from chunkflow_planner.pipeline.text import TextCosts, text_act_bytes, text_costs
 from chunkflow_planner.policy import Point
 
@@ -79,7 +81,7 @@ def estimate(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, poi
     host["output"] = output_host_bytes(w)
 
     enc = _encode(spec, hw, pl, text, always)
-    den = _denoise(spec, hw, pl, runs, always)
+    den = _denoise(spec, w, hw, pl, runs, always)
     dec = _decode(spec, w, hw, pl, always)
     phases = {"encode": enc, "denoise": den, "decode": dec}
     if hw.pipeline.device_is_host:  # the device's peak is host memory too
@@ -130,13 +132,18 @@ def _encode(spec: ModelSpec, hw: HardwareSpec, pl: Placements, text: list, alway
     return enc
 
 
-def _denoise(spec: ModelSpec, hw: HardwareSpec, pl: Placements, runs: tuple[ExpertRun, ...],
+def _denoise(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, runs: tuple[ExpertRun, ...],
              always: float) -> Phase:
     """The denoise phase: each expert's steps at its point, one expert at a time, each brought to the device at its
-    turn (an expert that runs no step takes none); parked outside, so it copies its device part back."""
+    turn (an expert that runs no step takes none); parked outside, so it copies its device part back. Under a step
+    cache (w.cache) the steps it skips cost what they still run (stepcache.cached_steps)."""
     den = Phase()
     turns = [r for r in runs if r.steps]
-    den.detail["steps"] = sum(r.steps * r.point.step_time for r in runs)
+    steps = [cached_steps(w.cache, r.steps, r.point.step_time, r.point.time.per_block,
+                          per_forward(w, r.point.cfg.cfg_batched)[1]) for r in runs]
+    den.detail["steps"] = sum(s.computed_s for s in steps)
+    if w.cache is not None:
+        den.detail["cached steps"] = sum(s.skipped_s for s in steps)
     unpark = sum(read_s(spec.nbytes, "host", hw) if r.placement == "phase" else _unpark_s(spec, r.placement,
                                                                                           r.point, hw)
                  for r in turns if r.placement != "gpu")
