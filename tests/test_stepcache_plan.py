@@ -111,3 +111,16 @@ def test_parse_reads_positional_and_named_parameters():
     assert dict(c.params) == {"cache_interval": 6.0, "disable_cache_before_step": 1.0}
     with pytest.raises(CacheError):
         parse_cache("first-block:0.1,0.2")
+
+
+def test_the_hit_rate_spread_widens_the_generation_band(cli):
+    """A given rate with no spread leaves the generation's band as the fits make it; the prior's spread widens it
+    by the steps' seconds at its ends, names the cache among the band's fits and marks it supposed."""
+    given = _plan(cli, "--cache", "mag:0.1", "--cache-hit-rate", "0.35")["prediction"]
+    prior = _plan(cli, "--cache", "mag:0.1")["prediction"]
+    assert given["generation_time_s"] == pytest.approx(prior["generation_time_s"])
+    g, p = given["bands"]["generation_time_s"], prior["bands"]["generation_time_s"]
+    c = prior["cache"]
+    moved = max(c["steps_s"] - c["steps_s_range"][0], c["steps_s_range"][1] - c["steps_s"])
+    assert p["rel"] == pytest.approx((g["rel"] ** 2 + (moved / prior["generation_time_s"]) ** 2) ** 0.5)
+    assert "cache hit rate" in p["fits"] and "cache hit rate" in p["supposed"] and "cache hit rate" not in g["fits"]

@@ -174,7 +174,34 @@ def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecis
     if problem.hw.pipeline.device_is_host:  # a CPU plan's times are nominal figures: no band claims to hold them
         values = {k: v for k, v in values.items() if not k.endswith("_s")}
     found = bands(price, with_supposed(problem.hw, problem.spec), values)
+    found = with_cache_spread(found, plan, values)
     return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})
+
+
+CACHE_FIT = "cache hit rate"  # the band's name for the step cache's hit-rate spread (stepcache.py)
+
+
+def with_cache_spread(found: dict, plan: Plan, values: dict[str, float]) -> dict:
+    """The bands of the times the step cache's steps make up (the generation, the denoise phase) widened by its
+    hit rate's spread: the steps' seconds at the spread's ends (prediction.cache.steps_s_range) against the plan's,
+    added in quadrature to the fits' and named among them."""
+    c = plan.prediction.cache
+    if c is None or c.steps_s_range[0] == c.steps_s_range[1]:
+        return found
+    moved = max(abs(c.steps_s - c.steps_s_range[0]), abs(c.steps_s_range[1] - c.steps_s))
+    out = dict(found)
+    for key in ("generation_time_s", "generation_warm_time_s", "phases.denoise.time_s", "phases.denoise.warm_time_s"):
+        band, base = found.get(key), values.get(key)
+        if band is None or not base:
+            continue
+        rel = min(1000.0, math.hypot(band.rel, moved / base))
+        out[key] = band.model_copy(update=dict(rel=rel, low=base * max(0.0, 1 - rel), high=base * (1 + rel),
+                                               fits=[CACHE_FIT, *band.fits][:3] if moved / base > band.rel
+                                               else [*band.fits, CACHE_FIT][:4],
+                                               measured=band.measured and c.hit_rate_source != "prior",
+                                               supposed=[*band.supposed, *([CACHE_FIT] if c.hit_rate_source == "prior"
+                                                                            else [])]))
+    return out
 
 
 def usable_budget(budget: int, margin: float) -> int:
