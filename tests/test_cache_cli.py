@@ -1,5 +1,7 @@
 """`--cache KIND[:PARAMS]` (issue 54): parsed once into a validated pydantic model with a schema; a bad one is one
-line naming what is accepted."""
+line naming what is accepted; `chunkflow run --prompt --cache` enables it on the pipeline's transformer and gives the
+latents of the same cache with the transformer whole on the device, bit for bit, the report counting the blocks
+computed and skipped (the same count as the runtime's) and the bytes copied for the skipped ones."""
 
 from __future__ import annotations
 
@@ -65,3 +67,61 @@ def test_the_setting_has_a_schema_with_every_kind_and_its_parameters_described()
     assert kinds == set(KINDS)
     for d in schema["$defs"].values():
         assert all("description" in p for name, p in d["properties"].items() if name != "kind")
+
+
+# ----------------------------------------------------------------------------------------------- the command
+
+
+@pytest.fixture
+def plans(cli, workdir):
+    """The README's demo planned twice: its transformer streamed (7 MB) and whole on the device (1 GB)."""
+    for name, budget in (("stream", "7MB"), ("gpu", "1GB")):
+        result = cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", budget, "--out", f"{name}.json")
+        assert result.exit_code == 0, result.output
+    placement = {n: {c["name"]: c["placement"] for c in json.loads((workdir / f"{n}.json").read_text())["pipeline"]
+                     ["components"]}["transformer"] for n in ("stream", "gpu")}
+    assert placement == {"stream": "stream", "gpu": "gpu"}
+    return workdir
+
+
+def test_run_with_a_cache_gives_the_latents_of_the_same_cache_not_streamed_and_counts_its_skips(cli, plans):
+    from safetensors.torch import load_file
+
+    from pipelines import one_thread
+
+    got = {}
+    for name in ("stream", "gpu"):
+        with one_thread():
+            result = cli("run", "--plan", f"{name}.json", "--prompt", "a red fox in the snow", "--steps", "8",
+                         "--cache", "first-block:0.3", "--latents", f"{name}.safetensors", "--report", f"{name}-r.json")
+        assert result.exit_code == 0, result.output
+        assert "cache first-block:threshold=0.3 on transformer:" in " ".join(result.output.split())
+        got[name] = (load_file(f"{name}.safetensors")["latents"], json.loads((plans / f"{name}-r.json").read_text()))
+    assert got["stream"][0].equal(got["gpu"][0])
+    streamed, whole = got["stream"][1], got["gpu"][1]
+    c, w = streamed["generation"]["cache"], whole["generation"]["cache"]
+    assert c["setting"] == {"kind": "first-block", "threshold": 0.3} and c["forwards"] == 16  # 8 steps, 2 passes
+    assert c["blocks_skipped"] > 0 and c["blocks_computed"] + c["blocks_skipped"] == 16 * 4
+    for key in ("blocks_computed", "blocks_skipped", "skipped_per_forward", "skipped_by_block"):
+        assert c[key] == w[key]  # the cache skipped the same blocks wherever the transformer was
+    assert sum(c["skipped_per_forward"]) == c["blocks_skipped"] == sum(c["skipped_by_block"].values())
+    st = streamed["stats"]  # the runtime's own count, and the bytes it copied for the blocks skipped
+    assert (st["blocks_computed"], st["blocks_skipped"]) == (c["blocks_computed"], c["blocks_skipped"])
+    block_bytes = st["streamed_bytes_per_step"] // 4  # the demo's 4 blocks are alike
+    assert c["skipped_h2d_bytes"] == st["skipped_h2d_bytes"] == c["blocks_skipped"] * block_bytes
+    assert w["skipped_h2d_bytes"] is None  # nothing streamed, nothing copied
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt", "a cat", "--cache", "first:1"], "unknown cache 'first'; give one of first-block, mag"),
+    (["--prompt", "a cat", "--cache", "mag"], "mag needs the model's magnitude ratios"),
+    (["--cache", "first-block"], "--cache goes with --prompt"),
+    (["--prompts", "p.txt", "--cache", "first-block"], "--cache with --prompts is not supported yet"),
+    (["--prompt", "a cat", "--cache", "taylorseer"], "it hooks no module of transformer (WanTransformer3DModel)"),
+])
+def test_a_cache_the_run_cannot_take_is_refused_in_one_line_before_the_load(cli, plans, args, words):
+    (plans / "p.txt").write_text("a cat\n")
+    result = cli("run", "--plan", "stream.json", *args)
+    assert result.exit_code == 2, result.output
+    assert words in " ".join(result.output.split())
+    assert "built the" not in result.output and "Traceback" not in result.output
