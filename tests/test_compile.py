@@ -67,6 +67,10 @@ def test_regional_compile_in_either_order_is_bit_identical_to_compiled_without_o
         assert torch.equal(_run(before, kw), want)
         assert torch.equal(_run(after, kw), want)
     assert _graphs() == settled  # and none after the first offloaded forward
+    n = sum(len(b) for b in blocks)
+    for h in (h1, h2):  # every call of a compiled block ran its forward, noted inside the compiled region
+        st = h.stats()
+        assert (st.blocks_computed, st.blocks_skipped) == (4 * n, 0) and st.forwards == 4
     h1.remove()
     h2.remove()
     assert torch.equal(_run(before, kw), want) and torch.equal(_run(after, kw), want)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Sequence
 
 from pydantic import BaseModel, Field, ValidationError, computed_field
 
+from chunkflow_planner.cache import CacheSetting
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.files import FileError, read_text
 from chunkflow_planner.offload import OffloadConfig
@@ -132,6 +133,29 @@ class DecodeResult(BaseModel):
                                 "run's kind")
 
 
+class CacheResult(BaseModel):
+    """A step cache in the measured generations (`run --cache`): its setting and the block runs it skipped."""
+
+    setting: CacheSetting
+    label: str = Field(description="the setting as --cache takes it")
+    transformers: list[str] = Field(description="the components it was enabled on")
+    forwards: int = Field(description="transformer forwards of the measured generations")
+    forwards_per_step: int = Field(1, description="forwards a denoising step (guidance passes, experts' turns)")
+    blocks_computed: int = Field(description="block calls whose own forward ran (one of the block's modules ran)")
+    blocks_skipped: int = Field(description="block calls the cache skipped (the block called, its forward replaced)")
+    skipped_per_forward: list[int] = Field(default_factory=list, description="blocks skipped in each forward, in "
+                                                                              "order (step i: forwards_per_step of them)")
+    skipped_by_block: dict[str, int] = Field(default_factory=dict, description="block -> forwards it was skipped in")
+    skipped_h2d_bytes: int | None = Field(None, description="bytes copied host to device for the skipped blocks "
+                                                            "(streamed transformers; None where none streams)")
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the block calls skipped."""
+        n = self.blocks_computed + self.blocks_skipped
+        return self.blocks_skipped / n if n else 0.0
+
+
 class GenerationResult(BaseModel):
     prompt: str
     negative_prompt: str | None = None
@@ -175,6 +199,7 @@ class GenerationResult(BaseModel):
     output_pixels: OutputPixels | None = Field(None, description="what the output written (--out) holds")
     decode: DecodeResult | None = Field(None, description="a GGUF or fp8-scaled transformer: its decode measured "
                                         "against planned")
+    cache: CacheResult | None = Field(None, description="the step cache it ran with (--cache) and what it skipped")
 
 
 class MemorySample(BaseModel):

@@ -454,6 +454,8 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     streamed = stream_line(report.stats, g.steps, pp.disk_read_bytes_per_step // forwards or None)
     if streamed:
         console.print(streamed, highlight=False, markup=False)
+    if g.cache is not None:
+        console.print(cache_line(g.cache), highlight=False, markup=False)
     if g.load is not None:
         console.print(load_line(g.load, gpu), highlight=False, markup=False)
         if g.load.weights == "random":
@@ -461,6 +463,22 @@ def print_generation(console: Console, report) -> None:  # noqa: ANN001 - chunkf
     console.print(_generation_table(g, gpu))
     _print_generation_notes(console, g, gpu)
     print_band_verdicts(console, report)
+
+
+def cache_line(c) -> str:  # noqa: ANN001 - reports.CacheResult
+    """What the step cache skipped in the measured generations, and the copies spent on what it skipped."""
+    calls = c.blocks_computed + c.blocks_skipped
+    line = (f"cache {c.label} on {', '.join(c.transformers)}: {c.blocks_skipped} of {calls} block calls skipped "
+            f"({c.hit_rate:.0%}) over {c.forwards} forwards")
+    if not c.blocks_skipped:
+        return line + ("; it skipped nothing: its threshold never fired in these steps, or it does not apply to this "
+                       "pipeline (it still ran its own checks each step)")
+    steps = [sum(c.skipped_per_forward[i:i + c.forwards_per_step])
+             for i in range(0, len(c.skipped_per_forward), c.forwards_per_step)]
+    line += f"; steps with skips: {sum(1 for n in steps if n)} of {len(steps)}"
+    if c.skipped_h2d_bytes is not None:
+        line += f"; {format_bytes(c.skipped_h2d_bytes)} copied to the device for the blocks it skipped"
+    return line
 
 
 def random_output_note(pixels, video: bool) -> str:  # noqa: ANN001 - reports.OutputPixels or None

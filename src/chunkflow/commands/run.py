@@ -71,6 +71,12 @@ _OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder
 _MaxJobTime = Annotated[Optional[str], typer.Option(help="with --prompts: skip, before the load, each job whose "
                                                           "predicted time (the upper end of its band) is over this, "
                                                           "e.g. 10min or 600s")]
+_Cache = Annotated[Optional[str], typer.Option(help="with --prompt: a step cache of diffusers' on the transformer(s), "
+                                                    "KIND[:PARAMS]: first-block:0.1 (threshold), mag:ratios=flux "
+                                                    "(MagCache; ratios=FILE.json, or calibrate), taylorseer:2,lite "
+                                                    "(interval; lite skips whole blocks), sea:0.3 (SeaCache, Wan "
+                                                    "text-to-video); lossy by design. The report counts the blocks "
+                                                    "computed and skipped")]
 _Latents = Annotated[Optional[str], typer.Option(help="also save the final latents (safetensors): of the generation "
                                                       "with --prompt, else of the timed steps (to compare settings)"),
                      OUTPUT]
@@ -84,7 +90,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
             guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
             prompts: _Prompts = None, out_dir: _OutDir = None, transformer: _Transformer = None,
-            transformer_2: _Transformer2 = None, max_job_time: _MaxJobTime = None) -> None:
+            transformer_2: _Transformer2 = None, max_job_time: _MaxJobTime = None, cache: _Cache = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -122,6 +128,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
         quiet_rank()  # ranks other than 0 print nothing but errors
 
     imported: dict[str, float | None] = {"s": None}
+    step_cache: dict = {"setting": None}  # --cache, parsed (chunkflow_planner.cache.CacheSetting)
 
     def checked():
         """Everything checked before anything is built: (plan, offload, options, image)."""
@@ -130,8 +137,14 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
                                        fp8_cast=fp8_cast, codec=codec_override(codec),
                                        decode=decode)  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
+        step_cache["setting"] = _check_cache(cache, generating, prompts is not None)
         imported["s"] = import_libraries()  # said before the silence it would be (the checks below need them)
         _check_priced(p, cfg, profile)
+        if step_cache["setting"] is not None:  # on the model's transformer on the meta device, before the load
+            from chunkflow.caches import check_fits
+            from chunkflow_planner.plan import model_of
+
+            check_fits(step_cache["setting"], model_of(p), steps or p.workload.steps)
         if prompts is not None:
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
@@ -167,7 +180,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
     if generating:
-        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture, imported["s"])
+        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture, imported["s"],
+                  step_cache["setting"])
         return
     from chunkflow.commands.plan_tables import print_run
 
@@ -223,6 +237,24 @@ def _check_priced(p, cfg, profile: str | None) -> None:
     problem = pricing_problem(cfg, hardware_of(p, profile), where, "run with another --profile")
     if problem is not None:
         raise UserError(problem)
+
+
+def _check_cache(text: str | None, generating: bool, prompts: bool):
+    """`--cache` parsed and validated (CacheSpecError, one line, where it is bad), refused where this run cannot
+    take it yet; None without it."""
+    if text is None:
+        return None
+    from chunkflow_planner.cache import parse_cache
+
+    setting = parse_cache(text)
+    if prompts:
+        raise UserError("--cache with --prompts is not supported yet: run each prompt with --prompt --cache")
+    if not generating:
+        raise UserError("--cache goes with --prompt: a cache keys on the pipeline's denoising steps, which the "
+                        "synthetic steps do not run")
+    if torchrun_world() > 1:
+        raise UserError("--cache under torchrun (sequence parallel) is not supported yet: run it in one process")
+    return setting
 
 
 def codec_override(codec: str | None) -> str | None:
@@ -375,14 +407,14 @@ def _check_generation(p, prompt: str, negative_prompt: str | None, out: str | No
 
 
 def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, image=None,
-              imports_s: float | None = None) -> None:
+              imports_s: float | None = None, cache=None) -> None:
     """`run --prompt`: the whole pipeline, phase by phase, with a progress bar over the denoising steps. Under
     torchrun every rank generates, rank 0 alone with bars, notes, files and tables (commands.ranks)."""
     from chunkflow.commands.plan_tables import print_generation
     from chunkflow.commands.run_generate import GenerateOptions, run_generation
 
     g = GenerateOptions(prompt=prompt, negative_prompt=negative_prompt, guidance=guidance, out=out, latents=latents,
-                        image=image)
+                        image=image, cache=cache)
     if not speaks():
         run_generation(p, cfg, opts, g)  # None: rank 0 writes and reports
         return

@@ -51,6 +51,7 @@ class GenerateOptions:
     out: str | None = None
     latents: str | None = None
     image: Any = None  # the image to animate or edit (a PIL image, checked; or a path)
+    cache: Any = None  # the step cache (chunkflow_planner.cache.CacheSetting), enabled once the pipeline is built
 
 
 def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
@@ -64,7 +65,12 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
     world = torchrun_world()
     setup = _setup(plan, cfg, o, progress, log, image=g.image is not None, world=world)
     try:
-        runs = _generations(setup, cfg, o, g, progress, log)
+        cache = None
+        if g.cache is not None:
+            from chunkflow.caches import CacheRun
+
+            cache = CacheRun.enable(g.cache, setup.built, setup.w.steps, log)
+        runs = _generations(setup, cfg, o, g, progress, log, cache)
         host = _host_memory(setup.world)  # every rank, while the pipeline (and its shared copies) is still held
     finally:
         setup.built.discard()  # the run is done with it: free, do not copy the weights back
@@ -77,6 +83,7 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         save_latents(g.latents, runs.last.latents)
     report = _report(plan, cfg, o, g, setup, runs, host)
     report.generation.output_pixels = pixels
+    report.generation.cache = runs.cache
     return report
 
 
@@ -123,23 +130,27 @@ class _Runs:
     last: Any  # chunkflow.generate.Generation
     encode_cached: list[bool]  # per measured generation: its encode ran no text encoder (the prompt cache)
     disk_reads: dict[str, int]  # component -> bytes it read from the checkpoint's files a measured generation
+    cache: Any = None  # reports.CacheResult: what the step cache skipped in the measured generations (--cache)
     decode: Any = None  # the stored format's decode measured (runtime/codecs/probe.DecodeProbe), or None
 
 
-def _generations(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log) -> _Runs:
-    """The warm-up and measured generations, with the long-lived objects frozen out of the collector's reach."""
+def _generations(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log,
+                 cache=None) -> _Runs:
+    """The warm-up and measured generations, with the long-lived objects frozen out of the collector's reach.
+    `cache`: the step cache's run (chunkflow.caches.CacheRun), whose measured part is reported."""
     freeze = gc.get_freeze_count() == 0  # a host process that froze its own objects keeps its freeze
     if freeze:
         gc.collect()
         gc.freeze()  # the long-lived objects: a full collection no longer scans them (module docstring)
     try:
-        return _generate_all(setup, cfg, o, g, progress, log, freeze)
+        return _generate_all(setup, cfg, o, g, progress, log, freeze, cache)
     finally:
         if freeze:
             gc.unfreeze()
 
 
-def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log, freeze: bool) -> _Runs:
+def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOptions, progress, log, freeze: bool,
+                  cache=None) -> _Runs:
     from chunkflow.generate import generate
 
     steps = setup.w.steps
@@ -159,6 +170,8 @@ def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOption
         if i == o.warmup:  # the handle's counters of the measured generations alone
             stats_before = handle.stats().as_dict()
             reads_before = setup.built.disk_reads()
+            if cache is not None:
+                cache.mark(setup.built)
         k = i - o.warmup
         tag = (f"warm-up {i + 1}/{o.warmup}: " if k < 0 else f"generation {k + 1}/{o.repeat}: " if o.repeat > 1
                else "")
@@ -181,12 +194,27 @@ def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOption
             if o.repeat > 1:
                 log(f"generation {k + 1}/{o.repeat}: "
                     + ", ".join(f"{name} {m.time_s:.3f} s" for name, m in gen.phases.items()))
-    stats = handle.stats().as_dict()
-    for key in ("forwards", "h2d_bytes_issued", "refreshes", "relayouts"):
-        if isinstance(stats.get(key), int) and isinstance(stats_before.get(key), int):
-            stats[key] -= stats_before[key]
-    reads = {name: (n - reads_before.get(name, 0)) // max(1, len(measured))
-             for name, n in setup.built.disk_reads().items()}
+    stats = _counted_since(handle.stats().as_dict(), stats_before)
+    reads = _disk_reads(setup, reads_before, len(measured), log)
+    done = cache.result(setup.built, steps, len(measured)) if cache is not None else None
+    return _Runs(measured, first, first_parts, stats, gen, cached, reads, done, _measure_decode(handle, log))
+
+
+COUNTERS = ("forwards", "h2d_bytes_issued", "refreshes", "relayouts", "blocks_computed", "blocks_skipped",
+            "skipped_h2d_bytes")  # the handle's counters a report gives for the measured generations alone
+
+
+def _counted_since(stats: dict, before: dict) -> dict:
+    """The handle's stats with its counters less their values at the measured generations' start."""
+    for key in COUNTERS:
+        if isinstance(stats.get(key), int) and isinstance(before.get(key), int):
+            stats[key] -= before[key]
+    return stats
+
+
+def _disk_reads(setup: PipelineSetup, before: dict[str, int], generations: int, log) -> dict[str, int]:
+    """Bytes each component read from the checkpoint's files a measured generation, said against the plan."""
+    reads = {name: (n - before.get(name, 0)) // max(1, generations) for name, n in setup.built.disk_reads().items()}
     for name, n in reads.items():
         want = setup.planned_disk_reads.get(name)
         plan_text = f", planned {format_bytes(want)}" if want else ""
@@ -194,7 +222,7 @@ def _generate_all(setup: PipelineSetup, cfg: OffloadConfig, o, g: GenerateOption
             plan_text += f" for the plan's {setup.plan_steps} steps"
         log(f"{name}: {format_bytes(n)} read from the checkpoint's files a generation{plan_text} "
             f"({setup.placements.get(name, 'stream')})")
-    return _Runs(measured, first, first_parts, stats, gen, cached, reads, _measure_decode(handle, log))
+    return reads
 
 
 def _measure_decode(handle, log):

@@ -37,6 +37,7 @@ from chunkflow.runtime.order import ExecutionOrder
 from chunkflow.runtime.params import bind_data, raw_data
 from chunkflow.runtime.parking import Parking, TurnTaking, take_turns
 from chunkflow.runtime.quantized import check_quantized
+from chunkflow.runtime.runs import BlockRuns
 from chunkflow.runtime.resolve import (
     check_not_offloaded,
     check_parameters,
@@ -113,6 +114,7 @@ class OffloadHandle:
         self.relayouts = 0
         self.reorders = 0  # re-layouts into the order the first forward entered the blocks (runtime/order.py)
         self.order = ExecutionOrder()
+        self.runs = BlockRuns()  # blocks computed and skipped (a cache's hits), runtime/runs.py
         self.removed = False
         self._origin: dict[tuple[int, str], torch.device] = {}  # (id(owner), attr) -> device before offload
         self._home: torch.device = torch.device("cpu")  # where tensors new since offload go at remove()
@@ -348,7 +350,10 @@ class OffloadHandle:
     def forward_done(self) -> None:
         """A top-level forward of the module completed: the first one's block order is checked, and where it is
         not the layout's the blocks are laid out again in the order they ran (runtime/order.py)."""
-        if self.depth != 1 or self.order.checked or self.streamer is None:
+        if self.depth != 1 or self.streamer is None:
+            return
+        self.runs.done()
+        if self.order.checked:
             return
         order = self.order.done(len(self.layouts))
         if order is not None:
@@ -361,13 +366,17 @@ class OffloadHandle:
                 raise
             self.reorders += 1
 
-    def exit_block(self, l: int) -> None:
+    def exit_block(self, l: int, ran: bool | None = True) -> None:
+        """Block l's call ended; `ran`: whether its own forward ran (False: a cache skipped it; None: its enter
+        failed, not counted)."""
         written = self.writes.written(l) if self.writes is not None else []
         try:
             if written:  # the block wrote its own tensors' device copies: the host store, the truth, takes them
                 self.streamer.write_back(l, written)
         finally:  # a refused write still gives the slot back
             self.streamer.exit(l)
+        if ran is not None:
+            self.runs.block(self.blocks[l][0], ran, self.streamer.run_bytes[l] if self.layouts[l].is_streamed else 0)
 
     def sync(self) -> None:
         """Bring the device copies up to date with writes to the blocks since the last forward (writes.py)."""
@@ -538,6 +547,9 @@ class OffloadHandle:
             device_buffer_bytes=(s.resident.numel() + 2 * slot + cast_bytes + decode_bytes) if s is not None else 0,
             forwards=s.forwards if s is not None else 0,
             h2d_bytes_issued=s.bytes_h2d if s is not None else 0,
+            blocks_computed=self.runs.computed,
+            blocks_skipped=self.runs.skipped,
+            skipped_h2d_bytes=self.runs.skipped_h2d_bytes,
             comm_aware=s is not None and s.pacer is not None,
             refreshes=self.refreshes,
             relayouts=self.relayouts,

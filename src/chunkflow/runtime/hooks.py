@@ -8,6 +8,12 @@ between untouched: a compiled region never sees a copy, an event or a rebinding,
 its guards see parameters of the same shape, dtype and device on every block and every call (one graph for all
 blocks of a class). The model code never learns it is offloaded.
 
+The swapped class's `forward` notes that the block's own forward ran before running it (in a frame dynamo leaves
+out): a cache that skips a block (diffusers' `enable_cache`) replaces the forward the block's call runs, so the
+block is entered and left as usual and its run counts as skipped (runtime/runs.py). A wrapper made around a block's
+forward before offload (diffusers' hook registry, an instance `forward`) holds the plain bound forward: it is
+pointed at the noting one while offloaded and back at remove().
+
 The root's call tells the handle when a forward begins and when it completed (the first one's block order is
 checked then, runtime/order.py). The first block's enter also lets the handle bring device copies up to date with
 writes made since the last forward (`handle.sync()`, runtime/writes.py). The root module's class is swapped too, for
@@ -28,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import types
 
 import torch
 from torch import nn
@@ -171,11 +178,56 @@ def _part_apply(self, fn, recurse: bool = True):
     return handle.apply_part(self, fn)
 
 
+def _noting_forward(forward):
+    """The block's own `forward`, noting on its hook that it ran: a cache that skips the block (diffusers' caches
+    replace the forward its call runs, not the call) leaves the note unset, and the block counts as skipped. Dynamo
+    skips this frame (it runs in Python, the note with it) and compiles the block's own forward as it would without
+    offload: the same compiled code, shared with the plain model's, one graph per block class."""
+
+    @functools.wraps(forward)
+    def noting(self, *args, **kwargs):
+        hook = self.__dict__.get(_HOOK)
+        if hook is not None:
+            hook.ran = True
+        return forward(self, *args, **kwargs)
+
+    return _dynamo_skips(noting)
+
+
+def _dynamo_skips(fn):
+    """`fn`'s frame left out of compilation, the frames it calls compiled as they are (torch._dynamo's `skip`)."""
+    from torch._dynamo.decorators import skip
+
+    return skip(fn)
+
+
 @functools.cache
 def hooked_block_class(cls: type) -> type:
     """`cls` with the offloading `__call__` (same name, and equal to `cls`: class lookups still find it), whose
-    `.to()` goes through the handle as a part's does."""
-    return _swapped_class(cls, {"__call__": _block_call, "_apply": _part_apply})
+    `.to()` goes through the handle as a part's does and whose `forward` notes that it ran."""
+    return _swapped_class(cls, {"__call__": _block_call, "_apply": _part_apply,
+                                "forward": _noting_forward(cls.forward)})
+
+
+def _held_forwards(module: nn.Module) -> list[dict]:
+    """Where wrappers made around `module.forward` keep the bound method they call: the instance's own attributes
+    (an instance `forward`, accelerate's `_old_forward`) and diffusers' hook registry's function references (its
+    caches' hooks call `original_forward`, the method bound when the hook was registered)."""
+    registry = module.__dict__.get("_diffusers_hook")
+    return [module.__dict__, *(vars(ref) for ref in getattr(registry, "_fn_refs", ()))]
+
+
+def _rebind_forward(module: nn.Module, old, new) -> bool:
+    """Every bound `old` forward of `module` a wrapper holds now calls `new` (a wrapper made before offload calls the
+    noting forward, and the plain one again after remove). Returns whether a call of the module reaches `new`: no
+    instance `forward` (the class's is called), or a wrapper holding it."""
+    reached = "forward" not in module.__dict__
+    for held in _held_forwards(module):
+        for name, f in list(held.items()):
+            if isinstance(f, types.MethodType) and f.__self__ is module and f.__func__ in (old, new):
+                held[name] = types.MethodType(new, module)
+                reached = True
+    return reached
 
 
 @contextlib.contextmanager
@@ -234,6 +286,7 @@ def _forward_begins(handle) -> None:
     handle.depth += 1
     if handle.depth == 1:
         handle.order.begin()
+        handle.runs.begin()
 
 
 @torch.compiler.disable
@@ -310,33 +363,49 @@ def _refuse(name: str, instead: str):
     return refused
 
 
-def hook_module(module: nn.Module, hook, root: bool = False) -> None:
-    """Swap in the hooked class and attach `hook` (a BlockHook, or the handle for the root)."""
-    module.__class__ = (hooked_root_class if root else hooked_block_class)(type(module))
+def hook_module(module: nn.Module, hook, root: bool = False) -> bool:
+    """Swap in the hooked class and attach `hook` (a BlockHook, or the handle for the root). Returns whether a block's
+    call reaches its noting forward (`_rebind_forward`; True for the root)."""
+    base = type(module)
+    module.__class__ = (hooked_root_class if root else hooked_block_class)(base)
     module.__dict__[_HOOK] = hook
+    if root:
+        return True
+    return _rebind_forward(module, getattr(base, "_chunkflow_base", base).forward, type(module).forward)
 
 
 def unhook_module(module: nn.Module) -> None:
     module.__dict__.pop(_HOOK, None)
-    base = type(module).__dict__.get("_chunkflow_base")  # (a subclass made since, e.g. by parametrize, stays)
+    cls = type(module)
+    base = cls.__dict__.get("_chunkflow_base")  # (a subclass made since, e.g. by parametrize, stays)
     if base is not None:
+        if "forward" in cls.__dict__:  # a block: wrappers of its forward call the plain one again
+            _rebind_forward(module, cls.forward, base.forward)
         module.__class__ = base
 
 
 class BlockHook:
-    """Block l's enter and exit, through its handle (which may lay the blocks out again between forwards)."""
+    """Block l's enter and exit, through its handle (which may lay the blocks out again between forwards). `ran`:
+    the block's own forward ran since its enter (the noting forward says so); where its call may not reach that
+    forward (a wrapper made before offload that chunkflow cannot see into), every call counts as computed."""
 
     def __init__(self, handle, index: int, module: nn.Module):
         self.handle = handle
         self.index = index
         self.module = module
-        hook_module(module, self)
+        self.ran = False
+        self.entered = False
+        self.sees_forward = hook_module(module, self)
 
     def enter(self) -> None:
+        self.ran = False
         self.handle.enter_block(self.index)
+        self.entered = True
 
     def exit(self) -> None:
-        self.handle.exit_block(self.index)
+        ran = (self.ran or not self.sees_forward) if self.entered else None  # None: its enter failed, not a run
+        self.entered = False
+        self.handle.exit_block(self.index, ran)
 
     def own_copies(self) -> None:
         self.handle.streamer.own_copies(self.index)

@@ -25,6 +25,9 @@ class OffloadStats:
     device_buffer_bytes: int  # resident buffer plus both slots (plus the cast and decode buffers)
     forwards: int  # forwards seen by the ring so far
     h2d_bytes_issued: int  # H2D bytes enqueued so far
+    blocks_computed: int = 0  # block runs whose own forward ran, so far (runtime/runs.py)
+    blocks_skipped: int = 0  # block runs a cache skipped (the block was called, its forward replaced), so far
+    skipped_h2d_bytes: int = 0  # of h2d_bytes_issued, those copied for the skipped block runs (copies wasted)
     comm_aware: bool = False  # chunks are paced around collectives now (chunkflow mode, collectives seen)
     refreshes: int = 0  # forwards that re-copied blocks to the device after writes while offloaded
     relayouts: int = 0  # times the blocks were laid out again (new tensors, a dtype change, the order they ran in)
@@ -85,4 +88,6 @@ class OffloadStats:
                 + (f"; {self.disk_blocks} blocks read from disk ({format_bytes(self.disk_bytes_per_step)} a forward, "
                    f"{format_bytes(self.disk_ring_bytes)} ring)" if self.disk_blocks else "")
                 + f"; {format_bytes(self.device_buffer_bytes + self.non_block_bytes)} on the device; "
-                f"{self.forwards} forwards so far")
+                f"{self.forwards} forwards so far"
+                + (f"; {self.blocks_skipped} of {self.blocks_skipped + self.blocks_computed} block runs skipped by a "
+                   f"cache ({format_bytes(self.skipped_h2d_bytes)} copied for them)" if self.blocks_skipped else ""))

@@ -188,6 +188,8 @@ class Streamer:
         self.forwards = 0
         self.bytes_h2d = 0  # H2D bytes enqueued so far
         self.bytes_d2d = 0
+        self.copied = [0] * len(layouts)  # H2D bytes enqueued for each block since its last run began
+        self.run_bytes = [0] * len(layouts)  # ... of which its current (or last) run took (runtime/runs.py)
         self.pending: _Pending | None = None
         self.pacer = None  # set by the handle: period_start(m), period_end(m), block_end(l), before_chunks()
         self.obs: Observer | None = None  # set by the handle while observers are attached
@@ -331,7 +333,9 @@ class Streamer:
     def _copy_chunk(self, b: BlockLayout, lo: int, hi: int, slot: torch.Tensor, p: _Pending) -> None:
         if self.obs is not None:
             self.obs.chunk_copy(b.index, lo, hi, "h2d", self.backend.copy_stream)
-        self.bytes_h2d += p.source.copy(slot, lo, hi)
+        n = p.source.copy(slot, lo, hi)
+        self.bytes_h2d += n
+        self.copied[b.index] += n
 
     # ---- hot path
 
@@ -449,6 +453,7 @@ class Streamer:
             self._evict(s)
             self.schedule(l, s)
             self.slot_of.pop(l)
+        self.run_bytes[l], self.copied[l] = self.copied[l], 0  # before the next block's prefetch (itself, alone)
         self.compute_wait(self.ready[l], "ready", l)
         for t, view in self.slot_views[(l, s)]:
             bind(t, view)

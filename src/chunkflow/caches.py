@@ -1,0 +1,180 @@
+"""A step cache on a pipeline's transformers (`run --cache`): the validated setting (chunkflow_planner/cache.py) as
+diffusers' cache config, enabled with the transformer's own `enable_cache` (before or after chunkflow offloads it:
+either gives the cache's output bit for bit, tests/test_caches.py), and the block runs it skipped, watched.
+
+A cache that would do nothing is refused before the run: one diffusers refuses, or one that hooks no module of the
+transformer (TaylorSeer's attention patterns miss Wan's `attn1`/`attn2`). One that hooks modules but never skips
+(a threshold that never fires, SeaCache without the step information its adapter needs) shows in the counts.
+
+`BlockWatch` counts each transformer forward's block calls whose own forward ran (one of the block's modules was
+called) and those skipped, with module hooks: the same wherever the transformer is placed (streamed or whole on the
+device), and apart from chunkflow's own count of a streamed transformer (`OffloadStats.blocks_skipped`, which also
+has the bytes copied for the skipped blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from chunkflow_planner.cache import CacheSetting, CacheSpecError, cache_label
+
+
+def diffusers_config(setting: CacheSetting, steps: int):
+    """diffusers' config object for `setting`, for a generation of `steps` denoising steps (MagCache's count)."""
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig
+
+    s = setting
+    if s.kind == "first-block":
+        return FirstBlockCacheConfig(threshold=s.threshold)
+    if s.kind == "mag":
+        import torch
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        ratios = None if s.ratios is None else FLUX_MAG_RATIOS if s.ratios == "flux" else torch.tensor(s.ratios)
+        return MagCacheConfig(threshold=s.threshold, max_skip_steps=s.max_skip_steps,
+                              retention_ratio=s.retention_ratio, num_inference_steps=steps, mag_ratios=ratios,
+                              calibrate=s.calibrate)
+    if s.kind == "taylorseer":
+        return TaylorSeerCacheConfig(cache_interval=s.cache_interval,
+                                     disable_cache_before_step=s.disable_cache_before_step,
+                                     disable_cache_after_step=s.disable_cache_after_step, max_order=s.max_order,
+                                     use_lite_mode=s.lite)
+    return SeaCacheConfig(threshold=s.threshold, residual_order=s.residual_order, retention_steps=s.retention_steps,
+                          cache_end_steps=s.cache_end_steps, max_consecutive_cached=s.max_consecutive_cached)
+
+
+def _hooked(module: nn.Module) -> int:
+    """Hooks diffusers' registries hold on `module` and the modules inside it."""
+    return sum(len(getattr(m, "_diffusers_hook").hooks) for m in module.modules()
+               if getattr(m, "_diffusers_hook", None) is not None)
+
+
+def enable_cache(module: nn.Module, setting: CacheSetting, steps: int, name: str = "transformer") -> None:
+    """`setting` enabled on `module` (a diffusers transformer, offloaded or not). CacheSpecError where diffusers
+    refuses it, and where it would hook nothing (disabled again first)."""
+    label = cache_label(setting)
+    if not callable(getattr(module, "enable_cache", None)):
+        raise CacheSpecError(f"--cache {label}: {name} ({type(module).__name__}) is not a diffusers model with "
+                             "enable_cache(); run without --cache")
+    if getattr(module, "is_cache_enabled", False):
+        raise CacheSpecError(f"--cache {label}: {name} has a cache enabled already; one cache at a time")
+    config = diffusers_config(setting, steps)
+    before = _hooked(module)
+    try:
+        module.enable_cache(config)
+    except (ValueError, TypeError, KeyError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CacheSpecError(f"--cache {label}: diffusers refuses it on {name} ({type(module).__name__}): "
+                             f"{why}") from None
+    if _hooked(module) == before:
+        module.disable_cache()
+        hint = "; taylorseer:lite caches the blocks whole" if setting.kind == "taylorseer" and not setting.lite else ""
+        raise CacheSpecError(f"--cache {label}: it hooks no module of {name} ({type(module).__name__}), so it would "
+                             f"cache nothing{hint}")
+
+
+def check_fits(setting: CacheSetting, spec, steps: int) -> None:
+    """`setting` tried on the model's transformer built on the meta device (no weights, a second or two): refused
+    (CacheSpecError) before anything is loaded where diffusers refuses it or it would hook nothing."""
+    from chunkflow.models.build import construct_meta
+
+    module = construct_meta(spec)
+    enable_cache(module, setting, steps)
+    module.disable_cache()
+
+
+@dataclass
+class BlockWatch:
+    """Block calls of the watched transformers, per forward: computed (one of the block's own modules ran) or
+    skipped; `remove()` takes the module hooks off."""
+
+    skipped: list[list[str]] = field(default_factory=list)  # per forward: the blocks skipped
+    computed: list[int] = field(default_factory=list)  # per forward: the blocks computed
+    _calls: list[bool] = field(default_factory=list)
+    _handles: list = field(default_factory=list)
+
+    def watch(self, root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> "BlockWatch":
+        """Count `root`'s forwards and its `blocks` (name, module) calls."""
+        self._handles.append(root.register_forward_pre_hook(lambda m, a: self._forward()))
+        for name, block in blocks:
+            self._handles.append(block.register_forward_pre_hook(lambda m, a: self._calls.append(False)))
+            self._handles.append(block.register_forward_hook(lambda m, a, out, name=name: self._left(name)))
+            self._handles += [child.register_forward_pre_hook(lambda m, a: self._ran()) for child in block.children()]
+        return self
+
+    def _forward(self) -> None:
+        self.skipped.append([])
+        self.computed.append(0)
+
+    def _ran(self) -> None:
+        if self._calls:
+            self._calls[-1] = True
+
+    def _left(self, name: str) -> None:
+        ran = self._calls.pop() if self._calls else True
+        if not self.computed:  # a block called outside a watched forward
+            self._forward()
+        if ran:
+            self.computed[-1] += 1
+        else:
+            self.skipped[-1].append(name)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@dataclass
+class CacheRun:
+    """A cache in a run of a built pipeline (models/pipeline_build.BuiltPipeline): enabled on each of its
+    transformers and watched; `mark()` where the measured generations begin, `result()` after them."""
+
+    setting: CacheSetting
+    names: list[str]
+    watch: BlockWatch
+    start: int = 0  # forwards watched before the measured generations
+    bytes_before: dict[str, int] = field(default_factory=dict)  # each transformer's skipped_h2d_bytes then
+
+    @classmethod
+    def enable(cls, setting: CacheSetting, built, steps: int, log=lambda s: None) -> "CacheRun":
+        """`setting` enabled on every transformer of `built` (Wan2.2-A14B's two experts each), each watched."""
+        from chunkflow.models.adapters import find_blocks
+
+        names, watch = built.names("transformer"), BlockWatch()
+        for name in names:
+            module = getattr(built.pipe, name)
+            enable_cache(module, setting, steps, name)
+            where = {id(m): n for n, m in module.named_modules()}
+            watch.watch(module, [(f"{name}.{where[id(b)]}", b) for b in find_blocks(module)])
+        log(f"cache: {cache_label(setting)} on {', '.join(names)}")
+        return cls(setting, names, watch)
+
+    def mark(self, built) -> None:
+        """The measured generations begin: what came before is not theirs."""
+        self.start = len(self.watch.skipped)
+        self.bytes_before = {n: built.handles[n].stats().skipped_h2d_bytes for n in self.names}
+
+    def result(self, built, steps: int, generations: int):
+        """What the cache skipped in the measured generations (reports.CacheResult)."""
+        from chunkflow.reports import CacheResult
+
+        skipped, computed = self.watch.skipped[self.start:], self.watch.computed[self.start:]
+        by_block: dict[str, int] = {}
+        for names in skipped:
+            for n in names:
+                by_block[n] = by_block.get(n, 0) + 1
+        handles = [built.handles[n] for n in self.names]
+        streams = any(h.cfg.streams for h in handles)
+        wasted = sum(h.stats().skipped_h2d_bytes - self.bytes_before.get(n, 0) for n, h in zip(self.names, handles))
+        per_step = max(1, round(len(skipped) / max(1, steps * generations)))
+        return CacheResult(setting=self.setting, label=cache_label(self.setting), transformers=self.names,
+                           forwards=len(skipped), forwards_per_step=per_step,
+                           blocks_computed=sum(computed), blocks_skipped=sum(map(len, skipped)),
+                           skipped_per_forward=[len(s) for s in skipped], skipped_by_block=by_block,
+                           skipped_h2d_bytes=wasted if streams else None)
+
+    def remove(self) -> None:
+        self.watch.remove()

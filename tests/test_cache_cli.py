@@ -1,0 +1,127 @@
+"""`--cache KIND[:PARAMS]` (issue 54): parsed once into a validated pydantic model with a schema; a bad one is one
+line naming what is accepted; `chunkflow run --prompt --cache` enables it on the pipeline's transformer and gives the
+latents of the same cache with the transformer whole on the device, bit for bit, the report counting the blocks
+computed and skipped (the same count as the runtime's) and the bytes copied for the skipped ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import TypeAdapter
+
+from chunkflow_planner.cache import (KINDS, CacheSetting, CacheSpecError, FirstBlockCache, MagCache, SeaCache,
+                                     TaylorSeerCache, cache_label, parse_cache)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("first-block:0.1", FirstBlockCache(threshold=0.1)),
+    ("first-block", FirstBlockCache()),
+    ("mag:ratios=flux", MagCache(ratios="flux")),
+    ("mag:0.1,max_skip_steps=2,retention-ratio=0.3,ratios=flux", MagCache(threshold=0.1, max_skip_steps=2,
+                                                                           retention_ratio=0.3, ratios="flux")),
+    ("mag:calibrate", MagCache(calibrate=True)),
+    ("taylorseer:2,lite", TaylorSeerCache(cache_interval=2, lite=True)),
+    ("taylorseer:disable_cache_after_step=10", TaylorSeerCache(disable_cache_after_step=10)),
+    ("sea:0.3,residual_order=0", SeaCache(threshold=0.3, residual_order=0)),
+])
+def test_a_spec_parses_into_its_model_and_its_label_parses_back(text, want):
+    got = parse_cache(text)
+    assert got == want
+    assert parse_cache(cache_label(got)) == got
+
+
+def test_ratios_from_a_file(tmp_path):
+    (tmp_path / "r.json").write_text("[1.0, 1.2, 0.9]")
+    assert parse_cache(f"mag:ratios={tmp_path / 'r.json'}").ratios == [1.0, 1.2, 0.9]
+    (tmp_path / "bad.json").write_text('{"a": 1}')
+    with pytest.raises(CacheSpecError, match="no list of numbers"):
+        parse_cache(f"mag:ratios={tmp_path / 'bad.json'}")
+
+
+@pytest.mark.parametrize("text,words", [
+    ("first:0.1", "unknown cache 'first'; give one of first-block, mag, taylorseer, sea"),
+    ("", "unknown cache ''"),
+    ("first-block:0", "threshold: Input should be greater than 0"),
+    ("first-block:nan", "threshold: Input should be a finite number"),
+    ("first-block:0.1,0.2", "threshold is given twice"),
+    ("first-block:0.1,foo=2", "first-block takes threshold; 'foo' is not one of them"),
+    ("mag", "mag needs the model's magnitude ratios"),
+    ("mag:ratios=flux,calibrate", "mag needs the model's magnitude ratios"),
+    ("mag:ratios=missing.json", "neither 'flux' nor a readable JSON file"),
+    ("mag:retention_ratio=2,ratios=flux", "retention_ratio: Input should be less than or equal to 1"),
+    ("taylorseer:0", "cache_interval: Input should be greater than or equal to 1"),
+    ("taylorseer:2.5", "cache_interval: Input should be a valid integer"),
+    ("sea:residual_order=2", "residual_order: Input should be less than or equal to 1"),
+])
+def test_a_bad_spec_is_one_line_saying_what_is_accepted(text, words):
+    with pytest.raises(CacheSpecError) as exc:
+        parse_cache(text)
+    msg = str(exc.value)
+    assert words in msg and "\n" not in msg and msg.startswith(f"--cache {text!r}")
+
+
+def test_the_setting_has_a_schema_with_every_kind_and_its_parameters_described():
+    schema = TypeAdapter(CacheSetting).json_schema()
+    kinds = {d["properties"]["kind"]["const"] for d in schema["$defs"].values()}
+    assert kinds == set(KINDS)
+    for d in schema["$defs"].values():
+        assert all("description" in p for name, p in d["properties"].items() if name != "kind")
+
+
+# ----------------------------------------------------------------------------------------------- the command
+
+
+@pytest.fixture
+def plans(cli, workdir):
+    """The README's demo planned twice: its transformer streamed (7 MB) and whole on the device (1 GB)."""
+    for name, budget in (("stream", "7MB"), ("gpu", "1GB")):
+        result = cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", budget, "--out", f"{name}.json")
+        assert result.exit_code == 0, result.output
+    placement = {n: {c["name"]: c["placement"] for c in json.loads((workdir / f"{n}.json").read_text())["pipeline"]
+                     ["components"]}["transformer"] for n in ("stream", "gpu")}
+    assert placement == {"stream": "stream", "gpu": "gpu"}
+    return workdir
+
+
+def test_run_with_a_cache_gives_the_latents_of_the_same_cache_not_streamed_and_counts_its_skips(cli, plans):
+    from safetensors.torch import load_file
+
+    from pipelines import one_thread
+
+    got = {}
+    for name in ("stream", "gpu"):
+        with one_thread():
+            result = cli("run", "--plan", f"{name}.json", "--prompt", "a red fox in the snow", "--steps", "8",
+                         "--cache", "first-block:0.3", "--latents", f"{name}.safetensors", "--report", f"{name}-r.json")
+        assert result.exit_code == 0, result.output
+        assert "cache first-block:threshold=0.3 on transformer:" in " ".join(result.output.split())
+        got[name] = (load_file(f"{name}.safetensors")["latents"], json.loads((plans / f"{name}-r.json").read_text()))
+    assert got["stream"][0].equal(got["gpu"][0])
+    streamed, whole = got["stream"][1], got["gpu"][1]
+    c, w = streamed["generation"]["cache"], whole["generation"]["cache"]
+    assert c["setting"] == {"kind": "first-block", "threshold": 0.3} and c["forwards"] == 16  # 8 steps, 2 passes
+    assert c["blocks_skipped"] > 0 and c["blocks_computed"] + c["blocks_skipped"] == 16 * 4
+    for key in ("blocks_computed", "blocks_skipped", "skipped_per_forward", "skipped_by_block"):
+        assert c[key] == w[key]  # the cache skipped the same blocks wherever the transformer was
+    assert sum(c["skipped_per_forward"]) == c["blocks_skipped"] == sum(c["skipped_by_block"].values())
+    st = streamed["stats"]  # the runtime's own count, and the bytes it copied for the blocks skipped
+    assert (st["blocks_computed"], st["blocks_skipped"]) == (c["blocks_computed"], c["blocks_skipped"])
+    block_bytes = st["streamed_bytes_per_step"] // 4  # the demo's 4 blocks are alike
+    assert c["skipped_h2d_bytes"] == st["skipped_h2d_bytes"] == c["blocks_skipped"] * block_bytes
+    assert w["skipped_h2d_bytes"] is None  # nothing streamed, nothing copied
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt", "a cat", "--cache", "first:1"], "unknown cache 'first'; give one of first-block, mag"),
+    (["--prompt", "a cat", "--cache", "mag"], "mag needs the model's magnitude ratios"),
+    (["--cache", "first-block"], "--cache goes with --prompt"),
+    (["--prompts", "p.txt", "--cache", "first-block"], "--cache with --prompts is not supported yet"),
+    (["--prompt", "a cat", "--cache", "taylorseer"], "it hooks no module of transformer (WanTransformer3DModel)"),
+])
+def test_a_cache_the_run_cannot_take_is_refused_in_one_line_before_the_load(cli, plans, args, words):
+    (plans / "p.txt").write_text("a cat\n")
+    result = cli("run", "--plan", "stream.json", *args)
+    assert result.exit_code == 2, result.output
+    assert words in " ".join(result.output.split())
+    assert "built the" not in result.output and "Traceback" not in result.output
