@@ -10,7 +10,8 @@
 
 Wall seconds and CPU seconds (user + sys of the command and every process it waited for, from wait4) are both
 kept: where another job shares the machine the wall times are upper bounds, the CPU times hold. Writes
-OUT/cpu-timings.txt (what the README quotes) and OUT/cpu-timings.json (every sample).
+OUT/cpu-timings.txt (what the README quotes) and OUT/cpu-timings.json (every sample); the commands' output goes
+to OUT/cpu-timings.log (not committed).
 
     python3 scripts/cpu_timings.py docs/data/cpu-timings [--runs 5]
 """
@@ -61,12 +62,18 @@ def clean_env(home: Path) -> dict[str, str]:
     return env
 
 
-def sources(report: Path) -> dict[str, int]:
-    """Where a pip install report's packages came from: the URL's host (or local folder) -> how many."""
+def sources(report: Path, tree: Path) -> dict[str, int]:
+    """Where a pip install report's packages came from (downloaded from a host, a folder on this machine, the
+    repository itself) -> how many."""
     out: dict[str, int] = {}
     for item in json.loads(report.read_text()).get("install", []):
         url = urlparse(item["download_info"]["url"])
-        where = url.netloc if url.scheme.startswith("http") else f"{url.scheme}://{Path(url.path).parent}"
+        if url.scheme.startswith("http"):
+            where = f"downloaded from {url.netloc}"
+        elif Path(url.path) == tree:
+            where = "the repository's folder"
+        else:
+            where = f"this machine's {Path(url.path).parent}"
         out[where] = out.get(where, 0) + 1
     return out
 
@@ -78,7 +85,7 @@ def fresh_machine(steps: list[str], tree: Path, env: dict[str, str], log: Path) 
         report = tree.parent / f"pip-report-{i}.json"
         row = {"command": step, **timed(step, tree, dict(env, PIP_REPORT=str(report)), log)}
         if report.exists():
-            row["sources"] = sources(report)
+            row["sources"] = sources(report, tree)
         rows.append(row)
         if row["rc"] != 0:
             raise SystemExit(f"{step!r} exited {row['rc']}: see {log}")
@@ -127,9 +134,9 @@ def summary(m: dict, fresh: list[dict], demo: dict, plans: list[dict], runs: int
              f"{m['date']}",
              f"# this machine: {m['cpus']} CPUs ({m['cpu']}), {m['memory_gib']} GiB, no GPU; the fresh venv's "
              f"Python {m['python']}, torch {m['torch']}",
-             f"# load average before {m['load']}, after {m['load_after']}: where it is over 0 another job shared "
-             "the machine, and the wall times are upper bounds; CPU = user + sys of the command and every "
-             "process it waited for",
+             f"# load average before {m['load']}, after {m['load_after']} (these commands count one): over about "
+             "1, another job shared the machine and the wall times are upper bounds; CPU = user + sys of the "
+             "command and every process it waited for",
              "", "The README's fresh-machine line, step by step, in a fresh copy of the commit, pip's cache empty:",
              "  wall s    CPU s              command", *map(_row, fresh),
              f"  installs together: {sum(r['wall_s'] for r in installs):.1f} s wall, "
