@@ -122,7 +122,7 @@ def load() -> str:
 
 def _row(r: dict) -> str:
     spread = f" ({r['cpu_range'][0]:.2f}-{r['cpu_range'][1]:.2f})" if "cpu_range" in r else ""
-    where = "; from " + ", ".join(f"{k}: {v}" for k, v in r["sources"].items()) if r.get("sources") else ""
+    where = "; packages " + ", ".join(f"{k}: {v}" for k, v in r["sources"].items()) if r.get("sources") else ""
     return f"{r['wall_s']:8.2f} {r['cpu_s']:8.2f}{spread:13} {r['command']}{where}"
 
 
