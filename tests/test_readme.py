@@ -434,3 +434,40 @@ def _plan_lines_not_run() -> list[str]:
 def test_the_plan_lines_of_blocks_not_run_run_as_written(cli: Cli, workdir: Path, line: str) -> None:
     out = run_chunkflow(cli, shlex.split(line, comments=True)[1:], workdir)
     assert "plan:" in out
+
+
+def _cpu_timings() -> dict:
+    return json.loads((ROOT / "docs" / "data" / "cpu-timings" / "cpu-timings.json").read_text())
+
+
+def test_the_readme_quotes_the_committed_cpu_timings() -> None:
+    """The CPU figures the README gives are those scripts/cpu_timings.py wrote (no time is taken here), measured on
+    the README's commands as they are now: rerun the script when a command changes, and quote it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_timings", ROOT / "scripts" / "cpu_timings.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    t = _cpu_timings()
+    steps, plan_lines = script.readme_commands(README)
+    assert [r["command"] for r in t["fresh_machine"]] == steps
+    assert [p["command"] for p in t["plans"]] == [".venv/bin/" + x for x in plan_lines] + [
+        ".venv/bin/chunkflow --help"]
+    installs = [r for r in t["fresh_machine"] if "chunkflow" not in r["command"]]
+    first = [r for r in t["fresh_machine"] if "chunkflow" in r["command"]]
+    came = [(k, v) for r in installs for k, v in r.get("sources", {}).items()]
+    local, downloaded = (sum(v for k, v in came if k.startswith(w)) for w in ("this machine's", "downloaded"))
+    *plans, help_ = t["plans"]
+    cpu = [p["cpu_s"] for p in plans]
+    flat = " ".join(README.split())
+    for said in (
+            f"{t['machine']['date'][:10]}, a fresh copy of the repository, pip's cache empty",
+            f"the installs took {sum(r['wall_s'] for r in installs):.0f} s "
+            f"({sum(r['cpu_s'] for r in installs):.0f} s of CPU; torch and {local - 1} other packages came from "
+            f"the machine's own wheel folders and {downloaded} were downloaded",
+            f"the plan and the run {sum(r['wall_s'] for r in first):.1f} s together the first time "
+            f"({sum(r['cpu_s'] for r in first):.1f} s of CPU), {t['demo']['wall_s']:.1f} s after",
+            f"in {cpu[0]:.2f} s of CPU (the README's {len(plans)} plan lines take {min(cpu):.2f}-{max(cpu):.2f} s, "
+            f"`--help` {help_['cpu_s']:.2f} s",
+            f"with bytecode cached, {t['machine']['date'][:10]}; `scripts/cpu_timings.py`"):
+        assert said in flat, said
