@@ -1,7 +1,8 @@
 """Step caching planned (issue 54, the planner's part): `plan --cache KIND[:PARAMS] [--cache-hit-rate R]` prices the
-steps a cache computes and skips; the computed-step count of a schedule known ahead is diffusers' own (counted on a
-tiny pipeline running diffusers' cache), a hit-rate cache's is bounded as diffusers bounds it, the denoise phase and
-the generation shrink by what the skipped steps no longer run, and what cannot be planned is one line."""
+steps a cache computes and skips; the computed-step count of a schedule known ahead (TaylorSeer; MagCache with its
+ratios) is diffusers' own (counted on a tiny pipeline running diffusers' cache), a hit-rate cache's is bounded as
+diffusers bounds it, the denoise phase and the generation shrink by what the skipped steps no longer run, and what
+cannot be planned is one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkflow_planner.stepcache import CACHE_KINDS, CacheError, computed_steps, parse_cache
+from chunkflow_planner.cache import CacheSpecError
+from chunkflow_planner.stepcache import FLUX_MAG_RATIOS, computed_steps, plan_cache
 from pipelines import call_kwargs, one_thread, tiny_pipeline
 
 
@@ -33,22 +35,30 @@ def _computed_forwards(config, steps: int) -> int:
 def test_a_fixed_schedule_computes_the_steps_diffusers_computes(interval, before, steps):
     from diffusers import TaylorSeerCacheConfig
 
-    cache = parse_cache(f"taylorseer-lite:{interval},{before}")
+    cache = plan_cache(f"taylorseer:{interval},disable_cache_before_step={before},lite")
     ran = _computed_forwards(TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=before,
                                                    use_lite_mode=True), steps)
     assert 0 < ran < steps and computed_steps(cache, steps) == ran
 
 
-def test_mag_cache_never_skips_more_than_its_bound():
-    """With every step's magnitude ratio 1 (nothing changes) diffusers' MagCache skips all it may: the retained
-    first steps compute, then runs of max_skip_steps skips each ended by a computed step; the plan at a hit rate of
-    (nearly) 1 computes exactly that many."""
+@pytest.mark.parametrize("spec,steps", [("mag:ratios=flux", 28), ("mag:0.12,max_skip_steps=2,ratios=flux", 20),
+                                        ("mag:0.5,max_skip_steps=2,retention_ratio=0.25,ratios=R", 12),
+                                        ("mag:0.02,ratios=flux", 9)])
+def test_mag_cache_computes_the_steps_diffusers_computes(spec, steps, tmp_path):
+    """MagCache decides each step from the model's ratios (FLUX's, stretched to the steps; or a file's): the plan
+    runs diffusers' arithmetic on them ahead and computes the steps diffusers' own cache computes."""
     from diffusers import MagCacheConfig
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS as theirs
 
-    steps, cache = 12, parse_cache("mag:threshold=0.5,max_skip_steps=2,retention_ratio=0.25", hit_rate=0.99)
-    ran = _computed_forwards(MagCacheConfig(threshold=0.5, max_skip_steps=2, retention_ratio=0.25,
-                                            num_inference_steps=steps, mag_ratios=[1.0] * steps), steps)
-    assert computed_steps(cache, steps) == ran < steps
+    assert list(FLUX_MAG_RATIOS) == pytest.approx(theirs.tolist(), abs=1e-6)
+    (tmp_path / "r.json").write_text(json.dumps([1.0, 0.99, 1.02, 0.97, 1.0, 1.05]))
+    cache = plan_cache(spec.replace("ratios=R", f"ratios={tmp_path / 'r.json'}"))
+    s = cache.setting
+    ratios = theirs if s.ratios == "flux" else s.ratios
+    ran = _computed_forwards(MagCacheConfig(threshold=s.threshold, max_skip_steps=s.max_skip_steps,
+                                            retention_ratio=s.retention_ratio, num_inference_steps=steps,
+                                            mag_ratios=ratios), steps)
+    assert cache.hit_rate is None and computed_steps(cache, steps) == ran
 
 
 def _plan(cli, *extra) -> dict:
@@ -64,7 +74,7 @@ def test_the_plan_prices_what_the_skipped_steps_still_run(cli):
     plain = _plan(cli)
     cached = _plan(cli, "--cache", "first-block:0.1", "--cache-hit-rate", "0.4", "--out", "p.json")
     c, steps = cached["prediction"]["cache"], cached["workload"]["steps"]
-    assert cached["workload"]["cache"]["kind"] == "first-block" and cached["schema_version"] == 6
+    assert cached["workload"]["cache"]["setting"]["kind"] == "first-block" and cached["schema_version"] == 6
     assert c["computed_steps"] == steps - round(0.4 * steps) and c["skipped_steps"] == round(0.4 * steps)
     step = cached["prediction"]["step_time_s"]
     assert c["uncached_steps_s"] == pytest.approx(steps * step)
@@ -79,25 +89,26 @@ def test_the_plan_prices_what_the_skipped_steps_still_run(cli):
 
 
 def test_a_whole_step_skip_costs_nothing_of_the_blocks_and_the_prior_has_a_range(cli):
-    c = _plan(cli, "--cache", "mag")["prediction"]["cache"]
+    c = _plan(cli, "--cache", "sea:0.3")["prediction"]["cache"]
     assert c["hit_rate_source"] == "prior" and c["computed_steps_range"][0] < c["computed_steps"] < \
         c["computed_steps_range"][1]
     assert c["steps_s_range"][0] < c["steps_s"] < c["steps_s_range"][1]
-    lite = _plan(cli, "--cache", "taylorseer-lite:4,2")["prediction"]["cache"]
-    full = _plan(cli, "--cache", "taylorseer:4,2")["prediction"]["cache"]
+    lite = _plan(cli, "--cache", "taylorseer:4,lite")["prediction"]["cache"]
+    full = _plan(cli, "--cache", "taylorseer:4")["prediction"]["cache"]
     assert lite["computed_steps"] == full["computed_steps"]
     assert lite["steps_s"] < full["steps_s"] == pytest.approx(full["uncached_steps_s"])  # every block still streams
 
 
 @pytest.mark.parametrize("args,said", [
-    (["--cache", "tea"], "not a cache chunkflow plans; use one of " + ", ".join(CACHE_KINDS)),
-    (["--cache", "first-block:0"], "never fires"),
-    (["--cache", "taylorseer-lite:1"], "computes every step"),
-    (["--cache", "taylorseer-lite:3,0"], "predicts before any step was computed"),
-    (["--cache", "taylorseer-lite", "--cache-hit-rate", "0.5"], "leave --cache-hit-rate out"),
+    (["--cache", "tea"], "unknown cache 'tea'; give one of first-block, mag, taylorseer, sea"),
+    (["--cache", "sea:0"], "never fires"),
+    (["--cache", "taylorseer:1"], "computes every step"),
+    (["--cache", "taylorseer:3,disable_cache_before_step=0"], "predicts before any step was computed"),
+    (["--cache", "mag:calibrate"], "calibrating MagCache skips nothing"),
+    (["--cache", "taylorseer", "--cache-hit-rate", "0.5"], "leave --cache-hit-rate out"),
+    (["--cache", "mag:ratios=flux", "--cache-hit-rate", "0.5"], "leave --cache-hit-rate out"),
     (["--cache", "first-block", "--cache-hit-rate", "1.5"], "from 0 to below 1"),
-    (["--cache", "first-block:x"], "threshold must be a number"),
-    (["--cache", "mag:speed=3"], "mag takes threshold, max_skip_steps, retention_ratio"),
+    (["--cache", "mag:speed=3"], "mag takes threshold"),
     (["--cache-hit-rate", "0.3"], "give the cache with --cache KIND"),
 ])
 def test_what_cannot_be_planned_is_one_line(cli, args, said):
@@ -106,21 +117,69 @@ def test_what_cannot_be_planned_is_one_line(cli, args, said):
     assert result.exit_code == 2 and said in out and "Traceback" not in result.output, result.output
 
 
-def test_parse_reads_positional_and_named_parameters():
-    c = parse_cache("taylorseer-lite:6,disable_cache_before_step=1")
-    assert dict(c.params) == {"cache_interval": 6.0, "disable_cache_before_step": 1.0}
-    with pytest.raises(CacheError):
-        parse_cache("first-block:0.1,0.2")
+def test_a_planned_cache_is_the_setting_run_takes_and_reads_back():
+    c = plan_cache("taylorseer:6,disable_cache_before_step=1,lite")
+    assert (c.setting.cache_interval, c.setting.disable_cache_before_step, c.setting.lite) == (6, 1, True)
+    assert type(c).model_validate_json(c.model_dump_json()) == c and hash(c) == hash(type(c).model_validate_json(
+        c.model_dump_json()))
+    with pytest.raises(CacheSpecError):
+        plan_cache("first-block:0.1,threshold=0.2")
 
 
 def test_the_hit_rate_spread_widens_the_generation_band(cli):
     """A given rate with no spread leaves the generation's band as the fits make it; the prior's spread widens it
     by the steps' seconds at its ends, names the cache among the band's fits and marks it supposed."""
-    given = _plan(cli, "--cache", "mag:0.1", "--cache-hit-rate", "0.35")["prediction"]
-    prior = _plan(cli, "--cache", "mag:0.1")["prediction"]
+    given = _plan(cli, "--cache", "sea:0.3", "--cache-hit-rate", "0.35")["prediction"]
+    prior = _plan(cli, "--cache", "sea:0.3")["prediction"]
     assert given["generation_time_s"] == pytest.approx(prior["generation_time_s"])
     g, p = given["bands"]["generation_time_s"], prior["bands"]["generation_time_s"]
     c = prior["cache"]
     moved = max(c["steps_s"] - c["steps_s_range"][0], c["steps_s_range"][1] - c["steps_s"])
     assert p["rel"] == pytest.approx((g["rel"] ** 2 + (moved / prior["generation_time_s"]) ** 2) ** 0.5)
     assert "cache hit rate" in p["fits"] and "cache hit rate" in p["supposed"] and "cache hit rate" not in g["fits"]
+
+
+def test_a_run_of_a_cached_plan_runs_its_cache_and_reports_the_hit_rate_against_the_plan(cli, workdir):
+    """`plan --cache` then `run --plan` (no --cache): the run enables the plan's cache and its report gives the
+    measured share of skipped steps beside the planned one; for a schedule known ahead (MagCache on its ratios:
+    all 1, so it skips all it may) the computed steps are the plan's exactly."""
+    (workdir / "r.json").write_text(json.dumps([1.0] * 8))
+    spec = f"mag:0.5,max_skip_steps=2,retention_ratio=0.25,ratios={workdir / 'r.json'}"
+    result = cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", "7MB", "--steps", "8", "--cache",
+                 spec, "--out", "plan.json")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(Path("plan.json").read_text())["prediction"]["cache"]
+    with one_thread():
+        ran = cli("run", "--plan", "plan.json", "--prompt", "a red fox", "--report", "r.json")
+    assert ran.exit_code == 0, ran.output
+    c = json.loads(Path("r.json").read_text())["generation"]["cache"]
+    assert c["setting"]["kind"] == "mag" and c["planned_source"] == "schedule"
+    assert c["planned_computed_steps"] == planned["computed_steps"] < 8
+    assert c["planned_hit_rate"] == pytest.approx(planned["skipped_steps"] / 8)
+    assert c["measured_hit_rate"] == pytest.approx(c["forwards_skipped"] / c["forwards"])
+    assert c["forwards_skipped"] == planned["skipped_steps"] * c["forwards_per_step"]
+    assert c["measured_hit_rate"] == pytest.approx(c["planned_hit_rate"])
+
+
+def test_a_run_report_gives_the_next_plan_its_hit_rate(cli, workdir):
+    """`run --cache first-block:0.3 --report R` measures the share of steps skipped; `plan --cache first-block:0.3
+    --cache-hit-rate R` plans with it (source `reports`, no prior spread); a report of another cache, or of none, is
+    one line."""
+    assert cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", "7MB", "--steps", "8",
+               "--out", "p.json").exit_code == 0
+    with one_thread():
+        ran = cli("run", "--plan", "p.json", "--prompt", "a red fox", "--cache", "first-block:0.3", "--report",
+                  "r.json")
+    assert ran.exit_code == 0, ran.output
+    measured = json.loads(Path("r.json").read_text())["generation"]["cache"]["measured_hit_rate"]
+    assert 0 < measured < 1
+    d = _plan(cli, "--cache", "first-block:0.3", "--cache-hit-rate", "r.json")
+    wc = d["workload"]["cache"]
+    assert wc["hit_rate"] == pytest.approx(measured) and wc["hit_rate_source"] == "reports"
+    assert wc["hit_rate_spread"] == 0
+    for spec, said in (("sea:0.3", "the report's cache is first-block, not sea"),):
+        bad = cli("plan", "--model", "flux", "--cache", spec, "--cache-hit-rate", "r.json")
+        assert bad.exit_code == 2 and said in " ".join(bad.output.split()), bad.output
+    Path("none.json").write_text(json.dumps({"generation": {}}))
+    bad = cli("plan", "--model", "flux", "--cache", "first-block", "--cache-hit-rate", "none.json")
+    assert bad.exit_code == 2 and "ran no step cache" in bad.output

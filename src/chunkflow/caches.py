@@ -174,7 +174,9 @@ class CacheRun:
                            forwards=len(skipped), forwards_per_step=per_step,
                            blocks_computed=sum(computed), blocks_skipped=sum(map(len, skipped)),
                            skipped_per_forward=[len(s) for s in skipped], skipped_by_block=by_block,
-                           skipped_h2d_bytes=wasted if streams else None)
+                           skipped_h2d_bytes=wasted if streams else None,
+                           forwards_skipped=sum(1 for s in skipped if s),
+                           measured_hit_rate=sum(1 for s in skipped if s) / len(skipped) if skipped else 0.0)
 
     def remove(self) -> None:
         self.watch.remove()

@@ -148,6 +148,12 @@ class CacheResult(BaseModel):
     skipped_by_block: dict[str, int] = Field(default_factory=dict, description="block -> forwards it was skipped in")
     skipped_h2d_bytes: int | None = Field(None, description="bytes copied host to device for the skipped blocks "
                                                             "(streamed transformers; None where none streams)")
+    forwards_skipped: int = Field(0, description="forwards in which the cache skipped blocks (a skipped step's)")
+    measured_hit_rate: float = Field(0.0, description="forwards_skipped / forwards: the share of steps skipped")
+    planned_hit_rate: float | None = Field(None, description="the plan's (prediction.cache: skipped / steps)")
+    planned_computed_steps: int | None = Field(None, description="the steps the plan has computed, a generation")
+    planned_source: str | None = Field(None, description="where the plan's hit rate came from (schedule, given, "
+                                       "reports, prior)")
 
     @property
     def hit_rate(self) -> float:

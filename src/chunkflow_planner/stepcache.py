@@ -1,30 +1,28 @@
-"""Step caching planned with the streaming (issue 54): a cache kind, its parameters and its expected hit rate, and
-what it saves a generation.
+"""Step caching planned with the streaming (issue 54): a cache (chunkflow_planner/cache.py's CacheSetting, as
+`--cache KIND[:PARAMS]` gives it), its expected hit rate, and what it saves a generation.
 
 A cache (diffusers' `transformer.enable_cache(...)`) skips work on some steps and reuses what an earlier step
-computed; a skipped block needs no weights, so under streaming it saves its copies as well as its FLOPs. What a
-skipped step still runs, per kind (`CacheKind.runs_when_skipped`):
+computed; a skipped block needs no weights, so under streaming it can save its copies as well as its FLOPs. What a
+skipped step still runs, per kind (`runs_when_skipped`), and how many steps compute:
 
-- `first-block` (FirstBlockCacheConfig(threshold)): every step runs the first block, compares its residual with the
-  last computed step's, and skips the other blocks where they differ by less than the threshold: a skipped step
-  costs the first block's forward(s). The decision is known only after the first block, so its hit rate comes from a
-  calibration, earlier run reports or the user (`--cache-hit-rate`); the prior is CACHE_PRIOR_HIT_RATE with a wide
-  spread.
-- `taylorseer-lite` (TaylorSeerCacheConfig(cache_interval, disable_cache_before_step, use_lite_mode=True)): a fixed
-  schedule (diffusers' `_measure_should_compute`: steps 0..before-1 computed, then step k where (k - before - 1) %
-  interval == 0), the others predicted from the cached output projection: no block runs. Known ahead exactly.
-- `taylorseer` (the same without lite mode): only the attention modules are predicted; every block still runs, so
-  under streaming a predicted step copies every block as a computed one does. Priced as a computed step (the copies
-  are the same; the attention FLOPs it saves are not priced, so where the copies hide the plan is pessimistic) and
-  said so.
-- `mag` (MagCacheConfig(threshold, max_skip_steps, retention_ratio)): the decision is taken at each step's start
-  (the head block's entry) from calibrated magnitude ratios; a skipped step runs no block. The first
-  round(retention_ratio x steps) steps always compute and at most `max_skip_steps` skip in a row: the hit rate is
-  bounded by that, and given or calibrated below the bound.
+- `first-block` (FirstBlockCacheConfig): every step runs the first block, compares its residual with the last computed
+  step's, and skips the other blocks where they differ by less than the threshold: a skipped step costs the first
+  block's forward(s). Decided only after the first block, so its hit rate is given (`--cache-hit-rate`, from a run's
+  report) or the prior CACHE_PRIOR_HIT_RATE with a wide spread.
+- `mag` (MagCacheConfig): decided at each step's start (the head block's entry) from the model's magnitude ratios; a
+  skipped step runs no block. With the ratios known (`ratios=flux` or a file) the decisions are diffusers' own
+  arithmetic on them (`mag_schedule`, its nearest-neighbour stretch to the steps included): known ahead, exactly.
+- `taylorseer` with `lite`: a fixed schedule (diffusers' `_measure_should_compute`: steps 0..before-1 computed, then
+  step k where (k - before - 1) % interval == 0); the others predict the output projection: no block runs.
+  Without `lite` only the attention modules are predicted and every block still runs, so under streaming a predicted
+  step copies every block as a computed one does: priced as a computed step (its attention FLOPs saved are not
+  priced, so where the copies hide the plan is pessimistic) and said so.
+- `sea` (SeaCacheConfig): the repeated blocks replaced by a cached residual while a spectral indicator stays under the
+  threshold; decided per step from the data: a hit rate, bounded by the retained first and last steps and the most
+  reuses in a row.
 
 The skipped steps' time: the blocks that still run at their place in the plan's step (StepTime.per_block, which
-includes each one's exposed copy), so a streamed skipped step pays only what it streams. Formulas here, used by
-pipeline/phases.py's denoise phase.
+includes each one's exposed copy). Formulas here, used by pipeline/phases.py's denoise phase.
 """
 
 from __future__ import annotations
@@ -32,148 +30,149 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CACHE_KINDS", "CacheKind", "StepCache", "CacheError", "parse_cache", "computed_steps", "CachedSteps",
-           "cached_steps", "CACHE_SCHEMA_VERSION", "CACHE_PRIOR_HIT_RATE"]
+from chunkflow_planner.cache import CacheSetting, CacheSpecError, cache_label, parse_cache
+
+__all__ = ["StepCache", "CacheError", "plan_cache", "computed_steps", "CachedSteps", "cached_steps", "mag_schedule",
+           "runs_when_skipped", "CACHE_SCHEMA_VERSION", "CACHE_PRIOR_HIT_RATE", "FLUX_MAG_RATIOS"]
 
 CACHE_SCHEMA_VERSION = 1
-CACHE_PRIOR_HIT_RATE = (0.35, 0.2)  # first-block's hit rate where nothing measured it: (mean, spread), supposed
+CACHE_PRIOR_HIT_RATE = (0.35, 0.2)  # a hit-rate cache's rate where nothing measured it: (mean, spread), supposed
+# diffusers.hooks.mag_cache.FLUX_MAG_RATIOS (diffusers 0.42.1), here for a planner that never imports torch; a test
+# checks them against diffusers'
+FLUX_MAG_RATIOS = (1.0, 1.21094, 1.11719, 1.07812, 1.0625, 1.03906, 1.03125, 1.03906, 1.02344, 1.03125, 1.02344,
+                   0.98047, 1.01562, 1.00781, 1.0, 1.00781, 1.0, 1.00781, 1.0, 1.0, 0.99609, 0.99609, 0.98047,
+                   0.98828, 0.96484, 0.95703, 0.93359, 0.89062)
 
 
-class CacheError(ValueError):
-    """A cache spec that cannot be planned or run; the message says what and what to do, in one line."""
-
-
-class CacheKind(BaseModel):
-    """One cache kind: diffusers' config class, its parameters in the order `KIND:a,b` gives them (defaults as
-    diffusers'), which blocks a skipped step still runs, and whether its schedule is known ahead."""
-
-    model_config = ConfigDict(frozen=True)
-    config_class: str
-    params: tuple[tuple[str, float], ...]
-    runs_when_skipped: Literal["first", "none", "all"]
-    schedule_known: bool
-
-
-CACHE_KINDS: dict[str, CacheKind] = {
-    "first-block": CacheKind(config_class="FirstBlockCacheConfig", params=(("threshold", 0.05),),
-                             runs_when_skipped="first", schedule_known=False),
-    "taylorseer-lite": CacheKind(config_class="TaylorSeerCacheConfig",
-                                 params=(("cache_interval", 5), ("disable_cache_before_step", 3)),
-                                 runs_when_skipped="none", schedule_known=True),
-    "taylorseer": CacheKind(config_class="TaylorSeerCacheConfig",
-                            params=(("cache_interval", 5), ("disable_cache_before_step", 3)),
-                            runs_when_skipped="all", schedule_known=True),
-    "mag": CacheKind(config_class="MagCacheConfig",
-                     params=(("threshold", 0.06), ("max_skip_steps", 3), ("retention_ratio", 0.2)),
-                     runs_when_skipped="none", schedule_known=False),
-}
+class CacheError(CacheSpecError):
+    """A cache that cannot be planned; the message says what and what to do, in one line."""
 
 
 class StepCache(BaseModel):
-    """A cache as planned: its kind, parameters, and the share of steps it is expected to skip (with a spread and
-    where the figure comes from). Stored in the plan file (`workload.cache`)."""
+    """A cache as planned: its setting and the share of steps it is expected to skip (with a spread and where the
+    figure comes from); the plan file's `workload.cache`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)  # a Workload's field: hashable
+    model_config = ConfigDict(extra="forbid", frozen=True)
     schema_version: int = CACHE_SCHEMA_VERSION
-    kind: str
-    params: tuple[tuple[str, float], ...] = Field((), description="(name, value) in the kind's order")
+    setting: CacheSetting
     hit_rate: float | None = Field(None, ge=0.0, lt=1.0, description="expected share of steps skipped; None for a "
-                                   "schedule known ahead (computed from the parameters and the steps)")
+                                   "schedule known ahead (computed from the setting and the steps)")
     hit_rate_spread: float = Field(0.0, ge=0.0, le=1.0, description="+- around hit_rate the band takes")
-    hit_rate_source: Literal["schedule", "given", "calibrated", "reports", "prior"] = "prior"
+    hit_rate_source: Literal["schedule", "given", "reports", "prior"] = "prior"
 
-    @field_validator("kind")
-    @classmethod
-    def _known(cls, kind: str) -> str:
-        if kind not in CACHE_KINDS:
-            raise ValueError(f"cache kind {kind!r} is not one chunkflow plans; use {', '.join(CACHE_KINDS)}")
-        return kind
+    def __hash__(self) -> int:  # a Workload's field: hashable although a setting may hold a list of ratios
+        return hash(self.model_dump_json())
 
     @property
-    def spec(self) -> CacheKind:
-        return CACHE_KINDS[self.kind]
-
-    def param(self, name: str) -> float:
-        return dict(self.params)[name]
+    def kind(self) -> str:
+        return self.setting.kind
 
     def label(self) -> str:
-        """'first-block (threshold 0.1)'."""
-        args = ", ".join(f"{k} {v:g}" for k, v in self.params)
-        return f"{self.kind} ({args})" if args else self.kind
+        return cache_label(self.setting)
 
 
-def _params(kind: str, text: str) -> tuple[tuple[str, float], ...]:
-    """`a,b` or `name=a,name=b` after the kind's colon, as numbers, defaults filled in."""
-    names = [n for n, _ in CACHE_KINDS[kind].params]
-    out = dict(CACHE_KINDS[kind].params)
-    for i, part in enumerate(p for p in text.split(",") if p.strip()):
-        name, _, value = part.rpartition("=")
-        name = name.strip() or (names[i] if i < len(names) else "")
-        if name not in out:
-            raise CacheError(f"--cache {kind}:{text}: {kind} takes {', '.join(names)} (in that order, or name=value)")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            raise CacheError(f"--cache {kind}:{text}: {name} must be a number, got {value.strip()!r}") from None
-    return tuple(out.items())
+def runs_when_skipped(setting: CacheSetting) -> Literal["first", "none", "all"]:
+    """Which blocks a skipped step still runs (module docstring)."""
+    if setting.kind == "first-block":
+        return "first"
+    if setting.kind == "taylorseer" and not setting.lite:
+        return "all"
+    return "none"
 
 
-def parse_cache(text: str, hit_rate: float | None = None, source: str = "given") -> StepCache:
-    """`KIND[:PARAMS]` (e.g. `first-block:0.1`, `taylorseer:4,2`, `mag:threshold=0.08`) as a StepCache, checked:
-    a threshold that cannot fire, an interval of one, a hit rate the kind cannot reach are refused in one line."""
-    kind, _, rest = text.strip().partition(":")
-    kind = kind.strip().lower().replace("_", "-")
-    if kind not in CACHE_KINDS:
-        raise CacheError(f"--cache {text!r}: not a cache chunkflow plans; use one of {', '.join(CACHE_KINDS)} "
-                         "(e.g. first-block:0.1, taylorseer:5,3, mag:0.06)")
-    pairs = _params(kind, rest)
-    params = dict(pairs)
-    if "threshold" in params and params["threshold"] <= 0:
-        raise CacheError(f"--cache {text}: a threshold of {params['threshold']:g} never fires (no step is ever that "
-                         "close to the last computed one): give a positive threshold, e.g. 0.05-0.2")
-    if kind.startswith("taylorseer") and params["cache_interval"] < 2:
-        raise CacheError(f"--cache {text}: cache_interval {params['cache_interval']:g} computes every step: give 2 or "
-                         "more")
-    if kind.startswith("taylorseer") and params["disable_cache_before_step"] < 1:
-        raise CacheError(f"--cache {text}: disable_cache_before_step {params['disable_cache_before_step']:g} predicts "
-                         "before any step was computed (diffusers raises there): give 1 or more")
-    if hit_rate is not None and CACHE_KINDS[kind].schedule_known:
-        raise CacheError(f"--cache-hit-rate: {kind}'s schedule is fixed by its parameters and the steps; leave "
-                         "--cache-hit-rate out")
+def _schedule_known(setting: CacheSetting) -> bool:
+    return setting.kind == "taylorseer" or (setting.kind == "mag" and setting.ratios is not None)
+
+
+def _refuse(setting: CacheSetting, text: str) -> None:
+    """A setting that skips nothing, or that diffusers fails on, as one line."""
+    threshold = getattr(setting, "threshold", None)
+    if threshold is not None and threshold <= 0:
+        raise CacheError(f"--cache {text}: a threshold of {threshold:g} never fires (no step is ever that close to "
+                         "the last computed one): give a positive threshold")
+    if setting.kind == "taylorseer" and setting.cache_interval < 2:
+        raise CacheError(f"--cache {text}: cache_interval {setting.cache_interval} computes every step: give 2 or more")
+    if setting.kind == "taylorseer" and setting.disable_cache_before_step < 1:
+        raise CacheError(f"--cache {text}: disable_cache_before_step 0 predicts before any step was computed (diffusers "
+                         "raises there): give 1 or more")
+    if setting.kind == "mag" and setting.calibrate:
+        raise CacheError(f"--cache {text}: calibrating MagCache skips nothing (it measures the ratios): plan without "
+                         "--cache, or with ratios=FILE of what the calibration printed")
+
+
+def plan_cache(text: str, hit_rate: float | None = None, source: str = "given") -> StepCache:
+    """`--cache KIND[:PARAMS]` (cache.parse_cache) with `--cache-hit-rate`, checked for planning."""
+    setting = parse_cache(text)
+    _refuse(setting, text)
+    if hit_rate is not None and _schedule_known(setting):
+        raise CacheError(f"--cache-hit-rate: {setting.kind}'s schedule is known ahead from its setting and the steps; "
+                         "leave --cache-hit-rate out")
     if hit_rate is not None and not 0.0 <= hit_rate < 1.0:
         raise CacheError(f"--cache-hit-rate {hit_rate:g}: a share of the steps skipped, from 0 to below 1")
-    if CACHE_KINDS[kind].schedule_known:
-        return StepCache(kind=kind, params=pairs, hit_rate=None, hit_rate_source="schedule")
+    if _schedule_known(setting):
+        return StepCache(setting=setting, hit_rate=None, hit_rate_source="schedule")
     if hit_rate is None:
         mean, spread = CACHE_PRIOR_HIT_RATE
-        return StepCache(kind=kind, params=pairs, hit_rate=mean, hit_rate_spread=spread, hit_rate_source="prior")
-    return StepCache(kind=kind, params=pairs, hit_rate=hit_rate, hit_rate_source=source)  # type: ignore[arg-type]
+        return StepCache(setting=setting, hit_rate=mean, hit_rate_spread=spread, hit_rate_source="prior")
+    return StepCache(setting=setting, hit_rate=hit_rate, hit_rate_source=source)  # type: ignore[arg-type]
 
 
-def _max_skipped(cache: StepCache, steps: int) -> int:
-    """The most steps the kind can skip in `steps` (mag: the retained first steps always compute, and at most
-    max_skip_steps skip in a row; first-block: all but the first)."""
-    if cache.kind == "mag":
-        kept = int(cache.param("retention_ratio") * steps + 0.5)  # as diffusers' MagCacheHeadHook rounds it
-        run = int(cache.param("max_skip_steps"))
-        free = max(0, steps - kept)
-        return free - free // (run + 1)  # runs of `run` skips, each ended by a computed step
-    return max(0, steps - 1)
+def _stretch(ratios: list[float] | tuple[float, ...], steps: int) -> list[float]:
+    """diffusers' nearest_interp: the ratios stretched to `steps` by rounding (src - 1) / (steps - 1) x i."""
+    if len(ratios) == steps:
+        return list(ratios)
+    if steps == 1:
+        return [ratios[-1]]
+    scale = (len(ratios) - 1) / (steps - 1)
+    return [ratios[int(_round_half_even(i * scale))] for i in range(steps)]
+
+
+def _round_half_even(x: float) -> float:
+    return float(round(x))  # torch.round rounds half to even, as Python's round does
+
+
+def mag_schedule(setting: CacheSetting, steps: int) -> list[bool]:
+    """Each step computed (True) or skipped, as diffusers' MagCacheHeadHook decides from the ratios."""
+    ratios = _stretch(FLUX_MAG_RATIOS if setting.ratios == "flux" else setting.ratios, steps)
+    retention = int(setting.retention_ratio * steps + 0.5)
+    acc_ratio, acc_steps, acc_err, out = 1.0, 0, 0.0, []
+    for i in range(steps):
+        compute = True
+        if i >= retention:
+            acc_ratio *= ratios[i] if i < len(ratios) else 1.0
+            acc_steps += 1
+            acc_err += abs(1.0 - acc_ratio)
+            if out and acc_err <= setting.threshold and acc_steps <= setting.max_skip_steps:
+                compute = False
+            else:
+                acc_ratio, acc_steps, acc_err = 1.0, 0, 0.0
+        out.append(compute)
+    return out
+
+
+def _max_skipped(setting: CacheSetting, steps: int) -> int:
+    """The most steps a hit-rate kind can skip in `steps`."""
+    if setting.kind == "sea":
+        free = max(0, steps - setting.retention_steps - setting.cache_end_steps)
+        run = setting.max_consecutive_cached
+        return free - free // (run + 1) if run else free
+    return max(0, steps - 1)  # first-block: every step after the first may hit
 
 
 def computed_steps(cache: StepCache | None, steps: int, hit_rate: float | None = None) -> int:
     """How many of `steps` run the whole transformer (`hit_rate`: instead of the cache's own, for a band's edge)."""
     if cache is None or steps <= 0:
         return steps
-    if cache.spec.schedule_known:  # taylorseer: steps 0..before-1, then k with (k - before - 1) % interval == 0
-        before = int(cache.param("disable_cache_before_step"))
-        interval = int(cache.param("cache_interval"))
+    s = cache.setting
+    if s.kind == "taylorseer":  # steps 0..before-1, then k with (k - before - 1) % interval == 0
+        before, interval = s.disable_cache_before_step, s.cache_interval
         return min(steps, before) + max(0, math.ceil((steps - before - 1) / interval))
+    if s.kind == "mag" and s.ratios is not None:
+        return sum(mag_schedule(s, steps))
     rate = cache.hit_rate if hit_rate is None else hit_rate
-    skipped = min(_max_skipped(cache, steps), round((rate or 0.0) * steps))
-    return steps - skipped
+    return steps - min(_max_skipped(s, steps), round((rate or 0.0) * steps))
 
 
 class CachedSteps(BaseModel):
@@ -190,11 +189,12 @@ class CachedSteps(BaseModel):
 
 
 def skipped_step_s(cache: StepCache, per_block: list[float], passes: int) -> float:
-    """A skipped step's seconds: the blocks it still runs (the first under first-block caching, each forward of the
-    step), at their time in the plan's step (compute and exposed copy)."""
-    if cache.spec.runs_when_skipped == "first" and per_block:
+    """A skipped step's seconds: the blocks it still runs (runs_when_skipped), each forward of the step, at their
+    time in the plan's step (compute and exposed copy)."""
+    runs = runs_when_skipped(cache.setting)
+    if runs == "first" and per_block:
         return per_block[0] * passes
-    if cache.spec.runs_when_skipped == "all":
+    if runs == "all":
         return sum(per_block) * passes
     return 0.0
 

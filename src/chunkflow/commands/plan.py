@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Optional
 import math
@@ -148,14 +149,12 @@ _Weights = Annotated[Optional[str], typer.Option(help="the pipeline folder (or H
 _Transformer = Annotated[Optional[str], typer.Option(help="with --weights DIR: the transformer the run will read from "
                                                            "this single file (a GGUF file), checked from its header "
                                                            "against the folder's config"), INPUT]
-_Cache = Annotated[Optional[str], typer.Option(help="price a step cache: KIND[:PARAMS], one of first-block "
-                                                 "(threshold), taylorseer-lite or taylorseer (cache_interval, "
-                                                 "disable_cache_before_step), "
-                                                 "mag (threshold, max_skip_steps, retention_ratio); e.g. "
-                                                 "first-block:0.1 or taylorseer:5,3")]
-_CacheHitRate = Annotated[Optional[float], typer.Option(help="the share of steps the cache is expected to skip "
-                                                        "(first-block, mag; measured by an earlier run's report). "
-                                                        "Default: a wide prior")]
+_Cache = Annotated[Optional[str], typer.Option(help="price a step cache, as `run --cache` takes it: KIND[:PARAMS], "
+                                                 "e.g. first-block:0.1, mag:ratios=flux, taylorseer:2,lite, sea:0.3")]
+_CacheHitRate = Annotated[Optional[str], typer.Option(help="the share of steps the cache is expected to skip "
+                                                      "(first-block, sea): a number, or an earlier run's report "
+                                                      "(run --cache ... --report R.json) whose measured share it "
+                                                      "takes. Default: a wide prior")]
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
                          INPUT]
 
@@ -252,18 +251,44 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     _show_plan(plan, decision, analysis, out, json_out)
 
 
-def _with_cache(workload, cache: str | None, hit_rate: float | None):
-    """The workload with the step cache `--cache` names (stepcache.parse_cache): one line for a bad spec."""
+def _with_cache(workload, cache: str | None, hit_rate: str | None):
+    """The workload with the step cache `--cache` names (stepcache.plan_cache) at `--cache-hit-rate` (a number, or
+    a run report's measured share): one line for a bad spec."""
     if cache is None:
         if hit_rate is not None:
             raise UserError("--cache-hit-rate is the hit rate of a cache: give the cache with --cache KIND")
         return workload
-    from chunkflow_planner.stepcache import CacheError, parse_cache
+    from chunkflow_planner.cache import CacheSpecError, parse_cache
+    from chunkflow_planner.stepcache import plan_cache
 
     try:
-        return workload.model_copy(update={"cache": parse_cache(cache, hit_rate)})
-    except CacheError as exc:
+        rate, source = _hit_rate(hit_rate, parse_cache(cache))
+        return workload.model_copy(update={"cache": plan_cache(cache, rate, source)})
+    except CacheSpecError as exc:
         raise UserError(str(exc)) from None
+
+
+def _hit_rate(text: str | None, setting) -> tuple[float | None, str]:
+    """`--cache-hit-rate` as (rate, source): a number as given, or a run report's measured share of skipped steps
+    for the same kind of cache."""
+    if text is None:
+        return None, "given"
+    try:
+        return float(text), "given"
+    except ValueError:
+        pass
+    path = Path(text).expanduser()
+    try:
+        got = json.loads(path.read_text()).get("generation", {}).get("cache")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        raise UserError(f"--cache-hit-rate {text!r} is neither a number nor a readable run report (JSON)") from None
+    if not isinstance(got, dict) or not isinstance(got.get("measured_hit_rate"), (int, float)):
+        raise UserError(f"--cache-hit-rate {text!r}: the report ran no step cache (run --cache ... --report)")
+    kind = (got.get("setting") or {}).get("kind")
+    if kind != setting.kind:
+        raise UserError(f"--cache-hit-rate {text!r}: the report's cache is {kind}, not {setting.kind}: give a report "
+                        "of the same cache")
+    return float(got["measured_hit_rate"]), "reports"
 
 
 def _check_transformer_files(spec, weights: str | None, files: dict[str, str | None]) -> None:

@@ -24,6 +24,9 @@ def band_text(plan: Plan, key: str) -> str:
     return f" +-{pct:.0f}%" if pct >= 9.5 else f" +-{pct:.1f}%".replace(".0%", "%")
 
 
+CACHE_RECORDED_BY = {"cache hit rate": "run --cache ... --report R.json, then plan --cache-hit-rate R.json"}
+
+
 def bands_note(plan: Plan) -> str | None:
     """What the plan's bands are made of, and how to narrow them; None for a plan without bands."""
     from chunkflow_planner.bands import FITS
@@ -39,7 +42,7 @@ def bands_note(plan: Plan) -> str | None:
     if supposed:
         by: dict[str | None, list[str]] = {}
         for f in sorted(supposed):
-            by.setdefault(FITS[f].recorded_by, []).append(f)
+            by.setdefault(FITS[f].recorded_by if f in FITS else CACHE_RECORDED_BY.get(f), []).append(f)
         said = [f"{', '.join(fs)} (`{cmd}` records them)" for cmd, fs in by.items() if cmd is not None]
         if None in by:
             said.append(f"{', '.join(by[None])} (measured once or not at all: a prior always)")
@@ -82,11 +85,13 @@ def cache_said(plan: Plan) -> str | None:
     c, w = plan.prediction.cache, plan.workload
     if c is None:
         return None
-    kind = w.cache.kind if w.cache is not None else ""
-    skipped = {"first-block": "the first block only", "taylorseer": "every block (only attention is predicted, so "
-               "every block still streams: use taylorseer-lite to skip the blocks)"}.get(kind, "no block")
+    from chunkflow_planner.stepcache import runs_when_skipped
+
+    runs = runs_when_skipped(w.cache.setting) if w.cache is not None else "none"
+    skipped = {"first": "the first block only", "all": "every block (only attention is predicted, so every block "
+               "still streams: taylorseer:...,lite skips the blocks)"}.get(runs, "no block")
     if c.hit_rate is None:
-        rate = "a fixed schedule"
+        rate = "a schedule known ahead"
     else:
         spread = w.cache.hit_rate_spread if w.cache is not None else 0.0
         rate = f"hit rate {c.hit_rate:.0%}" + (f" +-{spread:.0%}" if spread else "") + {

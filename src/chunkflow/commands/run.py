@@ -137,7 +137,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
                                        fp8_cast=fp8_cast, codec=codec_override(codec),
                                        decode=decode)  # the flags parsed here, once
         check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
-        step_cache["setting"] = _check_cache(cache, generating, prompts is not None)
+        step_cache["setting"] = _check_cache(cache, generating, prompts is not None, p)
         imported["s"] = import_libraries()  # said before the silence it would be (the checks below need them)
         _check_priced(p, cfg, profile)
         if step_cache["setting"] is not None:  # on the model's transformer on the meta device, before the load
@@ -239,21 +239,24 @@ def _check_priced(p, cfg, profile: str | None) -> None:
         raise UserError(problem)
 
 
-def _check_cache(text: str | None, generating: bool, prompts: bool):
-    """`--cache` parsed and validated (CacheSpecError, one line, where it is bad), refused where this run cannot
-    take it yet; None without it."""
-    if text is None:
+def _check_cache(text: str | None, generating: bool, prompts: bool, plan=None):
+    """`--cache` parsed and validated (CacheSpecError, one line, where it is bad), else the cache the plan priced
+    (`plan --cache`) where this run generates; refused where this run cannot take it yet; None without either."""
+    planned = plan.workload.cache if plan is not None else None
+    if text is None and (planned is None or not generating):
         return None
     from chunkflow_planner.cache import parse_cache
 
-    setting = parse_cache(text)
+    setting = parse_cache(text) if text is not None else planned.setting
+    what = "--cache" if text is not None else f"the plan's cache ({planned.label()}, from plan --cache)"
     if prompts:
-        raise UserError("--cache with --prompts is not supported yet: run each prompt with --prompt --cache")
+        raise UserError(f"{what} with --prompts is not supported yet: run each prompt with --prompt"
+                        + (" --cache" if text is not None else ", or plan without --cache"))
     if not generating:
         raise UserError("--cache goes with --prompt: a cache keys on the pipeline's denoising steps, which the "
                         "synthetic steps do not run")
     if torchrun_world() > 1:
-        raise UserError("--cache under torchrun (sequence parallel) is not supported yet: run it in one process")
+        raise UserError(f"{what} under torchrun (sequence parallel) is not supported yet: run it in one process")
     return setting
 
 

@@ -83,8 +83,20 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
         save_latents(g.latents, runs.last.latents)
     report = _report(plan, cfg, o, g, setup, runs, host)
     report.generation.output_pixels = pixels
-    report.generation.cache = runs.cache
+    report.generation.cache = _with_planned(runs.cache, plan, setup.w.steps)
     return report
+
+
+def _with_planned(result, plan: Plan, steps: int):
+    """The cache's result with the plan's hit rate and computed steps beside it, where the plan priced this very
+    setting (and, for the computed steps, these steps)."""
+    c, wc = plan.prediction.cache, plan.workload.cache
+    if result is None or c is None or wc is None or wc.setting != result.setting:
+        return result
+    planned = c.skipped_steps / max(1, plan.workload.steps)
+    return result.model_copy(update=dict(planned_hit_rate=planned, planned_source=wc.hit_rate_source,
+                                         planned_computed_steps=c.computed_steps if steps == plan.workload.steps
+                                         else None))
 
 
 def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False, world: int = 1) -> PipelineSetup:
