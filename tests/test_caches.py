@@ -3,8 +3,9 @@ where it skips blocks, the output of the same config without chunkflow, bit for 
 with `enable_cache` before or after `offload`; the handle counts the block runs computed and skipped as they were
 (checked against a count made with module hooks, apart from chunkflow) and the bytes copied for the skipped ones.
 
-A cache skips a block by replacing the forward its call runs, so chunkflow still enters it and copies its weights:
-`skipped_h2d_bytes` is what that costs (the first part of the issue measures it; not copying them is the next)."""
+A cache skips a block by replacing the forward its call runs: chunkflow binds a block's weights when its own forward
+begins, so a skipped block waits for no copy and prefetches none; what was copied for it before the decision (its
+prefetch, issued while the block before it ran) is `skipped_h2d_bytes`, counted exactly."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ SETTINGS = {"chunkflow-r0": dict(mode="chunkflow", chunk_size="4KB", residency=0
 CASES = [(k, c) for k in ("wan", "flux") for c in CACHES if not (c == "sea" and k == "flux")]
 
 
-def _watch(pipe) -> tuple[Counter, list]:
+def _watch(pipe, sequence: list | None = None) -> tuple[Counter, list]:
     """Block calls whose forward ran (one of the block's own modules was called) and those skipped, counted with
-    module hooks: apart from chunkflow's count, and the same without offload."""
+    module hooks: apart from chunkflow's count, and the same without offload; `sequence` gets (block, ran) of each
+    call in order."""
     counts, calls, handles = Counter(), [], []
 
     def enter(block, args):
@@ -50,7 +52,10 @@ def _watch(pipe) -> tuple[Counter, list]:
             calls[-1] = True
 
     def leave(block, args, out):
-        counts["computed" if calls.pop() else "skipped"] += 1
+        ran = calls.pop()
+        counts["computed" if ran else "skipped"] += 1
+        if sequence is not None:
+            sequence.append((block, ran))
 
     for blocks in block_lists(pipe).values():
         for block in blocks:
@@ -92,7 +97,8 @@ def test_a_cache_gives_its_output_without_offload_bit_for_bit_and_counts_its_ski
     handle = chunkflow.offload(pipe.transformer, device="cpu", **SETTINGS[setting])
     if order == "offload-then-cache":
         pipe.transformer.enable_cache(CACHES[cache]())
-    counts, _ = _watch(pipe)
+    sequence: list = []
+    counts, _ = _watch(pipe, sequence)
     assert torch.equal(_output(pipe, kind), want)
     st = handle.stats()
     assert counts == ref_counts  # the blocks ran as without offload
@@ -101,10 +107,26 @@ def test_a_cache_gives_its_output_without_offload_bit_for_bit_and_counts_its_ski
     streamed = {name: b.streamed_bytes for (name, _), b in zip(handle.blocks, handle.layouts)}
     skipped = handle.runs.skipped_by_block
     assert sum(skipped.values()) == st.blocks_skipped
-    assert st.skipped_h2d_bytes == sum(n * streamed[name] for name, n in skipped.items()) > 0  # each copied whole
+    whole = sum(n * streamed[name] for name, n in skipped.items())  # every skipped block copied whole
+    assert st.skipped_h2d_bytes == _prefetched_for_skipped(sequence, handle, streamed) <= whole
+    skips_in_a_row = any(not a and not b for (_, a), (_, b) in zip(sequence, sequence[1:]))
+    assert (st.skipped_h2d_bytes < whole) == skips_in_a_row  # a skip after a skip copies nothing
     forwards = handle.runs.since(0)
     assert len(forwards) == st.forwards and sum(f.computed + len(f.skipped) for f in forwards) == sum(counts.values())
     handle.remove()
+
+
+def _prefetched_for_skipped(sequence: list, handle, streamed: dict[str, int]) -> int:
+    """The bytes a skipped block's copies took: a block is prefetched while the one called before it runs (the
+    first block of all at offload); one its cache skips prefetches nothing, so the block after it is copied only
+    if it runs."""
+    name_of = {id(m): name for name, m in handle.blocks}
+    total, before_ran = 0, True  # the first block is prefetched at offload
+    for block, ran in sequence:
+        if not ran and before_ran:
+            total += streamed[name_of[id(block)]]
+        before_ran = ran
+    return total
 
 
 def test_remove_gives_the_cache_hooks_the_plain_forward_back_and_the_cache_goes_on_working():

@@ -243,13 +243,15 @@ def _measure_decode(handle, log):
     module = getattr(handle, "module", None)
     if module is None:
         return None
+    from chunkflow.models.discover import discover_blocks
     from chunkflow.runtime.codecs.probe import measure_decode, module_layouts
 
     if handle.layouts:  # offloaded: its blocks as laid out, decoded on its device
         probe = measure_decode(handle.layouts, handle.device)
     else:  # placed whole: its weights decode where they are
         device = next((p.device for p in module.parameters()), None)
-        probe = measure_decode(module_layouts(module), device) if device is not None else None
+        probe = (measure_decode(module_layouts(module, discover_blocks(module)), device) if device is not None
+                 else None)
     if probe is not None:
         log(f"decode: {format_bytes(probe.decoded_bytes_per_forward)} of weights a forward, measured at "
             f"{probe.gbps:.0f} GB/s: {probe.seconds_per_forward * 1e3:.1f} ms a forward")

@@ -329,8 +329,13 @@ class OffloadHandle:
 
     # ---- forwards (the block hooks call these)
 
-    def enter_block(self, l: int) -> None:
+    def enter_block(self, l: int, lazy: bool = False) -> bool:
+        """Block l was called: the forward's bookkeeping (its order, writes carried to the device), then its tensors
+        bound on the device (`streamer.enter`: its prefetch waited for, the next one issued) unless `lazy`, where
+        that waits for its own forward to begin (`stream_in`): a block a step cache skips is never waited for and
+        prefetches nothing. Returns whether the block was entered now."""
         first = self.order.enter(l) if self.depth else False  # the first block of a forward not checked yet
+        self.streamer.called(l)
         if l == 0 or first:  # a forward starts: carry writes made since the last one to the device
             self.sync()
         elif self.writes is not None:
@@ -341,10 +346,17 @@ class OffloadHandle:
                 self.streamer.copy_in(l, stale)  # the next forward
                 self.writes.touched.add(l)
                 self.refreshes += 1
-                return
+                return True
             if stale:
                 self.streamer.refresh({l})
                 self.refreshes += 1
+        if lazy:
+            return False
+        self.streamer.enter(l)
+        return True
+
+    def stream_in(self, l: int) -> None:
+        """Block l's own forward begins (entered lazily): its tensors bound on the device, the next prefetched."""
         self.streamer.enter(l)
 
     def forward_done(self) -> None:
@@ -366,9 +378,16 @@ class OffloadHandle:
                 raise
             self.reorders += 1
 
-    def exit_block(self, l: int, ran: bool | None = True) -> None:
+    def exit_block(self, l: int, ran: bool | None = True, entered: bool = True) -> None:
         """Block l's call ended; `ran`: whether its own forward ran (False: a cache skipped it; None: its enter
-        failed, not counted)."""
+        failed, not counted); `entered`: whether its tensors were bound (a lazily entered block its cache skipped
+        never was: nothing to give back)."""
+        if not entered:
+            self.streamer.skipped(l)
+            if ran is not None:
+                self.runs.block(self.blocks[l][0], ran, self.streamer.run_bytes[l] if self.layouts[l].is_streamed
+                                else 0)
+            return
         written = self.writes.written(l) if self.writes is not None else []
         try:
             if written:  # the block wrote its own tensors' device copies: the host store, the truth, takes them

@@ -66,6 +66,11 @@ def _exit(hook) -> None:
     hook.exit()
 
 
+@torch.compiler.disable
+def _stream_in(hook) -> None:
+    hook.stream_in()
+
+
 def _run_block(self, base, hook, args, kwargs):
     """The block's own call between its enter (tensors bound to the device) and exit (back to the host)."""
     try:
@@ -189,6 +194,8 @@ def _noting_forward(forward):
         hook = self.__dict__.get(_HOOK)
         if hook is not None:
             hook.ran = True
+            if hook.entered is False:  # entered lazily (BlockHook.enter): its tensors bound now, as its forward runs
+                _stream_in(hook)
         return forward(self, *args, **kwargs)
 
     return _dynamo_skips(noting)
@@ -394,18 +401,28 @@ class BlockHook:
         self.index = index
         self.module = module
         self.ran = False
-        self.entered = False
+        self.entered: bool | None = None
         self.sees_forward = hook_module(module, self)
 
     def enter(self) -> None:
+        """The block was called. Where its own forward is seen (`sees_forward`) and no gradient is recorded, its
+        tensors are bound when that forward begins (`stream_in`), so that a block a step cache skips waits for no
+        copy and prefetches none; `entered` is False until then (None: not called, or its enter failed)."""
         self.ran = False
-        self.handle.enter_block(self.index)
-        self.entered = True
+        lazy = self.sees_forward and not torch.is_grad_enabled()
+        self.entered = self.handle.enter_block(self.index, lazy=lazy)
+
+    def stream_in(self) -> None:
+        self.entered = True  # (a failure inside still gives back what it took, at exit)
+        self.handle.stream_in(self.index)
 
     def exit(self) -> None:
-        ran = (self.ran or not self.sees_forward) if self.entered else None  # None: its enter failed, not a run
-        self.entered = False
-        self.handle.exit_block(self.index, ran)
+        called = self.entered is not None
+        ran = (self.ran or not self.sees_forward) if called else None  # None: its enter failed, not a run
+        # only a lazily entered block that never began its forward has nothing bound; a failed enter gives back
+        # whatever it took, as an entered block does
+        entered, self.entered = self.entered is not False, None
+        self.handle.exit_block(self.index, ran, entered=entered)
 
     def own_copies(self) -> None:
         self.handle.streamer.own_copies(self.index)

@@ -435,9 +435,17 @@ class Streamer:
         if s is not None:
             self._keep_if_held(s)
 
-    def before(self, l: int) -> None:
-        if l == self.ring[0]:
+    def called(self, l: int) -> None:
+        """Block l was called (whether or not its own forward will run): a forward is counted at its first block."""
+        if self.ring and l == self.ring[0]:  # (the first streamed block: none where nothing streams)
             self.forwards += 1
+
+    def skipped(self, l: int) -> None:
+        """Block l's call ended without its own forward running (a step cache skipped it) and it was never entered:
+        what its prefetch copied is that run's (runs.py), and nothing of it was bound or waited for."""
+        self.run_bytes[l], self.copied[l] = self.copied[l], 0
+
+    def before(self, l: int) -> None:
         if self.pending is not None:  # normally block l itself; out of order, finish it so its ready[] is right
             if self.pacer is not None and self.pending.block == l:
                 self.pacer.period_end(l)

@@ -49,12 +49,9 @@ def _jobs(planned: list[Planned], device: torch.device) -> list:
     return jobs
 
 
-def module_layouts(module: nn.Module) -> list[BlockLayout]:
-    """The layouts of a module's blocks (chunkflow.models.discover) as if offloaded with everything resident: where a
-    module runs unoffloaded, what the probe reads its weights by (nothing moves)."""
-    from chunkflow.models.discover import discover_blocks
-
-    blocks = discover_blocks(module)
+def module_layouts(module: nn.Module, blocks: list[nn.Module]) -> list[BlockLayout]:
+    """The layouts of a module's `blocks` as if offloaded with everything resident: where a module runs
+    unoffloaded, what the probe reads its weights by (nothing moves)."""
     return [pack_block(i, str(i), b, entries, None) for i, (b, entries) in
             enumerate(zip(blocks, owned_tensors(module, blocks)))]
 
