@@ -4,7 +4,7 @@
 Every function takes the row's raw files (paths, in the row's order) and the row's `args`, and returns a number or
 a tuple of numbers in the unit the text quotes (percentages as percent, seconds, GB as 1e9 bytes); the row's
 `format` turns them into the quoted string. A `key` is a path into a JSON document: segments joined by `/`, each a
-dict key, a list index, or `field=value` (the first list item whose field is that value).
+dict key, a list index, or `field=value` (the first list item whose field is that value; several joined by `&`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _dig(data: Any, key: str) -> Any:
             return [_dig(x, rest) if rest else x for x in data]
         if isinstance(data, list):
             if "=" in seg:
-                field, want = seg.split("=", 1)
-                data = next(x for x in data if str(x.get(field)) == want)
+                conds = [c.split("=", 1) for c in seg.split("&")]
+                data = next(x for x in data if all(str(x.get(f)) == w for f, w in conds))
             else:
                 data = data[int(seg)]
         else:
@@ -287,10 +287,12 @@ def verdict(raw: list[Path], report: str, key: str, field: str = "error") -> flo
     return float(row[field]) * 100.0
 
 
-def compare_inside(raw: list[Path]) -> tuple[int, int]:
-    """How many of a second calibration's figures fell inside the first's bands (|diff| <= band_first), of how many."""
+def compare_inside(raw: list[Path], both: bool = False) -> tuple[int, int]:
+    """How many of a second calibration's figures fell inside the first's bands (|diff| <= band_first; `both`: and
+    the first inside the second's, band_second), of how many."""
     rows = _load(raw[0])["rows"]
-    return sum(abs(r["diff"]) <= r["band_first"] for r in rows), len(rows)
+    inside = [abs(r["diff"]) <= r["band_first"] and (not both or abs(r["diff"]) <= r["band_second"]) for r in rows]
+    return sum(inside), len(rows)
 
 
 def compare_misses(raw: list[Path], fit: str) -> tuple[float, float]:
@@ -302,6 +304,13 @@ def compare_misses(raw: list[Path], fit: str) -> tuple[float, float]:
 def compare_miss_count(raw: list[Path], fit: str) -> int:
     """How many of one fit's figures fell outside the first calibration's bands."""
     return sum(r["fit"] == fit and abs(r["diff"]) > r["band_first"] for r in _load(raw[0])["rows"])
+
+
+def kernel_span(raw: list[Path], prefix: str = "full_") -> tuple[int, float, float]:
+    """scripts/codec_kernels.py's decode variants named `prefix`...: how many, the slowest and the fastest rate of
+    output (GB/s)."""
+    rates = [v["gbps_out"] for k, v in _load(raw[0]).items() if k.startswith(prefix) and v.get("ok")]
+    return len(rates), min(rates), max(rates)
 
 
 # ---- transformer-only timings: scripts/format_bench.py and gguf_bench.py's time-*.json -----------------------------
