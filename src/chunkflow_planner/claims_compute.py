@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +369,29 @@ def wall_s(raw: list[Path]) -> float:
 def tsv_sum(raw: list[Path]) -> float:
     """The sum of a 'name<TAB>seconds' file's seconds."""
     return sum(float(x.split()[1]) for x in raw[0].read_text().splitlines() if x.strip())
+
+
+def serve_times(raw: list[Path]) -> tuple[float, float]:
+    """A server run's wall seconds, start to exit (its serve.log), and when it was up (its serve-client.json)."""
+    return wall_s(raw[:1]), float(_at(raw[1], "ready_after_s"))
+
+
+def speedups(raw: list[Path]) -> tuple[float, ...]:
+    """The ten single processes' summed seconds (raw[0], singles.tsv) over each other way's wall seconds."""
+    singles = tsv_sum(raw[:1])
+    return tuple(singles / wall_s([p]) for p in raw[1:])
+
+
+def job_seconds(raw: list[Path], first: int = 1) -> tuple[float, float, float]:
+    """The median, shortest and longest of a server's jobs' seconds, from the job numbered `first` (0-based) on."""
+    secs = [float(j["seconds"]) for j in _load(raw[0])["jobs"][first:]]
+    return statistics.median(secs), min(secs), max(secs)
+
+
+def job_errors(raw: list[Path], first: int = 1) -> tuple[float, float, float]:
+    """The median, smallest and largest error of a server's jobs' seconds against their predictions, in percent."""
+    errs = [(j["seconds"] / j["predicted_s"] - 1.0) * 100.0 for j in _load(raw[0])["jobs"][first:]]
+    return statistics.median(errs), min(errs), max(errs)
 
 
 def finish_errors(raw: list[Path], after_first: bool = True) -> tuple[float, float]:
