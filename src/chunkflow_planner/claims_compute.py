@@ -65,6 +65,11 @@ def pair(raw: list[Path], key: str, key2: str | None = None, scale: float = 1.0)
     return float(_at(raw[0], key)) * scale, float(_at(raw[-1], key2 or key)) * scale
 
 
+def values(raw: list[Path], key: str, scale: float = 1.0) -> tuple[float, ...]:
+    """The number at `key` in each file, times `scale`."""
+    return tuple(float(_at(p, key)) * scale for p in raw)
+
+
 def span(raw: list[Path], key: str, scale: float = 1.0, keys: list[str] | None = None) -> tuple[float, float]:
     """The smallest and largest number at `key` (or at each of `keys`) over every file, times `scale`."""
     found = [v for p in raw for k in (keys or [key]) for v in _flat(_at(p, k))]
@@ -317,15 +322,40 @@ def kernel_span(raw: list[Path], prefix: str = "full_") -> tuple[int, float, flo
 # ---- transformer-only timings: scripts/format_bench.py and gguf_bench.py's time-*.json -----------------------------
 
 
-def plan_per_forward(raw: list[Path]) -> float:
-    """A plan's step over its guidance passes against the measured median forward, in percent, the largest miss
-    over pairs of files (a way's time-*.json, the plan it ran)."""
+def plan_errors(raw: list[Path]) -> tuple[float, ...]:
+    """A plan's step over its guidance passes against the measured median forward, in percent, per pair of files
+    (a way's time-*.json, the plan it ran)."""
     errors = []
     for timed_path, plan_path in zip(raw[::2], raw[1::2]):
         timed, plan = _load(timed_path), _load(plan_path)
         per_forward = float(timed["predicted_step_s"]) / int(plan["workload"]["cfg_passes"])
         errors.append((per_forward / float(timed["median_s"]) - 1.0) * 100.0)
-    return max(errors, key=abs)
+    return tuple(errors)
+
+
+def plan_per_forward(raw: list[Path]) -> float:
+    """The largest miss (by size) of `plan_errors` over the pairs."""
+    return max(plan_errors(raw), key=abs)
+
+
+def faster_and_peaks(raw: list[Path]) -> tuple[float, float, float, float, float]:
+    """One way against another (two time-*.json): how much faster in percent, both medians in ms, both peaks in GB."""
+    a, b = _load(raw[0]), _load(raw[1])
+    faster = (1.0 - a["median_s"] / b["median_s"]) * 100.0
+    return faster, a["median_s"] * 1e3, b["median_s"] * 1e3, a["peak_allocated_bytes"] / 1e9, b["peak_allocated_bytes"] / 1e9
+
+
+def format_table_row(raw: list[Path]) -> tuple[float, ...]:
+    """One model and format of docs/data/gpu-formats' table, from its files [gpu, forward, chunkflow (ahead),
+    leaf or none, plan]: each way's median forward in ms, forward / GPU, leaf / forward (where leaf ran), the plan's
+    forward / the measured one, and the forward's peak allocated bytes / the plan's peak."""
+    gpu, fwd, ahead = (_load(p) for p in raw[:3])
+    leaf = _load(raw[3]) if len(raw) == 5 else None
+    plan = _load(raw[-1])
+    ms = [w["median_s"] * 1e3 for w in (gpu, fwd, ahead, leaf) if w]
+    per_forward = fwd["predicted_step_s"] / int(plan["workload"]["cfg_passes"])
+    ratios_ = [fwd["median_s"] / gpu["median_s"]] + ([leaf["median_s"] / fwd["median_s"]] if leaf else [])
+    return (*ms, *ratios_, per_forward / fwd["median_s"], fwd["peak_allocated_bytes"] / fwd["predicted_peak_bytes"])
 
 
 def replan_change(raw: list[Path], name: str) -> float:
