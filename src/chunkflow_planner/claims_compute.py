@@ -70,6 +70,11 @@ def values(raw: list[Path], key: str, scale: float = 1.0) -> tuple[float, ...]:
     return tuple(float(_at(p, key)) * scale for p in raw)
 
 
+def fields(raw: list[Path], keys: list[str], scales: list[float] | None = None) -> tuple[float, ...]:
+    """Several numbers of one file (a table line's cells): each of `keys` in the first file, times its scale."""
+    return tuple(float(_at(raw[0], k)) * s for k, s in zip(keys, scales or [1.0] * len(keys), strict=True))
+
+
 def span(raw: list[Path], key: str, scale: float = 1.0, keys: list[str] | None = None) -> tuple[float, float]:
     """The smallest and largest number at `key` (or at each of `keys`) over every file, times `scale`."""
     found = [v for p in raw for k in (keys or [key]) for v in _flat(_at(p, k))]
@@ -84,6 +89,35 @@ def ratio(raw: list[Path], key: str, key2: str | None = None) -> float:
 def change(raw: list[Path], key: str, key2: str | None = None) -> float:
     """`key` in the first file against `key2` (default: `key`) in the last, in percent (a/b - 1)."""
     return (ratio(raw, key, key2) - 1.0) * 100.0
+
+
+def against(raw: list[Path], key: str) -> tuple[float, float, float]:
+    """`key` in the first file and in the last, and the first against the last in percent ("5.70 s against 5.63 s,
+    +1.2%")."""
+    a, b = float(_at(raw[0], key)), float(_at(raw[-1], key))
+    return a, b, (a / b - 1.0) * 100.0
+
+
+def before_after(raw: list[Path], key: str) -> tuple[float, float, float]:
+    """`key` before (the first file) and after (the last), and how much less it is after, in percent."""
+    a, b = float(_at(raw[0], key)), float(_at(raw[-1], key))
+    return a, b, (1.0 - b / a) * 100.0
+
+
+def codec_bytes(raw: list[Path]) -> tuple[float, float, float]:
+    """A codec run's streamed bytes raw and as stored, in GB, and their ratio (the report's codec_stats)."""
+    stats = _at(raw[0], "codec_stats")
+    raw_b, stored = float(stats["codec_raw_bytes"]), float(stats["codec_stored_bytes"])
+    return raw_b / 1e9, stored / 1e9, stored / raw_b
+
+
+def codec_savings(raw: list[Path]) -> tuple[float, float, float]:
+    """A codec run (the last file) against the same run without it (the first), in percent: fewer bytes copied a
+    step, a smaller store of streamed weights (1 - its ratio), a lower host peak."""
+    off, on = _load(raw[0]), _load(raw[-1])
+    fewer = (1.0 - on["h2d_bytes_per_step"] / off["h2d_bytes_per_step"]) * 100.0
+    store = (1.0 - codec_bytes(raw[-1:])[2]) * 100.0
+    return fewer, store, (1.0 - on["host_peak_bytes"] / off["host_peak_bytes"]) * 100.0
 
 
 def difference(raw: list[Path], key: str, key2: str | None = None, scale: float = 1.0) -> float:
