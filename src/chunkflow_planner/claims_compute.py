@@ -252,10 +252,16 @@ def scaled_change(raw: list[Path], steps: int = 50) -> float:
     return (scaled_ratio(raw, steps) - 1.0) * 100.0
 
 
+def scaled_and_plan(raw: list[Path], steps: int = 50) -> tuple[float, float, float]:
+    """A report's generation scaled to `steps`, its plan's generation at those steps, and the error in percent."""
+    report = _load(raw[0])
+    scaled, planned = _scaled(report, steps), float(report["plan"]["prediction"]["generation_time_s"])
+    return scaled, planned, (scaled / planned - 1.0) * 100.0
+
+
 def scaled_vs_plan(raw: list[Path], steps: int = 50) -> float:
     """A report's generation scaled to `steps` against its plan's generation at those steps, in percent."""
-    report = _load(raw[0])
-    return (_scaled(report, steps) / float(report["plan"]["prediction"]["generation_time_s"]) - 1.0) * 100.0
+    return scaled_and_plan(raw, steps)[2]
 
 
 def run_vs_plan(raw: list[Path]) -> tuple[float, float, float]:
@@ -273,6 +279,17 @@ def measured_vs_planned(raw: list[Path], key: str, key2: str, scale: float = 1.0
     """`key` (measured) and `key2` (planned) in one file, times `scale`, and the error in percent."""
     measured, planned = float(_at(raw[0], key)), float(_at(raw[0], key2))
     return measured * scale, planned * scale, (measured / planned - 1.0) * 100.0
+
+
+def first_step_extra(raw: list[Path]) -> tuple[float, ...]:
+    """Per report: how much longer its first step took than its median step, in seconds."""
+    return tuple(float(_at(p, "measured/step_times_s/0")) - float(_at(p, "measured/median_step_s")) for p in raw)
+
+
+def run_vs_plan_span(raw: list[Path]) -> tuple[float, float]:
+    """The smallest and largest error of `run_vs_plan` over the reports, in percent."""
+    errors = [run_vs_plan([p])[2] for p in raw]
+    return min(errors), max(errors)
 
 
 def _disk_read(report: dict[str, Any]) -> int:
