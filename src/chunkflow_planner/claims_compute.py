@@ -511,6 +511,45 @@ def bench_ratios(raw: list[Path], mode: str, frames: list[str], column: str = "m
     return tuple(_bench_ratio(rows, mode, f, column, base) for f in frames)
 
 
+def bench_table_row(raw: list[Path], mode: str, frames: str, base: str = "none") -> tuple[float, ...]:
+    """One line of a bench table: the step (s), against the baseline's, peak allocated (GB), against the
+    baseline's, peak reserved (GB) and pinned host memory (GB)."""
+    rows = _bench(raw[0])
+    row = next(r for r in rows if r["mode"] == mode and r["value"] == frames)
+    return (float(row["measured_step_s"]), _bench_ratio(rows, mode, frames, "measured_step_s", base),
+            float(row["measured_peak_bytes"]) / 1e9, _bench_ratio(rows, mode, frames, "measured_peak_bytes", base),
+            float(row["peak_reserved_bytes"]) / 1e9, float(row["pinned_bytes"] or 0) / 1e9)
+
+
+def bench_worst(raw: list[Path], column: str, modes: list[str] | None = None, scale: float = 100.0) -> float:
+    """The largest |value| of a bench.csv column over the points (of `modes`, else all with a value), times
+    `scale` (a plan's worst error, in percent)."""
+    rows = [r for r in _bench(raw[0]) if r[column] and (modes is None or r["mode"] in modes)]
+    return max(abs(float(r[column])) for r in rows) * scale
+
+
+def bench_max(raw: list[Path], column: str, mode: str, scale: float = 1e-9) -> float:
+    """The largest value of a bench.csv column over one mode's points, times `scale`."""
+    return max(float(r[column]) for r in _bench(raw[0]) if r["mode"] == mode) * scale
+
+
+def bench_excess(raw: list[Path], mode: str, column: str = "measured_step_s") -> tuple[float, float]:
+    """The smallest and largest excess of the mode's figure over the baseline's, in percent, over bench.csv's
+    points."""
+    low, high = bench_share(raw, mode, column)
+    return low - 100.0, high - 100.0
+
+
+def bench_worsts(raw: list[Path], columns: list[str]) -> tuple[float, ...]:
+    """`bench_worst` of each column, in percent."""
+    return tuple(bench_worst(raw, c) for c in columns)
+
+
+def bench_rss(raw: list[Path], modes: tuple[str, str] = ("chunkflow", "diffusers-group")) -> tuple[float, float]:
+    """The bench process's resident set (GB) during two modes' points (their largest)."""
+    return bench_max(raw, "host_rss_bytes", modes[0]), bench_max(raw, "host_rss_bytes", modes[1])
+
+
 def bench_within(raw: list[Path], mode: str, column: str = "measured_step_s", base: str = "none") -> int:
     """The mode's largest excess over the baseline at any point of bench.csv, in whole percent rounded up."""
     rows = _bench(raw[0])
