@@ -13,7 +13,7 @@ for them (budgets are quoted in GB everywhere).
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -30,7 +30,7 @@ def _doc(file: str) -> str:
     return normalized((ROOT / file).read_text())
 
 
-def _quote_problems(claim: Claim, doc=_doc) -> list[str]:
+def _quote_problems(claim: Claim, doc: Callable[[str], str] = _doc) -> list[str]:
     """What is wrong with a row's quotes: a snippet not in its file exactly once, or one that shows another figure."""
     out = []
     for place in claim.quoted:

@@ -354,7 +354,8 @@ def compare_inside(raw: list[Path], both: bool = False) -> tuple[int, int]:
 
 def compare_misses(raw: list[Path], fit: str) -> tuple[float, float]:
     """The smallest and largest |move| of one fit's figures outside the first calibration's bands, in percent."""
-    moved = [abs(r["diff"]) * 100.0 for r in _load(raw[0])["rows"] if r["fit"] == fit and abs(r["diff"]) > r["band_first"]]
+    rows = _load(raw[0])["rows"]
+    moved = [abs(r["diff"]) * 100.0 for r in rows if r["fit"] == fit and abs(r["diff"]) > r["band_first"]]
     return min(moved), max(moved)
 
 
@@ -393,7 +394,8 @@ def faster_and_peaks(raw: list[Path]) -> tuple[float, float, float, float, float
     """One way against another (two time-*.json): how much faster in percent, both medians in ms, both peaks in GB."""
     a, b = _load(raw[0]), _load(raw[1])
     faster = (1.0 - a["median_s"] / b["median_s"]) * 100.0
-    return faster, a["median_s"] * 1e3, b["median_s"] * 1e3, a["peak_allocated_bytes"] / 1e9, b["peak_allocated_bytes"] / 1e9
+    peaks = a["peak_allocated_bytes"] / 1e9, b["peak_allocated_bytes"] / 1e9
+    return faster, a["median_s"] * 1e3, b["median_s"] * 1e3, *peaks
 
 
 def format_table_row(raw: list[Path]) -> tuple[float, ...]:
