@@ -75,6 +75,11 @@ def fields(raw: list[Path], keys: list[str], scales: list[float] | None = None) 
     return tuple(float(_at(raw[0], k)) * s for k, s in zip(keys, scales or [1.0] * len(keys), strict=True))
 
 
+def values_each(raw: list[Path], keys: list[str], scale: float = 1.0) -> tuple[float, ...]:
+    """`keys[i]` read from `raw[i]`, times `scale`."""
+    return tuple(float(_at(p, k)) * scale for p, k in zip(raw, keys, strict=True))
+
+
 def span(raw: list[Path], key: str, scale: float = 1.0, keys: list[str] | None = None) -> tuple[float, float]:
     """The smallest and largest number at `key` (or at each of `keys`) over every file, times `scale`."""
     found = [v for p in raw for k in (keys or [key]) for v in _flat(_at(p, k))]
@@ -111,13 +116,13 @@ def codec_bytes(raw: list[Path]) -> tuple[float, float, float]:
     return raw_b / 1e9, stored / 1e9, stored / raw_b
 
 
-def codec_savings(raw: list[Path]) -> tuple[float, float, float]:
+def codec_savings(raw: list[Path]) -> tuple[float, float, float, float]:
     """A codec run (the last file) against the same run without it (the first), in percent: fewer bytes copied a
-    step, a smaller store of streamed weights (1 - its ratio), a lower host peak."""
+    step, a smaller store of streamed weights (1 - its ratio), a lower host peak; then the ratio itself."""
     off, on = _load(raw[0]), _load(raw[-1])
     fewer = (1.0 - on["h2d_bytes_per_step"] / off["h2d_bytes_per_step"]) * 100.0
-    store = (1.0 - codec_bytes(raw[-1:])[2]) * 100.0
-    return fewer, store, (1.0 - on["host_peak_bytes"] / off["host_peak_bytes"]) * 100.0
+    ratio_ = codec_bytes(raw[-1:])[2]
+    return fewer, (1.0 - ratio_) * 100.0, (1.0 - on["host_peak_bytes"] / off["host_peak_bytes"]) * 100.0, ratio_
 
 
 def difference(raw: list[Path], key: str, key2: str | None = None, scale: float = 1.0) -> float:
@@ -463,6 +468,20 @@ def speedups(raw: list[Path]) -> tuple[float, ...]:
     """The ten single processes' summed seconds (raw[0], singles.tsv) over each other way's wall seconds."""
     singles = tsv_sum(raw[:1])
     return tuple(singles / wall_s([p]) for p in raw[1:])
+
+
+def many_walls(raw: list[Path]) -> tuple[float, ...]:
+    """Each way's wall seconds (the files' 'wall_s N'), then the single processes' summed seconds (the last file,
+    singles.tsv)."""
+    return (*(wall_s([p]) for p in raw[:-1]), tsv_sum(raw[-1:]))
+
+
+def jobs_host(raw: list[Path]) -> tuple[float, float, float]:
+    """A prompt file's run (jobs-report.json): the smallest and largest resident set after a job, and the plan's host
+    memory, in GB."""
+    report = _load(raw[0])
+    rss = [float(j["host_rss_bytes"]) / 1e9 for j in report["jobs"]]
+    return min(rss), max(rss), float(report["plan"]["prediction"]["host_memory_bytes"]) / 1e9
 
 
 def job_seconds(raw: list[Path], first: int = 1) -> tuple[float, float, float]:
