@@ -1,0 +1,586 @@
+"""The functions docs/claims.yaml names: each recomputes a published figure from the raw files under docs/data/
+(JSON, CSV and the text the evidence scripts wrote), with the standard library only.
+
+Every function takes the row's raw files (paths, in the row's order) and the row's `args`, and returns a number or
+a tuple of numbers in the unit the text quotes (percentages as percent, seconds, GB as 1e9 bytes); the row's
+`format` turns them into the quoted string. A `key` is a path into a JSON document: segments joined by `/`, each a
+dict key, a list index, or `field=value` (the first list item whose field is that value; several joined by `&`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _load(path: Path) -> Any:
+    """A JSON file's document."""
+    return json.loads(path.read_text())
+
+
+def _dig(data: Any, key: str) -> Any:
+    """The item at `key` (segments joined by '/'; '*' maps the rest over a list) in a JSON document."""
+    segs = key.split("/")
+    for i, seg in enumerate(segs):
+        if seg == "*":
+            rest = "/".join(segs[i + 1:])
+            return [_dig(x, rest) if rest else x for x in data]
+        if isinstance(data, list):
+            if "=" in seg:
+                conds = [c.split("=", 1) for c in seg.split("&")]
+                data = next(x for x in data if all(str(x.get(f)) == w for f, w in conds))
+            else:
+                data = data[int(seg)]
+        else:
+            data = data[seg]
+    return data
+
+
+def _at(path: Path, key: str) -> Any:
+    return _dig(_load(path), key)
+
+
+def _flat(x: Any) -> list[float]:
+    """A number or a (nested) list of numbers as a flat list."""
+    if isinstance(x, list):
+        return [v for item in x for v in _flat(item)]
+    return [float(x)]
+
+
+# ---- generic: one value, two values, a range, a ratio, a relative change ------------------------------------------
+
+
+def value(raw: list[Path], key: str, scale: float = 1.0) -> float:
+    """The number at `key` in the first file, times `scale`."""
+    return float(_at(raw[0], key)) * scale
+
+
+def pair(raw: list[Path], key: str, key2: str | None = None, scale: float = 1.0) -> tuple[float, float]:
+    """`key` in the first file and `key2` (default: `key`) in the last, each times `scale` ("A against B")."""
+    return float(_at(raw[0], key)) * scale, float(_at(raw[-1], key2 or key)) * scale
+
+
+def values(raw: list[Path], key: str, scale: float = 1.0) -> tuple[float, ...]:
+    """The number at `key` in each file, times `scale`."""
+    return tuple(float(_at(p, key)) * scale for p in raw)
+
+
+def fields(raw: list[Path], keys: list[str], scales: list[float] | None = None) -> tuple[float, ...]:
+    """Several numbers of one file (a table line's cells): each of `keys` in the first file, times its scale."""
+    return tuple(float(_at(raw[0], k)) * s for k, s in zip(keys, scales or [1.0] * len(keys), strict=True))
+
+
+def values_each(raw: list[Path], keys: list[str], scale: float = 1.0) -> tuple[float, ...]:
+    """`keys[i]` read from `raw[i]`, times `scale`."""
+    return tuple(float(_at(p, k)) * scale for p, k in zip(raw, keys, strict=True))
+
+
+def span(raw: list[Path], key: str, scale: float = 1.0, keys: list[str] | None = None) -> tuple[float, float]:
+    """The smallest and largest number at `key` (or at each of `keys`) over every file, times `scale`."""
+    found = [v for p in raw for k in (keys or [key]) for v in _flat(_at(p, k))]
+    return min(found) * scale, max(found) * scale
+
+
+def ratio(raw: list[Path], key: str, key2: str | None = None) -> float:
+    """`key` in the first file over `key2` (default: `key`) in the last."""
+    return float(_at(raw[0], key)) / float(_at(raw[-1], key2 or key))
+
+
+def change(raw: list[Path], key: str, key2: str | None = None) -> float:
+    """`key` in the first file against `key2` (default: `key`) in the last, in percent (a/b - 1)."""
+    return (ratio(raw, key, key2) - 1.0) * 100.0
+
+
+def against(raw: list[Path], key: str) -> tuple[float, float, float]:
+    """`key` in the first file and in the last, and the first against the last in percent ("5.70 s against 5.63 s,
+    +1.2%")."""
+    a, b = float(_at(raw[0], key)), float(_at(raw[-1], key))
+    return a, b, (a / b - 1.0) * 100.0
+
+
+def before_after(raw: list[Path], key: str) -> tuple[float, float, float]:
+    """`key` before (the first file) and after (the last), and how much less it is after, in percent."""
+    a, b = float(_at(raw[0], key)), float(_at(raw[-1], key))
+    return a, b, (1.0 - b / a) * 100.0
+
+
+def codec_bytes(raw: list[Path]) -> tuple[float, float, float]:
+    """A codec run's streamed bytes raw and as stored, in GB, and their ratio (the report's codec_stats)."""
+    stats = _at(raw[0], "codec_stats")
+    raw_b, stored = float(stats["codec_raw_bytes"]), float(stats["codec_stored_bytes"])
+    return raw_b / 1e9, stored / 1e9, stored / raw_b
+
+
+def codec_savings(raw: list[Path]) -> tuple[float, float, float, float]:
+    """A codec run (the last file) against the same run without it (the first), in percent: fewer bytes copied a
+    step, a smaller store of streamed weights (1 - its ratio), a lower host peak; then the ratio itself."""
+    off, on = _load(raw[0]), _load(raw[-1])
+    fewer = (1.0 - on["h2d_bytes_per_step"] / off["h2d_bytes_per_step"]) * 100.0
+    ratio_ = codec_bytes(raw[-1:])[2]
+    return fewer, (1.0 - ratio_) * 100.0, (1.0 - on["host_peak_bytes"] / off["host_peak_bytes"]) * 100.0, ratio_
+
+
+def difference(raw: list[Path], key: str, key2: str | None = None, scale: float = 1.0) -> float:
+    """`key` in the first file less `key2` (default: `key`) in the last, times `scale`."""
+    return (float(_at(raw[0], key)) - float(_at(raw[-1], key2 or key))) * scale
+
+
+def changes(raw: list[Path], key: str, key2: str) -> tuple[float, ...]:
+    """Per file: `key` against `key2` in that file, in percent (a run's measured figure against its plan's)."""
+    return tuple((float(_at(p, key)) / float(_at(p, key2)) - 1.0) * 100.0 for p in raw)
+
+
+def span_each(raw: list[Path], keys: list[str], scale: float = 1.0) -> tuple[float, float]:
+    """The smallest and largest of `keys[i]` read from `raw[i]`, times `scale`."""
+    found = [v for p, k in zip(raw, keys, strict=True) for v in _flat(_at(p, k))]
+    return min(found) * scale, max(found) * scale
+
+
+def all_of(raw: list[Path], key: str, word: str) -> str:
+    """`word` where every value at `key` in every file is true (bit-identical flags), else 'NOT ALL'."""
+    flags = [v for p in raw for v in (_at(p, key) if isinstance(_at(p, key), list) else [_at(p, key)])]
+    return word if flags and all(flag is True for flag in flags) else "NOT ALL"
+
+
+def every_line(raw: list[Path], text: str, word: str) -> str:
+    """`word` where every non-empty line of the file holds `text` (a comparison's verdict), else 'NOT ALL'."""
+    lines = [x for x in raw[0].read_text().splitlines() if x.strip()]
+    return word if lines and all(text in x for x in lines) else "NOT ALL"
+
+
+def ratios(raw: list[Path], key: str, key2: str | None = None) -> tuple[float, ...]:
+    """Per pair of files (1st/2nd, 3rd/4th, ...): `key` in the first over `key2` (default `key`) in the second."""
+    return tuple(float(_at(a, key)) / float(_at(b, key2 or key)) for a, b in zip(raw[::2], raw[1::2]))
+
+
+def ratio_span(raw: list[Path], key: str, key2: str | None = None) -> tuple[float, float]:
+    """The smallest and largest of `ratios`."""
+    found = ratios(raw, key, key2)
+    return min(found), max(found)
+
+
+# ---- CPU timings: scripts/bench_plan_speed.sh's table --------------------------------------------------------------
+
+
+def _speed_rows(path: Path) -> dict[str, tuple[float, float, float]]:
+    """Each timed command of a plan-speed table: the current tree's min, median and max CPU seconds."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if line.startswith("chunkflow ") and len(parts) > 3 and parts[-2].count("/") == 2:
+            now = tuple(float(x) for x in parts[-2].split("/"))
+            rows[" ".join(parts[:-3])] = (now[0], now[1], now[2])
+    return rows
+
+
+def plan_speed_median(raw: list[Path], command: str) -> float:
+    """The median CPU seconds of one timed command (the current tree's)."""
+    return _speed_rows(raw[0])[command][1]
+
+
+def plan_speed_span(raw: list[Path], prefix: str = "chunkflow plan ") -> tuple[float, float]:
+    """The smallest and largest median of the timed commands starting with `prefix` (--help lines left out)."""
+    meds = [m for cmd, (_, m, _) in _speed_rows(raw[0]).items() if cmd.startswith(prefix) and "--help" not in cmd]
+    return min(meds), max(meds)
+
+
+# ---- CPU timings: scripts/cpu_timings.py's output ------------------------------------------------------------------
+
+_TIMED = re.compile(r"^\s*([\d.]+)\s+([\d.]+)(\s+\([\d.]+-[\d.]+\))?\s+(\S.*)$")
+
+
+def _timed(path: Path) -> list[tuple[float, float, bool, str]]:
+    """Each timed line: wall seconds, CPU seconds, whether it is a median of several (a CPU range follows), the
+    command (what follows a ';' left out)."""
+    out = []
+    for line in path.read_text().splitlines():
+        m = _TIMED.match(line)
+        if m:
+            out.append((float(m[1]), float(m[2]), bool(m[3]), m[4].split(";")[0].strip()))
+    return out
+
+
+def cpu_line(raw: list[Path], command: str) -> tuple[float, float]:
+    """One timed command's wall and CPU seconds (the median where it was run several times)."""
+    want = " ".join(command.split())
+    return next((w, c) for w, c, _, cmd in _timed(raw[0]) if cmd == want)
+
+
+def cpu_span(raw: list[Path], prefix: str) -> tuple[float, float]:
+    """The smallest and largest CPU median of the single commands run several times that start with `prefix`."""
+    cpus = [c for _, c, many, cmd in _timed(raw[0]) if many and cmd.startswith(prefix) and "&&" not in cmd]
+    return min(cpus), max(cpus)
+
+
+def cpu_summary(raw: list[Path], what: str) -> tuple[float, float]:
+    """A summary line's wall and CPU seconds ('WHAT ...: N s wall, M s CPU')."""
+    m = re.search(re.escape(what) + r"[^:]*: ([\d.]+) s wall, ([\d.]+) s CPU", raw[0].read_text())
+    if m is None:
+        raise ValueError(f"{raw[0]} has no summary of {what!r}")
+    return float(m[1]), float(m[2])
+
+
+def pip_sources(raw: list[Path]) -> tuple[int, int]:
+    """Over the timed installs: the packages other than torch that came from this machine's folders, and the
+    packages downloaded."""
+    local = downloaded = 0
+    for source, n in re.findall(r"(this machine's [^:]+|downloaded from [^:]+): (\d+)", raw[0].read_text()):
+        if source.startswith("downloaded"):
+            downloaded += int(n)
+        else:
+            local += int(n)
+    return local - 1, downloaded
+
+
+# ---- run reports (`chunkflow run --report`): generations scaled to the plan's steps, disk reads --------------------
+
+
+def _scaled(report: dict[str, Any], steps: int) -> float:
+    """A report's measured generation plus the steps it did not run at its median step (the docs' "scaled")."""
+    measured = report["measured"]
+    extra = steps - len(measured["step_times_s"])
+    return float(report["generation"]["generation_time_s"]) + extra * float(measured["median_step_s"])
+
+
+def scaled_ratio(raw: list[Path], steps: int = 50) -> float:
+    """The first report's generation scaled to `steps` over the last's."""
+    return _scaled(_load(raw[0]), steps) / _scaled(_load(raw[-1]), steps)
+
+
+def scaled_change(raw: list[Path], steps: int = 50) -> float:
+    """The first report's generation scaled to `steps` against the last's, in percent."""
+    return (scaled_ratio(raw, steps) - 1.0) * 100.0
+
+
+def scaled_and_plan(raw: list[Path], steps: int = 50) -> tuple[float, float, float]:
+    """A report's generation scaled to `steps`, its plan's generation at those steps, and the error in percent."""
+    report = _load(raw[0])
+    scaled, planned = _scaled(report, steps), float(report["plan"]["prediction"]["generation_time_s"])
+    return scaled, planned, (scaled / planned - 1.0) * 100.0
+
+
+def scaled_vs_plan(raw: list[Path], steps: int = 50) -> float:
+    """A report's generation scaled to `steps` against its plan's generation at those steps, in percent."""
+    return scaled_and_plan(raw, steps)[2]
+
+
+def run_vs_plan(raw: list[Path]) -> tuple[float, float, float]:
+    """A report's generation at the steps it ran, its plan's at those steps (the plan's generation less the steps
+    not run at its step time) and the error in percent."""
+    report = _load(raw[0])
+    pred = report["plan"]["prediction"]
+    not_run = int(report["plan"]["workload"]["steps"]) - len(report["measured"]["step_times_s"])
+    planned = float(pred["generation_time_s"]) - not_run * float(pred["step_time_s"])
+    measured = float(report["generation"]["generation_time_s"])
+    return measured, planned, (measured / planned - 1.0) * 100.0
+
+
+def measured_vs_planned(raw: list[Path], key: str, key2: str, scale: float = 1.0) -> tuple[float, float, float]:
+    """`key` (measured) and `key2` (planned) in one file, times `scale`, and the error in percent."""
+    measured, planned = float(_at(raw[0], key)), float(_at(raw[0], key2))
+    return measured * scale, planned * scale, (measured / planned - 1.0) * 100.0
+
+
+def first_step_extra(raw: list[Path]) -> tuple[float, ...]:
+    """Per report: how much longer its first step took than its median step, in seconds."""
+    return tuple(float(_at(p, "measured/step_times_s/0")) - float(_at(p, "measured/median_step_s")) for p in raw)
+
+
+def run_vs_plan_span(raw: list[Path]) -> tuple[float, float]:
+    """The smallest and largest error of `run_vs_plan` over the reports, in percent."""
+    errors = [run_vs_plan([p])[2] for p in raw]
+    return min(errors), max(errors)
+
+
+def _disk_read(report: dict[str, Any]) -> int:
+    """Bytes a run read from the checkpoint's files: every component's, else the transformer's disk tier's."""
+    per_component = report["generation"].get("disk_read_bytes")
+    return sum(per_component.values()) if per_component else int(report["stats"]["disk_bytes_read"])
+
+
+def disk_reads(raw: list[Path]) -> tuple[float, float, float]:
+    """The bytes two runs read from disk, in GB, and the first's as a percentage of the last's."""
+    first, last = _disk_read(_load(raw[0])) / 1e9, _disk_read(_load(raw[-1])) / 1e9
+    return first, last, 100.0 * first / last
+
+
+def _planned_reads(plan: dict[str, Any]) -> float:
+    """A plan's disk reads a generation: its own figure, else its reads a step times its steps."""
+    pred = plan["prediction"]
+    if pred.get("disk_read_bytes_per_generation") is not None:
+        return float(pred["disk_read_bytes_per_generation"])
+    return float(pred["disk_read_bytes_per_step"]) * int(plan["workload"]["steps"])
+
+
+def planned_reads(raw: list[Path]) -> tuple[float, float, float]:
+    """Two plans' disk reads a generation: the first's in GB, the last's in TB, the first as a % of the last."""
+    first, last = _planned_reads(_load(raw[0])), _planned_reads(_load(raw[-1]))
+    return first / 1e9, last / 1e12, 100.0 * first / last
+
+
+def text_contains(raw: list[Path], text: str, word: str) -> str:
+    """`word` where the file holds `text` (a log's verdict line), else 'NOT FOUND'."""
+    return word if text in raw[0].read_text() else "NOT FOUND"
+
+
+# ---- bands: verdicts of runs against their bands, and calibrations against each other's ----------------------------
+
+
+def _rows(path: Path, report: str | None = None) -> list[dict[str, Any]]:
+    rows = _load(path)["rows"]
+    return [r for r in rows if report is None or r["report"] == report]
+
+
+def verdicts_inside(raw: list[Path], report: str | None = None) -> tuple[int, int]:
+    """How many of a verdicts file's measurements (of one report, or all) fell inside their bands, of how many:
+    |error| <= band, from each row's error and band."""
+    rows = _rows(raw[0], report)
+    return sum(abs(r["error"]) <= r["band"] for r in rows), len(rows)
+
+
+def verdict(raw: list[Path], report: str, key: str, field: str = "error") -> float:
+    """One verdict's error or band, in percent."""
+    row = next(r for r in _rows(raw[0], report) if r["key"] == key)
+    return float(row[field]) * 100.0
+
+
+def compare_inside(raw: list[Path], both: bool = False) -> tuple[int, int]:
+    """How many of a second calibration's figures fell inside the first's bands (|diff| <= band_first; `both`: and
+    the first inside the second's, band_second), of how many."""
+    rows = _load(raw[0])["rows"]
+    inside = [abs(r["diff"]) <= r["band_first"] and (not both or abs(r["diff"]) <= r["band_second"]) for r in rows]
+    return sum(inside), len(rows)
+
+
+def compare_misses(raw: list[Path], fit: str) -> tuple[float, float]:
+    """The smallest and largest |move| of one fit's figures outside the first calibration's bands, in percent."""
+    rows = _load(raw[0])["rows"]
+    moved = [abs(r["diff"]) * 100.0 for r in rows if r["fit"] == fit and abs(r["diff"]) > r["band_first"]]
+    return min(moved), max(moved)
+
+
+def compare_miss_count(raw: list[Path], fit: str) -> int:
+    """How many of one fit's figures fell outside the first calibration's bands."""
+    return sum(r["fit"] == fit and abs(r["diff"]) > r["band_first"] for r in _load(raw[0])["rows"])
+
+
+def kernel_span(raw: list[Path], prefix: str = "full_") -> tuple[int, float, float]:
+    """scripts/codec_kernels.py's decode variants named `prefix`...: how many, the slowest and the fastest rate of
+    output (GB/s)."""
+    rates = [v["gbps_out"] for k, v in _load(raw[0]).items() if k.startswith(prefix) and v.get("ok")]
+    return len(rates), min(rates), max(rates)
+
+
+# ---- transformer-only timings: scripts/format_bench.py and gguf_bench.py's time-*.json -----------------------------
+
+
+def plan_errors(raw: list[Path]) -> tuple[float, ...]:
+    """A plan's step over its guidance passes against the measured median forward, in percent, per pair of files
+    (a way's time-*.json, the plan it ran)."""
+    errors = []
+    for timed_path, plan_path in zip(raw[::2], raw[1::2]):
+        timed, plan = _load(timed_path), _load(plan_path)
+        per_forward = float(timed["predicted_step_s"]) / int(plan["workload"]["cfg_passes"])
+        errors.append((per_forward / float(timed["median_s"]) - 1.0) * 100.0)
+    return tuple(errors)
+
+
+def plan_per_forward(raw: list[Path]) -> float:
+    """The largest miss (by size) of `plan_errors` over the pairs."""
+    return max(plan_errors(raw), key=abs)
+
+
+def faster_and_peaks(raw: list[Path]) -> tuple[float, float, float, float, float]:
+    """One way against another (two time-*.json): how much faster in percent, both medians in ms, both peaks in GB."""
+    a, b = _load(raw[0]), _load(raw[1])
+    faster = (1.0 - a["median_s"] / b["median_s"]) * 100.0
+    peaks = a["peak_allocated_bytes"] / 1e9, b["peak_allocated_bytes"] / 1e9
+    return faster, a["median_s"] * 1e3, b["median_s"] * 1e3, *peaks
+
+
+def format_table_row(raw: list[Path]) -> tuple[float, ...]:
+    """One model and format of docs/data/gpu-formats' table, from its files [gpu, forward, chunkflow (ahead),
+    leaf or none, plan]: each way's median forward in ms, forward / GPU, leaf / forward (where leaf ran), the plan's
+    forward / the measured one, and the forward's peak allocated bytes / the plan's peak."""
+    gpu, fwd, ahead = (_load(p) for p in raw[:3])
+    leaf = _load(raw[3]) if len(raw) == 5 else None
+    plan = _load(raw[-1])
+    ms = [w["median_s"] * 1e3 for w in (gpu, fwd, ahead, leaf) if w]
+    per_forward = fwd["predicted_step_s"] / int(plan["workload"]["cfg_passes"])
+    ratios_ = [fwd["median_s"] / gpu["median_s"]] + ([leaf["median_s"] / fwd["median_s"]] if leaf else [])
+    return (*ms, *ratios_, per_forward / fwd["median_s"], fwd["peak_allocated_bytes"] / fwd["predicted_peak_bytes"])
+
+
+def replan_change(raw: list[Path], name: str) -> float:
+    """A run's measured median step against its plan made again with head dim 64's attention table, in percent: raw
+    is docs/data/h200-any/replan.txt (replan.py's output, which needs the planner) and the run's report. The error
+    is recomputed from the report's step and replan.txt's planned step (printed to 1 ms), and replan.txt's own
+    error (from the unrounded plan) is returned where the two agree within that rounding."""
+    line = next(x for x in raw[0].read_text().splitlines() if x.split()[:1] == [name])
+    planned = float(re.findall(r"(\d+\.\d+) s", line)[-1])
+    printed = float(re.findall(r"\(([+-]\d+\.\d+)%\)", line)[-1])
+    again = (float(_at(raw[1], "measured/median_step_s")) / planned - 1.0) * 100.0
+    slack = 100.0 * 0.0005 / planned + 0.05
+    if abs(again - printed) > slack:
+        raise ValueError(f"{name}: replan.txt says {printed:+.1f}%, its figures give {again:+.2f}%")
+    return printed
+
+
+# ---- host memory from /proc/meminfo samples (docs/data/h200-shared) ------------------------------------------------
+
+
+def meminfo_peak_gb(raw: list[Path]) -> tuple[float, ...]:
+    """The host memory each run took at its peak, in GB, over pairs of files: MemAvailable before it (/proc/meminfo
+    lines) less the smallest MemAvailable sampled while it ran (lines 'time MemAvailable_kB Shmem_kB')."""
+    out = []
+    for before_path, samples_path in zip(raw[::2], raw[1::2]):
+        lines = before_path.read_text().splitlines()
+        before = next(int(x.split()[1]) for x in lines if x.startswith("MemAvailable"))
+        low = min(int(x.split()[1]) for x in samples_path.read_text().splitlines() if x.strip())
+        out.append((before - low) * 1024 / 1e9)
+    return tuple(out)
+
+
+# ---- many generations per load (docs/data/h200-many) --------------------------------------------------------------
+
+
+def wall_s(raw: list[Path]) -> float:
+    """The wall seconds the evidence script wrote ('... wall_s N'), every one in the files summed."""
+    return sum(float(x) for p in raw for x in re.findall(r"wall_s ([\d.]+)", p.read_text()))
+
+
+def tsv_sum(raw: list[Path]) -> float:
+    """The sum of a 'name<TAB>seconds' file's seconds."""
+    return sum(float(x.split()[1]) for x in raw[0].read_text().splitlines() if x.strip())
+
+
+def serve_times(raw: list[Path]) -> tuple[float, float]:
+    """A server run's wall seconds, start to exit (its serve.log), and when it was up (its serve-client.json)."""
+    return wall_s(raw[:1]), float(_at(raw[1], "ready_after_s"))
+
+
+def speedups(raw: list[Path]) -> tuple[float, ...]:
+    """The ten single processes' summed seconds (raw[0], singles.tsv) over each other way's wall seconds."""
+    singles = tsv_sum(raw[:1])
+    return tuple(singles / wall_s([p]) for p in raw[1:])
+
+
+def many_walls(raw: list[Path]) -> tuple[float, ...]:
+    """Each way's wall seconds (the files' 'wall_s N'), then the single processes' summed seconds (the last file,
+    singles.tsv)."""
+    return (*(wall_s([p]) for p in raw[:-1]), tsv_sum(raw[-1:]))
+
+
+def jobs_host(raw: list[Path]) -> tuple[float, float, float]:
+    """A prompt file's run (jobs-report.json): the smallest and largest resident set after a job, and the plan's host
+    memory, in GB."""
+    report = _load(raw[0])
+    rss = [float(j["host_rss_bytes"]) / 1e9 for j in report["jobs"]]
+    return min(rss), max(rss), float(report["plan"]["prediction"]["host_memory_bytes"]) / 1e9
+
+
+def job_seconds(raw: list[Path], first: int = 1) -> tuple[float, float, float]:
+    """The median, shortest and longest of a server's jobs' seconds, from the job numbered `first` (0-based) on."""
+    secs = [float(j["seconds"]) for j in _load(raw[0])["jobs"][first:]]
+    return statistics.median(secs), min(secs), max(secs)
+
+
+def job_errors(raw: list[Path], first: int = 1) -> tuple[float, float, float]:
+    """The median, smallest and largest error of a server's jobs' seconds against their predictions, in percent."""
+    errs = [(j["seconds"] / j["predicted_s"] - 1.0) * 100.0 for j in _load(raw[0])["jobs"][first:]]
+    return statistics.median(errs), min(errs), max(errs)
+
+
+def finish_errors(raw: list[Path], after_first: bool = True) -> tuple[float, float]:
+    """The smallest and largest error of a server's predicted finish times against the measured ones, in percent,
+    from the first submission: predicted once the first job was done (jobs 2 on), else at submission."""
+    jobs = _load(raw[0])["jobs"]
+    t0 = min(j["submitted"] for j in jobs)
+    key = "predicted_finish_after_first" if after_first else "predicted_finish_at_submit"
+    errs = [((j["finished"] - t0) / (j[key] - t0) - 1.0) * 100.0 for j in jobs if j.get(key)]
+    return min(errs), max(errs)
+
+
+# ---- the transformer bench (`chunkflow bench`'s bench.csv) --------------------------------------------------------
+
+
+def _bench(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _bench_ratio(rows: list[dict[str, str]], mode: str, frames: str, column: str, base: str) -> float:
+    pick = {r["mode"]: float(r[column]) for r in rows if r["value"] == frames}
+    return pick[mode] / pick[base]
+
+
+def bench_ratio(raw: list[Path], mode: str, frames: str, column: str = "measured_step_s",
+                base: str = "none") -> float:
+    """A mode's figure over the baseline's at one point of bench.csv."""
+    return _bench_ratio(_bench(raw[0]), mode, frames, column, base)
+
+
+def bench_ratios(raw: list[Path], mode: str, frames: list[str], column: str = "measured_step_s",
+                 base: str = "none") -> tuple[float, ...]:
+    """A mode's figure over the baseline's at each of the points `frames` of bench.csv."""
+    rows = _bench(raw[0])
+    return tuple(_bench_ratio(rows, mode, f, column, base) for f in frames)
+
+
+def bench_table_row(raw: list[Path], mode: str, frames: str, base: str = "none") -> tuple[float, ...]:
+    """One line of a bench table: the step (s), against the baseline's, peak allocated (GB), against the
+    baseline's, peak reserved (GB) and pinned host memory (GB)."""
+    rows = _bench(raw[0])
+    row = next(r for r in rows if r["mode"] == mode and r["value"] == frames)
+    return (float(row["measured_step_s"]), _bench_ratio(rows, mode, frames, "measured_step_s", base),
+            float(row["measured_peak_bytes"]) / 1e9, _bench_ratio(rows, mode, frames, "measured_peak_bytes", base),
+            float(row["peak_reserved_bytes"]) / 1e9, float(row["pinned_bytes"] or 0) / 1e9)
+
+
+def bench_worst(raw: list[Path], column: str, modes: list[str] | None = None, scale: float = 100.0) -> float:
+    """The largest |value| of a bench.csv column over the points (of `modes`, else all with a value), times
+    `scale` (a plan's worst error, in percent)."""
+    rows = [r for r in _bench(raw[0]) if r[column] and (modes is None or r["mode"] in modes)]
+    return max(abs(float(r[column])) for r in rows) * scale
+
+
+def bench_max(raw: list[Path], column: str, mode: str, scale: float = 1e-9) -> float:
+    """The largest value of a bench.csv column over one mode's points, times `scale`."""
+    return max(float(r[column]) for r in _bench(raw[0]) if r["mode"] == mode) * scale
+
+
+def bench_excess(raw: list[Path], mode: str, column: str = "measured_step_s") -> tuple[float, float]:
+    """The smallest and largest excess of the mode's figure over the baseline's, in percent, over bench.csv's
+    points."""
+    low, high = bench_share(raw, mode, column)
+    return low - 100.0, high - 100.0
+
+
+def bench_worsts(raw: list[Path], columns: list[str]) -> tuple[float, ...]:
+    """`bench_worst` of each column, in percent."""
+    return tuple(bench_worst(raw, c) for c in columns)
+
+
+def bench_rss(raw: list[Path], modes: tuple[str, str] = ("chunkflow", "diffusers-group")) -> tuple[float, float]:
+    """The bench process's resident set (GB) during two modes' points (their largest)."""
+    return bench_max(raw, "host_rss_bytes", modes[0]), bench_max(raw, "host_rss_bytes", modes[1])
+
+
+def bench_within(raw: list[Path], mode: str, column: str = "measured_step_s", base: str = "none") -> int:
+    """The mode's largest excess over the baseline at any point of bench.csv, in whole percent rounded up."""
+    rows = _bench(raw[0])
+    worst = max(_bench_ratio(rows, mode, r["value"], column, base) for r in rows if r["mode"] == mode)
+    return math.ceil((worst - 1.0) * 100.0 - 1e-9)
+
+
+def bench_share(raw: list[Path], mode: str, column: str = "measured_peak_bytes",
+                base: str = "none") -> tuple[float, float]:
+    """The smallest and largest of the mode's figure as a percentage of the baseline's, over bench.csv's points."""
+    rows = _bench(raw[0])
+    shares = [100.0 * _bench_ratio(rows, mode, r["value"], column, base) for r in rows if r["mode"] == mode]
+    return min(shares), max(shares)
