@@ -67,3 +67,17 @@ def test_a_run_is_judged_against_the_band_of_the_generation_it_measured(workdir)
     assert verdict(high, 0).inside and verdict(high, 0).above == pytest.approx(first.rel_high)
     assert not verdict(high, 1).inside and verdict(high, 1).band == warm.rel  # after a warm-up: the warm band
     assert not verdict(-(first.rel_low + 0.01), 0).inside and verdict(-first.rel_low * 0.9, 0).inside
+
+
+def test_calibrate_measures_the_startup_over_cold_processes_and_records_its_spread():
+    """Two new processes of the tiny pipeline on the CPU, each phase's component called twice: a sample a process
+    for every phase, the figure their mean, and their spread as the `startup` fit (the encode counted once)."""
+    from chunkflow.commands.calibrate.startup import calibrated_startup
+
+    said: list[str] = []
+    out, raw = calibrated_startup("tiny-wan", 2, "cpu", said.append)
+    assert {"encode", "denoise", "decode"} <= out["startup_s"].keys() and "cold processes" in said[-1]
+    for key, xs in out["startup_samples_s"].items():
+        assert len(xs) == 2 and raw[key] == xs and out["startup_s"][key] == pytest.approx(sum(xs) / 2)
+    q = out["fit"]
+    assert q is not None and q.samples == 2 * (len(out["startup_s"]) - 1) and "2 cold process(es)" in q.source
