@@ -41,26 +41,25 @@ CASES = [(k, c) for k in ("wan", "flux") for c in CACHES if not (c == "sea" and 
 def _watch(pipe, sequence: list | None = None) -> tuple[Counter, list]:
     """Block calls whose forward ran (one of the block's own modules was called) and those skipped, counted with
     module hooks: apart from chunkflow's count, and the same without offload; `sequence` gets (block, ran) of each
-    call in order."""
-    counts, calls, handles = Counter(), [], []
+    call in order. Only the blocks' children get pre-hooks (a pre-hook on a block itself would run between its call
+    and its forward, where chunkflow then binds the block's weights at the call: runtime/skipping.py)."""
+    counts, handles, ran = Counter(), [], {}
 
-    def enter(block, args):
-        calls.append(False)
-
-    def child(module, args):
-        if calls:
-            calls[-1] = True
+    def child_of(block):
+        def child(module, args):
+            ran[id(block)] = True
+        return child
 
     def leave(block, args, out):
-        ran = calls.pop()
-        counts["computed" if ran else "skipped"] += 1
+        did, ran[id(block)] = ran.get(id(block), False), False
+        counts["computed" if did else "skipped"] += 1
         if sequence is not None:
-            sequence.append((block, ran))
+            sequence.append((block, did))
 
     for blocks in block_lists(pipe).values():
         for block in blocks:
-            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
-            handles += [m.register_forward_pre_hook(child) for m in block.children()]
+            handles.append(block.register_forward_hook(leave))
+            handles += [m.register_forward_pre_hook(child_of(block)) for m in block.children()]
     return counts, handles
 
 
@@ -220,3 +219,23 @@ def test_a_cache_on_the_disk_tier_and_the_codec_gives_its_output_without_offload
         assert torch.equal(got, want), name
         assert st.blocks_skipped > 0 and st.skipped_h2d_bytes > 0, name
         assert st.disk_blocks == setting.get("disk_blocks", 0) and (st.codec_blocks > 0) == ("codec" in setting)
+
+
+def test_a_block_with_anything_but_a_skipping_cache_before_its_forward_binds_at_its_call():
+    """A forward pre-hook on a block may read or write its weights between its call and its forward: there the block
+    binds at its call, under a cache too, so the hook finds the device copy in the compute dtype (fp8 storage: not
+    the stored e4m3 bytes) and the blocks without such a hook still bind lazily (runtime/skipping.py)."""
+    from chunkflow.runtime.skipping import binds_lazily
+
+    pipe = tiny_pipeline("flux")
+    pipe.transformer.enable_cache(CACHES["first-block"]())
+    hooked = pipe.transformer.transformer_blocks[1]
+    seen = []
+    hooked.register_forward_pre_hook(lambda block, args: seen.append(block.norm1.linear.weight.dtype))
+    handle = chunkflow.offload(pipe.transformer, device="cpu", mode="chunkflow", chunk_size="4KB", residency=0.3,
+                               weight_dtype="fp8_e4m3")
+    with torch.no_grad():
+        assert not binds_lazily(hooked) and binds_lazily(pipe.transformer.transformer_blocks[0])
+    _output(pipe, "flux")
+    assert seen and set(seen) == {torch.float32}  # bound, cast to the compute dtype, before the hook ran
+    handle.remove()

@@ -335,10 +335,12 @@ class OffloadHandle:
         that waits for its own forward to begin (`stream_in`): a block a step cache skips is never waited for and
         prefetches nothing. Returns whether the block was entered now."""
         first = self.order.enter(l) if self.depth else False  # the first block of a forward not checked yet
-        self.streamer.called(l)
-        if l == 0 or first:  # a forward starts: carry writes made since the last one to the device
+        relayouts, starts = self.relayouts, l == 0 or first
+        if starts:  # a forward starts: carry writes made since the last one to the device
             self.sync()
-        elif self.writes is not None:
+        self.streamer.called(l)  # (on the streamer of the layout the block runs in)
+        lazy = lazy and self.relayouts == relayouts  # laid out again: the block's hook is a new one, entered now
+        if not starts and self.writes is not None:
             stale = self.writes.stale(l)  # written earlier in this forward (by a hook): its prefetched copies are old
             b = self.layouts[l]
             if stale and b.host_extent < b.nbytes:  # its tail's source is not what was written (not the store): the

@@ -39,6 +39,8 @@ import types
 import torch
 from torch import nn
 
+from chunkflow.runtime.skipping import binds_lazily
+
 _HOOK = "_chunkflow_hook"
 _PART = "_chunkflow_part"  # on every module inside an offloaded one: the handle its own `.to()` goes through
 HANDLE_KEY = "_chunkflow_handle"  # on an offloaded module (every mode): its handle
@@ -405,11 +407,12 @@ class BlockHook:
         self.sees_forward = hook_module(module, self)
 
     def enter(self) -> None:
-        """The block was called. Where its own forward is seen (`sees_forward`) and no gradient is recorded, its
-        tensors are bound when that forward begins (`stream_in`), so that a block a step cache skips waits for no
-        copy and prefetches none; `entered` is False until then (None: not called, or its enter failed)."""
+        """The block was called. Where its own forward is seen (`sees_forward`) and only a skipping cache stands
+        between the call and that forward (runtime/skipping.py), its tensors are bound when that forward begins
+        (`stream_in`), so that a block the cache skips waits for no copy and prefetches none; `entered` is False
+        until then (None: not called, or its enter failed)."""
         self.ran = False
-        lazy = self.sees_forward and not torch.is_grad_enabled()
+        lazy = self.sees_forward and binds_lazily(self.module)
         self.entered = self.handle.enter_block(self.index, lazy=lazy)
 
     def stream_in(self) -> None:
