@@ -1,0 +1,164 @@
+"""A step cache on the surfaces that generate many times from one load (issue 54): a session
+(`chunkflow.load(plan, cache=...)`, and `generate(..., cache=...)` for one generation), a prompt file (`run --prompts
+--cache`) and the server (`serve --cache`). Each generation gives the latents of diffusers' same cache config on the
+pipeline built whole on the device, in a fresh build, bit for bit: the cache's state is reset before each generation
+(one stopped between steps included) and MagCache's step count is the generation's. A bad cache is one line."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines import one_thread
+
+pytest.importorskip("diffusers")
+
+PROMPT, OTHER = "a red fox in the snow", "a lighthouse at dusk"
+
+
+@pytest.fixture
+def plans(cli, workdir) -> Path:
+    """The README's demo planned with its transformer streamed (7 MB), and again with a cache priced."""
+    for name, extra in (("stream", ()), ("cached", ("--cache", "first-block:0.3"))):
+        result = cli("plan", "--model", "demo", "--hardware", "cpu", "--mem-budget", "7MB", "--out", f"{name}.json",
+                     *extra)
+        assert result.exit_code == 0, result.output
+    placements = {c["name"]: c["placement"] for c in json.loads((workdir / "stream.json").read_text())["pipeline"]
+                  ["components"]}
+    assert placements["transformer"] == "stream"
+    return workdir
+
+
+def _config(spec: str, steps: int):
+    """diffusers' own config for the few specs the tests use."""
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
+    from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+    kind, _, threshold = spec.partition(":")
+    if kind == "first-block":
+        return FirstBlockCacheConfig(threshold=float(threshold))
+    return MagCacheConfig(threshold=float(threshold.split(",")[0]), num_inference_steps=steps,
+                          mag_ratios=FLUX_MAG_RATIOS)
+
+
+@functools.cache
+def reference(spec: str | None, prompt: str, seed: int, steps: int) -> torch.Tensor:
+    """The demo pipeline (random weights, build seed 0) whole on the CPU, no offload, diffusers' cache config
+    enabled on a fresh build: one generation's latents."""
+    from chunkflow.generate import generate
+    from chunkflow.models.pipeline_build import build_pipeline
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.offload import OffloadConfig
+
+    model = get_model("demo")
+    with one_thread():
+        built = build_pipeline(model, {"transformer": "gpu"}, OffloadConfig(mode="none"), torch.device("cpu"),
+                               seed=0)
+        if spec is not None:
+            built.pipe.transformer.enable_cache(_config(spec, steps))
+        latents = generate(built, model.default_workload, prompt, steps=steps, seed=seed).latents
+    built.remove()
+    return latents
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(k: int):
+    def on_step(i: int, n: int) -> None:
+        if i >= k:
+            raise _Stop
+
+    return on_step
+
+
+# ----------------------------------------------------------------------------------------------------- sessions
+
+
+def test_each_generation_of_a_session_gives_a_fresh_process_s_latents_with_the_same_cache(plans):
+    import chunkflow
+
+    spec = "first-block:0.3"
+    with one_thread(), chunkflow.load(plans / "stream.json", device="cpu", cache=spec) as session:
+        first = session.generate(PROMPT, seed=1, steps=8)
+        other = session.generate(OTHER, seed=2, steps=8)
+        with pytest.raises(_Stop):  # stopped after its third step: the cache's state is left mid-generation
+            session.generate(OTHER, seed=3, steps=8, on_step=_stop_at(3))
+        again = session.generate(PROMPT, seed=1, steps=8)
+        stats = session.built.handles["transformer"].stats()
+    assert torch.equal(first.latents, reference(spec, PROMPT, 1, 8))
+    assert torch.equal(other.latents, reference(spec, OTHER, 2, 8))
+    assert torch.equal(again.latents, first.latents)
+    assert not torch.equal(first.latents, reference(None, PROMPT, 1, 8))  # the cache changed the sample
+    c = first.cache
+    assert c.label == "first-block:threshold=0.3" and c.forwards == 16  # 8 steps, 2 guidance passes
+    assert c.blocks_skipped > 0 and c.blocks_computed + c.blocks_skipped == 16 * 4
+    assert again.cache.skipped_per_forward == c.skipped_per_forward  # the same skips as the first time
+    assert c.skipped_h2d_bytes > 0  # streamed: what the prefetch copied for the skipped blocks, counted
+    # the runtime counted the stopped generation's skips too (its first steps ran), and no more
+    assert stats.blocks_skipped >= sum(r.cache.blocks_skipped for r in (first, other, again))
+
+
+def test_magcache_counts_each_generation_s_own_steps_from_its_first(plans):
+    import chunkflow
+
+    spec = "mag:0.5,ratios=flux"
+    with one_thread(), chunkflow.load(plans / "stream.json", device="cpu", cache=spec) as session:
+        eight = session.generate(PROMPT, seed=1, steps=8)
+        six = session.generate(PROMPT, seed=1, steps=6)
+        with pytest.raises(_Stop):  # stopped after its third step: MagCache's step counter is left at 3
+            session.generate(PROMPT, seed=1, steps=8, on_step=_stop_at(3))
+        eight_again = session.generate(PROMPT, seed=1, steps=8)
+    assert torch.equal(eight.latents, reference(spec, PROMPT, 1, 8))
+    assert torch.equal(six.latents, reference(spec, PROMPT, 1, 6))
+    assert torch.equal(eight_again.latents, eight.latents)
+    assert six.cache.forwards == 12 and eight.cache.forwards == 16
+    assert six.cache.blocks_skipped > 0 and eight.cache.blocks_skipped > 0
+
+
+def test_a_generation_may_run_another_cache_or_none(plans):
+    import chunkflow
+    from chunkflow_planner.cache import CacheSpecError
+
+    with one_thread(), chunkflow.load(plans / "cached.json", device="cpu") as session:
+        assert session.cache is not None and session.cache.kind == "first-block"  # the plan's cache by default
+        planned = session.generate(PROMPT, seed=1, steps=8)
+        plain = session.generate(PROMPT, seed=1, steps=8, cache=None)
+        mag = session.generate(PROMPT, seed=1, steps=8, cache="mag:0.5,ratios=flux")
+        with pytest.raises(CacheSpecError) as bad:
+            session.generate(PROMPT, seed=1, steps=8, cache="first:1")
+        back = session.generate(PROMPT, seed=1, steps=8)
+        assert session.generations == 4  # nothing ran for the refused one
+    assert torch.equal(planned.latents, reference("first-block:0.3", PROMPT, 1, 8))
+    assert torch.equal(plain.latents, reference(None, PROMPT, 1, 8)) and plain.cache is None
+    assert torch.equal(mag.latents, reference("mag:0.5,ratios=flux", PROMPT, 1, 8))
+    assert torch.equal(back.latents, planned.latents)
+    assert "unknown cache 'first'" in str(bad.value) and "\n" not in str(bad.value)
+
+
+def test_a_bad_cache_is_refused_before_the_load(plans, monkeypatch):
+    import chunkflow
+    import chunkflow.pipeline_setup as ps
+    from chunkflow_planner.cache import CacheSpecError
+
+    monkeypatch.setattr(ps, "setup_pipeline", lambda *a, **k: pytest.fail("loaded"))
+    for spec, words in (("mag", "mag needs the model's magnitude ratios"),
+                        ("taylorseer", "it hooks no module of transformer")):
+        with pytest.raises(CacheSpecError, match=words):
+            chunkflow.load(plans / "stream.json", device="cpu", cache=spec)
+
+
+def test_the_plan_s_cache_is_the_default_and_none_turns_it_off(plans):
+    from chunkflow.caches import resolve_cache
+    from chunkflow_planner.cache import FirstBlockCache, parse_cache
+    from chunkflow_planner.plan import load_plan
+
+    cached, plain = load_plan(plans / "cached.json"), load_plan(plans / "stream.json")
+    assert resolve_cache("plan", cached) == FirstBlockCache(threshold=0.3)
+    assert resolve_cache("plan", plain) is None and resolve_cache(None, cached) is None
+    assert resolve_cache("sea:0.3", cached) == parse_cache("sea:0.3")
