@@ -252,6 +252,7 @@ class Session:
                 return
             self._closed = True
             self._caches.end()
+            self._caches.built = None  # it held the pipeline
             self._setup.built.discard()
             self._setup = _Closed(self._setup)
         gc.collect()
