@@ -45,10 +45,15 @@ def _config(spec: str, steps: int):
                           mag_ratios=FLUX_MAG_RATIOS)
 
 
-@functools.cache
 def reference(spec: str | None, prompt: str, seed: int, steps: int) -> torch.Tensor:
     """The demo pipeline (random weights, build seed 0) whole on the CPU, no offload, diffusers' cache config
     enabled on a fresh build: one generation's latents."""
+    return generation(spec, prompt, seed, steps).latents
+
+
+@functools.cache
+def generation(spec: str | None, prompt: str, seed: int, steps: int):
+    """reference()'s generation (chunkflow.generate.Generation: its output and latents)."""
     from chunkflow.generate import generate
     from chunkflow.models.pipeline_build import build_pipeline
     from chunkflow_planner.catalog import get_model
@@ -60,9 +65,9 @@ def reference(spec: str | None, prompt: str, seed: int, steps: int) -> torch.Ten
                                seed=0)
         if spec is not None:
             built.pipe.transformer.enable_cache(_config(spec, steps))
-        latents = generate(built, model.default_workload, prompt, steps=steps, seed=seed).latents
+        gen = generate(built, model.default_workload, prompt, steps=steps, seed=seed)
     built.remove()
-    return latents
+    return gen
 
 
 class _Stop(Exception):
@@ -162,3 +167,60 @@ def test_the_plan_s_cache_is_the_default_and_none_turns_it_off(plans):
     assert resolve_cache("plan", cached) == FirstBlockCache(threshold=0.3)
     assert resolve_cache("plan", plain) is None and resolve_cache(None, cached) is None
     assert resolve_cache("sea:0.3", cached) == parse_cache("sea:0.3")
+
+
+def frames_of(path: Path):
+    from chunkflow.media import read_video
+
+    return read_video(path)
+
+
+def reference_frames(spec: str | None, prompt: str, seed: int, steps: int, where: Path):
+    """reference()'s output as a video file, read back (what a job's output is compared with)."""
+    from chunkflow.media import write_media
+    from chunkflow_planner.catalog import get_model
+
+    path = where / f"ref-{seed}-{steps}-{(spec or 'none').replace(':', '_')}.mp4"
+    write_media(str(path), generation(spec, prompt, seed, steps).output, fps=get_model("demo").pipeline.fps or 16)
+    return frames_of(path)
+
+
+# ------------------------------------------------------------------------------------------------- prompt files
+
+
+def test_every_job_of_a_prompt_file_runs_with_the_cache_and_says_its_skips(cli, plans):
+    import numpy as np
+
+    Path("jobs.jsonl").write_text(f'{{"prompt": "{PROMPT}", "seed": 1, "steps": 8}}\n'
+                                  f'{{"prompt": "{OTHER}", "seed": 2, "steps": 8}}\n')
+    with one_thread():
+        result = cli("run", "--plan", "stream.json", "--device", "cpu", "--prompts", "jobs.jsonl", "--cache",
+                     "first-block:0.3", "--out-dir", "clips", "--report", "jobs.json")
+        assert result.exit_code == 0, result.output
+        planned = cli("run", "--plan", "cached.json", "--device", "cpu", "--prompts", "jobs.jsonl", "--out-dir",
+                      "planned", "--report", "planned.json")  # the plan's cache, no --cache
+        assert planned.exit_code == 0, planned.output
+    jobs = json.loads(Path("jobs.json").read_text())["jobs"]
+    assert [j["state"] for j in jobs] == ["done", "done"]
+    for j, (prompt, seed) in zip(jobs, ((PROMPT, 1), (OTHER, 2))):
+        np.testing.assert_array_equal(frames_of(Path("clips") / j["out"]),
+                                      reference_frames("first-block:0.3", prompt, seed, 8, plans))
+        c = j["cache"]
+        assert c["label"] == "first-block:threshold=0.3" and c["forwards"] == 16
+        assert c["blocks_skipped"] > 0 and c["blocks_computed"] + c["blocks_skipped"] == 16 * 4
+        words = f"line {j['line']}: cache first-block:threshold=0.3: {c['blocks_skipped']} of 64 block runs skipped"
+        assert words in " ".join(result.output.split())
+    again = json.loads(Path("planned.json").read_text())["jobs"]
+    assert [j["cache"] for j in again] == [j["cache"] for j in jobs]
+    for j in jobs:
+        np.testing.assert_array_equal(frames_of(Path("planned") / j["out"]), frames_of(Path("clips") / j["out"]))
+
+
+def test_a_bad_cache_with_a_prompt_file_is_one_line_before_the_load(cli, plans):
+    Path("p.txt").write_text("a cat\n")
+    for spec, words in (("first:1", "unknown cache 'first'"), ("taylorseer", "it hooks no module of transformer")):
+        result = cli("run", "--plan", "stream.json", "--prompts", "p.txt", "--cache", spec, "--out-dir", "o")
+        assert result.exit_code == 2, result.output
+        assert words in " ".join(result.output.split()) and "built the" not in result.output
+        assert "Traceback" not in result.output and not Path("o").exists()
+
