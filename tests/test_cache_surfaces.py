@@ -224,3 +224,68 @@ def test_a_bad_cache_with_a_prompt_file_is_one_line_before_the_load(cli, plans):
         assert words in " ".join(result.output.split()) and "built the" not in result.output
         assert "Traceback" not in result.output and not Path("o").exists()
 
+
+# ------------------------------------------------------------------------------------------------------ the server
+
+SERVED = "mag:0.5,ratios=flux"  # MagCache counts steps: a job cancelled mid-way leaves its counter behind
+
+
+def test_the_server_s_jobs_run_with_its_cache_and_say_their_skips(plans):
+    import numpy as np
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import chunkflow
+    from chunkflow.serve.app import make_app
+    from chunkflow.serve.queue import JobQueue
+    from test_serve import call, finished, serve_app
+
+    class Served:
+        url = ""
+
+    stop_at: dict[str, int] = {}
+
+    def observe(job_id: str, i: int, n: int) -> None:
+        if stop_at.get(job_id) == i:
+            queue.cancel(job_id)  # stops after this step
+
+    with one_thread():
+        session = chunkflow.load(plans / "stream.json", device="cpu", cache=SERVED)
+        queue = JobQueue(session, plans / "served", observer=observe, paused=True)
+        port, server, thread = serve_app(make_app(queue))
+        try:
+            s = Served()
+            s.url = f"http://127.0.0.1:{port}"
+            status, health, _ = call(s, "GET", "/health")
+            assert health["cache"] == "mag:threshold=0.5,ratios=flux"
+            status, body, _ = call(s, "POST", "/jobs", {"prompt": PROMPT, "cache": "first-block:0.1"})
+            assert status == 422 and body["fields"] == ["cache"] and "serve --cache" in body["error"]
+            jobs = [{"prompt": PROMPT, "seed": 1, "steps": 8}] * 2 + [{"prompt": OTHER, "seed": 2, "steps": 8}]
+            ids = [call(s, "POST", "/jobs", job)[1]["id"] for job in jobs]
+            stop_at[ids[0]] = 3
+            queue.resume()
+            snaps = [finished(s, i) for i in ids]
+            assert [x["state"] for x in snaps] == ["cancelled", "done", "done"]
+            frames = [call(s, "GET", x["result_url"])[1] for x in snaps[1:]]
+        finally:
+            server.should_exit = True
+            thread.join(60)
+            queue.shutdown(60)
+    for (job, snap, content) in zip(jobs[1:], snaps[1:], frames):
+        got = plans / f"got-{snap['id']}.mp4"
+        got.write_bytes(content)
+        np.testing.assert_array_equal(frames_of(got), reference_frames(SERVED, job["prompt"], job["seed"], 8, plans))
+        c = snap["cache"]
+        assert snap["settings"]["cache"] == c["label"] == "mag:threshold=0.5,ratios=flux"
+        assert c["forwards"] == 16 and 0 < c["blocks_skipped"] < 64
+    assert snaps[0]["cache"] is None  # cancelled: no result, no count
+
+
+def test_serve_refuses_a_bad_cache_in_one_line_before_the_load(cli, plans):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    for spec, words in (("first:1", "unknown cache 'first'"), ("taylorseer", "it hooks no module of transformer")):
+        result = cli("serve", "--plan", "stream.json", "--cache", spec, "--out-dir", "o")
+        assert result.exit_code == 2, result.output
+        assert words in " ".join(result.output.split()) and "Traceback" not in result.output
+        assert "built the" not in result.output and "Serving" not in result.output
