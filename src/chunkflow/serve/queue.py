@@ -301,7 +301,8 @@ class JobQueue:
                 state = "cancelled"
             if result is not None:
                 qj.seconds = result.seconds
-                qj.cache = result.cache.model_dump(mode="json") if result.cache is not None else None
+                skipped = getattr(result, "cache", None)  # (a session's Result; a stand-in may have none)
+                qj.cache = skipped.model_dump(mode="json") if skipped is not None else None
                 if state == "done":
                     self.stats.observe(result.seconds, result.predicted_s)
             qj.error = error
