@@ -5,7 +5,10 @@ animates or edits that image with the class chunkflow runs (WanPipeline's folder
 latents compared are the denoising loop's last (what `run --latents` saves). With `--disk-offload TMP`, diffusers'
 own disk offload instead of `.to(device)`: the transformer(s) and text encoder
 group-offloaded block by block with streams and `offload_to_disk_path=TMP`, the VAE on the GPU (tiled with --tiled);
-the generation then decodes too, as `chunkflow run --prompt` does.
+the generation then decodes too, as `chunkflow run --prompt` does. With `--group-offload`, diffusers' block-level
+group offloading of the transformer(s) in host memory (streams, one block a group), the rest on the GPU. With
+`--cache SPEC` (as `chunkflow run --cache` takes it), the same diffusers step cache enabled on the transformer(s)
+(chunkflow.caches.diffusers_config: the very config chunkflow's run makes).
 
     python3 scripts/diffusers_load.py wan2.2 DIR --frames 41 --height 480 --width 832 --steps 4 --prompt "..." \
         [--negative-prompt ...] [--guidance 5] [--seed 0] [--latents chunkflow-latents.safetensors] --out r.json
@@ -43,6 +46,9 @@ def main() -> None:
     ap.add_argument("--image", default=None, help="the image to animate or edit (as run --image)")
     ap.add_argument("--disk-offload", default=None, help="diffusers' group offloading to this folder on disk")
     ap.add_argument("--tiled", action="store_true", help="with --disk-offload: tiled VAE decode")
+    ap.add_argument("--group-offload", action="store_true", help="diffusers' block-level group offloading in host "
+                    "memory of the transformer(s), with streams")
+    ap.add_argument("--cache", default=None, help="a step cache, as chunkflow run --cache takes it")
     ap.add_argument("--drop-folder-after-load", action="store_true",
                     help="delete the folder's weight files once loaded (room on a small disk for diffusers' own)")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a check of this script on tiny folders)")
@@ -64,8 +70,12 @@ def main() -> None:
             f.unlink()
     if a.disk_offload:
         _disk_offload(pipe, spec, a.disk_offload, a.tiled)
+    elif a.group_offload:
+        _group_offload(pipe, a.device)
     else:
         pipe.to(a.device)
+    if a.cache:
+        _enable_cache(pipe, a.cache, w.steps)
     if cuda:
         torch.cuda.synchronize()
     t2 = time.perf_counter()
@@ -95,7 +105,7 @@ def main() -> None:
                   diffusers=diffusers.__version__, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name() if cuda else None,
                   gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None, host_now_bytes=_rss_now(),
-                  disk_offload=a.disk_offload)
+                  disk_offload=a.disk_offload, group_offload=a.group_offload, cache=a.cache)
     if a.latents:
         from safetensors.torch import load_file
 
@@ -122,6 +132,34 @@ def _rss_now() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _group_offload(pipe, device: str) -> None:
+    """diffusers' block-level group offloading of the transformer(s) from host memory (streams where on a GPU), the
+    other components on the device."""
+    from diffusers.hooks import apply_group_offloading
+
+    dev = torch.device(device)
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        if name in ("transformer", "transformer_2"):
+            apply_group_offloading(component, onload_device=dev, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=dev.type == "cuda")
+        else:
+            component.to(dev)
+
+
+def _enable_cache(pipe, spec_text: str, steps: int) -> None:
+    """The step cache `spec_text` on the pipeline's transformer(s), as chunkflow's run enables it."""
+    from chunkflow.caches import diffusers_config
+    from chunkflow_planner.cache import parse_cache
+
+    setting = parse_cache(spec_text)
+    for name in ("transformer", "transformer_2"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module.enable_cache(diffusers_config(setting, steps))
 
 
 def _disk_offload(pipe, spec, folder: str, tiled: bool) -> None:

@@ -11,7 +11,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from chunkflow.commands.cli import app
-from chunkflow_planner.bands import FITS, MODEL_PRIOR, QUANTITY_KINDS, Z, kind_of
+from chunkflow_planner.bands import FIRST_AND_WARM, FITS, MODEL_PRIOR, QUANTITY_KINDS, Z, kind_of
+from chunkflow_planner.reprice import prediction_values
 from chunkflow_planner.catalog import FitQuality, ModelError, Workload, get_hardware, get_model
 from chunkflow_planner.plan import load_plan
 from chunkflow_planner.planner import ResolvedHardware, make_plan
@@ -74,7 +75,14 @@ def test_priced_again_on_its_own_profile_a_plan_is_its_own_centre(case):
         assert any(c.placement == "disk" or c.disk_read_bytes for c in plan.pipeline.components)
     if case.get("sp"):
         assert "load.host_peak_per_host_bytes" in bands
+    values = prediction_values(plan)
     for key, band in bands.items():
+        if band.startup_s is not None:  # a first generation's time: its warm band moved up by its start-up, exactly
+            warm = bands[dict(FIRST_AND_WARM)[key]]
+            s = values[key] - values[dict(FIRST_AND_WARM)[key]]
+            assert band.startup_s == pytest.approx((s, s)) and band.low == pytest.approx(warm.low + s), key
+            assert band.high == pytest.approx(warm.high + s) and band.rel < warm.rel, key
+            continue
         # a repricing off by 3e-4 of the plan's value would show: sqrt(m^2 + d^2) - m = 6e-7, 9e-6 of m
         assert band.rel == pytest.approx(MODEL_PRIOR[kind_of(key)], rel=1e-8), key
         assert band.model.startswith("prior") and band.measured and not band.supposed
@@ -85,6 +93,9 @@ def test_with_no_fit_spread_a_band_is_the_error_the_run_reports_measured():
     plan = _plan(_hw(0.0, errors))
     for key, band in plan.prediction.bands.items():
         bias, spread = errors[kind_of(key)]
+        if band.startup_s is not None:  # a first generation's: its warm band's edges plus the start-up, no spread
+            assert band.startup_s[0] == pytest.approx(band.startup_s[1]) and band.high > band.low
+            continue
         assert band.rel == pytest.approx(abs(bias) + Z * spread, rel=1e-9), key
         assert band.model.startswith(f"{kind_of(key)} from run reports") and band.measured
         value = band.low / (1 - band.rel)
@@ -134,8 +145,10 @@ def test_the_plan_file_carries_its_bands_and_reads_back(workdir):
     out = " ".join(result.output.split())
     pct = f"+-{step['rel'] * 100:.1f}%".replace(".0%", "%") if step["rel"] < 0.095 else f"+-{step['rel'] * 100:.0f}%"
     assert pct in out
-    gen = data["prediction"]["bands"]["generation_time_s"]["rel"] * 100
-    assert f"+-{gen:.0f}%" in out or f"+-{gen:.1f}%" in out
+    gen = data["prediction"]["bands"]["generation_time_s"]  # a first generation: its start-up only adds
+    above, below = gen["rel_high"] * 100, gen["rel_low"] * 100
+    assert above > below and gen["startup_s"][0] < gen["startup_s"][1]
+    assert re.search(rf"\+{above:.0f}%/-{below:.1f}%|\+{above:.0f}%/-{below:.0f}%", out.replace(".0%", "%"))
     assert "bands (+-)" in out and "chunkflow calibrate --from-report" in out
     # a plan of schema 3 (no bands) still reads, with none
     del data["prediction"]["bands"]
@@ -247,7 +260,7 @@ def test_a_measured_codec_ratio_near_one_still_plans():
     plan = _plan(_hw(codec_ratio=0.99), levers=CODEC)
     assert plan.offload.codec == "exponent-pack" and plan.prediction.codec_ratio == 0.99
     assert "codec_ratio" in plan.prediction.bands["pinned_host_bytes"].supposed
-    assert all(b.rel < 1 for b in plan.prediction.bands.values())
+    assert all(b.rel < 1 for b in plan.prediction.bands.values() if b.startup_s is None)
 
 
 def test_after_a_warm_up_a_run_is_held_to_the_warm_bands(workdir):

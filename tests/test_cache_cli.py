@@ -108,7 +108,9 @@ def test_run_with_a_cache_gives_the_latents_of_the_same_cache_not_streamed_and_c
     st = streamed["stats"]  # the runtime's own count, and the bytes it copied for the blocks skipped
     assert (st["blocks_computed"], st["blocks_skipped"]) == (c["blocks_computed"], c["blocks_skipped"])
     block_bytes = st["streamed_bytes_per_step"] // 4  # the demo's 4 blocks are alike
-    assert c["skipped_h2d_bytes"] == st["skipped_h2d_bytes"] == c["blocks_skipped"] * block_bytes
+    # a skipped block is copied only where its prefetch was issued before the cache decided (runtime/hooks.py):
+    # first-block skips three blocks in a row here, so less than each skipped block's bytes
+    assert 0 < c["skipped_h2d_bytes"] == st["skipped_h2d_bytes"] < c["blocks_skipped"] * block_bytes
     assert w["skipped_h2d_bytes"] is None  # nothing streamed, nothing copied
 
 

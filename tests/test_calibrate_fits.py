@@ -498,3 +498,31 @@ def test_plan_imports_no_scipy_in_importtime():
     assert "chunkflow.commands.calibrate.fit" in fit and not [m for m in fit if m.split(".")[0] == "scipy"]
     fitted = imported("from chunkflow.commands.calibrate.fit import fit_h2d; fit_h2d([1e6, 2e6, 4e6], [1e-4, 2e-4, 4e-4])")
     assert any(m.split(".")[0] == "scipy" for m in fitted)  # the check can see scipy when it is imported
+
+
+def test_refit_refines_the_startup_calibrate_measured_over_cold_processes(tmp_path):
+    """A profile whose start-up calibrate measured in cold processes (decode 0.2 and 0.4 s) refit from two reports
+    run with --warmup (decode gaps 0.3 and 0.5 s): every sample kept, the figure their mean 0.35 s, the `startup`
+    fit every sample's spread about its key's mean; a key the reports do not measure keeps its samples."""
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from chunkflow.commands.calibrate.startup import startup_record
+    from test_calibrate import _report
+
+    means, samples, q = startup_record({}, {"decode": [0.2, 0.4], "denoise": [1.0, 1.0]}, "cold processes")
+    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})
+    hw = hw.model_copy(update={"pipeline": hw.pipeline.model_copy(update={"startup_s": means,
+                                                                          "startup_samples_s": samples}),
+                               "fits": {**hw.fits, "startup": q}})
+    data, _ = _report(tmp_path, "none", 1.0)
+    gens = []
+    for i, dec in enumerate((0.3, 0.5)):
+        g = _generation(0.0, {"decode": 0.0})
+        g.update(warmup_generations=1, first_phase_times_s={"decode": 1.0 + dec})
+        gens.append(_with_errors(data, tmp_path / f"warm{i}.json", generation=g))
+    new, notes = refit(hw, read_reports(gens))
+    assert new.pipeline.startup_samples_s["decode"] == pytest.approx([0.2, 0.4, 0.3, 0.5])
+    assert new.pipeline.startup_s["decode"] == pytest.approx(0.35) and new.pipeline.startup_s["denoise"] == 1.0
+    assert new.pipeline.startup_samples_s["denoise"] == [1.0, 1.0]
+    expected = sorted([0.0, 0.0, *(x / 0.35 - 1 for x in (0.2, 0.4, 0.3, 0.5))])  # denoise's samples stay in it
+    assert sorted(new.fits["startup"].residuals) == pytest.approx(expected, abs=1e-6)
+    assert "4 sample(s)" in " ".join(notes) and "earlier samples" in new.fits["startup"].source

@@ -183,3 +183,23 @@ def test_a_run_report_gives_the_next_plan_its_hit_rate(cli, workdir):
     Path("none.json").write_text(json.dumps({"generation": {}}))
     bad = cli("plan", "--model", "flux", "--cache", "first-block", "--cache-hit-rate", "none.json")
     assert bad.exit_code == 2 and "ran no step cache" in bad.output
+
+
+@pytest.mark.parametrize("spec,steps,said", [
+    ("taylorseer:5,lite", 3, "with 3 steps taylorseer computes every one"),
+    ("first-block:0.1", 1, "with 1 step first-block has no step to skip"),
+    ("mag:0.05,ratios=R", 8, "MagCache's decisions on these ratios skip no step"),
+])
+def test_a_cache_that_skips_no_step_of_a_few_step_schedule_is_refused(cli, workdir, spec, steps, said):
+    """A distilled few-step schedule (FLUX schnell's 4 steps) leaves a cache nothing to skip: `plan` and `run` say
+    so in one line before anything is built, rather than run a cache that changes nothing."""
+    (workdir / "ratios.json").write_text(json.dumps([1.5] * 8))  # every step far from the last: MagCache never skips
+    spec = spec.replace("ratios=R", f"ratios={workdir / 'ratios.json'}")
+    planned = cli("plan", "--model", "flux", "--hardware", "h100-sxm", "--steps", str(steps), "--cache", spec)
+    out = " ".join(planned.output.split())
+    assert planned.exit_code == 2 and said in out and "would change nothing" in out, planned.output
+    assert cli("plan", "--model", "demo", "--hardware", "cpu", "--out", "p.json").exit_code == 0
+    ran = cli("run", "--plan", "p.json", "--prompt", "a fox", "--steps", str(steps), "--cache", spec, "--report",
+              "r.json")
+    out = " ".join(ran.output.split())
+    assert ran.exit_code == 2 and said in out and not Path("r.json").exists(), ran.output

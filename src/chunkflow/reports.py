@@ -255,8 +255,12 @@ class BandVerdict(BaseModel):
     """One measurement against its prediction's band (the plan's `prediction.bands`)."""
 
     error: float = Field(description="measured / predicted - 1, as the report's error for it")
-    band: float = Field(description="the band's half-width, a share of the prediction")
-    inside: bool = Field(description="|error| <= band")
+    band: float = Field(description="the band's half-width, a share of the prediction (of an asymmetric band, its "
+                        "wider side)")
+    below: float | None = Field(None, description="how far below the prediction the band reaches, a share of it "
+                                "(a first generation's time: its warm band's low edge plus the start-up's low)")
+    above: float | None = Field(None, description="how far above it the band reaches (the start-up's high added)")
+    inside: bool = Field(description="-below <= error <= above")
     fits: list[str] = Field(default_factory=list, description="the fits that move the band most (bands.FITS)")
 
 
@@ -264,7 +268,8 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
     """Each error the report computed, against the band of the prediction it compares (by its key in the plan's
     `prediction.bands`); none for a plan without bands (schema 3 or older) or where nothing was compared (a CPU run
     of a GPU plan compares no time). After --warmup a phase's time and the generation's are held to their warm bands
-    (start-up excluded, as they are compared). A load's time is held to the wider of its cold and warm bands (its
+    (start-up excluded, as they are compared); without, a first generation's, to their one-sided bands (the
+    start-up's own band on top of the warm one: bands.with_startup). A load's time is held to the wider of its cold and warm bands (its
     prediction is for the share the page cache held)."""
     bands = report.plan.prediction.bands
     if not bands:
@@ -301,7 +306,9 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
         if error is None or not found:  # (a CPU plan's nominal times carry no band: planner.with_bands)
             continue
         band = max(found, key=lambda b: b.rel)
-        out[key] = BandVerdict(error=error, band=band.rel, inside=abs(error) <= band.rel, fits=band.fits)
+        below, above = band.edges()
+        out[key] = BandVerdict(error=error, band=band.rel, below=below, above=above, inside=band.holds(error),
+                               fits=band.fits)
     return out
 
 

@@ -12,7 +12,20 @@ of (a catalog entry, a figure calibrate does not measure) counts at its prior sp
     band = sqrt( sum_k (d q / q at k +- Z s_k)^2 + m_q^2 )
 
 So a band is a ~95% interval for one measurement of the same run on the machine the profile describes, if the
-samples calibrate took are like the samples the run will see. What narrows it: calibrate again (more samples, a
+samples calibrate took are like the samples the run will see.
+
+A process's first generation pays a one-time start-up in each phase (`PipelineProfile.startup_s`: kernels loaded on
+first use, library handles, the allocator's first growth). It is not moved with the other fits: it only adds, and it
+moved by a factor of four between starts of one H200 (docs/bands-h200.md), which no multiplicative move of a
+figure holds. It is its own one-sided term (with_startup): a first generation's time (a phase's, the generation's)
+has the band of its warm time (the same time less the start-up, `*.warm_time_s`) with the start-up's own band
+added edge to edge,
+
+    low = warm low + s x max(0, 1 - Z x sd),    high = warm high + s x (1 + Z x sd)
+
+s the start-up (the mean over cold processes and reports, `startup_samples_s`), sd its samples' relative spread
+(the `startup` fit; STARTUP_PRIOR without a record). So that band is asymmetric (`Band.rel_low`, `Band.rel_high`)
+and a warm generation's carries none of it. What narrows it: calibrate again (more samples, a
 quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
 """
 
@@ -43,6 +56,7 @@ class Fit:
     move: Callable[[HardwareSpec, float], HardwareSpec]
     recorded_by: str | None = "chunkflow calibrate"
     drift: float | None = None  # the change from one calibration to the next where the profile has not measured it
+    additive: bool = False  # a one-sided term added to the bands of the times it is in (with_startup), not moved
     values: Callable[[HardwareSpec], list[tuple[str, float]]] = lambda hw: []  # what it says, to compare two of it
 
     @property
@@ -155,6 +169,10 @@ def _codec_ratio(hw: HardwareSpec, k: float) -> HardwareSpec:
     return hw.model_copy(update={"codec_ratio": min(1.0, hw.codec_ratio / k)})
 
 
+# The start-up's spread where no cold process or report measured it: the H200's first generations (docs/bands-h200.md)
+# paid 1.3x to 5x the catalog's start-up; at 1.0 its band reaches 3x the figure, and down to none of it.
+STARTUP_PRIOR = 1.0
+
 # The change from one calibration to the next of the fits two pairs of calibrations of one H200 measured
 # (DRIFT_SOURCE): the root mean square of second / first - 1 over each fit's figures (drift_between), pooled over the
 # pairs as calibrate pools them (with_drift), rounded up. The host's own work (CPU matmuls, dispatching layers,
@@ -209,9 +227,10 @@ FITS: dict[str, Fit] = {
                    _slower("context_bytes"), None),
     "process_host": Fit("a process's own host memory (process_host_bytes)", 0.03, "calibrate",
                         _slower("process_host_bytes"), None),
-    "startup": Fit("a process's first-generation start-up (startup_s)", 0.08,
-                   "`chunkflow calibrate --from-report` with runs made with --warmup", _slower("startup_s"),
-                   "chunkflow calibrate --from-report", drift=0.0),  # from runs: its spread is between runs
+    "startup": Fit("a process's first-generation start-up (startup_s)", STARTUP_PRIOR,
+                   "the start-up: `chunkflow calibrate` (cold processes) and `calibrate --from-report` with runs made "
+                   "with --warmup", _slower("startup_s"), "chunkflow calibrate", drift=0.0,  # its samples are runs
+                   additive=True),
 }
 
 
@@ -242,9 +261,16 @@ class Band(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
-    rel: float = Field(ge=0, le=1000, description="half-width, a share of the prediction (0.06: +-6%)")
-    low: float = Field(description="the prediction x (1 - rel), at least 0")
-    high: float = Field(description="the prediction x (1 + rel)")
+    rel: float = Field(ge=0, le=1000, description="half-width, a share of the prediction (0.06: +-6%); of an "
+                       "asymmetric band (a first generation's time) its wider side")
+    low: float = Field(description="the prediction x (1 - rel_low), at least 0")
+    high: float = Field(description="the prediction x (1 + rel_high)")
+    rel_low: float | None = Field(None, ge=0, le=1000, description="how far below the prediction `low` is, a share "
+                                  "of it; None: rel (a symmetric band)")
+    rel_high: float | None = Field(None, ge=0, le=1000, description="how far above the prediction `high` is, a "
+                                   "share of it; None: rel")
+    startup_s: tuple[float, float] | None = Field(None, description="a first generation's time: the start-up's own "
+                                                  "low and high (seconds) added to its warm band's edges (with_startup)")
     fits: list[str] = Field(default_factory=list, description="the fits that move it most, widest first")
     measured: bool = Field(description="whether every fit it depends on was measured on this machine (else a "
                            "prior spread stood in: bands.FITS)")
@@ -255,6 +281,46 @@ class Band(BaseModel):
     def contains(self, measured: float) -> bool:
         """Whether a measurement falls inside the band."""
         return self.low <= measured <= self.high
+
+    def edges(self) -> tuple[float, float]:
+        """(below, above): how far the band reaches below and above the prediction, shares of it."""
+        return (self.rel if self.rel_low is None else self.rel_low,
+                self.rel if self.rel_high is None else self.rel_high)
+
+    def holds(self, error: float) -> bool:
+        """Whether a measurement `error` (measured / predicted - 1) off the prediction falls inside the band."""
+        below, above = self.edges()
+        return -below - 1e-12 <= error <= above + 1e-12
+
+
+def startup_edges(hw: HardwareSpec, startup: float) -> tuple[float, float, bool]:
+    """The start-up's own band, one-sided: (low, high) seconds of a start-up figure `startup`, at +-Z x its samples'
+    spread and never below 0, and whether that spread was measured (else STARTUP_PRIOR)."""
+    sd, measured = spread_of(hw, "startup")
+    return startup * max(0.0, 1.0 - Z * sd), startup * (1.0 + Z * sd), measured
+
+
+FIRST_AND_WARM = [(f"phases.{n}.time_s", f"phases.{n}.warm_time_s") for n in ("encode", "denoise", "decode")] + \
+    [("generation_time_s", "generation_warm_time_s")]
+
+
+def with_startup(found: Mapping[str, Band], values: Mapping[str, float], hw: HardwareSpec) -> dict[str, Band]:
+    """The bands of a first generation's times (a phase's, the generation's): their warm band's edges plus the
+    start-up's own (startup_edges; the start-up is the time less its warm time), asymmetric (module docstring).
+    A time without a warm one (no start-up) keeps its band."""
+    out = dict(found)
+    for first, warm in FIRST_AND_WARM:
+        v, w, wb = values.get(first), values.get(warm), found.get(warm)
+        if not v or not w or wb is None or v <= w:
+            continue
+        lo, hi, measured = startup_edges(hw, v - w)
+        low, high = wb.low + lo, wb.high + hi
+        below, above = max(0.0, 1.0 - low / v), high / v - 1.0
+        out[first] = wb.model_copy(update=dict(
+            rel=max(below, above), rel_low=below, rel_high=above, low=low, high=high, startup_s=(lo, hi),
+            fits=["startup", *wb.fits][:3] if hi - (v - w) > wb.high - w else [*wb.fits, "startup"][:4],
+            measured=wb.measured and measured, supposed=[*wb.supposed, *([] if measured else ["startup"])]))
+    return out
 
 
 def spread_of(hw: HardwareSpec, name: str) -> tuple[float, bool]:
@@ -317,7 +383,7 @@ def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec
     supposed: dict[str, list[str]] = {k: [] for k in keys}
     for name, fit in FITS.items():
         s, measured = spread_of(hw, name)
-        if s <= 0:
+        if s <= 0 or fit.additive:
             continue
         step = min(Z * s, 0.9)
         moved_up = fit.move(hw, 1 + step)

@@ -31,11 +31,11 @@ from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEnco
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.stepcache import StepCache
 
-CATALOG_SCHEMA_VERSION = 5  # 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
+CATALOG_SCHEMA_VERSION = 6  # 6: the start-up's samples (startup_samples_s; issue 55); 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
 # quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
 # (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is
 # migrated
-READ_AS_IS_VERSIONS = (2, 3, 4)  # profiles of these versions hold no field version 5 dropped or changed
+READ_AS_IS_VERSIONS = (2, 3, 4, 5)  # profiles of these versions hold no field version 6 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -405,6 +405,11 @@ class PipelineProfile(_Strict):
               "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
               "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
               "with --warmup")
+    startup_samples_s: dict[Annotated[str, StringConstraints(pattern=STARTUP_KEY)],
+                            Annotated[list[Annotated[float, Field(ge=0, le=600)]], Field(max_length=64)]] = Field(
+        default_factory=dict, description="the start-up samples `startup_s` is the mean of, by its key: each a cold "
+        "process's first call less its second (`chunkflow calibrate`) or a report's first generation less a later "
+        "one (`calibrate --from-report`), the newest 64 kept; their spread is the `startup` fit's")
     page_cache_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s the loader reads checkpoint files "
                                           "the page cache holds (calibrate); unset: the disk's rate")
     pin_gbps: float | None = Field(None, gt=0, le=1e5, description="GB/s of page-locking host memory (cudaHostRegister "
@@ -816,7 +821,7 @@ def load_profile(path: Path) -> HardwareSpec:
     if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 2-4 as they are, 1 migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 2-5 as they are, 1 migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

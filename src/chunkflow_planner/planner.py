@@ -47,7 +47,7 @@ from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
 from chunkflow_planner.workload import WorkloadError, per_forward, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, repriced_whole, with_pipeline
 from chunkflow_planner.pipeline.decide import PipelineDecision
-from chunkflow_planner.bands import bands
+from chunkflow_planner.bands import bands, with_startup
 from chunkflow_planner.reprice import point_prediction as _prediction, prediction_values, repriced_alone, with_supposed
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
 
@@ -174,7 +174,7 @@ def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecis
     if problem.hw.pipeline.device_is_host:  # a CPU plan's times are nominal figures: no band claims to hold them
         values = {k: v for k, v in values.items() if not k.endswith("_s")}
     found = bands(price, with_supposed(problem.hw, problem.spec), values)
-    found = with_cache_spread(found, plan, values)
+    found = with_startup(with_cache_spread(found, plan, values), values, problem.hw)
     return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})
 
 

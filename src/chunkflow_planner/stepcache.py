@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from chunkflow_planner.cache import CacheSetting, CacheSpecError, cache_label, parse_cache
 
-__all__ = ["StepCache", "CacheError", "plan_cache", "computed_steps", "CachedSteps", "cached_steps", "mag_schedule",
+__all__ = ["StepCache", "CacheError", "plan_cache", "does_nothing", "computed_steps", "CachedSteps", "cached_steps", "mag_schedule",
            "runs_when_skipped", "CACHE_SCHEMA_VERSION", "CACHE_PRIOR_HIT_RATE", "FLUX_MAG_RATIOS"]
 
 CACHE_SCHEMA_VERSION = 1
@@ -102,10 +102,15 @@ def _refuse(setting: CacheSetting, text: str) -> None:
                          "--cache, or with ratios=FILE of what the calibration printed")
 
 
-def plan_cache(text: str, hit_rate: float | None = None, source: str = "given") -> StepCache:
-    """`--cache KIND[:PARAMS]` (cache.parse_cache) with `--cache-hit-rate`, checked for planning."""
+def plan_cache(text: str, hit_rate: float | None = None, source: str = "given", steps: int | None = None
+               ) -> StepCache:
+    """`--cache KIND[:PARAMS]` (cache.parse_cache) with `--cache-hit-rate`, checked for planning (`steps`: refused
+    where it can skip none of them)."""
     setting = parse_cache(text)
     _refuse(setting, text)
+    why = does_nothing(setting, steps) if steps is not None else None
+    if why:
+        raise CacheError(f"--cache {text}: {why}, so it would change nothing; plan without --cache, or with more steps")
     if hit_rate is not None and _schedule_known(setting):
         raise CacheError(f"--cache-hit-rate: {setting.kind}'s schedule is known ahead from its setting and the steps; "
                          "leave --cache-hit-rate out")
@@ -173,6 +178,22 @@ def computed_steps(cache: StepCache | None, steps: int, hit_rate: float | None =
         return sum(mag_schedule(s, steps))
     rate = cache.hit_rate if hit_rate is None else hit_rate
     return steps - min(_max_skipped(s, steps), round((rate or 0.0) * steps))
+
+
+def does_nothing(setting: CacheSetting, steps: int) -> str | None:
+    """Why `setting` can skip no step of `steps` (a distilled few-step schedule, a schedule that computes every
+    step), as words; None where it can skip some."""
+    known = _schedule_known(setting)
+    cache = StepCache(setting=setting, hit_rate=None if known else 0.99, hit_rate_source="schedule" if known else
+                      "given")
+    if computed_steps(cache, steps) < steps:
+        return None
+    if setting.kind == "taylorseer":
+        return (f"with {steps} steps taylorseer computes every one (its first {setting.disable_cache_before_step} "
+                f"always, then one in {setting.cache_interval})")
+    if setting.kind == "mag" and setting.ratios is not None:
+        return f"with {steps} steps MagCache's decisions on these ratios skip no step (threshold {setting.threshold:g})"
+    return f"with {steps} step{'s' if steps != 1 else ''} {setting.kind} has no step to skip"
 
 
 class CachedSteps(BaseModel):

@@ -263,7 +263,7 @@ def _with_cache(workload, cache: str | None, hit_rate: str | None):
 
     try:
         rate, source = _hit_rate(hit_rate, parse_cache(cache))
-        return workload.model_copy(update={"cache": plan_cache(cache, rate, source)})
+        return workload.model_copy(update={"cache": plan_cache(cache, rate, source, workload.steps)})
     except CacheSpecError as exc:
         raise UserError(str(exc)) from None
 

@@ -20,8 +20,23 @@ def band_text(plan: Plan, key: str) -> str:
     b = plan.prediction.bands.get(key)
     if b is None:
         return ""
-    pct = b.rel * 100
-    return f" +-{pct:.0f}%" if pct >= 9.5 else f" +-{pct:.1f}%".replace(".0%", "%")
+    below, above = b.edges()
+    if abs(below - above) > 1e-9:  # a first generation's time: its start-up only adds
+        return f" +{_band_pct(above)}/-{_band_pct(below)}"
+    return f" +-{_band_pct(b.rel)}"
+
+
+def _band_pct(share: float) -> str:
+    """A band's share as a percentage: whole above 9.5%, else one decimal ("6%", "6.4%")."""
+    pct = share * 100
+    return f"{pct:.0f}%" if pct >= 9.5 else f"{pct:.1f}%".replace(".0%", "%")
+
+
+def _verdict_band(v) -> str:  # noqa: ANN001 - chunkflow.reports.BandVerdict
+    """A verdict's band: "+-7.2%", or "+45.0%/-8.1%" where it is asymmetric."""
+    if v.below is not None and v.above is not None and abs(v.below - v.above) > 1e-9:
+        return f"+{v.above:.1%}/-{v.below:.1%}"
+    return f"+-{v.band:.1%}"
 
 
 CACHE_RECORDED_BY = {"cache hit rate": "run --cache ... --report R.json, then plan --cache-hit-rate R.json"}
@@ -724,7 +739,7 @@ def print_band_verdicts(console: Console, report) -> None:  # noqa: ANN001 - chu
     for col in ("quantity", "error", "band", "verdict"):
         t.add_column(col, justify="left" if col in ("quantity", "verdict") else "right")
     for key, v in verdicts.items():
-        t.add_row(_band_label(key), f"{v.error:+.1%}", f"+-{v.band:.1%}", "inside" if v.inside else "[bold]outside[/]")
+        t.add_row(_band_label(key), f"{v.error:+.1%}", _verdict_band(v), "inside" if v.inside else "[bold]outside[/]")
     console.print(t)
     out = [k for k, v in verdicts.items() if not v.inside]
     line = f"{len(verdicts) - len(out)} of {len(verdicts)} measurements inside their bands"

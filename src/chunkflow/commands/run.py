@@ -145,6 +145,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             from chunkflow_planner.plan import model_of
 
             check_fits(step_cache["setting"], model_of(p), steps or p.workload.steps)
+            _check_skips(step_cache["setting"], steps or p.workload.steps)
         if prompts is not None:
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
@@ -259,6 +260,15 @@ def _check_cache(text: str | None, generating: bool, prompts: bool, plan=None):
     if torchrun_world() > 1:
         raise UserError(f"{what} under torchrun (sequence parallel) is not supported yet: run it in one process")
     return setting
+
+
+def _check_skips(setting, steps: int) -> None:
+    """A cache that can skip none of the run's steps (a few-step schedule) refused in one line before the load."""
+    from chunkflow_planner.stepcache import does_nothing
+
+    why = does_nothing(setting, steps)
+    if why:
+        raise UserError(f"--cache: {why}, so it would change nothing; leave --cache out, or run more steps")
 
 
 def codec_override(codec: str | None) -> str | None:

@@ -366,9 +366,12 @@ class OffloadHandle:
             return
         self.runs.done()
         if self.order.checked:
+            self.streamer.prefetch_first()  # where a step cache skipped the last blocks, nothing prefetched it
             return
         order = self.order.done(len(self.layouts))
-        if order is not None:
+        if order is None:
+            self.streamer.prefetch_first()
+        else:
             was = self.blocks
             self.blocks = [self.blocks[l] for l in order]
             try:

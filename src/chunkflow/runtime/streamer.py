@@ -440,6 +440,21 @@ class Streamer:
         if self.ring and l == self.ring[0]:  # (the first streamed block: none where nothing streams)
             self.forwards += 1
 
+    def prefetch_first(self) -> None:
+        """Between forwards: the next forward's first streamed block copied now where the last one did not prefetch
+        it (a step cache skipped the blocks from some point on, so the last never began its forward): the next
+        forward then waits only for what is left of that copy, as after a forward that ran whole."""
+        if not self.ring or self.running:
+            return
+        first = self.ring[0]
+        if first in self.slot_of or (self.pending is not None and self.pending.block == first):
+            return
+        if self._deferred(first):  # a disk block: its read started, copied when its forward comes
+            return
+        s = 1 if 0 in self.slot_of.values() and 1 not in self.slot_of.values() else 0
+        self._evict(s)
+        self.schedule(first, s)
+
     def skipped(self, l: int) -> None:
         """Block l's call ended without its own forward running (a step cache skipped it) and it was never entered:
         what its prefetch copied is that run's (runs.py), and nothing of it was bound or waited for."""

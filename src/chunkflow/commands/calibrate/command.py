@@ -36,6 +36,9 @@ _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeli
                                                       "cache) is on, as the loader reads it, cold and warm (default: "
                                                       "the Hugging Face cache's disk), and measure the lossless "
                                                       "codec's ratio on its transformer's weights (--codec)"), INPUT]
+_StartupProcesses = Annotated[int, typer.Option(min=0, max=20, help="cold processes the start-up of a process's "
+                                                 "first generation is measured over (each phase's first call less "
+                                                 "its second; 0: not measured, the profile keeps its own)")]
 _MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", show_default=False, help="with "
                                                              "--from-report: more run reports (what an unquoted "
                                                              "pattern, --from-report out/*-report.json, expands to)"),
@@ -46,7 +49,7 @@ _MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", s
 def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save = None, cpu_smoke: _CpuSmoke = False,
                   from_report: _FromReport = None, profile: _Profile = None, gemm_size: _GemmSize = 8192,
                   peak_tflops: _PeakTflops = None, base: _Base = None, raw: _Raw = None, weights: _Weights = None,
-                  more_reports: _MoreReports = None) -> None:
+                  more_reports: _MoreReports = None, startup_processes: _StartupProcesses = 3) -> None:
     """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
     all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses.
 
@@ -61,7 +64,8 @@ def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save
     if from_report:
         new, header = _refit_profile(from_report, profile)
     else:
-        measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw, weights)
+        measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw, weights,
+                                    startup_processes)
         if measured is None:  # not rank 0
             return
         new, header = measured
@@ -198,7 +202,7 @@ def _refit_profile(reports: list[str], profile: str | None):
 
 
 def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: float | None, base: str | None,
-                     raw: str | None, weights: str | None = None):
+                     raw: str | None, weights: str | None = None, startup_processes: int = 3):
     """(measured profile, header) on rank 0; None on other ranks under torchrun (every rank measures)."""
     import json
 
@@ -213,7 +217,7 @@ def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: f
             return lambda: bar.advance(task)
 
         cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
-                        progress=progress, weights=weights,
+                        progress=progress, weights=weights, startup_processes=startup_processes,
                         log=_say if rank0 else (lambda s: None))
     if not rank0:
         return None

@@ -635,9 +635,10 @@ def medians(groups: Iterable[Sequence[float]]) -> dict[str, Any]:
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
               log: Callable[[str], None] = lambda s: None, vaes: bool = True, weights: str | None = None,
-              disk: bool = True) -> Calibration:
+              disk: bool = True, startup_processes: int = 3) -> Calibration:
     """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke). `weights`: the
-    pipeline folder whose disk the load rates are measured on (calibrate_disk.disk_folder); `disk`: measure them."""
+    pipeline folder whose disk the load rates are measured on (calibrate_disk.disk_folder); `disk`: measure them;
+    `startup_processes`: cold processes the first model's start-up is measured over (startup.py; 0: none)."""
     import torch
 
     from chunkflow_planner.catalog import get_model
@@ -697,10 +698,26 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
     scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
     fits = fit_records(fit, blocks, forwards, vae_res, ops_raw, disk_raw, codec_raw, coll, s.name, date)
-    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits})
+    startup, startup_raw = _startup(specs[0].name, startup_processes, s.device, log)
+    if startup.get("fit") is not None:
+        fits["startup"] = startup["fit"]
+    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s") if k in startup}
+    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits, **extra_startup})
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
                h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
                operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw, codec=codec_raw,
-               formats=formats_raw)
+               formats=formats_raw, startup=startup_raw)
     return Calibration(profile, raw)
+
+
+def _startup(model: str, processes: int, device, log: Callable[[str], None]) -> tuple[dict[str, Any], dict]:
+    """The start-up over `processes` cold processes on `device` (startup.calibrated_startup), on rank 0 alone; none
+    with 0 processes."""
+    from chunkflow.commands.calibrate.startup import calibrated_startup
+    from chunkflow.launch import torchrun_rank
+
+    if processes <= 0 or torchrun_rank() != 0:
+        return {}, {}
+    name = "cpu" if device.type != "cuda" else f"cuda:{device.index or 0}"
+    return calibrated_startup(model, processes, name, log)

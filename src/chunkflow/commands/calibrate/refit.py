@@ -111,16 +111,16 @@ def _refit_overhead(hw: HardwareSpec, reports: Sequence, none: dict, notes: list
 
 def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: dict[str, Any]) -> dict[str, Any]:
     """startup_s per phase: the first generation of a process less a later one of the same process (generation
-    reports run with --warmup), the median over reports, at least 0; for encode also per set of text encoders
-    (`encode:<archs>`), whose kernels differ (an LLM's first encode costs more than a T5's). Keys the reports do
-    not measure keep the profile's value. Its FitQuality into `fits` (_refit_quality): each report's gap about the
-    value that prices it (its encoders' own key for an encode, as pipeline.startup_of reads them), pooled over the
-    keys, one value fitted a key."""
+    reports run with --warmup), at least 0; for encode also per set of text encoders (`encode:<archs>`), whose
+    kernels differ (an LLM's first encode costs more than a T5's). Each gap joins the profile's samples of its key
+    (`startup_samples_s`: calibrate's cold processes, earlier refits) and the figure is their mean, its `startup`
+    FitQuality the spread of every sample kept about its key's mean (startup.startup_record); keys the reports do
+    not measure keep the profile's figure."""
+    from chunkflow.commands.calibrate.startup import startup_record
     from chunkflow_planner.catalog import encode_startup_key
     from chunkflow_planner.plan import model_of
 
     gaps: dict[str, list[float]] = {}
-    priced: list[tuple[str, float]] = []  # each gap with the key that prices it
     for r in reports:
         g = r.generation
         if g is None or not g.first_phase_times_s:
@@ -132,18 +132,18 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: 
                 gaps.setdefault(phase, []).append(gap)
                 if phase == "encode" and own is not None:
                     gaps.setdefault(own, []).append(gap)
-                priced.append((own if phase == "encode" and own is not None else phase, gap))
     if not gaps:
         return {}
-    startup = {phase: statistics.median(xs) for phase, xs in gaps.items()}
     n = max(map(len, gaps.values()))
-    _refit_quality(fits, "startup", [(gap, startup[key]) for key, gap in priced],
-                   len({key for key, _ in priced if startup[key] > 0}),
-                   f"{n} generation report(s) run with --warmup, each phase's first-generation gap about its key's "
-                   "median")
+    old = hw.pipeline.startup_samples_s
+    how = (f"chunkflow calibrate --from-report {datetime.date.today()}: {n} generation report(s) run with --warmup"
+           + (" and the profile's earlier samples" if any(k in old for k in gaps) else ""))
+    means, kept, q = startup_record(old, gaps, how)
+    if q is not None:
+        fits["startup"] = q
     notes.append(f"start-up of a process's first generation from {n} generation report(s) run with --warmup: "
-                 + ", ".join(f"{k} {v:.3f} s" for k, v in startup.items()))
-    return {"startup_s": {**hw.pipeline.startup_s, **startup}}
+                 + ", ".join(f"{k} {v:.3f} s ({len(kept[k])} sample(s))" for k, v in means.items()))
+    return {"startup_s": {**hw.pipeline.startup_s, **means}, "startup_samples_s": {**old, **kept}}
 
 
 def _refit_quality(fits: dict[str, Any], name: str, pairs: Sequence[tuple[float, float]], fitted: int,

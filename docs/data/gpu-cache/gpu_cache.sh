@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 54's GPU evidence (one GPU): FLUX.1-dev 1024x1024 28 steps at 6 GB and Wan2.2-TI2V-5B 704x1280 x81 at 8 GB,
+# pipelines saved as diffusers folders (real architectures, random values: scripts/save_pipeline.py), each way its
+# own process with one warm-up generation: chunkflow at the plan's setting with no cache, first-block caching and
+# MagCache (the plan made with the same --cache first, its prediction in the plan file), against diffusers' group
+# offloading (block level, streams) with the same cache config, and the same cache all on the GPU (diffusers alone)
+# for the latents, which must be bit-identical to chunkflow's. Raw files in $OUT (tarred as cache.tgz).
+#   PARTS="flux wan" bash docs/data/gpu-cache/gpu_cache.sh OUT_DIR       (TINY=1: the tiny catalog pipelines, CPU)
+set -uo pipefail
+dest=${1:-${OUT:-out}}
+work=${WORK:-/tmp/cache-evidence}
+mkdir -p "$work" "$dest"
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+py=${PY:-python3}
+dev=$([ -n "${TINY:-}" ] && echo cpu || echo cuda)
+step() { local name=$1 deadline=$2; shift 2; echo "[$(date +%T)] $*" | tee "$work/$name.log"
+  timeout "$deadline" "$@" >>"$work/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$work/$name.log"; tail -2 "$work/$name.log" | cut -c1-300; }
+keep() { tar czf "$dest/cache.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="folder-*" -C "$work" . ; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/gpu.txt" 2>&1
+for part in ${PARTS:-flux wan}; do
+  if [ -n "${TINY:-}" ]; then
+    model=$([ $part = flux ] && echo tiny-flux || echo tiny); shape=""; budget=8GB; hw=cpu; steps=6
+  elif [ $part = flux ]; then
+    model=flux; shape="--height 1024 --width 1024"; budget=6GB; hw=${HW:-h200}; steps=28
+  else
+    model=wan2.2; shape="--height 704 --width 1280 --frames 81"; budget=8GB; hw=${HW:-h200}; steps=50
+  fi
+  folder=$work/folder-$part
+  [ -d "$folder" ] || step save-$part 900 $py "$repo/scripts/save_pipeline.py" $model "$folder" --device $dev
+  for cache in ${CACHES:-none first-block:0.1 mag:ratios=flux}; do
+    tag=$part-${cache%%:*}
+    with=$([ "$cache" = none ] && echo "" || echo "--cache $cache")
+    step plan-$tag 60 $py -m chunkflow plan --model $model $shape --steps $steps --hardware $hw --mem-budget $budget \
+      $with --out "$work/plan-$tag.json"
+    step run-$tag 900 $py -m chunkflow run --plan "$work/plan-$tag.json" --weights "$folder" --prompt "a red fox in the snow" \
+      --seed 0 --warmup 1 --device $dev --latents "$work/latents-$tag.safetensors" --report "$work/report-$tag.json"
+    step gpu-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
+      --prompt "a red fox in the snow" --seed 0 --device $dev $with --latents "$work/latents-$tag.safetensors" \
+      --out "$work/diffusers-gpu-$tag.json"
+    step group-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
+      --prompt "a red fox in the snow" --seed 0 --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
+    keep
+  done
+done
+keep

@@ -1,0 +1,83 @@
+"""A process's first generation: its start-up is a one-sided term with its own band (bands.with_startup), and a run
+is judged against the band of the generation it measured (first, or after a warm-up)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chunkflow_planner.bands import Z, startup_edges, with_startup
+from chunkflow_planner.catalog import FitQuality, get_hardware
+from chunkflow_planner.bands import Band
+
+
+def _band(value: float, rel: float) -> Band:
+    return Band(rel=rel, low=value * (1 - rel), high=value * (1 + rel), measured=True, fits=["compute"])
+
+
+def test_a_first_generations_band_is_its_warm_band_plus_a_one_sided_startup():
+    """Warm 2.0 s +-10%, start-up 1.0 s measured at a 30% spread: the first generation's 3.0 s reaches from 1.8 + 0.4
+    to 2.2 + 1.6 s; the warm band is left as it was."""
+    hw = get_hardware("h200").model_copy(update={"fits": {"startup": FitQuality(samples=3, spread=0.3, drift=0.0)}})
+    found = {"phases.denoise.warm_time_s": _band(2.0, 0.1), "phases.denoise.time_s": _band(3.0, 0.1)}
+    values = {"phases.denoise.warm_time_s": 2.0, "phases.denoise.time_s": 3.0}
+    out = with_startup(found, values, hw)
+    first = out["phases.denoise.time_s"]
+    assert first.low == pytest.approx(1.8 + 1.0 * (1 - Z * 0.3)) and first.high == pytest.approx(2.2 + 1.0 * (1 + Z * 0.3))
+    assert first.startup_s == pytest.approx((0.4, 1.6)) and first.contains(3.0) and first.measured
+    below, above = first.edges()
+    assert above > below and first.rel == above and "startup" in first.fits  # one-sided: wider above
+    assert out["phases.denoise.warm_time_s"] == found["phases.denoise.warm_time_s"]
+
+
+def test_a_startup_spread_past_half_reaches_down_to_none_of_it():
+    """The start-up never goes negative: at the prior (no record) its low is 0, so the band's low edge is the warm
+    band's, and the band says the start-up was supposed."""
+    hw = get_hardware("h200").model_copy(update={"fits": {}})
+    lo, hi, measured = startup_edges(hw, 0.5)
+    assert lo == 0.0 and hi > 0.5 and not measured
+    out = with_startup({"generation_warm_time_s": _band(4.0, 0.1), "generation_time_s": _band(4.5, 0.1)},
+                       {"generation_warm_time_s": 4.0, "generation_time_s": 4.5}, hw)["generation_time_s"]
+    assert out.low == pytest.approx(3.6) and "startup" in out.supposed and not out.measured
+
+
+def test_a_run_is_judged_against_the_band_of_the_generation_it_measured(workdir):
+    """A first generation well over its prediction (a slow start-up) but under its band's high edge is inside; the
+    same error after a warm-up is held to the warm band, and is outside; below the band's low edge is outside."""
+    from chunkflow.reports import load_reports
+    from tests.test_bands import _gpu_report, _hw, _plan
+
+    hw = _hw({"startup": 0.3})
+    plan = _plan(hw)
+    bands = plan.prediction.bands
+    first, warm = bands["phases.encode.time_s"], bands["phases.encode.warm_time_s"]
+    assert first.startup_s is not None and warm.startup_s is None and first.rel_high > first.rel_low
+    data, path = _gpu_report(workdir)
+    data["plan"] = json.loads(plan.to_json())
+
+    def verdict(error: float, warmup: int):
+        phase = dict(measured_time_s=1.0, time_error=error)
+        data["generation"] = dict(prompt="p", seed=0, steps=8, components={}, phases={"encode": phase},
+                                  generation_time_s=1.0, host_peak_bytes=1, warmup_generations=warmup)
+        path.write_text(json.dumps(data))
+        return load_reports([path])[0].bands["phases.encode.time_s"]
+
+    high = first.rel_high * 0.9
+    assert verdict(high, 0).inside and verdict(high, 0).above == pytest.approx(first.rel_high)
+    assert not verdict(high, 1).inside and verdict(high, 1).band == warm.rel  # after a warm-up: the warm band
+    assert not verdict(-(first.rel_low + 0.01), 0).inside and verdict(-first.rel_low * 0.9, 0).inside
+
+
+def test_calibrate_measures_the_startup_over_cold_processes_and_records_its_spread():
+    """Two new processes of the tiny pipeline on the CPU, each phase's component called twice: a sample a process
+    for every phase, the figure their mean, and their spread as the `startup` fit (the encode counted once)."""
+    from chunkflow.commands.calibrate.startup import calibrated_startup
+
+    said: list[str] = []
+    out, raw = calibrated_startup("tiny-wan", 2, "cpu", said.append)
+    assert {"encode", "denoise", "decode"} <= out["startup_s"].keys() and "cold processes" in said[-1]
+    for key, xs in out["startup_samples_s"].items():
+        assert len(xs) == 2 and raw[key] == xs and out["startup_s"][key] == pytest.approx(sum(xs) / 2)
+    q = out["fit"]
+    assert q is not None and q.samples == 2 * (len(out["startup_s"]) - 1) and "2 cold process(es)" in q.source
