@@ -111,6 +111,7 @@ def test_each_generation_of_a_session_gives_a_fresh_process_s_latents_with_the_s
 
 def test_magcache_counts_each_generation_s_own_steps_from_its_first(plans):
     import chunkflow
+    from chunkflow_planner.pipeline.jobs import JobError
 
     spec = "mag:0.5,ratios=flux"
     with one_thread(), chunkflow.load(plans / "stream.json", device="cpu", cache=spec) as session:
@@ -119,6 +120,11 @@ def test_magcache_counts_each_generation_s_own_steps_from_its_first(plans):
         with pytest.raises(_Stop):  # stopped after its third step: MagCache's step counter is left at 3
             session.generate(PROMPT, seed=1, steps=8, on_step=_stop_at(3))
         eight_again = session.generate(PROMPT, seed=1, steps=8)
+        with pytest.raises(JobError, match=r"cache mag:threshold=0.5,ratios=flux: with 1 steps? .* would change "
+                                           "nothing; run more steps, or without it"):
+            session.generate(PROMPT, seed=1, steps=1)  # refused before it runs: one step has nothing to skip
+        assert session.generations == 4
+        assert session.fit(session.job(PROMPT, steps=1), cache=None).reason is None
     assert torch.equal(eight.latents, reference(spec, PROMPT, 1, 8))
     assert torch.equal(six.latents, reference(spec, PROMPT, 1, 6))
     assert torch.equal(eight_again.latents, eight.latents)
@@ -260,6 +266,8 @@ def test_the_server_s_jobs_run_with_its_cache_and_say_their_skips(plans):
             assert health["cache"] == "mag:threshold=0.5,ratios=flux"
             status, body, _ = call(s, "POST", "/jobs", {"prompt": PROMPT, "cache": "first-block:0.1"})
             assert status == 422 and body["fields"] == ["cache"] and "serve --cache" in body["error"]
+            status, body, _ = call(s, "POST", "/jobs", {"prompt": PROMPT, "steps": 1})  # nothing to skip: refused
+            assert status == 422 and "so it would change nothing" in body["error"]
             jobs = [{"prompt": PROMPT, "seed": 1, "steps": 8}] * 2 + [{"prompt": OTHER, "seed": 2, "steps": 8}]
             ids = [call(s, "POST", "/jobs", job)[1]["id"] for job in jobs]
             stop_at[ids[0]] = 3

@@ -165,10 +165,11 @@ class Session:
             return parse_job({**prompt.model_dump(exclude_unset=True), **given}) if given else prompt
         return parse_job({"prompt": prompt, **given})
 
-    def fit(self, job: Job, with_image: bool | None = None) -> JobFit:
+    def fit(self, job: Job, with_image: bool | None = None, cache: Any = "session") -> JobFit:
         """The job planned against the loaded placement: its predicted time and peaks, and why it cannot run here
-        (a reason: its shape, an image the pipeline takes none of or needs, a negative prompt it does not use) or
-        None. `with_image`: whether an image comes with it (default: the job names one)."""
+        (a reason: its shape, an image the pipeline takes none of or needs, a negative prompt it does not use, a
+        step cache that can skip none of its steps) or None. `with_image`: whether an image comes with it (default:
+        the job names one); `cache`: the generation's (generate's argument)."""
         from chunkflow.models.adapters import needs_image, negative_prompt_refusal
 
         fit = fit_job(self.plan, self.spec, self.hw, job)
@@ -181,7 +182,19 @@ class Session:
             fit.reason = f"{cls.__name__} animates or edits an image: give one with the job"
         if fit.reason is None and job.negative_prompt is not None:
             fit.reason = negative_prompt_refusal(self.spec)
+        if fit.reason is None:
+            fit.reason = self._cache_refusal(self._cache_of(cache), fit.workload.steps)
         return fit
+
+    @staticmethod
+    def _cache_refusal(setting, steps: int) -> str | None:
+        """Why the cache would change nothing in a generation of `steps` steps (a few-step schedule), or None."""
+        from chunkflow_planner.cache import cache_label
+        from chunkflow_planner.stepcache import does_nothing
+
+        why = does_nothing(setting, steps) if setting is not None else None
+        return (f"cache {cache_label(setting)}: {why}, so it would change nothing; run more steps, or without it"
+                if why else None)
 
     def predicted_s(self, job: Job, first: bool | None = None) -> float | None:
         """The plan's seconds for the job here, as the session's next generation (`first`: as the process's first
@@ -210,10 +223,10 @@ class Session:
                        image=str(image) if isinstance(image, (str, Path)) else None)
         if image is None and job.image is not None:
             image = job.image
-        fit = self.fit(job, with_image=image is not None)
+        setting = self._cache_of(cache)
+        fit = self.fit(job, with_image=image is not None, cache=setting)
         if fit.reason is not None:
             raise JobError(fit.reason)
-        setting = self._cache_of(cache)
         with self._lock:
             self._check_open()
             self._caches.begin(setting, fit.workload.steps, self._log)
@@ -241,7 +254,9 @@ class Session:
         """A generation's cache argument as a setting ("session": the session's)."""
         from chunkflow.caches import resolve_cache
 
-        return self.cache if cache == "session" else resolve_cache(cache, self.plan)
+        if isinstance(cache, str) and cache == "session":
+            return self.cache
+        return resolve_cache(cache, self.plan)
 
     # -- closing ---------------------------------------------------------------------------------------------
     def close(self) -> None:

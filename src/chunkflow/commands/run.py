@@ -145,7 +145,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             from chunkflow_planner.plan import model_of
 
             check_fits(step_cache["setting"], model_of(p), steps or p.workload.steps)
-            _check_skips(step_cache["setting"], steps or p.workload.steps)
+            if prompts is None:  # a prompt file's jobs have their own steps: each is checked as it runs
+                _check_skips(step_cache["setting"], steps or p.workload.steps)
         if prompts is not None:
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
