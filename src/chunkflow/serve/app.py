@@ -6,8 +6,8 @@ Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
 Content-Length and again while it is read), 415 a job not sent as application/json, 422 a job that is malformed or
 does not fit the loaded placement (the planner's reason; `fields` then names the job's fields it is about, for a
-form to show it beside them; a job naming a `cache`: the server's is chosen when it starts), 429 a full queue, 503 a server shutting down. Request
-bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
+form to show it beside them; a job naming a `cache`: the server's is chosen when it starts), 429 a full queue, 503
+a server shutting down. Request bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
 its image as the compressed bytes it came as (checked from the header: format, bytes, pixels), decoded when it runs.
 A client that goes away mid-body is one log line.
 """
