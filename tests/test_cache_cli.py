@@ -118,7 +118,6 @@ def test_run_with_a_cache_gives_the_latents_of_the_same_cache_not_streamed_and_c
     (["--prompt", "a cat", "--cache", "first:1"], "unknown cache 'first'; give one of first-block, mag"),
     (["--prompt", "a cat", "--cache", "mag"], "mag needs the model's magnitude ratios"),
     (["--cache", "first-block"], "--cache goes with --prompt"),
-    (["--prompts", "p.txt", "--cache", "first-block"], "--cache with --prompts is not supported yet"),
     (["--prompt", "a cat", "--cache", "taylorseer"], "it hooks no module of transformer (WanTransformer3DModel)"),
 ])
 def test_a_cache_the_run_cannot_take_is_refused_in_one_line_before_the_load(cli, plans, args, words):

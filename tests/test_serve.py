@@ -168,7 +168,7 @@ def test_jobs_run_in_order_and_give_the_frames_a_separate_session_gives(server, 
     for job, snap in zip(jobs, snaps):  # what each ran with: the plan's defaults filled in, the seed as text
         assert snap["settings"] == {"seed": str(job["seed"]), "steps": job["steps"], "width": 64, "height": 64,
                                     "frames": 5, "guidance": server.session.spec.pipeline.guidance,
-                                    "negative_prompt": None}
+                                    "negative_prompt": None, "cache": None}
 
     reference = root / "reference"
     reference.mkdir()
@@ -371,7 +371,7 @@ def test_unknown_and_path_like_ids_are_refused(server, path, status):
 def test_health_and_metrics(server):
     status, health, _ = call(server, "GET", "/health")
     assert status == 200 and health["ok"] and health["model"] == server.session.spec.name == "tiny-wan" and health["device"] == "cpu"
-    assert health["queue_length"] == 0 and health["video"] and not health["image"]
+    assert health["queue_length"] == 0 and health["video"] and not health["image"] and health["cache"] is None
     status, text, headers = call(server, "GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     samples = {}

@@ -144,11 +144,15 @@ class CacheRun:
         from chunkflow.models.adapters import find_blocks
 
         names, watch = built.names("transformer"), BlockWatch()
-        for name in names:
-            module = getattr(built.pipe, name)
-            enable_cache(module, setting, steps, name)
-            where = {id(m): n for n, m in module.named_modules()}
-            watch.watch(module, [(f"{name}.{where[id(b)]}", b) for b in find_blocks(module)])
+        try:
+            for name in names:
+                module = getattr(built.pipe, name)
+                enable_cache(module, setting, steps, name)
+                where = {id(m): n for n, m in module.named_modules()}
+                watch.watch(module, [(f"{name}.{where[id(b)]}", b) for b in find_blocks(module)])
+        except CacheSpecError:
+            watch.remove()  # a later transformer refused it: no hook of this run stays
+            raise
         log(f"cache: {cache_label(setting)} on {', '.join(names)}")
         return cls(setting, names, watch)
 
@@ -180,3 +184,65 @@ class CacheRun:
 
     def remove(self) -> None:
         self.watch.remove()
+
+
+def resolve_cache(cache, plan, flag: str = "cache"):
+    """A session's cache argument as a setting: "plan" the plan's (`plan --cache`, else none), None none, a
+    `KIND[:PARAMS]` text parsed (CacheSpecError, one line, where it is bad), a CacheSetting as it is."""
+    from chunkflow_planner.cache import parse_cache
+
+    if cache == "plan":
+        planned = plan.workload.cache
+        return planned.setting if planned is not None else None
+    if cache is None or not isinstance(cache, str):
+        return cache
+    return parse_cache(cache, flag)
+
+
+@dataclass
+class GenerationCache:
+    """The step cache of a pipeline that generates many times (a session, a server, a prompt file): before each
+    generation `begin(setting, steps)` enables the setting on every transformer (enabled again where it changed,
+    or where MagCache's step count did: it keys on the generation's steps), resets its state (a generation stopped
+    between steps leaves diffusers' cache state behind: the pipeline resets it only when its call ends) and marks
+    the count; `result(steps)` after the generation is what it skipped there."""
+
+    built: object  # models/pipeline_build.BuiltPipeline
+    setting: CacheSetting | None = None
+    steps: int | None = None
+    run: CacheRun | None = None
+
+    def begin(self, setting: CacheSetting | None, steps: int, log=lambda s: None) -> None:
+        """`setting` (None: no cache) ready on the transformers for a generation of `steps` steps."""
+        if setting != self.setting or (setting is not None and setting.kind == "mag" and steps != self.steps):
+            self.end()
+            if setting is not None:
+                try:
+                    self.run = CacheRun.enable(setting, self.built, steps, log)
+                except CacheSpecError:  # refused on a later transformer: none keeps it
+                    self._disable(self.built.names("transformer"))
+                    raise
+            self.setting, self.steps = setting, steps
+        if self.run is None:
+            return
+        for name in self.run.names:
+            getattr(self.built.pipe, name)._reset_stateful_cache()
+        self.run.watch._calls.clear()  # a forward stopped mid-way leaves its block calls open
+        self.run.mark(self.built)
+
+    def result(self, steps: int):
+        """What the cache skipped in the generation since begin() (reports.CacheResult), None without one."""
+        return self.run.result(self.built, steps, 1) if self.run is not None else None
+
+    def end(self) -> None:
+        """The cache off every transformer and the watch removed."""
+        if self.run is not None:
+            self.run.remove()
+            self._disable(self.run.names)
+        self.run, self.setting, self.steps = None, None, None
+
+    def _disable(self, names: list[str]) -> None:
+        for name in names:
+            module = getattr(self.built.pipe, name)
+            if getattr(module, "is_cache_enabled", False):
+                module.disable_cache()

@@ -375,6 +375,7 @@ class JobResult(BaseModel):
     phases_s: dict[str, float] = Field(default_factory=dict)
     encode_cached: bool = Field(False, description="its prompt was encoded before in this process")
     host_rss_bytes: int | None = Field(None, description="the process's host memory at the job's end")
+    cache: CacheResult | None = Field(None, description="what the step cache skipped in its generation (--cache)")
 
 
 class JobsReport(BaseModel):

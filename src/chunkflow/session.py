@@ -11,6 +11,12 @@ text encoders' outputs are kept, models/prompt_cache.py). A generation may ask f
 count than the plan's: it is planned against the loaded placement first (chunkflow_planner/jobs.py) and refused
 with the planner's reason if it does not fit, before anything runs. `close()` (or leaving the `with`) frees every
 host and device buffer the session holds and takes every hook off.
+
+A step cache (`cache="first-block:0.1"`, as `run --cache` takes it; by default the plan's, `plan --cache`) is
+checked on the model's transformer before the load and enabled on the transformers for each generation: its state
+reset first (so each generation gives what a fresh process with the same cache gives, one stopped mid-way included),
+MagCache's step count the generation's, and what it skipped in `Result.cache`. `generate(..., cache=...)` gives one
+generation another cache (or none).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Result:
     is_video: bool
     fps: int | None
     index: int  # the session's generations before this one
+    cache: Any = None  # reports.CacheResult: what the step cache skipped in this generation (None: no cache)
 
     def save(self, path: str | Path) -> Path:
         """Write the output, whole or not at all: a video to .mp4, an image to .png (a batch as stem-0.png, ...)."""
@@ -80,7 +87,8 @@ class Session:
                  offload=None, seed: int = 0, transformer: str | Path | None = None,
                  transformer_2: str | Path | None = None,
                  progress: Callable[[str, int | None, int | None], None] | None = None,
-                 log: Callable[[str], None] = lambda s: None) -> None:
+                 log: Callable[[str], None] = lambda s: None, cache: Any = "plan") -> None:
+        from chunkflow.caches import GenerationCache, check_fits, resolve_cache
         from chunkflow.pipeline_setup import MAX_SEED, setup_pipeline
         from chunkflow.runtime.resolve import resolve_device
         from chunkflow_planner.plan import Plan, check_setting, files_needed, load_plan
@@ -102,6 +110,12 @@ class Session:
         why = files_needed(self.plan, self.cfg, how="weights=DIR")
         if why is not None and weights is None:
             raise JobError(why)
+        self.cache = resolve_cache(cache, self.plan)  # the cache of each generation that names none
+        if self.cache is not None:  # refused on the model built on the meta device, before the load
+            from chunkflow_planner.plan import model_of
+
+            check_fits(self.cache, model_of(self.plan), self.plan.workload.steps)
+        self._log = log
         self._lock = threading.Lock()
         self._closed = False
         self.generations = 0  # generations run (each after the first pays no start-up)
@@ -111,6 +125,7 @@ class Session:
                                      profile=profile, seed=seed, progress=progress, log=log, image=image,
                                      transformers=files)
         self.spec, self.hw, self.device = self._setup.spec, self._setup.hw, self._setup.device
+        self._caches = GenerationCache(self._setup.built)
 
     # -- what the session holds -------------------------------------------------------------------------------
     @property
@@ -150,10 +165,11 @@ class Session:
             return parse_job({**prompt.model_dump(exclude_unset=True), **given}) if given else prompt
         return parse_job({"prompt": prompt, **given})
 
-    def fit(self, job: Job, with_image: bool | None = None) -> JobFit:
+    def fit(self, job: Job, with_image: bool | None = None, cache: Any = "session") -> JobFit:
         """The job planned against the loaded placement: its predicted time and peaks, and why it cannot run here
-        (a reason: its shape, an image the pipeline takes none of or needs, a negative prompt it does not use) or
-        None. `with_image`: whether an image comes with it (default: the job names one)."""
+        (a reason: its shape, an image the pipeline takes none of or needs, a negative prompt it does not use, a
+        step cache that can skip none of its steps) or None. `with_image`: whether an image comes with it (default:
+        the job names one); `cache`: the generation's (generate's argument)."""
         from chunkflow.models.adapters import needs_image, negative_prompt_refusal
 
         fit = fit_job(self.plan, self.spec, self.hw, job)
@@ -166,7 +182,19 @@ class Session:
             fit.reason = f"{cls.__name__} animates or edits an image: give one with the job"
         if fit.reason is None and job.negative_prompt is not None:
             fit.reason = negative_prompt_refusal(self.spec)
+        if fit.reason is None:
+            fit.reason = self._cache_refusal(self._cache_of(cache), fit.workload.steps)
         return fit
+
+    @staticmethod
+    def _cache_refusal(setting, steps: int) -> str | None:
+        """Why the cache would change nothing in a generation of `steps` steps (a few-step schedule), or None."""
+        from chunkflow_planner.cache import cache_label
+        from chunkflow_planner.stepcache import does_nothing
+
+        why = does_nothing(setting, steps) if setting is not None else None
+        return (f"cache {cache_label(setting)}: {why}, so it would change nothing; run more steps, or without it"
+                if why else None)
 
     def predicted_s(self, job: Job, first: bool | None = None) -> float | None:
         """The plan's seconds for the job here, as the session's next generation (`first`: as the process's first
@@ -180,12 +208,14 @@ class Session:
                  guidance: float | None = None, steps: int | None = None, height: int | None = None,
                  width: int | None = None, frames: int | None = None, image: Any = None,
                  on_step: Callable[[int, int], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None) -> Result:
+                 on_phase: Callable[[str], None] | None = None, cache: Any = "session") -> Result:
         """One generation (a prompt and its fields, or a Job, the fields given laid over it; seed 0 where none is
         given). `image`: a path or a PIL image, for a session
         loaded with image=True. A job that does not fit the loaded placement raises JobError with the planner's
         reason before anything runs; `on_step(i, n)` hears of each denoising step (raising from it stops the
-        generation after that step), `on_phase(name)` of each phase."""
+        generation after that step), `on_phase(name)` of each phase. `cache`: "session" the session's step cache,
+        None none, or another for this generation (`KIND[:PARAMS]` or a CacheSetting; a bad one raises
+        CacheSpecError before anything runs)."""
         from chunkflow.generate import generate
 
         job = self.job(prompt, negative_prompt=negative_prompt, seed=seed, guidance=guidance, steps=steps,
@@ -193,11 +223,13 @@ class Session:
                        image=str(image) if isinstance(image, (str, Path)) else None)
         if image is None and job.image is not None:
             image = job.image
-        fit = self.fit(job, with_image=image is not None)
+        setting = self._cache_of(cache)
+        fit = self.fit(job, with_image=image is not None, cache=setting)
         if fit.reason is not None:
             raise JobError(fit.reason)
         with self._lock:
             self._check_open()
+            self._caches.begin(setting, fit.workload.steps, self._log)
             first = self.generations == 0
             predicted = fit.expected_s(first) if self.comparable and self.plan.pipeline is not None else None
             freeze = gc.get_freeze_count() == 0  # the pipeline's objects out of the collector's reach (run_generate)
@@ -212,10 +244,19 @@ class Session:
                 if freeze:
                     gc.unfreeze()
                 self.generations += 1
+            skipped = self._caches.result(fit.workload.steps)
         pipe = self.spec.pipeline
         return Result(job, gen.output, gen.latents, gen.phases, gen.step_times_s, gen.seconds, predicted,
                       gen.encode_cached, gen.host_peak_bytes, self.spec.is_video, pipe.fps if pipe else None,
-                      self.generations - 1)
+                      self.generations - 1, skipped)
+
+    def _cache_of(self, cache: Any):
+        """A generation's cache argument as a setting ("session": the session's)."""
+        from chunkflow.caches import resolve_cache
+
+        if isinstance(cache, str) and cache == "session":
+            return self.cache
+        return resolve_cache(cache, self.plan)
 
     # -- closing ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -225,6 +266,8 @@ class Session:
             if self._closed:
                 return
             self._closed = True
+            self._caches.end()
+            self._caches.built = None  # it held the pipeline
             self._setup.built.discard()
             self._setup = _Closed(self._setup)
         gc.collect()
@@ -267,12 +310,15 @@ def load(plan, weights: str | Path | None = None, *, device: str | None = None, 
          profile: str | None = None, image: bool = False, offload=None, seed: int = 0,
          transformer: str | Path | None = None, transformer_2: str | Path | None = None,
          progress: Callable[[str, int | None, int | None], None] | None = None,
-         log: Callable[[str], None] = lambda s: None) -> Session:
+         log: Callable[[str], None] = lambda s: None, cache: Any = "plan") -> Session:
     """Load the plan's pipeline once (a plan file, a dict or a Plan): `weights` a diffusers pipeline folder or a Hub
     id in the local cache (None: random weights), `device` (default: the GPU), `image=True` for the image pipeline
     of the model's family (image-to-video, edit), `offload` an OffloadConfig in place of the plan's, `transformer`
     (and `transformer_2`, a second expert's) a single file the transformer is read from instead of the folder's (a
     GGUF file, checked from its header against the folder's config before anything is read). `progress(phase,
-    done, total)` hears of the load's bytes ("load"); `log` of what the load says."""
+    done, total)` hears of the load's bytes ("load"); `log` of what the load says. `cache`: the step cache of each
+    generation, `KIND[:PARAMS]` as `run --cache` takes it (e.g. "first-block:0.1") or a CacheSetting; "plan" (the
+    default) the plan's (`plan --cache`), None none; checked before the load (CacheSpecError, one line)."""
     return Session(plan, weights, device=device, variant=variant, profile=profile, image=image, offload=offload,
-                   seed=seed, transformer=transformer, transformer_2=transformer_2, progress=progress, log=log)
+                   seed=seed, transformer=transformer, transformer_2=transformer_2, progress=progress, log=log,
+                   cache=cache)

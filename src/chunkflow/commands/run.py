@@ -71,7 +71,7 @@ _OutDir = Annotated[Optional[str], typer.Option(help="with --prompts: the folder
 _MaxJobTime = Annotated[Optional[str], typer.Option(help="with --prompts: skip, before the load, each job whose "
                                                           "predicted time (the upper end of its band) is over this, "
                                                           "e.g. 10min or 600s")]
-_Cache = Annotated[Optional[str], typer.Option(help="with --prompt: a step cache of diffusers' on the transformer(s), "
+_Cache = Annotated[Optional[str], typer.Option(help="with --prompt or --prompts (every job): a step cache of diffusers' on the transformer(s), "
                                                     "KIND[:PARAMS]: first-block:0.1 (threshold), mag:ratios=flux "
                                                     "(MagCache; ratios=FILE.json, or calibrate), taylorseer:2,lite "
                                                     "(interval; lite skips whole blocks), sea:0.3 (SeaCache, Wan "
@@ -145,7 +145,8 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
             from chunkflow_planner.plan import model_of
 
             check_fits(step_cache["setting"], model_of(p), steps or p.workload.steps)
-            _check_skips(step_cache["setting"], steps or p.workload.steps)
+            if prompts is None:  # a prompt file's jobs have their own steps: each is checked as it runs
+                _check_skips(step_cache["setting"], steps or p.workload.steps)
         if prompts is not None:
             if torchrun_world() > 1:
                 raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
@@ -177,6 +178,7 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
                     profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
                     transformers={"transformer": transformer, "transformer_2": transformer_2},
                     imports_s=imported["s"], max_job_s=_duration(max_job_time, "--max-job-time"),
+                    cache=step_cache["setting"],
                     others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
                             "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
         return
@@ -242,17 +244,17 @@ def _check_priced(p, cfg, profile: str | None) -> None:
 
 def _check_cache(text: str | None, generating: bool, prompts: bool, plan=None):
     """`--cache` parsed and validated (CacheSpecError, one line, where it is bad), else the cache the plan priced
-    (`plan --cache`) where this run generates; refused where this run cannot take it yet; None without either."""
+    (`plan --cache`) where this run generates (--prompt, or every job of --prompts); refused where this run cannot
+    take it; None without either."""
     planned = plan.workload.cache if plan is not None else None
-    if text is None and (planned is None or not generating):
+    if text is None and (planned is None or not (generating or prompts)):
         return None
     from chunkflow_planner.cache import parse_cache
 
     setting = parse_cache(text) if text is not None else planned.setting
     what = "--cache" if text is not None else f"the plan's cache ({planned.label()}, from plan --cache)"
     if prompts:
-        raise UserError(f"{what} with --prompts is not supported yet: run each prompt with --prompt"
-                        + (" --cache" if text is not None else ", or plan without --cache"))
+        return setting  # each job's generation with it (run_jobs: the session's cache)
     if not generating:
         raise UserError("--cache goes with --prompt: a cache keys on the pipeline's denoising steps, which the "
                         "synthetic steps do not run")

@@ -7,8 +7,9 @@ the others run. The pipeline is loaded once (a session, chunkflow.session), the 
 where any job gives an image. Each output is written atomically into the output folder as its job finishes; a job
 that breaks (NaN latents, an image that became unreadable) is reported and the next one runs. Ctrl-C stops the job
 running, writes the report of what was done, and exits 130; an unexpected error writes it too. With --max-job-time a
-job whose predicted time (its band's upper end) is over the limit is refused before the load. The report (reports.JobsReport) holds every job measured
-against the plan's prediction for it.
+job whose predicted time (its band's upper end) is over the limit is refused before the load. With a step cache
+(`--cache`, or the plan's) every job's generation runs with it, its state reset first, and each job's report says
+what it skipped. The report (reports.JobsReport) holds every job measured against the plan's prediction for it.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
     image = any(p.job is not None and p.job.image is not None and p.error is None for p in planned)
     session = Session(plan, opts.weights, device=opts.device, variant=opts.variant, profile=opts.profile,
                       image=image, offload=cfg, transformer=opts.transformer, transformer_2=opts.transformer_2,
-                      progress=progress, log=log)
+                      progress=progress, log=log, cache=opts.cache)
     results: list[JobResult] = []
     runnable = [p for p in planned if p.error is None]
     interrupted: BaseException | None = None
@@ -178,6 +179,8 @@ def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_
                 continue
             done = _result(p, "done", res=res, rss=rss_bytes())
             results.append(done)
+            if res.cache is not None:
+                log(f"line {p.line}: {cache_line(res.cache)}")
             if on_done is not None:
                 on_done(done)
     except BaseException as exc:  # a signal during the load or between jobs, or an error that stops the batch
@@ -218,4 +221,10 @@ def _result(p: PlannedJob, state: str, *, error: str | None = None, res=None, rs
                      seconds=res.seconds, predicted_s=res.predicted_s,
                      time_error=rel_error(res.seconds, res.predicted_s) if res.predicted_s else None,
                      phases_s={name: m.time_s for name, m in res.phases.items()}, encode_cached=res.encode_cached,
-                     host_rss_bytes=rss)
+                     host_rss_bytes=rss, cache=res.cache)
+
+
+def cache_line(c) -> str:
+    """What a step cache skipped in one generation (reports.CacheResult), in words."""
+    return (f"cache {c.label}: {c.blocks_skipped} of {c.blocks_computed + c.blocks_skipped} block runs skipped, in "
+            f"{c.forwards_skipped} of {c.forwards} forwards")

@@ -16,9 +16,10 @@ from chunkflow_planner.units import format_bytes, format_seconds
 def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
                 profile, seed: int, negative_prompt, guidance, steps, others: dict[str, Any],
                 transformers: dict[str, str | None] | None = None, imports_s: float | None = None,
-                max_job_s: float | None = None) -> None:
+                max_job_s: float | None = None, cache=None) -> None:
     """Every job of `prompts` on one load of the plan's pipeline; `transformers` (--transformer FILE,
-    --transformer-2 FILE): the same files for every job, checked with the folder before any job is read."""
+    --transformer-2 FILE): the same files for every job, checked with the folder before any job is read. `cache`:
+    the step cache every job's generation runs with (a CacheSetting, checked; None: none)."""
     from chunkflow.commands.run_jobs import JobsError, plan_jobs
     from chunkflow.commands.steps import RunOptions
     from chunkflow.launch import torchrun_world
@@ -40,7 +41,8 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
         raise UserError(f"--guidance must be a positive number, got {guidance}")
     files = {k: v for k, v in (transformers or {}).items() if v}
     opts = RunOptions(device=device, weights=weights, variant=variant, profile=profile, seed=seed, steps=steps,
-                      warmup=0, transformer=files.get("transformer"), transformer_2=files.get("transformer_2"))
+                      warmup=0, transformer=files.get("transformer"), transformer_2=files.get("transformer_2"),
+                      cache=cache)
     opts.check()
     why = files_needed(p)
     if why is not None and weights is None:

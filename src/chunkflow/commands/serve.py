@@ -1,7 +1,8 @@
 """`chunkflow serve`: a plan's pipeline loaded once and served over HTTP (chunkflow.serve): a job queue, its worker,
 a small page. Every option is checked before the load; Ctrl-C (or SIGTERM) stops it cleanly: the running job
 stops after its current step, the queued ones are cancelled, the session is closed, exit 0. Who may use it is
-serve.guard's: loopback only unless --allow-remote, which needs a token (CHUNKFLOW_SERVE_TOKEN)."""
+serve.guard's: loopback only unless --allow-remote, which needs a token (CHUNKFLOW_SERVE_TOKEN). `--cache` (else the
+plan's cache) is every job's step cache, checked before the port is taken."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ _Transformer = Annotated[Optional[str], typer.Option(help="with --weights: read 
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
                          INPUT]
 _LogLevel = Annotated[str, typer.Option(help="the HTTP server's log: debug, info (each request), warning, error")]
+_Cache = Annotated[Optional[str], typer.Option(help="a step cache of diffusers' every job runs with, KIND[:PARAMS] as "
+                                                    "`run --cache` takes it (e.g. first-block:0.1, mag:ratios=flux); "
+                                                    "default: the plan's (plan --cache). Each job's result says what "
+                                                    "it skipped; a job cannot choose another")]
 
 MAX_QUEUE_LIMIT = 10_000
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -45,7 +50,7 @@ def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", 
               out_dir: _OutDir = "chunkflow-serve-outputs", max_queue: _MaxQueue = 64, device: Device = None,
               variant: Variant = None, image: _Image = False, log_level: _LogLevel = "info",
               allow_remote: _AllowRemote = False, transformer: _Transformer = None,
-              transformer_2: _Transformer2 = None) -> None:
+              transformer_2: _Transformer2 = None, cache: _Cache = None) -> None:
     """Serve a plan's pipeline over HTTP: load it once, then generate each job submitted (POST /jobs) in turn.
 
     Jobs are JSON (prompt, seed, steps, height, width, frames, ...), checked against the loaded placement when they
@@ -73,12 +78,13 @@ def serve_cmd(plan: _Plan, weights: _Weights = None, host: _Host = "127.0.0.1", 
     from chunkflow.models.transformer_file import check_plan_format
 
     check_plan_format(p, files)  # the plan's format against the file's (or the folder's own weights)
+    setting = _check_cache(cache, p)
     token = _check_access(host, allow_remote)
     from chunkflow.serve.server import bind
 
     sock = bind(host, port)  # a port in use is said now, not after the load
     try:
-        session = _load(plan, folder, device, variant, image, files)
+        session = _load(plan, folder, device, variant, image, files, setting)
     except BaseException:
         sock.close()
         raise
@@ -139,8 +145,22 @@ def _check_serve(plan: str, weights: str | None, port: int, out_dir: str, max_qu
     return p, folder
 
 
-def _load(plan: str, folder, device: str | None, variant: str | None, image: bool, files: dict[str, str]):
-    """The session, its load's bytes on a progress bar (stderr)."""
+def _check_cache(text: str | None, p):
+    """`--cache` parsed (one line where it is bad), else the plan's cache; tried on the model's transformer on the
+    meta device before the port is taken and the pipeline loaded. None: no cache."""
+    from chunkflow.caches import check_fits, resolve_cache
+    from chunkflow_planner.plan import model_of
+
+    setting = resolve_cache("plan" if text is None else text, p, "--cache")
+    if setting is not None:
+        check_fits(setting, model_of(p), p.workload.steps)
+    return setting
+
+
+def _load(plan: str, folder, device: str | None, variant: str | None, image: bool, files: dict[str, str],
+          cache=None):
+    """The session (every generation with `cache`, a checked CacheSetting or None), its load's bytes on a progress
+    bar (stderr)."""
     import chunkflow
     from chunkflow_planner.units import format_bytes
 
@@ -157,7 +177,7 @@ def _load(plan: str, folder, device: str | None, variant: str | None, image: boo
 
         session = chunkflow.load(plan, weights=folder, device=device, variant=variant, image=image,
                                  transformer=files.get("transformer"), transformer_2=files.get("transformer_2"),
-                                 progress=progress, log=_say)
+                                 progress=progress, log=_say, cache=cache)
         t = bar.tasks[task]
         bar.update(task, completed=t.total or 1, total=t.total or 1, count=t.fields["count"] or "done")
     return session
@@ -185,6 +205,10 @@ def _serve(session, sock, host: str, port: int, out_dir: Path, max_queue: int, l
         shown_host = f"[{host}]" if ":" in host else host
         console.print(f"Serving {session.spec.name} on {session.device} at http://{shown_host}:{port}/ "
                       f"(outputs in {out_dir}); Ctrl-C stops it", markup=False, highlight=False)
+        if session.cache is not None:
+            from chunkflow_planner.cache import cache_label
+
+            _say(f"every job runs with the step cache {cache_label(session.cache)}")
         if token is not None:
             _say(f"every request needs the token (Authorization: Bearer); in a browser open "
                  f"http://{shown_host}:{port}/#token=<the token>")

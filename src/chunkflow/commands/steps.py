@@ -182,6 +182,7 @@ class RunOptions:
     repeat: int = 1  # with --prompt: generations measured after the warm-up (their median is reported)
     transformer: str | None = None  # --transformer FILE: the transformer from a single file (a GGUF file)
     transformer_2: str | None = None  # --transformer-2 FILE: the second expert's (Wan2.2-A14B)
+    cache: object = None  # with --prompts: the step cache every job runs with (chunkflow_planner.cache.CacheSetting)
 
     @property
     def transformers(self) -> dict[str, str]:

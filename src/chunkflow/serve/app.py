@@ -6,8 +6,8 @@ Every error is JSON `{"error": "..."}` saying what was wrong: 400 a body that is
 404 an unknown job, 409 a result not ready (or a job that will have none), 413 a body over the limit (checked from
 Content-Length and again while it is read), 415 a job not sent as application/json, 422 a job that is malformed or
 does not fit the loaded placement (the planner's reason; `fields` then names the job's fields it is about, for a
-form to show it beside them), 429 a full queue, 503 a server shutting down. Request
-bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
+form to show it beside them; a job naming a `cache`: the server's is chosen when it starts), 429 a full queue, 503
+a server shutting down. Request bodies never name files: an input image comes as base64 bytes, an output is named by its job id. A queued job keeps
 its image as the compressed bytes it came as (checked from the header: format, bytes, pixels), decoded when it runs.
 A client that goes away mid-body is one log line.
 """
@@ -34,7 +34,7 @@ from chunkflow.serve.guard import Guard  # noqa: E402
 from chunkflow.serve.metrics import CONTENT_TYPE, render_metrics  # noqa: E402
 from chunkflow.serve.page import page_policy, render_page  # noqa: E402
 from chunkflow.serve.plan_view import plan_view  # noqa: E402
-from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob  # noqa: E402
+from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob, cache_label_of  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
 from chunkflow_planner.pipeline.jobs import JobError, JobJSONError, load_json, parse_job  # noqa: E402
 
@@ -42,7 +42,8 @@ __all__ = ["make_app", "MAX_BODY_BYTES"]
 
 MAX_BODY_BYTES = 32 * 2**20  # a job's JSON with a base64 image of ~24 MB
 _ID = re.compile(r"[0-9a-f]{32}")
-FIELDS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "height", "width", "frames", "image_base64")
+FIELDS = ("prompt", "negative_prompt", "seed", "guidance", "steps", "height", "width", "frames", "image_base64",
+          "cache")
 _NAMED = re.compile(r"\b(negative_prompt|image_base64|guidance|seed|steps|height|width|frames)\b")
 _MEDIA = {".mp4": "video/mp4", ".png": "image/png"}
 _log = logging.getLogger("uvicorn.error")  # the server's own log: one format, one --log-level
@@ -188,6 +189,9 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
             if "image" in data:
                 raise JobError("image: the server takes no image path; send the image itself as image_base64 (a "
                                "base64 PNG, JPEG or WebP)")
+            if "cache" in data:
+                raise JobError("cache: the server's step cache is chosen when it starts (chunkflow serve --cache "
+                               "KIND[:PARAMS]); a job runs with it and cannot choose another: leave \"cache\" out")
             if "out" in data:
                 raise JobError('out: the server names each output by its job id; leave "out" out and fetch '
                                "/jobs/<id>/result")
@@ -247,7 +251,8 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
     def health() -> dict:
         return {"ok": not queue.closed, "model": model, "device": str(session.device),
                 "image": bool(getattr(session, "image", False)), "video": bool(session.spec.is_video),
-                "queue_length": len(queue), "max_queue": queue.max_queue, "paused": queue.paused}
+                "queue_length": len(queue), "max_queue": queue.max_queue, "paused": queue.paused,
+                "cache": cache_label_of(session)}
 
     @app.get("/plan")
     def plan() -> dict:

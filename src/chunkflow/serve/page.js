@@ -142,6 +142,9 @@ function settingsText(job) {
   if (s.frames !== null && s.frames !== undefined) parts.push(s.frames + " frames");
   if (s.guidance !== null && s.guidance !== undefined) parts.push("guidance " + s.guidance);
   if (s.negative_prompt) parts.push("negative: " + s.negative_prompt);
+  if (s.cache) parts.push("cache " + s.cache);
+  const c = job.cache;
+  if (c) parts.push(c.blocks_skipped + " of " + (c.blocks_computed + c.blocks_skipped) + " block runs skipped");
   return parts.join(" · ");
 }
 

@@ -5,7 +5,8 @@ A job is checked when it is submitted (its fields, whether it fits the loaded pl
 not, whether the queue has room), never when the worker reaches it. Outputs go to the queue's output folder, named
 by the job's id only (`<id>.mp4`, `<id>.png`): nothing a request says becomes a path. A generation that raises
 marks its job failed with the message and the worker goes on; a cancelled running job stops after its current
-denoising step.
+denoising step. A step cache is the session's (`serve --cache`, or the plan's): every job runs with it, its state
+reset before each (a cancelled job's left behind included), and a job's snapshot says what it skipped (`cache`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class QueuedJob:
     steps: int | None = None
     phase: str | None = None  # while running: encode, denoise, decode, then write (its output saved)
     settings: dict = field(default_factory=dict)  # what it runs with, the plan's defaults filled in (settings())
+    cache: dict | None = None  # a done job's step cache: what it skipped (reports.CacheResult as JSON)
     cancel_requested: bool = False
 
     def predicted(self, first: bool) -> float | None:
@@ -95,15 +97,23 @@ def chain_times(now: float | None, running: tuple[float | None, float | None] | 
     return out
 
 
-def settings(job: Job, workload, spec) -> dict:
+def settings(job: Job, workload, spec, cache: str | None = None) -> dict:
     """What a job runs with, the plan's defaults filled in: its seed (as decimal text: a browser's JSON reader holds
     integers to 2**53 only), steps, size, frames (a video model's), guidance (the pipeline's default where the job
-    gives none) and negative prompt."""
+    gives none), negative prompt and the server's step cache (`serve --cache`, as it takes it back; None: none)."""
     pipeline = getattr(spec, "pipeline", None)
     guidance = job.guidance if job.guidance is not None else getattr(pipeline, "guidance", None)
     return {"seed": str(job.seed), "steps": workload.steps, "width": workload.width, "height": workload.height,
             "frames": workload.frames if spec.is_video else None, "guidance": guidance,
-            "negative_prompt": job.negative_prompt}
+            "negative_prompt": job.negative_prompt, "cache": cache}
+
+
+def cache_label_of(session) -> str | None:
+    """The session's step cache as `--cache` takes it, None without one."""
+    from chunkflow_planner.cache import cache_label
+
+    setting = getattr(session, "cache", None)
+    return cache_label(setting) if setting is not None else None
 
 
 def progress(qj: QueuedJob) -> float | None:
@@ -194,7 +204,7 @@ class JobQueue:
                 raise QueueFull(f"the queue holds {len(self._queue)} jobs already (at most {self.max_queue}); "
                                 "submit again when some have finished")
             qj = QueuedJob(uuid.uuid4().hex, job, image, time.time(), first, later,
-                           settings=settings(job, fit.workload, self.session.spec))
+                           settings=settings(job, fit.workload, self.session.spec, cache_label_of(self.session)))
             self._queue.append(qj)
             self._jobs[qj.id] = qj
             self.stats.submitted += 1
@@ -291,6 +301,8 @@ class JobQueue:
                 state = "cancelled"
             if result is not None:
                 qj.seconds = result.seconds
+                skipped = getattr(result, "cache", None)  # (a session's Result; a stand-in may have none)
+                qj.cache = skipped.model_dump(mode="json") if skipped is not None else None
                 if state == "done":
                     self.stats.observe(result.seconds, result.predicted_s)
             qj.error = error
@@ -392,7 +404,7 @@ class JobQueue:
             "submitted": qj.submitted, "started": qj.started, "finished": qj.finished,
             "predicted_start": start, "predicted_finish": finish, "predicted_s": predicted,
             "seconds": qj.seconds, "step": qj.step, "steps_total": qj.steps, "phase": qj.phase,
-            "progress": progress(qj), "settings": qj.settings,
+            "progress": progress(qj), "settings": qj.settings, "cache": qj.cache,
             "cancel_requested": qj.cancel_requested, "error": qj.error, "output": qj.output,
             "result_url": f"/jobs/{qj.id}/result" if qj.state == "done" and qj.output else None,
         }
