@@ -92,28 +92,32 @@ class BlockWatch:
 
     skipped: list[list[str]] = field(default_factory=list)  # per forward: the blocks skipped
     computed: list[int] = field(default_factory=list)  # per forward: the blocks computed
-    _calls: list[bool] = field(default_factory=list)
+    _ran: dict[str, bool] = field(default_factory=dict)  # block -> one of its own modules ran since its last exit
+    _childless: set[str] = field(default_factory=set)  # blocks with no module of their own: counted as computed
     _handles: list = field(default_factory=list)
 
     def watch(self, root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> "BlockWatch":
-        """Count `root`'s forwards and its `blocks` (name, module) calls."""
+        """Count `root`'s forwards and its `blocks` (name, module) calls: hooks on the root, the blocks' exits and
+        their children only (a pre-hook on a block itself would stand between its call and its forward, where the
+        runtime then binds its weights at the call: runtime/skipping.py)."""
         self._handles.append(root.register_forward_pre_hook(lambda m, a: self._forward()))
         for name, block in blocks:
-            self._handles.append(block.register_forward_pre_hook(lambda m, a: self._calls.append(False)))
             self._handles.append(block.register_forward_hook(lambda m, a, out, name=name: self._left(name)))
-            self._handles += [child.register_forward_pre_hook(lambda m, a: self._ran()) for child in block.children()]
+            self._handles += [child.register_forward_pre_hook(lambda m, a, name=name: self._child(name))
+                              for child in block.children()]
+            if not any(True for _ in block.children()):
+                self._childless.add(name)
         return self
 
     def _forward(self) -> None:
         self.skipped.append([])
         self.computed.append(0)
 
-    def _ran(self) -> None:
-        if self._calls:
-            self._calls[-1] = True
+    def _child(self, name: str) -> None:
+        self._ran[name] = True
 
     def _left(self, name: str) -> None:
-        ran = self._calls.pop() if self._calls else True
+        ran = self._ran.pop(name, False) or name in self._childless
         if not self.computed:  # a block called outside a watched forward
             self._forward()
         if ran:
@@ -227,7 +231,7 @@ class GenerationCache:
             return
         for name in self.run.names:
             getattr(self.built.pipe, name)._reset_stateful_cache()
-        self.run.watch._calls.clear()  # a forward stopped mid-way leaves its block calls open
+        self.run.watch._ran.clear()  # a forward stopped mid-way leaves its blocks' notes open
         self.run.mark(self.built)
 
     def result(self, steps: int):

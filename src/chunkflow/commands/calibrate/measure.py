@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 from chunkflow.commands.calibrate.fit import (
     FORWARD_SCALE_RANGE, coll_bandwidth_gbps, contention_factor, eta_curve, fit_h2d, fit_vae_rows, scale_to_forwards,
 )
+from chunkflow.commands.calibrate.points import default_points, one_block_spec  # noqa: F401 (re-exported)
 from chunkflow.commands.calibrate.host import CalibrationError
 from chunkflow.commands.calibrate.profile import base_hardware, make_profile
 from chunkflow.launch import torchrun_world
@@ -89,30 +90,6 @@ def measure_gemm(device, n: int, warmup: int = 3, repeats: int = 20, progress: P
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def one_block_spec(spec: ModelSpec) -> ModelSpec:
-    """The same architecture with one block per block list (config layer counts set to 1)."""
-    config = dict(spec.diffusers.config)
-    for key in ("num_layers", "num_single_layers"):
-        if key in config:
-            config[key] = 1
-    blocks = [g.model_copy(update={"count": 1}) for g in spec.blocks]
-    return spec.model_copy(update={"diffusers": spec.diffusers.model_copy(update={"config": config}), "blocks": blocks})
-
-
-def default_points(spec: ModelSpec, cpu: bool = False) -> list[Workload]:
-    """Workloads spanning the useful range: frames 5..121 (video) or batch 1..8 (image) at the default size."""
-    d = spec.default_workload
-    if cpu:
-        values = [5, 9, 17] if spec.is_video else [1, 2, 4]
-    else:
-        values = [5, 21, 41, 81, 121] if spec.is_video else [1, 2, 4, 8]
-    out = []
-    for v in values:
-        if spec.is_video:
-            out.append(Workload(batch=1, frames=v, height=d.height, width=d.width, steps=1))
-        else:
-            out.append(Workload(batch=v, frames=1, height=d.height, width=d.width, steps=1))
-    return out
 
 
 def measure_blocks(spec: ModelSpec, device, points: Iterable[Workload], warmup: int = 2, repeats: int = 5,

@@ -65,7 +65,7 @@ def probe(model: str, device_name: str) -> dict[str, float]:
     import torch
 
     from chunkflow.commands.calibrate.host import _forward, small_text_encoder
-    from chunkflow.commands.calibrate.measure import default_points, one_block_spec
+    from chunkflow.commands.calibrate.points import default_points, one_block_spec
     from chunkflow.models.build import build_transformer
     from chunkflow.models.inputs import make_inputs
     from chunkflow_planner.catalog import encode_startup_key, get_model
