@@ -28,7 +28,8 @@ def _hw(spreads: dict[str, float] | float | None = None, errors: dict[str, tuple
     errors `errors` (kind -> bias, spread)."""
     hw = get_hardware(name)
     if spreads is not None:
-        each = spreads if isinstance(spreads, dict) else {n: spreads for n in FITS}
+        # the load fit is the load model's own error, not a fit that moves figures: measured only where named
+        each = spreads if isinstance(spreads, dict) else {n: spreads for n in FITS if n != "load"}
         update["fits"] = {n: FitQuality(samples=5, spread=s, drift=0.0, drift_pairs=1) for n, s in each.items()}
     if errors is not None:
         update["model_errors"] = {k: ModelError(samples=4, bias=b, spread=s) for k, (b, s) in errors.items()}

@@ -14,6 +14,13 @@ of (a catalog entry, a figure calibrate does not measure) counts at its prior sp
 So a band is a ~95% interval for one measurement of the same run on the machine the profile describes, if the
 samples calibrate took are like the samples the run will see.
 
+A load's time is the exception to m_q's source where `calibrate --weights` timed the load path itself (the `load`
+fit: a sample of the folder read into a host store page-locked while it is read, against what the load model
+predicts for those bytes) and no run report says it: its bias b and spread s (with its drift) stand for the prior,
+and the fits that path ran through (LOAD_PATH_FITS) are not moved again, so the band is centred on the bias:
+
+    low = -max(0, h - b),  high = max(0, h + b),   h = sqrt( sum_k others^2 + (Z x s)^2 )
+
 A process's first generation pays a one-time start-up in each phase (`PipelineProfile.startup_s`: kernels loaded on
 first use, library handles, the allocator's first growth). It is not moved with the other fits: it only adds, and it
 moved by a factor of four between starts of one H200 (docs/bands-h200.md), which no multiplicative move of a
@@ -182,6 +189,22 @@ DRIFT_H200: dict[str, float] = {"compute": 0.01, "h2d": 0.005, "text_host": 0.20
 DRIFT_SOURCE = ("docs/data/h200-bands/run/compare.json and run-2/compare34.json (two pairs of `chunkflow calibrate` "
                 "of one H200, 2026-12-04)")
 
+# The load path timed by `calibrate --weights` (the `load` fit: a sample of the folder read into a host store that is
+# page-locked while it is read, as the loader does) against the load model's prediction for those bytes. Its spread
+# and bias replace, on a plan's load times, the planner's prior for the load (MODEL_PRIOR) and the moves of the fits
+# that path ran through (LOAD_PATH_FITS: it measured them together, as the load meets them). Its drift where only one
+# calibration measured it: the cold loads of three runs on one H200 against their plans (+6.5%, +17.4%, +18.2%,
+# docs/bands-h200.md) moved about 6% about their middle, rounded up.
+LOAD_DRIFT = 0.10
+LOAD_PATH_FITS = ("disk_read", "page_cache", "pin", "host_fault")
+
+
+def _load_ratio(hw: HardwareSpec) -> list[tuple[str, float]]:
+    """What the load fit says: the load path's time over the model's (1 + its bias), to compare two of it."""
+    q = hw.fits.get("load")
+    return [] if q is None else [("load measured / predicted", 1.0 + q.bias)]
+
+
 FITS: dict[str, Fit] = {
     "compute": Fit("the blocks' compute rate (eta_comp curves, GEMM and attention tables)", 0.03,
                    "the block timings: `chunkflow calibrate --model MODEL` on an idle GPU", _compute,
@@ -231,6 +254,10 @@ FITS: dict[str, Fit] = {
                    "the start-up: `chunkflow calibrate` (cold processes) and `calibrate --from-report` with runs made "
                    "with --warmup", _slower("startup_s"), "chunkflow calibrate", drift=0.0,  # its samples are runs
                    additive=True),
+    "load": Fit("the load path against the load model (measured / predicted load time of a sample)",
+                0.30, "the load path: calibrate --weights DIR with nothing else reading that disk",
+                lambda hw, k: hw, "chunkflow calibrate --weights DIR", drift=LOAD_DRIFT, values=_load_ratio),
+    # (its prior is MODEL_PRIOR's load_time; it moves no figure: bands() reads it as the load's own error)
 }
 
 
@@ -371,11 +398,41 @@ def model_error(hw: HardwareSpec, kind: str) -> tuple[float, str]:
     return MODEL_PRIOR[kind], "prior (no run reports)"
 
 
+def load_error(hw: HardwareSpec) -> tuple[float, float, str] | None:
+    """The load's own error where `calibrate --weights` timed the load path and no run report says it: (half-width
+    Z x the fit's spread with its drift, bias, where from); None otherwise (model_error stands)."""
+    q = hw.fits.get("load")
+    if q is None or "load_time" in hw.model_errors:
+        return None
+    s, _ = spread_of(hw, "load")
+    return Z * s, q.bias, f"load path measured ({q.samples} load(s), bias {q.bias:+.1%}): {q.source}"
+
+
+def _band(value: float, var: float, parts: list[tuple[float, str]], supposed: list[str], hw: HardwareSpec,
+          key: str) -> Band:
+    """The band of one prediction `value` from the fits' summed variance `var` and the planner's own error on its
+    kind; a load time with a measured load fit (load_error) is centred on its bias, so asymmetric."""
+    fits = [n for _, n in sorted(parts, reverse=True)[:3]]
+    loaded = load_error(hw) if kind_of(key) == "load_time" else None
+    if loaded is None:
+        m, source = model_error(hw, kind_of(key))
+        rel = min(1000.0, math.sqrt(var + m * m))
+        return Band(rel=rel, low=value * max(0.0, 1 - rel), high=value * (1 + rel), fits=fits,
+                    measured=not supposed, supposed=supposed, model=source)
+    m, bias, source = loaded
+    half = math.sqrt(var + m * m)
+    below, above = min(1000.0, max(0.0, half - bias)), min(1000.0, max(0.0, half + bias))
+    return Band(rel=max(below, above), rel_low=below, rel_high=above, low=value * max(0.0, 1 - below),
+                high=value * (1 + above), fits=["load", *fits][:3], measured=not supposed, supposed=supposed,
+                model=source)
+
+
 def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec,
           base: Mapping[str, float] | None = None) -> dict[str, Band]:
     """The band of every prediction `price(hw)` gives (key -> value), by moving each fit of FITS (module docstring).
     A fit whose figures the profile lacks prices nothing and is skipped; one whose moved profile cannot be priced
-    (a figure out of the planner's range) counts as moving every prediction by 100%, named in the band's fits."""
+    (a figure out of the planner's range) counts as moving every prediction by 100%, named in the band's fits. A
+    load time with a measured load fit (load_error) leaves out the fits its path measured (LOAD_PATH_FITS)."""
     base = dict(price(hw) if base is None else base)
     keys = [k for k, v in base.items() if v is not None and math.isfinite(v) and v > 0]
     var = {k: 0.0 for k in keys}
@@ -394,6 +451,8 @@ def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec
         except (ValueError, ArithmeticError):  # pydantic's ValidationError is a ValueError
             up = down = None
         for k in keys:
+            if name in LOAD_PATH_FITS and kind_of(k) == "load_time" and load_error(hw) is not None:
+                continue
             if up is None:
                 d = 1.0
             else:
@@ -406,14 +465,7 @@ def bands(price: Callable[[HardwareSpec], Mapping[str, float]], hw: HardwareSpec
                 parts[k].append((d, name))
                 if not measured:
                     supposed[k].append(name)
-    out = {}
-    for k in keys:
-        m, source = model_error(hw, kind_of(k))
-        rel = min(1000.0, math.sqrt(var[k] + m * m))
-        out[k] = Band(rel=rel, low=base[k] * max(0.0, 1 - rel), high=base[k] * (1 + rel),
-                      fits=[n for _, n in sorted(parts[k], reverse=True)[:3]], measured=not supposed[k],
-                      supposed=supposed[k], model=source)
-    return out
+    return {k: _band(base[k], var[k], parts[k], supposed[k], hw, k) for k in keys}
 
 
 def spread(residuals: list[float], fitted: int = 0) -> float:

@@ -31,11 +31,12 @@ from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEnco
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.stepcache import StepCache
 
-CATALOG_SCHEMA_VERSION = 6  # 6: the start-up's samples (startup_samples_s; issue 55); 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
+CATALOG_SCHEMA_VERSION = 7  # 7: a fit's bias (FitQuality.bias: the load path against the load model, the `load` fit;
+# issue 55); 6: the start-up's samples (startup_samples_s; issue 55); 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
 # quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
 # (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is
 # migrated
-READ_AS_IS_VERSIONS = (2, 3, 4, 5)  # profiles of these versions hold no field version 6 dropped or changed
+READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6)  # profiles of these versions hold no field version 7 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -459,7 +460,7 @@ def _core_from_pipeline(data: dict[str, Any]) -> dict[str, Any]:
 # of prediction the planner's own error is kept for; named here so a profile naming another is refused on reading
 FIT_NAMES = ("compute", "h2d", "collectives", "block_overhead", "disk_read", "page_cache", "pin", "host_fault",
              "load_startup", "vae_time", "vae_memory", "text_host", "cpu", "codec_decode", "codec_ratio", "context",
-             "process_host", "startup")
+             "process_host", "startup", "load")
 QUANTITY_KINDS = ("step_time", "phase_time", "generation_time", "peak_memory", "host_memory", "load_time")
 FitName = Literal[FIT_NAMES]  # type: ignore[valid-type]
 QuantityKind = Literal[QUANTITY_KINDS]  # type: ignore[valid-type]
@@ -483,6 +484,10 @@ class FitQuality(_Strict):
                                 "pairs; bands.drift_between); None: calibrated once, the fit's prior stands "
                                 "(bands.FITS)")
     drift_pairs: int = Field(0, ge=0, le=10**6, description="pairs of calibrations `drift` was measured over")
+    bias: float = Field(0.0, ge=-10, le=10, description="the median of the residuals where they are a model's "
+                        "error rather than samples about a fit (the `load` fit: the load path timed against the load "
+                        "model's prediction for its bytes, measured / predicted - 1); its spread is about this bias. "
+                        "0 for a fit whose residuals are about the fit itself")
 
 
 class ModelError(_Strict):
@@ -821,7 +826,7 @@ def load_profile(path: Path) -> HardwareSpec:
     if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 2-5 as they are, 1 migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 2-6 as they are, 1 migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)
