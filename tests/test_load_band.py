@@ -66,3 +66,27 @@ def test_the_load_fit_drifts_by_its_ratio_and_reads_from_version_6_profiles():
     del data["fits"]["load"]
     old = HardwareSpec.model_validate({**data, "schema_version": 6})  # written before the bias and the load fit
     assert old.fits["pin"].bias == 0.0 and "load" not in old.fits
+
+
+def test_calibrate_weights_times_the_load_path_and_records_its_fit(tmp_path):
+    """A smoke run of `calibrate --weights` on a tiny saved folder: its load path timed and the `load` fit recorded
+    (the numbers of a 0.2 MB sample mean nothing; that they are there, and from that folder, is what is checked)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from chunkflow.commands.cli import app
+    from chunkflow_planner.catalog import load_profile
+    from pipelines import save_catalog_pipeline
+
+    folder = save_catalog_pipeline("tiny", tmp_path / "tiny")
+    out, raw = tmp_path / "p.yaml", tmp_path / "raw.json"
+    result = CliRunner().invoke(app, ["calibrate", "--cpu-smoke", "--no-save", "--weights", str(folder), "--out",
+                                      str(out), "--raw", str(raw), "--startup-processes", "0"])
+    assert result.exit_code == 0, result.output
+    path = json.loads(raw.read_text())["disk"]["load_path"]
+    assert path["rows"] and all(p.startswith(str(folder)) for p in path["files"])
+    q = load_profile(out).fits["load"]
+    assert q.samples == len(path["rows"]) and q.source.endswith("against the load model")
+    errors = [r["seconds"] / r["predicted_s"] - 1 for r in path["rows"]]
+    assert q.residuals == pytest.approx(errors, abs=1e-6) and q.bias == pytest.approx(sorted(errors)[1], abs=1e-6)

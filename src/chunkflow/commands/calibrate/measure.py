@@ -438,7 +438,21 @@ def _disk_rates(extra: dict, device, cpu_smoke: bool, weights: str | None, log) 
     if device.type == "cuda":
         extra["pin_gbps"] = d["pin_gbps"] = measure_pin(rates=d["pin_runs_gbps"])
         log(f"page-locking host memory: {extra['pin_gbps']:.1f} GB/s")
+    if sampled:  # the load path on the folder's own files (issue 55); load_fit compares it with the model
+        from chunkflow.commands.calibrate.loadpath import LOAD_SAMPLE_BYTES, SMOKE_LOAD_BYTES, measure_load_path
+
+        d["load_path"] = measure_load_path(folder, SMOKE_LOAD_BYTES if cpu_smoke else LOAD_SAMPLE_BYTES,
+                                           device.type == "cuda", log=log)
     return d
+
+
+def _load_fit(disk: dict | None, hw: HardwareSpec, on: str, log: Callable[[str], None]):
+    """The `load` FitQuality from the load path `_disk_rates` timed, against `hw` (loadpath.load_fit); None where
+    none was timed."""
+    from chunkflow.commands.calibrate.loadpath import load_fit
+
+    raw = (disk or {}).get("load_path")
+    return load_fit(raw, hw, on, log) if raw else None
 
 
 def _process_rss() -> int:
@@ -675,6 +689,9 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
     scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
     fits = fit_records(fit, blocks, forwards, vae_res, ops_raw, disk_raw, codec_raw, coll, s.name, date)
+    load = _load_fit(disk_raw, profile, f"chunkflow calibrate {date} on {s.name}", log)
+    if load is not None:
+        fits["load"] = load
     startup, startup_raw = _startup(specs[0].name, startup_processes, s.device, log)
     if startup.get("fit") is not None:
         fits["startup"] = startup["fit"]
