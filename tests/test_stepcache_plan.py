@@ -203,3 +203,18 @@ def test_a_cache_that_skips_no_step_of_a_few_step_schedule_is_refused(cli, workd
               "r.json")
     out = " ".join(ran.output.split())
     assert ran.exit_code == 2 and said in out and not Path("r.json").exists(), ran.output
+
+
+@pytest.mark.parametrize("args", [["--cache", "first-block", "--cache-hit-rate", "/dev/zero"],
+                                  ["--cache", "mag:ratios=/dev/zero"], ["--cache", "mag:ratios=FIFO"],
+                                  ["--cache", "sea", "--cache-hit-rate", "FIFO"]])
+def test_a_device_or_fifo_given_as_a_file_is_refused_without_reading_it(cli, workdir, args):
+    """`--cache-hit-rate` (a run report) and `ratios=` (a JSON file) read the user's files: a FIFO or /dev/zero is
+    refused from its kind, one line, rather than block or read for ever."""
+    import os
+
+    os.mkfifo(workdir / "fifo")
+    args = [a.replace("FIFO", str(workdir / "fifo")) for a in args]
+    result = cli("plan", "--model", "flux", "--hardware", "h100-sxm", *args)
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "not a regular file" in out and "Traceback" not in result.output, result.output

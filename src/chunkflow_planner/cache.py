@@ -22,6 +22,9 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from chunkflow_planner.errors import ChunkflowError
+from chunkflow_planner.files import read_bounded
+
+MAX_RATIOS_BYTES = 2**20  # a list of a few thousand ratios, one a step
 
 
 class CacheSpecError(ChunkflowError):
@@ -136,9 +139,11 @@ def _ratios(value: str, text: str, flag: str) -> object:
     if value == "flux":
         return value
     path = Path(value).expanduser()
+    raw = read_bounded(path, f"{flag} {text!r}: ratios={value}", MAX_RATIOS_BYTES, CacheSpecError,
+                       "it is neither 'flux' nor a readable JSON file of a list of numbers")  # not a FIFO or /dev/zero
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
         raise CacheSpecError(f"{flag} {text!r}: ratios={value} is neither 'flux' nor a readable JSON file of a list of "
                              f"numbers ({type(exc).__name__})") from None
     if not isinstance(data, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and

@@ -131,11 +131,7 @@ def _stretch(ratios: list[float] | tuple[float, ...], steps: int) -> list[float]
     if steps == 1:
         return [ratios[-1]]
     scale = (len(ratios) - 1) / (steps - 1)
-    return [ratios[int(_round_half_even(i * scale))] for i in range(steps)]
-
-
-def _round_half_even(x: float) -> float:
-    return float(round(x))  # torch.round rounds half to even, as Python's round does
+    return [ratios[round(i * scale)] for i in range(steps)]  # torch.round and round() both round half to even
 
 
 def mag_schedule(setting: CacheSetting, steps: int) -> list[bool]:

@@ -277,10 +277,15 @@ def _hit_rate(text: str | None, setting) -> tuple[float | None, str]:
         return float(text), "given"
     except ValueError:
         pass
-    path = Path(text).expanduser()
+    from chunkflow_planner.files import FileError, read_bounded
+
     try:
-        got = json.loads(path.read_text()).get("generation", {}).get("cache")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        raw = read_bounded(Path(text).expanduser(), f"--cache-hit-rate {text!r}", 256 * 2**20,
+                           fix="give a number, or a run report (run --report R.json)")
+        got = json.loads(raw.decode()).get("generation", {}).get("cache")
+    except FileError as exc:
+        raise UserError(str(exc)) from None
+    except (UnicodeDecodeError, ValueError, AttributeError):
         raise UserError(f"--cache-hit-rate {text!r} is neither a number nor a readable run report (JSON)") from None
     if not isinstance(got, dict) or not isinstance(got.get("measured_hit_rate"), (int, float)):
         raise UserError(f"--cache-hit-rate {text!r}: the report ran no step cache (run --cache ... --report)")
