@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--cache", default=None, help="a step cache, as chunkflow run --cache takes it")
     ap.add_argument("--drop-folder-after-load", action="store_true",
                     help="delete the folder's weight files once loaded (room on a small disk for diffusers' own)")
+    ap.add_argument("--warmup", type=int, default=0, help="generations run (same seed) before the timed one, as "
+                    "chunkflow run --warmup")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a check of this script on tiny folders)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -91,7 +93,13 @@ def main() -> None:
     kw["output_type"] = "np" if a.disk_offload else "latent"
     kw["callback_on_step_end"] = _keep_latents  # the loop's last latents, as chunkflow saves them
     kw["callback_on_step_end_tensor_inputs"] = ["latents"]
+    for _ in range(a.warmup):  # the pipeline resets a cache's state when its call ends
+        kw["generator"] = torch.Generator(a.device).manual_seed(a.seed)
+        with torch.no_grad():
+            pipe(**kw)
+    kw["generator"] = torch.Generator(a.device).manual_seed(a.seed)
     if cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t3 = time.perf_counter()
     with torch.no_grad():
@@ -105,7 +113,8 @@ def main() -> None:
                   diffusers=diffusers.__version__, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name() if cuda else None,
                   gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None, host_now_bytes=_rss_now(),
-                  disk_offload=a.disk_offload, group_offload=a.group_offload, cache=a.cache)
+                  disk_offload=a.disk_offload, group_offload=a.group_offload, cache=a.cache,
+                  warmup=a.warmup)
     if a.latents:
         from safetensors.torch import load_file
 

@@ -35,10 +35,10 @@ for part in ${PARTS:-flux wan}; do
     step run-$tag 900 $py -m chunkflow run --plan "$work/plan-$tag.json" --weights "$folder" --prompt "a red fox in the snow" \
       --seed 0 --warmup 1 --device $dev --latents "$work/latents-$tag.safetensors" --report "$work/report-$tag.json"
     step gpu-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
-      --prompt "a red fox in the snow" --seed 0 --device $dev $with --latents "$work/latents-$tag.safetensors" \
+      --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with --latents "$work/latents-$tag.safetensors" \
       --out "$work/diffusers-gpu-$tag.json"
     step group-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
-      --prompt "a red fox in the snow" --seed 0 --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
+      --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
     keep
   done
 done
