@@ -34,7 +34,8 @@ CACHES = {  # thresholds at which each skips blocks on the tiny random pipelines
 SETTINGS = {"chunkflow-r0": dict(mode="chunkflow", chunk_size="4KB", residency=0.0),
             "chunkflow-r0.3": dict(mode="chunkflow", chunk_size="4KB", residency=0.3),
             "layerwise": dict(mode="layerwise"),
-            "fp8": dict(mode="chunkflow", chunk_size="4KB", residency=0.3, weight_dtype="fp8_e4m3")}
+            "fp8": dict(mode="chunkflow", chunk_size="4KB", residency=0.3, weight_dtype="fp8_e4m3"),
+            "whole-first": dict(mode="chunkflow", chunk_size="4KB", residency=0.3, whole_blocks=(0,))}
 CASES = [(k, c) for k in ("wan", "flux") for c in CACHES if not (c == "sea" and k == "flux")]
 
 
@@ -110,10 +111,10 @@ def test_a_cache_gives_its_output_without_offload_bit_for_bit_and_counts_its_ski
     # at most what was prefetched for them (a prefetched block its cache skipped stays in its slot, valid: its next
     # call copies nothing), and a skip after a skip copies nothing
     assert st.skipped_h2d_bytes <= _prefetched_for_skipped(sequence, handle, streamed) <= whole
-    skips_in_a_row = any(not a and not b for (_, a), (_, b) in zip(sequence, sequence[1:]))
+    skips_in_a_row = _skips_in_a_row(sequence, handle, streamed)
     assert (st.skipped_h2d_bytes < whole) == skips_in_a_row
     # against streaming with no cache: every block of every forward, and the next forward's first prefetched
-    uncached = st.forwards * sum(streamed.values()) + streamed[handle.blocks[0][0]]
+    uncached = st.forwards * sum(streamed.values()) + streamed[_first_streamed(handle)]
     assert st.h2d_bytes_issued <= uncached and (st.h2d_bytes_issued < uncached) == skips_in_a_row
     forwards = handle.runs.since(0)
     assert len(forwards) == st.forwards and sum(f.computed + len(f.skipped) for f in forwards) == sum(counts.values())
@@ -121,20 +122,77 @@ def test_a_cache_gives_its_output_without_offload_bit_for_bit_and_counts_its_ski
 
 
 def _prefetched_for_skipped(sequence: list, handle, streamed: dict[str, int]) -> int:
-    """The bytes a skipped block's copies took: a block is prefetched while the one called before it runs; one its
-    cache skips prefetches nothing, so the block after it is copied only if it runs; a forward's first block is
-    prefetched before it (at offload, by the last block, or at the end of the forward before where its last blocks
-    were skipped)."""
+    """The bytes a skipped block's copies took: a streamed block is prefetched while the streamed block called before
+    it runs (a forward's first, by the last of the forward before, or at offload); one its cache skips prefetches
+    nothing and stays in its slot, so the block after it was copied only if it ran. Blocks kept whole are passed
+    over: they copy nothing and prefetch nothing."""
     name_of = {id(m): name for name, m in handle.blocks}
-    first = handle.blocks[0][0]
     total, before_ran = 0, True
     for block, ran in sequence:
-        if name_of[id(block)] == first:
-            before_ran = True
+        name = name_of[id(block)]
+        if not streamed[name]:
+            continue
         if not ran and before_ran:
-            total += streamed[name_of[id(block)]]
+            total += streamed[name]
         before_ran = ran
     return total
+
+
+def _skips_in_a_row(sequence: list, handle, streamed: dict[str, int]) -> bool:
+    """Whether a streamed block was skipped right after the streamed block called before it was (across forwards)."""
+    name_of = {id(m): name for name, m in handle.blocks}
+    runs = [ran for block, ran in sequence if streamed[name_of[id(block)]]]
+    return any(not a and not b for a, b in zip(runs, runs[1:]))
+
+
+def _first_streamed(handle) -> str:
+    """The name of the first block that streams (a forward's first block, unless it is kept whole)."""
+    return next(name for (name, _), b in zip(handle.blocks, handle.layouts) if b.is_streamed)
+
+
+def _bytes_by_forward(handle, pipe, kind: str) -> list[tuple[int, int]]:
+    """(blocks computed, H2D bytes issued from its start to the next one's) of each transformer forward of one
+    generation: what a step copies, its first-block prefetch for the next forward included."""
+    starts: list[int] = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a: starts.append(handle.streamer.bytes_h2d))
+    done = handle.runs.forwards_done
+    _output(pipe, kind)
+    hook.remove()
+    ends = starts[1:] + [handle.streamer.bytes_h2d]
+    return [(f.computed, e - s) for f, s, e in zip(handle.runs.since(done), starts, ends)]
+
+
+@pytest.mark.parametrize("kind", ["wan", "flux"])
+def test_a_first_block_hit_copies_nothing_with_the_first_block_kept_whole(kind):
+    """Under first-block caching a hit step runs block 0 only. Streamed, block 0 is copied again for the next step
+    and block 1 prefetched as it runs; kept whole (whole_blocks=(0,)), block 1 stays in its slot from the step
+    before and a hit step copies no byte: what StepTime.first_only prices (steptime.py)."""
+    want, _ = reference(kind, "first-block")
+    per_setting = {}
+    for name, whole in (("streamed", ()), ("whole", (0,))):
+        pipe = tiny_pipeline(kind)
+        pipe.transformer.enable_cache(CACHES["first-block"]())
+        handle = chunkflow.offload(pipe.transformer, device="cpu", mode="chunkflow", chunk_size="4KB",
+                                   residency=0.3, whole_blocks=whole)
+        per_setting[name] = _bytes_by_forward(handle, pipe, kind)
+        assert torch.equal(_output(pipe, kind), want)  # (a second generation: the same bits)
+        handle.remove()
+    hits = {name: [b for computed, b in forwards if computed == 1] for name, forwards in per_setting.items()}
+    assert hits["streamed"] and len(hits["streamed"]) == len(hits["whole"])
+    assert all(b > 0 for b in hits["streamed"]) and hits["whole"] == [0] * len(hits["whole"])
+    computed = [b for c, b in per_setting["whole"] if c > 1]
+    assert computed and all(b > 0 for b in computed)  # the computed steps still stream the other blocks
+
+
+def test_whole_blocks_past_the_module_are_refused_before_anything_changes():
+    pipe = tiny_pipeline("flux")
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    n = sum(len(b) for b in block_lists(pipe).values())
+    with pytest.raises(chunkflow.OffloadError, match=f"names block {n}, but the module has {n} blocks"):
+        chunkflow.offload(pipe.transformer, device="cpu", mode="chunkflow", chunk_size="4KB", whole_blocks=(0, n))
+    assert "_chunkflow_handle" not in pipe.transformer.__dict__
+    after = pipe.transformer.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu" for k in before)
 
 
 def test_remove_gives_the_cache_hooks_the_plain_forward_back_and_the_cache_goes_on_working():

@@ -204,6 +204,12 @@ def test_the_planners_bytes_are_the_runtime_layouts(name):
     tails = sum(lay[l].nbytes - lay[l].resident_bytes for l in disk_block_indices(len(lay), k))
     w = spec.default_workload
     assert estimate_memory(spec, w, cfg).disk_read == tails
+    whole = OffloadConfig("chunkflow", "16MB", 0.25, whole_blocks=(0, 2))  # the blocks a first-block cache runs
+    lay_w = block_layouts(m, blocks, whole.chunk_bytes, whole.residency, None, lambda b: host,
+                          whole=frozenset(whole.whole_blocks))
+    assert [b.resident_bytes for b in lay_w][:3] == [lay_w[0].nbytes, lay[1].resident_bytes, lay_w[2].nbytes]
+    assert estimate_memory(spec, w, whole).resident_block_weights == sum(b.resident_bytes for b in lay_w)
+    assert not lay_w[0].is_streamed and lay_w[1].is_streamed
     fp8 = OffloadConfig("chunkflow", "16MB", 0.0, weight_dtype="fp8_e4m3")
     cast = Fp8Storage(torch.float8_e4m3fn, on_copy=False).plan(m, blocks)
     lay8 = block_layouts(m, blocks, fp8.chunk_bytes, fp8.residency, cast, lambda b: host)

@@ -20,7 +20,8 @@ and read from it each forward, encoded, into the disk ring. Its price (tiers.py)
 decode on the GPU.
 
 Block l keeps R_l = min(round(r n_l) C, V_l) bytes resident, whole chunks of its n_l = ceil(V_l / C), and streams
-the rest in ceil((V_l - R_l) / C) copies. The memory and step-time models and the runtime's layout all use
+the rest in ceil((V_l - R_l) / C) copies; the blocks of `whole_blocks` keep all of theirs (R_l = V_l): a step cache
+that runs only the first block on a step it skips (first-block caching, issue 54) then copies nothing that step. The memory and step-time models and the runtime's layout all use
 `resident_bytes`, so planner and runtime see the same chunks.
 """
 
@@ -100,6 +101,18 @@ def _residency(value: Any) -> float:
     return r
 
 
+def _whole_blocks(value: Any, mode: str) -> tuple[int, ...]:
+    """Block indices kept wholly resident: distinct counts (0 or more), sorted; only mode chunkflow keeps a residency."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise OffloadConfigError(f"whole_blocks is a list of block indices (e.g. [0]), got {value!r}")
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+        raise OffloadConfigError(f"whole_blocks holds block indices (0 or more), got {list(value)!r}")
+    if value and mode != "chunkflow":
+        raise OffloadConfigError(f"whole_blocks keeps some blocks wholly on the device and streams the others in "
+                                 f"chunks; that is mode chunkflow, not {mode}. Use --mode chunkflow, or leave it out")
+    return tuple(sorted(set(value)))
+
+
 def _errors(exc: ValidationError) -> str:
     return "; ".join(str(e.get("ctx", {}).get("error", e["msg"])) for e in exc.errors())
 
@@ -129,15 +142,18 @@ class OffloadConfig(BaseModel):
     decode: Decode = "forward"  # a stored format's streamed blocks: decoded in their forward (diffusers' way), or ahead
     # of it on the copy stream (DECODES); forward by default: the step-time model prices ahead no faster (its kernels
     # share the SMs, steptime.py) and its two decode buffers take GPU memory (memory.py)
+    whole_blocks: tuple[int, ...] = ()  # chunkflow: blocks (by index) kept wholly on the device, the others at residency
 
     def __init__(self, mode: str = "chunkflow", chunk_bytes: int | float | str | None = None,
                  residency: float | None = None, comm_aware: bool = True, *, cfg_batched: bool = False,
                  weight_dtype: str = "bf16", fp8_cast: str = "compute", disk_blocks: int = 0,
-                 codec: str = "none", share_host: bool = True, decode: str = "forward") -> None:
+                 codec: str = "none", share_host: bool = True, decode: str = "forward",
+                 whole_blocks: tuple[int, ...] | list[int] = ()) -> None:
         try:
             super().__init__(mode=mode, chunk_bytes=chunk_bytes, residency=residency, comm_aware=comm_aware,
                              cfg_batched=cfg_batched, weight_dtype=weight_dtype, fp8_cast=fp8_cast,
-                             disk_blocks=disk_blocks, codec=codec, share_host=share_host, decode=decode)
+                             disk_blocks=disk_blocks, codec=codec, share_host=share_host, decode=decode,
+                             whole_blocks=whole_blocks)
         except ValidationError as exc:
             raise OffloadConfigError(_errors(exc)) from None
 
@@ -194,6 +210,7 @@ class OffloadConfig(BaseModel):
         if decode not in DECODES:
             raise OffloadConfigError(f"unknown decode {decode!r}; use ahead (a streamed block's quantized weights "
                                      "decoded on the copy stream before its forward) or forward (in each layer's)")
+        whole = _whole_blocks(data.get("whole_blocks", ()), mode)
         if mode == "none":
             chunk, r = None, 1.0
         elif mode == "layerwise":
@@ -207,14 +224,14 @@ class OffloadConfig(BaseModel):
             r = 0.0 if residency is None else _residency(residency)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
                 "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast,
-                "disk_blocks": disk, "codec": codec, "share_host": share_host, "decode": decode}
+                "disk_blocks": disk, "codec": codec, "share_host": share_host, "decode": decode, "whole_blocks": whole}
 
     def with_overrides(self, mode: str | None = None, chunk_size: int | float | str | None = None,
                        residency: float | None = None, comm_aware: bool | None = None, *,
                        cfg_batched: bool | None = None, weight_dtype: str | None = None,
                        fp8_cast: str | None = None, disk_blocks: int | None = None,
                        codec: str | None = None, share_host: bool | None = None,
-                       decode: str | None = None) -> "OffloadConfig":
+                       decode: str | None = None, whole_blocks: tuple[int, ...] | None = None) -> "OffloadConfig":
         """This setting with the given fields replaced (e.g. `chunkflow run --mode/--chunk-size/--residency` over a
         plan). A chunk size and residency carry over only from a chunkflow setting to a chunkflow setting; fp8
         storage only to a mode that streams. A chunk size or residency given for a mode without them is refused
@@ -243,6 +260,7 @@ class OffloadConfig(BaseModel):
             codec=codec if codec is not None else (self.codec if new_mode != "none" and dtype == "bf16" else "none"),
             share_host=self.share_host if share_host is None else share_host,
             decode=self.decode if decode is None else decode,
+            whole_blocks=whole_blocks if whole_blocks is not None else (self.whole_blocks if keep else ()),
         )
 
     @classmethod
@@ -266,14 +284,16 @@ class OffloadConfig(BaseModel):
 
     @property
     def levers_label(self) -> str:
-        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N`, ` codec=NAME`, ` unshared` and ` decode-ahead` where set (empty without
+        """` cfg-batched`, ` fp8`, ` cast-on-copy`, ` disk=N`, ` codec=NAME`, ` unshared`, ` decode-ahead` and ` whole=0`
+        where set (empty without
         levers): the tail of `label`."""
         fp8 = "" if self.weight_dtype == "bf16" else " fp8" + (" cast-on-copy" if self.fp8_cast == "copy" else "")
         disk = f" disk={self.disk_blocks}" if self.disk_blocks else ""
         codec = f" codec={self.codec}" if self.codec != "none" else ""
         unshared = "" if self.share_host else " unshared"
         decode = " decode-ahead" if self.decode == "ahead" else ""
-        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec + unshared + decode
+        whole = f" whole={','.join(map(str, self.whole_blocks))}" if self.whole_blocks else ""
+        return (" cfg-batched" if self.cfg_batched else "") + fp8 + disk + codec + unshared + decode + whole
 
     def stored_bytes(self, V: float, dtype_bytes: int = 2) -> float:
         """Bytes a V-byte block (weights of `dtype_bytes` each) occupies in storage: halved by fp8 for bf16 weights.
@@ -308,6 +328,20 @@ class OffloadConfig(BaseModel):
         if self.chunk_bytes is None:
             return self.streamed_bytes(V)
         return min(float(self.chunk_bytes), self.streamed_bytes(V))
+
+
+def streaming_volumes(cfg: OffloadConfig, V: list[float]) -> list[float]:
+    """The blocks' volumes as the streaming sees them: a block of `cfg.whole_blocks` as 0 bytes (nothing streams,
+    nothing decodes on the copy path), the others as they are; indices past the blocks are no block's."""
+    whole = set(cfg.whole_blocks)
+    return [0.0 if l in whole else float(v) for l, v in enumerate(V)]
+
+
+def resident_list(cfg: OffloadConfig, V: list[float]) -> list[float]:
+    """R_l of each block: all of a whole block's bytes, the others' `cfg.resident_bytes` (computed once per volume)."""
+    R = per_volume(cfg.resident_bytes, V)
+    whole = set(cfg.whole_blocks)
+    return [float(V[l]) if l in whole else r for l, r in enumerate(R)]
 
 
 def per_volume(fn: Callable[[float], Any], V: list[float]) -> list[Any]:
@@ -346,7 +380,7 @@ def codec_staging_bytes(cfg: OffloadConfig, V: list[float]) -> float:
         return 0.0
     disk = set(disk_block_indices(len(V), cfg.disk_blocks))
     rings = 0.0
-    group = per_volume(lambda v: codec_group_bytes(cfg, v), V)
+    group = per_volume(lambda v: codec_group_bytes(cfg, v), streaming_volumes(cfg, V))
     host_tier = [g for l, g in enumerate(group) if l not in disk] if disk else group
     for mine in (host_tier, [group[l] for l in sorted(disk)]):
         largest = max(mine, default=0.0)

@@ -41,6 +41,7 @@ from chunkflow.runtime.runs import BlockRuns
 from chunkflow.runtime.resolve import (
     check_not_offloaded,
     check_parameters,
+    check_whole_blocks,
     resolve_blocks,
     resolve_config,
     resolve_device,
@@ -79,6 +80,7 @@ class ResidencyRoundedWarning(UserWarning):
 
 def _warn_rounded(cfg: OffloadConfig, layouts: list[BlockLayout]) -> None:
     """Say so where whole chunks make the kept residency far from the one asked (small blocks, big chunks)."""
+    layouts = [b for b in layouts if b.index not in cfg.whole_blocks]  # those keep all their bytes, as asked
     V = sum(b.nbytes for b in layouts)
     if cfg.mode != "chunkflow" or not V or cfg.residency in (0.0, 1.0):
         return
@@ -184,7 +186,7 @@ class OffloadHandle:
         if first and self.casting is not None:
             self.casting.check_values(tensors, source)
         layouts = block_layouts(self.module, self.blocks, self.cfg.chunk_bytes, self.cfg.residency, cast,
-                                self._tier_of)
+                                self._tier_of, whole=frozenset(self.cfg.whole_blocks))
         if first:
             _warn_rounded(self.cfg, layouts)
         for t in self.tiers:
@@ -670,7 +672,8 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
             residency: float | None = None, comm_aware: bool | None = None, weight_dtype: str | None = None,
             fp8_cast: str | None = None, disk_blocks: int | None = None, codec: str | None = None,
             device: str | torch.device | None = "cuda", blocks=None,
-            source: TensorSource | None = None, park_to: str = "host", decode: str | None = None) -> OffloadHandle:
+            source: TensorSource | None = None, park_to: str = "host", decode: str | None = None,
+            whole_blocks: tuple[int, ...] | None = None) -> OffloadHandle:
     """Stream `module`'s blocks from pinned host memory to `device`, one block ahead, in chunks.
 
     The setting: `config` (an OffloadConfig, a plan object or `plan.json` path, or a mode name) or `plan=`, and/or
@@ -692,7 +695,9 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     weights, a GGUF or fp8-scaled file's; not given: the setting's or plan's, 'forward' by default): 'forward'
     leaves each layer to dequantize in its forward, as diffusers does; 'ahead' decodes a streamed block's weights
     into the compute dtype on the copy stream right after its copies, with the layer's own function, into a decode
-    buffer per slot (resident blocks decode in their forward either way; runtime/codecs/ahead.py).
+    buffer per slot (resident blocks decode in their forward either way; runtime/codecs/ahead.py), `whole_blocks`
+    (chunkflow: blocks, by their index in the order they run, kept wholly on the device, the others at `residency`;
+    (0,) under a first-block cache, which runs block 0 every step: a step it skips then copies nothing).
     Keywords override a config or plan. `blocks`: the block modules in execution order (ModuleLists or modules),
     needed to stream or to check a plan (the runtime takes them from its caller: `chunkflow.offload` finds them
     from the catalog or in the module); the first forward's order is checked and the blocks laid out again in the
@@ -707,9 +712,10 @@ def offload(module: nn.Module, config=None, *, plan=None, mode: str | None = Non
     check_not_offloaded(module)
     cfg = resolve_config(config, plan=plan, module=module, blocks=blocks, mode=mode, chunk_size=chunk_size, residency=residency,
                          comm_aware=comm_aware, weight_dtype=weight_dtype, fp8_cast=fp8_cast, disk_blocks=disk_blocks,
-                         codec=codec, decode=decode)
+                         codec=codec, decode=decode, whole_blocks=whole_blocks)
     dev = resolve_device(device)
     named = resolve_blocks(module, blocks) if cfg.streams else []
+    check_whole_blocks(cfg, named)
     check_parameters(named)
     check_quantized(named, cfg.weight_dtype, cfg.codec)
     if cfg.streams:

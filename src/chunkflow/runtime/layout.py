@@ -209,15 +209,16 @@ def split_residency(b: BlockLayout, chunk_bytes: int | None, residency: float) -
 
 
 def block_layouts(root: nn.Module, blocks: list[tuple[str, nn.Module]], chunk_bytes: int | None,
-                  residency: float, cast: dict[int, torch.dtype] | None, tier_of: Callable[[BlockLayout], Tier]
-                  ) -> list[BlockLayout]:
+                  residency: float, cast: dict[int, torch.dtype] | None, tier_of: Callable[[BlockLayout], Tier],
+                  whole: frozenset[int] = frozenset()) -> list[BlockLayout]:
     """The layouts of all blocks, each with its tier (`tier_of(b)`, asked once b is packed and split) and its offset
-    in the one host store (each block's range ALIGN-aligned); `cast` as in pack_block."""
+    in the one host store (each block's range ALIGN-aligned); `cast` as in pack_block; the blocks of `whole` (their
+    indices) kept wholly resident, the others at `residency`."""
     owned = owned_tensors(root, [m for _, m in blocks])
     layouts = []
     for i, ((name, m), entries) in enumerate(zip(blocks, owned)):
         b = pack_block(i, name, m, entries, cast)
-        split_residency(b, chunk_bytes, residency)
+        split_residency(b, chunk_bytes, 1.0 if i in whole else residency)
         b.tier = tier_of(b)
         layouts.append(b)
     return place_in_store(layouts)

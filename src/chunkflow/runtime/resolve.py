@@ -88,7 +88,8 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, b
                    chunk_size=None, residency: float | None = None,
                    comm_aware: bool | None = None, weight_dtype: str | None = None,
                    fp8_cast: str | None = None, disk_blocks: int | None = None,
-                   codec: str | None = None, decode: str | None = None) -> OffloadConfig:
+                   codec: str | None = None, decode: str | None = None,
+                   whole_blocks: tuple[int, ...] | None = None) -> OffloadConfig:
     """The OffloadConfig to run: `config` (an OffloadConfig, a plan or plan file, or a mode name) or `plan`, with
     any keyword laid over it; keywords alone build one. Plans are checked against `module`."""
     if config is not None and plan is not None:
@@ -115,9 +116,10 @@ def resolve_config(config=None, *, plan=None, module: nn.Module | None = None, b
             return OffloadConfig(mode or "chunkflow", chunk_size, residency,
                                  True if comm_aware is None else comm_aware, weight_dtype=weight_dtype or "bf16",
                                  fp8_cast="compute" if fp8_cast is None else fp8_cast, disk_blocks=disk_blocks or 0,
-                                 codec=codec or "none", decode=decode or "forward")
+                                 codec=codec or "none", decode=decode or "forward", whole_blocks=whole_blocks or ())
         return base.with_overrides(mode, chunk_size, residency, comm_aware, weight_dtype=weight_dtype,
-                                   fp8_cast=fp8_cast, disk_blocks=disk_blocks, codec=codec, decode=decode)
+                                   fp8_cast=fp8_cast, disk_blocks=disk_blocks, codec=codec, decode=decode,
+                                   whole_blocks=whole_blocks)
     except OffloadConfigError as exc:
         raise OffloadError(str(exc)) from None
 
@@ -161,6 +163,15 @@ def unwrap_module(module) -> nn.Module:
         raise OffloadError(f"offload() takes an nn.Module, got {type(module).__name__}{hint}")
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule" else module
+
+
+def check_whole_blocks(cfg: OffloadConfig, blocks: list[tuple[str, nn.Module]]) -> None:
+    """Every block `cfg.whole_blocks` keeps whole is one of the module's (indices in the blocks' order)."""
+    past = [i for i in cfg.whole_blocks if i >= len(blocks)]
+    if past:
+        raise OffloadError(f"whole_blocks {list(cfg.whole_blocks)} names block {past[0]}, but the module has "
+                           f"{len(blocks)} block{'s' if len(blocks) != 1 else ''} (0-{len(blocks) - 1}); give indices "
+                           "of its blocks in the order they run, or leave whole_blocks out")
 
 
 def check_parameters(blocks: list[tuple[str, nn.Module]]) -> None:
