@@ -200,7 +200,7 @@ def test_the_plan_records_format_and_bytes_a_step_against_bf16():
     plan = make_plan(with_format(spec, "q8_0"), w, resolve_hardware("h200"), budget=8 * 10**9, pipeline=False,
                      max_slowdown=3)[0]
     f = plan.format
-    assert plan.schema_version == PLAN_SCHEMA_VERSION == 6 and f.name == "q8_0" and not f.decode_measured
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 7 and f.name == "q8_0" and not f.decode_measured
     assert plan.offload.mode != "none" and f.h2d_bytes_per_step > 0
     assert f.h2d_bytes_per_step / f.h2d_bytes_per_step_bf16 == pytest.approx(f.block_bytes_ratio, rel=0.02)
     assert f.stored_bytes < f.bf16_bytes and plan.model.spec is not None and plan.model.spec.stored is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.formats import block_decode_s, decode_gbps
 from chunkflow_planner.memory import stored_volumes
-from chunkflow_planner.offload import OffloadConfig
+from chunkflow_planner.offload import OffloadConfig, streaming_volumes
 from chunkflow_planner.plan import PlanFormat
 from chunkflow_planner.workload import per_forward
 
@@ -23,7 +23,7 @@ def bf16_of(spec: ModelSpec) -> ModelSpec:
 def h2d_bytes_per_step(spec: ModelSpec, cfg: OffloadConfig, w: Workload) -> float:
     """Bytes `cfg` copies host to device in a step of `w`: each block's streamed bytes, once a forward."""
     passes = per_forward(w, cfg.cfg_batched)[1]
-    return passes * sum(cfg.streamed_bytes(v) for v in stored_volumes(spec, cfg))
+    return passes * sum(cfg.streamed_bytes(v) for v in streaming_volumes(cfg, stored_volumes(spec, cfg)))
 
 
 def plan_format(spec: ModelSpec, cfg: OffloadConfig, w: Workload, hw: HardwareSpec) -> PlanFormat | None:

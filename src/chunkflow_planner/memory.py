@@ -33,7 +33,7 @@ from operator import sub
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload
 from chunkflow_planner.formats import decoded_bytes, dequant_peak
-from chunkflow_planner.offload import DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices, per_volume
+from chunkflow_planner.offload import (DISK_RING_BLOCKS, OffloadConfig, codec_staging_bytes, disk_block_indices, resident_list)
 from chunkflow_planner.tiers import encoded_bytes
 from chunkflow_planner.workload import per_forward, tokens
 
@@ -163,7 +163,7 @@ def estimate_memory(spec: ModelSpec, w: Workload, cfg: OffloadConfig, sp: int = 
         return MemoryEstimate(spec.non_block_bytes, float(sum(V)), 0.0, act, 0.0, dequant=dequant)
     full = V
     V = stored_volumes(spec, cfg)
-    resident = per_volume(cfg.resident_bytes, V)
+    resident = resident_list(cfg, V)
     slot = max(map(sub, V, resident))
     if cfg.weight_dtype != "bf16":  # the cast's target: one block's cast tensors in bf16 (not the ones kept)
         full = cast_volumes(spec)

@@ -20,10 +20,10 @@ from chunkflow_planner.versioned import field_errors, read_versioned
 
 # 2: model.spec, the whole entry of a model derived from a folder (issue 37). A version 1 plan reads as it is: its
 # model is the catalog's (model_of).
-PLAN_SCHEMA_VERSION = 6  # 6: a step cache (workload.cache, prediction.cache; issue 54); 5: the stored format (`format`, issue 52); 4: a band on every prediction (prediction.bands,
+PLAN_SCHEMA_VERSION = 7  # 7: blocks kept whole (offload.whole_blocks, issue 54); 6: a step cache (workload.cache, prediction.cache; issue 54); 5: the stored format (`format`, issue 52); 4: a band on every prediction (prediction.bands,
 # issue 41); 3: the codec (offload.codec and its prediction fields, issue 39); 4, 3, 2 and 1 read as they are (bf16;
 # no bands before 4)
-OLDER_PLAN_VERSIONS = (1, 2, 3, 4, 5)  # 5 reads as it is: no cache
+OLDER_PLAN_VERSIONS = (1, 2, 3, 4, 5, 6)  # 6 and 5 read as they are: no block kept whole (5: no cache)
 
 
 from chunkflow_planner.stepcache import StepCache  # noqa: E402 (a field's type)

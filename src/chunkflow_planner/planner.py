@@ -44,6 +44,7 @@ from chunkflow_planner.memory import host_need
 from chunkflow_planner.policy import (Decision, Infeasible, Lever, Levers, Point, Problem, decide, fewest_disk_blocks,
                                      setting)
 from chunkflow_planner.tiers import DISK_RATE_REMEDY, codec_ratio, disk_known
+from chunkflow_planner.whole_first import whole_first, whole_said
 from chunkflow_planner.workload import WorkloadError, per_forward, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, repriced_whole, with_pipeline
 from chunkflow_planner.pipeline.decide import PipelineDecision
@@ -237,7 +238,17 @@ def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, m
         raise Infeasible(exc.facts, explain.step_infeasible(exc.facts, kept)) from None
     decision = replace(decision, reason=explain.step_reason(decision.facts, kept)
                        + explain.codec_said(decision.chosen, *codec_ratio(problem.hw)))
-    return decision if host_budget is None else _within_host(problem, decision, host_budget, host_margin)
+    decision = decision if host_budget is None else _within_host(problem, decision, host_budget, host_margin)
+    return _whole_first(problem, decision)
+
+
+def _whole_first(problem: Problem, decision: Decision) -> Decision:
+    """The decision with its first block kept whole where a first-block cache makes that faster (whole_first.py)."""
+    q = whole_first(problem, decision.chosen, lambda p: p.need <= decision.budget, decision.target_s)
+    if q is decision.chosen:
+        return decision
+    facts = replace(decision.facts, chosen=setting(q, decision.none), need=q.need, time_s=q.step_time)
+    return replace(decision, chosen=q, facts=facts, reason=decision.reason + whole_said(q))
 
 
 def _within_host(problem: Problem, decision: Decision, host_budget: int, margin: float) -> Decision:
@@ -438,7 +449,7 @@ def cache_prediction(workload: Workload, point) -> CachePrediction | None:
     passes = per_forward(workload, point.cfg.cfg_batched)[1]
 
     def at(rate):  # noqa: ANN001, ANN202
-        return cached_steps(cache, workload.steps, point.step_time, point.time.per_block, passes, rate)
+        return cached_steps(cache, workload.steps, point.step_time, point.time, passes, rate)
 
     mid = at(None)
     if cache.hit_rate is None:  # a schedule: no spread

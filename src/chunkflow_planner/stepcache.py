@@ -21,18 +21,22 @@ skipped step still runs, per kind (`runs_when_skipped`), and how many steps comp
   threshold; decided per step from the data: a hit rate, bounded by the retained first and last steps and the most
   reuses in a row.
 
-The skipped steps' time: the blocks that still run at their place in the plan's step (StepTime.per_block, which
-includes each one's exposed copy). Formulas here, used by pipeline/phases.py's denoise phase.
+The skipped steps' time: the blocks that still run, as the plan's step streams them (StepTime.per_block, each block's
+compute and exposed copy; StepTime.first_only, the first block alone with the copies a hit step makes: none where the
+first block is kept whole, offload.whole_blocks). Formulas here, used by pipeline/phases.py's denoise phase.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from chunkflow_planner.cache import CacheSetting, CacheSpecError, cache_label, parse_cache
+
+if TYPE_CHECKING:  # steptime imports the catalog, whose Workload holds a StepCache
+    from chunkflow_planner.steptime import StepTime
 
 __all__ = ["StepCache", "CacheError", "plan_cache", "does_nothing", "computed_steps", "CachedSteps", "cached_steps", "mag_schedule",
            "runs_when_skipped", "CACHE_SCHEMA_VERSION", "CACHE_PRIOR_HIT_RATE", "FLUX_MAG_RATIOS"]
@@ -205,20 +209,22 @@ class CachedSteps(BaseModel):
         return self.computed_s + self.skipped_s
 
 
-def skipped_step_s(cache: StepCache, per_block: list[float], passes: int) -> float:
-    """A skipped step's seconds: the blocks it still runs (runs_when_skipped), each forward of the step, at their
-    time in the plan's step (compute and exposed copy)."""
+def skipped_step_s(cache: StepCache, time: StepTime, passes: int) -> float:
+    """A skipped step's seconds, each forward of the step: the blocks it still runs (runs_when_skipped) as the plan's
+    step `time` streams them: the first block alone (StepTime.first_only: with a first block that streams, its own
+    copy again and the second's), or every block (per_block, compute and exposed copy)."""
     runs = runs_when_skipped(cache.setting)
-    if runs == "first" and per_block:
-        return per_block[0] * passes
+    if runs == "first" and time.per_block:
+        return time.first_only * passes
     if runs == "all":
-        return sum(per_block) * passes
+        return sum(time.per_block) * passes
     return 0.0
 
 
-def cached_steps(cache: StepCache | None, steps: int, step_s: float, per_block: list[float], passes: int,
+def cached_steps(cache: StepCache | None, steps: int, step_s: float, time: StepTime, passes: int,
                  hit_rate: float | None = None) -> CachedSteps:
-    """`steps` at `step_s` each, `cache` skipping some (computed_steps) at skipped_step_s each."""
+    """`steps` at `step_s` each, `cache` skipping some (computed_steps) at skipped_step_s each (`time`: the step's
+    StepTime, per forward)."""
     c = computed_steps(cache, steps, hit_rate)
-    skip = skipped_step_s(cache, per_block, passes) if cache is not None else 0.0
+    skip = skipped_step_s(cache, time, passes) if cache is not None else 0.0
     return CachedSteps(computed=c, skipped=steps - c, computed_s=c * step_s, skipped_s=(steps - c) * skip)

@@ -42,7 +42,8 @@ from chunkflow_planner.catalog import BlockGroup, HardwareSpec, ModelSpec, Workl
 from chunkflow_planner.flops import F_kind
 from chunkflow_planner.formats import decode_split
 from chunkflow_planner.memory import block_volumes, disk_bytes, stored_volumes
-from chunkflow_planner.offload import PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups, per_volume
+from chunkflow_planner.offload import (PACING_MARGIN, OffloadConfig, codec_group_bytes, codec_groups, per_volume,
+                                      resident_list, streaming_volumes)
 from chunkflow_planner.overlap import GB, T_comp_hw, T_pref, eta_samples
 from chunkflow_planner.tiers import DiskRateUnknown, codec_ratio, decode_s, read_s  # noqa: F401 (DiskRateUnknown: its old home)
 from chunkflow_planner.workload import per_forward, tokens
@@ -62,6 +63,8 @@ class StepTime:
     overhead: float = 0.0
     disk_stall: float = 0.0  # disk tier: what a forward waits for its reads beyond its own time
     per_block: list[float] = field(default_factory=list, repr=False)
+    first_only: float = 0.0  # one forward that runs only the first block (a first-block cache's hit): first_only_s
+
 
     @property
     def total(self) -> float:
@@ -144,6 +147,8 @@ def step_time(
     cast = [0.0] * len(groups) if cfg.weight_dtype == "bf16" else [v / (hw.cast_gbps * GB) for v in V]
     V = (stored_volumes(spec, cfg) if prefetch_bytes is None
          else [cfg.stored_bytes(v, spec.dtype_bytes) for v in V])
+    stored = V
+    V = streaming_volumes(cfg, V)  # a whole block (offload.whole_blocks) streams nothing: 0 bytes to the streaming
     # fp8_cast "copy": a streamed block is cast on the copy stream after its copies (the runtime casts a block
     # that does not stream on the compute stream)
     on_copy = per_volume(lambda v: cfg.fp8_cast == "copy" and cfg.streamed_bytes(v) > 0, V)
@@ -155,7 +160,7 @@ def step_time(
     n = len(groups)
     keys = zip([g.kind for g in groups], V, V[1:] + V[:1], on_copy, on_copy[1:] + on_copy[:1], cast,
                cast[1:] + cast[:1], rho[1:] + rho[:1], dequant, ahead[1:] + ahead[:1])  # block l's and (l + 1) % n's
-    compute = collective = prefetch_stall = contention_stall = overhead = 0.0  # summed block by block, in order
+    compute = collective = prefetch_stall = contention_stall = overhead = window0 = 0.0  # summed block by block
     for l, key in enumerate(keys):
         if key not in seen:
             g, nxt = groups[l], (l + 1) % n
@@ -168,6 +173,7 @@ def step_time(
                                                   cast[nxt] if on_copy[nxt] else 0.0, rho[nxt],
                                                   dec_chunk[nxt] + ahead[nxt]))  # after its copies: the copy path
         tc, tcoll, wall, stall, cont, over = seen[key]
+        window0 = tc + tcoll if l == 0 else window0
         compute += tc
         collective += tcoll
         prefetch_stall += stall
@@ -176,7 +182,8 @@ def step_time(
         out.per_block.append(wall)
     out.compute, out.collective, out.prefetch_stall = compute, collective, prefetch_stall
     out.contention_stall, out.overhead = contention_stall, overhead
-    out.disk_stall = disk_stall(sum(out.per_block), V, cfg, hw)
+    out.disk_stall = disk_stall(sum(out.per_block), stored, cfg, hw)
+    out.first_only = first_only_s(window0, out.per_block, V, cfg, hw, rho, dec_chunk)
     for name in ("compute", "collective", "prefetch_stall", "contention_stall", "overhead", "disk_stall"):
         setattr(out, name, getattr(out, name) * passes)
     return out
@@ -211,5 +218,31 @@ def disk_stall(forward_s: float, V: list[float], cfg: OffloadConfig, hw: Hardwar
     overlaps the previous one's last blocks. Raises tiers.DiskRateUnknown where the profile has no disk rate."""
     if not cfg.disk_blocks:
         return 0.0
-    read, _ = disk_bytes(V, [cfg.resident_bytes(v) for v in V], cfg, hw)
+    read, _ = disk_bytes(V, resident_list(cfg, V), cfg, hw)
     return max(0.0, read_s(read, "disk", hw) - forward_s)
+
+
+def link_s(V: float, cfg: OffloadConfig, hw: HardwareSpec, rho: float = 1.0, t_decode_chunk: float = 0.0) -> float:
+    """The copy path of one block's streamed bytes (eq. 2: T_pref of rho of them, a DMA start-up per copy, the last
+    decode group's decode); 0 where the block streams nothing."""
+    streamed = cfg.streamed_bytes(V)
+    if cfg.mode == "none" or streamed <= 0:
+        return 0.0
+    return (T_pref(rho * streamed, hw.h2d_gbps * GB, hw.eta_pref) + cfg.copies(V) * hw.dma_startup_us * 1e-6
+            + t_decode_chunk)
+
+
+def first_only_s(window0: float, per_block: list[float], V: list[float], cfg: OffloadConfig, hw: HardwareSpec,
+                 rho: list[float], dec_chunk: list[float]) -> float:
+    """One forward that runs only the first block and skips the rest (a first-block cache's hit, stepcache.py), as the
+    runtime streams it (runtime/streamer.py): the first block prefetches the second as it runs; the rest are skipped,
+    and the first block, streamed, is copied again for the next forward (prefetch_first) behind the second's copy, so
+    the forward takes the longer of its compute path and both copies. A first block kept whole (offload whole_blocks)
+    copies nothing: the second stays in its slot from the forward before, and the forward is the block's compute
+    window (`window0`). V: the streaming volumes (offload.streaming_volumes)."""
+    if not per_block:
+        return 0.0
+    if cfg.streamed_bytes(V[0]) <= 0:
+        return window0
+    both = sum(link_s(V[l], cfg, hw, rho[l], dec_chunk[l]) for l in range(min(2, len(V))))
+    return max(per_block[0], both + hw.block_overhead_us * 1e-6)

@@ -17,6 +17,7 @@ from chunkflow_planner.pipeline.placement import ON_DISK, PHASES, PipelineEstima
 from chunkflow_planner.plan import LoadPrediction, PhasePrediction, PhasesPrediction, Plan, PlanComponent, PlanPipeline
 from chunkflow_planner.policy import Decision, Infeasible, Problem, baselines
 from chunkflow_planner.reprice import point_prediction
+from chunkflow_planner.whole_first import whole_said
 
 
 def plans_pipeline(problem: Problem, pipeline: bool) -> bool:
@@ -38,8 +39,8 @@ def decide_whole(problem: Problem, usable: int, kept: MarginKept | None, host_bu
     except Infeasible as exc:
         raise Infeasible(exc.facts, explain.pipeline_infeasible(exc.facts, kept, host_kept)) from None
     base = baselines(problem, max_slowdown, target_step_time)
-    return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable, whole.reason,
-                    whole.facts), whole
+    return Decision(whole.chosen.transformer, base.none, base.layerwise, base.target_s, usable,
+                    whole.reason + whole_said(whole.chosen.transformer), whole.facts), whole
 
 
 def load_prediction(spec: ModelSpec, e: PipelineEstimate, read_bytes: int | None = None) -> LoadPrediction:

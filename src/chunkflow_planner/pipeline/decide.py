@@ -28,6 +28,7 @@ from chunkflow_planner.pipeline.placement import (
 )
 from chunkflow_planner.pipeline.text import TextCosts, text_costs
 from chunkflow_planner.tiers import disk_known
+from chunkflow_planner.whole_first import whole_first
 from chunkflow_planner.policy import (
     BATCHING_GAIN,
     Facts,
@@ -231,7 +232,9 @@ def _estimates(spec: ModelSpec, w: Workload, hw: HardwareSpec, cands: _Transform
         rooms[pl] = _room(other, gpu_budget, hw, cands.none)
         if rooms[pl] not in picked:
             point = _pick_stream(cands, rooms[pl], hw)
-            picked[rooms[pl]] = point if point is not None else min(cands.points, key=lambda p: p.memory.peak)
+            room = rooms[pl]
+            picked[room] = (whole_first(problem, point, lambda p: cands.within(p, room, hw))  # first-block caching
+                            if point is not None else min(cands.points, key=lambda p: p.memory.peak))
         point = picked[rooms[pl]]
         if pl.transformer == ON_DISK:
             if not _disk_ok(point):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from chunkflow_planner.memory import stored_volumes
-from chunkflow_planner.offload import OffloadConfig, disk_block_indices
+from chunkflow_planner.offload import OffloadConfig, disk_block_indices, resident_list
 
 if TYPE_CHECKING:
     from chunkflow_planner.catalog import ModelSpec
@@ -66,8 +66,8 @@ def streamed_tail_bytes(spec: ModelSpec, cfg: OffloadConfig, hw=None) -> float:
 
     V = stored_volumes(spec, cfg)
     disk = set(disk_block_indices(len(V), cfg.disk_blocks))
-    return encoded_bytes(float(sum(v - cfg.resident_bytes(v) for l, v in enumerate(V) if l not in disk)), cfg.codec,
-                         hw)
+    tails = [v - r for v, r in zip(V, resident_list(cfg, V))]
+    return encoded_bytes(float(sum(t for l, t in enumerate(tails) if l not in disk)), cfg.codec, hw)
 
 
 def shared_host_bytes(spec: ModelSpec, pl: Placements, runs: tuple[ExpertRun, ...], hw=None) -> dict[str, float]:

@@ -139,7 +139,7 @@ def _denoise(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, run
     cache (w.cache) the steps it skips cost what they still run (stepcache.cached_steps)."""
     den = Phase()
     turns = [r for r in runs if r.steps]
-    steps = [cached_steps(w.cache, r.steps, r.point.step_time, r.point.time.per_block,
+    steps = [cached_steps(w.cache, r.steps, r.point.step_time, r.point.time,
                           per_forward(w, r.point.cfg.cfg_batched)[1]) for r in runs]
     den.detail["steps"] = sum(s.computed_s for s in steps)
     if w.cache is not None:
