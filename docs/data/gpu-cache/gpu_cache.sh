@@ -4,7 +4,8 @@
 # own process with one warm-up generation: chunkflow at the plan's setting with no cache, first-block caching and
 # MagCache (the plan made with the same --cache first, its prediction in the plan file), against diffusers' group
 # offloading (block level, streams) with the same cache config, and the same cache all on the GPU (diffusers alone)
-# for the latents, which must be bit-identical to chunkflow's. Raw files in $OUT (tarred as cache.tgz).
+# for the latents, which must be bit-identical to chunkflow's; first-block caching also at the no-cache plan's setting
+# (block 0 streamed). Raw files in $OUT (tarred as cache.tgz).
 #   PARTS="flux wan" bash docs/data/gpu-cache/gpu_cache.sh OUT_DIR       (TINY=1: the tiny catalog pipelines, CPU)
 set -uo pipefail
 dest=${1:-${OUT:-out}}
@@ -34,11 +35,24 @@ for part in ${PARTS:-flux wan}; do
       $with --out "$work/plan-$tag.json"
     step run-$tag 900 $py -m chunkflow run --plan "$work/plan-$tag.json" --weights "$folder" --prompt "a red fox in the snow" \
       --seed 0 --warmup 1 --device $dev --latents "$work/latents-$tag.safetensors" --report "$work/report-$tag.json"
+    if [ "${cache%%:*}" = first-block ] && [ -f "$work/plan-$part-none.json" ]; then  # block 0 streamed, as planned
+      # without the cache (the first-block plan keeps it whole where that is faster: whole_first.py)
+      step run-$tag-streamed 900 $py -m chunkflow run --plan "$work/plan-$part-none.json" --weights "$folder" \
+        --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with \
+        --latents "$work/latents-$tag-streamed.safetensors" --report "$work/report-$tag-streamed.json"
+      same=1
+    fi
     step gpu-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
       --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with --latents "$work/latents-$tag.safetensors" \
       --out "$work/diffusers-gpu-$tag.json"
     step group-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
       --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
+    if [ -n "${same:-}" ]; then  # the two settings' latents, bit for bit (the same kernels on the same weights)
+      $py -c "import json,sys,torch; from safetensors.torch import load_file as f; a,b=f(sys.argv[1]),f(sys.argv[2]); \
+json.dump({'identical': a.keys()==b.keys() and all(torch.equal(a[k],b[k]) for k in a)}, open(sys.argv[3],'w'))" \
+        "$work/latents-$tag.safetensors" "$work/latents-$tag-streamed.safetensors" "$work/compare-$tag-streamed.json"
+      unset same
+    fi
     keep
   done
 done
