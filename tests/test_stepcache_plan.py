@@ -284,3 +284,12 @@ def test_whole_blocks_are_a_chunkflow_setting_said_in_its_label_and_kept_by_over
             OffloadConfig("chunkflow", "16MB", 0.2, whole_blocks=bad)
     with pytest.raises(OffloadConfigError, match="that is mode chunkflow, not layerwise"):
         OffloadConfig("layerwise", whole_blocks=(0,))
+
+
+def test_a_cache_under_sequence_parallelism_is_refused_in_one_line(cli):
+    """`run` takes no cache under torchrun, and a data-driven cache would decide on each rank's share of the tokens:
+    the plan refuses it rather than price a run that cannot happen."""
+    result = cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2", "--cache", "first-block:0.1")
+    assert result.exit_code != 0 and "with --sp 2: a step cache under sequence parallelism" in result.output
+    assert "Traceback" not in result.output
+    assert cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2").exit_code == 0

@@ -366,6 +366,7 @@ def make_plan(
     `plan --format a,b,c` without a plan file)."""
     hw = hardware.spec
     check_parallel(spec, hw, sp)
+    check_cache_parallel(workload, sp)
     budget = hw.memory_bytes if budget is None else budget
     margin = memory_margin(hw, mem_margin)
     usable = usable_budget(budget, margin)  # the one budget the policy checks
@@ -436,6 +437,18 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
         target_step_time_s=decision.target_s,
         reason=decision.reason,
     )
+
+
+def check_cache_parallel(workload: Workload, sp: int) -> None:
+    """A step cache under sequence parallelism is refused (stepcache.CacheError): a first-block or Sea cache decides
+    from each rank's share of the tokens, so the ranks could take different decisions and wait on each other's
+    collectives, and `chunkflow run` takes no cache under torchrun yet."""
+    if sp > 1 and workload.cache is not None:
+        from chunkflow_planner.stepcache import CacheError
+
+        raise CacheError(f"--cache {workload.cache.label()} with --sp {sp}: a step cache under sequence parallelism is "
+                         "not supported (a cache that decides from the data decides on each rank's share of the "
+                         "tokens, and the ranks must agree); plan it for one GPU (--sp 1), or leave --cache out")
 
 
 def cache_prediction(workload: Workload, point) -> CachePrediction | None:
