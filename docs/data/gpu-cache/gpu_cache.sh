@@ -5,7 +5,8 @@
 # MagCache (the plan made with the same --cache first, its prediction in the plan file), against diffusers' group
 # offloading (block level, streams) with the same cache config, and the same cache all on the GPU (diffusers alone)
 # for the latents, which must be bit-identical to chunkflow's; first-block caching also at the no-cache plan's setting
-# (block 0 streamed). Raw files in $OUT (tarred as cache.tgz).
+# (block 0 streamed). `first-block:auto`: the threshold probe.py finds nearest the planner's prior hit rate on these
+# random weights (FBC_THRESHOLD=T gives it). Raw files in $OUT (tarred as cache.tgz).
 #   PARTS="flux wan" bash docs/data/gpu-cache/gpu_cache.sh OUT_DIR       (TINY=1: the tiny catalog pipelines, CPU)
 set -uo pipefail
 dest=${1:-${OUT:-out}}
@@ -14,9 +15,13 @@ mkdir -p "$work" "$dest"
 repo=$(cd "$(dirname "$0")/../../.." && pwd)
 py=${PY:-python3}
 dev=$([ -n "${TINY:-}" ] && echo cpu || echo cuda)
-step() { local name=$1 deadline=$2; shift 2; echo "[$(date +%T)] $*" | tee "$work/$name.log"
-  timeout "$deadline" "$@" >>"$work/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$work/$name.log"; tail -2 "$work/$name.log" | cut -c1-300; }
-keep() { tar czf "$dest/cache.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="folder-*" -C "$work" . ; }
+# a step that succeeded before in this WORK folder (a second call on a warm machine) is not run again
+step() { local name=$1 deadline=$2; shift 2; [ -f "$work/$name.done" ] && { echo "$name: done before"; return; }
+  echo "[$(date +%T)] $*" | tee "$work/$name.log"
+  timeout "$deadline" "$@" >>"$work/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$work/$name.log"
+  tail -2 "$work/$name.log" | cut -c1-300; [ $rc = 0 ] && touch "$work/$name.done"; keep; }
+keep() { tar czf "$dest/cache.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="folder-*" --exclude="*.done" \
+  -C "$work" . ; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/gpu.txt" 2>&1
 for part in ${PARTS:-flux wan}; do
   if [ -n "${TINY:-}" ]; then
@@ -28,11 +33,20 @@ for part in ${PARTS:-flux wan}; do
   fi
   folder=$work/folder-$part
   [ -d "$folder" ] || step save-$part 900 $py "$repo/scripts/save_pipeline.py" $model "$folder" --device $dev
-  for cache in ${CACHES:-none first-block:0.1 mag:ratios=flux}; do
+  for cache in ${CACHES:-none first-block:auto mag:ratios=flux}; do
+    if [ "$cache" = first-block:auto ]; then  # the threshold nearest the prior's hit rate on these random weights
+      [ -f "$work/probe-$part.json" ] || step probe-$part 600 $py "$repo/docs/data/gpu-cache/probe.py" \
+        "$work/plan-$part-none.json" "$folder" --device $dev --out "$work/probe-$part.json" \
+        --thresholds ${THRESHOLDS:-0.05,0.1,0.2,0.3,0.5,0.8}
+      read -r threshold rate < <($py -c "import json,sys; p=json.load(open(sys.argv[1])); print(p['chosen'], p['hit_rate'])" \
+        "$work/probe-$part.json")
+      cache=first-block:${FBC_THRESHOLD:-$threshold}; rate=${FBC_HIT_RATE:-$rate}
+    fi
     tag=$part-${cache%%:*}
     with=$([ "$cache" = none ] && echo "" || echo "--cache $cache")
+    rated=$([ "${cache%%:*}" = first-block ] && [ -n "${rate:-}" ] && echo "--cache-hit-rate $rate" || echo "")
     step plan-$tag 60 $py -m chunkflow plan --model $model $shape --steps $steps --hardware $hw --mem-budget $budget \
-      $with --out "$work/plan-$tag.json"
+      $with $rated --out "$work/plan-$tag.json"
     step run-$tag 900 $py -m chunkflow run --plan "$work/plan-$tag.json" --weights "$folder" --prompt "a red fox in the snow" \
       --seed 0 --warmup 1 --device $dev --latents "$work/latents-$tag.safetensors" --report "$work/report-$tag.json"
     if [ "${cache%%:*}" = first-block ] && [ -f "$work/plan-$part-none.json" ]; then  # block 0 streamed, as planned

@@ -1,0 +1,71 @@
+"""How many steps diffusers' first-block cache computes at each threshold, on a saved pipeline all on the GPU.
+
+    python3 docs/data/gpu-cache/probe.py PLAN.json FOLDER --out probe.json [--thresholds 0.05,0.1,0.2,0.4]
+
+The evidence pipelines hold random values, where a threshold skips far more or fewer steps than on trained weights:
+the evidence script runs first-block caching at the threshold this probe finds nearest to the planner's prior hit rate
+(stepcache.CACHE_PRIOR_HIT_RATE), so that the cache skips steps and some compute, and plans it with the hit rate
+measured here (`plan --cache-hit-rate`: the calibration of the cache on the user's model the issue names). Computed steps are counted as the
+calls of the second block's first child module (a skipped block runs none of its modules); the pipeline is called as
+`chunkflow run` and scripts/diffusers_load.py call it (chunkflow.generate.call_kwargs, the plan's workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import diffusers
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+
+from chunkflow.generate import call_kwargs
+from chunkflow.models.adapters import find_blocks
+from chunkflow_planner.plan import load_plan, model_of
+from chunkflow_planner.stepcache import CACHE_PRIOR_HIT_RATE
+
+
+def computed_steps(pipe, threshold: float, kw: dict, seed: int, device: str) -> int:
+    """Steps that ran the transformer's second block under FirstBlockCacheConfig(threshold)."""
+    block = find_blocks(pipe.transformer)[1]
+    calls: list[int] = []
+    hook = next(block.children()).register_forward_pre_hook(lambda m, args: calls.append(1))
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    try:
+        with torch.no_grad():
+            pipe(**kw, generator=torch.Generator(device).manual_seed(seed))
+    finally:
+        pipe.transformer.disable_cache()
+        hook.remove()
+    return len(calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan", help="the plan whose workload (steps, resolution) the runs make")
+    ap.add_argument("folder")
+    ap.add_argument("--prompt", default="a red fox in the snow")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--thresholds", default="0.05,0.1,0.2,0.4")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    plan = load_plan(a.plan)
+    spec, w = model_of(plan), plan.workload.to_workload()
+    dtypes = {"default": torch.bfloat16, "vae": getattr(torch, spec.pipeline.vae.dtype)}
+    pipe = getattr(diffusers, spec.pipeline.cls).from_pretrained(a.folder, torch_dtype=dtypes).to(a.device)
+    pipe.set_progress_bar_config(disable=True)
+    kw = call_kwargs(spec, w, a.prompt, None, None, w.steps, None, type(pipe), None)
+    kw.pop("generator", None)
+    kw["output_type"] = "latent"
+    found = {t: computed_steps(pipe, t, kw, a.seed, a.device) for t in map(float, a.thresholds.split(","))}
+    target = w.steps * (1 - CACHE_PRIOR_HIT_RATE[0])
+    chosen = min(found, key=lambda t: (abs(found[t] - target), t))
+    with open(a.out, "w") as f:
+        json.dump({"steps": w.steps, "computed_steps": found, "chosen": chosen, "target_computed": target,
+                   "hit_rate": (w.steps - found[chosen]) / w.steps}, f, indent=1)
+    print(f"first-block threshold {chosen:g}: {found[chosen]} of {w.steps} steps computed ({found})")
+
+
+if __name__ == "__main__":
+    main()

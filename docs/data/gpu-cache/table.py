@@ -1,0 +1,96 @@
+"""The table of issue 54's GPU evidence, recomputed from the raw files gpu_cache.sh wrote (a folder of them).
+
+    python3 docs/data/gpu-cache/table.py docs/data/gpu-cache/raw/RUN [--json]
+
+One row per way a generation ran (chunkflow's plan with no cache, a cache, the first-block cache at the no-cache
+plan's setting; diffusers all on the GPU and with group offloading, each with the same cache): the measured generation
+and denoise seconds (the measured generation after the warm-up), chunkflow's prediction and its error, the H2D bytes
+chunkflow copied and those copied for skipped blocks, the block runs skipped, the hit rate measured against planned,
+and whether the latents were chunkflow's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def chunkflow_row(report: dict) -> dict:
+    """What one `chunkflow run --report` says of its measured generation."""
+    g, st = report["generation"], report["stats"]
+    den = g["phases"]["denoise"]
+    cache = g.get("cache") or {}
+    per_generation = max(1, g.get("warmup_generations", 0) + g.get("measured_generations", 1))
+    return {
+        "setting": report["run"]["offload"], "generation_s": g["generation_time_s"],
+        "predicted_generation_s": g.get("predicted_generation_time_s"), "generation_error": g.get("generation_time_error"),
+        "denoise_s": den["measured_time_s"], "predicted_denoise_s": den.get("predicted_time_s"),
+        "denoise_error": den.get("time_error"),
+        "h2d_bytes_per_generation": st["h2d_bytes_issued"] / per_generation,
+        "skipped_h2d_bytes_per_generation": (st["skipped_h2d_bytes"] or 0) / per_generation,
+        "blocks_skipped": cache.get("blocks_skipped"), "blocks_computed": cache.get("blocks_computed"),
+        "hit_rate": cache.get("measured_hit_rate"), "planned_hit_rate": cache.get("planned_hit_rate"),
+        "planned_computed_steps": cache.get("planned_computed_steps"),
+    }
+
+
+def rows(folder: Path) -> dict[str, dict]:
+    """Every way's row, by its tag (flux-none, flux-first-block, flux-first-block-streamed, ...)."""
+    out: dict[str, dict] = {}
+    for report in sorted(folder.glob("report-*.json")):
+        tag = report.stem.removeprefix("report-")
+        out[tag] = {"way": "chunkflow", **chunkflow_row(json.loads(report.read_text()))}
+        same = _load(folder / f"compare-{tag}.json")
+        if same is not None:
+            out[tag]["latents_identical_to_whole_first"] = same["identical"]
+    for way in ("gpu", "group"):
+        for f in sorted(folder.glob(f"diffusers-{way}-*.json")):
+            tag = f.stem.removeprefix(f"diffusers-{way}-")
+            d = json.loads(f.read_text())
+            out[f"{tag} diffusers-{way}"] = {"way": f"diffusers {way}", "generation_s": d.get("generation_s"),
+                                            "latents_identical": d.get("latents_identical"), "cache": d.get("cache")}
+    return out
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:+.1f}%"
+
+
+def markdown(table: dict[str, dict]) -> str:
+    lines = ["| way | generation s | predicted | error | denoise s | predicted | error | H2D GB | for skipped GB | "
+             "block runs skipped | hit rate (planned) | latents |", "|" + "---|" * 12]
+    for tag, r in table.items():
+        if r["way"] == "chunkflow":
+            planned = "-" if r["planned_hit_rate"] is None else f"{r['planned_hit_rate']:.2f}"
+            hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f} ({planned})"
+            same = r.get("latents_identical_to_whole_first")
+            lines.append(f"| {tag} | {_s(r['generation_s'])} | {_s(r['predicted_generation_s'])} | "
+                         f"{_pct(r['generation_error'])} | {_s(r['denoise_s'])} | {_s(r['predicted_denoise_s'])} | "
+                         f"{_pct(r['denoise_error'])} | {r['h2d_bytes_per_generation'] / 1e9:.1f} | "
+                         f"{r['skipped_h2d_bytes_per_generation'] / 1e9:.2f} | {r['blocks_skipped']} | {hit} | "
+                         f"{'-' if same is None else ('= whole-first run' if same else 'DIFFER')} |")
+        else:
+            same = r["latents_identical"]
+            lines.append(f"| {tag} | {_s(r['generation_s'])} | | | | | | | | | | "
+                         f"{'-' if same is None else ('= chunkflow' if same else 'DIFFER')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0])
+    table = rows(folder)
+    print(json.dumps(table, indent=1) if "--json" in argv else markdown(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
