@@ -137,7 +137,7 @@ def test_the_plan_file_carries_its_bands_and_reads_back(workdir):
                                  "--mem-budget", "6GB", "--hardware", "h200", "--out", "p.json"])
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "p.json").read_text())
-    assert data["schema_version"] == 6  # 6: the step cache (issue 54); 5: the stored format; the bands came in 4
+    assert data["schema_version"] == 7  # 7: blocks kept whole; 6: the step cache (issue 54); 5: the stored format; bands in 4
     step = data["prediction"]["bands"]["step_time_s"]
     assert step["low"] < data["prediction"]["step_time_s"] < step["high"] and 0 < step["rel"] < 0.5
     plan = load_plan(tmp_path / "p.json")

@@ -239,12 +239,17 @@ def decide_transformer(problem: Problem, usable: int, kept: MarginKept | None, m
     decision = replace(decision, reason=explain.step_reason(decision.facts, kept)
                        + explain.codec_said(decision.chosen, *codec_ratio(problem.hw)))
     decision = decision if host_budget is None else _within_host(problem, decision, host_budget, host_margin)
-    return _whole_first(problem, decision)
+    host_usable = None if host_budget is None else int(host_budget / (1 + host_margin))
+    return _whole_first(problem, decision, host_usable)
 
 
-def _whole_first(problem: Problem, decision: Decision) -> Decision:
-    """The decision with its first block kept whole where a first-block cache makes that faster (whole_first.py)."""
-    q = whole_first(problem, decision.chosen, lambda p: p.need <= decision.budget, decision.target_s)
+def _whole_first(problem: Problem, decision: Decision, host_usable: int | None) -> Decision:
+    """The decision with its first block kept whole where a first-block cache makes that faster (whole_first.py),
+    inside the same GPU budget and, where one is held, the host budget."""
+    def fits(p: Point) -> bool:
+        return p.need <= decision.budget and (host_usable is None or host_need(p.memory, problem.hw) <= host_usable)
+
+    q = whole_first(problem, decision.chosen, fits, decision.target_s)
     if q is decision.chosen:
         return decision
     facts = replace(decision.facts, chosen=setting(q, decision.none), need=q.need, time_s=q.step_time)
