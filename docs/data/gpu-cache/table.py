@@ -85,10 +85,36 @@ def markdown(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def goals(table: dict[str, dict]) -> dict[str, dict]:
+    """Per cached chunkflow run: the cache's compute saving (block runs skipped / block runs), its speed-up over the
+    no-cache run of the same part (denoise phase and whole generation), and each prediction's error."""
+    out = {}
+    for tag, r in table.items():
+        part = tag.split("-")[0]
+        base = table.get(f"{part}-none")
+        if r["way"] != "chunkflow" or base is None or tag == f"{part}-none" or not r["blocks_computed"]:
+            continue
+        runs = r["blocks_computed"] + r["blocks_skipped"]
+        out[tag] = {"compute_saving": r["blocks_skipped"] / runs,
+                    "speedup_denoise": base["denoise_s"] / r["denoise_s"],
+                    "speedup_generation": base["generation_s"] / r["generation_s"],
+                    "time_saving_denoise": 1 - r["denoise_s"] / base["denoise_s"],
+                    "denoise_error": r["denoise_error"], "generation_error": r["generation_error"]}
+    return out
+
+
 def main(argv: list[str]) -> int:
     folder = Path(argv[0])
     table = rows(folder)
-    print(json.dumps(table, indent=1) if "--json" in argv else markdown(table))
+    if "--json" in argv:
+        print(json.dumps({"rows": table, "goals": goals(table)}, indent=1))
+        return 0
+    print(markdown(table))
+    for tag, g in goals(table).items():
+        print(f"\n{tag}: compute saved {100 * g['compute_saving']:.1f}% of block runs; denoise "
+              f"{100 * g['time_saving_denoise']:.1f}% shorter ({g['speedup_denoise']:.2f}x), generation "
+              f"{g['speedup_generation']:.2f}x; plan error denoise {_pct(g['denoise_error'])}, generation "
+              f"{_pct(g['generation_error'])}")
     return 0
 
 
