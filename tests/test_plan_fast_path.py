@@ -44,7 +44,7 @@ def _exhaustive(monkeypatch: pytest.MonkeyPatch) -> None:
     def every_block(fn, V):  # noqa: ANN001, ANN202
         return [fn(v) for v in V]
 
-    for module in (offload, memory, steptime):
+    for module in (offload, steptime):
         monkeypatch.setattr(module, "per_volume", every_block)
     evaluate = policy.Problem.evaluate
 

@@ -279,14 +279,15 @@ def test_old_plan_files_still_read(tmp_path):
     data.pop("format")
     data["workload"].pop("cache")
     data["prediction"].pop("cache")
-    for version in (1, 2, 3, 4, 5):
+    data["offload"].pop("whole_blocks")
+    for version in (1, 2, 3, 4, 5, 6):
         path = tmp_path / f"v{version}.json"
         path.write_text(json.dumps({**data, "schema_version": version}))
-        assert load_plan(path).format is None
-    path.write_text(json.dumps({**data, "schema_version": 7}))
+        assert load_plan(path).format is None and load_plan(path).offload.whole_blocks == ()
+    path.write_text(json.dumps({**data, "schema_version": 8}))
     from chunkflow_planner.plan import PlanError
 
-    with pytest.raises(PlanError, match="schema_version 7"):
+    with pytest.raises(PlanError, match="schema_version 8"):
         load_plan(path)
     assert math.isfinite(plan.prediction.step_time_s)
 
