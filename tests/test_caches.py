@@ -184,6 +184,29 @@ def test_a_first_block_hit_copies_nothing_with_the_first_block_kept_whole(kind):
     assert computed and all(b > 0 for b in computed)  # the computed steps still stream the other blocks
 
 
+SKIP_WHOLE_STEPS = [("mag", ()), ("taylorseer-lite", ()), ("first-block", (0,))]
+
+
+@pytest.mark.parametrize("cache,whole", SKIP_WHOLE_STEPS, ids=[c for c, _ in SKIP_WHOLE_STEPS])
+@pytest.mark.parametrize("kind", ["wan", "flux"])
+def test_skipped_steps_copy_no_byte_the_computed_ones_do_not_use(kind, cache, whole):
+    """A cache whose skipped steps run no streamed block (MagCache and TaylorSeer lite, decided at the step's start;
+    first-block caching with block 0 kept whole): over a generation the copies are exactly the computed forwards'
+    streamed bytes and the first prefetch. The prefetch a skipped step finds made (`skipped_h2d_bytes`: issued
+    before the decision) stays in its slot and is the next computed forward's, so no byte is copied for a skip."""
+    pipe = tiny_pipeline(kind)
+    pipe.transformer.enable_cache(CACHES[cache]())
+    handle = chunkflow.offload(pipe.transformer, device="cpu", mode="chunkflow", chunk_size="4KB", residency=0.3,
+                               whole_blocks=whole)
+    _output(pipe, kind)
+    st, forwards = handle.stats(), handle.runs.since(0)
+    computed = sum(1 for f in forwards if len(f.skipped) == 0)
+    assert 0 < computed < len(forwards) and st.skipped_h2d_bytes > 0  # it skipped, after a prefetch
+    streamed = {name: b.streamed_bytes for (name, _), b in zip(handle.blocks, handle.layouts)}
+    assert st.h2d_bytes_issued == computed * sum(streamed.values()) + streamed[_first_streamed(handle)]
+    handle.remove()
+
+
 def test_whole_blocks_past_the_module_are_refused_before_anything_changes():
     pipe = tiny_pipeline("flux")
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
