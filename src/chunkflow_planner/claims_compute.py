@@ -280,6 +280,39 @@ def run_vs_plan(raw: list[Path]) -> tuple[float, float, float]:
     return measured, planned, (measured / planned - 1.0) * 100.0
 
 
+def phase_vs_plan(raw: list[Path], phase: str) -> tuple[float, float, float]:
+    """A report's measured phase (`denoise`: its steps) at the steps it ran, its plan's at those steps (the plan's
+    phase less the steps not run at its step time) and the error in percent."""
+    report = _load(raw[0])
+    pred = report["plan"]["prediction"]
+    not_run = int(report["plan"]["workload"]["steps"]) - len(report["measured"]["step_times_s"])
+    planned = float(pred["phases"][phase]["time_s"]) - not_run * float(pred["step_time_s"])
+    measured = float(report["generation"]["phases"][phase]["measured_time_s"])
+    return measured, planned, (measured / planned - 1.0) * 100.0
+
+
+def load_rate(raw: list[Path]) -> tuple[float, float]:
+    """A report's load: the bytes it read from the checkpoint's files (GB) and at what rate (GB/s)."""
+    load = _at(raw[0], "generation/load")
+    return float(load["read_bytes"]) / 1e9, float(load["read_bytes"]) / 1e9 / float(load["read_seconds"])
+
+
+def trace_same(raw: list[Path], keys: list[str]) -> int:
+    """How many samples of a report's memory trace (one after every step) have the first sample's value at every
+    one of `keys` (all of them where that memory never moved)."""
+    trace = _at(raw[0], "measured/memory_trace")
+    return sum(all(x[k] == trace[0][k] for k in keys) for x in trace)
+
+
+def trace_growth(raw: list[Path], key: str) -> tuple[float, float]:
+    """How much `key` of a report's memory trace grew from its first sample to its last, in MB, and that over the
+    run's timed steps, in KB a step."""
+    report = _load(raw[0])
+    trace = report["measured"]["memory_trace"]
+    grown = float(trace[-1][key]) - float(trace[0][key])
+    return grown / 1e6, grown / len(report["measured"]["step_times_s"]) / 1e3
+
+
 def measured_vs_planned(raw: list[Path], key: str, key2: str, scale: float = 1.0) -> tuple[float, float, float]:
     """`key` (measured) and `key2` (planned) in one file, times `scale`, and the error in percent."""
     measured, planned = float(_at(raw[0], key)), float(_at(raw[0], key2))
@@ -446,6 +479,41 @@ def meminfo_peak_gb(raw: list[Path]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _meminfo_line(path: Path, label: str) -> dict[str, float]:
+    """One line of an evidence script's meminfo.log ('MemAvailable: N kB Cached: N kB ... LABEL'), each field in
+    GB (/proc/meminfo's kB are 1024 bytes)."""
+    line = next(x for x in path.read_text().splitlines() if x.rstrip().endswith(f" {label}"))
+    return {k: int(v) * 1024 / 1e9 for k, v in re.findall(r"(\w+): (\d+) kB", line)}
+
+
+def meminfo_values(raw: list[Path], field: str, labels: list[str]) -> tuple[float, ...]:
+    """A /proc/meminfo field (GB) at each of meminfo.log's lines labelled `labels`."""
+    return tuple(_meminfo_line(raw[0], label)[field] for label in labels)
+
+
+def _cache_left(path: Path, label: str) -> float:
+    """The page cache a run left (GB): meminfo.log's Cached after it ('after LABEL') less before it."""
+    return _meminfo_line(path, f"after {label}")["Cached"] - _meminfo_line(path, f"before {label}")["Cached"]
+
+
+def cache_left(raw: list[Path], labels: list[str]) -> tuple[float, ...]:
+    """The page cache each run labelled `labels` in meminfo.log left, in GB."""
+    return tuple(_cache_left(raw[0], label) for label in labels)
+
+
+def fields_and_cache(raw: list[Path], keys: list[str], label: str,
+                     scales: list[float] | None = None) -> tuple[float, ...]:
+    """A run's table line: `fields` of its file (the first) and the page cache it left (the last, meminfo.log)."""
+    return (*fields(raw[:1], keys, scales), _cache_left(raw[-1], label))
+
+
+def host_with_cache(raw: list[Path], keys: list[str], labels: list[str]) -> tuple[float, ...]:
+    """Per run (raw[i], its host peak at keys[i], its label in meminfo.log, the last file): the host memory it
+    held at its peak plus the page cache it left, in GB."""
+    return tuple(float(_at(p, k)) / 1e9 + _cache_left(raw[-1], label)
+                 for p, k, label in zip(raw[:-1], keys, labels, strict=True))
+
+
 # ---- many generations per load (docs/data/h200-many) --------------------------------------------------------------
 
 
@@ -584,3 +652,69 @@ def bench_share(raw: list[Path], mode: str, column: str = "measured_peak_bytes",
     rows = _bench(raw[0])
     shares = [100.0 * _bench_ratio(rows, mode, r["value"], column, base) for r in rows if r["mode"] == mode]
     return min(shares), max(shares)
+
+
+def bench_steps(raw: list[Path], mode: str, frames: str) -> tuple[float, ...]:
+    """A mode's measured step (s) at one point of each bench.csv."""
+    return tuple(float(next(r for r in _bench(p) if r["mode"] == mode and r["value"] == frames)["measured_step_s"])
+                 for p in raw)
+
+
+def bench_faster(raw: list[Path], mode: str, frames: list[str], base: str | None = None) -> tuple[float, ...]:
+    """Per point: how much less time a mode's step took in the first bench.csv than `base`'s (default: the same
+    mode's) in the last, in percent (1 - a/b)."""
+    first, last = _bench(raw[0]), _bench(raw[-1])
+    out = []
+    for f in frames:
+        a = next(float(r["measured_step_s"]) for r in first if r["mode"] == mode and r["value"] == f)
+        b = next(float(r["measured_step_s"]) for r in last if r["mode"] == (base or mode) and r["value"] == f)
+        out.append((1.0 - a / b) * 100.0)
+    return tuple(out)
+
+
+def bench_faster_span(raw: list[Path], mode: str, frames: list[str], base: str | None = None) -> tuple[float, float]:
+    """The smallest and largest of `bench_faster`."""
+    found = bench_faster(raw, mode, frames, base)
+    return min(found), max(found)
+
+
+def bench_slower_span(raw: list[Path], mode: str, frames: list[str]) -> tuple[float, float]:
+    """The smallest and largest excess of a mode's step in the first bench.csv over its step in the last, in
+    percent (a/b - 1), over the points `frames`."""
+    found = [-x for x in bench_faster(raw, mode, frames)]
+    return min(found), max(found)
+
+
+def bench_pair_row(raw: list[Path], mode: str, frames: str, base: str = "none") -> tuple[float, float, float, float]:
+    """One line of a two-run table: the baseline's step and the mode's (s) in the first bench.csv, the mode's over
+    the baseline's there, and the same ratio in the last bench.csv (the earlier run)."""
+    first = _bench(raw[0])
+    return (bench_steps(raw[:1], base, frames)[0], bench_steps(raw[:1], mode, frames)[0],
+            _bench_ratio(first, mode, frames, "measured_step_s", base),
+            _bench_ratio(_bench(raw[-1]), mode, frames, "measured_step_s", base))
+
+
+def bench_ratio_drift(raw: list[Path], mode: str, frames: list[str], base: str = "none") -> int:
+    """The largest change of a mode's step over the baseline's between the first bench.csv and the last, over the
+    points `frames`, in whole percent rounded up (|r1/r2 - 1|)."""
+    first, last = _bench(raw[0]), _bench(raw[-1])
+    moved = [abs(_bench_ratio(first, mode, f, "measured_step_s", base)
+                 / _bench_ratio(last, mode, f, "measured_step_s", base) - 1.0) for f in frames]
+    return math.ceil(max(moved) * 100.0 - 1e-9)
+
+
+def bench_column_span(raw: list[Path], column: str, scale: float = 100.0) -> tuple[float, float]:
+    """The smallest and largest value of a bench.csv column over the points that have one, times `scale` (a plan's
+    errors, in percent)."""
+    found = [float(r[column]) for r in _bench(raw[0]) if r[column]]
+    return min(found) * scale, max(found) * scale
+
+
+def bench_identical(raw: list[Path], word: str, mode: str | None = None, frames: str | None = None) -> str:
+    """`word` where bench.csv's bit_identical is True at every point (of `mode`, at `frames`), 'not ' + `word`
+    where it is False at every one, else 'MIXED'."""
+    flags = [r["bit_identical"] == "True" for r in _bench(raw[0])
+             if (mode is None or r["mode"] == mode) and (frames is None or r["value"] == frames)]
+    if flags and all(flags):
+        return word
+    return f"not {word}" if flags and not any(flags) else "MIXED"
