@@ -718,3 +718,132 @@ def bench_identical(raw: list[Path], word: str, mode: str | None = None, frames:
     if flags and all(flags):
         return word
     return f"not {word}" if flags and not any(flags) else "MIXED"
+
+
+# ---- whole generations from real checkpoint folders (docs/checkpoint-h200.md) ---------------------------------------
+
+
+def checkpoint_row(raw: list[Path]) -> tuple[Any, ...]:
+    """One line of scripts/checkpoint_doc.py's table from a run report (the first file) and, where given, diffusers'
+    load of the same folder (the last): the page cache's share (%), load seconds and error (%), read rate (GB/s),
+    host peak (GB) and error (%), the largest phase peak (GB), its phase, the GPU budget (GB), denoise and generation
+    seconds and their errors (%); then diffusers' load seconds and 'yes'/'NO' for identical latents."""
+    r = _load(raw[0])
+    g, ld = r["generation"], r["generation"]["load"]
+    phases = g["phases"]
+    worst = max(phases, key=lambda k: phases[k]["measured_peak_memory_bytes"])
+
+    def err(m: float, p: float) -> float:
+        return (m / p - 1.0) * 100.0
+
+    den = phases["denoise"]
+    out: tuple[Any, ...] = (
+        ld["cached_fraction"] * 100.0, ld["measured_time_s"], err(ld["measured_time_s"], ld["predicted_time_s"]),
+        ld["read_bytes"] / ld["read_seconds"] / 1e9,
+        g["host_peak_bytes"] / 1e9, err(g["host_peak_bytes"], g["predicted_host_memory_bytes"]),
+        phases[worst]["measured_peak_memory_bytes"] / 1e9, worst, g["gpu_budget_bytes"] / 1e9,
+        den["measured_time_s"], err(den["measured_time_s"], den["predicted_time_s"]),
+        g["generation_time_s"], err(g["generation_time_s"], g["predicted_generation_time_s"]))
+    if len(raw) > 1:
+        ref = _load(raw[-1])
+        out += (ref["load_s"], "yes" if ref["latents_identical"] else "NO")
+    return out
+
+
+def worst_of(raw: list[Path], keys: list[str], scale: float = 100.0) -> float:
+    """The value of largest magnitude at any of `keys` in any file, sign kept, times `scale` (a worst error, %)."""
+    found = [v for p in raw for k in keys for v in _flat(_at(p, k))]
+    return max(found, key=abs) * scale
+
+
+def within(raw: list[Path], keys: list[str], scale: float = 100.0) -> int:
+    """The largest |value| at any of `keys` in any file, times `scale`, in whole units rounded up ("within N%")."""
+    return math.ceil(abs(worst_of(raw, keys, scale)) - 1e-9)
+
+
+def count_within(raw: list[Path], key: str, limit: float, scale: float = 100.0) -> tuple[int, int]:
+    """How many files have |`key` x `scale`| <= `limit`, of how many."""
+    found = [abs(float(_at(p, key))) * scale for p in raw]
+    return sum(v <= limit for v in found), len(found)
+
+
+def load_rates(raw: list[Path]) -> tuple[float, ...]:
+    """Per run report: its load's read rate, the bytes it read from the folder over the seconds reading, GB/s."""
+    return tuple(_at(p, "generation/load/read_bytes") / _at(p, "generation/load/read_seconds") / 1e9 for p in raw)
+
+
+def load_rate_slower(raw: list[Path]) -> float:
+    """How much slower the last report's load read than the first's, in percent (1 - last/first)."""
+    first, last = load_rates([raw[0], raw[-1]])
+    return (1.0 - last / first) * 100.0
+
+
+def load_beyond_reads(raw: list[Path]) -> tuple[float, ...]:
+    """Per run report: its load's seconds beyond the seconds reading the folder (start-up, page-locking, copies)."""
+    return tuple(_at(p, "generation/load/measured_time_s") - _at(p, "generation/load/read_seconds") for p in raw)
+
+
+def phase_peak_max(raw: list[Path]) -> float:
+    """The largest peak GPU memory (reserved, GB) of any phase of any run report."""
+    return max(ph["measured_peak_memory_bytes"] for p in raw for ph in _at(p, "generation/phases").values()) / 1e9
+
+
+# ---- planner accuracy over bench.csv files (docs/planner-accuracy-h200.md) ------------------------------------------
+
+
+def bench_accuracy_row(raw: list[Path], mode: str, frames: str) -> tuple[float, ...]:
+    """One line of an accuracy table: measured and predicted step (s) and the error (%), measured and predicted
+    peak allocated memory (GB) and the error (%), at one point of bench.csv."""
+    row = next(r for r in _bench(raw[0]) if r["mode"] == mode and r["value"] == frames)
+    return (float(row["measured_step_s"]), float(row["predicted_step_s"]), float(row["err_step"]) * 100.0,
+            float(row["measured_peak_bytes"]) / 1e9, float(row["predicted_peak_bytes"]) / 1e9,
+            float(row["err_peak"]) * 100.0)
+
+
+def _points(raw: list[Path], last_modes: list[str] | None) -> list[dict[str, str]]:
+    """Every point of the bench.csv files that the planner predicted (baselines such as diffusers-group have no
+    prediction); of the last file only the modes `last_modes` (a point measured later, completing an earlier file),
+    where given."""
+    rows = [r for p in raw[:-1] for r in _bench(p)] if last_modes else []
+    last = _bench(raw[-1]) if last_modes else [r for p in raw for r in _bench(p)]
+    rows += [r for r in last if not last_modes or r["mode"] in last_modes]
+    return [r for r in rows if r["err_step"]]
+
+
+def bench_accuracy_summary(raw: list[Path], last_modes: list[str] | None = None) -> tuple[float, ...]:
+    """Over the points of `_points`: the largest |step error| and |peak error| (%), how many points, and the
+    median |step error| and |peak error| (%)."""
+    pts = _points(raw, last_modes)
+    step = [abs(float(r["err_step"])) * 100.0 for r in pts]
+    peak = [abs(float(r["err_peak"])) * 100.0 for r in pts]
+    return max(step), max(peak), len(pts), statistics.median(step), statistics.median(peak)
+
+
+def bench_peak_gap(raw: list[Path], last_modes: list[str] | None = None) -> tuple[float, float]:
+    """Over the points of `_points`: the smallest and largest measured peak less the predicted one, GB."""
+    gaps = [(float(r["measured_peak_bytes"]) - float(r["predicted_peak_bytes"])) / 1e9
+            for r in _points(raw, last_modes)]
+    return min(gaps), max(gaps)
+
+
+def bench_abs_span(raw: list[Path], column: str, scale: float = 100.0) -> tuple[float, float]:
+    """The smallest and largest |value| of a bench.csv column over the points that have one, times `scale`."""
+    found = [abs(float(r[column])) for r in _bench(raw[0]) if r[column]]
+    return min(found) * scale, max(found) * scale
+
+
+def jsonl_worsts(raw: list[Path], keys: list[str], scale: float = 100.0) -> tuple[float, ...]:
+    """Per key: the largest |value| over a JSON-lines file's records (run reports), times `scale`."""
+    records = [json.loads(line) for line in raw[0].read_text().splitlines() if line.strip()]
+    return tuple(max(abs(float(_dig(r, k))) for r in records) * scale for k in keys)
+
+
+def log_numbers(raw: list[Path], pattern: str) -> tuple[float, ...]:
+    """Per file: the numbers `pattern`'s groups capture in its first match (a figure a log line printed)."""
+    out: list[float] = []
+    for p in raw:
+        m = re.search(pattern, p.read_text())
+        if m is None:
+            raise ValueError(f"{p}: no line matches {pattern!r}")
+        out += [float(g) for g in m.groups()]
+    return tuple(out)
