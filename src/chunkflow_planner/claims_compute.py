@@ -847,3 +847,42 @@ def log_numbers(raw: list[Path], pattern: str) -> tuple[float, ...]:
             raise ValueError(f"{p}: no line matches {pattern!r}")
         out += [float(g) for g in m.groups()]
     return tuple(out)
+
+
+# ---- one host copy shared by two processes (docs/shared-host-h200.md) ---------------------------------------------
+
+
+def _kb_field(path: Path, field: str) -> float:
+    """A /proc/meminfo field of a copy of it ('Field: N kB'), in GB."""
+    line = next(x for x in path.read_text().splitlines() if x.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024 / 1e9
+
+
+def meminfo_used(raw: list[Path]) -> tuple[float, float, float, float, float, float, float]:
+    """The host's memory around a run, in GB, from [a meminfo copy with MemTotal, one before the run, its samples
+    ('time MemAvailable_kB Shmem_kB' every 0.5 s), one after]: MemTotal, the smallest MemAvailable sampled, the peak
+    used (MemTotal less that), used before, the largest Shmem sampled, used after, the peak used less before."""
+    total = _kb_field(raw[0], "MemTotal")
+    rows = [x.split() for x in raw[2].read_text().splitlines() if x.strip()]
+    low = min(int(r[1]) for r in rows) * 1024 / 1e9
+    shmem = max(int(r[2]) for r in rows) * 1024 / 1e9
+    before, after = total - _kb_field(raw[1], "MemAvailable"), total - _kb_field(raw[3], "MemAvailable")
+    return total, low, total - low, before, shmem, after, total - low - before
+
+
+def streamed_rates(raw: list[Path], bytes_key: str, keys: list[str]) -> tuple[float, ...]:
+    """Per forward time at `keys`: that time in ms, then the bytes at `bytes_key` over it in GB/s."""
+    size = float(_at(raw[0], bytes_key))
+    return tuple(x for k in keys for x in (float(_at(raw[0], k)) * 1e3, size / float(_at(raw[0], k)) / 1e9))
+
+
+def fill_times(raw: list[Path], bytes_key: str) -> tuple[float, float, float, float, float]:
+    """The bench's streamed bytes (raw[0], bench.json) filled at the fill probe's rates (raw[1], probe.json), in
+    seconds: the slowest and fastest into a memfd, the slowest and fastest into anonymous memory; then the owner's
+    offload shared less private."""
+    size = float(_at(raw[0], bytes_key))
+    rows = _at(raw[1], "rows")
+    memfd = [size / (r["gbps"] * 1e9) for r in rows if r["way"] == "memfd"]
+    anon = [size / (r["gbps"] * 1e9) for r in rows if r["way"] == "anonymous"]
+    extra = difference(raw[:1], "rounds/round=shared/ranks/0/offload_s", "rounds/round=private/ranks/0/offload_s")
+    return min(memfd), max(memfd), min(anon), max(anon), extra
