@@ -886,3 +886,86 @@ def fill_times(raw: list[Path], bytes_key: str) -> tuple[float, float, float, fl
     anon = [size / (r["gbps"] * 1e9) for r in rows if r["way"] == "anonymous"]
     extra = difference(raw[:1], "rounds/round=shared/ranks/0/offload_s", "rounds/round=private/ranks/0/offload_s")
     return min(memfd), max(memfd), min(anon), max(anon), extra
+
+
+# ---- batched CFG and fp8 weight storage (docs/levers.md) ----------------------------------------------------------
+
+
+def levers_row(raw: list[Path]) -> tuple[float, ...]:
+    """One line of scripts/levers_doc.py's run tables, from [a `chunkflow run` report, the no offload report it is
+    held against (default: itself)]: step measured and predicted (ms), the error in percent, the step over the
+    reference's, peak allocated measured and predicted and pinned host bytes (GB)."""
+    rep, ref = _load(raw[0]), _load(raw[-1])
+    m, p = rep["measured"], rep["predicted"]
+    step, pred = m["median_step_s"], p["step_time_s"]
+    return (step * 1e3, pred * 1e3, (step - pred) / pred * 100, step / ref["measured"]["median_step_s"],
+            m["peak_allocated_bytes"] / 1e9, p["peak_memory_bytes"] / 1e9, m["pinned_host_bytes"] / 1e9)
+
+
+def levers_then_row(raw: list[Path]) -> tuple[float, ...]:
+    """One line of docs/levers.md's 07:20-07:52 Qwen-Image table, from [a run report, the no offload report beside
+    it]: step measured and predicted then (ms), the step over no offload's measured and predicted, peak allocated and
+    pinned host bytes (GB)."""
+    rep, ref = _load(raw[0]), _load(raw[-1])
+    step, pred = rep["measured"]["median_step_s"], rep["predicted"]["step_time_s"]
+    return (step * 1e3, pred * 1e3, step / ref["measured"]["median_step_s"], pred / ref["predicted"]["step_time_s"],
+            rep["measured"]["peak_allocated_bytes"] / 1e9, rep["measured"]["pinned_host_bytes"] / 1e9)
+
+
+def cast_row(raw: list[Path], word: str = "yes") -> tuple[Any, ...]:
+    """The fp8 cast placement at one frame count, from [cast on the compute stream, on the copy stream, no offload (run
+    reports), the two latents' comparison]: each step (ms) and its ratio to no offload's, both peaks allocated (GB),
+    and `word` where the comparison says bit-identical True."""
+    a, b, ref = (_load(p)["measured"] for p in raw[:3])
+    same = word if "bit-identical True" in raw[3].read_text() else "NOT SAME"
+    return (a["median_step_s"] * 1e3, a["median_step_s"] / ref["median_step_s"], b["median_step_s"] * 1e3,
+            b["median_step_s"] / ref["median_step_s"], a["peak_allocated_bytes"] / 1e9,
+            b["peak_allocated_bytes"] / 1e9, same)
+
+
+def crossover_line(raw: list[Path]) -> str:
+    """scripts/levers_doc.py's crossover line of one `chunkflow bench` frame sweep (bench.csv): chunkflow r=0 over no
+    offload by frames, from where it stays within 1.05x, the prefetch stall over the step, from where it stays under
+    2%, and the planner's critical frame count."""
+    rows = _bench(raw[0])
+    none = {int(r["value"]): float(r["measured_step_s"]) for r in rows if r["mode"] == "none"}
+    cf = {int(r["value"]): r for r in rows if r["mode"] == "chunkflow"}
+    values = sorted(v for v in cf if v in none)
+    ratio = {v: float(cf[v]["measured_step_s"]) / none[v] for v in values}
+    stall = {v: float(cf[v]["prefetch_stall_s"]) / float(cf[v]["measured_step_s"]) for v in values}
+
+    def first_from(ok: dict[int, bool]) -> str:
+        good = [v for i, v in enumerate(values) if all(ok[u] for u in values[i:])]
+        return f"from {good[0]} frames on" if good else "at none of them"
+
+    pairs = ", ".join(f"{v}: {ratio[v]:.3f}x" for v in values)
+    stalls = ", ".join(f"{v}: {stall[v]:.0%}" for v in values)
+    crit = float(cf[values[0]]["critical"])
+    return (f"chunkflow r=0 / no offload by frames: {pairs}; within 1.05x "
+            f"{first_from({v: ratio[v] <= 1.05 for v in values})}. Prefetch stall / step: {stalls}; under 2% "
+            f"{first_from({v: stall[v] < 0.02 for v in values})}; predicted critical frames {crit:.1f}")
+
+
+def crossover_frames(raw: list[Path]) -> tuple[int, float, int, float, float]:
+    """Two frame sweeps (bench.csv: bf16, then fp8 storage): the first frame count from which chunkflow r=0's prefetch
+    stall stays under 2% of the step and the planner's critical frames, for each; then the fp8 count over bf16's."""
+    out: list[Any] = []
+    for path in raw:
+        cf = {int(r["value"]): r for r in _bench(path) if r["mode"] == "chunkflow"}
+        values = sorted(cf)
+        low = [v for i, v in enumerate(values)
+               if all(float(cf[u]["prefetch_stall_s"]) < 0.02 * float(cf[u]["measured_step_s"]) for u in values[i:])]
+        out += [low[0], float(cf[values[0]]["critical"])]
+    return out[0], out[1], out[2], out[3], out[2] / out[0]
+
+
+def bench_extra(raw: list[Path], mode: str, frames: list[str], base: str = "none") -> tuple[float, ...]:
+    """Per point of bench.csv: how much longer a mode's step took than `base`'s, in percent (a/b - 1)."""
+    return tuple((r - 1.0) * 100.0 for r in bench_ratios(raw, mode, frames, base=base))
+
+
+def shorter_span(raw: list[Path], key: str) -> tuple[float, float]:
+    """Per pair of files (1st/2nd, 3rd/4th, ...): how much less `key` is in the first than in the second, in percent
+    (1 - a/b); the smallest and largest."""
+    out = [(1.0 - r) * 100.0 for r in ratios(raw, key)]
+    return min(out), max(out)
