@@ -1,13 +1,15 @@
-"""How many steps diffusers' first-block cache computes at each threshold, on a saved pipeline all on the GPU.
+"""How often diffusers' first-block cache computes at each threshold, on a saved pipeline all on the GPU.
 
     python3 docs/data/gpu-cache/probe.py PLAN.json FOLDER --out probe.json [--thresholds 0.05,0.1,0.2,0.4]
 
 The evidence pipelines hold random values, where a threshold skips far more or fewer steps than on trained weights:
 the evidence script runs first-block caching at the threshold this probe finds nearest to the planner's prior hit rate
 (stepcache.CACHE_PRIOR_HIT_RATE), so that the cache skips steps and some compute, and plans it with the hit rate
-measured here (`plan --cache-hit-rate`: the calibration of the cache on the user's model the issue names). Computed steps are counted as the
-calls of the second block's first child module (a skipped block runs none of its modules); the pipeline is called as
-`chunkflow run` and scripts/diffusers_load.py call it (chunkflow.generate.call_kwargs, the plan's workload).
+measured here (`plan --cache-hit-rate`: the calibration of the cache on the user's model the issue names): the share
+of the transformer's forwards (each guidance pass of each step) that skipped its blocks, as `run` reports it.
+Computed forwards are counted as the calls of the second block's first child module (a skipped block runs none of its
+modules); the pipeline is called as `chunkflow run` and scripts/diffusers_load.py call it
+(chunkflow.generate.call_kwargs, the plan's workload).
 """
 
 from __future__ import annotations
@@ -25,19 +27,23 @@ from chunkflow_planner.plan import load_plan, model_of
 from chunkflow_planner.stepcache import CACHE_PRIOR_HIT_RATE
 
 
-def computed_steps(pipe, threshold: float, kw: dict, seed: int, device: str) -> int:
-    """Steps that ran the transformer's second block under FirstBlockCacheConfig(threshold)."""
+def computed_share(pipe, threshold: float, kw: dict, seed: int, device: str) -> float:
+    """The share of the transformer's forwards (each guidance pass of each step) that ran its second block under
+    FirstBlockCacheConfig(threshold): 1 - the hit rate, as `chunkflow run` reports it (measured_hit_rate)."""
     block = find_blocks(pipe.transformer)[1]
     calls: list[int] = []
-    hook = next(block.children()).register_forward_pre_hook(lambda m, args: calls.append(1))
+    forwards: list[int] = []
+    hooks = [next(block.children()).register_forward_pre_hook(lambda m, args: calls.append(1)),
+             pipe.transformer.register_forward_pre_hook(lambda m, args: forwards.append(1))]
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
     try:
         with torch.no_grad():
             pipe(**kw, generator=torch.Generator(device).manual_seed(seed))
     finally:
         pipe.transformer.disable_cache()
-        hook.remove()
-    return len(calls)
+        for h in hooks:
+            h.remove()
+    return len(calls) / len(forwards)
 
 
 def main() -> None:
@@ -58,13 +64,13 @@ def main() -> None:
     kw = call_kwargs(spec, w, a.prompt, None, None, w.steps, None, type(pipe), None)
     kw.pop("generator", None)
     kw["output_type"] = "latent"
-    found = {t: computed_steps(pipe, t, kw, a.seed, a.device) for t in map(float, a.thresholds.split(","))}
-    target = w.steps * (1 - CACHE_PRIOR_HIT_RATE[0])
+    found = {t: computed_share(pipe, t, kw, a.seed, a.device) for t in map(float, a.thresholds.split(","))}
+    target = 1 - CACHE_PRIOR_HIT_RATE[0]
     chosen = min(found, key=lambda t: (abs(found[t] - target), t))
     with open(a.out, "w") as f:
-        json.dump({"steps": w.steps, "computed_steps": found, "chosen": chosen, "target_computed": target,
-                   "hit_rate": (w.steps - found[chosen]) / w.steps}, f, indent=1)
-    print(f"first-block threshold {chosen:g}: {found[chosen]} of {w.steps} steps computed ({found})")
+        json.dump({"steps": w.steps, "computed_share": found, "chosen": chosen, "target_computed_share": target,
+                   "hit_rate": 1 - found[chosen]}, f, indent=1)
+    print(f"first-block threshold {chosen:g}: {100 * found[chosen]:.0f}% of forwards computed ({found})")
 
 
 if __name__ == "__main__":
