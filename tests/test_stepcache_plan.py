@@ -263,6 +263,9 @@ def test_first_block_caching_keeps_the_first_block_whole_where_that_is_faster(cl
     cached = _plan(cli, "--cache", "first-block:0.1", "--cache-hit-rate", "0.4")
     assert plain["offload"]["whole_blocks"] == [] and cached["offload"]["whole_blocks"] == [0]
     assert "first block is kept whole" in cached["reason"]
+    text = cli("plan", "--model", "flux", "--hardware", "h100-sxm", "--mem-budget", "6GB", "--cache", "first-block:0.1",
+               "--cache-hit-rate", "0.4").output
+    assert "(block 0 whole)" in " ".join(text.split())  # the plan's line says so
     problem = _problem("first-block:0.1", 0.4)
     chosen = problem.evaluate(OffloadConfig.model_validate(cached["offload"]))
     before = problem.evaluate(OffloadConfig.model_validate(plain["offload"]))

@@ -219,6 +219,8 @@ def _chosen_text(plan: Plan) -> str:
     o, hw = plan.offload, plan.hardware
     chosen = f"mode {o.mode}" + (f", chunk {format_bytes(o.chunk_bytes)}{_chunk_cap(plan)}, residency {o.residency:.0%}"
                                  if o.mode == "chunkflow" else "")
+    if o.whole_blocks:
+        chosen += f" ({'block' if len(o.whole_blocks) == 1 else 'blocks'} {', '.join(map(str, o.whole_blocks))} whole)"
     if plan.workload.cfg_passes > 1:
         chosen += ", guidance passes " + ("batched (one forward a step)" if o.cfg_batched else "unbatched")
     if o.mode != "none" and plan.format is not None:
