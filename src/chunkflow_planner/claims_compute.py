@@ -969,3 +969,64 @@ def shorter_span(raw: list[Path], key: str) -> tuple[float, float]:
     (1 - a/b); the smallest and largest."""
     out = [(1.0 - r) * 100.0 for r in ratios(raw, key)]
     return min(out), max(out)
+
+
+# ---- communication awareness on NVLink (docs/results.md section 6: paced and unpaced bench.csv of one model) --------
+
+
+def _point(rows: list[dict[str, str]], mode: str, value: str, column: str = "measured_step_s",
+           chunk: str = "16000000.0") -> float:
+    """A column of one mode at one point of bench.csv; chunkflow at `chunk` bytes and residency 0 (the sweeps'
+    other chunkflow points left out)."""
+    return next(float(r[column]) for r in rows if r["mode"] == mode and r["value"] == value
+                and (mode != "chunkflow" or (r["chunk_bytes"] == chunk and float(r["residency"]) == 0.0)))
+
+
+def _point_ratio(rows: list[dict[str, str]], mode: str, value: str, column: str = "measured_step_s") -> float:
+    """A mode's `column` over no offload's at one point of bench.csv (chunkflow at 16 MB, residency 0)."""
+    return _point(rows, mode, value, column) / _point(rows, "none", value, column)
+
+
+def point_columns(raw: list[Path], value: str, column: str, modes: list[str], scale: float = 1e3) -> tuple[float, ...]:
+    """`column` of each of `modes` at one point of the first bench.csv (chunkflow at 16 MB, r = 0), times `scale`."""
+    rows = _bench(raw[0])
+    return tuple(_point(rows, m, value, column) * scale for m in modes)
+
+
+def predicted_measured(raw: list[Path], mode: str, value: str) -> tuple[float, float]:
+    """A mode's step over no offload's at one point of the first bench.csv, as the planner predicted it and as
+    measured."""
+    rows = _bench(raw[0])
+    return _point_ratio(rows, mode, value, "predicted_step_s"), _point_ratio(rows, mode, value)
+
+
+def none_steps_ms(raw: list[Path], value: str) -> tuple[float, ...]:
+    """No offload's measured step (ms) at one point of each bench.csv (the same point on different runs)."""
+    return tuple(_point(_bench(p), "none", value) * 1e3 for p in raw)
+
+
+def aware_point(raw: list[Path], value: str) -> tuple[float, float, float]:
+    """One point of a model's paced run (the first bench.csv) and unpaced run (the last): layerwise over no offload
+    (paced run), chunkflow over no offload paced, and unpaced (each against its own run's no offload)."""
+    paced, unpaced = _bench(raw[0]), _bench(raw[-1])
+    return (_point_ratio(paced, "layerwise", value), _point_ratio(paced, "chunkflow", value),
+            _point_ratio(unpaced, "chunkflow", value))
+
+
+def aware_cost(raw: list[Path], values: list[str]) -> float:
+    """The most pacing cost: per pair of files (paced, unpaced bench.csv of one model) and its point in `values`,
+    chunkflow's step over no offload's paced less unpaced (in no-offload steps); the largest."""
+    return max(aware_point(raw[2 * i:2 * i + 2], v)[1] - aware_point(raw[2 * i:2 * i + 2], v)[2]
+               for i, v in enumerate(values))
+
+
+def aware_hidden_span(raw: list[Path], what: str = "cost") -> tuple[float, float]:
+    """Over the points the paced run's bench.csv marks hidden (past the critical point), per pair of files (paced,
+    unpaced): `cost` paced less unpaced chunkflow over no offload, or `unpaced` |unpaced over no offload - 1|, in
+    percent of no offload's step; the smallest and largest."""
+    out = []
+    for i in range(0, len(raw), 2):
+        for v in [r["value"] for r in _bench(raw[i]) if r["mode"] == "none" and r["regime"] == "hidden"]:
+            _, paced, unpaced = aware_point(raw[i:i + 2], v)
+            out.append((paced - unpaced if what == "cost" else abs(unpaced - 1.0)) * 100.0)
+    return min(out), max(out)
