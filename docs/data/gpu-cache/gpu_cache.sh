@@ -39,7 +39,7 @@ for part in ${PARTS:-flux wan}; do
     if [ "$cache" = first-block:auto ]; then  # the threshold nearest the prior's hit rate on these random weights
       [ -f "$work/probe-$part.json" ] || step probe-$part 600 $py "$repo/docs/data/gpu-cache/probe.py" \
         "$work/plan-$part-none.json" "$folder" --device $dev --out "$work/probe-$part.json" \
-        --thresholds ${THRESHOLDS:-0.05,0.1,0.2,0.3,0.5,0.8}
+        --thresholds ${THRESHOLDS:-0.3,0.45,0.6,0.8}
       read -r threshold rate < <($py -c "import json,sys; p=json.load(open(sys.argv[1])); print(p['chosen'], p['hit_rate'])" \
         "$work/probe-$part.json")
       cache=first-block:${FBC_THRESHOLD:-$threshold}; rate=${FBC_HIT_RATE:-$rate}

@@ -25,14 +25,13 @@ def chunkflow_row(report: dict) -> dict:
     g, st = report["generation"], report["stats"]
     den = g["phases"]["denoise"]
     cache = g.get("cache") or {}
-    per_generation = max(1, g.get("warmup_generations", 0) + g.get("measured_generations", 1))
     return {
         "setting": report["run"]["offload"], "generation_s": g["generation_time_s"],
         "predicted_generation_s": g.get("predicted_generation_time_s"), "generation_error": g.get("generation_time_error"),
         "denoise_s": den["measured_time_s"], "predicted_denoise_s": den.get("predicted_time_s"),
         "denoise_error": den.get("time_error"),
-        "h2d_bytes_per_generation": st["h2d_bytes_issued"] / per_generation,
-        "skipped_h2d_bytes_per_generation": (st["skipped_h2d_bytes"] or 0) / per_generation,
+        "h2d_bytes_issued": st["h2d_bytes_issued"], "skipped_h2d_bytes": st["skipped_h2d_bytes"] or 0,
+        "streamed_bytes_per_forward": st["streamed_bytes_per_step"], "forwards": st["forwards"],
         "blocks_skipped": cache.get("blocks_skipped"), "blocks_computed": cache.get("blocks_computed"),
         "hit_rate": cache.get("measured_hit_rate"), "planned_hit_rate": cache.get("planned_hit_rate"),
         "planned_computed_steps": cache.get("planned_computed_steps"),
@@ -66,7 +65,7 @@ def _pct(v) -> str:
 
 
 def markdown(table: dict[str, dict]) -> str:
-    lines = ["| way | generation s | predicted | error | denoise s | predicted | error | H2D GB | for skipped GB | "
+    lines = ["| way | generation s | predicted | error | denoise s | predicted | error | H2D GB issued | for skipped GB | "
              "block runs skipped | hit rate (planned) | latents |", "|" + "---|" * 12]
     for tag, r in table.items():
         if r["way"] == "chunkflow":
@@ -75,8 +74,8 @@ def markdown(table: dict[str, dict]) -> str:
             same = r.get("latents_identical_to_whole_first")
             lines.append(f"| {tag} | {_s(r['generation_s'])} | {_s(r['predicted_generation_s'])} | "
                          f"{_pct(r['generation_error'])} | {_s(r['denoise_s'])} | {_s(r['predicted_denoise_s'])} | "
-                         f"{_pct(r['denoise_error'])} | {r['h2d_bytes_per_generation'] / 1e9:.1f} | "
-                         f"{r['skipped_h2d_bytes_per_generation'] / 1e9:.2f} | {r['blocks_skipped']} | {hit} | "
+                         f"{_pct(r['denoise_error'])} | {r['h2d_bytes_issued'] / 1e9:.1f} | "
+                         f"{r['skipped_h2d_bytes'] / 1e9:.2f} | {r['blocks_skipped']} | {hit} | "
                          f"{'-' if same is None else ('= whole-first run' if same else 'DIFFER')} |")
         else:
             same = r["latents_identical"]
