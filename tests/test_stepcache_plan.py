@@ -296,3 +296,15 @@ def test_a_cache_under_sequence_parallelism_is_refused_in_one_line(cli):
     assert result.exit_code != 0 and "with --sp 2: a step cache under sequence parallelism" in result.output
     assert "Traceback" not in result.output
     assert cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2").exit_code == 0
+
+
+def test_a_plan_naming_a_whole_block_the_model_lacks_is_refused_before_the_load(cli):
+    """A plan file edited to keep a block whole past the model's blocks: `run` says so in one line, exit 2, before it
+    reads any weights (plan_checks.offload_problem; offload() refuses it too, for a module given directly)."""
+    assert cli("plan", "--model", "flux", "--hardware", "h100-sxm", "--mem-budget", "6GB", "--out", "p.json").exit_code == 0
+    data = json.loads(Path("p.json").read_text())
+    data["offload"]["whole_blocks"] = [0, 57]
+    Path("bad.json").write_text(json.dumps(data))
+    result = cli("run", "--plan", "bad.json", "--device", "cpu", "--prompt", "a fox", "--weights", "no-such-folder")
+    assert result.exit_code == 2 and "whole_blocks names block 57, but" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

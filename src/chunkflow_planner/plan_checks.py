@@ -76,6 +76,10 @@ def offload_problem(cfg: OffloadConfig, spec: ModelSpec, field: str = "offload")
     if cfg.disk_blocks > spec.n_blocks:
         return (f"{field}.disk_blocks is {cfg.disk_blocks}, but {spec.name} has {spec.n_blocks} blocks; {_replan()} "
                 "(it picks the disk blocks)")
+    past = [i for i in cfg.whole_blocks if i >= spec.n_blocks]
+    if past:
+        return (f"{field}.whole_blocks names block {past[0]}, but {spec.name} has {spec.n_blocks} blocks "
+                f"(0-{spec.n_blocks - 1}); {_replan()}")
     if cfg.chunk_bytes is not None:
         largest = max(block_volumes(spec))
         chunks = math.ceil(largest / cfg.chunk_bytes)

@@ -65,7 +65,6 @@ class StepTime:
     per_block: list[float] = field(default_factory=list, repr=False)
     first_only: float = 0.0  # one forward that runs only the first block (a first-block cache's hit): first_only_s
 
-
     @property
     def total(self) -> float:
         return (self.compute + self.collective + self.prefetch_stall + self.contention_stall + self.overhead
@@ -102,7 +101,7 @@ def block_time(
         return window, 0.0, 0.0, 0.0
     BW = hw.h2d_gbps * GB
     dma = hw.dma_startup_us * 1e-6
-    pref = T_pref(rho_next * streamed, BW, hw.eta_pref) + cfg.copies(V_next) * dma + t_cast_next + t_decode_chunk
+    pref = link_s(V_next, cfg, hw, rho_next, t_decode_chunk) + t_cast_next
     overhead = hw.block_overhead_us * 1e-6
 
     def finish(contention: float, link_busy: float, extra: float) -> tuple[float, float, float, float]:
