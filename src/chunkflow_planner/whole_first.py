@@ -44,8 +44,11 @@ def whole_first(problem: Problem, p: Point, fits: Callable[[Point], bool], targe
     best, best_s = p, cached_time_s(problem, p)
     for chunk in CHUNK_CANDIDATES:
         q = _largest_fitting(problem, p, chunk, fits)
-        if q is not None and q.step_time <= target_s and cached_time_s(problem, q) < best_s:
-            best, best_s = q, cached_time_s(problem, q)
+        if q is None or q.step_time > target_s:
+            continue
+        q_s = cached_time_s(problem, q)
+        if q_s < best_s:
+            best, best_s = q, q_s
     return best
 
 
