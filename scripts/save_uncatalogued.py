@@ -3,10 +3,12 @@ diffusers folder: what a user downloads from the Hub (same classes, configs and 
 
     python3 scripts/save_uncatalogued.py ltx-video /data/ltx-video [--device cuda]
     python3 scripts/save_uncatalogued.py cogvideox-5b /data/cogvideox-5b
+    python3 scripts/save_uncatalogued.py pixart-sigma /data/pixart-sigma
 
 The configs are those of the public checkpoints (Lightricks/LTX-Video 0.9.0: diffusers' defaults for its classes;
-THUDM/CogVideoX-5b: its transformer/config.json, the VAE's scaling factor 0.7 and its CogVideoXDPMScheduler), with
-google/t5-v1_1-xxl as the text encoder of both. The tokenizer is chunkflow's local T5 tokenizer (a small vocabulary:
+THUDM/CogVideoX-5b: its transformer/config.json, the VAE's scaling factor 0.7 and its CogVideoXDPMScheduler;
+PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: its transformer/config.json and SDXL's VAE config), with google/t5-v1_1-xxl
+as the text encoder of each. The tokenizer is chunkflow's local T5 tokenizer (a small vocabulary:
 token ids stay inside the encoder's). Each component is drawn on the device in bf16, as `from_pretrained(...,
 torch_dtype=torch.bfloat16)` runs it.
 """
@@ -30,6 +32,14 @@ COGVIDEOX_5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=1
 COGVIDEOX_DPM = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
                      num_train_timesteps=1000, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                      set_alpha_to_one=True, snr_shift_scale=1.0, steps_offset=0, timestep_spacing="trailing")
+PIXART_SIGMA = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
+                    cross_attention_dim=1152, attention_bias=True, sample_size=128, patch_size=2,
+                    activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+                    norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=2, caption_channels=4096,
+                    use_additional_conditions=False)
+SDXL_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.13025, force_upcast=True)
 LTX_SCHEDULER = dict(base_image_seq_len=1024, base_shift=0.95, max_image_seq_len=4096, max_shift=2.05,
                      shift_terminal=0.1, use_dynamic_shifting=True, num_train_timesteps=1000, shift=1.0)
 
@@ -40,6 +50,9 @@ def _t5(max_length: int):
     from chunkflow.models.tokenizers import t5_tokenizer
 
     return T5EncoderModel(T5Config(**T5_XXL)), t5_tokenizer(max_length)
+
+
+NAMES = ("ltx-video", "cogvideox-5b", "pixart-sigma")
 
 
 def build(name: str):
@@ -58,12 +71,18 @@ def build(name: str):
             tokenizer=tokenizer, text_encoder=text_encoder, vae=diffusers.AutoencoderKLCogVideoX(scaling_factor=0.7),
             transformer=diffusers.CogVideoXTransformer3DModel(**COGVIDEOX_5B),
             scheduler=diffusers.CogVideoXDPMScheduler(**COGVIDEOX_DPM))
-    raise SystemExit(f"unknown pipeline {name!r}: one of ltx-video, cogvideox-5b")
+    if name == "pixart-sigma":
+        text_encoder, tokenizer = _t5(300)
+        return diffusers.PixArtSigmaPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=diffusers.AutoencoderKL(**SDXL_VAE),
+            transformer=diffusers.PixArtTransformer2DModel(**PIXART_SIGMA),
+            scheduler=diffusers.DPMSolverMultistepScheduler())
+    raise SystemExit(f"unknown pipeline {name!r}: one of {', '.join(NAMES)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("name", choices=["ltx-video", "cogvideox-5b"])
+    ap.add_argument("name", choices=NAMES)
     ap.add_argument("folder")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-shard-size", default="5GB")

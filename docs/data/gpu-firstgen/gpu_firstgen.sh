@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Issue 55's GPU evidence (one GPU): a process's first generation against its plan's bands, the start-up a one-sided
+# term per phase (bands.with_startup) measured on this machine by `chunkflow calibrate` over three cold processes.
+# Three held-out pipelines, none in chunkflow's catalog and none used to fit the start-up model or its bands:
+# LTX-Video 0.9.0, CogVideoX-5B and PixArt-Sigma, saved as diffusers folders (scripts/save_uncatalogued.py: the
+# public checkpoints' architectures and configs, random values). Parts, in order (PARTS, default all):
+#   save    the three folders
+#   calib   chunkflow calibrate --startup-processes 3 --weights (the LTX folder: the load path) -> profile.yaml
+#   plan    each pipeline planned from its folder with that profile, before any run
+#   fresh   the files a process reads (torch's and the NVIDIA libraries, the folders) dropped from the page cache,
+#           as on a freshly started machine; then ROUNDS rounds, each pipeline once a round, each run its own new
+#           process with no warm-up: the report judges that first generation against its first-generation bands
+#   after   ROUNDS more rounds the same way, the libraries now cached (the folders dropped before each run)
+# Then table.py OUT prints every report's verdicts. Raw files in $OUT (tarred as firstgen.tgz after each step).
+#   bash docs/data/gpu-firstgen/gpu_firstgen.sh OUT      (TINY=1: the tests' tiny pipelines on the CPU, a dry run)
+set -uo pipefail
+dest=${1:-${OUT:-out}}
+work=${WORK:-/tmp/firstgen-evidence}
+mkdir -p "$work" "$dest"
+repo=$(cd "$(dirname "$0")/../../.." && pwd)
+py=${PY:-python3}
+rounds=${ROUNDS:-3}
+names=${NAMES:-ltx-video cogvideox-5b pixart-sigma}
+# a step that succeeded before in this WORK folder (a second call on a warm machine) is not run again
+step() { local name=$1 deadline=$2; shift 2; [ -f "$work/$name.done" ] && { echo "$name: done before"; return; }
+  case " ${SKIP:-} " in *" $name "*) echo "$name: skipped (SKIP)"; return;; esac
+  echo "[$(date +%T)] $*" | tee "$work/$name.log"
+  timeout "$deadline" "$@" >>"$work/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$work/$name.log"
+  tail -2 "$work/$name.log" | cut -c1-300; [ $rc = 0 ] && touch "$work/$name.done"; keep; }
+keep() { tar czf "$dest/firstgen.tgz" --exclude="folder-*" --exclude="*.done" --exclude="*.png" --exclude="*.mp4" \
+  -C "$work" . ; }
+wanted() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
+if [ -n "${TINY:-}" ]; then dev=cpu; else dev=cuda; fi
+shape() {  # each pipeline's workload: a size its users run, 8 steps (TINY: the tests' sizes)
+  if [ -n "${TINY:-}" ]; then
+    case $1 in ltx-video) echo "--height 32 --width 32 --frames 9 --steps 2";;
+      cogvideox-5b) echo "--height 64 --width 64 --frames 5 --steps 2";; *) echo "--height 32 --width 32 --steps 2";; esac
+  else
+    case $1 in ltx-video) echo "--height 480 --width 704 --frames 41 --steps 8 --mem-budget 8GB";;
+      cogvideox-5b) echo "--height 480 --width 720 --frames 49 --steps 8 --mem-budget 8GB";;
+      *) echo "--height 1024 --width 1024 --steps 8 --mem-budget 6GB";; esac
+  fi; }
+[ -z "${TINY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/gpu.txt" 2>&1
+{ uptime; $py -c "import sys; print(sys.version)"; } > "$work/machine.txt" 2>&1
+if wanted save; then
+  for n in $names; do
+    [ -n "${TINY:-}" ] && saver="$repo/docs/data/gpu-firstgen/tiny.py" || saver="$repo/scripts/save_uncatalogued.py"
+    [ -d "$work/folder-$n" ] || step save-$n 600 $py "$saver" $n "$work/folder-$n" $([ -z "${TINY:-}" ] && echo --device cuda)
+  done
+fi
+if wanted calib; then
+  first=$(echo $names | cut -d' ' -f1)
+  step calib 600 $py -m chunkflow calibrate $([ -n "${TINY:-}" ] && echo --cpu-smoke || echo --model ${CAL_MODEL:-wan2.2}) \
+    --startup-processes 3 --weights "$work/folder-$first" --out "$work/profile.yaml" --raw "$work/calibration.json" --no-save
+fi
+hw=$([ -n "${TINY:-}" ] && echo cpu || echo "$work/profile.yaml")
+if wanted plan; then
+  for n in $names; do
+    step plan-$n 60 $py -m chunkflow plan --weights "$work/folder-$n" --hardware "$hw" $(shape $n) --out "$work/plan-$n.json"
+  done
+fi
+libs() {  # the folders of the packages a run imports (found without importing them)
+  $py -c "import importlib.util as u
+for m in ('torch', 'nvidia', 'triton', 'diffusers', 'transformers'):
+    s = u.find_spec(m)
+    print(*(s.submodule_search_locations or []) if s else [], sep='\n')"; }
+run_round() { local kind=$1 r=$2
+  for n in $names; do
+    [ -f "$work/plan-$n.json" ] || continue
+    $py "$repo/scripts/drop_cache.py" "$work/folder-$n" > "$work/drop-$kind$r-$n.txt" 2>&1
+    step run-$kind$r-$n 300 $py -m chunkflow run --plan "$work/plan-$n.json" --weights "$work/folder-$n" \
+      --prompt "a red fox in the snow" --seed 0 --device $dev \
+      --report "$work/report-$kind$r-$n.json"
+  done; }
+if wanted fresh; then
+  for d in $(libs); do $py "$repo/scripts/drop_cache.py" "$d"; done > "$work/drop-libs.txt" 2>&1
+  for r in $(seq 1 $rounds); do run_round fresh $r; done
+fi
+if wanted after; then
+  for r in $(seq 1 $rounds); do run_round after $r; done
+fi
+$py "$repo/docs/data/gpu-firstgen/table.py" "$work" > "$work/table.md" 2>&1
+keep
