@@ -1030,3 +1030,52 @@ def aware_hidden_span(raw: list[Path], what: str = "cost") -> tuple[float, float
             _, paced, unpaced = aware_point(raw[i:i + 2], v)
             out.append((paced - unpaced if what == "cost" else abs(unpaced - 1.0)) * 100.0)
     return min(out), max(out)
+
+
+# ---- reference
+
+
+def fp8_cast_speedups(raw: list[Path]) -> tuple[float, float]:
+    """The Triton fp8 cast over PyTorch's copy, from [the cast tests' log (a kernel-shape sweep, then PyTorch's copy),
+    calibrate's log]: the smaller and the larger of the sweep's best rate and calibrate's, each over PyTorch's."""
+    tests, cal = raw[0].read_text(), raw[1].read_text()
+    number = r"(\d+(?:\.\d+)?)"
+    torch_copy = re.search(rf"torch copy: {number} GB/s", tests)
+    calibrated = re.search(rf"fp8 cast {number} GB/s \(triton\)", cal)
+    sweep = [float(x) for x in re.findall(rf"triton BLOCK=\d+ warps=\d+: {number} GB/s", tests)]
+    if torch_copy is None or calibrated is None or not sweep:
+        raise ValueError(f"{raw[0]} or {raw[1]}: no torch copy, sweep or calibrate fp8 cast rate")
+    base = float(torch_copy.group(1))
+    found = sorted((max(sweep) / base, float(calibrated.group(1)) / base))
+    return found[0], found[1]
+
+
+def activation_multiples(raw: list[Path], phase: str = "denoise") -> tuple[float, ...]:
+    """Per pair of files (a plan, its run report): the activations the phase held over the plan's activation model
+    (memory.py: dtype_bytes x batch x the tokens a GPU holds x (c_f f + c_d d)); held is the phase's measured peak
+    allocation less the plan's allocation without its activations."""
+    out = []
+    for plan_path, report_path in zip(raw[::2], raw[1::2]):
+        plan = _load(plan_path)
+        spec, work = plan["model"]["spec"], plan["workload"]
+        if spec.get("per_token_timestep"):
+            raise ValueError(f"{plan_path}: per-token timesteps add to the activation model; not handled here")
+        text = spec["text_len"] if any(b["kind"] != "dit" for b in spec["blocks"]) else 0
+        local = (work["tokens"] + text) / plan["parallel"]["sp_degree"]
+        act = spec["dtype_bytes"] * work["batch"] * local * (
+            spec["activation"]["c_f"] * spec["f"] + spec["activation"]["c_d"] * spec["d"])
+        others = float(plan["prediction"]["phases"][phase]["allocated_bytes"]) - act
+        held = float(_at(report_path, f"generation/phases/{phase}/measured_peak_allocated_bytes")) - others
+        out.append(held / act)
+    return tuple(out)
+
+
+def eta_ratio(raw: list[Path], dim: str, base: str, tokens: float) -> float:
+    """docs/data/h200-any/attn_head_dim.py's output: attention's efficiency at head dim `dim` over head dim `base`'s,
+    at `tokens` queries and as many keys."""
+    eta = _at(raw[0], "eta")
+
+    def at(d: str) -> float:
+        return next(float(e) for q, k, e in eta[d] if q == tokens and k == tokens)
+
+    return at(dim) / at(base)
