@@ -1079,3 +1079,160 @@ def eta_ratio(raw: list[Path], dim: str, base: str, tokens: float) -> float:
         return next(float(e) for q, k, e in eta[d] if q == tokens and k == tokens)
 
     return at(dim) / at(base)
+# ---- measurements
+
+
+def _cf_points(raw: list[Path]) -> list[tuple[str, str, str, dict[str, str], dict[str, str], dict[str, str]]]:
+    """Every point of the bench.csv files: (model, value, chunkflow's regime, no offload's row, layerwise's row,
+    chunkflow's row at 16 MB and r = 0)."""
+    out = []
+    for p in raw:
+        rows = _bench(p)
+        for n in (r for r in rows if r["mode"] == "none"):
+            v = n["value"]
+            lw = next(r for r in rows if r["mode"] == "layerwise" and r["value"] == v)
+            cf = next(r for r in rows if r["mode"] == "chunkflow" and r["value"] == v
+                      and r["chunk_bytes"] == "16000000.0" and float(r["residency"]) == 0.0)
+            out.append((n["model"], v, cf["regime"], n, lw, cf))
+    return out
+
+
+def _step(row: dict[str, str]) -> float:
+    return float(row["measured_step_s"])
+
+
+def contention_removed(raw: list[Path], skip: list[str] | None = None) -> tuple[float, float]:
+    """Past the critical point (chunkflow's regime 'hidden'), where layerwise pays over 1% of no offload's step:
+    the share of layerwise's excess chunkflow removes, (layerwise - chunkflow) / (layerwise - none), in percent;
+    the smallest and largest, points `skip` ('model:value') left out."""
+    found = [(_step(lw) - _step(cf)) / (_step(lw) - _step(n)) * 100.0 for m, v, reg, n, lw, cf in _cf_points(raw)
+             if reg == "hidden" and f"{m}:{v}" not in (skip or []) and _step(lw) - _step(n) > 0.01 * _step(n)]
+    return min(found), max(found)
+
+
+def hidden_excess(raw: list[Path], skip: list[str] | None = None) -> tuple[float, float]:
+    """Past the critical point: chunkflow's step over no offload's less 1, in percent; the smallest and largest,
+    points `skip` ('model:value') left out."""
+    found = [(_step(cf) / _step(n) - 1.0) * 100.0 for m, v, reg, n, lw, cf in _cf_points(raw)
+             if reg == "hidden" and f"{m}:{v}" not in (skip or [])]
+    return min(found), max(found)
+
+
+def point_excess(raw: list[Path], value: str) -> float:
+    """chunkflow's step (16 MB, r = 0) over no offload's at one point of the first bench.csv, less 1, in percent."""
+    return (_point_ratio(_bench(raw[0]), "chunkflow", value) - 1.0) * 100.0
+
+
+def peak_saved_span(raw: list[Path]) -> tuple[float, float]:
+    """At every point: how much less peak allocated memory chunkflow (16 MB, r = 0) used than no offload, in
+    percent; the smallest and largest."""
+    found = [(1.0 - float(cf["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0
+             for *_, n, lw, cf in _cf_points(raw)]
+    return min(found), max(found)
+
+
+def speedup_max(raw: list[Path]) -> float:
+    """The largest speed-up of chunkflow (16 MB, r = 0) over layerwise, layerwise's step over chunkflow's, at any
+    point of the bench.csv files."""
+    return max(_step(lw) / _step(cf) for *_, n, lw, cf in _cf_points(raw))
+
+
+def residency_point(raw: list[Path], residency: float) -> tuple[float, float, float, float]:
+    """Per bench.csv, chunkflow at `residency` (the residency sweep's point) against no offload at the same point:
+    the smallest and largest step ratio, and the smallest and largest peak memory saved (percent)."""
+    ratios, saved = [], []
+    for p in raw:
+        rows = _bench(p)
+        for r in (r for r in rows if r["mode"] == "chunkflow" and abs(float(r["residency"]) - residency) < 1e-9):
+            n = next(x for x in rows if x["mode"] == "none" and x["value"] == r["value"])
+            ratios.append(_step(r) / _step(n))
+            saved.append((1.0 - float(r["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0)
+    return min(ratios), max(ratios), min(saved), max(saved)
+
+
+def bench_error_stats(raw: list[Path]) -> tuple[float, float, float, float, int]:
+    """Over every predicted point of the bench.csv files: the median |step error| and |peak error| (percent), the
+    worst of each with its sign (percent), and how many points."""
+    rows = [r for p in raw for r in _bench(p) if r["err_step"]]
+    step = [float(r["err_step"]) * 100.0 for r in rows]
+    peak = [float(r["err_peak"]) * 100.0 for r in rows]
+    return (statistics.median(abs(x) for x in step), statistics.median(abs(x) for x in peak),
+            max(step, key=abs), max(peak, key=abs), len(rows))
+
+
+def chunk_pick_gap(raw: list[Path]) -> float:
+    """The largest gap of the planner's chunk size from the best measured, in percent, over bench summaries
+    (summary.md's 'the planner picks C (t ms, +g%)')."""
+    return max(log_numbers([p], r"the planner picks \S+ \([\d.]+ ms, ([+-][\d.]+)%\)")[0] for p in raw)
+
+
+def abs_worst(raw: list[Path], keys: list[str], scale: float = 100.0) -> float:
+    """The largest |value| at any of `keys` in any file, times `scale` ("within N%")."""
+    return abs(worst_of(raw, keys, scale))
+
+
+def all_within(raw: list[Path], keys: list[str], limit: float, scale: float = 100.0) -> float:
+    """`limit` where every |value| at `keys` in every file, times `scale`, is at most `limit` (a goal met), else
+    the largest, which then differs from the text."""
+    worst = abs_worst(raw, keys, scale)
+    return limit if worst <= limit else worst
+
+
+def records_span(raw: list[Path], field: str, tag: str = "loop") -> tuple[float, float, float]:
+    """A diagnostic's records (records.json) of one tag: the smallest and largest `field`, and the largest over the
+    smallest."""
+    found = [float(r[field]) for r in _at(raw[0], "records") if r["tag"] == tag]
+    return min(found), max(found), max(found) / min(found)
+
+
+def host_op_over_records(raw: list[Path], key: str, tag: str = "loop") -> float:
+    """A calibration's host time an operator (the first file, at `key`, us) over the one a diagnostic's eager
+    forwards ran at (the last file: the median of its `tag` records' eager_ms for two forwards of n_ops each)."""
+    diag = _load(raw[-1])
+    eager = statistics.median(float(r["eager_ms"]) for r in diag["records"] if r["tag"] == tag)
+    return float(_at(raw[0], key)) / (eager * 1e3 / (2 * diag["n_ops"]))
+
+
+def drift_rms(raw: list[Path], fits: list[str]) -> tuple[float, float]:
+    """How far a second calibration moved from the first (compare.json's rows), in percent: per fit the root mean
+    square of its figures' changes (h2d's figures: a 1 MiB and a 64 MiB copy, t0 + C/BW, as bands.FITS has them);
+    the smallest and largest over `fits`."""
+    rows = _load(raw[0])["rows"]
+    out = []
+    for fit in fits:
+        mine = [r for r in rows if r["fit"] == fit]
+        if fit == "h2d":
+            c = {r["constant"]: r for r in mine}
+            bw, t0 = c["h2d_link_gbps"], c["dma_startup_us"]
+            changes = [(t0["second"] * 1e-6 + n * 2**20 / (bw["second"] * 1e9))
+                       / (t0["first"] * 1e-6 + n * 2**20 / (bw["first"] * 1e9)) - 1.0 for n in (1, 64)]
+        else:
+            changes = [float(r["diff"]) for r in mine]
+        out.append(math.sqrt(sum(x * x for x in changes) / len(changes)) * 100.0)
+    return min(out), max(out)
+
+
+def way_spans(raw: list[Path], ways: list[str]) -> tuple[float, ...]:
+    """A fill probe's rates (probe.json rows, GB/s): per way in `ways`, the slowest and fastest."""
+    rows = _at(raw[0], "rows")
+    out: list[float] = []
+    for way in ways:
+        rates = [float(r["gbps"]) for r in rows if r["way"] == way]
+        out += [min(rates), max(rates)]
+    return tuple(out)
+
+
+def run_residency_row(raw: list[Path]) -> tuple[float, ...]:
+    """A run report's residency as it ran (run/offload/residency, percent), then `levers_row` of [the report, the
+    no offload report it is held against]."""
+    return (float(_at(raw[0], "run/offload/residency")) * 100.0, *levers_row(raw))
+
+
+def peak_per_model(raw: list[Path], counts: list[int]) -> tuple[float, ...]:
+    """`phase_peak_max` of consecutive groups of run reports, `counts` of them each (one model's runs a group), GB."""
+    out: list[float] = []
+    start = 0
+    for n in counts:
+        out.append(phase_peak_max(raw[start:start + n]))
+        start += n
+    return tuple(out)
