@@ -1236,3 +1236,110 @@ def peak_per_model(raw: list[Path], counts: list[int]) -> tuple[float, ...]:
         out.append(phase_peak_max(raw[start:start + n]))
         start += n
     return tuple(out)
+# ---- tiers
+
+
+def generation_row(raw: list[Path], steps: int = 50) -> tuple[float, ...]:
+    """One line of a run report's generation table: encode, denoise, decode and generation seconds, the generation
+    scaled to `steps`, the host peak (GB), the largest phase's peak GPU memory (GB) and the bytes read from disk
+    (GB)."""
+    report = _load(raw[0])
+    g = report["generation"]
+    phases = g["phases"]
+    return (*(float(phases[p]["measured_time_s"]) for p in ("encode", "denoise", "decode")),
+            float(g["generation_time_s"]), _scaled(report, steps), float(g["host_peak_bytes"]) / 1e9,
+            max(float(ph["measured_peak_memory_bytes"]) for ph in phases.values()) / 1e9, _disk_read(report) / 1e9)
+
+
+def one_off_share(raw: list[Path], key: str, steps: int = 50) -> tuple[float, float, float]:
+    """A one-off cost: `key` in the first report less in the last (seconds), and that as a percentage of the last
+    report's generation as measured and as scaled to `steps`."""
+    extra = difference(raw, key)
+    last = _load(raw[-1])
+    return extra, 100.0 * extra / float(last["generation"]["generation_time_s"]), 100.0 * extra / _scaled(last, steps)
+
+
+def load_rate_span(raw: list[Path]) -> tuple[float, float]:
+    """The slowest and fastest of the reports' load read rates (GB/s)."""
+    rates = load_rates(raw)
+    return min(rates), max(rates)
+
+
+def load_time_spans(raw: list[Path]) -> tuple[float, float, float, float]:
+    """Over the reports: the shortest and longest load (s), then the shortest and longest load their plans
+    predicted (s)."""
+    measured = [float(_at(p, "generation/load/measured_time_s")) for p in raw]
+    planned = [float(_at(p, "generation/load/predicted_time_s")) for p in raw]
+    return min(measured), max(measured), min(planned), max(planned)
+
+
+_BENCH_LINE = re.compile(r"^\s*(\S.*?) frames (\d+): ([\d.]+) s measured")
+
+
+def _bench_log(path: Path) -> dict[tuple[str, int], float]:
+    """A `chunkflow bench` console log's measured steps: (config, frames) -> seconds."""
+    out = {}
+    for line in path.read_text().splitlines():
+        m = _BENCH_LINE.match(line)
+        if m:
+            out[(m[1], int(m[2]))] = float(m[3])
+    return out
+
+
+def bench_log_steps(raw: list[Path], config: str, frames: list[int], scale: float = 1e3) -> tuple[float, ...]:
+    """Per bench log, per frame count: the config's measured step, times `scale` (ms)."""
+    return tuple(_bench_log(p)[(config, f)] * scale for p in raw for f in frames)
+
+
+def bench_log_spans(raw: list[Path], config: str, frames: list[int], per: int = 2,
+                    scale: float = 1e3) -> tuple[float, ...]:
+    """Per group of `per` consecutive bench logs (the rounds of one version): the config's fastest and slowest
+    measured step over the frame counts, times `scale` (ms)."""
+    out: list[float] = []
+    for i in range(0, len(raw), per):
+        found = bench_log_steps(raw[i:i + per], config, frames, scale)
+        out += [min(found), max(found)]
+    return tuple(out)
+
+
+def bench_log_spreads(raw: list[Path], config: str, frames: list[int], per: int = 2) -> tuple[float, ...]:
+    """Per group of `per` consecutive bench logs: the config's slowest step over its fastest (over the frame counts
+    and the logs), less 1, in percent."""
+    spans = bench_log_spans(raw, config, frames, per)
+    return tuple((hi / lo - 1.0) * 100.0 for lo, hi in zip(spans[::2], spans[1::2]))
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def jsonl_step_ratios(raw: list[Path], mode: str, frames: list[int], key: str = "step_s",
+                      base: str = "none") -> tuple[float, ...]:
+    """A JSON-lines results file (one record per mode and frame count): the mode's `key` over the baseline's at each
+    of `frames`."""
+    pick = {(r["mode"], int(r["frames"])): float(r[key]) for r in _jsonl(raw[0])}
+    return tuple(pick[(mode, f)] / pick[(base, f)] for f in frames)
+
+
+def jsonl_excess_span(raw: list[Path], mode: str, key: str = "step_s", base: str = "none") -> tuple[float, float]:
+    """The smallest and largest excess of a mode's `key` over the baseline's, in percent, over the frame counts of a
+    JSON-lines results file."""
+    frames = sorted({int(r["frames"]) for r in _jsonl(raw[0]) if r["mode"] == mode})
+    found = [(x - 1.0) * 100.0 for x in jsonl_step_ratios(raw, mode, frames, key, base)]
+    return min(found), max(found)
+
+
+def none_spread(raw: list[Path], value: str) -> float:
+    """No offload's slowest measured step over its fastest at one point of several bench.csv (the same point on
+    different runs), less 1, in percent."""
+    steps = none_steps_ms(raw, value)
+    return (max(steps) / min(steps) - 1.0) * 100.0
+
+
+def block_move_and_compute(raw: list[Path], frames: int, blocks: int, model: str) -> tuple[float, float]:
+    """A block's copy and its compute, in ms, from [bench.csv, calibration.json]: the pinned bytes of the points over
+    `blocks` at calibrate's fitted H2D rate, and calibrate's one-block forward of `model` at `frames`."""
+    pinned = max(float(r["pinned_bytes"] or 0) for r in _bench(raw[0]))
+    cal = _load(raw[-1])
+    block = next(b for b in cal["blocks"] if b["model"] == model and int(b["frames"]) == frames)
+    return pinned / blocks / (float(cal["h2d_fit"]["gbps"]) * 1e9) * 1e3, float(block["time_s"]) * 1e3
