@@ -1343,3 +1343,88 @@ def block_move_and_compute(raw: list[Path], frames: int, blocks: int, model: str
     cal = _load(raw[-1])
     block = next(b for b in cal["blocks"] if b["model"] == model and int(b["frames"]) == frames)
     return pinned / blocks / (float(cal["h2d_fit"]["gbps"]) * 1e9) * 1e3, float(block["time_s"]) * 1e3
+# ---- levers -------------------------------------------------------------------------------------------------------
+
+
+def log_span(raw: list[Path], pattern: str, scale: float = 1.0) -> tuple[float, float]:
+    """The smallest and largest number `pattern`'s first group captures over every match in every file, times
+    `scale` (a rate several logs printed)."""
+    found = [float(m.group(1)) * scale for p in raw for m in re.finditer(pattern, p.read_text())]
+    if not found:
+        raise ValueError(f"no line matches {pattern!r}")
+    return min(found), max(found)
+
+
+def change_span(raw: list[Path], key: str, key2: str) -> tuple[float, float]:
+    """The smallest and largest of `changes` (per file, `key` against `key2` in percent)."""
+    found = changes(raw, key, key2)
+    return min(found), max(found)
+
+
+def bench_extra_span(raw: list[Path], mode: str, frames: list[str], base: str = "none") -> tuple[float, float]:
+    """The smallest and largest of `bench_extra` (a mode's step over `base`'s less 1, in percent, per point)."""
+    found = bench_extra(raw, mode, frames, base)
+    return min(found), max(found)
+
+
+def spread(raw: list[Path], key: str) -> float:
+    """How far apart `key` lies over the files: the largest over the smallest less 1, in percent."""
+    found = [float(_at(p, key)) for p in raw]
+    return (max(found) / min(found) - 1.0) * 100.0
+
+
+def plan_point(raw: list[Path]) -> tuple[float, float, float]:
+    """A plan's own figures (`chunkflow plan --out` JSON): its residency in percent, its predicted step over its
+    predicted no offload step, and how far under its target that leaves it (in percent of no offload's step)."""
+    plan = _load(raw[0])
+    pred, none = plan["prediction"]["step_time_s"], plan["prediction"]["baselines"]["none"]["step_time_s"]
+    return plan["offload"]["residency"] * 100.0, pred / none, (plan["target_step_time_s"] - pred) / none * 100.0
+
+
+def over_target(raw: list[Path]) -> float:
+    """How far a run's step over its no offload run's lies above its plan's target, from [run report, no offload
+    report, plan], in percent of no offload's step."""
+    rep, ref, plan = (_load(p) for p in raw[:3])
+    target = plan["target_step_time_s"] / plan["prediction"]["baselines"]["none"]["step_time_s"]
+    return (rep["measured"]["median_step_s"] / ref["measured"]["median_step_s"] - target) * 100.0
+
+
+def cast_cost(raw: list[Path]) -> tuple[float, float, float, float]:
+    """A plan's fp8 cast of one block as its model prices it: the profile's cast rate (GB/s), the block's bf16 bytes
+    (MB), their cast time and the block's predicted compute (ms)."""
+    plan = _load(raw[0])
+    rate = float(plan["hardware"]["spec"]["fp8_cast_gbps"])
+    block = plan["model"]["block_bytes_total"] / plan["model"]["n_blocks"]
+    return rate, block / 1e6, block / (rate * 1e9) * 1e3, plan["analysis"]["t_comp_s"] * 1e3
+
+
+def streamed_block(raw: list[Path]) -> tuple[float, float, float, float]:
+    """A run's streamed bytes a block (MB, from [run report, its plan]: the report's offloaded less resident bytes over
+    its blocks), the plan's link rate (GB/s), their copy time and the plan's compute a block (ms)."""
+    stats, plan = _load(raw[0])["stats"], _load(raw[1])
+    block = (stats["bytes_offloaded"] - stats["resident_bytes"]) / stats["n_blocks"]
+    link = float(plan["hardware"]["h2d_gbps"])
+    return block / 1e6, link, block / (link * 1e9) * 1e3, plan["analysis"]["t_comp_s"] * 1e3
+
+
+def _bf16_tensor(path: Path, name: str = "latents") -> list[float]:
+    """A bf16 tensor of a .safetensors file as floats (standard library: each bf16 is a float32's upper half)."""
+    import array
+    import struct
+
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8:8 + size])[name]
+    if head["dtype"] != "BF16":
+        raise ValueError(f"{path}: {name} is {head['dtype']}, not BF16")
+    a, b = head["data_offsets"]
+    body = data[8 + size + a:8 + size + b]
+    out = bytearray(2 * len(body))
+    out[2::4], out[3::4] = body[0::2], body[1::2]
+    return list(array.array("f", bytes(out)))
+
+
+def latents_rel_norm(raw: list[Path]) -> float:
+    """The first file's latents against the second's (.safetensors, bf16): |a - b| / |b| (L2), in percent."""
+    a, b = _bf16_tensor(raw[0]), _bf16_tensor(raw[1])
+    return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)) / sum(y * y for y in b)) * 100.0
