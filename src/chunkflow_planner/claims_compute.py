@@ -1428,3 +1428,151 @@ def latents_rel_norm(raw: list[Path]) -> float:
     """The first file's latents against the second's (.safetensors, bf16): |a - b| / |b| (L2), in percent."""
     a, b = _bf16_tensor(raw[0]), _bf16_tensor(raw[1])
     return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)) / sum(y * y for y in b)) * 100.0
+# ---- pipeline: whole generations against their plans (docs/pipeline-h200.md) -----------------------------------------
+
+
+def medians(raw: list[Path], key: str, scale: float = 1.0) -> tuple[float, ...]:
+    """Per file: the median of the list at `key` (a phase's or a part's times over the measured generations), times
+    `scale`."""
+    return tuple(statistics.median(_flat(_at(p, key))) * scale for p in raw)
+
+
+def listed(raw: list[Path], key: str, scale: float = 1.0) -> tuple[float, ...]:
+    """Every number of the list at `key` in each file, in order, times `scale` (each generation's time)."""
+    return tuple(v * scale for p in raw for v in _flat(_at(p, key)))
+
+
+def parts_against_plan(raw: list[Path], parts: list[str], phase: str = "encode",
+                       scale: float = 1e3) -> tuple[float, ...]:
+    """A run report's parts of a phase: per part its median over the measured generations and its plan's figure
+    (`predicted_parts_s`), times `scale` (ms)."""
+    ph = _at(raw[0], f"generation/phases/{phase}")
+    return tuple(v for part in parts for v in (statistics.median(ph["parts_s"][part]) * scale,
+                                               float(ph["predicted_parts_s"][part]) * scale))
+
+
+def first_generation_errors(raw: list[Path], phases: list[str]) -> tuple[float, ...]:
+    """A run report's first generation (start-up included) against its plan, in percent, per phase of `phases`
+    (`generation`: the phases' sum against the plan's): `first_phase_times_s` against the plan's phase `time_s`."""
+    r = _load(raw[0])
+    first, plan = r["generation"]["first_phase_times_s"], r["plan"]["prediction"]["phases"]
+    out = []
+    for ph in phases:
+        names = ["encode", "denoise", "decode"] if ph == "generation" else [ph]
+        out.append((sum(first[n] for n in names) / sum(plan[n]["time_s"] for n in names) - 1.0) * 100.0)
+    return tuple(out)
+
+
+def host_forwards(raw: list[Path], arch: str, forwards: int = 2) -> tuple[float, float]:
+    """A calibration's host cost of one operator for `arch`'s stand-in (us; the first file, calibration.json) and
+    that times the operators a forward counted by a diagnostic (the last file's 'ops per forward N') times
+    `forwards`, in ms."""
+    us = float(_at(raw[0], f"operators/host/host_op_us/{arch}"))
+    m = re.search(r"ops per forward (\d+)", raw[-1].read_text())
+    if m is None:
+        raise ValueError(f"{raw[-1]}: no 'ops per forward' line")
+    return us, us * int(m.group(1)) * forwards / 1e3
+
+
+def printed_list_span(raw: list[Path], prefix: str) -> tuple[float, float, int]:
+    """Over the lines of a diagnostic's output starting with `prefix`, each ending in a bracketed list of times: the
+    smallest and largest time and how many."""
+    found = [float(x) for line in raw[0].read_text().splitlines() if line.startswith(prefix)
+             for x in line.rsplit("[", 1)[1].rstrip("]").split(",")]
+    return min(found), max(found), len(found)
+
+
+def longest_over_next(raw: list[Path], key: str) -> float:
+    """The largest number of the list at `key` less the next largest (how much longer the slowest generation's
+    phase took than the other ones)."""
+    found = sorted(_flat(_at(raw[0], key)), reverse=True)
+    return found[0] - found[1]
+
+
+def quotient(raw: list[Path], key: str, key2: str, scale: float = 1.0) -> float:
+    """`key` in the first file over `key2` in the last, times `scale` (bytes over a rate: a time)."""
+    return float(_at(raw[0], key)) / float(_at(raw[-1], key2)) * scale
+
+
+def same_change(raw: list[Path], key: str, key2: str) -> tuple[float, float]:
+    """Over files that all hold the same number at `key` and at `key2` (runs of one workload): `key` against `key2`
+    in percent, and `key` in GB; an error where the files differ."""
+    pairs = {(float(_at(p, key)), float(_at(p, key2))) for p in raw}
+    if len(pairs) != 1:
+        raise ValueError(f"the files differ at {key} or {key2}: {sorted(pairs)}")
+    (a, b), = pairs
+    return (a / b - 1.0) * 100.0, a / 1e9
+
+
+def first_encode_startups(raw: list[Path]) -> tuple[float, float, float]:
+    """Per run report, a process's first encode less its measured (later) encode: the median over the reports, the
+    smallest and the largest, in seconds."""
+    found = [float(_at(p, "generation/first_phase_times_s/encode"))
+             - float(_at(p, "generation/phases/encode/measured_time_s")) for p in raw]
+    return statistics.median(found), min(found), max(found)
+
+
+def inverse_excess(raw: list[Path], key: str) -> float:
+    """1 over the number at `key` less 1, in percent (a scale below 1 as the time it stands for over 1)."""
+    return (1.0 / float(_at(raw[0], key)) - 1.0) * 100.0
+
+
+def unscaled_error(raw: list[Path], key: str, key2: str, scale_key: str) -> float:
+    """A run report's measured `key` against its prediction `key2` taken without a calibration's scale (the last
+    file's `scale_key`: the prediction times it), in percent."""
+    measured, predicted = float(_at(raw[0], key)), float(_at(raw[0], key2))
+    return (measured / (predicted * float(_at(raw[-1], scale_key))) - 1.0) * 100.0
+
+
+_CELL = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def _table_rows(path: Path) -> dict[tuple[str, str], list[str]]:
+    """docs/data/h200-repredict's file of scripts/pipeline_doc.py tables, one per report after a '## REPORT' line:
+    (report, phase) -> the row's cells."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    report = ""
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            report = line[3:].strip()
+        elif line.startswith("| ") and report:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[(report, cells[1].strip("*"))] = cells
+    return rows
+
+
+def _cell(cells: list[str], column: int) -> float:
+    m = _CELL.search(cells[column])
+    if m is None:
+        raise ValueError(f"no number in {cells[column]!r}")
+    return float(m.group(0))
+
+
+def table_cells(raw: list[Path], cells: list[list[Any]], scale: float = 1.0) -> tuple[float, ...]:
+    """Cells of scripts/pipeline_doc.py tables kept per report (docs/data/h200-repredict): each [file index, report,
+    phase, column] (columns from 0: pipeline, phase, measured, predicted, error, first generation, predicted, error,
+    peak GPU memory, predicted, error), the number it prints, times `scale`."""
+    tables = [_table_rows(p) for p in raw]
+    return tuple(_cell(tables[i][(rep, ph)], col) * scale for i, rep, ph, col in cells)
+
+
+def table_span(raw: list[Path], column: int, phases: list[str], name: str = "") -> tuple[float, float]:
+    """The smallest and largest number of `column` over the rows of `phases` (pipelines whose name holds `name`) of a
+    file of scripts/pipeline_doc.py tables kept per report."""
+    found = [_cell(c, column) for (_, ph), c in _table_rows(raw[0]).items() if ph in phases and name in c[0]]
+    return min(found), max(found)
+
+
+def table_cells_and_values(raw: list[Path], cells: list[list[Any]], key: str,
+                           scale: float = 100.0) -> tuple[float, ...]:
+    """`table_cells` of the first file (cells' file index 0), then the number at `key` in each further file (run
+    reports: what their own plans gave), times `scale`."""
+    return table_cells(raw[:1], cells) + tuple(float(_at(p, key)) * scale for p in raw[1:])
+
+
+def per_call_span(raw: list[Path], vae: str, scale: float = 1e3) -> tuple[float, float]:
+    """A calibration's tiled decodes of one VAE (calibration.json's `vae` rows): each decode's seconds over its
+    decoder calls, times `scale` (ms); the smallest and largest."""
+    found = [float(v["time_s"]) / int(v["decoder_calls"]) * scale for v in _at(raw[0], "vae")
+             if v["vae"] == vae and v["tiled"]]
+    return min(found), max(found)
