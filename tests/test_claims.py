@@ -3,8 +3,8 @@ here from its raw files under docs/data/ by the function the row names (chunkflo
 formatted as the text quotes it, and checked where it is quoted: the snippet is still in its file (once) and shows
 that figure. A changed number in the text, a snippet gone, or raw data that no longer gives the figure fails.
 
-New figures cannot slip into the README unbacked: in every README paragraph that reports a measurement (one naming
-an H100 or H200, docs/data/ or a date), every figure-like number (a number or range followed by "x", " ms", " s",
+New figures cannot slip into the README or docs/*.md unbacked: in every paragraph that reports a measurement (one
+naming an H100 or H200, docs/data/ or a date), every figure-like number (a number or range followed by "x", " ms", " s",
 " GB/s" or "%") must lie inside a snippet of a claims row or of a `not_measured` entry (a setting, an example, a
 plan's own figure, each with why). GB figures are rows too where they are measurements, but the rule does not look
 for them (budgets are quoted in GB everywhere).
@@ -86,11 +86,23 @@ def test_superseded_and_repeated_runs_name_rows_that_exist():
         assert claim.quoted or claim.superseded_by or claim.id in linked, claim.id
 
 
-def test_every_measured_figure_in_the_readme_has_a_claims_row():
-    snippets = [p.snippet for c in ROWS for p in c.quoted if p.file == "README.md"]
-    snippets += [n.snippet for n in CLAIMS.not_measured if n.file == "README.md"]
+def _snippets(file: str) -> list[str]:
+    """Every claims row's and not_measured entry's snippet quoted in `file`."""
+    return [p.snippet for c in ROWS for p in c.quoted if p.file == file] + \
+        [n.snippet for n in CLAIMS.not_measured if n.file == file]
+
+
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("file", DOCS)
+def test_every_measured_figure_in_the_readme_and_docs_has_a_claims_row(file):
+    assert unclaimed_figures((ROOT / file).read_text(), _snippets(file)) == []
+
+
+def test_a_new_measured_figure_without_a_row_fails():
+    snippets = _snippets("README.md")
     readme = (ROOT / "README.md").read_text()
-    assert unclaimed_figures(readme, snippets) == []
     added = readme.replace("Ctrl-C stops it cleanly.", "Ctrl-C stops it cleanly in 0.4 s on an H200.")
     found = unclaimed_figures(added, snippets)
     assert len(found) == 1 and found[0].startswith("'0.4 s' in: It listens on 127.0.0.1"), found

@@ -68,8 +68,8 @@ class Claim(BaseModel):
 
 
 class NotMeasured(BaseModel):
-    """A figure-like number in a README measurement paragraph that is not a measurement (a setting, a plan's
-    figure, an example), with why."""
+    """A figure-like number in a measurement paragraph (README.md, docs/*.md) that is not a measurement (a setting, a
+    plan's figure, an example), with why."""
 
     model_config = ConfigDict(extra="forbid")
     file: str = "README.md"
@@ -115,7 +115,7 @@ def recompute(claim: Claim, root: Path = ROOT) -> str:
 # A figure-like number: a number or a range, with a unit the docs quote measurements in ("1.156x", "24.70 s",
 # "434.4 ms", "54.5 GB/s", "+6.2%", "+-7.35%", "16-26%"); "x" only attached ("2 x 2.63 GB" is a product, not a figure).
 FIGURE = re.compile(r"(?<![\w.+-])(?:\+-|[+-])?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:x|\s?(?:ms|s|GB/s)|%)(?![\w/])")
-# A README paragraph reports a measurement when it names a GPU, the raw data or a date.
+# A paragraph (README.md, docs/*.md) reports a measurement when it names a GPU, the raw data or a date.
 MEASUREMENT = re.compile(r"\bH100\b|\bH200\b|docs/data/|\b20\d\d-\d\d-\d\d\b")
 
 

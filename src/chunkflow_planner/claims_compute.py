@@ -1079,6 +1079,8 @@ def eta_ratio(raw: list[Path], dim: str, base: str, tokens: float) -> float:
         return next(float(e) for q, k, e in eta[d] if q == tokens and k == tokens)
 
     return at(dim) / at(base)
+
+
 # ---- measurements
 
 
@@ -1236,6 +1238,8 @@ def peak_per_model(raw: list[Path], counts: list[int]) -> tuple[float, ...]:
         out.append(phase_peak_max(raw[start:start + n]))
         start += n
     return tuple(out)
+
+
 # ---- tiers
 
 
@@ -1343,6 +1347,8 @@ def block_move_and_compute(raw: list[Path], frames: int, blocks: int, model: str
     cal = _load(raw[-1])
     block = next(b for b in cal["blocks"] if b["model"] == model and int(b["frames"]) == frames)
     return pinned / blocks / (float(cal["h2d_fit"]["gbps"]) * 1e9) * 1e3, float(block["time_s"]) * 1e3
+
+
 # ---- levers -------------------------------------------------------------------------------------------------------
 
 
@@ -1350,156 +1356,6 @@ def log_span(raw: list[Path], pattern: str, scale: float = 1.0) -> tuple[float, 
     """The smallest and largest number `pattern`'s first group captures over every match in every file, times
     `scale` (a rate several logs printed)."""
     found = [float(m.group(1)) * scale for p in raw for m in re.finditer(pattern, p.read_text())]
-# ---- results ------------------------------------------------------------------------------------------------------
-# docs/results.md (two H200s, SP=2: scripts/gpu_results.py's bench.csv per model and link), docs/shared-host-h200.md.
-
-
-def _regime_points(raw: list[Path], regime: str | None,
-                   exclude: list[list[str]] | None = None) -> list[tuple[list[dict[str, str]], str]]:
-    """(rows, value) of every point of each bench.csv whose no offload row the bench marks `regime` (any where None),
-    less the points `exclude` names as [model, value]."""
-    skip = {tuple(e) for e in exclude or []}
-    out = []
-    for p in raw:
-        rows = _bench(p)
-        out += [(rows, r["value"]) for r in rows if r["mode"] == "none" and (regime is None or r["regime"] == regime)
-                and (r["model"], r["value"]) not in skip]
-    return out
-
-
-def contention_removed_span(raw: list[Path], regime: str = "hidden", exclude: list[list[str]] | None = None,
-                            min_excess: float = 1.0) -> tuple[float, float]:
-    """(layerwise - chunkflow) / (layerwise - no offload) in percent (chunkflow at 16 MB, r = 0) at the points of
-    `regime` where layerwise's step is more than `min_excess` percent over no offload's (results_doc.py's "none to
-    remove" otherwise); the smallest and largest."""
-    found = []
-    for rows, v in _regime_points(raw, regime, exclude):
-        n, lw, cf = (_point(rows, m, v) for m in ("none", "layerwise", "chunkflow"))
-        if lw - n > min_excess / 100.0 * n:
-            found.append((lw - cf) / (lw - n) * 100.0)
-    return min(found), max(found)
-
-
-def step_ratio_span(raw: list[Path], modes: list[str], regime: str | None = "hidden",
-                    exclude: list[list[str]] | None = None, excess: bool = False) -> tuple[float, float]:
-    """Each mode's step over no offload's (chunkflow at 16 MB, r = 0) at the points of `regime`; the smallest and
-    largest, as ratios or (`excess`) in percent over no offload."""
-    found = [_point_ratio(rows, m, v) for rows, v in _regime_points(raw, regime, exclude) for m in modes]
-    if excess:
-        found = [(x - 1.0) * 100.0 for x in found]
-    return min(found), max(found)
-
-
-def point_excess(raw: list[Path], mode: str, value: str) -> float:
-    """A mode's step over no offload's at one point of the first bench.csv, in percent over it."""
-    return (_point_ratio(_bench(raw[0]), mode, value) - 1.0) * 100.0
-
-
-def peak_spans(raw: list[Path], regime: str | None = None) -> tuple[float, float, float, float, float, float]:
-    """Over the points of the bench.csv files (of `regime`, else every one): chunkflow's peak allocated (16 MB,
-    r = 0) and no offload's, GB, each the smallest and largest; then the share chunkflow saves against no offload,
-    percent, smallest and largest."""
-    cf, none, saved = [], [], []
-    for rows, v in _regime_points(raw, regime):
-        c, n = _point(rows, "chunkflow", v, "measured_peak_bytes"), _point(rows, "none", v, "measured_peak_bytes")
-        cf.append(c / 1e9)
-        none.append(n / 1e9)
-        saved.append((1.0 - c / n) * 100.0)
-    return min(cf), max(cf), min(none), max(none), min(saved), max(saved)
-
-
-def best_speedups(raw: list[Path]) -> tuple[Any, ...]:
-    """Per bench.csv: the largest layerwise step over chunkflow's (16 MB, r = 0) over its points, and that point."""
-    out: list[Any] = []
-    for p in raw:
-        rows = _bench(p)
-        best = max(((_point(rows, "layerwise", v) / _point(rows, "chunkflow", v), v)
-                    for r in rows if r["mode"] == "none" for v in [r["value"]]), key=lambda t: t[0])
-        out += [best[0], best[1]]
-    return tuple(out)
-
-
-def _same(values: list[float], digits: int) -> float:
-    """The value all of `values` round to at `digits` decimals; an error where they differ there."""
-    rounded = {round(x, digits) for x in values}
-    if len(rounded) != 1:
-        raise ValueError(f"values {values} differ at {digits} decimals")
-    return rounded.pop()
-
-
-def residency_at(raw: list[Path], residency: float, digits: int = 0) -> tuple[float, float, float]:
-    """Per bench.csv, chunkflow (16 MB) at residency `residency` at the residency sweep's point against no offload
-    there: the smallest and largest step ratio over the files, and the peak memory it saves (percent), the same in
-    every file to `digits` decimals."""
-    ratios, saved = [], []
-    for p in raw:
-        rows = _bench(p)
-        x = next(r for r in rows if r["mode"] == "chunkflow" and r["chunk_bytes"] == "16000000.0"
-                 and abs(float(r["residency"]) - residency) < 1e-9)
-        n = next(r for r in rows if r["mode"] == "none" and r["value"] == x["value"])
-        ratios.append(float(x["measured_step_s"]) / float(n["measured_step_s"]))
-        saved.append((1.0 - float(x["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0)
-    return min(ratios), max(ratios), _same(saved, digits)
-
-
-def accuracy_all(raw: list[Path]) -> tuple[float, ...]:
-    """Over every predicted point of the bench.csv files: how many, the median |step error| and |peak error| (%),
-    and the largest step and peak errors with their sign (%), as results_doc.py's accuracy table gives them."""
-    pts = [r for p in raw for r in _bench(p) if r["err_step"]]
-    step = [float(r["err_step"]) * 100.0 for r in pts]
-    peak = [float(r["err_peak"]) * 100.0 for r in pts]
-    return (len(pts), statistics.median(abs(x) for x in step), statistics.median(abs(x) for x in peak),
-            max(step, key=abs), max(peak, key=abs))
-
-
-def _chunk_gaps(raw: list[Path]) -> list[float]:
-    """Over pairs (bench.csv, its summary.md): the planner's chunk size as the bench's summary names it ('the planner
-    picks NMB', at 'At V frames') measured against the best chunk size measured there (chunkflow, r = 0), in percent
-    over the best."""
-    gaps = []
-    for csv_path, summary in zip(raw[::2], raw[1::2]):
-        m = re.search(r"At (\d+) \w+: best measured \d+MB .*?the planner picks (\d+)MB", summary.read_text())
-        if m is None:
-            raise ValueError(f"{summary}: no chunk verdict")
-        value, pick = m.group(1), float(m.group(2)) * 1e6
-        sweep = {float(r["chunk_bytes"]): float(r["measured_step_s"]) for r in _bench(csv_path)
-                 if r["mode"] == "chunkflow" and r["value"] == value and float(r["residency"]) == 0.0}
-        gaps.append((sweep[pick] / min(sweep.values()) - 1.0) * 100.0)
-    return gaps
-
-
-def chunk_pick_gap(raw: list[Path]) -> float:
-    """The largest of `_chunk_gaps`: the planner's chunk pick against the best measured, percent over it."""
-    return max(_chunk_gaps(raw))
-
-
-def chunk_gap_span(raw: list[Path]) -> tuple[float, float]:
-    """The smallest and largest of `_chunk_gaps`."""
-    gaps = _chunk_gaps(raw)
-    return min(gaps), max(gaps)
-
-
-def chunk_point(raw: list[Path], value: str, chunk: str) -> tuple[float, float]:
-    """At one point of the first bench.csv: chunkflow at `chunk` bytes (r = 0) over no offload, and layerwise over
-    no offload."""
-    rows = _bench(raw[0])
-    n = _point(rows, "none", value)
-    return _point(rows, "chunkflow", value, chunk=chunk) / n, _point(rows, "layerwise", value) / n
-
-
-def block_copy_share(raw: list[Path], value: str, blocks: int) -> tuple[float, float, float]:
-    """[bench.csv, bench.json]: a block's copy at the bench profile's H2D bandwidth (the block's bytes, f_block /
-    i_block of bench.csv, over hardware/h2d_link_gbps), ms; no offload's measured step over the model's `blocks`,
-    ms; the first as a share of the second, percent."""
-    row = next(r for r in _bench(raw[0]) if r["mode"] == "none" and r["value"] == value)
-    copy_ms = float(row["f_block"]) / float(row["i_block"]) / (float(_at(raw[1], "hardware/h2d_link_gbps")) * 1e9) * 1e3
-    block_ms = float(row["measured_step_s"]) / blocks * 1e3
-    return copy_ms, block_ms, copy_ms / block_ms * 100.0
-
-
-def log_span(raw: list[Path], pattern: str) -> tuple[float, float]:
-    """The smallest and largest number `pattern`'s first group captures over every match in the files."""
-    found = [float(m.group(1)) for p in raw for m in re.finditer(pattern, p.read_text())]
     if not found:
         raise ValueError(f"no line matches {pattern!r}")
     return min(found), max(found)
@@ -1578,6 +1434,8 @@ def latents_rel_norm(raw: list[Path]) -> float:
     """The first file's latents against the second's (.safetensors, bf16): |a - b| / |b| (L2), in percent."""
     a, b = _bf16_tensor(raw[0]), _bf16_tensor(raw[1])
     return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)) / sum(y * y for y in b)) * 100.0
+
+
 # ---- pipeline: whole generations against their plans (docs/pipeline-h200.md) -----------------------------------------
 
 
@@ -1726,6 +1584,163 @@ def per_call_span(raw: list[Path], vae: str, scale: float = 1e3) -> tuple[float,
     found = [float(v["time_s"]) / int(v["decoder_calls"]) * scale for v in _at(raw[0], "vae")
              if v["vae"] == vae and v["tiled"]]
     return min(found), max(found)
+
+
+# ---- results ------------------------------------------------------------------------------------------------------
+# docs/results.md (two H200s, SP=2: scripts/gpu_results.py's bench.csv per model and link), docs/shared-host-h200.md.
+
+
+def _regime_points(raw: list[Path], regime: str | None,
+                   exclude: list[list[str]] | None = None) -> list[tuple[list[dict[str, str]], str]]:
+    """(rows, value) of every point of each bench.csv whose no offload row the bench marks `regime` (any where None),
+    less the points `exclude` names as [model, value]."""
+    skip = {tuple(e) for e in exclude or []}
+    out = []
+    for p in raw:
+        rows = _bench(p)
+        out += [(rows, r["value"]) for r in rows if r["mode"] == "none" and (regime is None or r["regime"] == regime)
+                and (r["model"], r["value"]) not in skip]
+    return out
+
+
+def contention_removed_span(raw: list[Path], regime: str = "hidden", exclude: list[list[str]] | None = None,
+                            min_excess: float = 1.0) -> tuple[float, float]:
+    """(layerwise - chunkflow) / (layerwise - no offload) in percent (chunkflow at 16 MB, r = 0) at the points of
+    `regime` where layerwise's step is more than `min_excess` percent over no offload's (results_doc.py's "none to
+    remove" otherwise); the smallest and largest."""
+    found = []
+    for rows, v in _regime_points(raw, regime, exclude):
+        n, lw, cf = (_point(rows, m, v) for m in ("none", "layerwise", "chunkflow"))
+        if lw - n > min_excess / 100.0 * n:
+            found.append((lw - cf) / (lw - n) * 100.0)
+    return min(found), max(found)
+
+
+def step_ratio_span(raw: list[Path], modes: list[str], regime: str | None = "hidden",
+                    exclude: list[list[str]] | None = None, excess: bool = False) -> tuple[float, float]:
+    """Each mode's step over no offload's (chunkflow at 16 MB, r = 0) at the points of `regime`; the smallest and
+    largest, as ratios or (`excess`) in percent over no offload."""
+    found = [_point_ratio(rows, m, v) for rows, v in _regime_points(raw, regime, exclude) for m in modes]
+    if excess:
+        found = [(x - 1.0) * 100.0 for x in found]
+    return min(found), max(found)
+
+
+def results_point_excess(raw: list[Path], mode: str, value: str) -> float:
+    """A mode's step over no offload's at one point of the first bench.csv, in percent over it."""
+    return (_point_ratio(_bench(raw[0]), mode, value) - 1.0) * 100.0
+
+
+def peak_spans(raw: list[Path], regime: str | None = None) -> tuple[float, float, float, float, float, float]:
+    """Over the points of the bench.csv files (of `regime`, else every one): chunkflow's peak allocated (16 MB,
+    r = 0) and no offload's, GB, each the smallest and largest; then the share chunkflow saves against no offload,
+    percent, smallest and largest."""
+    cf, none, saved = [], [], []
+    for rows, v in _regime_points(raw, regime):
+        c, n = _point(rows, "chunkflow", v, "measured_peak_bytes"), _point(rows, "none", v, "measured_peak_bytes")
+        cf.append(c / 1e9)
+        none.append(n / 1e9)
+        saved.append((1.0 - c / n) * 100.0)
+    return min(cf), max(cf), min(none), max(none), min(saved), max(saved)
+
+
+def best_speedups(raw: list[Path]) -> tuple[Any, ...]:
+    """Per bench.csv: the largest layerwise step over chunkflow's (16 MB, r = 0) over its points, and that point."""
+    out: list[Any] = []
+    for p in raw:
+        rows = _bench(p)
+        best = max(((_point(rows, "layerwise", v) / _point(rows, "chunkflow", v), v)
+                    for r in rows if r["mode"] == "none" for v in [r["value"]]), key=lambda t: t[0])
+        out += [best[0], best[1]]
+    return tuple(out)
+
+
+def _same(values: list[float], digits: int) -> float:
+    """The value all of `values` round to at `digits` decimals; an error where they differ there."""
+    rounded = {round(x, digits) for x in values}
+    if len(rounded) != 1:
+        raise ValueError(f"values {values} differ at {digits} decimals")
+    return rounded.pop()
+
+
+def residency_at(raw: list[Path], residency: float, digits: int = 0) -> tuple[float, float, float]:
+    """Per bench.csv, chunkflow (16 MB) at residency `residency` at the residency sweep's point against no offload
+    there: the smallest and largest step ratio over the files, and the peak memory it saves (percent), the same in
+    every file to `digits` decimals."""
+    ratios, saved = [], []
+    for p in raw:
+        rows = _bench(p)
+        x = next(r for r in rows if r["mode"] == "chunkflow" and r["chunk_bytes"] == "16000000.0"
+                 and abs(float(r["residency"]) - residency) < 1e-9)
+        n = next(r for r in rows if r["mode"] == "none" and r["value"] == x["value"])
+        ratios.append(float(x["measured_step_s"]) / float(n["measured_step_s"]))
+        saved.append((1.0 - float(x["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0)
+    return min(ratios), max(ratios), _same(saved, digits)
+
+
+def accuracy_all(raw: list[Path]) -> tuple[float, ...]:
+    """Over every predicted point of the bench.csv files: how many, the median |step error| and |peak error| (%),
+    and the largest step and peak errors with their sign (%), as results_doc.py's accuracy table gives them."""
+    pts = [r for p in raw for r in _bench(p) if r["err_step"]]
+    step = [float(r["err_step"]) * 100.0 for r in pts]
+    peak = [float(r["err_peak"]) * 100.0 for r in pts]
+    return (len(pts), statistics.median(abs(x) for x in step), statistics.median(abs(x) for x in peak),
+            max(step, key=abs), max(peak, key=abs))
+
+
+def _chunk_gaps(raw: list[Path]) -> list[float]:
+    """Over pairs (bench.csv, its summary.md): the planner's chunk size as the bench's summary names it ('the planner
+    picks NMB', at 'At V frames') measured against the best chunk size measured there (chunkflow, r = 0), in percent
+    over the best."""
+    gaps = []
+    for csv_path, summary in zip(raw[::2], raw[1::2]):
+        m = re.search(r"At (\d+) \w+: best measured \d+MB .*?the planner picks (\d+)MB", summary.read_text())
+        if m is None:
+            raise ValueError(f"{summary}: no chunk verdict")
+        value, pick = m.group(1), float(m.group(2)) * 1e6
+        sweep = {float(r["chunk_bytes"]): float(r["measured_step_s"]) for r in _bench(csv_path)
+                 if r["mode"] == "chunkflow" and r["value"] == value and float(r["residency"]) == 0.0}
+        gaps.append((sweep[pick] / min(sweep.values()) - 1.0) * 100.0)
+    return gaps
+
+
+def results_chunk_pick_gap(raw: list[Path]) -> float:
+    """The largest of `_chunk_gaps`: the planner's chunk pick against the best measured, percent over it."""
+    return max(_chunk_gaps(raw))
+
+
+def chunk_gap_span(raw: list[Path]) -> tuple[float, float]:
+    """The smallest and largest of `_chunk_gaps`."""
+    gaps = _chunk_gaps(raw)
+    return min(gaps), max(gaps)
+
+
+def chunk_point(raw: list[Path], value: str, chunk: str) -> tuple[float, float]:
+    """At one point of the first bench.csv: chunkflow at `chunk` bytes (r = 0) over no offload, and layerwise over
+    no offload."""
+    rows = _bench(raw[0])
+    n = _point(rows, "none", value)
+    return _point(rows, "chunkflow", value, chunk=chunk) / n, _point(rows, "layerwise", value) / n
+
+
+def block_copy_share(raw: list[Path], value: str, blocks: int) -> tuple[float, float, float]:
+    """[bench.csv, bench.json]: a block's copy at the bench profile's H2D bandwidth (the block's bytes, f_block /
+    i_block of bench.csv, over hardware/h2d_link_gbps), ms; no offload's measured step over the model's `blocks`,
+    ms; the first as a share of the second, percent."""
+    row = next(r for r in _bench(raw[0]) if r["mode"] == "none" and r["value"] == value)
+    copy_ms = float(row["f_block"]) / float(row["i_block"]) / (float(_at(raw[1], "hardware/h2d_link_gbps")) * 1e9) * 1e3
+    block_ms = float(row["measured_step_s"]) / blocks * 1e3
+    return copy_ms, block_ms, copy_ms / block_ms * 100.0
+
+
+def results_log_span(raw: list[Path], pattern: str) -> tuple[float, float]:
+    """The smallest and largest number `pattern`'s first group captures over every match in the files."""
+    found = [float(m.group(1)) for p in raw for m in re.finditer(pattern, p.read_text())]
+    if not found:
+        raise ValueError(f"no line matches {pattern!r}")
+    return min(found), max(found)
+
+
 def meminfo_peak_change(raw: list[Path]) -> tuple[float, float, float]:
     """`meminfo_peak_gb` of two runs (pairs of files) and the second's change against the first, percent."""
     a, b = meminfo_peak_gb(raw)
