@@ -42,16 +42,19 @@ def tiny_plan(cli, workdir) -> Path:
 
 
 def run_torchrun(nproc: int, args: list[str], timeout: int = 300, **env_extra: str) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node nproc ARGS` on the CPU (gloo), with src/ on the path; asserts success."""
+    """`torchrun --standalone --nproc-per-node nproc ARGS` on the CPU (gloo), with src/ on the path and Python's
+    fault handler on in the ranks; asserts success."""
     pytest.importorskip("diffusers")
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():
         pytest.skip("torchrun not found next to the Python interpreter")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env_extra)
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1", **env_extra)
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    # a rank killed by a signal (an abort in C++) dumps every thread's Python stack (PYTHONFAULTHANDLER) before
+    # torchrun's own traceback: the tail keeps room for both
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-16000:]
     return p
 
 
