@@ -46,7 +46,7 @@ TEXT_MARGIN = 1.25
 VAE_MARGIN = 1.5
 # A transformer class the catalog never measured has its activations priced by the default model (memory.py) times
 # ACTIVATION_MARGIN: blocks hold temporaries the model does not count (rotary embeddings in float32, norms'
-# copies); LTX-Video's and CogVideoX-5B's measured 2.9x and 2.2x the default on an H200 (docs/any-h200.md).
+# copies); LTX-Video's and CogVideoX-5B's measured 2.8x and 2.2x the default on an H200 (docs/any-h200.md).
 ACTIVATION_MARGIN = 3.0
 RUN_DTYPE_BYTES = 2  # chunkflow runs transformers and text encoders in bfloat16
 
