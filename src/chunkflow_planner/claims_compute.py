@@ -1,5 +1,7 @@
 """The functions docs/claims.yaml names: each recomputes a published figure from the raw files under docs/data/
-(JSON, CSV and the text the evidence scripts wrote), with the standard library only.
+(JSON, CSV and the text the evidence scripts wrote), with the standard library; where a figure is one of the
+planner's own formulas (activation bytes, a copy's time, a fit's figures) or a count its catalog keeps (a model's
+blocks), the planner's function computes it, as it does in a plan.
 
 Every function takes the row's raw files (paths, in the row's order) and the row's `args`, and returns a number or
 a tuple of numbers in the unit the text quotes (percentages as percent, seconds, GB as 1e9 bytes); the row's
@@ -16,6 +18,12 @@ import re
 import statistics
 from pathlib import Path
 from typing import Any
+
+from chunkflow_planner.bands import FITS
+from chunkflow_planner.catalog import ModelSpec, Workload, get_hardware, get_model
+from chunkflow_planner.memory import activation_bytes
+from chunkflow_planner.overlap import T_pref
+from chunkflow_planner.workload import per_forward
 
 
 def _load(path: Path) -> Any:
@@ -1038,32 +1046,25 @@ def aware_hidden_span(raw: list[Path], what: str = "cost") -> tuple[float, float
 def fp8_cast_speedups(raw: list[Path]) -> tuple[float, float]:
     """The Triton fp8 cast over PyTorch's copy, from [the cast tests' log (a kernel-shape sweep, then PyTorch's copy),
     calibrate's log]: the smaller and the larger of the sweep's best rate and calibrate's, each over PyTorch's."""
-    tests, cal = raw[0].read_text(), raw[1].read_text()
     number = r"(\d+(?:\.\d+)?)"
-    torch_copy = re.search(rf"torch copy: {number} GB/s", tests)
-    calibrated = re.search(rf"fp8 cast {number} GB/s \(triton\)", cal)
-    sweep = [float(x) for x in re.findall(rf"triton BLOCK=\d+ warps=\d+: {number} GB/s", tests)]
-    if torch_copy is None or calibrated is None or not sweep:
-        raise ValueError(f"{raw[0]} or {raw[1]}: no torch copy, sweep or calibrate fp8 cast rate")
-    base = float(torch_copy.group(1))
-    found = sorted((max(sweep) / base, float(calibrated.group(1)) / base))
+    (base,) = log_numbers(raw[:1], rf"torch copy: {number} GB/s")
+    (calibrated,) = log_numbers(raw[1:2], rf"fp8 cast {number} GB/s \(triton\)")
+    _, best = log_span(raw[:1], rf"triton BLOCK=\d+ warps=\d+: {number} GB/s")
+    found = sorted((best / base, calibrated / base))
     return found[0], found[1]
 
 
 def activation_multiples(raw: list[Path], phase: str = "denoise") -> tuple[float, ...]:
     """Per pair of files (a plan, its run report): the activations the phase held over the plan's activation model
-    (memory.py: dtype_bytes x batch x the tokens a GPU holds x (c_f f + c_d d)); held is the phase's measured peak
-    allocation less the plan's allocation without its activations."""
+    (memory.activation_bytes on the plan's model spec and workload, one forward's batch); held is the phase's measured
+    peak allocation less the plan's allocation without its activations."""
     out = []
     for plan_path, report_path in zip(raw[::2], raw[1::2]):
         plan = _load(plan_path)
-        spec, work = plan["model"]["spec"], plan["workload"]
-        if spec.get("per_token_timestep"):
-            raise ValueError(f"{plan_path}: per-token timesteps add to the activation model; not handled here")
-        text = spec["text_len"] if any(b["kind"] != "dit" for b in spec["blocks"]) else 0
-        local = (work["tokens"] + text) / plan["parallel"]["sp_degree"]
-        act = spec["dtype_bytes"] * work["batch"] * local * (
-            spec["activation"]["c_f"] * spec["f"] + spec["activation"]["c_d"] * spec["d"])
+        spec = ModelSpec.model_validate(plan["model"]["spec"])
+        work = Workload.model_validate({k: v for k, v in plan["workload"].items() if k != "tokens"})
+        forward, _ = per_forward(work, bool(plan["offload"].get("cfg_batched")))
+        act = activation_bytes(spec, forward, plan["parallel"]["sp_degree"])
         others = float(plan["prediction"]["phases"][phase]["allocated_bytes"]) - act
         held = float(_at(report_path, f"generation/phases/{phase}/measured_peak_allocated_bytes")) - others
         out.append(held / act)
@@ -1082,90 +1083,6 @@ def eta_ratio(raw: list[Path], dim: str, base: str, tokens: float) -> float:
 
 
 # ---- measurements
-
-
-def _cf_points(raw: list[Path]) -> list[tuple[str, str, str, dict[str, str], dict[str, str], dict[str, str]]]:
-    """Every point of the bench.csv files: (model, value, chunkflow's regime, no offload's row, layerwise's row,
-    chunkflow's row at 16 MB and r = 0)."""
-    out = []
-    for p in raw:
-        rows = _bench(p)
-        for n in (r for r in rows if r["mode"] == "none"):
-            v = n["value"]
-            lw = next(r for r in rows if r["mode"] == "layerwise" and r["value"] == v)
-            cf = next(r for r in rows if r["mode"] == "chunkflow" and r["value"] == v
-                      and r["chunk_bytes"] == "16000000.0" and float(r["residency"]) == 0.0)
-            out.append((n["model"], v, cf["regime"], n, lw, cf))
-    return out
-
-
-def _step(row: dict[str, str]) -> float:
-    return float(row["measured_step_s"])
-
-
-def contention_removed(raw: list[Path], skip: list[str] | None = None) -> tuple[float, float]:
-    """Past the critical point (chunkflow's regime 'hidden'), where layerwise pays over 1% of no offload's step:
-    the share of layerwise's excess chunkflow removes, (layerwise - chunkflow) / (layerwise - none), in percent;
-    the smallest and largest, points `skip` ('model:value') left out."""
-    found = [(_step(lw) - _step(cf)) / (_step(lw) - _step(n)) * 100.0 for m, v, reg, n, lw, cf in _cf_points(raw)
-             if reg == "hidden" and f"{m}:{v}" not in (skip or []) and _step(lw) - _step(n) > 0.01 * _step(n)]
-    return min(found), max(found)
-
-
-def hidden_excess(raw: list[Path], skip: list[str] | None = None) -> tuple[float, float]:
-    """Past the critical point: chunkflow's step over no offload's less 1, in percent; the smallest and largest,
-    points `skip` ('model:value') left out."""
-    found = [(_step(cf) / _step(n) - 1.0) * 100.0 for m, v, reg, n, lw, cf in _cf_points(raw)
-             if reg == "hidden" and f"{m}:{v}" not in (skip or [])]
-    return min(found), max(found)
-
-
-def point_excess(raw: list[Path], value: str) -> float:
-    """chunkflow's step (16 MB, r = 0) over no offload's at one point of the first bench.csv, less 1, in percent."""
-    return (_point_ratio(_bench(raw[0]), "chunkflow", value) - 1.0) * 100.0
-
-
-def peak_saved_span(raw: list[Path]) -> tuple[float, float]:
-    """At every point: how much less peak allocated memory chunkflow (16 MB, r = 0) used than no offload, in
-    percent; the smallest and largest."""
-    found = [(1.0 - float(cf["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0
-             for *_, n, lw, cf in _cf_points(raw)]
-    return min(found), max(found)
-
-
-def speedup_max(raw: list[Path]) -> float:
-    """The largest speed-up of chunkflow (16 MB, r = 0) over layerwise, layerwise's step over chunkflow's, at any
-    point of the bench.csv files."""
-    return max(_step(lw) / _step(cf) for *_, n, lw, cf in _cf_points(raw))
-
-
-def residency_point(raw: list[Path], residency: float) -> tuple[float, float, float, float]:
-    """Per bench.csv, chunkflow at `residency` (the residency sweep's point) against no offload at the same point:
-    the smallest and largest step ratio, and the smallest and largest peak memory saved (percent)."""
-    ratios, saved = [], []
-    for p in raw:
-        rows = _bench(p)
-        for r in (r for r in rows if r["mode"] == "chunkflow" and abs(float(r["residency"]) - residency) < 1e-9):
-            n = next(x for x in rows if x["mode"] == "none" and x["value"] == r["value"])
-            ratios.append(_step(r) / _step(n))
-            saved.append((1.0 - float(r["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0)
-    return min(ratios), max(ratios), min(saved), max(saved)
-
-
-def bench_error_stats(raw: list[Path]) -> tuple[float, float, float, float, int]:
-    """Over every predicted point of the bench.csv files: the median |step error| and |peak error| (percent), the
-    worst of each with its sign (percent), and how many points."""
-    rows = [r for p in raw for r in _bench(p) if r["err_step"]]
-    step = [float(r["err_step"]) * 100.0 for r in rows]
-    peak = [float(r["err_peak"]) * 100.0 for r in rows]
-    return (statistics.median(abs(x) for x in step), statistics.median(abs(x) for x in peak),
-            max(step, key=abs), max(peak, key=abs), len(rows))
-
-
-def chunk_pick_gap(raw: list[Path]) -> float:
-    """The largest gap of the planner's chunk size from the best measured, in percent, over bench summaries
-    (summary.md's 'the planner picks C (t ms, +g%)')."""
-    return max(log_numbers([p], r"the planner picks \S+ \([\d.]+ ms, ([+-][\d.]+)%\)")[0] for p in raw)
 
 
 def abs_worst(raw: list[Path], keys: list[str], scale: float = 100.0) -> float:
@@ -1197,17 +1114,19 @@ def host_op_over_records(raw: list[Path], key: str, tag: str = "loop") -> float:
 
 def drift_rms(raw: list[Path], fits: list[str]) -> tuple[float, float]:
     """How far a second calibration moved from the first (compare.json's rows), in percent: per fit the root mean
-    square of its figures' changes (h2d's figures: a 1 MiB and a 64 MiB copy, t0 + C/BW, as bands.FITS has them);
-    the smallest and largest over `fits`."""
+    square of its figures' changes, second / first - 1, as bands.drift_between takes it (h2d's figures are the copy
+    times bands.FITS["h2d"] gives for the fitted link rate and start-up); the smallest and largest over `fits`."""
     rows = _load(raw[0])["rows"]
     out = []
     for fit in fits:
         mine = [r for r in rows if r["fit"] == fit]
         if fit == "h2d":
             c = {r["constant"]: r for r in mine}
-            bw, t0 = c["h2d_link_gbps"], c["dma_startup_us"]
-            changes = [(t0["second"] * 1e-6 + n * 2**20 / (bw["second"] * 1e9))
-                       / (t0["first"] * 1e-6 + n * 2**20 / (bw["first"] * 1e9)) - 1.0 for n in (1, 64)]
+            first, second = (get_hardware("h200").model_copy(update={k: c[k][which] for k in
+                                                                      ("h2d_link_gbps", "dma_startup_us")})
+                             for which in ("first", "second"))
+            was = dict(FITS["h2d"].values(first))
+            changes = [v / was[k] - 1.0 for k, v in FITS["h2d"].values(second)]
         else:
             changes = [float(r["diff"]) for r in mine]
         out.append(math.sqrt(sum(x * x for x in changes) / len(changes)) * 100.0)
@@ -1252,7 +1171,7 @@ def generation_row(raw: list[Path], steps: int = 50) -> tuple[float, ...]:
     phases = g["phases"]
     return (*(float(phases[p]["measured_time_s"]) for p in ("encode", "denoise", "decode")),
             float(g["generation_time_s"]), _scaled(report, steps), float(g["host_peak_bytes"]) / 1e9,
-            max(float(ph["measured_peak_memory_bytes"]) for ph in phases.values()) / 1e9, _disk_read(report) / 1e9)
+            phase_peak_max(raw[:1]), _disk_read(report) / 1e9)
 
 
 def one_off_share(raw: list[Path], key: str, steps: int = 50) -> tuple[float, float, float]:
@@ -1261,6 +1180,13 @@ def one_off_share(raw: list[Path], key: str, steps: int = 50) -> tuple[float, fl
     extra = difference(raw, key)
     last = _load(raw[-1])
     return extra, 100.0 * extra / float(last["generation"]["generation_time_s"]), 100.0 * extra / _scaled(last, steps)
+
+
+def log_cases(raw: list[Path], marker: str, text: str) -> tuple[int, int]:
+    """Over a log's lines holding `marker` (one line per case a check ran): how many also hold `text` (its verdict),
+    and how many."""
+    cases = [line for line in raw[0].read_text().splitlines() if marker in line]
+    return sum(text in line for line in cases), len(cases)
 
 
 def load_rate_span(raw: list[Path]) -> tuple[float, float]:
@@ -1272,9 +1198,7 @@ def load_rate_span(raw: list[Path]) -> tuple[float, float]:
 def load_time_spans(raw: list[Path]) -> tuple[float, float, float, float]:
     """Over the reports: the shortest and longest load (s), then the shortest and longest load their plans
     predicted (s)."""
-    measured = [float(_at(p, "generation/load/measured_time_s")) for p in raw]
-    planned = [float(_at(p, "generation/load/predicted_time_s")) for p in raw]
-    return min(measured), max(measured), min(planned), max(planned)
+    return (*span(raw, "generation/load/measured_time_s"), *span(raw, "generation/load/predicted_time_s"))
 
 
 _BENCH_LINE = re.compile(r"^\s*(\S.*?) frames (\d+): ([\d.]+) s measured")
@@ -1314,6 +1238,7 @@ def bench_log_spreads(raw: list[Path], config: str, frames: list[int], per: int 
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file's records."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -1340,13 +1265,29 @@ def none_spread(raw: list[Path], value: str) -> float:
     return (max(steps) / min(steps) - 1.0) * 100.0
 
 
-def block_move_and_compute(raw: list[Path], frames: int, blocks: int, model: str) -> tuple[float, float]:
+def block_move_and_compute(raw: list[Path], frames: int) -> tuple[float, float]:
     """A block's copy and its compute, in ms, from [bench.csv, calibration.json]: the pinned bytes of the points over
-    `blocks` at calibrate's fitted H2D rate, and calibrate's one-block forward of `model` at `frames`."""
-    pinned = max(float(r["pinned_bytes"] or 0) for r in _bench(raw[0]))
+    the bench model's blocks (its catalog entry's n_blocks) at calibrate's fitted H2D rate, and calibrate's one-block
+    forward of that model at `frames`."""
+    rows = _bench(raw[0])
+    pinned = max(float(r["pinned_bytes"] or 0) for r in rows)
+    model = _bench_model(rows)
     cal = _load(raw[-1])
     block = next(b for b in cal["blocks"] if b["model"] == model and int(b["frames"]) == frames)
-    return pinned / blocks / (float(cal["h2d_fit"]["gbps"]) * 1e9) * 1e3, float(block["time_s"]) * 1e3
+    return pinned / _n_blocks(model) / (float(cal["h2d_fit"]["gbps"]) * 1e9) * 1e3, float(block["time_s"]) * 1e3
+
+
+def _bench_model(rows: list[dict[str, str]]) -> str:
+    """The one model a bench.csv measured."""
+    models = {r["model"] for r in rows}
+    if len(models) != 1:
+        raise ValueError(f"bench.csv holds {sorted(models)}, not one model")
+    return models.pop()
+
+
+def _n_blocks(model: str) -> int:
+    """A model's transformer blocks, as the planner's catalog counts them."""
+    return get_model(model).n_blocks
 
 
 # ---- levers -------------------------------------------------------------------------------------------------------
@@ -1406,11 +1347,13 @@ def cast_cost(raw: list[Path]) -> tuple[float, float, float, float]:
 
 def streamed_block(raw: list[Path]) -> tuple[float, float, float, float]:
     """A run's streamed bytes a block (MB, from [run report, its plan]: the report's offloaded less resident bytes over
-    its blocks), the plan's link rate (GB/s), their copy time and the plan's compute a block (ms)."""
+    its blocks), the plan's link rate (GB/s), their copy time (overlap.T_pref at the plan's eta_pref) and the plan's
+    compute a block (ms)."""
     stats, plan = _load(raw[0])["stats"], _load(raw[1])
     block = (stats["bytes_offloaded"] - stats["resident_bytes"]) / stats["n_blocks"]
     link = float(plan["hardware"]["h2d_gbps"])
-    return block / 1e6, link, block / (link * 1e9) * 1e3, plan["analysis"]["t_comp_s"] * 1e3
+    copy = T_pref(block, link * 1e9, float(plan["hardware"]["eta_pref"]))
+    return block / 1e6, link, copy * 1e3, plan["analysis"]["t_comp_s"] * 1e3
 
 
 def _bf16_tensor(path: Path, name: str = "latents") -> list[float]:
@@ -1476,10 +1419,8 @@ def host_forwards(raw: list[Path], arch: str, forwards: int = 2) -> tuple[float,
     that times the operators a forward counted by a diagnostic (the last file's 'ops per forward N') times
     `forwards`, in ms."""
     us = float(_at(raw[0], f"operators/host/host_op_us/{arch}"))
-    m = re.search(r"ops per forward (\d+)", raw[-1].read_text())
-    if m is None:
-        raise ValueError(f"{raw[-1]}: no 'ops per forward' line")
-    return us, us * int(m.group(1)) * forwards / 1e3
+    (ops,) = log_numbers(raw[-1:], r"ops per forward (\d+)")
+    return us, us * ops * forwards / 1e3
 
 
 def printed_list_span(raw: list[Path], prefix: str) -> tuple[float, float, int]:
@@ -1498,8 +1439,8 @@ def longest_over_next(raw: list[Path], key: str) -> float:
 
 
 def quotient(raw: list[Path], key: str, key2: str, scale: float = 1.0) -> float:
-    """`key` in the first file over `key2` in the last, times `scale` (bytes over a rate: a time)."""
-    return float(_at(raw[0], key)) / float(_at(raw[-1], key2)) * scale
+    """`ratio` times `scale` (bytes over a rate: a time)."""
+    return ratio(raw, key, key2) * scale
 
 
 def same_change(raw: list[Path], key: str, key2: str) -> tuple[float, float]:
@@ -1550,6 +1491,7 @@ def _table_rows(path: Path) -> dict[tuple[str, str], list[str]]:
 
 
 def _cell(cells: list[str], column: int) -> float:
+    """The first number a table row's cell prints."""
     m = _CELL.search(cells[column])
     if m is None:
         raise ValueError(f"no number in {cells[column]!r}")
@@ -1626,8 +1568,9 @@ def step_ratio_span(raw: list[Path], modes: list[str], regime: str | None = "hid
     return min(found), max(found)
 
 
-def results_point_excess(raw: list[Path], mode: str, value: str) -> float:
-    """A mode's step over no offload's at one point of the first bench.csv, in percent over it."""
+def point_excess(raw: list[Path], value: str, mode: str = "chunkflow") -> float:
+    """A mode's step over no offload's at one point of the first bench.csv (chunkflow at 16 MB, r = 0), in percent
+    over it."""
     return (_point_ratio(_bench(raw[0]), mode, value) - 1.0) * 100.0
 
 
@@ -1663,16 +1606,21 @@ def _same(values: list[float], digits: int) -> float:
     return rounded.pop()
 
 
+def _at_residency(rows: list[dict[str, str]], residency: float) -> tuple[dict[str, str], dict[str, str]]:
+    """bench.csv's chunkflow row (16 MB) at residency `residency` (the residency sweep's point) and no offload's row
+    at the same point."""
+    x = next(r for r in rows if r["mode"] == "chunkflow" and r["chunk_bytes"] == "16000000.0"
+             and abs(float(r["residency"]) - residency) < 1e-9)
+    return x, next(r for r in rows if r["mode"] == "none" and r["value"] == x["value"])
+
+
 def residency_at(raw: list[Path], residency: float, digits: int = 0) -> tuple[float, float, float]:
     """Per bench.csv, chunkflow (16 MB) at residency `residency` at the residency sweep's point against no offload
     there: the smallest and largest step ratio over the files, and the peak memory it saves (percent), the same in
     every file to `digits` decimals."""
     ratios, saved = [], []
     for p in raw:
-        rows = _bench(p)
-        x = next(r for r in rows if r["mode"] == "chunkflow" and r["chunk_bytes"] == "16000000.0"
-                 and abs(float(r["residency"]) - residency) < 1e-9)
-        n = next(r for r in rows if r["mode"] == "none" and r["value"] == x["value"])
+        x, n = _at_residency(_bench(p), residency)
         ratios.append(float(x["measured_step_s"]) / float(n["measured_step_s"]))
         saved.append((1.0 - float(x["measured_peak_bytes"]) / float(n["measured_peak_bytes"])) * 100.0)
     return min(ratios), max(ratios), _same(saved, digits)
@@ -1681,11 +1629,17 @@ def residency_at(raw: list[Path], residency: float, digits: int = 0) -> tuple[fl
 def accuracy_all(raw: list[Path]) -> tuple[float, ...]:
     """Over every predicted point of the bench.csv files: how many, the median |step error| and |peak error| (%),
     and the largest step and peak errors with their sign (%), as results_doc.py's accuracy table gives them."""
-    pts = [r for p in raw for r in _bench(p) if r["err_step"]]
+    pts = _points(raw, None)
     step = [float(r["err_step"]) * 100.0 for r in pts]
     peak = [float(r["err_peak"]) * 100.0 for r in pts]
     return (len(pts), statistics.median(abs(x) for x in step), statistics.median(abs(x) for x in peak),
             max(step, key=abs), max(peak, key=abs))
+
+
+def _chunk_sweep(rows: list[dict[str, str]], value: str) -> dict[float, float]:
+    """bench.csv's chunk sweep at one point: chunkflow's measured step (r = 0) by chunk bytes."""
+    return {float(r["chunk_bytes"]): float(r["measured_step_s"]) for r in rows
+            if r["mode"] == "chunkflow" and r["value"] == value and float(r["residency"]) == 0.0}
 
 
 def _chunk_gaps(raw: list[Path]) -> list[float]:
@@ -1697,14 +1651,12 @@ def _chunk_gaps(raw: list[Path]) -> list[float]:
         m = re.search(r"At (\d+) \w+: best measured \d+MB .*?the planner picks (\d+)MB", summary.read_text())
         if m is None:
             raise ValueError(f"{summary}: no chunk verdict")
-        value, pick = m.group(1), float(m.group(2)) * 1e6
-        sweep = {float(r["chunk_bytes"]): float(r["measured_step_s"]) for r in _bench(csv_path)
-                 if r["mode"] == "chunkflow" and r["value"] == value and float(r["residency"]) == 0.0}
-        gaps.append((sweep[pick] / min(sweep.values()) - 1.0) * 100.0)
+        sweep = _chunk_sweep(_bench(csv_path), m.group(1))
+        gaps.append((sweep[float(m.group(2)) * 1e6] / min(sweep.values()) - 1.0) * 100.0)
     return gaps
 
 
-def results_chunk_pick_gap(raw: list[Path]) -> float:
+def chunk_pick_gap(raw: list[Path]) -> float:
     """The largest of `_chunk_gaps`: the planner's chunk pick against the best measured, percent over it."""
     return max(_chunk_gaps(raw))
 
@@ -1723,22 +1675,17 @@ def chunk_point(raw: list[Path], value: str, chunk: str) -> tuple[float, float]:
     return _point(rows, "chunkflow", value, chunk=chunk) / n, _point(rows, "layerwise", value) / n
 
 
-def block_copy_share(raw: list[Path], value: str, blocks: int) -> tuple[float, float, float]:
-    """[bench.csv, bench.json]: a block's copy at the bench profile's H2D bandwidth (the block's bytes, f_block /
-    i_block of bench.csv, over hardware/h2d_link_gbps), ms; no offload's measured step over the model's `blocks`,
-    ms; the first as a share of the second, percent."""
-    row = next(r for r in _bench(raw[0]) if r["mode"] == "none" and r["value"] == value)
-    copy_ms = float(row["f_block"]) / float(row["i_block"]) / (float(_at(raw[1], "hardware/h2d_link_gbps")) * 1e9) * 1e3
-    block_ms = float(row["measured_step_s"]) / blocks * 1e3
+def block_copy_share(raw: list[Path], value: str) -> tuple[float, float, float]:
+    """[bench.csv, bench.json]: a block's copy at the bench profile's H2D bandwidth (overlap.T_pref of the block's
+    bytes, f_block / i_block of bench.csv, at hardware/h2d_link_gbps and eta_pref), ms; no offload's measured step
+    over the model's blocks (its catalog entry's n_blocks), ms; the first as a share of the second, percent."""
+    rows = _bench(raw[0])
+    row = next(r for r in rows if r["mode"] == "none" and r["value"] == value)
+    hw = _at(raw[1], "hardware")
+    copy_ms = T_pref(float(row["f_block"]) / float(row["i_block"]), float(hw["h2d_link_gbps"]) * 1e9,
+                     float(hw["eta_pref"])) * 1e3
+    block_ms = float(row["measured_step_s"]) / _n_blocks(_bench_model(rows)) * 1e3
     return copy_ms, block_ms, copy_ms / block_ms * 100.0
-
-
-def results_log_span(raw: list[Path], pattern: str) -> tuple[float, float]:
-    """The smallest and largest number `pattern`'s first group captures over every match in the files."""
-    found = [float(m.group(1)) for p in raw for m in re.finditer(pattern, p.read_text())]
-    if not found:
-        raise ValueError(f"no line matches {pattern!r}")
-    return min(found), max(found)
 
 
 def meminfo_peak_change(raw: list[Path]) -> tuple[float, float, float]:
@@ -1797,9 +1744,7 @@ def chunk_sweep(raw: list[Path], value: str, small_max: float, big: str) -> tupl
     sizes up to `small_max` bytes (largest over smallest, percent over it), the `big` chunk size's step over no
     offload's (percent over it) and its prefetch stall (ms)."""
     rows = _bench(raw[0])
-    sweep = {float(r["chunk_bytes"]): float(r["measured_step_s"]) for r in rows
-             if r["mode"] == "chunkflow" and r["value"] == value and float(r["residency"]) == 0.0}
-    small = [t for c, t in sweep.items() if c <= small_max]
+    small = [t for c, t in _chunk_sweep(rows, value).items() if c <= small_max]
     return ((max(small) / min(small) - 1.0) * 100.0, (_point(rows, "chunkflow", value, chunk=big)
             / _point(rows, "none", value) - 1.0) * 100.0,
             _point(rows, "chunkflow", value, "prefetch_stall_s", chunk=big) * 1e3)
@@ -1812,29 +1757,29 @@ def sweep_span_ms(raw: list[Path], mode: str = "chunkflow") -> tuple[float, floa
 
 
 def profile_copy(raw: list[Path], chunk_bytes: float) -> tuple[float, float, float, int]:
-    """From a hardware profile's text (h2d_link_gbps, dma_startup_us): the start-up (us), one copy of `chunk_bytes`
-    (t0 + C/BW, ms), the start-up's share of that copy (percent) and that share rounded up to a whole percent."""
-    gbps, t0_us = log_numbers(raw, r"h2d_link_gbps: ([\d.]+)")[0], log_numbers(raw, r"dma_startup_us: ([\d.]+)")[0]
-    copy_s = t0_us * 1e-6 + chunk_bytes / (gbps * 1e9)
+    """From a hardware profile's text (h2d_link_gbps, eta_pref, dma_startup_us): the start-up (us), one copy of
+    `chunk_bytes` (t0 + overlap.T_pref, the planner's t0 + C/BW, ms), the start-up's share of that copy (percent) and
+    that share rounded up to a whole percent."""
+    gbps, eta, t0_us = (log_numbers(raw, rf"{name}: ([\d.]+)")[0] for name in ("h2d_link_gbps", "eta_pref",
+                                                                                "dma_startup_us"))
+    copy_s = t0_us * 1e-6 + T_pref(chunk_bytes, gbps * 1e9, eta)
     share = t0_us * 1e-6 / copy_s * 100.0
     return t0_us, copy_s * 1e3, share, math.ceil(share - 1e-9)
 
 
-def block_compute_ms(raw: list[Path], value: str, blocks: int, mode: str = "none") -> float:
-    """A mode's measured compute (compute_s) at one point of the first bench.csv over the model's `blocks`, ms."""
-    return _point(_bench(raw[0]), mode, value, "compute_s") / blocks * 1e3
+def block_compute_ms(raw: list[Path], value: str, mode: str = "none") -> float:
+    """A mode's measured compute (compute_s) at one point of the first bench.csv over the model's blocks (its catalog
+    entry's n_blocks), ms."""
+    rows = _bench(raw[0])
+    return _point(rows, mode, value, "compute_s") / _n_blocks(_bench_model(rows)) * 1e3
 
 
 def residency_steps(raw: list[Path], residencies: list[float]) -> tuple[float, ...]:
     """chunkflow (16 MB) at each residency of `residencies` over no offload at the residency sweep's point of the
     first bench.csv."""
     rows = _bench(raw[0])
-    out = []
-    for res in residencies:
-        x = next(r for r in rows if r["mode"] == "chunkflow" and r["chunk_bytes"] == "16000000.0"
-                 and abs(float(r["residency"]) - res) < 1e-9)
-        out.append(float(x["measured_step_s"]) / _point(rows, "none", x["value"]))
-    return tuple(out)
+    return tuple(float(x["measured_step_s"]) / float(n["measured_step_s"])
+                 for x, n in (_at_residency(rows, res) for res in residencies))
 
 
 def together_rates(raw: list[Path], rounds: list[str], digits: int = 0) -> tuple[float, float]:
