@@ -4,11 +4,17 @@ diffusers folder: what a user downloads from the Hub (same classes, configs and 
     python3 scripts/save_uncatalogued.py ltx-video /data/ltx-video [--device cuda]
     python3 scripts/save_uncatalogued.py cogvideox-5b /data/cogvideox-5b
     python3 scripts/save_uncatalogued.py pixart-sigma /data/pixart-sigma
+    python3 scripts/save_uncatalogued.py sd3-medium /data/sd3-medium
+    python3 scripts/save_uncatalogued.py allegro /data/allegro
+    python3 scripts/save_uncatalogued.py mochi /data/mochi
 
 The configs are those of the public checkpoints (Lightricks/LTX-Video 0.9.0: diffusers' defaults for its classes;
 THUDM/CogVideoX-5b: its transformer/config.json, the VAE's scaling factor 0.7 and its CogVideoXDPMScheduler;
-PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: its transformer/config.json and SDXL's VAE config), with google/t5-v1_1-xxl
-as the text encoder of each. The tokenizer is chunkflow's local T5 tokenizer (a small vocabulary:
+PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: its transformer/config.json and SDXL's VAE config;
+stabilityai/stable-diffusion-3-medium-diffusers: its transformer and VAE configs, CLIP ViT-L/14 and OpenCLIP bigG/14
+text towers with projections; rhymes-ai/Allegro and genmo/mochi-1-preview: diffusers' defaults for their transformer
+and VAE classes), with
+google/t5-v1_1-xxl as the (last) text encoder of each. CLIP's tokenizer is chunkflow's local one too. The tokenizer is chunkflow's local T5 tokenizer (a small vocabulary:
 token ids stay inside the encoder's). Each component is drawn on the device in bf16, as `from_pretrained(...,
 torch_dtype=torch.bfloat16)` runs it.
 """
@@ -40,6 +46,19 @@ PIXART_SIGMA = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4
 SDXL_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                 layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.13025, force_upcast=True)
+SD3_MEDIUM = dict(attention_head_dim=64, caption_projection_dim=1536, in_channels=16, joint_attention_dim=4096,
+                  num_attention_heads=24, num_layers=24, out_channels=16, patch_size=2, pooled_projection_dim=2048,
+                  pos_embed_max_size=192, sample_size=128)
+SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+               down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+               layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
+               use_quant_conv=False, use_post_quant_conv=False, force_upcast=True)
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, projection_dim=768,
+              hidden_act="quick_gelu", max_position_embeddings=77)
+CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+              projection_dim=1280, hidden_act="gelu", max_position_embeddings=77)
+ALLEGRO_SCHEDULER = dict(beta_start=0.0001, beta_end=0.02, beta_schedule="linear", num_train_timesteps=1000,
+                         timestep_spacing="linspace", steps_offset=0)
 LTX_SCHEDULER = dict(base_image_seq_len=1024, base_shift=0.95, max_image_seq_len=4096, max_shift=2.05,
                      shift_terminal=0.1, use_dynamic_shifting=True, num_train_timesteps=1000, shift=1.0)
 
@@ -52,7 +71,19 @@ def _t5(max_length: int):
     return T5EncoderModel(T5Config(**T5_XXL)), t5_tokenizer(max_length)
 
 
-NAMES = ("ltx-video", "cogvideox-5b", "pixart-sigma")
+NAMES = ("ltx-video", "cogvideox-5b", "pixart-sigma", "sd3-medium", "allegro", "mochi")
+
+
+def _clip(cfg: dict):
+    """A CLIP text tower with its projection (as SD3 takes it) and chunkflow's local CLIP tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from chunkflow.models.tokenizers import clip_tokenizer
+
+    tok = clip_tokenizer()
+    config = CLIPTextConfig(vocab_size=49408, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, **cfg)
+    return CLIPTextModelWithProjection(config), tok
 
 
 def build(name: str):
@@ -77,6 +108,24 @@ def build(name: str):
             tokenizer=tokenizer, text_encoder=text_encoder, vae=diffusers.AutoencoderKL(**SDXL_VAE),
             transformer=diffusers.PixArtTransformer2DModel(**PIXART_SIGMA),
             scheduler=diffusers.DPMSolverMultistepScheduler())
+    if name == "sd3-medium":
+        (clip_l, tok_l), (clip_g, tok_g), (t5, tok_t5) = _clip(CLIP_L), _clip(CLIP_G), _t5(256)
+        return diffusers.StableDiffusion3Pipeline(
+            transformer=diffusers.SD3Transformer2DModel(**SD3_MEDIUM),
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=diffusers.AutoencoderKL(**SD3_VAE),
+            text_encoder=clip_l, tokenizer=tok_l, text_encoder_2=clip_g, tokenizer_2=tok_g, text_encoder_3=t5,
+            tokenizer_3=tok_t5)
+    if name == "mochi":
+        text_encoder, tokenizer = _t5(256)
+        return diffusers.MochiPipeline(
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=diffusers.AutoencoderKLMochi(),
+            text_encoder=text_encoder, tokenizer=tokenizer, transformer=diffusers.MochiTransformer3DModel())
+    if name == "allegro":
+        text_encoder, tokenizer = _t5(512)
+        return diffusers.AllegroPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=diffusers.AutoencoderKLAllegro(),
+            transformer=diffusers.AllegroTransformer3DModel(),
+            scheduler=diffusers.EulerAncestralDiscreteScheduler(**ALLEGRO_SCHEDULER))
     raise SystemExit(f"unknown pipeline {name!r}: one of {', '.join(NAMES)}")
 
 
