@@ -215,6 +215,9 @@ class VaeSpec(_Strict):
     dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="the dtype the pipeline runs it in")
     decode: dict[str, Any] | None = Field(None, description="a VaeDecodeFit measured on a GPU (catalog.VaeDecodeFit)")
     tiling: VaeTiling | None = Field(None, description="how its tiled decode splits the latents")
+    tiled_only: bool = Field(False, description="its class decodes only with tiling on (diffusers raises "
+                             "NotImplementedError without enable_tiling(), as AutoencoderKLAllegro does): every plan "
+                             "decodes it tiled")
 
     @property
     def dtype_bytes(self) -> int:

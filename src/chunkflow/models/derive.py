@@ -294,8 +294,10 @@ def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[s
         return VaeSpec(name=f"{cls_name}:derived", component=name, cls=cls_name, config=clean, total_params=total,
                        decoder_params=decoder, dtype=dtype, decode=fit), vae, cfg
     except Exception as exc:  # a decoder the meta device cannot run: the nearest catalog VAE's, scaled
+        tiled_only = _decodes_only_tiled(vae, int(latent), video, exc)
         notes.append(f"{name}: its decode could not be traced on the meta device ({type(exc).__name__}); priced "
-                     "from the nearest catalog VAE's")
+                     "from the nearest catalog VAE's" + ("; its class decodes only tiled, so it is decoded tiled"
+                                                         if tiled_only else ""))
     same_kind = [s.pipeline.vae for s in specs if s.pipeline.vae.decode is not None and s.is_video == video]
     same_kind = same_kind or [v for v in catalog if v.decode is not None]
     near = min(same_kind, key=lambda v: abs(math.log(v.decoder_params / decoder)))
@@ -311,8 +313,30 @@ def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[s
     fit["source"] = (f"derived: {near.name}'s decode scaled by decoder parameters ({decoder:,} / "
                      f"{near.decoder_params:,}) x margin {VAE_MARGIN}")
     untimed.append(f"{name} ({cls_name}, priced from {near.name}'s decode by its parameters, x{VAE_MARGIN})")
+    if tiled_only:  # the same borrowed price for its tiled decode (per voxel: no tile count is needed)
+        fit["tiled"] = dict(fit)
     return VaeSpec(name=f"{cls_name}:derived", component=name, cls=cls_name, config=clean, total_params=total,
-                   decoder_params=decoder, dtype=dtype, decode=fit), vae, cfg
+                   decoder_params=decoder, dtype=dtype, decode=fit, tiled_only=tiled_only), vae, cfg
+
+
+def _decodes_only_tiled(vae, latent_channels: int, video: bool, untiled: Exception) -> bool:
+    """Whether the VAE's class decodes only with tiling on: its untiled decode raised NotImplementedError on the
+    meta device and, after enable_tiling(), a small latent decodes (diffusers' AutoencoderKLAllegro)."""
+    import torch
+
+    from chunkflow.models.vae_shapes import meta_decode
+
+    if not isinstance(untiled, NotImplementedError) or not callable(getattr(vae, "enable_tiling", None)):
+        return False
+    vae.enable_tiling()
+    try:
+        meta_decode(vae, (1, latent_channels, 2, 8, 8) if video else (1, latent_channels, 8, 8),
+                    next(vae.parameters()).dtype)
+    except Exception:
+        return False
+    finally:
+        vae.disable_tiling()
+    return True
 
 
 def _layers(module):

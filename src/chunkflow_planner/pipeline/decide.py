@@ -93,7 +93,10 @@ def _pick_stream(cands: _Transformer, room: float, hw: HardwareSpec) -> Point | 
 def _placements(spec: ModelSpec, hw: HardwareSpec) -> list[Placements]:
     """Every placement of the pipeline's components; on disk only where the disk's rate is known."""
     pipe = spec.pipeline
-    tilings = (False, True) if vae_fit(spec, hw).tiled is not None else (False,)
+    if pipe.vae.tiled_only:  # its class cannot decode untiled
+        tilings: tuple[bool, ...] = (True,)
+    else:
+        tilings = (False, True) if vae_fit(spec, hw).tiled is not None else (False,)
     known = disk_known(hw)
     text, tr_places, vaes = ([p for p in places if p != ON_DISK or known]
                              for places in (TEXT_PLACEMENTS, TRANSFORMER_PLACEMENTS, VAE_PLACEMENTS))
