@@ -13,6 +13,7 @@
 #           process with no warm-up: the report judges that first generation against its first-generation bands
 #   after   ROUNDS more rounds the same way, the libraries now cached (the folders dropped before each run)
 # Then table.py OUT prints every report's verdicts. Raw files in $OUT (tarred as firstgen.tgz after each step).
+# PREV=DIR: a previous call's firstgen.tgz unpacked in DIR (its profile, plans and reports kept, their steps done).
 #   bash docs/data/gpu-firstgen/gpu_firstgen.sh OUT      (TINY=1: the tests' tiny pipelines on the CPU, a dry run;
 #   SPARSE=1 PARTS="save plan": the full-size folders as headers and holes (sparse_folder.py), planned on HW=h200)
 set -uo pipefail
@@ -41,6 +42,15 @@ shape() {  # each pipeline's workload, 8 steps: a size its users run (TINY: the 
     case $1 in mochi) echo "--height 480 --width 848 --frames 7 --steps 8 --mem-budget 32GB";;
       *) echo "--height 1024 --width 1024 --steps 8 --mem-budget 6GB";; esac
   fi; }
+if [ -n "${PREV:-}" ]; then  # a previous call's raw files (its firstgen.tgz unpacked): a machine given back loses
+  # WORK, so the profile, plans and reports come from there and their steps count as done (the folders are saved again)
+  for f in "$PREV"/profile.yaml "$PREV"/calibration.json "$PREV"/calib.log "$PREV"/plan-*.json "$PREV"/plan-*.log \
+      "$PREV"/report-*.json "$PREV"/run-*.log "$PREV"/drop-*.txt; do [ -f "$f" ] && cp -n "$f" "$work/"; done
+  [ -f "$work/profile.yaml" ] && touch "$work/calib.done"
+  for f in "$work"/plan-*.json "$work"/report-*.json; do [ -f "$f" ] || continue
+    b=$(basename "$f" .json); case $b in plan-*) touch "$work/$b.done";; report-*) touch "$work/run-${b#report-}.done";; esac
+  done
+fi
 [ -z "${TINY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/gpu.txt" 2>&1
 { uptime; $py -c "import sys; print(sys.version)"; } > "$work/machine.txt" 2>&1
 if wanted save; then
