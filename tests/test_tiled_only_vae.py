@@ -66,3 +66,16 @@ def test_the_run_decodes_as_diffusers_does_with_tiling_on(allegro):
                         height=32, width=32, num_frames=5, guidance_scale=spec.pipeline.guidance,
                         output_type="np").frames
     assert np.array_equal(np.asarray(gen.output), np.asarray(want)[0]), "chunkflow's frames differ from diffusers'"
+
+
+def test_a_build_asked_for_no_tiling_still_tiles_a_vae_that_only_tiles(allegro):
+    """Every way in (a session, the API, a plan file edited by hand) builds through build_pipeline: asked for no
+    tiling, it still turns tiling on for such a VAE, so no path reaches the decode that raises."""
+    from chunkflow.models.pipeline_build import build_pipeline
+
+    built = build_pipeline(derived(allegro, **WORK), {"transformer": "stream"}, STREAM, torch.device("cpu"),
+                           weights=allegro, vae_tiling=False)
+    try:
+        assert built.pipe.vae.use_tiling
+    finally:
+        built.discard()

@@ -335,7 +335,7 @@ def _decodes_only_tiled(vae, latent_channels: int, video: bool, untiled: Excepti
     except Exception:
         return False
     finally:
-        vae.disable_tiling()
+        vae.use_tiling = False  # as disable_tiling() leaves it (a class may not define that method)
     return True
 
 

@@ -355,7 +355,8 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
                 file_setting(transformer_cfg, c.fmt, log)
             where = placements.get(c.name, "stream" if kind == "transformer" else "phase")
             built.placements.setdefault(c.name, where)
-            handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg, vae_tiling)
+            handle, hooks, said = _place_component(kind, c, where, device, transformer_cfg,
+                                                   vae_tiling or pipe_spec.vae.tiled_only)  # a VAE only tiles
             objects[c.name], built.handles[c.name] = c.module, handle
             built.hooks += hooks
             log(f"{c.name}: {placement_words(said, device)}")
