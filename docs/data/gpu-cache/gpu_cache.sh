@@ -15,13 +15,7 @@ mkdir -p "$work" "$dest"
 repo=$(cd "$(dirname "$0")/../../.." && pwd)
 py=${PY:-python3}
 dev=$([ -n "${TINY:-}" ] && echo cpu || echo cuda)
-# a step that succeeded before in this WORK folder (a second call on a warm machine) is not run again
-# SKIP="gpu-flux-none ...": steps left out (a call's time is short)
-step() { local name=$1 deadline=$2; shift 2; [ -f "$work/$name.done" ] && { echo "$name: done before"; return; }
-  case " ${SKIP:-} " in *" $name "*) echo "$name: skipped (SKIP)"; return;; esac
-  echo "[$(date +%T)] $*" | tee "$work/$name.log"
-  timeout "$deadline" "$@" >>"$work/$name.log" 2>&1; local rc=$?; echo "[$(date +%T)] $name exit $rc" | tee -a "$work/$name.log"
-  tail -2 "$work/$name.log" | cut -c1-300; [ $rc = 0 ] && touch "$work/$name.done"; keep; }
+source "$repo/scripts/evidence_step.sh"  # step NAME DEADLINE CMD...: done once, SKIP, keep after each
 keep() { tar czf "$dest/cache.tgz" --exclude="*.safetensors" --exclude="*.pt" --exclude="folder-*" --exclude="*.done" \
   -C "$work" . ; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/gpu.txt" 2>&1
