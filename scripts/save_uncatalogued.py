@@ -6,7 +6,10 @@ diffusers folder: what a user downloads from the Hub (same classes, configs and 
     python3 scripts/save_uncatalogued.py pixart-sigma /data/pixart-sigma
     python3 scripts/save_uncatalogued.py sd3-medium /data/sd3-medium
     python3 scripts/save_uncatalogued.py allegro /data/allegro
-    python3 scripts/save_uncatalogued.py mochi /data/mochi
+    python3 scripts/save_uncatalogued.py mochi /data/mochi --share-with /data/pixart-sigma
+
+Every pipeline draws its T5 first from seed 0, so their T5 files are the same bytes: `--share-with DIR` hard-links
+each saved file that DIR holds byte for byte under the same name (three folders of 55 GB take 36 GB of disk).
 
 The configs are those of the public checkpoints (Lightricks/LTX-Video 0.9.0: diffusers' defaults for its classes;
 THUDM/CogVideoX-5b: its transformer/config.json, the VAE's scaling factor 0.7 and its CogVideoXDPMScheduler;
@@ -22,7 +25,9 @@ torch_dtype=torch.bfloat16)` runs it.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -109,7 +114,7 @@ def build(name: str):
             transformer=diffusers.PixArtTransformer2DModel(**PIXART_SIGMA),
             scheduler=diffusers.DPMSolverMultistepScheduler())
     if name == "sd3-medium":
-        (clip_l, tok_l), (clip_g, tok_g), (t5, tok_t5) = _clip(CLIP_L), _clip(CLIP_G), _t5(256)
+        (t5, tok_t5), (clip_l, tok_l), (clip_g, tok_g) = _t5(256), _clip(CLIP_L), _clip(CLIP_G)  # T5 first: shared
         return diffusers.StableDiffusion3Pipeline(
             transformer=diffusers.SD3Transformer2DModel(**SD3_MEDIUM),
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=diffusers.AutoencoderKL(**SD3_VAE),
@@ -129,12 +134,45 @@ def build(name: str):
     raise SystemExit(f"unknown pipeline {name!r}: one of {', '.join(NAMES)}")
 
 
+def _same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            ca, cb = fa.read(1 << 24), fb.read(1 << 24)
+            if ca != cb:
+                return False
+            if not ca:
+                return True
+
+
+def share_with(folder: Path, other: Path) -> int:
+    """Hard-link each file of `folder` that `other` holds byte for byte under the same name (in any of its
+    subfolders: SD3's T5 is its text_encoder_3); the bytes freed."""
+    twins: dict[tuple[str, int], list[Path]] = {}
+    for p in other.rglob("*"):
+        if p.is_file():
+            twins.setdefault((p.name, p.stat().st_size), []).append(p)
+    freed = 0
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        for twin in twins.get((f.name, f.stat().st_size), []):
+            if not f.samefile(twin) and _same_bytes(f, twin):
+                tmp = f.with_name(f.name + ".link")
+                os.link(twin, tmp)
+                os.replace(tmp, f)
+                freed += f.stat().st_size
+                break
+    return freed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name", choices=NAMES)
     ap.add_argument("folder")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--share-with", action="append", default=[], type=Path,
+                    help="a folder saved before: files it holds byte for byte are hard-linked (repeatable)")
     a = ap.parse_args()
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -145,6 +183,9 @@ def main() -> None:
     t1 = time.perf_counter()
     pipe.save_pretrained(a.folder, max_shard_size=a.max_shard_size)
     print(f"{a.name}: built in {t1 - t0:.1f} s, saved to {a.folder} in {time.perf_counter() - t1:.1f} s")
+    for other in a.share_with:
+        if other.is_dir():
+            print(f"{a.name}: {share_with(Path(a.folder), other) / 1e9:.2f} GB hard-linked to {other}")
 
 
 if __name__ == "__main__":

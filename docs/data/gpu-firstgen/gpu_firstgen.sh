@@ -49,11 +49,13 @@ fi
 [ -z "${TINY:-}" ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/gpu.txt" 2>&1
 { uptime; $py -c "import sys; print(sys.version)"; } > "$work/machine.txt" 2>&1
 if wanted save; then
+  shared=""
   for n in $names; do
     if [ -n "${TINY:-}" ]; then saver="$repo/docs/data/gpu-firstgen/tiny.py"; dev_arg=""
     elif [ -n "${SPARSE:-}" ]; then saver="$repo/docs/data/gpu-firstgen/sparse_folder.py"; dev_arg=""
-    else saver="$repo/scripts/save_uncatalogued.py"; dev_arg="--device cuda"; fi
+    else saver="$repo/scripts/save_uncatalogued.py"; dev_arg="--device cuda $shared"; fi
     [ -d "$work/folder-$n" ] || step save-$n 600 $py "$saver" $n "$work/folder-$n" $dev_arg
+    shared="$shared --share-with $work/folder-$n"  # the T5s are the same bytes: hard links (disk: 36 GB, not 55)
   done
 fi
 if wanted calib; then
