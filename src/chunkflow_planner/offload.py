@@ -113,6 +113,76 @@ def _whole_blocks(value: Any, mode: str) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+def _flag(data: dict, key: str, default: bool) -> bool:
+    """The true-or-false field `key` of a setting's `data` (`default` where absent); anything else is refused."""
+    value = data.get(key, default)
+    if not isinstance(value, bool):
+        raise OffloadConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _weight_storage(data: dict, mode: str) -> tuple[str, str]:
+    """(weight_dtype, fp8_cast) of a setting's `data`: fp8 only where blocks stream, a cast place only for fp8."""
+    weight_dtype = data.get("weight_dtype", "bf16")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise OffloadConfigError(f"unknown weight_dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
+    if weight_dtype != "bf16" and mode == "none":
+        raise OffloadConfigError(f"weight_dtype {weight_dtype} stores streamed weights; mode none streams nothing. "
+                                 "Use mode chunkflow (residency 1 keeps every block on the device, in fp8)")
+    fp8_cast = data.get("fp8_cast", "compute")
+    if fp8_cast not in FP8_CASTS:
+        raise OffloadConfigError(f"unknown fp8_cast {fp8_cast!r}; use one of {', '.join(FP8_CASTS)}")
+    if weight_dtype == "bf16" and fp8_cast != "compute":
+        raise OffloadConfigError(f"fp8_cast {fp8_cast!r} says where fp8-stored weights are cast; with weight_dtype "
+                                 "bf16 nothing is cast. Store the weights in fp8 too (weight_dtype fp8_e4m3, "
+                                 "--weight-dtype fp8_e4m3), or leave fp8_cast out")
+    return weight_dtype, fp8_cast
+
+
+def _disk_blocks(data: dict, mode: str, weight_dtype: str) -> int:
+    """The disk tier's block count of a setting's `data`: 0 or more, only where blocks stream as stored (bf16)."""
+    disk = data.get("disk_blocks", 0)
+    if isinstance(disk, bool) or not isinstance(disk, int) or disk < 0:
+        raise OffloadConfigError(f"disk_blocks is a count of blocks (0 or more), got {disk!r}")
+    if disk and mode == "none":
+        raise OffloadConfigError("disk_blocks keeps streamed bytes on disk; mode none streams nothing. Use mode "
+                                 "layerwise or chunkflow")
+    if disk and weight_dtype != "bf16":
+        raise OffloadConfigError("the disk tier reads the checkpoint's bytes as they are; fp8 storage casts them. "
+                                 "Use weight_dtype bf16 with disk_blocks")
+    return disk
+
+
+def _codec(data: dict, mode: str, weight_dtype: str) -> str:
+    """The codec of a setting's `data`: a known one, and one other than none only where bf16 blocks stream."""
+    codec = data.get("codec", "none")
+    if codec not in CODECS:
+        raise OffloadConfigError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
+    if codec != "none" and mode == "none":
+        raise OffloadConfigError(f"codec {codec} encodes streamed bytes; mode none streams nothing. Use mode "
+                                 "layerwise or chunkflow, or leave the codec out")
+    if codec != "none" and weight_dtype != "bf16":
+        raise OffloadConfigError(f"codec {codec} encodes bf16 weights losslessly; weight_dtype {weight_dtype} "
+                                 "stores them cast. Use one or the other (weight_dtype bf16 with the codec)")
+    return codec
+
+
+def _chunk_and_residency(data: dict, mode: str) -> tuple[int | None, float]:
+    """(chunk bytes, residency) of a setting's `data`, as its mode has them: none keeps all (no chunks, 1), layerwise
+    streams whole blocks (no chunks, 0), chunkflow chunks of `chunk_bytes` (default 16 MB) at its residency (0)."""
+    residency = data.get("residency")
+    if mode == "none":
+        return None, 1.0
+    if mode == "layerwise":
+        if residency is not None and _residency(residency) != 0.0:
+            raise OffloadConfigError("a residency is for mode chunkflow; mode layerwise streams whole blocks with no "
+                                     "residency. Use mode chunkflow (--mode chunkflow), or leave it out")
+        return None, 0.0
+    given = data.get("chunk_bytes")
+    chunk = DEFAULT_CHUNK_BYTES if given is None else _chunk(given)
+    return chunk, 0.0 if residency is None else _residency(residency)
+
+
 def _errors(exc: ValidationError) -> str:
     return "; ".join(str(e.get("ctx", {}).get("error", e["msg"])) for e in exc.errors())
 
@@ -160,68 +230,24 @@ class OffloadConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _parse_and_normalise(cls, data: Any) -> Any:
+        """`data`'s fields parsed, checked and normalised for its mode (the module docstring says how)."""
         if not isinstance(data, dict):
             return data
         mode = data.get("mode", "chunkflow")
         if mode not in MODES:
             raise OffloadConfigError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-        residency = data.get("residency")
-        comm_aware = data.get("comm_aware", True)
-        if not isinstance(comm_aware, bool):
-            raise OffloadConfigError(f"comm_aware must be true or false, got {comm_aware!r}")
-        cfg_batched = data.get("cfg_batched", False)
-        if not isinstance(cfg_batched, bool):
-            raise OffloadConfigError(f"cfg_batched must be true or false, got {cfg_batched!r}")
-        weight_dtype = data.get("weight_dtype", "bf16")
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise OffloadConfigError(f"unknown weight_dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
-        if weight_dtype != "bf16" and mode == "none":
-            raise OffloadConfigError(f"weight_dtype {weight_dtype} stores streamed weights; mode none streams nothing. "
-                                     "Use mode chunkflow (residency 1 keeps every block on the device, in fp8)")
-        fp8_cast = data.get("fp8_cast", "compute")
-        if fp8_cast not in FP8_CASTS:
-            raise OffloadConfigError(f"unknown fp8_cast {fp8_cast!r}; use one of {', '.join(FP8_CASTS)}")
-        if weight_dtype == "bf16" and fp8_cast != "compute":
-            raise OffloadConfigError(f"fp8_cast {fp8_cast!r} says where fp8-stored weights are cast; with weight_dtype "
-                                     "bf16 nothing is cast. Store the weights in fp8 too (weight_dtype fp8_e4m3, "
-                                     "--weight-dtype fp8_e4m3), or leave fp8_cast out")
-        disk = data.get("disk_blocks", 0)
-        if isinstance(disk, bool) or not isinstance(disk, int) or disk < 0:
-            raise OffloadConfigError(f"disk_blocks is a count of blocks (0 or more), got {disk!r}")
-        if disk and mode == "none":
-            raise OffloadConfigError("disk_blocks keeps streamed bytes on disk; mode none streams nothing. Use mode "
-                                     "layerwise or chunkflow")
-        if disk and weight_dtype != "bf16":
-            raise OffloadConfigError("the disk tier reads the checkpoint's bytes as they are; fp8 storage casts them. "
-                                     "Use weight_dtype bf16 with disk_blocks")
-        codec = data.get("codec", "none")
-        if codec not in CODECS:
-            raise OffloadConfigError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
-        if codec != "none" and mode == "none":
-            raise OffloadConfigError(f"codec {codec} encodes streamed bytes; mode none streams nothing. Use mode "
-                                     "layerwise or chunkflow, or leave the codec out")
-        if codec != "none" and weight_dtype != "bf16":
-            raise OffloadConfigError(f"codec {codec} encodes bf16 weights losslessly; weight_dtype {weight_dtype} "
-                                     "stores them cast. Use one or the other (weight_dtype bf16 with the codec)")
-        share_host = data.get("share_host", True)
-        if not isinstance(share_host, bool):
-            raise OffloadConfigError(f"share_host must be true or false, got {share_host!r}")
+        comm_aware = _flag(data, "comm_aware", True)
+        cfg_batched = _flag(data, "cfg_batched", False)
+        weight_dtype, fp8_cast = _weight_storage(data, mode)
+        disk = _disk_blocks(data, mode, weight_dtype)
+        codec = _codec(data, mode, weight_dtype)
+        share_host = _flag(data, "share_host", True)
         decode = data.get("decode", "forward")
         if decode not in DECODES:
             raise OffloadConfigError(f"unknown decode {decode!r}; use ahead (a streamed block's quantized weights "
                                      "decoded on the copy stream before its forward) or forward (in each layer's)")
         whole = _whole_blocks(data.get("whole_blocks", ()), mode)
-        if mode == "none":
-            chunk, r = None, 1.0
-        elif mode == "layerwise":
-            if residency is not None and _residency(residency) != 0.0:
-                raise OffloadConfigError("a residency is for mode chunkflow; mode layerwise streams whole blocks with no "
-                                         "residency. Use mode chunkflow (--mode chunkflow), or leave it out")
-            chunk, r = None, 0.0
-        else:
-            given = data.get("chunk_bytes")
-            chunk = DEFAULT_CHUNK_BYTES if given is None else _chunk(given)
-            r = 0.0 if residency is None else _residency(residency)
+        chunk, r = _chunk_and_residency(data, mode)
         return {**data, "mode": mode, "chunk_bytes": chunk, "residency": r, "comm_aware": comm_aware,
                 "cfg_batched": cfg_batched, "weight_dtype": weight_dtype, "fp8_cast": fp8_cast,
                 "disk_blocks": disk, "codec": codec, "share_host": share_host, "decode": decode, "whole_blocks": whole}

@@ -17,7 +17,7 @@ cache, a transformer folder or its config.json, and builds what the planner plan
   from its operator shapes on the meta device, models/vae_shapes.py; where the meta device cannot run its decoder,
   the nearest catalog VAE's decode scaled by decoder parameters, times VAE_MARGIN) and the scheduler;
 - the default workload from the pipeline class's `__call__` defaults (and the transformer's sample size where
-  those are None, as the pipelines do).
+  those are None, as the pipelines do): models/derive_workload.py.
 
 Whatever it cannot derive is named in one error with the `chunkflow plan` flag that supplies it. Family facts the
 configs do not state live in models/families.py. Needs torch and diffusers (the planner package does not).
@@ -29,10 +29,23 @@ import inspect
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from chunkflow.models.derive_workload import (
+    FRAME_PARAMS,
+    cfg_passes,
+    default_text_len,
+    default_workload,
+    missing_inputs,
+    patch_sizes,
+)
+from chunkflow.models.families import Family
 from chunkflow_planner.errors import ChunkflowError
+
+if TYPE_CHECKING:
+    from chunkflow_planner.components import PipelineSpec, TextEncoderSpec, VaeSpec
 
 __all__ = ["ACTIVATION_MARGIN", "DeriveError", "derive_model", "describe_yaml", "TEXT_MARGIN", "VAE_MARGIN",
            "looks_like_folder"]
@@ -229,10 +242,6 @@ def _groups(module, lists) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- pipeline
 
 
-# what a video pipeline's call names its frame count: most `num_frames`, Latte `video_length`
-FRAME_PARAMS = ("num_frames", "video_length")
-
-
 def _call_defaults(pipe_cls) -> dict[str, Any]:
     try:
         sig = inspect.signature(pipe_cls.__call__)
@@ -423,28 +432,52 @@ def _missing(what: list[tuple[str, str]], where) -> DeriveError:
 # -------------------------------------------------------------------------------------------------- derive
 
 
-def derive_model(source: str, overrides: dict[str, int | None] | None = None):
-    """The ModelSpec of the model in `source` (see the module docstring). `overrides`: height, width, frames,
-    steps, text_len given on the command line, for what the folder does not say."""
+@dataclass(frozen=True)
+class _PipelineIndex:
+    """A pipeline folder's model_index.json as derive reads it: the folder, its pipeline class, its components
+    (name: (library, class))."""
+
+    folder: Path
+    cls_name: str
+    components: dict[str, tuple[str, str]]
+
+
+def _pipeline_index(pipe_folder: Path | None) -> _PipelineIndex | None:
+    """The model_index.json of `pipe_folder` (None for a transformer folder); a pipeline without a transformer is
+    refused."""
+    if pipe_folder is None:
+        return None
+    from chunkflow.weights import pipeline_class_name, pipeline_components
+
+    components = pipeline_components(pipe_folder)
+    pipe_cls_name = pipeline_class_name(pipe_folder)
+    tname = next((n for n, (lib, _) in components.items() if n == "transformer"), None)
+    if tname is None:
+        raise DeriveError(f"the pipeline in {str(pipe_folder)!r} has no transformer component (a UNet pipeline?); "
+                          "chunkflow plans diffusion transformers")
+    return _PipelineIndex(pipe_folder, pipe_cls_name, components)
+
+
+@dataclass(frozen=True)
+class _Transformer:
+    """The transformer as derive measured it: its config.json, class, family facts, module on the meta device, block
+    groups, and hidden size, heads and FFN size."""
+
+    config: dict[str, Any]
+    cls: type
+    fam: Family
+    module: Any
+    groups: list[dict]
+    d: int
+    heads: int
+    f: int
+
+
+def _transformer(tdir: Path) -> _Transformer:
+    """The transformer in `tdir`, built on the meta device from its config.json, its block lists found and measured."""
     from chunkflow.models.discover import block_lists
     from chunkflow.models.families import family
-    from chunkflow_planner.catalog import Derived, ModelSpec
-    from chunkflow_planner.components import PipelineSpec, SchedulerSpec
-    from pydantic import ValidationError
 
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    pipe_folder, tdir, label = _locate(source)
-    components: dict[str, tuple[str, str]] = {}
-    pipe_cls_name = None
-    if pipe_folder is not None:
-        from chunkflow.weights import pipeline_class_name, pipeline_components
-
-        components = pipeline_components(pipe_folder)
-        pipe_cls_name = pipeline_class_name(pipe_folder)
-        tname = next((n for n, (lib, _) in components.items() if n == "transformer"), None)
-        if tname is None:
-            raise DeriveError(f"the pipeline in {str(pipe_folder)!r} has no transformer component (a UNet pipeline?); "
-                              "chunkflow plans diffusion transformers")
     config = _read(tdir, f"transformer {str(tdir)!r}")
     cls = _diffusers_cls(config.get("_class_name"), f"config.json in {str(tdir)!r}", "transformer")
     fam = family(cls.__name__)
@@ -456,115 +489,135 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
     groups = _groups(module, lists)
     first = next(iter(lists.values()))[0]
     d, heads, f = _shape(first, config)
-    clean = _clean(config)
-    p = config.get("patch_size", 1)
-    p = p[-1] if isinstance(p, (list, tuple)) else p
-    pt = config.get("patch_size_t") or (config["patch_size"][0] if isinstance(config.get("patch_size"), (list, tuple))
-                                        else 1)
-    if fam.packed:
-        p = 2  # the pipeline packs 2x2 latent patches (FLUX's patch_size 1) or the class patches 2x2 (Qwen-Image's 2)
-    in_ch = config.get("in_channels") or config.get("in_dim")
-    notes: list[str] = []
-    untimed: list[str] = []
+    return _Transformer(config, cls, fam, module, groups, d, heads, f)
 
-    defaults: dict[str, Any] = {}
-    pipeline = None
-    video = fam.vae_temporal is not None
-    vae_spatial, vae_temporal = fam.vae_spatial, fam.vae_temporal
-    latent = None
-    if pipe_folder is not None:
-        import diffusers
 
-        pipe_cls = getattr(diffusers, pipe_cls_name, None)
-        if pipe_cls is None:
-            raise DeriveError(f"model_index.json in {str(pipe_folder)!r} names {pipe_cls_name}, a pipeline class "
-                              f"diffusers {diffusers.__version__} does not have; upgrade diffusers")
-        defaults = _call_defaults(pipe_cls)
-        video = any(k in defaults for k in FRAME_PARAMS)
-        vae_name = next((n for n, (lib, c) in components.items() if lib == "diffusers" and c.startswith("Autoencoder")),
-                        None)
-        if vae_name is None:
-            raise DeriveError(f"the pipeline in {str(pipe_folder)!r} has no VAE (an Autoencoder* component)")
-        vae_spec, vae, vae_cfg = _vae_spec(pipe_folder, vae_name, components[vae_name][1], video, notes, untimed)
-        vae_spatial, vae_temporal = _vae_factors(vae, vae_cfg, video, fam)
-        latent = vae_cfg.get("latent_channels") or vae_cfg.get("z_dim")
-        import transformers
+@dataclass(frozen=True)
+class _PipelineFacts:
+    """What derive reads beyond the transformer: the PipelineSpec (None for a transformer folder), the pipeline
+    class's call defaults, the VAE's factors and latent channels (None: the transformer's config says them)."""
 
-        tes = []
-        cap = config.get("max_text_seq_length")  # the text tokens the transformer's positions are made for (CogVideoX)
-        if isinstance(cap, int) and cap > 0 and not (isinstance(defaults.get("max_sequence_length"), int)
-                                                     and defaults["max_sequence_length"] <= cap):
-            defaults = {**defaults, "max_sequence_length": cap}
-        for n, (lib, c) in components.items():
-            if not n.startswith("text_encoder"):  # an image encoder (Wan2.1 image-to-video) is not a text encoder
-                continue
-            tcls = getattr(transformers, c, None) if lib == "transformers" else None
-            if tcls is not None and issubclass(tcls, transformers.PreTrainedModel):
-                tok = n.replace("text_encoder", "tokenizer") if n.startswith("text_encoder") else None
-                tes.append(_text_encoder(pipe_folder, n, c, tok if tok in components else None, defaults, untimed,
-                                         notes, overrides))
-        if not tes:
-            raise DeriveError(f"the pipeline in {str(pipe_folder)!r} has no transformers text encoder")
-        sched = next(((n, c) for n, (lib, c) in components.items() if n == "scheduler"), None)
-        sched_cfg = _clean(_read(pipe_folder / "scheduler", "scheduler", "scheduler_config.json")) if sched else {}
-        guidance = defaults.get("true_cfg_scale") if (defaults.get("true_cfg_scale") or 0) > 1 else None
-        guidance = guidance or defaults.get("guidance_scale") or 1.0
-        index = json.loads((pipe_folder / "model_index.json").read_text())
-        experts = 2 if "transformer_2" in components else 1
-        try:
-            pipeline = PipelineSpec(
-                cls=pipe_cls_name, adapter=fam.adapter, text_encoders=tes, vae=vae_spec,
-                scheduler=SchedulerSpec(cls=sched[1] if sched else "unknown", config=sched_cfg),
-                guidance=float(guidance), experts=experts,
-                boundary_ratio=index.get("boundary_ratio") if experts == 2 else None,
-                fps=defaults.get("fps") if isinstance(defaults.get("fps"), int) and defaults.get("fps") > 0 else None,
-                config={k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)
-                        and k != "boundary_ratio"},
-                source=f"derived from {source}")
-        except ValidationError as exc:
-            raise DeriveError(f"the pipeline in {str(pipe_folder)!r} cannot be priced: {exc.errors()[0]['msg']}") from None
+    pipeline: PipelineSpec | None
+    defaults: dict[str, Any]
+    vae_spatial: int | None
+    vae_temporal: int | None
+    latent: Any
+
+
+def _call_defaults_of(index: _PipelineIndex) -> dict[str, Any]:
+    """The `__call__` defaults of the pipeline class model_index.json names; a class diffusers lacks is refused."""
+    import diffusers
+
+    pipe_cls = getattr(diffusers, index.cls_name, None)
+    if pipe_cls is None:
+        raise DeriveError(f"model_index.json in {str(index.folder)!r} names {index.cls_name}, a pipeline class "
+                          f"diffusers {diffusers.__version__} does not have; upgrade diffusers")
+    return _call_defaults(pipe_cls)
+
+
+def _pipeline_vae(index: _PipelineIndex, video: bool, fam: Family, notes: list[str],
+                  untimed: list[str]) -> tuple[VaeSpec, int, int | None, Any]:
+    """(VaeSpec, spatial factor, temporal factor, latent channels) of the pipeline's VAE (its Autoencoder*
+    component)."""
+    vae_name = next((n for n, (lib, c) in index.components.items()
+                     if lib == "diffusers" and c.startswith("Autoencoder")), None)
+    if vae_name is None:
+        raise DeriveError(f"the pipeline in {str(index.folder)!r} has no VAE (an Autoencoder* component)")
+    vae_spec, vae, vae_cfg = _vae_spec(index.folder, vae_name, index.components[vae_name][1], video, notes, untimed)
+    vae_spatial, vae_temporal = _vae_factors(vae, vae_cfg, video, fam)
+    latent = vae_cfg.get("latent_channels") or vae_cfg.get("z_dim")
+    return vae_spec, vae_spatial, vae_temporal, latent
+
+
+def _capped_text_len(defaults: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The call defaults with max_sequence_length no more than the transformer's max_text_seq_length, where it
+    has one."""
+    cap = config.get("max_text_seq_length")  # the text tokens the transformer's positions are made for (CogVideoX)
+    if isinstance(cap, int) and cap > 0 and not (isinstance(defaults.get("max_sequence_length"), int)
+                                                 and defaults["max_sequence_length"] <= cap):
+        defaults = {**defaults, "max_sequence_length": cap}
+    return defaults
+
+
+def _pipeline_text_encoders(index: _PipelineIndex, defaults: dict[str, Any], untimed: list[str], notes: list[str],
+                            overrides: dict) -> list[TextEncoderSpec]:
+    """The TextEncoderSpec of each transformers text encoder of the pipeline; a pipeline with none is refused."""
+    import transformers
+
+    tes = []
+    for n, (lib, c) in index.components.items():
+        if not n.startswith("text_encoder"):  # an image encoder (Wan2.1 image-to-video) is not a text encoder
+            continue
+        tcls = getattr(transformers, c, None) if lib == "transformers" else None
+        if tcls is not None and issubclass(tcls, transformers.PreTrainedModel):
+            tok = n.replace("text_encoder", "tokenizer") if n.startswith("text_encoder") else None
+            tes.append(_text_encoder(index.folder, n, c, tok if tok in index.components else None, defaults, untimed,
+                                     notes, overrides))
+    if not tes:
+        raise DeriveError(f"the pipeline in {str(index.folder)!r} has no transformers text encoder")
+    return tes
+
+
+def _pipeline_spec(source: str, index: _PipelineIndex, defaults: dict[str, Any], fam: Family,
+                   tes: list[TextEncoderSpec], vae_spec: VaeSpec) -> PipelineSpec:
+    """The PipelineSpec of the pipeline: its text encoders, VAE, scheduler, guidance, experts and fps."""
+    from pydantic import ValidationError
+
+    from chunkflow_planner.components import PipelineSpec, SchedulerSpec
+
+    components, pipe_folder = index.components, index.folder
+    sched = next(((n, c) for n, (lib, c) in components.items() if n == "scheduler"), None)
+    sched_cfg = _clean(_read(pipe_folder / "scheduler", "scheduler", "scheduler_config.json")) if sched else {}
+    guidance = defaults.get("true_cfg_scale") if (defaults.get("true_cfg_scale") or 0) > 1 else None
+    guidance = guidance or defaults.get("guidance_scale") or 1.0
+    index_json = json.loads((pipe_folder / "model_index.json").read_text())
+    experts = 2 if "transformer_2" in components else 1
+    try:
+        return PipelineSpec(
+            cls=index.cls_name, adapter=fam.adapter, text_encoders=tes, vae=vae_spec,
+            scheduler=SchedulerSpec(cls=sched[1] if sched else "unknown", config=sched_cfg),
+            guidance=float(guidance), experts=experts,
+            boundary_ratio=index_json.get("boundary_ratio") if experts == 2 else None,
+            fps=defaults.get("fps") if isinstance(defaults.get("fps"), int) and defaults.get("fps") > 0 else None,
+            config={k: v for k, v in index_json.items() if not k.startswith("_") and not isinstance(v, list)
+                    and k != "boundary_ratio"},
+            source=f"derived from {source}")
+    except ValidationError as exc:
+        raise DeriveError(f"the pipeline in {str(pipe_folder)!r} cannot be priced: {exc.errors()[0]['msg']}") from None
+
+
+def _pipeline_facts(source: str, index: _PipelineIndex | None, config: dict[str, Any], fam: Family,
+                    notes: list[str], untimed: list[str], overrides: dict) -> _PipelineFacts:
+    """The pipeline's spec, call defaults and VAE of `index` (a transformer folder's: the family's VAE factors)."""
+    if index is None:
+        return _PipelineFacts(None, {}, fam.vae_spatial, fam.vae_temporal, None)
+    defaults = _call_defaults_of(index)
+    video = any(k in defaults for k in FRAME_PARAMS)
+    vae_spec, vae_spatial, vae_temporal, latent = _pipeline_vae(index, video, fam, notes, untimed)
+    defaults = _capped_text_len(defaults, config)
+    tes = _pipeline_text_encoders(index, defaults, untimed, notes, overrides)
+    pipeline = _pipeline_spec(source, index, defaults, fam, tes, vae_spec)
+    return _PipelineFacts(pipeline, defaults, vae_spatial, vae_temporal, latent)
+
+
+def _latent_channels(facts: _PipelineFacts, t: _Transformer, tdir: Path) -> int:
+    """The latent channels (the VAE's, else the transformer's in_channels, unpacked); a transformer folder of a
+    family whose VAE chunkflow does not know is refused."""
+    in_ch = t.config.get("in_channels") or t.config.get("in_dim")
+    latent = facts.latent
     if latent is None:
-        latent = in_ch // 4 if fam.packed and in_ch else in_ch
-    if vae_spatial is None:
-        raise DeriveError(f"{cls.__name__} in {str(tdir)!r} is a transformer folder of a family chunkflow does not "
+        latent = in_ch // 4 if t.fam.packed and in_ch else in_ch
+    if facts.vae_spatial is None:
+        raise DeriveError(f"{t.cls.__name__} in {str(tdir)!r} is a transformer folder of a family chunkflow does not "
                           "know the VAE of; give the whole pipeline folder (the one holding model_index.json)")
     if not isinstance(latent, int) or latent <= 0:
         raise DeriveError(f"config.json in {str(tdir)!r} lacks in_channels; re-download or re-save it")
+    return latent
 
-    # the default workload: the pipeline's call defaults, the transformer's sample size x the VAE where None
-    sample = config.get("sample_size")
-    sample = sample[0] if isinstance(sample, (list, tuple)) else sample
-    want: dict[str, Any] = {}
-    for key, alt in (("height", config.get("sample_height") or sample), ("width", config.get("sample_width") or sample)):
-        v = overrides.get(key) or defaults.get(key)
-        alt = alt if isinstance(alt, int) else fam.sample_size
-        if not isinstance(v, int) and isinstance(alt, int):
-            v = alt * vae_spatial
-        want[key] = v
-    if vae_temporal:
-        v = overrides.get("frames") or next((defaults[k] for k in FRAME_PARAMS if k in defaults), None)
-        sf = config.get("sample_frames")
-        if not isinstance(v, int) and isinstance(sf, int):
-            v = sf if fam.sample_frames_out else (sf - 1) * vae_temporal + 1
-        want["frames"] = v
-    else:
-        want["frames"] = 1
-    want["steps"] = overrides.get("steps") or defaults.get("num_inference_steps")
-    text_len = overrides.get("text_len") or defaults.get("max_sequence_length") or config.get("max_text_seq_length") \
-        or config.get("max_sequence_length") or config.get("text_len")
-    missing = [(k, f"--{k}") for k in ("height", "width", "frames", "steps") if not isinstance(want.get(k), int)]
-    if not isinstance(text_len, int):
-        missing.append(("text length", "--text-len"))
-    if missing:
-        raise _missing(missing, pipe_folder or tdir)
-    if pipeline is not None:
-        guided = pipeline.guidance > 1
-    else:
-        guided = True
-        notes.append("two guidance passes a step assumed (a transformer folder does not say its pipeline's guidance)")
-    cfg_passes = 2 if guided and not config.get("guidance_embeds") else 1
-    total = _params(module)
-    fp32 = _fp32(module)
+
+def _activation(fam: Family, untimed: list[str]) -> Any:
+    """The transformer's activation model: its family's (measured), else the default model x ACTIVATION_MARGIN
+    (said in `untimed`)."""
     activation = fam.activation
     if activation is None:  # no class of the catalog measured: the default model times ACTIVATION_MARGIN
         from chunkflow_planner.catalog import ActivationModel
@@ -573,17 +626,45 @@ def derive_model(source: str, overrides: dict[str, int | None] | None = None):
         activation = dict(c_f=base.c_f * ACTIVATION_MARGIN, c_d=base.c_d * ACTIVATION_MARGIN)
         untimed.append(f"the transformer's activations (the default model x{ACTIVATION_MARGIN}: its class was never "
                        "measured)")
+    return activation
+
+
+def derive_model(source: str, overrides: dict[str, int | None] | None = None):
+    """The ModelSpec of the model in `source` (see the module docstring). `overrides`: height, width, frames,
+    steps, text_len given on the command line, for what the folder does not say."""
+    from pydantic import ValidationError
+
+    from chunkflow_planner.catalog import Derived, ModelSpec
+
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    pipe_folder, tdir, label = _locate(source)
+    index = _pipeline_index(pipe_folder)
+    t = _transformer(tdir)
+    config, fam = t.config, t.fam
+    pt, p = patch_sizes(config, fam)
+    notes: list[str] = []
+    untimed: list[str] = []
+    facts = _pipeline_facts(source, index, config, fam, notes, untimed, overrides)
+    latent = _latent_channels(facts, t, tdir)
+    # the default workload: the pipeline's call defaults, the transformer's sample size x the VAE where None
+    want = default_workload(config, facts.defaults, overrides, fam, facts.vae_spatial, facts.vae_temporal)
+    text_len = default_text_len(config, facts.defaults, overrides)
+    missing = missing_inputs(want, text_len)
+    if missing:
+        raise _missing(missing, pipe_folder or tdir)
+    passes = cfg_passes(facts.pipeline, config, notes)
+    activation = _activation(fam, untimed)
     try:
         return ModelSpec(
-            name=label, description=f"{cls.__name__} derived from {source}", d=d, f=f, heads=heads,
-            text_len=text_len, patch=(int(pt or 1), int(p or 1), int(p or 1)), vae_spatial=vae_spatial,
-            vae_temporal=vae_temporal, latent_channels=latent, dtype_bytes=RUN_DTYPE_BYTES, blocks=groups,
-            total_params=total, fp32_params=fp32, activation=activation,
+            name=label, description=f"{t.cls.__name__} derived from {source}", d=t.d, f=t.f, heads=t.heads,
+            text_len=text_len, patch=(int(pt or 1), int(p or 1), int(p or 1)), vae_spatial=facts.vae_spatial,
+            vae_temporal=facts.vae_temporal, latent_channels=latent, dtype_bytes=RUN_DTYPE_BYTES, blocks=t.groups,
+            total_params=_params(t.module), fp32_params=_fp32(t.module), activation=activation,
             default_workload=dict(height=want["height"], width=want["width"], frames=want["frames"],
-                                  steps=want["steps"], cfg_passes=cfg_passes),
-            diffusers=dict(cls=cls.__name__, config=clean, inputs=fam.inputs, cp_plan=fam.cp_plan,
+                                  steps=want["steps"], cfg_passes=passes),
+            diffusers=dict(cls=t.cls.__name__, config=_clean(config), inputs=fam.inputs, cp_plan=fam.cp_plan,
                            masked_attention=fam.masked_attention),
-            pipeline=pipeline, derived=Derived(source=str(source), untimed=untimed, notes=notes))
+            pipeline=facts.pipeline, derived=Derived(source=str(source), untimed=untimed, notes=notes))
     except ValidationError as exc:
         e = exc.errors()[0]
         raise DeriveError(f"the model derived from {source!r} is not one chunkflow can plan: "

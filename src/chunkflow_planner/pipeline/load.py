@@ -116,6 +116,99 @@ def _experts(placements, memory, n: int, expert_memory) -> list[tuple[str, Any]]
     return [(p, memory) for p in placements.of_experts(n)]
 
 
+@dataclass
+class _LoadTally:
+    """The bytes a load moves, added up component by component (load_estimate's running sums)."""
+
+    h2d: float = 0.0
+    pinned: float = 0.0
+    during: float = 0.0  # bytes of host stores, locked while their blocks are read
+    device_now: float = 0.0  # device bytes that stay (gpu)
+    parked: float = 0.0  # the largest component parked after its load (phase)
+    fresh: float = 0.0
+    unread: float = 0.0  # bytes on the disk tier: read at their phase, not at the load
+    encoded: float = 0.0  # streamed tails the codec encodes at the load
+    spill: float = 0.0  # the disk tier's tails encoded, written to the codec's spill file
+
+    def stays_on_device(self, nbytes: float) -> None:
+        """A component placed `gpu`: copied to the device once, where it stays."""
+        self.h2d += nbytes
+        self.device_now += nbytes
+
+    def parks_after_load(self, nbytes: float) -> None:
+        """A component placed `phase`: read onto the device, then parked in page-locked host memory (it crosses the
+        host link twice)."""
+        self.h2d += 2 * nbytes
+        self.pinned += nbytes
+        self.parked = max(self.parked, nbytes)
+
+
+def _tally_text_encoders(tally: _LoadTally, pipe, placements, host_bytes: dict[str, float]) -> None:
+    """Adds each text encoder's bytes at its placement to `tally`."""
+    for te, p in zip(pipe.text_encoders, placements.text_encoders):
+        layers, rest = _text_encoder_split(te)
+        if p == "cpu":
+            tally.fresh += te.nbytes
+        elif p == "gpu":
+            tally.stays_on_device(te.nbytes)
+        elif p == "phase":
+            tally.parks_after_load(te.nbytes)
+        elif p == "stream":
+            tally.h2d += 2 * rest
+            tally.pinned += layers + rest
+            tally.during += layers
+        elif p == "disk":  # read at its phase, not at the load: only its ring is page-locked
+            tally.unread += te.nbytes
+            tally.pinned += host_bytes.get(te.component, 0.0)
+
+
+def _tally_experts(tally: _LoadTally, spec: ModelSpec, experts: list[tuple[str, Any]], t_bytes: float) -> None:
+    """Adds each transformer expert's bytes, (placement, memory.MemoryEstimate) in `experts`, to `tally`."""
+    for where, m in experts:
+        if where == "disk":  # its resident heads read into the pinned store; the rest at its turns (with a codec, its
+            # tails read now, encoded into the spill file)
+            tally.h2d += m.resident_block_weights
+            tally.pinned += m.pinned_host
+            tally.during += m.pinned_host
+            tally.unread += t_bytes - m.resident_block_weights - m.codec_spill_raw
+            tally.encoded += m.codec_spill_raw
+            tally.spill += m.codec_spill
+        elif where == "gpu":
+            tally.stays_on_device(t_bytes)
+        elif where == "phase":
+            tally.parks_after_load(t_bytes)
+        else:
+            # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host
+            # memory; disk blocks' tails stay in the files, or with a codec are read now, encoded into the spill file
+            tally.h2d += 2 * m.non_block_weights + m.resident_block_weights
+            tally.pinned += m.pinned_host + spec.non_block_bytes
+            tally.during += m.pinned_host
+            tally.unread += m.disk_read if m.codec_spill_raw == 0 else 0.0
+            tally.encoded += m.codec_raw + m.codec_spill_raw
+            tally.spill += m.codec_spill
+
+
+def _tally_vae(tally: _LoadTally, vae: float, placement: str) -> None:
+    """Adds the VAE's `vae` bytes at its placement to `tally` (any placement but disk and gpu parks it)."""
+    if placement == "disk":
+        tally.unread += vae
+    elif placement == "gpu":
+        tally.stays_on_device(vae)
+    else:
+        tally.parks_after_load(vae)
+
+
+def _host_peak(host_bytes: dict[str, float], hw: HardwareSpec, staging: bool | None, tally: _LoadTally) -> float:
+    """M_load (eq. L3): the plan's host memory, the staging buffers where used (`staging` None: on a GPU) and, where
+    the device is the host, the device's part."""
+    staging = (not hw.pipeline.device_is_host) if staging is None else staging
+    host = sum(v for k, v in host_bytes.items() if k not in ("output", "device"))
+    host += STAGING_BYTES if staging else 0.0
+    if hw.pipeline.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
+        host += tally.device_now + tally.parked
+    return host
+
+
 def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: dict[str, float], hw: HardwareSpec,
                   read_bytes: float | None = None, staging: bool | None = None,
                   expert_memory: Sequence[tuple[str, Any]] | None = None) -> LoadEstimate:
@@ -126,78 +219,20 @@ def load_estimate(spec: ModelSpec, placements, transformer_memory, host_bytes: d
     `expert_memory`: each expert's (placement, MemoryEstimate) where they differ (PipelineEstimate.experts)."""
     pipe = spec.pipeline
     t_bytes = float(spec.nbytes)
-    h2d = pinned = during = 0.0  # during: bytes of host stores, locked while their blocks are read
-    device_now = 0.0  # device bytes that stay (gpu), and the largest one parked after its load (phase)
-    parked = fresh = 0.0
-    unread = 0.0  # bytes on the disk tier: read at their phase, not at the load
-    encoded = 0.0  # streamed tails the codec encodes at the load
-    spill = 0.0  # the disk tier's tails encoded, written to the codec's spill file
-    for te, p in zip(pipe.text_encoders, placements.text_encoders):
-        layers, rest = _text_encoder_split(te)
-        if p == "cpu":
-            fresh += te.nbytes
-        elif p == "gpu":
-            h2d += te.nbytes
-            device_now += te.nbytes
-        elif p == "phase":
-            h2d += 2 * te.nbytes
-            pinned += te.nbytes
-            parked = max(parked, te.nbytes)
-        elif p == "stream":
-            h2d += 2 * rest
-            pinned += layers + rest
-            during += layers
-        elif p == "disk":  # read at its phase, not at the load: only its ring is page-locked
-            unread += te.nbytes
-            pinned += host_bytes.get(te.component, 0.0)
-    for where, m in _experts(placements, transformer_memory, pipe.experts, expert_memory):
-        if where == "disk":  # its resident heads read into the pinned store; the rest at its turns (with a codec, its
-            # tails read now, encoded into the spill file)
-            h2d += m.resident_block_weights
-            pinned += m.pinned_host
-            during += m.pinned_host
-            unread += t_bytes - m.resident_block_weights - m.codec_spill_raw
-            encoded += m.codec_spill_raw
-            spill += m.codec_spill
-        elif where == "gpu":
-            h2d += t_bytes
-            device_now += t_bytes
-        elif where == "phase":
-            h2d += 2 * t_bytes
-            pinned += t_bytes
-            parked = max(parked, t_bytes)
-        else:
-            # to the device: non-block tensors and resident chunks; parked: the non-block tensors back to host
-            # memory; disk blocks' tails stay in the files, or with a codec are read now, encoded into the spill file
-            h2d += 2 * m.non_block_weights + m.resident_block_weights
-            pinned += m.pinned_host + spec.non_block_bytes
-            during += m.pinned_host
-            unread += m.disk_read if m.codec_spill_raw == 0 else 0.0
-            encoded += m.codec_raw + m.codec_spill_raw
-            spill += m.codec_spill
+    tally = _LoadTally()
+    _tally_text_encoders(tally, pipe, placements, host_bytes)
+    _tally_experts(tally, spec, _experts(placements, transformer_memory, pipe.experts, expert_memory), t_bytes)
     vae = float(pipe.vae.nbytes)
-    if placements.vae == "disk":
-        unread += vae
-    elif placements.vae == "gpu":
-        h2d += vae
-        device_now += vae
-    else:
-        h2d += 2 * vae
-        pinned += vae
-        parked = max(parked, vae)
+    _tally_vae(tally, vae, placements.vae)
     total = sum(spec.component_bytes().values())
     # what stays on disk is not read at the load (read_bytes, from the headers, is scaled by the same share)
-    read = float(total if read_bytes is None else read_bytes) * max(0.0, 1.0 - unread / total)
+    read = float(total if read_bytes is None else read_bytes) * max(0.0, 1.0 - tally.unread / total)
     if hw.pipeline.device_is_host:  # no host link to cross, nothing page-locked; every byte is new host memory, a parked
         # component's twice (the device's copy, then its parking)
-        fresh = float(total) + sum(b for b, p in _placed_bytes(spec, placements, t_bytes, vae) if p == "phase")
-        h2d = pinned = during = 0.0
-    staging = (not hw.pipeline.device_is_host) if staging is None else staging
-    host = sum(v for k, v in host_bytes.items() if k not in ("output", "device"))
-    host += STAGING_BYTES if staging else 0.0
-    if hw.pipeline.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
-        host += device_now + parked
-    return LoadEstimate(read, h2d, pinned, host, fresh, during, encoded, spill)
+        tally.fresh = float(total) + sum(b for b, p in _placed_bytes(spec, placements, t_bytes, vae) if p == "phase")
+        tally.h2d = tally.pinned = tally.during = 0.0
+    host = _host_peak(host_bytes, hw, staging, tally)
+    return LoadEstimate(read, tally.h2d, tally.pinned, host, tally.fresh, tally.during, tally.encoded, tally.spill)
 
 
 def _placed_bytes(spec: ModelSpec, placements, t_bytes: float, vae: float) -> list[tuple[float, str]]:
