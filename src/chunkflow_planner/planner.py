@@ -331,26 +331,12 @@ def critical_analysis(spec: ModelSpec, workload: Workload, hardware: ResolvedHar
 
 
 def make_plan(
-    spec: ModelSpec,
-    workload: Workload,
-    hardware: ResolvedHardware,
-    *,
-    sp: int = 1,
-    budget: int | None = None,
-    max_slowdown: float | None = 1.05,
-    target_step_time: float | None = None,
-    prefetch_bytes: float | None = None,
-    text_len: float | None = None,
-    pipeline: bool = True,
-    host_budget: int | None = None,
-    target_time: float | None = None,
-    generation_slowdown: float | None = None,
-    levers: Levers | None = None,
-    mem_margin: float | None = None,
-    read_bytes: int | None = None,
-    host_mem_margin: float | None = None,
-    share_host: bool = True,
-    with_band: bool = True,
+    spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, *, sp: int = 1, budget: int | None = None,
+    max_slowdown: float | None = 1.05, target_step_time: float | None = None, prefetch_bytes: float | None = None,
+    text_len: float | None = None, pipeline: bool = True, host_budget: int | None = None,
+    target_time: float | None = None, generation_slowdown: float | None = None, levers: Levers | None = None,
+    mem_margin: float | None = None, read_bytes: int | None = None, host_mem_margin: float | None = None,
+    share_host: bool = True, with_band: bool = True,
 ) -> tuple[Plan, Decision, OverlapAnalysis]:
     """Analyse, decide and assemble the Plan. Raises policy.Infeasible when nothing fits.
 
@@ -372,39 +358,93 @@ def make_plan(
     hw = hardware.spec
     check_parallel(spec, hw, sp)
     check_cache_parallel(workload, sp)
+    gpu = _gpu_budget(hw, budget, mem_margin)
+    levers = Levers.of(workload.cfg_passes) if levers is None else levers
+    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers, share_host=share_host)
+    host = _HostBudget(host_budget, "--host-mem-budget", host_memory_margin(hw, host_mem_margin))
+    targets = _Targets(max_slowdown, target_step_time, target_time, generation_slowdown)
+    decision, whole, host = _decide(problem, hardware, gpu, host, targets, pipeline)
+    analysis = critical_analysis(spec, workload, hardware, sp, prefetch_bytes, text_len, decision.chosen.cfg)
+    plan = assemble(spec, workload, hardware, problem, decision, analysis, gpu.given, gpu.margin)
+    plan = _with_host_budget(plan, problem, decision, whole, host, read_bytes)
+    if with_band:
+        plan = with_bands(plan, problem, decision.chosen, whole, read_bytes,
+                          host_alone=whole is None and host.bytes is not None)
+    return plan, decision, analysis
+
+
+@dataclass(frozen=True)
+class _GpuBudget:
+    """The GPU budget a plan is held to: the bytes given (or the GPU's), the share kept for the memory model's
+    error, the bytes the policy checks and how the messages name them."""
+
+    given: int
+    margin: float
+    usable: int
+    kept: MarginKept | None
+
+
+def _gpu_budget(hw: HardwareSpec, budget: int | None, mem_margin: float | None) -> _GpuBudget:
+    """The GPU budget of `budget` bytes (default: the GPU's memory) less the memory margin (default: the
+    hardware's)."""
     budget = hw.memory_bytes if budget is None else budget
     margin = memory_margin(hw, mem_margin)
     usable = usable_budget(budget, margin)  # the one budget the policy checks
     kept = MarginKept(budget, margin) if margin > 0 else None  # how the messages name it
-    levers = Levers.of(workload.cfg_passes) if levers is None else levers
-    problem = Problem(spec, workload, hw, sp, prefetch_bytes, text_len, levers=levers, share_host=share_host)
-    host_margin = host_memory_margin(hw, host_mem_margin)
-    whole = None
-    if plans_pipeline(problem, pipeline):
-        host_source = "--host-mem-budget"
-        if host_budget is None:
-            host_budget, host_source = host_budget_of(hardware)
-        host_usable = UNCHECKED_HOST_BUDGET if host_budget is None else int(host_budget / (1 + host_margin))
-        decision, whole = decide_whole(problem, usable, kept, host_usable, max_slowdown, target_step_time,
-                                       target_time, generation_slowdown,
-                                       None if host_budget is None else (host_budget, host_margin))
-    else:
-        decision = decide_transformer(problem, usable, kept, max_slowdown, target_step_time, host_budget, host_margin)
-    analysis = critical_analysis(spec, workload, hardware, sp, prefetch_bytes, text_len, decision.chosen.cfg)
-    plan = assemble(spec, workload, hardware, problem, decision, analysis, budget, margin)
+    return _GpuBudget(budget, margin, usable, kept)
+
+
+@dataclass(frozen=True)
+class _HostBudget:
+    """The host budget a plan is held to: its bytes (None: none checked), how they were chosen, and the share kept
+    for the host model's error."""
+
+    bytes: int | None
+    source: str
+    margin: float
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """The latency targets: a step's, relative or absolute, and the whole generation's."""
+
+    max_slowdown: float | None
+    target_step_time: float | None
+    target_time: float | None
+    generation_slowdown: float | None
+
+
+def _decide(problem: Problem, hardware: ResolvedHardware, gpu: _GpuBudget, host: _HostBudget, targets: _Targets,
+            pipeline: bool) -> tuple[Decision, PipelineDecision | None, _HostBudget]:
+    """The decision: the whole pipeline's where it is planned (with this machine's host budget where none is
+    given), else the transformer's alone; the host budget it was held to."""
+    step_targets = (targets.max_slowdown, targets.target_step_time)
+    if not plans_pipeline(problem, pipeline):
+        return decide_transformer(problem, gpu.usable, gpu.kept, *step_targets, host.bytes, host.margin), None, host
+    if host.bytes is None:
+        got, source = host_budget_of(hardware)
+        host = _HostBudget(got, source, host.margin)
+    host_usable = UNCHECKED_HOST_BUDGET if host.bytes is None else int(host.bytes / (1 + host.margin))
+    decision, whole = decide_whole(problem, gpu.usable, gpu.kept, host_usable, *step_targets, targets.target_time,
+                                   targets.generation_slowdown,
+                                   None if host.bytes is None else (host.bytes, host.margin))
+    return decision, whole, host
+
+
+def _with_host_budget(plan: Plan, problem: Problem, decision: Decision, whole: PipelineDecision | None,
+                      host: _HostBudget, read_bytes: int | None) -> Plan:
+    """The plan with its pipeline section where the whole pipeline was planned, and the host budget it was held
+    to (the transformer's own host memory predicted where it alone was held to one)."""
     if whole is not None:
-        plan = with_pipeline(plan, spec, whole, read_bytes).model_copy(update={
-            "host_memory_budget_source": host_source, "host_memory_budget_bytes": host_budget,
-            "host_memory_margin": None if host_budget is None else host_margin})
-    elif host_budget is not None:
-        pred = plan.prediction.model_copy(update={"host_memory_bytes": int(host_need(decision.chosen.memory, hw))})
-        plan = plan.model_copy(update={"prediction": pred, "host_memory_budget_bytes": host_budget,
-                                       "host_memory_budget_source": "--host-mem-budget",
-                                       "host_memory_margin": host_margin})
-    if with_band:
-        plan = with_bands(plan, problem, decision.chosen, whole, read_bytes,
-                          host_alone=whole is None and host_budget is not None)
-    return plan, decision, analysis
+        return with_pipeline(plan, problem.spec, whole, read_bytes).model_copy(update={
+            "host_memory_budget_source": host.source, "host_memory_budget_bytes": host.bytes,
+            "host_memory_margin": None if host.bytes is None else host.margin})
+    if host.bytes is None:
+        return plan
+    pred = plan.prediction.model_copy(update={"host_memory_bytes": int(host_need(decision.chosen.memory, problem.hw))})
+    return plan.model_copy(update={"prediction": pred, "host_memory_budget_bytes": host.bytes,
+                                   "host_memory_budget_source": "--host-mem-budget",
+                                   "host_memory_margin": host.margin})
 
 
 def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, problem: Problem, decision: Decision,

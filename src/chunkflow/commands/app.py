@@ -11,6 +11,8 @@ input is checked before any expensive work (output paths included), and every fi
 from __future__ import annotations
 import functools
 import sys
+from collections.abc import Callable
+from typing import Any
 import typer
 from chunkflow_planner import __version__
 from chunkflow_planner.errors import ChunkflowError
@@ -99,71 +101,95 @@ def _os_error(exc: BaseException) -> str | None:
     return None
 
 
-def _command(name: str):
+def _command(name: str) -> Callable[[Callable[..., Any]], Any]:
     """Register a command behind the one error boundary (see the module docstring). The planner is imported when a
     command runs, not when it registers: `chunkflow --help` imports none of it."""
 
-    def decorate(fn):
-        marked = _path_params(fn)
-
-        @functools.wraps(fn)
-        def guarded(*args, **kwargs):
-            from rich.markup import escape
-
-            from chunkflow.signals import Terminated, exit_code, interrupted
-            from chunkflow_planner.files import note_interrupt
-            from chunkflow_planner.policy import Infeasible
-
-            note_interrupt(None)  # a command of its own (several may run in one process: tests, notebooks)
-            try:
-                with escaped_output():  # warnings and library log lines: escaped like every other string
-                    _check_paths(marked, kwargs)
-                    result = fn(*args, **kwargs)
-                if interrupted() is not None:  # a library swallowed the signal: still no success
-                    raise KeyboardInterrupt
-                return result
-            except Infeasible as exc:
-                err_console.print(f"[bold red]infeasible:[/] {escape(_cut(str(exc)))}", highlight=False)
-                raise typer.Exit(2) from None
-            except ChunkflowError as exc:
-                if interrupted() is not None:  # an error while stopping for a signal: the signal's code
-                    _say("interrupted")
-                    raise typer.Exit(exit_code()) from None
-                _fail(str(exc))
-            except (KeyboardInterrupt, Terminated) as exc:
-                _say("interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated")
-                raise typer.Exit(exit_code(15 if isinstance(exc, Terminated) else interrupted() or 2)) from None
-            except (typer.Exit, typer.Abort, SystemExit):
-                raise
-            except Exception as exc:  # a bug: say so briefly, keep the traceback for --debug
-                if interrupted() is not None:  # what stopping for a signal broke (an encoder's pipe): the signal's
-                    _say("interrupted")
-                    raise typer.Exit(exit_code()) from None
-                if isinstance(exc, BrokenPipeError):  # stdout closed by its reader (`plan --json | head`): quietly
-                    import os
-
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                    raise typer.Exit(1) from None
-                if _debug["on"]:
-                    raise
-                if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: stdout or an output on a full disk
-                    _fail(f"no space left on the device to write to ({exc.filename or 'the output'}); free some "
-                          "and run it again", code=1)
-                from chunkflow.loading.folder_errors import wrong_type
-
-                said = _os_error(exc) or wrong_type(exc)
-                if said is not None:
-                    _fail(said)
-                what = shown(_cut(f"{type(exc).__name__}: {exc}"), one_line=True)
-                err_console.print(f"[bold red]internal error:[/] {escape(what)}\nThis is a bug in "
-                                  f"chunkflow {__version__}; please report it at {ISSUES_URL} with the command. "
-                                  "Run `chunkflow --debug ...` for the traceback.", highlight=False)
-                raise typer.Exit(1) from None
-
+    def decorate(fn: Callable[..., Any]) -> Any:
         doc = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
-        return app.command(name, short_help=doc)(guarded)
+        return app.command(name, short_help=doc)(_guarded(fn))
 
     return decorate
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Command `fn` behind the one error boundary: its paths checked first, every failure one line and its exit
+    code (see the module docstring)."""
+    marked = _path_params(fn)
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        from rich.markup import escape
+
+        from chunkflow.signals import Terminated, exit_code, interrupted
+        from chunkflow_planner.files import note_interrupt
+        from chunkflow_planner.policy import Infeasible
+
+        note_interrupt(None)  # a command of its own (several may run in one process: tests, notebooks)
+        try:
+            with escaped_output():  # warnings and library log lines: escaped like every other string
+                _check_paths(marked, kwargs)
+                result = fn(*args, **kwargs)
+            if interrupted() is not None:  # a library swallowed the signal: still no success
+                raise KeyboardInterrupt
+            return result
+        except Infeasible as exc:
+            err_console.print(f"[bold red]infeasible:[/] {escape(_cut(str(exc)))}", highlight=False)
+            raise typer.Exit(2) from None
+        except ChunkflowError as exc:
+            _exit_if_interrupted()  # an error while stopping for a signal: the signal's code
+            _fail(str(exc))
+        except (KeyboardInterrupt, Terminated) as exc:
+            _say("interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated")
+            raise typer.Exit(exit_code(15 if isinstance(exc, Terminated) else interrupted() or 2)) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:  # a bug: say so briefly, keep the traceback for --debug
+            _exit_if_interrupted()  # what stopping for a signal broke (an encoder's pipe): the signal's code
+            _exit_on_broken_pipe(exc)
+            if _debug["on"]:
+                raise
+            _fail_unexpected(exc)
+
+    return guarded
+
+
+def _exit_if_interrupted() -> None:
+    """Where a signal is being handled, say so and exit with its code (what failed was the stopping)."""
+    from chunkflow.signals import exit_code, interrupted
+
+    if interrupted() is not None:
+        _say("interrupted")
+        raise typer.Exit(exit_code()) from None
+
+
+def _exit_on_broken_pipe(exc: Exception) -> None:
+    """Stdout closed by its reader (`plan --json | head`): exit 1 quietly, with later writes going nowhere."""
+    if isinstance(exc, BrokenPipeError):
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(1) from None
+
+
+def _fail_unexpected(exc: Exception) -> None:
+    """An exception no check foresaw, as one line: a full disk, a path no file system takes, a folder of the wrong
+    type; else an internal error, where to report it and how to see its traceback (exit 1)."""
+    from rich.markup import escape
+
+    if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: stdout or an output on a full disk
+        _fail(f"no space left on the device to write to ({exc.filename or 'the output'}); free some "
+              "and run it again", code=1)
+    from chunkflow.loading.folder_errors import wrong_type
+
+    said = _os_error(exc) or wrong_type(exc)
+    if said is not None:
+        _fail(said)
+    what = shown(_cut(f"{type(exc).__name__}: {exc}"), one_line=True)
+    err_console.print(f"[bold red]internal error:[/] {escape(what)}\nThis is a bug in "
+                      f"chunkflow {__version__}; please report it at {ISSUES_URL} with the command. "
+                      "Run `chunkflow --debug ...` for the traceback.", highlight=False)
+    raise typer.Exit(1) from None
 
 
 def _cut(text: str, limit: int = 2000) -> str:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 import math
 import sys
 
@@ -15,6 +16,15 @@ from chunkflow.commands.app import console, UserError, _command, _say
 from chunkflow.commands.terminal import json_shown
 from chunkflow.commands.options import INPUT, OUTPUT, Hardware, Height, Variant, Width
 from chunkflow_planner.units import format_bytes, parse_duration, parse_size
+
+if TYPE_CHECKING:  # annotations only: the planner's modules are imported when `plan` runs
+    from chunkflow_planner.catalog import ModelSpec, Workload
+    from chunkflow_planner.overlap import OverlapAnalysis
+    from chunkflow_planner.plan import Plan
+    from chunkflow_planner.planner import ResolvedHardware
+    from chunkflow_planner.policy import Decision
+
+    PlanResult = tuple[Plan, Decision, OverlapAnalysis]
 
 
 _Describe = Annotated[Optional[str], typer.Option(
@@ -180,76 +190,169 @@ def plan_cmd(model: _PlanModel = None, frames: _Frames = None, batch: _Batch = N
     (`12.4 s +-6%`: about 95% of runs on the profile's machine), from the profile's fits and the planner's own error;
     `chunkflow calibrate` and `calibrate --from-report` narrow it. With --format, in the stored formats users
     download (GGUF, fp8-scaled), priced before the download."""
-    from chunkflow_planner.planner import make_plan, resolve_hardware
-    from chunkflow_planner.policy import Infeasible, Levers, codec_refusal
-    from chunkflow_planner.workload import make_workload
+    from chunkflow_planner.planner import resolve_hardware
     from chunkflow.commands.plan_formats import check_format_flags, show_formats
 
     formats, out = check_format_flags(weight_format, out, weight_dtype, allow_fp8)
     _check_plan_flags(max_slowdown, target_step_time, text_len, mem_margin, out, hardware)
+    _check_host_margin(host_mem_margin)
+    spec, workload, text_len = _model_and_workload(model, weights, text_len, cache, cache_hit_rate, height=height,
+                                                   width=width, frames=frames, steps=steps, batch=batch)
+    resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
+                                eta_pref=eta_pref, disk_gbps=disk_gbps)
+    given = _PlanQuantities.parse(mem_budget, target_step_time, target_time, host_mem_budget, prefetch_bytes)
+    if transformer_only and given.target_time is not None:
+        raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
+    settings = _PlanSettings(
+        workload, resolved, given, sp=sp, max_slowdown=max_slowdown, text_len=text_len,
+        transformer_only=transformer_only, cfg_batching=cfg_batching, weight_dtype=weight_dtype, allow_fp8=allow_fp8,
+        codec=codec, mem_margin=mem_margin, host_mem_margin=host_mem_margin, share_host=not no_share_host,
+        read_bytes=_read_bytes(spec, weights, variant, transformer_only))
+    spec = _with_transformer_file(spec, weights, transformer, transformer_2, formats)
+    if formats is not None and len(formats) > 1:
+        show_formats(console, spec, formats, settings.plan_of, out, json_out)
+        return
+    spec = _in_format(spec, formats)
+    plan, decision, analysis = _plan_or_explain(spec, settings)
+    if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
+        _note_transformer_alone(given.prefetch_bytes, text_len)
+    _show_plan(plan, decision, analysis, out, json_out)
+
+
+def _check_host_margin(host_mem_margin: float | None) -> None:
+    """--host-mem-margin: a share of the host budget between 0 and 0.5."""
     if host_mem_margin is not None and not (math.isfinite(host_mem_margin) and 0 <= host_mem_margin <= 0.5):
         raise UserError(f"--host-mem-margin is a share of the host budget between 0 and 0.5 (e.g. 0.05), got "
                         f"{host_mem_margin}")
+
+
+def _model_and_workload(model: str | None, weights: str | None, text_len: int | None, cache: str | None,
+                        cache_hit_rate: str | None, *, height: int | None, width: int | None, frames: int | None,
+                        steps: int | None, batch: int | None) -> tuple[ModelSpec, Workload, int | None]:
+    """(the model spec, the workload with its step cache, the --text-len the planner still takes): None for a
+    derived model, whose entry took it."""
+    from chunkflow_planner.workload import make_workload
+
     spec = _model_spec(model, weights, dict(height=height, width=width, frames=frames, steps=steps,
                                             text_len=text_len))
     if spec.derived is not None:
         text_len = None  # the derived entry's own text length (--text-len went into it)
     workload = make_workload(spec, batch=batch, frames=frames, height=height, width=width, steps=steps)
-    workload = _with_cache(workload, cache, cache_hit_rate)
-    resolved = resolve_hardware(hardware, peak_tflops=peak_tflops, h2d_gbps=h2d_gbps, eta_comp=eta_comp,
-                                eta_pref=eta_pref, disk_gbps=disk_gbps)
-    budget = parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None
-    target = parse_duration(target_step_time, "--target-step-time") if target_step_time is not None else None
-    gen_target = parse_duration(target_time, "--target-time") if target_time is not None else None
-    host_budget = parse_size(host_mem_budget, "--host-mem-budget") if host_mem_budget is not None else None
-    pbytes = parse_size(prefetch_bytes, "--prefetch-bytes") if prefetch_bytes is not None else None
-    if transformer_only and gen_target is not None:
-        raise UserError("--target-time is the whole generation's; leave it out with --transformer-only")
-    read_bytes = _read_bytes(spec, weights, variant, transformer_only)
+    return spec, _with_cache(workload, cache, cache_hit_rate), text_len
 
-    def plan_of(model, with_band: bool = True, at=None):  # noqa: ANN001, ANN202 - the model in one format, planned
-        levers = Levers.of(workload.cfg_passes, cfg_batching, weight_dtype, allow_fp8, codec,
-                           codec_refusal(model, resolved.spec))
-        return make_plan(
-            model, at if at is not None else workload, resolved, sp=sp, budget=budget,
-            max_slowdown=None if target is not None else (max_slowdown or 1.05),
-            target_step_time=target, prefetch_bytes=pbytes, text_len=text_len, pipeline=not transformer_only,
-            host_budget=host_budget, target_time=gen_target, generation_slowdown=max_slowdown, levers=levers,
-            mem_margin=mem_margin, read_bytes=None if model.stored is not None else read_bytes,
-            host_mem_margin=host_mem_margin, share_host=not no_share_host, with_band=with_band,
+
+@dataclass(frozen=True)
+class _PlanQuantities:
+    """The size and duration flags of `plan`, parsed: None where not given."""
+
+    budget: int | None
+    target_step_time: float | None
+    target_time: float | None
+    host_budget: int | None
+    prefetch_bytes: int | None
+
+    @classmethod
+    def parse(cls, mem_budget: str | None, target_step_time: str | None, target_time: str | None,
+              host_mem_budget: str | None, prefetch_bytes: str | None) -> _PlanQuantities:
+        """Each flag parsed in this order (the first bad one is the one named)."""
+        return cls(
+            budget=parse_size(mem_budget, "--mem-budget") if mem_budget is not None else None,
+            target_step_time=(parse_duration(target_step_time, "--target-step-time")
+                              if target_step_time is not None else None),
+            target_time=parse_duration(target_time, "--target-time") if target_time is not None else None,
+            host_budget=parse_size(host_mem_budget, "--host-mem-budget") if host_mem_budget is not None else None,
+            prefetch_bytes=parse_size(prefetch_bytes, "--prefetch-bytes") if prefetch_bytes is not None else None,
         )
 
+
+@dataclass(frozen=True)
+class _PlanSettings:
+    """What every plan of one `chunkflow plan` shares (the workload, the hardware, the budgets, targets and levers):
+    `plan_of` plans one model with them."""
+
+    workload: Workload
+    resolved: ResolvedHardware
+    given: _PlanQuantities
+    sp: int
+    max_slowdown: float | None
+    text_len: int | None
+    transformer_only: bool
+    cfg_batching: str
+    weight_dtype: str
+    allow_fp8: bool
+    codec: str
+    mem_margin: float | None
+    host_mem_margin: float | None
+    share_host: bool
+    read_bytes: int | None
+
+    def plan_of(self, model: ModelSpec, with_band: bool = True, at: Workload | None = None) -> PlanResult:
+        """The model in one format, planned: (plan, decision, analysis) of `model` at the workload (or at `at`),
+        with its bands unless `with_band` is False."""
+        from chunkflow_planner.planner import make_plan
+        from chunkflow_planner.policy import Levers, codec_refusal
+
+        given = self.given
+        levers = Levers.of(self.workload.cfg_passes, self.cfg_batching, self.weight_dtype, self.allow_fp8, self.codec,
+                           codec_refusal(model, self.resolved.spec))
+        return make_plan(
+            model, at if at is not None else self.workload, self.resolved, sp=self.sp, budget=given.budget,
+            max_slowdown=None if given.target_step_time is not None else (self.max_slowdown or 1.05),
+            target_step_time=given.target_step_time, prefetch_bytes=given.prefetch_bytes, text_len=self.text_len,
+            pipeline=not self.transformer_only, host_budget=given.host_budget, target_time=given.target_time,
+            generation_slowdown=self.max_slowdown, levers=levers, mem_margin=self.mem_margin,
+            read_bytes=None if model.stored is not None else self.read_bytes, host_mem_margin=self.host_mem_margin,
+            share_host=self.share_host, with_band=with_band,
+        )
+
+
+def _with_transformer_file(spec: ModelSpec, weights: str | None, transformer: str | None, transformer_2: str | None,
+                           formats: list[str] | None) -> ModelSpec:
+    """The model with --transformer FILE's blocks, priced from the file's header block by block as they will
+    stream (after both files are checked against the folder's config); as it is without one."""
     _check_transformer_files(spec, weights, {"transformer": transformer, "transformer_2": transformer_2})
-    if transformer is not None:  # priced from the file's header, block by block, as it will stream
-        if formats is not None:
-            raise UserError("--transformer FILE is priced from the file itself; --format prices a format before "
-                            "its download: give one or the other")
-        from chunkflow_planner.stored_file import from_file
-
-        spec = from_file(spec, transformer)
-    if formats is not None and len(formats) > 1:
-        show_formats(console, spec, formats, plan_of, out, json_out)
-        return
+    if transformer is None:
+        return spec
     if formats is not None:
-        from chunkflow_planner.formats import with_format
+        raise UserError("--transformer FILE is priced from the file itself; --format prices a format before "
+                        "its download: give one or the other")
+    from chunkflow_planner.stored_file import from_file
 
-        spec = with_format(spec, formats[0])
+    return from_file(spec, transformer)
+
+
+def _in_format(spec: ModelSpec, formats: list[str] | None) -> ModelSpec:
+    """The model in the one stored format --format names; as it is without --format."""
+    if formats is None:
+        return spec
+    from chunkflow_planner.formats import with_format
+
+    return with_format(spec, formats[0])
+
+
+def _plan_or_explain(spec: ModelSpec, settings: _PlanSettings) -> PlanResult:
+    """(plan, decision, analysis) of `spec`; where nothing fits a derived model, its folder's defaults said, and
+    what does fit."""
+    from chunkflow_planner.policy import Infeasible
+
     try:
-        plan, decision, analysis = plan_of(spec)
+        return settings.plan_of(spec)
     except Infeasible as exc:
         if spec.derived is None:
             raise
         from chunkflow.commands.plan_smaller import explain_infeasible  # a folder's defaults: say them, and what fits
 
-        raise explain_infeasible(spec, workload, exc, lambda w: plan_of(spec, with_band=False, at=w)) from None
-    if not transformer_only and spec.pipeline is not None and plan.pipeline is None:
-        flags = [f for f, given in (("--prefetch-bytes", pbytes is not None),
-                                    ("--text-len", text_len is not None)) if given]
-        _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned with the "
-             "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
-             "components for their phase only")
-    _show_plan(plan, decision, analysis, out, json_out)
+        raise explain_infeasible(spec, settings.workload, exc,
+                                 lambda w: settings.plan_of(spec, with_band=False, at=w)) from None
 
+
+def _note_transformer_alone(prefetch_bytes: int | None, text_len: int | None) -> None:
+    """Say that --prefetch-bytes or --text-len left the plan without its pipeline section."""
+    flags = [f for f, given in (("--prefetch-bytes", prefetch_bytes is not None),
+                                ("--text-len", text_len is not None)) if given]
+    _say(f"note: {' and '.join(flags)} plan the transformer alone (a whole pipeline is planned with the "
+         "catalog's own volumes): the plan has no pipeline section, and `run --prompt` places the other "
+         "components for their phase only")
 
 def _with_cache(workload, cache: str | None, hit_rate: str | None):
     """The workload with the step cache `--cache` names (stepcache.plan_cache) at `--cache-hit-rate` (a number, or

@@ -328,60 +328,13 @@ def expert_offload(plan: Plan, placement: str):  # noqa: ANN201 - offload.Offloa
 def print_pipeline(console: Console, plan: Plan) -> None:
     """Where each component runs, each phase's time and peak GPU memory, host memory against its budget."""
     pp = plan.prediction
-    c = Table(title="Components (the whole pipeline)")
-    disk = any(comp.disk_read_bytes for comp in plan.pipeline.components)
-    for col in ("component", "kind", "weights", "placement") + (("disk reads",) if disk else ()):
-        c.add_column(col, justify="right" if col in ("weights", "disk reads") else "left")
-    on_disk = {"disk": "on disk: read from the checkpoint's files at its phase, no host copy"}
-    what = ({"gpu": "on the device (the CPU) throughout", "phase": "on the device (the CPU) for its phase only",
-             "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU", **on_disk}
-            if plan.hardware.device_is_host else
-            {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
-             "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU", **on_disk})
-    for comp in plan.pipeline.components:
-        where = what[comp.placement]
-        if comp.kind == "transformer" and comp.placement in ("stream", "disk"):
-            where += f" ({expert_offload(plan, comp.placement).label})"
-        if comp.steps is not None:
-            where += f"; {comp.steps} of {plan.workload.steps} steps"
-        if comp.kind == "vae" and plan.pipeline.vae_tiling:
-            where += ", tiled decode"
-        reads = (format_bytes(comp.disk_read_bytes) if comp.disk_read_bytes else "-",) if disk else ()
-        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where, *reads)
-    console.print(c)
-    dev = plan.hardware.device_word
-    t = Table(title="Predicted generation, phase by phase " + (
-        "(peak device memory: the allocation, which on the CPU is host memory)" if plan.hardware.device_is_host else
-        "(peak GPU memory = allocation + what the allocator holds beyond it + CUDA context)"))
-    for col in ("phase", "time", f"peak {dev} memory"):
-        t.add_column(col, justify="left" if col == "phase" else "right")
-    for name in ("encode", "denoise", "decode"):
-        ph = getattr(pp.phases, name)
-        t.add_row(name, format_seconds(ph.time_s) + band_text(plan, f"phases.{name}.time_s"),
-                  format_bytes(ph.peak_memory_bytes) + band_text(plan, f"phases.{name}.peak_memory_bytes"))
-    t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0) + band_text(plan, "generation_time_s"),
-              "")
-    console.print(t)
+    console.print(_components_table(plan))
+    console.print(_phases_table(plan))
     startup = sum(getattr(pp.phases, n).startup_s for n in ("encode", "denoise", "decode"))
     if startup > 0:
         console.print(f"times are a process's first generation: {format_seconds(startup)} of it is one-time start-up "
                       "(a later generation in the same process is that much faster)", highlight=False)
-    host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
-    split = host_split_text(plan)
-    if split:
-        console.print(f"host memory {split}", highlight=False)
-        host = f"a rank: {host}"
-    where = plan.host_memory_budget_source or "budget"
-    hband = band_text(plan, "host_memory_bytes")
-    if plan.host_memory_budget_bytes is None:
-        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{hband} needed ({host}); {where}",
-                      highlight=False)
-    else:
-        hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
-        kept = (f", planned inside {format_bytes(int(plan.host_memory_budget_bytes / (1 + plan.host_memory_margin)))}: "
-                f"{plan.host_memory_margin:.1%} kept for the host model's error" if plan.host_memory_margin else "")
-        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{hband} ({host}) of "
-                      f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint}{kept})", highlight=False)
+    _print_pipeline_host_memory(console, plan)
     if pp.disk_read_bytes_per_generation:
         rate = plan.hardware.spec.get("disk_read_gbps") if plan.hardware.spec else None
         console.print(f"disk reads: {format_bytes(pp.disk_read_bytes_per_generation)} a generation from the "
@@ -396,6 +349,75 @@ def print_pipeline(console: Console, plan: Plan) -> None:
     if note:
         console.print(note, highlight=False, markup=False)
 
+
+def _placement_words(plan: Plan) -> dict[str, str]:
+    """What each placement of a pipeline component means, on a GPU or on the CPU device."""
+    on_disk = {"disk": "on disk: read from the checkpoint's files at its phase, no host copy"}
+    if plan.hardware.device_is_host:
+        return {"gpu": "on the device (the CPU) throughout", "phase": "on the device (the CPU) for its phase only",
+                "stream": "streamed by chunkflow from host memory", "cpu": "runs on the CPU", **on_disk}
+    return {"gpu": "on the GPU throughout", "phase": "on the GPU for its phase only (pinned host copy)",
+            "stream": "streamed by chunkflow from pinned host memory", "cpu": "runs on the CPU", **on_disk}
+
+
+def _components_table(plan: Plan) -> Table:
+    """The pipeline's components: kind, weights, where each runs (and its disk reads, where any has them)."""
+    c = Table(title="Components (the whole pipeline)")
+    disk = any(comp.disk_read_bytes for comp in plan.pipeline.components)
+    for col in ("component", "kind", "weights", "placement") + (("disk reads",) if disk else ()):
+        c.add_column(col, justify="right" if col in ("weights", "disk reads") else "left")
+    what = _placement_words(plan)
+    for comp in plan.pipeline.components:
+        where = what[comp.placement]
+        if comp.kind == "transformer" and comp.placement in ("stream", "disk"):
+            where += f" ({expert_offload(plan, comp.placement).label})"
+        if comp.steps is not None:
+            where += f"; {comp.steps} of {plan.workload.steps} steps"
+        if comp.kind == "vae" and plan.pipeline.vae_tiling:
+            where += ", tiled decode"
+        reads = (format_bytes(comp.disk_read_bytes) if comp.disk_read_bytes else "-",) if disk else ()
+        c.add_row(comp.name, comp.kind.replace("_", " "), format_bytes(comp.bytes), where, *reads)
+    return c
+
+
+def _phases_table(plan: Plan) -> Table:
+    """Each phase's predicted time and peak device memory, then the whole generation's time."""
+    pp = plan.prediction
+    dev = plan.hardware.device_word
+    t = Table(title="Predicted generation, phase by phase " + (
+        "(peak device memory: the allocation, which on the CPU is host memory)" if plan.hardware.device_is_host else
+        "(peak GPU memory = allocation + what the allocator holds beyond it + CUDA context)"))
+    for col in ("phase", "time", f"peak {dev} memory"):
+        t.add_column(col, justify="left" if col == "phase" else "right")
+    for name in ("encode", "denoise", "decode"):
+        ph = getattr(pp.phases, name)
+        t.add_row(name, format_seconds(ph.time_s) + band_text(plan, f"phases.{name}.time_s"),
+                  format_bytes(ph.peak_memory_bytes) + band_text(plan, f"phases.{name}.peak_memory_bytes"))
+    t.add_row("[bold]generation[/]", format_seconds(pp.generation_time_s or 0) + band_text(plan, "generation_time_s"),
+              "")
+    return t
+
+
+def _print_pipeline_host_memory(console: Console, plan: Plan) -> None:
+    """The host memory the pipeline needs (its split between the ranks under SP), against its budget where one is
+    held."""
+    pp = plan.prediction
+    host = ", ".join(f"{k} {format_bytes(v)}" for k, v in (pp.host_memory or {}).items() if v)
+    split = host_split_text(plan)
+    if split:
+        console.print(f"host memory {split}", highlight=False)
+        host = f"a rank: {host}"
+    where = plan.host_memory_budget_source or "budget"
+    hband = band_text(plan, "host_memory_bytes")
+    if plan.host_memory_budget_bytes is None:
+        console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{hband} needed ({host}); {where}",
+                      highlight=False)
+        return
+    hint = "; --host-mem-budget plans for another machine" if where != "--host-mem-budget" else ""
+    kept = (f", planned inside {format_bytes(int(plan.host_memory_budget_bytes / (1 + plan.host_memory_margin)))}: "
+            f"{plan.host_memory_margin:.1%} kept for the host model's error" if plan.host_memory_margin else "")
+    console.print(f"host memory: {format_bytes(pp.host_memory_bytes or 0)}{hband} ({host}) of "
+                  f"{format_bytes(plan.host_memory_budget_bytes)} ({where}{hint}{kept})", highlight=False)
 
 def host_split_text(plan: Plan) -> str | None:
     """Under SP, the host's memory and its split (pipeline/hostshare.py): "82.5 GB per host: 29.0 GB shared once +

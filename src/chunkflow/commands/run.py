@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -13,6 +14,12 @@ from chunkflow.commands.app import console, err_console, UserError, _command, _p
 from chunkflow.commands.options import INPUT, OUTPUT, Device, Variant
 from chunkflow.commands.ranks import speaks
 from chunkflow.launch import torchrun_world
+
+if TYPE_CHECKING:
+    from chunkflow.commands.steps import RunOptions
+    from chunkflow_planner.cache import CacheSetting
+    from chunkflow_planner.offload import OffloadConfig
+    from chunkflow_planner.plan import Plan
 
 
 _Plan = Annotated[str, typer.Option("--plan", "-p", help="plan file written by `chunkflow plan --out`"), INPUT]
@@ -82,15 +89,71 @@ _Latents = Annotated[Optional[str], typer.Option(help="also save the final laten
                      OUTPUT]
 
 
+@dataclass
+class RunArgs:
+    """`chunkflow run`'s options as given (run_cmd's parameters, each as its flag says)."""
+
+    plan: str
+    mode: str | None
+    chunk_size: str | None
+    residency: float | None
+    cfg_batched: bool | None
+    fp8_cast: str | None
+    weight_dtype: str | None
+    codec: str | None
+    decode: str | None
+    device: str | None
+    weights: str | None
+    variant: str | None
+    warmup: int | None
+    steps: int | None
+    repeat: int
+    profile: str | None
+    report: str
+    seed: int
+    prompt: str | None
+    negative_prompt: str | None
+    guidance: float | None
+    out: str | None
+    latents: str | None
+    image: str | None
+    prompts: str | None
+    out_dir: str | None
+    transformer: str | None
+    transformer_2: str | None
+    max_job_time: str | None
+    cache: str | None
+
+    @property
+    def generating(self) -> bool:
+        """Whether this run generates one prompt with the whole pipeline (--prompt)."""
+        return self.prompt is not None
+
+
+@dataclass
+class CheckedRun:
+    """What the checks before anything is built hand on: the plan, its offload with the overrides, the run's
+    options (None with --prompts), the --image read (None without), the seconds torch and diffusers took to import
+    (None: imported before) and the step cache (a CacheSetting; None: none)."""
+
+    plan: Plan
+    offload: OffloadConfig
+    opts: RunOptions | None
+    picture: Any  # a PIL image
+    imports_s: float | None
+    cache: CacheSetting | None
+
+
 @_command("run")
 def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, residency: _Residency = None,
             cfg_batched: _CfgBatched = None, fp8_cast: _Fp8Cast = None, weight_dtype: _WeightDtype = None,
-            codec: _Codec = None, decode: _Decode = None, device: Device = None, weights: _Weights = None, variant: Variant = None, warmup: _Warmup = None,
-            steps: _Steps = None, repeat: _Repeat = 1, profile: _Profile = None, report: _Report = "run-report.json",
-            seed: _Seed = 0, prompt: _Prompt = None, negative_prompt: _NegativePrompt = None,
-            guidance: _Guidance = None, out: _Out = None, latents: _Latents = None, image: _Image = None,
-            prompts: _Prompts = None, out_dir: _OutDir = None, transformer: _Transformer = None,
-            transformer_2: _Transformer2 = None, max_job_time: _MaxJobTime = None, cache: _Cache = None) -> None:
+            codec: _Codec = None, decode: _Decode = None, device: Device = None, weights: _Weights = None,
+            variant: Variant = None, warmup: _Warmup = None, steps: _Steps = None, repeat: _Repeat = 1,
+            profile: _Profile = None, report: _Report = "run-report.json", seed: _Seed = 0, prompt: _Prompt = None,
+            negative_prompt: _NegativePrompt = None, guidance: _Guidance = None, out: _Out = None,
+            latents: _Latents = None, image: _Image = None, prompts: _Prompts = None, out_dir: _OutDir = None,
+            transformer: _Transformer = None, transformer_2: _Transformer2 = None, max_job_time: _MaxJobTime = None,
+            cache: _Cache = None) -> None:
     """Run the plan's workload: warm-up and timed denoising steps with a flow-matching Euler scheduler; or, with
     --prompt, generate a video or image with the whole diffusers pipeline.
 
@@ -109,88 +172,122 @@ def run_cmd(plan: _Plan, mode: _Mode = None, chunk_size: _ChunkSize = None, resi
     --steps are the defaults of the jobs that do not set them. Lines that are not jobs, and jobs whose shape does not
     fit the loaded placement, are said and skipped; Ctrl-C stops with a report of what was done.
     """
+    args = RunArgs(plan=plan, mode=mode, chunk_size=chunk_size, residency=residency, cfg_batched=cfg_batched,
+                   fp8_cast=fp8_cast, weight_dtype=weight_dtype, codec=codec, decode=decode, device=device,
+                   weights=weights, variant=variant, warmup=warmup, steps=steps, repeat=repeat, profile=profile,
+                   report=report, seed=seed, prompt=prompt, negative_prompt=negative_prompt, guidance=guidance,
+                   out=out, latents=latents, image=image, prompts=prompts, out_dir=out_dir, transformer=transformer,
+                   transformer_2=transformer_2, max_job_time=max_job_time, cache=cache)
+    _prefer_expandable_segments()
+    run = _checked_on_every_rank(args)
+    if prompts is not None:
+        _run_prompt_file(args, run)
+    elif args.generating:
+        _generate(run.plan, run.offload, run.opts, prompt, negative_prompt, guidance, out, latents, report,
+                  run.picture, run.imports_s, run.cache)
+    else:
+        _run_steps(run, report)
+
+
+def _prefer_expandable_segments() -> None:
+    """PYTORCH_CUDA_ALLOC_CONF's expandable segments, unless the user set it."""
     import os
-
-    from chunkflow_planner.plan import check_setting, load_plan
-
-    from chunkflow.commands.steps import RunOptions, run_plan
 
     # a plan's peak memory is what the allocator reserves: expandable segments keep that close to what torch
     # allocates (the planner's reserve_fraction). Set before torch starts CUDA (under torchrun, joining the job
     # does); a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-    generating = prompt is not None
-    ranks = torchrun_world() > 1 and (generating or prompts is not None)  # a generation under torchrun (SP)
-    if ranks:
-        from chunkflow.commands.ranks import quiet_rank
 
-        quiet_rank()  # ranks other than 0 print nothing but errors
+def _checked_on_every_rank(args: RunArgs) -> CheckedRun:
+    """_checked(args); under torchrun (a generation, sequence parallel) on every rank, ranks other than 0 quiet."""
+    ranks = torchrun_world() > 1 and (args.generating or args.prompts is not None)  # a generation under torchrun (SP)
+    if not ranks:
+        return _checked(args)
+    from chunkflow.commands.ranks import quiet_rank, together
 
-    imported: dict[str, float | None] = {"s": None}
-    step_cache: dict = {"setting": None}  # --cache, parsed (chunkflow_planner.cache.CacheSetting)
+    quiet_rank()  # ranks other than 0 print nothing but errors
+    # every rank checks, joins the job, and they refuse together (commands.ranks)
+    return together(lambda: _checked(args))
 
-    def checked():
-        """Everything checked before anything is built: (plan, offload, options, image)."""
-        p = load_plan(plan)
-        cfg = p.offload.with_overrides(mode, chunk_size, residency, cfg_batched=cfg_batched, weight_dtype=weight_dtype,
-                                       fp8_cast=fp8_cast, codec=codec_override(codec),
-                                       decode=decode)  # the flags parsed here, once
-        check_setting(p, cfg, "--chunk-size" if chunk_size is not None else "offload")  # fits the model as the plan's
-        step_cache["setting"] = _check_cache(cache, generating, prompts is not None, p)
-        imported["s"] = import_libraries()  # said before the silence it would be (the checks below need them)
-        _check_priced(p, cfg, profile)
-        if step_cache["setting"] is not None:  # on the model's transformer on the meta device, before the load
-            from chunkflow.caches import check_fits
-            from chunkflow_planner.plan import model_of
 
-            check_fits(step_cache["setting"], model_of(p), steps or p.workload.steps)
-            if prompts is None:  # a prompt file's jobs have their own steps: each is checked as it runs
-                _check_skips(step_cache["setting"], steps or p.workload.steps)
-        if prompts is not None:
-            if torchrun_world() > 1:
-                raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
-                                "parallelism is not supported yet: run each prompt with --prompt under torchrun)")
-            return p, cfg, None, None
-        if out_dir is not None:
-            raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
-        if max_job_time is not None:
-            raise UserError("--max-job-time goes with --prompts (a file of jobs); a single generation is yours to "
-                            "time: `chunkflow plan` predicts it")
-        if (transformer or transformer_2) and not generating:
-            raise UserError("--transformer FILE goes with --prompt (a generation of the whole pipeline)")
-        opts = RunOptions(device=device, weights=weights, variant=variant, steps=steps, profile=profile, seed=seed,
-                          repeat=repeat, transformer=transformer, transformer_2=transformer_2, warmup=(((1 if repeat > 1 else 0) if generating else 1) if warmup is None
-                                                 else warmup))
-        picture = _check_run(p, opts, plan, report, prompt, negative_prompt, guidance, out, latents, image)
-        return p, cfg, opts, picture
+def _checked(args: RunArgs) -> CheckedRun:
+    """Everything checked before anything is built: the plan and its offload with the overrides, the step cache,
+    then a prompt file's run (one process) or a single run's options (_checked_single)."""
+    from chunkflow_planner.plan import check_setting, load_plan
 
-    if ranks:  # every rank checks, joins the job, and they refuse together (commands.ranks)
-        from chunkflow.commands.ranks import together
+    p = load_plan(args.plan)
+    cfg = p.offload.with_overrides(args.mode, args.chunk_size, args.residency, cfg_batched=args.cfg_batched,
+                                   weight_dtype=args.weight_dtype, fp8_cast=args.fp8_cast,
+                                   codec=codec_override(args.codec), decode=args.decode)  # the flags parsed here, once
+    check_setting(p, cfg, "--chunk-size" if args.chunk_size is not None else "offload")  # fits the model as the plan's
+    cache = _check_cache(args.cache, args.generating, args.prompts is not None, p)
+    imports_s = import_libraries()  # said before the silence it would be (the checks below need them)
+    _check_priced(p, cfg, args.profile)
+    if cache is not None:  # on the model's transformer on the meta device, before the load
+        _check_cache_fits(cache, p, args.steps, each_job=args.prompts is not None)
+    if args.prompts is not None:
+        if torchrun_world() > 1:
+            raise UserError("--prompts runs in one process; leave torchrun out (a prompt file under sequence "
+                            "parallelism is not supported yet: run each prompt with --prompt under torchrun)")
+        return CheckedRun(p, cfg, None, None, imports_s, cache)
+    opts = _single_run_options(args)
+    picture = _check_run(p, opts, args.plan, args.report, args.prompt, args.negative_prompt, args.guidance,
+                         args.out, args.latents, args.image)
+    return CheckedRun(p, cfg, opts, picture, imports_s, cache)
 
-        p, cfg, opts, picture = together(checked)
-    else:
-        p, cfg, opts, picture = checked()
-    if prompts is not None:
-        from chunkflow.commands.run_prompts import run_prompts
 
-        run_prompts(p, cfg, plan, prompts, out_dir, report, device=device, weights=weights, variant=variant,
-                    profile=profile, seed=seed, negative_prompt=negative_prompt, guidance=guidance, steps=steps,
-                    transformers={"transformer": transformer, "transformer_2": transformer_2},
-                    imports_s=imported["s"], max_job_s=_duration(max_job_time, "--max-job-time"),
-                    cache=step_cache["setting"],
-                    others={"--prompt": prompt, "--out": out, "--latents": latents, "--image": image,
-                            "--warmup": warmup, "--repeat": repeat if repeat != 1 else None})
-        return
-    if generating:
-        _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, report, picture, imported["s"],
-                  step_cache["setting"])
-        return
+def _check_cache_fits(setting: CacheSetting, p: Plan, steps: int | None, each_job: bool) -> None:
+    """The step cache fits the model's transformer (on the meta device) for the run's steps; `each_job`: a prompt
+    file's jobs have their own steps, each checked as it runs, so no step count is refused here."""
+    from chunkflow.caches import check_fits
+    from chunkflow_planner.plan import model_of
+
+    check_fits(setting, model_of(p), steps or p.workload.steps)
+    if not each_job:
+        _check_skips(setting, steps or p.workload.steps)
+
+
+def _single_run_options(args: RunArgs) -> RunOptions:
+    """A single run's (no --prompts) RunOptions, a prompt file's flags and a generation's refused first."""
+    from chunkflow.commands.steps import RunOptions
+
+    if args.out_dir is not None:
+        raise UserError("--out-dir goes with --prompts (a file of jobs); a single generation writes to --out")
+    if args.max_job_time is not None:
+        raise UserError("--max-job-time goes with --prompts (a file of jobs); a single generation is yours to "
+                        "time: `chunkflow plan` predicts it")
+    if (args.transformer or args.transformer_2) and not args.generating:
+        raise UserError("--transformer FILE goes with --prompt (a generation of the whole pipeline)")
+    warmup = ((1 if args.repeat > 1 else 0) if args.generating else 1) if args.warmup is None else args.warmup
+    return RunOptions(device=args.device, weights=args.weights, variant=args.variant, steps=args.steps,
+                      profile=args.profile, seed=args.seed, repeat=args.repeat, transformer=args.transformer,
+                      transformer_2=args.transformer_2, warmup=warmup)
+
+
+def _run_prompt_file(args: RunArgs, run: CheckedRun) -> None:
+    """`run --prompts FILE`: every job of the file on one load (commands.run_prompts)."""
+    from chunkflow.commands.run_prompts import run_prompts
+
+    run_prompts(run.plan, run.offload, args.plan, args.prompts, args.out_dir, args.report, device=args.device,
+                weights=args.weights, variant=args.variant, profile=args.profile, seed=args.seed,
+                negative_prompt=args.negative_prompt, guidance=args.guidance, steps=args.steps,
+                transformers={"transformer": args.transformer, "transformer_2": args.transformer_2},
+                imports_s=run.imports_s, max_job_s=_duration(args.max_job_time, "--max-job-time"),
+                cache=run.cache,
+                others={"--prompt": args.prompt, "--out": args.out, "--latents": args.latents,
+                        "--image": args.image, "--warmup": args.warmup,
+                        "--repeat": args.repeat if args.repeat != 1 else None})
+
+
+def _run_steps(run: CheckedRun, report: str) -> None:
+    """The plan's synthetic denoising steps with a bar; rank 0 writes the report and prints the table."""
     from chunkflow.commands.plan_tables import print_run
+    from chunkflow.commands.steps import run_plan
 
     with _progress() as bar:
         task = bar.add_task("denoising steps", total=None)
-        rep = run_plan(p, cfg, opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
+        rep = run_plan(run.plan, run.offload, run.opts, progress=lambda i, n: bar.update(task, completed=i, total=n),
                        log=_say)
     if rep is None:  # not rank 0
         return

@@ -117,90 +117,134 @@ def plan_jobs(plan, spec, hw, lines: list[JobLine], defaults: dict[str, Any], ou
     return out
 
 
+# progress(phase, i, n): the load's bytes (phase "load"), a job's steps ("denoise"), a phase begun (i, n None)
+ProgressCallback = Callable[[str, int | None, int | None], None]
+
+
 def run_jobs(plan, cfg, opts, planned: list[PlannedJob], out_dir: Path, prompts_file: str,
-             progress: Callable[[str, int | None, int | None], None] | None = None,
+             progress: ProgressCallback | None = None,
              on_job: Callable[[int, int, PlannedJob], None] | None = None,
              on_done: Callable[[JobResult], None] | None = None,
              log: Callable[[str], None] = lambda s: None) -> JobsReport:
     """Load once, run every planned job in order, write each output as it finishes; the report. KeyboardInterrupt
-    (and SIGTERM) is re-raised after the report is built into `interrupted_report` of the exception."""
-    from chunkflow.commands.steps import environment
-    from chunkflow.hostmem import rss_bytes
-    from chunkflow.models.adapters import needs_image
-    from chunkflow.session import Session
-    from chunkflow.signals import Terminated
-
+    (and SIGTERM) is re-raised after the report is built into the exception's `jobs_report`."""
     t0 = time.perf_counter()
-    image = any(p.job is not None and p.job.image is not None and p.error is None for p in planned)
-    session = Session(plan, opts.weights, device=opts.device, variant=opts.variant, profile=opts.profile,
-                      image=image, offload=cfg, transformer=opts.transformer, transformer_2=opts.transformer_2,
-                      progress=progress, log=log, cache=opts.cache)
+    session = _open_session(plan, cfg, opts, planned, progress, log)
     results: list[JobResult] = []
-    runnable = [p for p in planned if p.error is None]
     interrupted: BaseException | None = None
     try:
-        cls = type(session.pipe)
-        k = 0
-        for p in planned:
-            r = _refused(p)
-            if r is None and p.job.image is None and needs_image(cls):
-                r = _refused(p, f"{cls.__name__} (this run's pipeline: other jobs give images) animates an image: "
-                             "give this job one (\"image\": \"path\"), or run the text-only jobs in a file of their "
-                             "own")
-            if r is not None:
-                results.append(r)
-                continue
-            if interrupted is not None:
-                results.append(_result(p, "not run", error="interrupted before it began"))
-                continue
-            k += 1
-            if on_job is not None:
-                on_job(k, len(runnable), p)
-            try:
-                res = session.generate(p.job, image=p.job.image,
-                                       on_step=(lambda i, n: progress("denoise", i, n)) if progress else None,
-                                       on_phase=(lambda name: progress(name, None, None)) if progress else None)
-            except (KeyboardInterrupt, Terminated) as exc:
-                interrupted = exc
-                results.append(_result(p, "interrupted", error="stopped by the user"))
-                continue
-            except ChunkflowError as exc:
-                results.append(_result(p, "failed", error=str(exc)))
-                log(f"line {p.line}: failed: {exc}")
-                continue
-            except Exception as exc:  # not the job's fault: the batch stops, with the report of what ran
-                results.append(_result(p, "failed", error=f"{type(exc).__name__}: {exc}"))
-                raise
-            try:
-                res.save(out_dir / p.out)
-            except (ChunkflowError, OSError) as exc:  # this job's output lost (nothing half-written); the next runs
-                results.append(_result(p, "failed", error=f"writing {p.out}: {exc}"))
-                log(f"line {p.line}: failed: writing {p.out}: {exc}")
-                continue
-            done = _result(p, "done", res=res, rss=rss_bytes())
-            results.append(done)
-            if res.cache is not None:
-                log(f"line {p.line}: {cache_line(res.cache)}")
-            if on_done is not None:
-                on_done(done)
+        interrupted = _run_all(session, planned, out_dir, results, progress, on_job, on_done, log)
     except BaseException as exc:  # a signal during the load or between jobs, or an error that stops the batch
         interrupted = exc
-        why = ("interrupted before it began" if isinstance(exc, (KeyboardInterrupt, Terminated)) else
-               f"not run: the batch stopped on {type(exc).__name__}: {exc}")
-        seen = {r.line for r in results}
-        results += [_result(p, "not run", error=why) for p in planned if p.line not in seen]
+        _mark_not_run(planned, results, exc)
     finally:
         load = session.load_result
         session.close()
-    env = environment(session.device)
-    report = JobsReport(date=env["date"], command=env["command"], gpu=env["gpu"], torch=env["torch"],
-                        diffusers=env["diffusers"], plan=plan, prompts_file=prompts_file, out_dir=str(out_dir),
-                        load=load, jobs=results, total_s=time.perf_counter() - t0,
-                        interrupted=isinstance(interrupted, (KeyboardInterrupt, Terminated)))
+    report = _jobs_report(session, plan, prompts_file, out_dir, load, results, t0, interrupted)
     if interrupted is not None:
         interrupted.jobs_report = report  # type: ignore[attr-defined]
         raise interrupted
     return report
+
+
+def _open_session(plan, cfg, opts, planned: list[PlannedJob], progress: ProgressCallback | None,
+                  log: Callable[[str], None]):
+    """The batch's one Session: the image pipeline where any job that runs gives an image."""
+    from chunkflow.session import Session
+
+    image = any(p.job is not None and p.job.image is not None and p.error is None for p in planned)
+    return Session(plan, opts.weights, device=opts.device, variant=opts.variant, profile=opts.profile,
+                   image=image, offload=cfg, transformer=opts.transformer, transformer_2=opts.transformer_2,
+                   progress=progress, log=log, cache=opts.cache)
+
+
+def _run_all(session, planned: list[PlannedJob], out_dir: Path, results: list[JobResult],
+             progress: ProgressCallback | None, on_job: Callable[[int, int, PlannedJob], None] | None,
+             on_done: Callable[[JobResult], None] | None, log: Callable[[str], None]) -> BaseException | None:
+    """Every planned job in order (the pipeline loaded first), each one's result appended to `results`: the
+    KeyboardInterrupt or SIGTERM that stopped a job (the jobs after it not run), else None."""
+    from chunkflow.models.adapters import needs_image
+
+    runnable = [p for p in planned if p.error is None]
+    interrupted: BaseException | None = None
+    cls = type(session.pipe)
+    k = 0
+    for p in planned:
+        r = _refused(p)
+        if r is None and p.job.image is None and needs_image(cls):
+            r = _refused(p, f"{cls.__name__} (this run's pipeline: other jobs give images) animates an image: "
+                         "give this job one (\"image\": \"path\"), or run the text-only jobs in a file of their "
+                         "own")
+        if r is not None:
+            results.append(r)
+            continue
+        if interrupted is not None:
+            results.append(_result(p, "not run", error="interrupted before it began"))
+            continue
+        k += 1
+        if on_job is not None:
+            on_job(k, len(runnable), p)
+        interrupted = _run_job(session, p, out_dir, results, progress, on_done, log)
+    return interrupted
+
+
+def _run_job(session, p: PlannedJob, out_dir: Path, results: list[JobResult], progress: ProgressCallback | None,
+             on_done: Callable[[JobResult], None] | None, log: Callable[[str], None]) -> BaseException | None:
+    """One job generated and its output written, its result appended to `results`: the KeyboardInterrupt or
+    SIGTERM that stopped it, else None. A job that breaks fails alone; an error not the job's is raised."""
+    from chunkflow.hostmem import rss_bytes
+    from chunkflow.signals import Terminated
+
+    try:
+        res = session.generate(p.job, image=p.job.image,
+                               on_step=(lambda i, n: progress("denoise", i, n)) if progress else None,
+                               on_phase=(lambda name: progress(name, None, None)) if progress else None)
+    except (KeyboardInterrupt, Terminated) as exc:
+        results.append(_result(p, "interrupted", error="stopped by the user"))
+        return exc
+    except ChunkflowError as exc:
+        results.append(_result(p, "failed", error=str(exc)))
+        log(f"line {p.line}: failed: {exc}")
+        return None
+    except Exception as exc:  # not the job's fault: the batch stops, with the report of what ran
+        results.append(_result(p, "failed", error=f"{type(exc).__name__}: {exc}"))
+        raise
+    try:
+        res.save(out_dir / p.out)
+    except (ChunkflowError, OSError) as exc:  # this job's output lost (nothing half-written); the next runs
+        results.append(_result(p, "failed", error=f"writing {p.out}: {exc}"))
+        log(f"line {p.line}: failed: writing {p.out}: {exc}")
+        return None
+    done = _result(p, "done", res=res, rss=rss_bytes())
+    results.append(done)
+    if res.cache is not None:
+        log(f"line {p.line}: {cache_line(res.cache)}")
+    if on_done is not None:
+        on_done(done)
+    return None
+
+
+def _mark_not_run(planned: list[PlannedJob], results: list[JobResult], exc: BaseException) -> None:
+    """The jobs with no result yet when the batch stopped on `exc` appended as not run, saying why."""
+    from chunkflow.signals import Terminated
+
+    why = ("interrupted before it began" if isinstance(exc, (KeyboardInterrupt, Terminated)) else
+           f"not run: the batch stopped on {type(exc).__name__}: {exc}")
+    seen = {r.line for r in results}
+    results.extend(_result(p, "not run", error=why) for p in planned if p.line not in seen)
+
+
+def _jobs_report(session, plan, prompts_file: str, out_dir: Path, load, results: list[JobResult], t0: float,
+                 interrupted: BaseException | None) -> JobsReport:
+    """The batch's report: the environment, the load, every job's result, the time since `t0`."""
+    from chunkflow.commands.steps import environment
+    from chunkflow.signals import Terminated
+
+    env = environment(session.device)
+    return JobsReport(date=env["date"], command=env["command"], gpu=env["gpu"], torch=env["torch"],
+                      diffusers=env["diffusers"], plan=plan, prompts_file=prompts_file, out_dir=str(out_dir),
+                      load=load, jobs=results, total_s=time.perf_counter() - t0,
+                      interrupted=isinstance(interrupted, (KeyboardInterrupt, Terminated)))
 
 
 def _refused(p: PlannedJob, why: str | None = None) -> JobResult | None:

@@ -5,12 +5,16 @@ does the work)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkflow.commands.app import UserError, _say, console, err_console
 from chunkflow.commands.terminal import shown
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from chunkflow.commands.run_jobs import PlannedJob
+    from chunkflow_planner.catalog import ModelSpec
 
 
 def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, report: str, *, device, weights, variant,
@@ -20,13 +24,43 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     """Every job of `prompts` on one load of the plan's pipeline; `transformers` (--transformer FILE,
     --transformer-2 FILE): the same files for every job, checked with the folder before any job is read. `cache`:
     the step cache every job's generation runs with (a CacheSetting, checked; None: none)."""
-    from chunkflow.commands.run_jobs import JobsError, plan_jobs
     from chunkflow.commands.steps import RunOptions
-    from chunkflow.launch import torchrun_world
     from chunkflow_planner.files import check_distinct, check_output_dir, check_output_file
     from chunkflow_planner.pipeline.jobs import read_jobs
-    from chunkflow_planner.plan import files_needed, model_of
-    from chunkflow_planner.plan import hardware_of
+
+    spec = _check_flags(p, others, guidance)
+    files = {k: v for k, v in (transformers or {}).items() if v}
+    opts = RunOptions(device=device, weights=weights, variant=variant, profile=profile, seed=seed, steps=steps,
+                      warmup=0, transformer=files.get("transformer"), transformer_2=files.get("transformer_2"),
+                      cache=cache)
+    opts.check()
+    _check_weights_needed(p, weights)
+    lines = read_jobs(prompts)  # the file read and checked before any output is
+    folder = check_output_dir(out_dir if out_dir is not None else "outputs", "--out-dir")
+    check_output_file(report, "--report")
+    check_distinct({"--report": report}, {"--plan": plan_path, "--prompts": prompts})
+    resolved = _resolve_weights(weights, opts)
+    _check_files(p, spec, resolved, files)
+    defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
+                "steps": steps}
+    planned = _plan_file(p, spec, lines, defaults, folder, resolved, profile, max_job_s)
+    runnable = _runnable(planned, prompts)
+    if weights is not None:
+        from chunkflow.models.pipeline_build import check_folder
+
+        check_folder(spec, resolved, image=any(j.job.image is not None for j in runnable))
+    _make(folder)
+    _say(f"{len(runnable)} job{'s' if len(runnable) != 1 else ''} to run"
+         + (f", {len(planned) - len(runnable)} skipped" if len(runnable) < len(planned) else "")
+         + f"; outputs to {folder}/")
+    _run_and_report(p, cfg, opts, planned, folder, prompts, len(runnable), report, imports_s)
+
+
+def _check_flags(p, others: dict[str, Any], guidance: float | None) -> ModelSpec:
+    """The options --prompts refuses (`others`: flag -> value, those given), torchrun, a plan with no pipeline and
+    a guidance that is not positive, refused before anything is read; the plan's model."""
+    from chunkflow.launch import torchrun_world
+    from chunkflow_planner.plan import model_of
 
     given = [flag for flag, v in others.items() if v is not None]
     if given:
@@ -39,31 +73,47 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
         raise UserError(f"{spec.name} has no pipeline to generate with; --prompts needs a plan of a whole pipeline")
     if guidance is not None and not guidance > 0:
         raise UserError(f"--guidance must be a positive number, got {guidance}")
-    files = {k: v for k, v in (transformers or {}).items() if v}
-    opts = RunOptions(device=device, weights=weights, variant=variant, profile=profile, seed=seed, steps=steps,
-                      warmup=0, transformer=files.get("transformer"), transformer_2=files.get("transformer_2"),
-                      cache=cache)
-    opts.check()
+    return spec
+
+
+def _check_weights_needed(p, weights: str | None) -> None:
+    """Refused without --weights where the plan needs the model's files (chunkflow_planner.plan.files_needed)."""
+    from chunkflow_planner.plan import files_needed
+
     why = files_needed(p)
     if why is not None and weights is None:
         raise UserError(why)
-    lines = read_jobs(prompts)  # the file read and checked before any output is
-    folder = check_output_dir(out_dir if out_dir is not None else "outputs", "--out-dir")
-    check_output_file(report, "--report")
-    check_distinct({"--report": report}, {"--plan": plan_path, "--prompts": prompts})
-    if weights is not None:
-        from chunkflow.models.pipeline_build import check_folder
-        from chunkflow.weights import resolve_weights
 
-        resolved = resolve_weights(weights)
-        opts.weights = str(resolved)
-    _check_files(p, spec, resolved if weights is not None else None, files)
+
+def _resolve_weights(weights: str | None, opts) -> Path | None:
+    """--weights as the folder it names (a Hub id found in the local cache too), set on `opts`; None without."""
+    if weights is None:
+        return None
+    from chunkflow.weights import resolve_weights
+
+    resolved = resolve_weights(weights)
+    opts.weights = str(resolved)
+    return resolved
+
+
+def _plan_file(p, spec, lines, defaults: dict[str, Any], folder: Path, resolved: Path | None, profile,
+               max_job_s: float | None) -> list[PlannedJob]:
+    """Every line of the file planned against the loaded placement (run_jobs.plan_jobs), the jobs giving an image
+    the pipeline cannot take refused, each job's time predicted and, with `max_job_s`, admitted by it."""
+    from chunkflow.commands.run_jobs import plan_jobs
+    from chunkflow_planner.plan import hardware_of
+
     hw = hardware_of(p, profile)
-    defaults = {"seed": seed if seed else None, "negative_prompt": negative_prompt, "guidance": guidance,
-                "steps": steps}
     planned = plan_jobs(p, spec, hw, lines, defaults, folder)
-    _refuse_images(spec, resolved if weights is not None else None, planned)
+    _refuse_images(spec, resolved, planned)
     admit_by_time(p, planned, max_job_s)
+    return planned
+
+
+def _runnable(planned: list[PlannedJob], prompts: str) -> list[PlannedJob]:
+    """The jobs that run, each refused line said; JobsError where none can."""
+    from chunkflow.commands.run_jobs import JobsError
+
     runnable = [j for j in planned if j.error is None]
     for j in planned:
         if j.error is not None:
@@ -71,14 +121,15 @@ def run_prompts(p, cfg, plan_path: str, prompts: str, out_dir: str | None, repor
     if not runnable:
         raise JobsError(f"no job of {prompts!r} can run ({len(planned)} refused, said above); fix the lines and "
                         "run again")
-    if weights is not None:
-        check_folder(spec, resolved, image=any(j.job.image is not None for j in runnable))
-    _make(folder)
-    _say(f"{len(runnable)} job{'s' if len(runnable) != 1 else ''} to run"
-         + (f", {len(planned) - len(runnable)} skipped" if len(runnable) < len(planned) else "")
-         + f"; outputs to {folder}/")
+    return runnable
+
+
+def _run_and_report(p, cfg, opts, planned: list[PlannedJob], folder: Path, prompts: str, total: int, report: str,
+                    imports_s: float | None) -> None:
+    """The jobs run with bars, the report written and every job's row printed; where the batch stopped (Ctrl-C,
+    SIGTERM, an error), the report of what was done first, then the exception raised again."""
     try:
-        rep = _with_bars(p, cfg, opts, planned, folder, prompts, len(runnable))
+        rep = _with_bars(p, cfg, opts, planned, folder, prompts, total)
         rep.load.imports_s = imports_s
     except BaseException as exc:  # Ctrl-C, SIGTERM: the report of what was done
         rep = getattr(exc, "jobs_report", None)

@@ -36,7 +36,7 @@ from chunkflow.serve.page import page_policy, render_page  # noqa: E402
 from chunkflow.serve.plan_view import plan_view  # noqa: E402
 from chunkflow.serve.queue import JobQueue, QueueClosed, QueueFull, UnknownJob, cache_label_of  # noqa: E402
 from chunkflow_planner.errors import ChunkflowError  # noqa: E402
-from chunkflow_planner.pipeline.jobs import JobError, JobJSONError, load_json, parse_job  # noqa: E402
+from chunkflow_planner.pipeline.jobs import Job, JobError, JobJSONError, load_json, parse_job  # noqa: E402
 
 __all__ = ["make_app", "MAX_BODY_BYTES"]
 
@@ -158,52 +158,24 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
     negative = takes_negative(session.spec)
     app = FastAPI(title=title or f"chunkflow serve: {model}", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, names=hosts, token=token)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    _add_job_routes(app, queue, max_body_bytes)
+    _add_status_routes(app, queue, max_body_bytes)
+    _add_page_route(app, queue, token, negative)
+    return app
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a method a route does not take) as JSON, like every other."""
+    return _error(exc.status_code, str(exc.detail))
+
+
+def _add_job_routes(app: FastAPI, queue: JobQueue, max_body_bytes: int) -> None:
+    """POST /jobs, GET /jobs, GET /jobs/{id}, GET /jobs/{id}/result and DELETE /jobs/{id} on `app`."""
 
     @app.post("/jobs", status_code=201)
     async def submit(request: Request) -> Response:
-        if (bad := _json_type(request.headers.get("content-type"))) is not None:
-            return bad
-        try:
-            body = await _read_body(request, max_body_bytes)
-        except _Gone as gone:
-            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-            _log.info("%s went away while sending a job (%s received); nothing queued", client, gone)
-            return _error(400, "the client went away before the body was sent")
-        if isinstance(body, Response):
-            return body
-        try:
-            data = load_json(body)
-        except JobJSONError as exc:
-            return _error(400, f"the body is {exc}; send a JSON object such as "
-                               '{"prompt": "a red fox in the snow", "seed": 1}')
-        try:
-            if not isinstance(data, dict):
-                raise JobError(f'a job is a JSON object with at least "prompt", not {type(data).__name__}')
-            image = None
-            if "image_base64" in data:
-                image = _image_bytes(data.pop("image_base64"))
-            if "image" in data:
-                raise JobError("image: the server takes no image path; send the image itself as image_base64 (a "
-                               "base64 PNG, JPEG or WebP)")
-            if "cache" in data:
-                raise JobError("cache: the server's step cache is chosen when it starts (chunkflow serve --cache "
-                               "KIND[:PARAMS]); a job runs with it and cannot choose another: leave \"cache\" out")
-            if "out" in data:
-                raise JobError('out: the server names each output by its job id; leave "out" out and fetch '
-                               "/jobs/<id>/result")
-            job = parse_job(data, strict=True)
-            snap = await run_in_threadpool(queue.submit, job, image)
-        except QueueFull as exc:
-            return _error(429, str(exc))
-        except QueueClosed as exc:
-            return _error(503, str(exc))
-        except ChunkflowError as exc:
-            return _refused(str(exc))
-        return JSONResponse(snap, status_code=201, headers={"Location": f"/jobs/{snap['id']}"})
+        return await _submit_job(request, queue, max_body_bytes)
 
     @app.get("/jobs")
     def list_jobs() -> dict:
@@ -211,41 +183,117 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
 
     @app.get("/jobs/{job_id}")
     def get_job(job_id: str) -> Response:
-        if (bad := _check_id(job_id)) is not None:
-            return bad
-        try:
-            return JSONResponse(queue.get(job_id))
-        except UnknownJob as exc:
-            return _error(404, str(exc))
+        return _job_state(queue, job_id)
 
     @app.get("/jobs/{job_id}/result")
     def get_result(job_id: str) -> Response:
-        if (bad := _check_id(job_id)) is not None:
-            return bad
-        try:
-            state, path = queue.output_path(job_id)
-        except UnknownJob as exc:
-            return _error(404, str(exc))
-        if path is None:
-            why = {"queued": "is queued", "running": "is running", "failed": "failed: it has no result",
-                   "cancelled": "was cancelled: it has no result"}.get(state, state)
-            return _error(409, f"job {job_id} {why}; GET /jobs/{job_id} says when it is done")
-        if not path.is_file():
-            return _error(404, f"job {job_id}'s output is no longer in the server's output folder")
-        return FileResponse(path, media_type=_MEDIA.get(path.suffix, "application/octet-stream"),
-                            filename=path.name)
+        return _job_result(queue, job_id)
 
     @app.delete("/jobs/{job_id}")
     def cancel_job(job_id: str) -> Response:
-        if (bad := _check_id(job_id)) is not None:
-            return bad
-        try:
-            snap = queue.cancel(job_id)
-        except UnknownJob as exc:
-            return _error(404, str(exc))
-        if snap["state"] in ("done", "failed"):
-            return _error(409, f"job {job_id} has finished ({snap['state']}); there is nothing to cancel")
-        return JSONResponse(snap)
+        return _cancel_job(queue, job_id)
+
+
+async def _submit_job(request: Request, queue: JobQueue, max_body_bytes: int) -> Response:
+    """POST /jobs: the body read (_job_body), parsed and checked (_submitted_job), the job queued: 201 with its
+    snapshot and Location, else the error (module docstring)."""
+    body = await _job_body(request, max_body_bytes)
+    if isinstance(body, Response):
+        return body
+    try:
+        data = load_json(body)
+    except JobJSONError as exc:
+        return _error(400, f"the body is {exc}; send a JSON object such as "
+                           '{"prompt": "a red fox in the snow", "seed": 1}')
+    try:
+        job, image = _submitted_job(data)
+        snap = await run_in_threadpool(queue.submit, job, image)
+    except QueueFull as exc:
+        return _error(429, str(exc))
+    except QueueClosed as exc:
+        return _error(503, str(exc))
+    except ChunkflowError as exc:
+        return _refused(str(exc))
+    return JSONResponse(snap, status_code=201, headers={"Location": f"/jobs/{snap['id']}"})
+
+
+async def _job_body(request: Request, max_body_bytes: int) -> bytes | Response:
+    """A submitted job's body: a 415 unless it is declared JSON, a 413 over `max_body_bytes`, a 400 (and one log
+    line) where the client went away before it was all sent."""
+    if (bad := _json_type(request.headers.get("content-type"))) is not None:
+        return bad
+    try:
+        return await _read_body(request, max_body_bytes)
+    except _Gone as gone:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        _log.info("%s went away while sending a job (%s received); nothing queued", client, gone)
+        return _error(400, "the client went away before the body was sent")
+
+
+def _submitted_job(data: Any) -> tuple[Job, bytes | None]:
+    """A submitted JSON value as (the job, its image's bytes or None); JobError (or the job's own ChunkflowError)
+    says what is wrong: not an object, a bad image, a field the server chooses itself."""
+    if not isinstance(data, dict):
+        raise JobError(f'a job is a JSON object with at least "prompt", not {type(data).__name__}')
+    image = None
+    if "image_base64" in data:
+        image = _image_bytes(data.pop("image_base64"))
+    if "image" in data:
+        raise JobError("image: the server takes no image path; send the image itself as image_base64 (a "
+                       "base64 PNG, JPEG or WebP)")
+    if "cache" in data:
+        raise JobError("cache: the server's step cache is chosen when it starts (chunkflow serve --cache "
+                       "KIND[:PARAMS]); a job runs with it and cannot choose another: leave \"cache\" out")
+    if "out" in data:
+        raise JobError('out: the server names each output by its job id; leave "out" out and fetch '
+                       "/jobs/<id>/result")
+    return parse_job(data, strict=True), image
+
+
+def _job_state(queue: JobQueue, job_id: str) -> Response:
+    """GET /jobs/{id}: the job's snapshot."""
+    if (bad := _check_id(job_id)) is not None:
+        return bad
+    try:
+        return JSONResponse(queue.get(job_id))
+    except UnknownJob as exc:
+        return _error(404, str(exc))
+
+
+def _job_result(queue: JobQueue, job_id: str) -> Response:
+    """GET /jobs/{id}/result: the job's output file; 409 while it has none, 404 once it is gone."""
+    if (bad := _check_id(job_id)) is not None:
+        return bad
+    try:
+        state, path = queue.output_path(job_id)
+    except UnknownJob as exc:
+        return _error(404, str(exc))
+    if path is None:
+        why = {"queued": "is queued", "running": "is running", "failed": "failed: it has no result",
+               "cancelled": "was cancelled: it has no result"}.get(state, state)
+        return _error(409, f"job {job_id} {why}; GET /jobs/{job_id} says when it is done")
+    if not path.is_file():
+        return _error(404, f"job {job_id}'s output is no longer in the server's output folder")
+    return FileResponse(path, media_type=_MEDIA.get(path.suffix, "application/octet-stream"), filename=path.name)
+
+
+def _cancel_job(queue: JobQueue, job_id: str) -> Response:
+    """DELETE /jobs/{id}: the job cancelled, its snapshot; 409 for one that has finished."""
+    if (bad := _check_id(job_id)) is not None:
+        return bad
+    try:
+        snap = queue.cancel(job_id)
+    except UnknownJob as exc:
+        return _error(404, str(exc))
+    if snap["state"] in ("done", "failed"):
+        return _error(409, f"job {job_id} has finished ({snap['state']}); there is nothing to cancel")
+    return JSONResponse(snap)
+
+
+def _add_status_routes(app: FastAPI, queue: JobQueue, max_body_bytes: int) -> None:
+    """GET /health, /plan and /metrics on `app`."""
+    session = queue.session
+    model = session.spec.name
 
     @app.get("/health")
     def health() -> dict:
@@ -262,6 +310,13 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
     def metrics() -> Response:
         return PlainTextResponse(render_metrics(queue), media_type=CONTENT_TYPE)
 
+
+def _add_page_route(app: FastAPI, queue: JobQueue, token: str | None, negative: bool) -> None:
+    """GET / on `app`: the page, with its Content-Security-Policy; `negative`: whether it shows the negative
+    prompt's field."""
+    session = queue.session
+    model = session.spec.name
+
     @app.get("/", response_class=HTMLResponse)
     def page() -> HTMLResponse:
         # with a token the page is served to anyone who reaches the server: it names no model (it asks /health)
@@ -269,5 +324,3 @@ def make_app(queue: JobQueue, *, max_body_bytes: int = MAX_BODY_BYTES, title: st
                            video=bool(session.spec.is_video), negative=negative)
         return HTMLResponse(text, headers={"Content-Security-Policy": page_policy(text),
                                            "X-Frame-Options": "DENY", "Cache-Control": "no-store"})
-
-    return app

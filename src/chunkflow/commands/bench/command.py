@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 import sys
 
 from rich.table import Table
@@ -13,6 +13,10 @@ from chunkflow.commands.app import console, UserError, _command, _progress
 from chunkflow.commands.options import INPUT, OUTPUT, Device, Hardware, Height, OptionalModel, Width
 from chunkflow.launch import torchrun_world
 from chunkflow_planner.units import DEFAULT_CHUNK_BYTES, format_seconds, parse_size, short_bytes
+
+if TYPE_CHECKING:  # annotations only
+    from chunkflow.commands.bench.sweep import BenchSpec
+    from chunkflow_planner.catalog import ModelSpec
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -29,35 +33,67 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
                 warmup, steps, comm_aware, baselines="", compile="off", weight_dtype="bf16", fp8_cast="compute"):
     """(ModelSpec, BenchSpec, HardwareSpec) from the bench flags, every value checked; UserError or ValueError."""
     from chunkflow.commands.bench import BenchSpec
-    from chunkflow.commands.bench.baselines import BASELINES, check_baseline
     from chunkflow_planner.catalog import get_model
-    from chunkflow_planner.offload import MODES
-    from chunkflow_planner.plan_checks import offload_problem
     from chunkflow_planner.planner import resolve_hardware
-    from chunkflow_planner.workload import MAX_STEPS
 
     if model is None:
         raise UserError("give --model (or --from-dir to redraw an earlier run)")
     spec = get_model(model)
+    axis, values = _sweep_axis(spec, frames, batch)
+    mode_list = _mode_list(modes)
+    res = _residencies(residency)
+    chunks = list(dict.fromkeys(parse_size(c) for c in chunk_sizes.split(",") if c.strip()))
+    if not chunks:
+        raise UserError(f"--chunk-sizes needs positive sizes, got {chunk_sizes!r}")
+    _check_run_flags(steps, warmup, comm_aware, compile, weight_dtype, fp8_cast)
+    base = _baseline_list(baselines)
+    hw = resolve_hardware(hardware).spec
+    aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
+    bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
+                      chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
+                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base, compile=compile,
+                      weight_dtype=weight_dtype, fp8_cast=fp8_cast)
+    _check_points(spec, bench, values, chunks)
+    return spec, bench, hw
+
+
+def _sweep_axis(spec: ModelSpec, frames: str | None, batch: str | None) -> tuple[str, list[int]]:
+    """("frames" or "batch", the values to sweep): exactly one of --frames (video models) or --batch."""
     if (frames is None) == (batch is None):
         raise UserError("give exactly one of --frames (video models) or --batch")
     axis = "frames" if frames is not None else "batch"
     if axis == "frames" and not spec.is_video:
         raise UserError(f"{spec.name} is an image model: sweep --batch")
-    values = _int_list(frames if frames is not None else batch, f"--{axis}")
+    return axis, _int_list(frames if frames is not None else batch, f"--{axis}")
+
+
+def _mode_list(modes: str) -> list[str]:
+    """The offload modes --modes names, each one the planner knows."""
+    from chunkflow_planner.offload import MODES
+
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     bad = [m for m in mode_list if m not in MODES]
     if bad or not mode_list:
         raise UserError(f"unknown mode(s) {', '.join(bad) or modes!r}; use {', '.join(MODES)}")
+    return mode_list
+
+
+def _residencies(residency: str) -> list[float]:
+    """The residencies --residency names, in their order without repeats, each in [0, 1]."""
     try:
         res = list(dict.fromkeys(float(x) for x in residency.split(",") if x.strip()))
     except ValueError:
         raise UserError(f"--residency must be comma-separated fractions, got {residency!r}") from None
     if not res or any(not 0.0 <= r <= 1.0 for r in res):
         raise UserError(f"--residency values must be in [0, 1], got {residency!r}")
-    chunks = list(dict.fromkeys(parse_size(c) for c in chunk_sizes.split(",") if c.strip()))
-    if not chunks:
-        raise UserError(f"--chunk-sizes needs positive sizes, got {chunk_sizes!r}")
+    return res
+
+
+def _check_run_flags(steps: int, warmup: int, comm_aware: str, compile: str, weight_dtype: str,
+                     fp8_cast: str) -> None:
+    """The flags that say how each point runs: steps, warm-up, pacing, compilation and fp8 storage."""
+    from chunkflow_planner.workload import MAX_STEPS
+
     if not 1 <= steps <= MAX_STEPS or not 0 <= warmup <= MAX_STEPS:
         raise UserError(f"--steps must be in [1, {MAX_STEPS}] and --warmup in [0, {MAX_STEPS}] (got {steps}, {warmup})")
     if comm_aware not in ("auto", "on", "off"):
@@ -70,25 +106,30 @@ def _bench_spec(model, frames, batch, modes, chunk_sizes, residency, chunk_at, r
         raise UserError(f"--fp8-cast must be compute or copy, got {fp8_cast!r}")
     if fp8_cast != "compute" and weight_dtype == "bf16":
         raise UserError("--fp8-cast says where fp8-stored weights are cast; add --weight-dtype fp8_e4m3")
+
+
+def _baseline_list(baselines: str) -> list[str]:
+    """The other offloaders --baselines names, each known and runnable here."""
+    from chunkflow.commands.bench.baselines import BASELINES, check_baseline
+
     base = [b.strip() for b in baselines.split(",") if b.strip()]
     if any(b not in BASELINES for b in base):
         raise UserError(f"unknown baseline(s) in {baselines!r}; known: {', '.join(BASELINES)}")
     for b in base:
         check_baseline(b)
-    hw = resolve_hardware(hardware).spec
-    aware = hw.pace_collectives if comm_aware == "auto" else comm_aware == "on"
-    bench = BenchSpec(model=spec.name, axis=axis, values=values, height=height, width=width, modes=mode_list,
-                      chunk_sizes=chunks, residencies=res, chunk_at=chunk_at, residency_at=residency_at,
-                      comm_aware=aware, warmup=warmup, steps=steps, baselines=base, compile=compile,
-                      weight_dtype=weight_dtype, fp8_cast=fp8_cast)
+    return base
+
+
+def _check_points(spec: ModelSpec, bench: BenchSpec, values: list[int], chunks: list[int]) -> None:
+    """Every workload the sweep runs and every chunk size checked against the model before any work."""
+    from chunkflow_planner.plan_checks import offload_problem
+
     for v in {*values, bench.chunk_value, bench.residency_value}:
         bench.workload(spec, v)  # validates frames / batch / sizes
     for c in chunks:
         problem = offload_problem(bench.config("chunkflow", c), spec, "--chunk-sizes")  # validates chunk sizes
         if problem is not None:
             raise UserError(problem)
-    return spec, bench, hw
-
 
 def _bench_table(df, spec, hw, axis: str, world: int) -> Table:
     from chunkflow.commands.bench.sweep import row_label

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from chunkflow.commands.calibrate.fit import (
-    FORWARD_SCALE_RANGE, coll_bandwidth_gbps, contention_factor, eta_curve, fit_h2d, fit_vae_rows, scale_to_forwards,
+    FORWARD_SCALE_RANGE, H2DFit, coll_bandwidth_gbps, contention_factor, eta_curve, fit_h2d, fit_vae_rows,
+    scale_to_forwards,
 )
 from chunkflow.commands.calibrate.points import default_points, one_block_spec  # noqa: F401 (re-exported)
 from chunkflow.commands.calibrate.host import CalibrationError
@@ -646,13 +647,43 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     peak = _peak(gemm, peak_tflops, base_hw if matched and not cpu_smoke else None, cpu_smoke)
     curves, blocks = _curves(specs, s, peak, cpu_smoke, progress, log)
     curve = curves[specs[0].name]
+    h2d_rows, fit = _h2d_fit(s, progress, log)
+    extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
+    extra["process_host_bytes"] = process_rss
+    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [], {})
+    disk_raw, codec_raw, formats_raw = _device_figures(extra, s, cpu_smoke, weights, disk, log)
+    coll = _collectives(s, progress, log) if s.world > 1 else None
+    if coll is not None:
+        peer_link = peer_link or _peer_link()
+    date = datetime.date.today().isoformat()
+    src = _source_note(date, s, gemm, peak, base_hw, matched, curves, h2d_rows, coll)
+    profile = _measured_profile(base_hw, s, cpu_smoke, peer_link, src, peak=peak, gemm=gemm,
+                                curve=curve, h2d=fit, coll=coll)
+    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
+    scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
+    fits = fit_records(fit, blocks, forwards, vae_res, ops_raw, disk_raw, codec_raw, coll, s.name, date)
+    profile, startup_raw = _with_fits(profile, scaled, fits, disk_raw, specs[0].name, startup_processes, s, date, log)
+    raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
+               peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves,
+               h2d=h2d_rows, h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll,
+               base=base_note, operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw,
+               codec=codec_raw, formats=formats_raw, startup=startup_raw)
+    return Calibration(profile, raw)
+
+
+def _h2d_fit(s: _Setup, progress: Progress, log: Callable[[str], None]) -> tuple[list[dict[str, Any]], H2DFit]:
+    """The host-to-device copies timed at each size (the raw rows) and t(C) = t0 + C / BW fitted to them."""
     h2d_rows = measure_h2d(s.device, s.sizes, s.total, progress=progress)
     fit = fit_h2d([r["chunk_bytes"] for r in h2d_rows for _ in r["samples_s"]],
                   [t for r in h2d_rows for t in r["samples_s"]])  # every repeat a sample (the robust loss: no median)
     log(f"H2D fit: t0 {fit.t0_s * 1e6:.2f} us, asymptotic {fit.bw_Bps / 1e9:.2f} GB/s")
-    extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
-    extra["process_host_bytes"] = process_rss
-    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [], {})
+    return h2d_rows, fit
+
+
+def _device_figures(extra: dict, s: _Setup, cpu_smoke: bool, weights: str | None, disk: bool,
+                    log: Callable[[str], None]) -> tuple[dict | None, dict | None, dict | None]:
+    """The device memory torch does not count, and on rank 0 the disk's load rates, the codec and the stored
+    formats, into `extra`; their raw rows (disk, codec, formats)."""
     from chunkflow.commands.calibrate.ops import measure_context_bytes
 
     extra["context_bytes"] = measure_context_bytes(s.device)  # last: cuBLAS, cuDNN and their kernels are loaded
@@ -674,36 +705,38 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
         formats_extra, formats_raw = measure_formats(s.device, log)
         extra.update(formats_extra)
     log(f"device memory torch does not count (CUDA context, libraries): {extra['context_bytes'] / 2**20:.0f} MiB")
-    coll = _collectives(s, progress, log) if s.world > 1 else None
-    if coll is not None:
-        peer_link = peer_link or _peer_link()
-    date = datetime.date.today().isoformat()
-    src = _source_note(date, s, gemm, peak, base_hw, matched, curves, h2d_rows, coll)
+    return disk_raw, codec_raw, formats_raw
+
+
+def _measured_profile(base_hw: HardwareSpec, s: _Setup, cpu_smoke: bool, peer_link: str | None, src: str, *,
+                      peak: float, gemm: float, curve: list[tuple[float, float]], h2d: H2DFit,
+                      coll: dict | None) -> HardwareSpec:
+    """The profile made of the base entry and the figures measured (profile.make_profile): the device's memory,
+    the world's GPUs and its all-to-all where there are several."""
+    import torch
+
     mem = torch.cuda.get_device_properties(s.device).total_memory if s.device.type == "cuda" else base_hw.memory_bytes
-    profile = make_profile(
+    return make_profile(
         base_hw, name=("cpu-smoke" if cpu_smoke else f"calibrated-{s.name.lower().replace(' ', '-')}"),
-        peak_tflops=peak, gemm_tflops=gemm, curve=curve, h2d=fit, memory_bytes=mem,
+        peak_tflops=peak, gemm_tflops=gemm, curve=curve, h2d=h2d, memory_bytes=mem,
         gpus=s.world if s.world > 1 else None, coll_gbps=coll["coll_gbps"] if coll else None,
         contention=coll["contention"] if coll else None, peer_link=peer_link, source=src,
     )
-    profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
-    scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
-    fits = fit_records(fit, blocks, forwards, vae_res, ops_raw, disk_raw, codec_raw, coll, s.name, date)
+
+
+def _with_fits(profile: HardwareSpec, scaled: dict, fits: dict[str, Any], disk_raw: dict | None, model: str,
+               startup_processes: int, s: _Setup, date: str, log: Callable[[str], None]) -> tuple[HardwareSpec, dict]:
+    """The profile with its curves scaled to whole forwards, its fits (the load's and the start-up's added where
+    they were measured) and the start-up's figures; the start-up's raw rows."""
     load = _load_fit(disk_raw, profile, f"chunkflow calibrate {date} on {s.name}", log)
     if load is not None:
         fits["load"] = load
-    startup, startup_raw = _startup(specs[0].name, startup_processes, s.device, log)
+    startup, startup_raw = _startup(model, startup_processes, s.device, log)
     if startup.get("fit") is not None:
         fits["startup"] = startup["fit"]
     extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s") if k in startup}
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits, **extra_startup})
-    raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
-               peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves, h2d=h2d_rows,
-               h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll, base=base_note,
-               operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw, codec=codec_raw,
-               formats=formats_raw, startup=startup_raw)
-    return Calibration(profile, raw)
-
+    return profile, startup_raw
 
 def _startup(model: str, processes: int, device, log: Callable[[str], None]) -> tuple[dict[str, Any], dict]:
     """The start-up over `processes` cold processes on `device` (startup.calibrated_startup), on rank 0 alone; none
