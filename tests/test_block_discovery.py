@@ -368,3 +368,32 @@ def test_reorder_with_fp8_storage():
     wrong, st = outputs(lambda m: list(reversed(m.transformer_blocks)))
     assert st.reorders == 1 and st.fp8_tensors > 0
     assert all(torch.equal(a, b) for a, b in zip(right, wrong))
+
+
+def _text_towers():
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip = CLIPTextConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                          num_attention_heads=2, projection_dim=8, max_position_embeddings=16)
+    t5 = T5Config(vocab_size=100, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=3)
+    return {"clip-with-projection": (CLIPTextModelWithProjection, clip, "text_model.encoder.layers"),
+            "clip": (CLIPTextModel, clip, "encoder.layers"), "t5": (T5EncoderModel, t5, "encoder.block")}
+
+
+@pytest.mark.parametrize("name", ["clip-with-projection", "clip", "t5"])
+def test_text_towers_blocks_found_at_their_depth_and_offloaded_exactly(name):
+    """SD3 streams CLIP towers, whose layers sit three levels down (text_model.encoder.layers): found there when no
+    list is shallower, and offloaded bit for bit (a 6 GB SD3 plan failed at load with 'found no block list')."""
+    cls, cfg, path = _text_towers()[name]
+    torch.manual_seed(0)
+    m = cls(cfg).eval()
+    (found,) = block_lists(m)
+    assert found.endswith(path) and len(m.get_submodule(found)) == 3  # at its depth (CLIPTextModel's varies)
+    ids = torch.randint(0, 100, (1, 7))
+    with torch.no_grad():
+        ref = m(input_ids=ids).last_hidden_state
+        h = chunkflow.offload(m, mode="chunkflow", chunk_size=4096, residency=0.0, device="cpu")
+        assert h.stats().n_blocks == 3
+        assert torch.equal(m(input_ids=ids).last_hidden_state, ref)
+        h.remove()
+        assert torch.equal(m(input_ids=ids).last_hidden_state, ref)

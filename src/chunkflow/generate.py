@@ -211,15 +211,22 @@ class _PhaseWatch:
 
     def call_kwargs(self) -> dict[str, Any]:
         """What the pipeline call takes to report each step here: its step callback, handed the latents where the
-        class hands them out (`_callback_tensor_inputs`); a class without the callback reports no step."""
+        class hands them out (`_callback_tensor_inputs`), else an older class's `callback`; a class with neither
+        reports no step (the report takes the denoise phase's mean step)."""
         from chunkflow.models.adapters import call_parameters
 
         pipe = self.built.pipe
-        if "callback_on_step_end" not in call_parameters(type(pipe)):
+        params = call_parameters(type(pipe))
+        if "callback_on_step_end" not in params:  # older classes (PixArt): callback(step, timestep, latents)
+            if "callback" in params and "callback_steps" in params:
+                return {"callback": self._legacy_step_end, "callback_steps": 1}
             return {}
         latents = "latents" in (getattr(pipe, "_callback_tensor_inputs", None) or ["latents"])
         return {"callback_on_step_end": self._step_end,
                 "callback_on_step_end_tensor_inputs": ["latents"] if latents else []}
+
+    def _legacy_step_end(self, step: int, timestep, latents) -> None:
+        self._step_end(self.built.pipe, step, timestep, {"latents": latents})
 
     def _to_denoise(self, module, args) -> None:
         if self.clock.current == "encode":

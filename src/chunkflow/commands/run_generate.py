@@ -312,7 +312,8 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
     compared = device.type == "cuda" and plan.parallel.sp_degree == setup.world
     phases_of = combine_phases([ph for ph, _ in measured])
     dn = phases_of["denoise"].measurement
-    times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s])]
+    # a class that reports no step: each step its generation's mean (the phase over its steps), not the phase
+    times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s / steps] * steps)]
     result = Measured(step_times_s=times, median_step_s=statistics.median(times),
                       peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
                       pinned_host_bytes=runs.stats.get("pinned_bytes", 0),

@@ -144,10 +144,11 @@ def check_masks(cls: type) -> None:
 
 
 def hands_out_latents(cls: type) -> bool:
-    """Whether a call of `cls` hands its step callback the latents (`callback_on_step_end` taking "latents"): what
-    `run --latents` saves them from (PixArt's pipelines have no such callback)."""
-    if "callback_on_step_end" not in call_parameters(cls):
-        return False
+    """Whether a call of `cls` hands its step callback the latents (`callback_on_step_end` taking "latents", or an
+    older class's `callback(step, timestep, latents)`, PixArt's): what `run --latents` saves them from."""
+    params = call_parameters(cls)
+    if "callback_on_step_end" not in params:
+        return "callback" in params and "callback_steps" in params
     return "latents" in (getattr(cls, "_callback_tensor_inputs", None) or ["latents"])
 
 

@@ -1,8 +1,9 @@
 """Blocks found, not listed: a module's repeated block lists, read from the module itself.
 
 A block list is an `nn.ModuleList` that is a direct child of the module or one level below it (diffusers nests a
-few, e.g. a text encoder's `encoder.block`), outside any other block list, whose entries are two or more modules of
-one class holding parameters. Of those, the lists whose blocks are large (each entry at least `MIN_BLOCK_SHARE` of
+few, e.g. a text encoder's `encoder.block`), outside any other block list; where no list is that shallow, at any
+depth (CLIP's text towers keep theirs at `text_model.encoder.layers`). Its entries are two or more modules of one
+class holding parameters. Of those, the lists whose blocks are large (each entry at least `MIN_BLOCK_SHARE` of
 the largest entry found) are the blocks: they hold the bulk of a DiT's parameters, while a list of small
 projections or norms (Chroma's approximator, a norm list) stays on the device with the rest.
 
@@ -29,9 +30,14 @@ def _homogeneous(lst: nn.ModuleList) -> bool:
 
 def block_lists(module: nn.Module) -> dict[str, nn.ModuleList]:
     """The module's block lists by attribute path, in attribute order (see the module's docstring)."""
+    return _lists_within(module, MAX_DEPTH) or _lists_within(module, None)
+
+
+def _lists_within(module: nn.Module, max_depth: int | None) -> dict[str, nn.ModuleList]:
+    """The block lists whose attribute path has fewer than `max_depth` dots (None: any depth)."""
     found: dict[str, nn.ModuleList] = {}
     for name, sub in module.named_modules():
-        if not name or name.count(".") >= MAX_DEPTH or not isinstance(sub, nn.ModuleList):
+        if not name or (max_depth is not None and name.count(".") >= max_depth) or not isinstance(sub, nn.ModuleList):
             continue
         if any(name.startswith(n + ".") for n in found) or not _homogeneous(sub):
             continue
@@ -48,5 +54,5 @@ def discover_blocks(module: nn.Module) -> list[nn.Module]:
     if not lists:
         raise LookupError(
             f"found no block list in this {type(module).__name__} (an nn.ModuleList of two or more modules of one "
-            "class, at most one level down); pass blocks=[...] (e.g. blocks=[model.blocks])")
+            "class holding parameters); pass blocks=[...] (e.g. blocks=[model.blocks])")
     return [b for lst in lists.values() for b in lst]
