@@ -149,6 +149,12 @@ def span_each(raw: list[Path], keys: list[str], scale: float = 1.0) -> tuple[flo
     return min(found) * scale, max(found) * scale
 
 
+def cache_saving(raw: list[Path]) -> float:
+    """A cached run's block runs skipped, in percent of its block runs (the report's generation.cache)."""
+    c = _at(raw[0], "generation/cache")
+    return 100.0 * c["blocks_skipped"] / (c["blocks_skipped"] + c["blocks_computed"])
+
+
 def all_of(raw: list[Path], key: str, word: str) -> str:
     """`word` where every value at `key` in every file is true (bit-identical flags), else 'NOT ALL'."""
     flags = [v for p in raw for v in (_at(p, key) if isinstance(_at(p, key), list) else [_at(p, key)])]
