@@ -28,10 +28,14 @@ figure holds. It is its own one-sided term (with_startup): a first generation's 
 has the band of its warm time (the same time less the start-up, `*.warm_time_s`) with the start-up's own band
 added edge to edge,
 
-    low = warm low + s x max(0, 1 - Z x sd),    high = warm high + s x (1 + Z x sd)
+    low = warm low,    high = warm high + (s + c) x (1 + Z x sd)
 
 s the start-up (the mean over cold processes and reports, `startup_samples_s`), sd its samples' relative spread
-(the `startup` fit; STARTUP_PRIOR without a record). So that band is asymmetric (`Band.rel_low`, `Band.rel_high`)
+(the `startup` fit; STARTUP_PRIOR without a record), c what a freshly started machine adds to it (its libraries
+read from the disk at their first use: `calibrate`'s first cold process runs with them dropped from the page cache,
+keyed `cold:<phase>` in startup_s; 0 unmeasured). One-sided: the low edge takes none of the start-up, which is
+measured on the calibrated model's kernels, and another pipeline's can be almost none (PixArt-Sigma's denoise paid
+0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric (`Band.rel_low`, `Band.rel_high`)
 and a warm generation's carries none of it. What narrows it: calibrate again (more samples, a
 quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
 """
@@ -320,15 +324,25 @@ class Band(BaseModel):
         return -below - 1e-12 <= error <= above + 1e-12
 
 
-def startup_edges(hw: HardwareSpec, startup: float) -> tuple[float, float, bool]:
-    """The start-up's own band, one-sided: (low, high) seconds of a start-up figure `startup`, at +-Z x its samples'
-    spread and never below 0, and whether that spread was measured (else STARTUP_PRIOR)."""
+def startup_edges(hw: HardwareSpec, startup: float, cold: float = 0.0) -> tuple[float, float, bool]:
+    """The start-up's own band, one-sided: (0, high) seconds of a start-up figure `startup` and what a freshly
+    started machine adds to it (`cold`), high at +Z x its samples' spread; and whether that spread was measured
+    (else STARTUP_PRIOR)."""
     sd, measured = spread_of(hw, "startup")
-    return startup * max(0.0, 1.0 - Z * sd), startup * (1.0 + Z * sd), measured
+    return 0.0, (startup + cold) * (1.0 + Z * sd), measured
 
 
-FIRST_AND_WARM = [(f"phases.{n}.time_s", f"phases.{n}.warm_time_s") for n in ("encode", "denoise", "decode")] + \
+PHASES = ("encode", "denoise", "decode")
+FIRST_AND_WARM = [(f"phases.{n}.time_s", f"phases.{n}.warm_time_s") for n in PHASES] + \
     [("generation_time_s", "generation_warm_time_s")]
+
+
+def cold_extra(hw: HardwareSpec, first: str) -> float:
+    """What a freshly started machine adds to the start-up of `first` (a phase's time, or the generation's: the
+    three phases'): `cold:<phase>` less `<phase>` in the profile's startup_s, 0 where either is missing."""
+    st = hw.pipeline.startup_s
+    phases = PHASES if first == "generation_time_s" else (first.split(".")[1],)
+    return sum(max(0.0, st[f"cold:{n}"] - st[n]) for n in phases if f"cold:{n}" in st and n in st)
 
 
 def with_startup(found: Mapping[str, Band], values: Mapping[str, float], hw: HardwareSpec) -> dict[str, Band]:
@@ -340,7 +354,7 @@ def with_startup(found: Mapping[str, Band], values: Mapping[str, float], hw: Har
         v, w, wb = values.get(first), values.get(warm), found.get(warm)
         if not v or not w or wb is None or v <= w:
             continue
-        lo, hi, measured = startup_edges(hw, v - w)
+        lo, hi, measured = startup_edges(hw, v - w, cold_extra(hw, first))
         low, high = wb.low + lo, wb.high + hi
         below, above = max(0.0, 1.0 - low / v), high / v - 1.0
         out[first] = wb.model_copy(update=dict(

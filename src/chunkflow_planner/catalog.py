@@ -31,12 +31,13 @@ from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEnco
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.stepcache import StepCache
 
-CATALOG_SCHEMA_VERSION = 7  # 7: a fit's bias (FitQuality.bias: the load path against the load model, the `load` fit;
+CATALOG_SCHEMA_VERSION = 8  # 8: a freshly started machine's start-up (startup_s keys `cold:<phase>`; issue 55);
+# 7: a fit's bias (FitQuality.bias: the load path against the load model, the `load` fit;
 # issue 55); 6: the start-up's samples (startup_samples_s; issue 55); 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
 # quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
 # (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is
 # migrated
-READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6)  # profiles of these versions hold no field version 7 dropped or changed
+READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6, 7)  # profiles of these versions hold no field version 8 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -311,7 +312,7 @@ class VaeDecodeFit(_Strict):
         return self
 
 
-STARTUP_KEY = r"^(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # PipelineProfile.startup_s keys
+STARTUP_KEY = r"^(cold:)?(encode|denoise|decode)$|^encode:[a-z0-9_]+(\+[a-z0-9_]+)*$"  # PipelineProfile.startup_s keys
 
 
 def encode_startup_key(spec: "ModelSpec") -> str | None:
@@ -404,8 +405,10 @@ class PipelineProfile(_Strict):
         Field(default_factory=dict, description="one-time seconds a phase (encode, denoise, decode) adds to the first "
               "generation of a process (CUDA kernels loaded on first use, library handles, the allocator's first "
               "growth); `encode:<text encoder archs>` (e.g. encode:qwen2_5_vl) for one pipeline's encoders, which "
-              "load kernels of their own. `chunkflow calibrate --from-report` measures them from generations run "
-              "with --warmup")
+              "load kernels of their own; `cold:<phase>` the same on a freshly started machine, its libraries "
+              "read from the disk at their first use (calibrate's first cold process, the libraries dropped from the "
+              "page cache first). `chunkflow calibrate --from-report` measures them from generations run with "
+              "--warmup")
     startup_samples_s: dict[Annotated[str, StringConstraints(pattern=STARTUP_KEY)],
                             Annotated[list[Annotated[float, Field(ge=0, le=600)]], Field(max_length=64)]] = Field(
         default_factory=dict, description="the start-up samples `startup_s` is the mean of, by its key: each a cold "
@@ -826,7 +829,7 @@ def load_profile(path: Path) -> HardwareSpec:
     if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 2-6 as they are, 1 migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and 2-7 as they are, 1 migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

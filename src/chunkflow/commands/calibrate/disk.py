@@ -271,6 +271,8 @@ def measure_pin(nbytes: int = 2**30, repeats: int = REPEATS, rates: list[float] 
 
 STARTUP_CODE = """
 import time, torch
+from chunkflow.commands.run import import_libraries
+import_libraries()  # as `run` does before its load: diffusers' import is the command's, not the load's
 from chunkflow.models.pipeline_build import build_pipeline
 from chunkflow_planner.catalog import get_model
 from chunkflow_planner.offload import OffloadConfig
@@ -281,9 +283,10 @@ print(time.perf_counter() - t0)
 
 
 def measure_load_startup() -> float:
-    """Seconds of a process's first pipeline build outside its reads and copies (importing the pipeline's diffusers
-    and transformers classes, building modules on the meta device, tokenizers): the tiny catalog pipeline built in
-    a new process, where `run` builds it (torch and chunkflow imported, the rest not)."""
+    """Seconds of a process's first pipeline build outside its reads and copies (importing the pipeline's own
+    classes, building modules on the meta device, tokenizers): the tiny catalog pipeline built in a new process,
+    where `run` builds it (torch and diffusers imported by run.import_libraries, timed apart as the report's
+    imports_s; an H100 probe that timed diffusers' import too put 5.6 s in a load whose own start-up took 0.4 s)."""
     import subprocess
     import sys
 

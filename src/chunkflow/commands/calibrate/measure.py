@@ -638,6 +638,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     names = [m.strip() for m in (model.split(",") if isinstance(model, str) else model) if m.strip()]
     specs = [get_model(n) for n in (["tiny-wan"] if cpu_smoke else names)]
     s = _setup(cpu_smoke, gemm_n)
+    cold = _cold_startup(specs[0].name, startup_processes, s.device, log)  # before this process runs a kernel
     base_hw, base_note = base_hardware(s.name, s.world, base)
     log(f"device {s.name}; {base_note}")
     gemm = measure_gemm(s.device, s.gemm_n, progress=progress)
@@ -662,7 +663,8 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": curves, **extra, "vae_decode": vae_fits})
     scaled, forwards = _whole_forwards(specs, s, profile, cpu_smoke, progress, log)
     fits = fit_records(fit, blocks, forwards, vae_res, ops_raw, disk_raw, codec_raw, coll, s.name, date)
-    profile, startup_raw = _with_fits(profile, scaled, fits, disk_raw, specs[0].name, startup_processes, s, date, log)
+    profile, startup_raw = _with_fits(profile, scaled, fits, disk_raw, specs[0].name, startup_processes, s, date, log,
+                                      cold)
     raw = dict(date=date, device=s.name, torch=torch.__version__, world=s.world, gemm_n=s.gemm_n, gemm_tflops=gemm,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves,
                h2d=h2d_rows, h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll,
@@ -725,26 +727,42 @@ def _measured_profile(base_hw: HardwareSpec, s: _Setup, cpu_smoke: bool, peer_li
 
 
 def _with_fits(profile: HardwareSpec, scaled: dict, fits: dict[str, Any], disk_raw: dict | None, model: str,
-               startup_processes: int, s: _Setup, date: str, log: Callable[[str], None]) -> tuple[HardwareSpec, dict]:
+               startup_processes: int, s: _Setup, date: str, log: Callable[[str], None],
+               cold: dict[str, list[float]] | None = None) -> tuple[HardwareSpec, dict]:
     """The profile with its curves scaled to whole forwards, its fits (the load's and the start-up's added where
-    they were measured) and the start-up's figures; the start-up's raw rows."""
+    they were measured) and the start-up's figures (a freshly started machine's, `cold`, with them); the
+    start-up's raw rows."""
     load = _load_fit(disk_raw, profile, f"chunkflow calibrate {date} on {s.name}", log)
     if load is not None:
         fits["load"] = load
-    startup, startup_raw = _startup(model, startup_processes, s.device, log)
+    startup, startup_raw = _startup(model, startup_processes, s.device, log, cold)
     if startup.get("fit") is not None:
         fits["startup"] = startup["fit"]
     extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s") if k in startup}
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits, **extra_startup})
     return profile, startup_raw
 
-def _startup(model: str, processes: int, device, log: Callable[[str], None]) -> tuple[dict[str, Any], dict]:
-    """The start-up over `processes` cold processes on `device` (startup.calibrated_startup), on rank 0 alone; none
-    with 0 processes."""
+def _device_name(device) -> str:
+    return "cpu" if device.type != "cuda" else f"cuda:{device.index or 0}"
+
+
+def _cold_startup(model: str, processes: int, device, log: Callable[[str], None]) -> dict[str, list[float]]:
+    """A freshly started machine's start-up (startup.measure_cold_startup), on rank 0 alone; none with 0 processes."""
+    from chunkflow.commands.calibrate.startup import measure_cold_startup
+    from chunkflow.launch import torchrun_rank
+
+    if processes <= 0 or torchrun_rank() != 0:
+        return {}
+    return measure_cold_startup(model, _device_name(device), log)
+
+
+def _startup(model: str, processes: int, device, log: Callable[[str], None],
+             cold: dict[str, list[float]] | None = None) -> tuple[dict[str, Any], dict]:
+    """The start-up over `processes` cold processes on `device` and `cold`, a freshly started machine's samples
+    (startup.calibrated_startup), on rank 0 alone; none with 0 processes."""
     from chunkflow.commands.calibrate.startup import calibrated_startup
     from chunkflow.launch import torchrun_rank
 
     if processes <= 0 or torchrun_rank() != 0:
         return {}, {}
-    name = "cpu" if device.type != "cuda" else f"cuda:{device.index or 0}"
-    return calibrated_startup(model, processes, name, log)
+    return calibrated_startup(model, processes, _device_name(device), log, cold)

@@ -1,7 +1,9 @@
 """A process's one-time start-up per phase (`PipelineProfile.startup_s`): kernels loaded on first use, library
 handles, the allocator's first growth. Measured as first less later: by `chunkflow calibrate` in several cold
 processes (each its own Python, each phase's component called twice: measure_startup), and by
-`calibrate --from-report` from generations run with --warmup (refit._refit_startup). Every sample is kept by its key
+`calibrate --from-report` from generations run with --warmup (refit._refit_startup). A freshly started machine's
+(its libraries read from the disk at first use) is measured once, first, keyed `cold:<phase>` (the band's high edge:
+bands.with_startup). Every sample is kept by its key
 (`startup_samples_s`, the newest MAX_SAMPLES): the figure is their mean (a one-sided term adds its mean to a
 generation's), its spread their relative spread about it, the `startup` fit (bands.with_startup)."""
 
@@ -13,10 +15,13 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 MAX_SAMPLES = 64  # samples kept by key (PipelineProfile.startup_samples_s)
 PROBE_TIMEOUT_S = 600
+PHASES = ("encode", "denoise", "decode")
+COLD_MOST_CACHED = 0.5  # a cold probe whose libraries kept more of their bytes cached is not a fresh machine's
 
 
 def startup_record(old: Mapping[str, Sequence[float]], new: Mapping[str, Sequence[float]], how: str
@@ -30,7 +35,8 @@ def startup_record(old: Mapping[str, Sequence[float]], new: Mapping[str, Sequenc
     samples = {k: [max(0.0, float(x)) for x in xs] for k, xs in samples.items() if xs}
     means = {k: statistics.fmean(xs) for k, xs in samples.items()}
     own = any(k.startswith("encode:") for k in samples)  # an encode's gap is kept twice: counted under its own key
-    priced = {k: xs for k, xs in samples.items() if means[k] > 0 and not (own and k == "encode")}
+    priced = {k: xs for k, xs in samples.items()  # a freshly started machine's is a band edge, not a priced figure
+              if means[k] > 0 and not (own and k == "encode") and not k.startswith("cold:")}
     residuals = [x / means[k] - 1.0 for k, xs in priced.items() for x in xs]
     q = fit_quality("startup", residuals, f"{how}: each sample about its key's mean", fitted=len(priced))
     return means, samples, q
@@ -137,11 +143,66 @@ def measure_startup(model: str, processes: int, device: str, log: Callable[[str]
     return samples
 
 
-def calibrated_startup(model: str, processes: int, device: str, log: Callable[[str], None]
+def library_files() -> list[Path]:
+    """The shared objects a generation's process maps (torch's, the NVIDIA libraries', triton's), found without
+    importing their packages: what a freshly started machine reads from the disk at their first use."""
+    import importlib.util
+
+    files: set[Path] = set()
+    for package in ("torch", "nvidia", "triton"):
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            files |= {p.resolve() for p in Path(root).rglob("*.so*") if p.is_file()}
+    return sorted(files)
+
+
+def drop_libraries(files: Sequence[Path]) -> float | None:
+    """Drop the files from the page cache; the share of their bytes still cached after (pages a running process
+    maps stay), None where the system cannot tell or drop."""
+    from chunkflow.loading.pagecache import PAGE, can_drop, drop, resident_pages
+
+    if not can_drop() or not files:
+        return None
+    cached = total = 0
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            drop(fd)
+            vec = resident_pages(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if vec is None:
+            return None
+        cached, total = cached + sum(vec), total + len(vec)
+    return cached / total if total else None
+
+
+def measure_cold_startup(model: str, device: str, log: Callable[[str], None] = lambda s: None,
+                         most_cached: float = COLD_MOST_CACHED) -> dict[str, list[float]]:
+    """One cold process as on a freshly started machine: the libraries dropped from the page cache first, then
+    probe(); its phases' samples keyed `cold:<phase>`. None where the libraries stayed cached (over `most_cached`
+    of their bytes: mapped by this process, or a system that cannot drop them)."""
+    still = drop_libraries(library_files())
+    if still is None or still > most_cached:
+        log("a freshly started machine's start-up not measured: the libraries could not be dropped from the page "
+            "cache" + ("" if still is None else f" ({still:.0%} of their bytes stayed)"))
+        return {}
+    samples = measure_startup(model, 1, device, log)
+    log(f"libraries dropped from the page cache ({still:.0%} stayed): a freshly started machine's start-up "
+        + ", ".join(f"{k} {v[0]:.3f} s" for k, v in samples.items() if k in PHASES))
+    return {f"cold:{k}": v for k, v in samples.items() if k in PHASES}
+
+
+def calibrated_startup(model: str, processes: int, device: str, log: Callable[[str], None],
+                       cold: Mapping[str, Sequence[float]] | None = None
                        ) -> tuple[dict[str, Any], dict[str, list[float]]]:
-    """The profile's start-up figures from `processes` cold processes (startup_record): {startup_s,
-    startup_samples_s, fit: the `startup` FitQuality or None}, and the raw samples."""
-    samples = measure_startup(model, processes, device, log)
+    """The profile's start-up figures from `processes` cold processes (startup_record) and `cold`, a freshly started
+    machine's samples (measure_cold_startup, taken before the parent ran a kernel): {startup_s, startup_samples_s,
+    fit: the `startup` FitQuality or None}, and the raw samples."""
+    samples = {**measure_startup(model, processes, device, log), **(cold or {})}
     if not samples:
         return {}, {}
     how = f"chunkflow calibrate {datetime.date.today()}: {processes} cold process(es) of {model} on {device}"
