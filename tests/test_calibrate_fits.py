@@ -431,6 +431,13 @@ def test_refit_records_the_quality_of_block_overhead_and_startup(tmp_path):
     assert q.samples == 4 and sorted(q.residuals) == pytest.approx(sorted(expected), abs=1e-6)
     assert q.spread == pytest.approx(spread_beyond_fit(expected, 2)) and q.spread == pytest.approx(1.4826 / 3)
     assert "startup" not in refit(hw, read_reports(gens[:1]))[0].fits  # one report: as many gaps as values
+    # a process that started with its libraries out of the page cache: a freshly started machine's samples
+    g = _generation(0.0, {"encode": 0.0, "decode": 0.0})
+    g.update(warmup_generations=1, first_phase_times_s={"encode": 2.5, "decode": 1.2}, libraries_cached=0.1)
+    cold, _ = refit(hw, read_reports([*gens, _with_errors(data, tmp_path / "cold.json", generation=g)]))
+    assert cold.pipeline.startup_s["cold:encode"] == pytest.approx(1.5) and cold.pipeline.startup_s["cold:decode"] \
+        == pytest.approx(0.2)
+    assert cold.pipeline.startup_s["encode"] == pytest.approx(0.6) and cold.fits["startup"].samples == 4
 
 
 # ---------------------------------------------------------------------------------- the planner's Brent

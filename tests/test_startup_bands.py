@@ -91,7 +91,8 @@ def test_a_freshly_started_machines_startup_is_measured_first_and_raises_the_hig
     PixArt-Sigma's first denoise on one paid 0.77 s of start-up, its next process 0.03 s): its samples are kept as
     `cold:<phase>`, outside the `startup` fit, and a first generation's band reaches up by what they add; the low edge
     and the prediction do not move."""
-    from chunkflow.commands.calibrate.startup import calibrated_startup, library_files, measure_cold_startup
+    from chunkflow.commands.calibrate.startup import calibrated_startup, measure_cold_startup
+    from chunkflow.loading.libraries import library_files
     from chunkflow_planner.catalog import HardwareSpec
 
     assert any("torch" in str(p) for p in library_files())
@@ -116,3 +117,45 @@ def test_a_freshly_started_machines_startup_is_measured_first_and_raises_the_hig
         assert fresh[key].high == pytest.approx(plain[key].high + 0.7 * (1 + Z * 0.1))
         assert fresh[key].low == plain[key].low == found[key.replace("time_s", "warm_time_s")].low
     assert fresh["phases.denoise.time_s"].contains(0.5 + 0.77) and not plain["phases.denoise.time_s"].contains(1.27)
+
+
+def test_a_first_generation_is_held_to_the_fresh_machine_edge_only_where_its_libraries_were_not_cached(workdir):
+    """A profile with a freshly started machine's start-up (`cold:encode`): the plan's first-generation band carries
+    what that adds to its high edge; a run that started with the libraries cached (`libraries_cached`, taken before
+    torch was imported) is held to the edge without it, one that started cold (or says nothing) to the edge with it."""
+    from chunkflow.reports import load_reports
+    from tests.test_bands import _gpu_report, _hw, _plan
+
+    hw = _hw({"startup": 0.3})
+    pipe = hw.spec.pipeline.model_copy(update={"startup_s": {**hw.spec.pipeline.startup_s, "encode": 0.2,
+                                                             "cold:encode": 1.0}})
+    plan = _plan(type(hw)(hw.spec.model_copy(update={"pipeline": pipe}), "test"))
+    first = plan.prediction.bands["phases.encode.time_s"]
+    assert first.startup_cold_s == pytest.approx(0.8 * (1 + Z * 0.3))
+    warm_edge = first.without_cold()
+    assert warm_edge.high == pytest.approx(first.high - first.startup_cold_s) and warm_edge.low == first.low
+    data, path = _gpu_report(workdir)
+    data["plan"] = json.loads(plan.to_json())
+    between = (warm_edge.edges()[1] + first.edges()[1]) / 2  # over the cached edge, under the fresh machine's
+
+    def inside(cached: float | None) -> bool:
+        phase = dict(measured_time_s=1.0, time_error=between)
+        data["generation"] = dict(prompt="p", seed=0, steps=8, components={}, phases={"encode": phase},
+                                  generation_time_s=1.0, host_peak_bytes=1, warmup_generations=0,
+                                  libraries_cached=cached)
+        path.write_text(json.dumps(data))
+        return load_reports([path])[0].bands["phases.encode.time_s"].inside
+
+    assert inside(0.0) and inside(None) and not inside(0.9)
+
+
+def test_run_notes_the_libraries_page_cache_before_it_imports_torch():
+    """`cached_at_start` is asked before torch is imported (run's import_libraries), in a new process: a share of
+    the libraries' bytes; asked once torch is imported, None (its mapped pages would count)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from chunkflow.loading.libraries import cached_at_start as c; a = c(); import torch; "
+            "from chunkflow.loading import libraries as l; l._AT_START.clear(); print(a, c(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert 0.0 <= float(out[0]) <= 1.0 and out[1:] == ["None", "True"]

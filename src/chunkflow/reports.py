@@ -188,6 +188,10 @@ class GenerationResult(BaseModel):
     gpu_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
     warmup_generations: int = Field(0, ge=0, description="whole generations run before the measured one (--warmup)")
+    libraries_cached: float | None = Field(None, ge=0, le=1, description="the share of torch's, the NVIDIA "
+                                           "libraries' and triton's shared objects in the page cache when the "
+                                           "command started (loading/libraries.py): at least half, and a first "
+                                           "generation is not held to a freshly started machine's band edge")
     measured_generations: int = Field(1, ge=1, description="generations measured after the warm-up (--repeat)")
     generation_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     first_phase_times_s: dict[str, float] | None = Field(
@@ -264,6 +268,12 @@ class BandVerdict(BaseModel):
     fits: list[str] = Field(default_factory=list, description="the fits that move the band most (bands.FITS)")
 
 
+def _libraries_were_cached(g: "GenerationResult") -> bool:
+    from chunkflow.loading.libraries import CACHED_ENOUGH
+
+    return g.libraries_cached is not None and g.libraries_cached >= CACHED_ENOUGH
+
+
 def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
     """Each error the report computed, against the band of the prediction it compares (by its key in the plan's
     `prediction.bands`); none for a plan without bands (schema 3 or older) or where nothing was compared (a CPU run
@@ -306,6 +316,8 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
         if error is None or not found:  # (a CPU plan's nominal times carry no band: planner.with_bands)
             continue
         band = max(found, key=lambda b: b.rel)
+        if g is not None and _libraries_were_cached(g):  # not a freshly started machine: its edge is not this run's
+            band = band.without_cold()
         below, above = band.edges()
         out[key] = BandVerdict(error=error, band=band.rel, below=below, above=above, inside=band.holds(error),
                                fits=band.fits)

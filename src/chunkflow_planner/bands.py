@@ -33,9 +33,10 @@ added edge to edge,
 s the start-up (the mean over cold processes and reports, `startup_samples_s`), sd its samples' relative spread
 (the `startup` fit; STARTUP_PRIOR without a record), c what a freshly started machine adds to it (its libraries
 read from the disk at their first use: `calibrate`'s first cold process runs with them dropped from the page cache,
-keyed `cold:<phase>` in startup_s; 0 unmeasured). One-sided: the low edge takes none of the start-up, which is
-measured on the calibrated model's kernels, and another pipeline's can be almost none (PixArt-Sigma's denoise paid
-0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric (`Band.rel_low`, `Band.rel_high`)
+keyed `cold:<phase>` in startup_s; 0 unmeasured; `Band.startup_cold_s` holds its part of the high edge, which a run
+that started with the libraries cached is judged without: reports.band_verdicts). One-sided: the low edge takes
+none of the start-up, which is measured on the calibrated model's kernels, and another pipeline's can be almost none
+(PixArt-Sigma's denoise paid 0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric (`Band.rel_low`, `Band.rel_high`)
 and a warm generation's carries none of it. What narrows it: calibrate again (more samples, a
 quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
 """
@@ -302,6 +303,9 @@ class Band(BaseModel):
                                    "share of it; None: rel")
     startup_s: tuple[float, float] | None = Field(None, description="a first generation's time: the start-up's own "
                                                   "low and high (seconds) added to its warm band's edges (with_startup)")
+    startup_cold_s: float | None = Field(None, ge=0, description="of the high edge, the seconds only a freshly "
+                                         "started machine takes (its libraries read from the disk: cold_extra); a "
+                                         "run that started with them cached is held to the edge without them")
     fits: list[str] = Field(default_factory=list, description="the fits that move it most, widest first")
     measured: bool = Field(description="whether every fit it depends on was measured on this machine (else a "
                            "prior spread stood in: bands.FITS)")
@@ -318,6 +322,15 @@ class Band(BaseModel):
         return (self.rel if self.rel_low is None else self.rel_low,
                 self.rel if self.rel_high is None else self.rel_high)
 
+    def without_cold(self) -> "Band":
+        """The band of a first generation whose libraries were cached: the high edge less `startup_cold_s`."""
+        if not self.startup_cold_s:
+            return self
+        value = self.high / (1.0 + self.edges()[1])
+        high = self.high - self.startup_cold_s
+        below, above = self.edges()[0], high / value - 1.0
+        return self.model_copy(update=dict(high=high, rel_high=above, rel=max(below, above), startup_cold_s=None))
+
     def holds(self, error: float) -> bool:
         """Whether a measurement `error` (measured / predicted - 1) off the prediction falls inside the band."""
         below, above = self.edges()
@@ -330,6 +343,11 @@ def startup_edges(hw: HardwareSpec, startup: float, cold: float = 0.0) -> tuple[
     (else STARTUP_PRIOR)."""
     sd, measured = spread_of(hw, "startup")
     return 0.0, (startup + cold) * (1.0 + Z * sd), measured
+
+
+def cold_edge(hw: HardwareSpec, cold: float) -> float:
+    """Of startup_edges' high, the seconds `cold` (a freshly started machine's extra) adds."""
+    return cold * (1.0 + Z * spread_of(hw, "startup")[0])
 
 
 PHASES = ("encode", "denoise", "decode")
@@ -354,11 +372,13 @@ def with_startup(found: Mapping[str, Band], values: Mapping[str, float], hw: Har
         v, w, wb = values.get(first), values.get(warm), found.get(warm)
         if not v or not w or wb is None or v <= w:
             continue
-        lo, hi, measured = startup_edges(hw, v - w, cold_extra(hw, first))
+        cold = cold_extra(hw, first)
+        lo, hi, measured = startup_edges(hw, v - w, cold)
         low, high = wb.low + lo, wb.high + hi
         below, above = max(0.0, 1.0 - low / v), high / v - 1.0
         out[first] = wb.model_copy(update=dict(
             rel=max(below, above), rel_low=below, rel_high=above, low=low, high=high, startup_s=(lo, hi),
+            startup_cold_s=cold_edge(hw, cold) if cold > 0 else None,
             fits=["startup", *wb.fits][:3] if hi - (v - w) > wb.high - w else [*wb.fits, "startup"][:4],
             measured=wb.measured and measured, supposed=[*wb.supposed, *([] if measured else ["startup"])]))
     return out

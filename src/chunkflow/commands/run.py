@@ -315,6 +315,9 @@ def import_libraries() -> float | None:
     import sys
     import time
 
+    from chunkflow.loading.libraries import cached_at_start
+
+    cached_at_start()  # the libraries' page-cache state, before torch maps them (a first generation's band)
     if "torch" in sys.modules and "diffusers" in sys.modules:
         return None
     if speaks() and sys.stderr.isatty():  # on a terminal; a pipe keeps an error to its one line
@@ -533,8 +536,12 @@ def _generate(p, cfg, opts, prompt, negative_prompt, guidance, out, latents, rep
     with _phase_bars() as (progress, finish):
         rep = run_generation(p, cfg, opts, g, progress=progress, log=_say)
         finish()
-    if rep.generation is not None and rep.generation.load is not None:
-        rep.generation.load.imports_s = imports_s  # the command's start-up, said with the load's
+    if rep.generation is not None:
+        from chunkflow.loading.libraries import cached_at_start
+
+        rep.generation.libraries_cached = cached_at_start()  # taken before torch was imported (import_libraries)
+        if rep.generation.load is not None:
+            rep.generation.load.imports_s = imports_s  # the command's start-up, said with the load's
     rep.write(report)
     print_generation(console, rep)
     if out:

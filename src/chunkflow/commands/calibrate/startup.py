@@ -15,7 +15,6 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 MAX_SAMPLES = 64  # samples kept by key (PipelineProfile.startup_samples_s)
@@ -143,49 +142,14 @@ def measure_startup(model: str, processes: int, device: str, log: Callable[[str]
     return samples
 
 
-def library_files() -> list[Path]:
-    """The shared objects a generation's process maps (torch's, the NVIDIA libraries', triton's), found without
-    importing their packages: what a freshly started machine reads from the disk at their first use."""
-    import importlib.util
-
-    files: set[Path] = set()
-    for package in ("torch", "nvidia", "triton"):
-        spec = importlib.util.find_spec(package)
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            files |= {p.resolve() for p in Path(root).rglob("*.so*") if p.is_file()}
-    return sorted(files)
-
-
-def drop_libraries(files: Sequence[Path]) -> float | None:
-    """Drop the files from the page cache; the share of their bytes still cached after (pages a running process
-    maps stay), None where the system cannot tell or drop."""
-    from chunkflow.loading.pagecache import PAGE, can_drop, drop, resident_pages
-
-    if not can_drop() or not files:
-        return None
-    cached = total = 0
-    for path in files:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            drop(fd)
-            vec = resident_pages(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        if vec is None:
-            return None
-        cached, total = cached + sum(vec), total + len(vec)
-    return cached / total if total else None
-
-
 def measure_cold_startup(model: str, device: str, log: Callable[[str], None] = lambda s: None,
                          most_cached: float = COLD_MOST_CACHED) -> dict[str, list[float]]:
     """One cold process as on a freshly started machine: the libraries dropped from the page cache first, then
     probe(); its phases' samples keyed `cold:<phase>`. None where the libraries stayed cached (over `most_cached`
     of their bytes: mapped by this process, or a system that cannot drop them)."""
-    still = drop_libraries(library_files())
+    from chunkflow.loading.libraries import cached_share, library_files
+
+    still = cached_share(library_files(), drop_first=True)
     if still is None or still > most_cached:
         log("a freshly started machine's start-up not measured: the libraries could not be dropped from the page "
             "cache" + ("" if still is None else f" ({still:.0%} of their bytes stayed)"))
