@@ -36,9 +36,9 @@ read from the disk at their first use: `calibrate`'s first cold process runs wit
 keyed `cold:<phase>` in startup_s; 0 unmeasured; `Band.startup_cold_s` holds its part of the high edge, which a run
 that started with the libraries cached is judged without: reports.band_verdicts). One-sided: the low edge takes
 none of the start-up, which is measured on the calibrated model's kernels, and another pipeline's can be almost none
-(PixArt-Sigma's denoise paid 0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric (`Band.rel_low`, `Band.rel_high`)
-and a warm generation's carries none of it. What narrows it: calibrate again (more samples, a
-quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
+(PixArt-Sigma's denoise paid 0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric
+(`Band.rel_low`, `Band.rel_high`) and a warm generation's carries none of it. What narrows it: calibrate again
+(more samples, a quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
 """
 
 from __future__ import annotations
