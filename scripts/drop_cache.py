@@ -3,19 +3,13 @@ prints the share of their pages still cached after."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from chunkflow.loading.pagecache import drop, resident_pages
+from chunkflow.loading.libraries import cached_share
 
 files = sorted({p.resolve() for p in Path(sys.argv[1]).rglob("*") if p.is_file()})
-cached = pages = 0
-for path in files:
-    fd = os.open(path, os.O_RDONLY)
-    drop(fd)
-    vec = resident_pages(fd, os.fstat(fd).st_size)
-    os.close(fd)
-    if vec is not None:
-        cached, pages = cached + sum(vec), pages + len(vec)
-print(f"{len(files)} files dropped from the page cache; {cached / max(pages, 1):.1%} of their pages still cached")
+still = cached_share(files, drop_first=True)
+print(f"{len(files)} files dropped from the page cache; "
+      + ("whether their pages stayed cannot be told here" if still is None else
+         f"{still:.1%} of their pages still cached"))

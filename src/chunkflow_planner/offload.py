@@ -121,17 +121,21 @@ def _flag(data: dict, key: str, default: bool) -> bool:
     return value
 
 
+def _one_of(data: dict, key: str, default: str, allowed: tuple[str, ...]) -> str:
+    """The field `key` of a setting's `data` (`default` where absent), one of `allowed`; anything else is refused."""
+    value = data.get(key, default)
+    if value not in allowed:
+        raise OffloadConfigError(f"unknown {key} {value!r}; use one of {', '.join(allowed)}")
+    return value
+
+
 def _weight_storage(data: dict, mode: str) -> tuple[str, str]:
     """(weight_dtype, fp8_cast) of a setting's `data`: fp8 only where blocks stream, a cast place only for fp8."""
-    weight_dtype = data.get("weight_dtype", "bf16")
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise OffloadConfigError(f"unknown weight_dtype {weight_dtype!r}; use one of {', '.join(WEIGHT_DTYPES)}")
+    weight_dtype = _one_of(data, "weight_dtype", "bf16", WEIGHT_DTYPES)
     if weight_dtype != "bf16" and mode == "none":
         raise OffloadConfigError(f"weight_dtype {weight_dtype} stores streamed weights; mode none streams nothing. "
                                  "Use mode chunkflow (residency 1 keeps every block on the device, in fp8)")
-    fp8_cast = data.get("fp8_cast", "compute")
-    if fp8_cast not in FP8_CASTS:
-        raise OffloadConfigError(f"unknown fp8_cast {fp8_cast!r}; use one of {', '.join(FP8_CASTS)}")
+    fp8_cast = _one_of(data, "fp8_cast", "compute", FP8_CASTS)
     if weight_dtype == "bf16" and fp8_cast != "compute":
         raise OffloadConfigError(f"fp8_cast {fp8_cast!r} says where fp8-stored weights are cast; with weight_dtype "
                                  "bf16 nothing is cast. Store the weights in fp8 too (weight_dtype fp8_e4m3, "
@@ -155,9 +159,7 @@ def _disk_blocks(data: dict, mode: str, weight_dtype: str) -> int:
 
 def _codec(data: dict, mode: str, weight_dtype: str) -> str:
     """The codec of a setting's `data`: a known one, and one other than none only where bf16 blocks stream."""
-    codec = data.get("codec", "none")
-    if codec not in CODECS:
-        raise OffloadConfigError(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
+    codec = _one_of(data, "codec", "none", CODECS)
     if codec != "none" and mode == "none":
         raise OffloadConfigError(f"codec {codec} encodes streamed bytes; mode none streams nothing. Use mode "
                                  "layerwise or chunkflow, or leave the codec out")

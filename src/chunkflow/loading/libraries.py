@@ -56,5 +56,8 @@ def cached_at_start() -> float | None:
     """The libraries' cached share when this process first asked, before it imported torch (None once torch is
     imported: its mapped pages would count); the same answer after."""
     if not _AT_START:
-        _AT_START.append(None if "torch" in sys.modules else cached_share(library_files()))
+        try:
+            _AT_START.append(None if "torch" in sys.modules else cached_share(library_files()))
+        except OSError:  # a package folder it may not walk: unknown, and the run goes on
+            _AT_START.append(None)
     return _AT_START[0]
