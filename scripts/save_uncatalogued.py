@@ -25,6 +25,7 @@ torch_dtype=torch.bfloat16)` runs it.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import os
 import time
 from pathlib import Path
@@ -134,18 +135,6 @@ def build(name: str):
     raise SystemExit(f"unknown pipeline {name!r}: one of {', '.join(NAMES)}")
 
 
-def _same_bytes(a: Path, b: Path) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            ca, cb = fa.read(1 << 24), fb.read(1 << 24)
-            if ca != cb:
-                return False
-            if not ca:
-                return True
-
-
 def share_with(folder: Path, other: Path) -> int:
     """Hard-link each file of `folder` that `other` holds byte for byte under the same name (in any of its
     subfolders: SD3's T5 is its text_encoder_3); the bytes freed."""
@@ -156,7 +145,7 @@ def share_with(folder: Path, other: Path) -> int:
     freed = 0
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         for twin in twins.get((f.name, f.stat().st_size), []):
-            if not f.samefile(twin) and _same_bytes(f, twin):
+            if not f.samefile(twin) and filecmp.cmp(f, twin, shallow=False):
                 tmp = f.with_name(f.name + ".link")
                 os.link(twin, tmp)
                 os.replace(tmp, f)
