@@ -6,7 +6,10 @@
 # offloading (block level, streams) with the same cache config, and the same cache all on the GPU (diffusers alone)
 # for the latents, which must be bit-identical to chunkflow's; first-block caching also at the no-cache plan's setting
 # (block 0 streamed). `first-block:auto`: the threshold probe.py finds nearest the planner's prior hit rate on these
-# random weights (FBC_THRESHOLD=T gives it). Raw files in $OUT (tarred as cache.tgz).
+# random weights (FBC_THRESHOLD=T gives it). Where the part's budget does not fit (Wan2.2-5B's tiled decode at 704x1280
+# x81 needs more than 8 GB on both profiles), the budget goes up by 1 GB until the no-cache plan fits (budget-PART.txt
+# says which), and every way of the part is planned at it. WARMUP=N: whole generations before the measured one (default
+# 1; 0 measures the process's first, as the plan predicts it). Raw files in $OUT (tarred as cache.tgz).
 #   PARTS="flux wan" bash docs/data/gpu-cache/gpu_cache.sh OUT_DIR       (TINY=1: the tiny catalog pipelines, CPU)
 set -uo pipefail
 dest=${1:-${OUT:-out}}
@@ -28,6 +31,13 @@ for part in ${PARTS:-flux wan}; do
     model=wan2.2; shape="--height 704 --width 1280 --frames 81"; budget=8GB; hw=${HW:-h200}; steps=50
   fi
   folder=$work/folder-$part
+  if [ -z "${TINY:-}" ] && [ ! -f "$work/budget-$part.txt" ]; then  # the smallest whole-GB budget the plan admits
+    for extra in 0 1 2 3 4; do b=$(( ${budget%GB} + extra ))GB
+      $py -m chunkflow plan --model $model $shape --steps $steps --hardware $hw --mem-budget $b > /dev/null 2>&1 && break
+    done
+    echo "$b (asked ${budget}: the smallest whole-GB budget whose no-cache plan is feasible on $hw)" > "$work/budget-$part.txt"
+  fi
+  [ -f "$work/budget-$part.txt" ] && budget=$(cut -d' ' -f1 "$work/budget-$part.txt")
   [ -d "$folder" ] || step save-$part 900 $py "$repo/scripts/save_pipeline.py" $model "$folder" --device $dev
   for cache in ${CACHES:-none first-block:auto mag:ratios=flux}; do
     if [ "$cache" = first-block:auto ]; then  # the threshold nearest the prior's hit rate on these random weights
@@ -44,19 +54,19 @@ for part in ${PARTS:-flux wan}; do
     step plan-$tag 60 $py -m chunkflow plan --model $model $shape --steps $steps --hardware $hw --mem-budget $budget \
       $with $rated --out "$work/plan-$tag.json"
     step run-$tag 900 $py -m chunkflow run --plan "$work/plan-$tag.json" --weights "$folder" --prompt "a red fox in the snow" \
-      --seed 0 --warmup 1 --device $dev --latents "$work/latents-$tag.safetensors" --report "$work/report-$tag.json"
+      --seed 0 --warmup ${WARMUP:-1} --device $dev --latents "$work/latents-$tag.safetensors" --report "$work/report-$tag.json"
     if [ "${cache%%:*}" = first-block ] && [ -f "$work/plan-$part-none.json" ]; then  # block 0 streamed, as planned
       # without the cache (the first-block plan keeps it whole where that is faster: whole_first.py)
       step run-$tag-streamed 900 $py -m chunkflow run --plan "$work/plan-$part-none.json" --weights "$folder" \
-        --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with \
+        --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with \
         --latents "$work/latents-$tag-streamed.safetensors" --report "$work/report-$tag-streamed.json"
       same=1
     fi
     step gpu-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
-      --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with --latents "$work/latents-$tag.safetensors" \
+      --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with --latents "$work/latents-$tag.safetensors" \
       --out "$work/diffusers-gpu-$tag.json"
     step group-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
-      --prompt "a red fox in the snow" --seed 0 --warmup 1 --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
+      --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
     if [ -n "${same:-}" ]; then  # the two settings' latents, bit for bit (the same kernels on the same weights)
       $py -c "import json,sys,torch; from safetensors.torch import load_file as f; a,b=f(sys.argv[1]),f(sys.argv[2]); \
 json.dump({'identical': a.keys()==b.keys() and all(torch.equal(a[k],b[k]) for k in a)}, open(sys.argv[3],'w'))" \
