@@ -458,7 +458,8 @@ def _load_fit(disk: dict | None, hw: HardwareSpec, on: str, log: Callable[[str],
 
 def _process_rss() -> int:
     """Host memory of a process that has started CUDA and loaded torch, diffusers and transformers but holds no
-    weights: what a generation holds besides its components (`process_host_bytes`)."""
+    weights: what a generation holds besides its components (`process_host_bytes`), where no start-up probe ran
+    (the probes' figure, after their text encoder, block and VAE calls, replaces it: _with_fits)."""
     import diffusers  # noqa: F401
     import transformers  # noqa: F401
 
@@ -738,7 +739,8 @@ def _with_fits(profile: HardwareSpec, scaled: dict, fits: dict[str, Any], disk_r
     startup, startup_raw = _startup(model, startup_processes, s.device, log, cold)
     if startup.get("fit") is not None:
         fits["startup"] = startup["fit"]
-    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s") if k in startup}
+    # process_host_bytes: the probes' resident set, their kernels' libraries loaded (startup.py), where they ran
+    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s", "process_host_bytes") if k in startup}
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits, **extra_startup})
     return profile, startup_raw
 

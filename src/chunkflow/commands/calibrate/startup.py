@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 MAX_SAMPLES = 64  # samples kept by key (PipelineProfile.startup_samples_s)
 PROBE_TIMEOUT_S = 600
 PHASES = ("encode", "denoise", "decode")
+RSS_KEY = "process_rss_bytes"  # probe(): the process's resident set after its calls, not a start-up
 COLD_MOST_CACHED = 0.5  # a cold probe whose libraries kept more of their bytes cached is not a fresh machine's
 
 
@@ -66,33 +67,55 @@ def probe(model: str, device_name: str) -> dict[str, float]:
     """In this process, new: per phase, its components' first call less their second (seconds), as a generation's
     first phases pay: encode (each text encoder at a small width; keyed `encode` and the pipeline's own
     `encode:<archs>`), denoise (the transformer with one block a list at its smallest calibration size), decode
-    (the VAE at its smallest calibration size)."""
+    (the VAE at its smallest calibration size); and under RSS_KEY the process's resident set once those modules are
+    freed: what a generation's process holds besides its weights, the libraries its kernels loaded included."""
+    import gc
+
     import torch
 
-    from chunkflow.commands.calibrate.host import _forward, small_text_encoder
-    from chunkflow.commands.calibrate.points import default_points, one_block_spec
-    from chunkflow.models.build import build_transformer
-    from chunkflow.models.inputs import make_inputs
+    from chunkflow.hostmem import rss_bytes
     from chunkflow_planner.catalog import encode_startup_key, get_model
 
     spec, device = get_model(model), torch.device(device_name)
-    cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     out: dict[str, float] = {}
     with torch.no_grad():
         if spec.pipeline is not None and spec.pipeline.text_encoders:
-            runs = [_forward(small_text_encoder(te, 2, device), te, device) for te in spec.pipeline.text_encoders]
-            out["encode"] = _gap(lambda: [r() for r in runs], sync)
+            out["encode"] = _encode_gap(spec, device, sync)
             if encode_startup_key(spec):
                 out[encode_startup_key(spec)] = out["encode"]
-        one = one_block_spec(spec)
-        model_, handle = build_transformer(one, weights=None, dtype=torch.bfloat16, device=device, config="none")
-        inputs = make_inputs(one, default_points(spec, cpu=not cuda)[0], torch.bfloat16, device, seed=0)
-        out["denoise"] = _gap(lambda: model_(**inputs), sync)
-        handle.remove()
+        out["denoise"] = _denoise_gap(spec, device, sync)
         if spec.pipeline is not None:
             out["decode"] = _vae_gap(spec, device, sync)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    out[RSS_KEY] = float(rss_bytes())
     return out
+
+
+def _encode_gap(spec, device, sync: Callable[[], None]) -> float:
+    """Each text encoder's first forward less its second, at a small width (random weights)."""
+    from chunkflow.commands.calibrate.host import _forward, small_text_encoder
+
+    runs = [_forward(small_text_encoder(te, 2, device), te, device) for te in spec.pipeline.text_encoders]
+    return _gap(lambda: [r() for r in runs], sync)
+
+
+def _denoise_gap(spec, device, sync: Callable[[], None]) -> float:
+    """The transformer's first forward less its second, one block a list, at its smallest calibration size."""
+    import torch
+
+    from chunkflow.commands.calibrate.points import default_points, one_block_spec
+    from chunkflow.models.build import build_transformer
+    from chunkflow.models.inputs import make_inputs
+
+    one = one_block_spec(spec)
+    model_, handle = build_transformer(one, weights=None, dtype=torch.bfloat16, device=device, config="none")
+    inputs = make_inputs(one, default_points(spec, cpu=device.type != "cuda")[0], torch.bfloat16, device, seed=0)
+    gap = _gap(lambda: model_(**inputs), sync)
+    handle.remove()
+    return gap
 
 
 def _vae_gap(spec, device, sync: Callable[[], None]) -> float:
@@ -165,12 +188,19 @@ def calibrated_startup(model: str, processes: int, device: str, log: Callable[[s
                        ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The profile's start-up figures from `processes` cold processes (startup_record) and `cold`, a freshly started
     machine's samples (measure_cold_startup, taken before the parent ran a kernel): {startup_s, startup_samples_s,
-    fit: the `startup` FitQuality or None}, and the raw samples."""
-    samples = {**measure_startup(model, processes, device, log), **(cold or {})}
+    fit: the `startup` FitQuality or None; process_host_bytes: the probes' median resident set, RSS_KEY}, and the
+    raw samples."""
+    raw = {**measure_startup(model, processes, device, log), **(cold or {})}
+    samples = {k: v for k, v in raw.items() if k != RSS_KEY}
     if not samples:
         return {}, {}
     how = f"chunkflow calibrate {datetime.date.today()}: {processes} cold process(es) of {model} on {device}"
     means, kept, q = startup_record({}, samples, how)
     log("start-up of a process's first calls over " + f"{processes} cold processes: "
         + ", ".join(f"{k} {v:.3f} s" for k, v in means.items()))
-    return dict(startup_s=means, startup_samples_s=kept, fit=q), samples
+    found = dict(startup_s=means, startup_samples_s=kept, fit=q)
+    if raw.get(RSS_KEY):
+        found["process_host_bytes"] = int(statistics.median(raw[RSS_KEY]))
+        log(f"a process's own host memory after its first calls: {found['process_host_bytes'] / 1e9:.2f} GB "
+            f"(median of {len(raw[RSS_KEY])} probe(s), their modules freed)")
+    return found, raw
