@@ -39,6 +39,10 @@ none of the start-up, which is measured on the calibrated model's kernels, and a
 (PixArt-Sigma's denoise paid 0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric
 (`Band.rel_low`, `Band.rel_high`) and a warm generation's carries none of it. What narrows it: calibrate again
 (more samples, a quieter machine), and `calibrate --from-report` with runs of this machine (a measured m_q in place of the prior).
+
+A transformer class no calibration measured has its activations priced as an upper bound (the default model times
+chunkflow/models/derive.py's ACTIVATION_MARGIN, `ActivationModel.prior_multiple`): its GPU peaks' bands are one-sided
+below too, their low edges the plan priced again at the default model (planner.with_activation_prior).
 """
 
 from __future__ import annotations

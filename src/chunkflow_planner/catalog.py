@@ -131,6 +131,19 @@ class ActivationModel(_Strict):
 
     c_f: float = 2.0
     c_d: float = 4.0
+    prior_multiple: float | None = Field(None, ge=1.0, description="set where the coefficients are the default "
+                                         "model times this, for a class never measured (chunkflow/models/derive.py, "
+                                         "ACTIVATION_MARGIN): an upper bound, so the bands of the GPU peaks reach "
+                                         "down to the default model (planner.with_activation_prior); None: measured "
+                                         "for the class, or the default itself")
+
+    def lowered(self) -> "ActivationModel":
+        """The least a class priced by this prior is supposed to hold: the coefficients over prior_multiple (the
+        default model); a measured model is itself."""
+        if self.prior_multiple is None:
+            return self
+        k = self.prior_multiple
+        return ActivationModel(c_f=self.c_f / k, c_d=self.c_d / k)
 
 
 class DiffusersSpec(_Strict):

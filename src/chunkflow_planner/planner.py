@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from chunkflow_planner.whole_first import whole_first, whole_said
 from chunkflow_planner.workload import WorkloadError, per_forward, tokens
 from chunkflow_planner.pipeline.assemble import decide_whole, plans_pipeline, repriced_whole, with_pipeline
 from chunkflow_planner.pipeline.decide import PipelineDecision
-from chunkflow_planner.bands import bands, with_startup
+from chunkflow_planner.bands import Band, bands, kind_of, with_startup
 from chunkflow_planner.reprice import point_prediction as _prediction, prediction_values, repriced_alone, with_supposed
 from chunkflow_planner.pipeline.hostinfo import UNCHECKED_HOST_BUDGET, default_host_budget
 
@@ -165,17 +166,22 @@ def with_bands(plan: Plan, problem: Problem, chosen: Point, whole: PipelineDecis
                read_bytes: int | None = None, host_alone: bool = False) -> Plan:
     """`plan` with a band on each of its predictions: bands.bands over the plan priced again with its choices held
     (pipeline/assemble.repriced_whole, or reprice.repriced_alone for the transformer alone), on the profile with the
-    figures the planner supposes written in (reprice.with_supposed)."""
-    def price(hw: HardwareSpec) -> dict[str, float]:
-        again = (repriced_whole(plan, problem, whole, hw, read_bytes) if whole is not None
-                 else repriced_alone(plan, problem, chosen, hw, host_alone))
-        return prediction_values(again)
+    figures the planner supposes written in (reprice.with_supposed); an unmeasured class's activations then reach
+    its GPU peaks' low edges down (with_activation_prior)."""
+    def price_for(prob: Problem) -> Callable[[HardwareSpec], dict[str, float]]:
+        def price(hw: HardwareSpec) -> dict[str, float]:
+            again = (repriced_whole(plan, prob, whole, hw, read_bytes) if whole is not None
+                     else repriced_alone(plan, prob, chosen, hw, host_alone))
+            return prediction_values(again)
+        return price
 
     values = prediction_values(plan)
     if problem.hw.pipeline.device_is_host:  # a CPU plan's times are nominal figures: no band claims to hold them
         values = {k: v for k, v in values.items() if not k.endswith("_s")}
-    found = bands(price, with_supposed(problem.hw, problem.spec), values)
+    hw = with_supposed(problem.hw, problem.spec)
+    found = bands(price_for(problem), hw, values)
     found = with_startup(with_cache_spread(found, plan, values), values, problem.hw)
+    found = with_activation_prior(found, problem, lambda prob: price_for(prob)(hw), values)
     return plan.model_copy(update={"prediction": plan.prediction.model_copy(update={"bands": found})})
 
 
@@ -202,6 +208,36 @@ def with_cache_spread(found: dict, plan: Plan, values: dict[str, float]) -> dict
                                                measured=band.measured and c.hit_rate_source != "prior",
                                                supposed=[*band.supposed, *([CACHE_FIT] if c.hit_rate_source == "prior"
                                                                             else [])]))
+    return out
+
+
+ACTIVATION_PRIOR = "unmeasured class's activations"  # the band's name for the prior's reach below (derive.py)
+
+
+def with_activation_prior(found: dict[str, Band], problem: Problem, price: Callable[[Problem], dict[str, float]],
+                          values: dict[str, float]) -> dict[str, Band]:
+    """The bands of the GPU peaks with their low edges reaching down to the plan priced at the default activation
+    model, where the transformer's is a prior for a class never measured (ActivationModel.prior_multiple: the
+    default times chunkflow/models/derive.py's ACTIVATION_MARGIN, an upper bound; PixArt-Sigma held 0.44 of it on
+    an H100, its denoise peak 10.8% under the plan). One-sided, as the prior is a bound:
+
+        low = min(low, value at c / prior_multiple),   high and the prediction kept
+
+    `price(problem)`: the plan's values priced again, everything it decided held, for that problem's spec."""
+    act = problem.spec.activation
+    if act.prior_multiple is None:
+        return found
+    least = price(replace(problem, spec=problem.spec.model_copy(update={"activation": act.lowered()})))
+    out = dict(found)
+    for key, band in found.items():
+        v, lowered = values.get(key), least.get(key)
+        if kind_of(key) != "peak_memory" or not v or lowered is None or lowered >= band.low:
+            continue
+        below = max(0.0, 1.0 - lowered / v)
+        out[key] = band.model_copy(update=dict(
+            low=max(0.0, lowered), rel_low=below, rel_high=band.edges()[1], rel=max(below, band.edges()[1]),
+            fits=[ACTIVATION_PRIOR, *band.fits][:3], measured=False,
+            supposed=[*band.supposed, ACTIVATION_PRIOR]))
     return out
 
 

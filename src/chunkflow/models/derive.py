@@ -617,13 +617,14 @@ def _latent_channels(facts: _PipelineFacts, t: _Transformer, tdir: Path) -> int:
 
 def _activation(fam: Family, untimed: list[str]) -> Any:
     """The transformer's activation model: its family's (measured), else the default model x ACTIVATION_MARGIN
-    (said in `untimed`)."""
+    (said in `untimed`), marked as that prior (ActivationModel.prior_multiple)."""
     activation = fam.activation
     if activation is None:  # no class of the catalog measured: the default model times ACTIVATION_MARGIN
         from chunkflow_planner.catalog import ActivationModel
 
         base = ActivationModel()
-        activation = dict(c_f=base.c_f * ACTIVATION_MARGIN, c_d=base.c_d * ACTIVATION_MARGIN)
+        activation = dict(c_f=base.c_f * ACTIVATION_MARGIN, c_d=base.c_d * ACTIVATION_MARGIN,
+                          prior_multiple=ACTIVATION_MARGIN)  # an upper bound: its bands reach down to the default
         untimed.append(f"the transformer's activations (the default model x{ACTIVATION_MARGIN}: its class was never "
                        "measured)")
     return activation
