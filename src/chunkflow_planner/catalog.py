@@ -380,6 +380,12 @@ def migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# alloc_slack where no generation report measured it: the H200's, refit from its reports (hardware.yaml h200, 0.365).
+# Zero, the old default, let every other GPU's plans leave out what the allocator keeps mapped: Wan2.2-5B at 704x1280
+# x81 on an H100 held 2.07 GB reserved beyond its allocation, +35% over its plan (docs/data/gpu-cache/README.md, run 3).
+ALLOC_SLACK_PRIOR = 0.365
+
+
 class PipelineProfile(_Strict):
     """The figures of a hardware profile that only the whole-pipeline extension reads (chunkflow_planner.pipeline):
     the host process, the host CPU's rates for components placed there, the text encoders' host dispatch, the VAE's
@@ -572,9 +578,9 @@ class HardwareSpec(_Strict):
                                "count: CUDA context, cuBLAS and cuDNN workspaces (calibrate measures it)")
     reserve_fraction: float = Field(0.05, ge=0, le=1, description="allocator reserve beyond torch's peak allocation, "
                                     "as a fraction of it (expandable segments keep it small)")
-    alloc_slack: float = Field(0.0, ge=0, le=10, description="bytes the allocator holds beyond a phase's peak "
-                               "allocation, per byte of the phase's activations (freed activations it keeps mapped); "
-                               "measured from reports")
+    alloc_slack: float = Field(ALLOC_SLACK_PRIOR, ge=0, le=10, description="bytes the allocator holds beyond a "
+                               "phase's peak allocation, per byte of the phase's activations (freed activations it "
+                               "keeps mapped); measured from reports (calibrate --from-report), else the prior")
     disk_read_gbps: float | None = Field(None, gt=0, le=1e4, description="GB/s checkpoint files the page cache does "
                                          "not hold are read at, from the disk the weights are on: the disk tier's "
                                          "link (tiers.py) and the load's (`chunkflow calibrate --weights DIR` "
