@@ -257,8 +257,8 @@ FITS: dict[str, Fit] = {
                        _codec_ratio, None),
     "context": Fit("device memory torch does not count (context_bytes)", 0.03, "calibrate on an idle GPU",
                    _slower("context_bytes"), None),
-    "process_host": Fit("a process's own host memory (process_host_bytes)", 0.03, "calibrate",
-                        _slower("process_host_bytes"), None),
+    "process_host": Fit("a process's own host memory (process_host_bytes, process_start_host_bytes)", 0.03,
+                        "calibrate", _slower("process_host_bytes", "process_start_host_bytes"), None),
     "startup": Fit("a process's first-generation start-up (startup_s)", STARTUP_PRIOR,
                    "the start-up: `chunkflow calibrate` (cold processes) and `calibrate --from-report` with runs made "
                    "with --warmup", _slower("startup_s"), "chunkflow calibrate", drift=0.0,  # its samples are runs

@@ -241,6 +241,8 @@ def _print_profile(hw) -> None:
         t.add_row("format_decode_gbps", ", ".join(f"{k} {v:.4g}" for k, v in hw.format_decode_gbps.items()))
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
     t.add_row("process_host_bytes", format_bytes(hw.pipeline.process_host_bytes))
+    if hw.pipeline.process_start_host_bytes is not None:
+        t.add_row("process_start_host_bytes", format_bytes(hw.pipeline.process_start_host_bytes))
     if hw.pipeline.startup_s:
         t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.pipeline.startup_s.items()))
     if hw.pipeline.text_layer_host_us:

@@ -458,8 +458,9 @@ def _load_fit(disk: dict | None, hw: HardwareSpec, on: str, log: Callable[[str],
 
 def _process_rss() -> int:
     """Host memory of a process that has started CUDA and loaded torch, diffusers and transformers but holds no
-    weights: what a generation holds besides its components (`process_host_bytes`), where no start-up probe ran
-    (the probes' figure, after their text encoder, block and VAE calls, replaces it: _with_fits)."""
+    weights and ran no pipeline's kernels: what the load holds besides its copies (`process_start_host_bytes`), and
+    `process_host_bytes` where no start-up probe ran (the probes' figure, after their text encoder, block and VAE
+    calls, replaces that: _with_fits)."""
     import diffusers  # noqa: F401
     import transformers  # noqa: F401
 
@@ -651,7 +652,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     curve = curves[specs[0].name]
     h2d_rows, fit = _h2d_fit(s, progress, log)
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
-    extra["process_host_bytes"] = process_rss
+    extra["process_host_bytes"] = extra["process_start_host_bytes"] = process_rss
     vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [], {})
     disk_raw, codec_raw, formats_raw = _device_figures(extra, s, cpu_smoke, weights, disk, log)
     coll = _collectives(s, progress, log) if s.world > 1 else None
@@ -670,7 +671,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves,
                h2d=h2d_rows, h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll,
                base=base_note, operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw,
-               codec=codec_raw, formats=formats_raw, startup=startup_raw)
+               codec=codec_raw, formats=formats_raw, startup=startup_raw, process_start_rss_bytes=process_rss)
     return Calibration(profile, raw)
 
 
