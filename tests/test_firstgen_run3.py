@@ -183,3 +183,65 @@ def test_run3s_cold_first_denoise_falls_inside_the_band_made_again(workdir):
     for key in (DENOISE, "generation_time_s"):
         assert not was[key].inside and now[key].inside, key
         assert now[key].above > was[key].above and now[key].below == pytest.approx(was[key].below)
+
+
+# ----------------------------------------------------------------------- cached against the machine's warm share
+
+
+def test_a_run_counts_as_cached_against_the_machines_warm_share(workdir):
+    """On the H100 a warm run had 0.32-0.33 of the libraries' bytes cached (files no generation reads count), a cold
+    one 0.0: against the profile's warm share (0.33) a run at 0.32 started cached and is held to the edge without the
+    fresh machine's part, one at 0.0 to the edge with it. A profile without the warm share keeps the rule of all the
+    bytes: 0.32 is cold there, 0.9 cached."""
+    from chunkflow.loading.libraries import were_cached
+    from chunkflow.reports import load_reports
+    from tests.test_bands import _gpu_report, _hw, _plan
+
+    assert were_cached(0.32, 0.33) and not were_cached(0.0, 0.33) and were_cached(None, 0.33) is None
+    assert not were_cached(0.32, None) and were_cached(0.9, None)
+    data, path = _gpu_report(workdir)
+
+    def inside(warm: float | None, cached: float | None) -> bool:
+        hw = _hw({"startup": 0.3}).spec
+        pipe = hw.pipeline.model_copy(update={"startup_s": {**hw.pipeline.startup_s, "encode": 0.2,
+                                                            "cold:encode": 1.0}, "libraries_warm_share": warm})
+        plan = _plan(ResolvedHardware(hw.model_copy(update={"pipeline": pipe}), "test"))
+        first = plan.prediction.bands["phases.encode.time_s"]
+        between = (first.without_cold().edges()[1] + first.edges()[1]) / 2  # over the cached edge, under the fresh
+        data["plan"] = json.loads(plan.to_json())
+        phase = dict(measured_time_s=1.0, time_error=between)
+        data["generation"] = dict(prompt="p", seed=0, steps=8, components={}, phases={"encode": phase},
+                                  generation_time_s=1.0, host_peak_bytes=1, warmup_generations=0,
+                                  libraries_cached=cached)
+        path.write_text(json.dumps(data))
+        return load_reports([path])[0].bands["phases.encode.time_s"].inside
+
+    assert not inside(0.33, 0.32) and inside(0.33, 0.0) and inside(0.33, None)
+    assert inside(None, 0.32) and not inside(None, 0.9)
+
+
+def test_refit_files_a_reports_gaps_cold_against_the_warm_share(tmp_path):
+    """`calibrate --from-report`: a report that started at 0.32 of the libraries cached is a warm one's on a
+    machine whose warm share is 0.33 (its gaps are `<phase>` samples), a freshly started one's without that share."""
+    from chunkflow.commands.calibrate.refit import read_reports, refit
+    from test_calibrate import _report
+    from test_calibrate_fits import _generation, _with_errors
+
+    data, _ = _report(tmp_path, "none", 1.0)
+    g = _generation(0.0, {"encode": 0.0, "decode": 0.0})
+    g.update(warmup_generations=1, first_phase_times_s={"encode": 2.5, "decode": 1.2}, libraries_cached=0.32)
+    reports = read_reports([_with_errors(data, tmp_path / "r.json", generation=g)])
+    hw = get_hardware("h200").model_copy(update={"peak_tflops": 1e-3, "eta_comp": 1e-3})  # as test_calibrate_fits
+    keys = set(refit(hw.model_copy(update={"libraries_warm_share": 0.33}), reports)[0].pipeline.startup_s)
+    assert {"encode", "decode"} <= keys and not {"cold:encode", "cold:decode"} & keys
+    assert {"cold:encode", "cold:decode"} <= set(refit(hw, reports)[0].pipeline.startup_s)
+
+
+def test_calibrate_records_the_libraries_warm_share_after_its_probes():
+    """The start-up probes load the libraries their kernels use: the cached share after them is the profile's warm
+    share, said in the log (on this machine torch's libraries are mapped by the test process: some are cached)."""
+    from chunkflow.commands.calibrate.startup import calibrated_startup
+
+    said: list[str] = []
+    out, _ = calibrated_startup("tiny-wan", 1, "cpu", said.append)
+    assert 0 < out["libraries_warm_share"] <= 1 and any("once warm" in s for s in said)

@@ -234,7 +234,8 @@ def _print_profile(hw) -> None:
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
                 "encode_host_s", "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction",
-                "mem_margin", "disk_read_gbps", "codec_ratio", "codec_decode_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
+                "mem_margin", "disk_read_gbps", "codec_ratio", "codec_decode_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s",
+                "libraries_warm_share"):
         v = hw.figure(key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     if hw.format_decode_gbps:

@@ -740,8 +740,10 @@ def _with_fits(profile: HardwareSpec, scaled: dict, fits: dict[str, Any], disk_r
     startup, startup_raw = _startup(model, startup_processes, s.device, log, cold)
     if startup.get("fit") is not None:
         fits["startup"] = startup["fit"]
-    # process_host_bytes: the probes' resident set, their kernels' libraries loaded (startup.py), where they ran
-    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s", "process_host_bytes") if k in startup}
+    # process_host_bytes: the probes' resident set, their kernels' libraries loaded (startup.py), where they ran;
+    # libraries_warm_share: the libraries' cached share after them
+    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s", "process_host_bytes",
+                                             "libraries_warm_share") if k in startup}
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits, **extra_startup})
     return profile, startup_raw
 

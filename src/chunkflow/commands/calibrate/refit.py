@@ -116,9 +116,10 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: 
     (`startup_samples_s`: calibrate's cold processes, earlier refits) and the figure is their mean, its `startup`
     FitQuality the spread of every sample kept about its key's mean (startup.startup_record); keys the reports do
     not measure keep the profile's figure. A report whose process started with its libraries out of the page cache
-    (`libraries_cached` under half) is a freshly started machine's: its gaps are `cold:<phase>` samples."""
+    (`libraries_cached` under half the profile's warm share: libraries.were_cached) is a freshly started machine's:
+    its gaps are `cold:<phase>` samples."""
     from chunkflow.commands.calibrate.startup import startup_record
-    from chunkflow.loading.libraries import CACHED_ENOUGH
+    from chunkflow.loading.libraries import were_cached
     from chunkflow_planner.catalog import encode_startup_key
     from chunkflow_planner.plan import model_of
 
@@ -128,7 +129,7 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: 
         if g is None or not g.first_phase_times_s:
             continue
         own = encode_startup_key(model_of(r.plan))
-        cold = g.libraries_cached is not None and g.libraries_cached < CACHED_ENOUGH  # a freshly started machine's
+        cold = were_cached(g.libraries_cached, hw.pipeline.libraries_warm_share) is False  # a fresh machine's
         for phase, first in g.first_phase_times_s.items():
             if phase in g.phases:
                 gap = max(0.0, first - g.phases[phase].measured_time_s)
