@@ -123,6 +123,10 @@ def test_cpu_smoke_writes_a_profile_that_plan_accepts(tmp_path, monkeypatch):
     us = hw.pipeline.text_layer_host_us["umt5_encoder"]
     assert "text-encoder layer host" in result.output and f"umt5_encoder {us:.0f} us" in result.output
     assert hw.pipeline.cpu_mem_gbps > 0
+    # the load's process before any kernel (_process_rss) kept beside the probes' figure after theirs, and the
+    # libraries' cached share once the probes ran
+    assert hw.pipeline.process_start_host_bytes == raw["process_start_rss_bytes"] > 0
+    assert 0 < hw.pipeline.libraries_warm_share <= 1
     # eta against the best of the square matmul and the grid: the grid's best is 1 unless the square matmul beat it
     assert len(hw.pipeline.cpu_gemm_eta) == 8 and hw.pipeline.cpu_tflops >= host["cpu_square_tflops"] > 0
     best = max(r[3] for r in hw.pipeline.cpu_gemm_eta)

@@ -190,8 +190,10 @@ class GenerationResult(BaseModel):
     warmup_generations: int = Field(0, ge=0, description="whole generations run before the measured one (--warmup)")
     libraries_cached: float | None = Field(None, ge=0, le=1, description="the share of torch's, the NVIDIA "
                                            "libraries' and triton's shared objects in the page cache when the "
-                                           "command started (loading/libraries.py): at least half, and a first "
-                                           "generation is not held to a freshly started machine's band edge")
+                                           "command started (loading/libraries.py): at least half of the "
+                                           "profile's warm share (libraries_warm_share; else of all their bytes), "
+                                           "and a first generation is not held to a freshly started machine's "
+                                           "band edge")
     measured_generations: int = Field(1, ge=1, description="generations measured after the warm-up (--repeat)")
     generation_times_s: list[float] = Field(default_factory=list, description="each measured generation's time")
     first_phase_times_s: dict[str, float] | None = Field(
@@ -268,10 +270,12 @@ class BandVerdict(BaseModel):
     fits: list[str] = Field(default_factory=list, description="the fits that move the band most (bands.FITS)")
 
 
-def _libraries_were_cached(g: "GenerationResult") -> bool:
-    from chunkflow.loading.libraries import CACHED_ENOUGH
+def _libraries_were_cached(g: "GenerationResult", hardware: dict | None) -> bool:
+    """Whether the run started with its libraries cached, against the plan's profile's warm share where it has one
+    (libraries.were_cached)."""
+    from chunkflow.loading.libraries import were_cached
 
-    return g.libraries_cached is not None and g.libraries_cached >= CACHED_ENOUGH
+    return bool(were_cached(g.libraries_cached, (hardware or {}).get("libraries_warm_share")))
 
 
 def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
@@ -307,6 +311,8 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
         if g.load is not None:  # the load's host peak is compared a process (pipeline_setup.load_result)
             pairs += [("load.time_s", ("load.time_cold_s", "load.time_warm_s"), g.load.time_error),
                       ("load.host_peak_bytes", ("load.host_peak_bytes",), g.load.host_error)]
+    # a run that started with its libraries cached is not a freshly started machine: that edge is not its own
+    cached = g is not None and _libraries_were_cached(g, report.plan.hardware.spec)
     out = {}
     for key, keys, error in pairs:
         if key == "load.time_s":  # the wider of cold and warm: the load's share of cached bytes is in between
@@ -316,7 +322,7 @@ def band_verdicts(report: "RunReport") -> dict[str, BandVerdict]:
         if error is None or not found:  # (a CPU plan's nominal times carry no band: planner.with_bands)
             continue
         band = max(found, key=lambda b: b.rel)
-        if g is not None and _libraries_were_cached(g):  # not a freshly started machine: its edge is not this run's
+        if cached:
             band = band.without_cold()
         below, above = band.edges()
         out[key] = BandVerdict(error=error, band=band.rel, below=below, above=above, inside=band.holds(error),

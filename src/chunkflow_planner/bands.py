@@ -28,13 +28,15 @@ figure holds. It is its own one-sided term (with_startup): a first generation's 
 has the band of its warm time (the same time less the start-up, `*.warm_time_s`) with the start-up's own band
 added edge to edge,
 
-    low = warm low,    high = warm high + (s + c) x (1 + Z x sd)
+    low = warm low,    high = warm high + s x (1 + Z x sd) + c x (1 + Z x sd_c)
 
 s the start-up (the mean over cold processes and reports, `startup_samples_s`), sd its samples' relative spread
 (the `startup` fit; STARTUP_PRIOR without a record), c what a freshly started machine adds to it (its libraries
 read from the disk at their first use: `calibrate`'s first cold process runs with them dropped from the page cache,
 keyed `cold:<phase>` in startup_s; 0 unmeasured; `Band.startup_cold_s` holds its part of the high edge, which a run
-that started with the libraries cached is judged without: reports.band_verdicts). One-sided: the low edge takes
+that started with the libraries cached is judged without: reports.band_verdicts), sd_c its own spread: the `cold:*`
+samples about their means where COLD_MIN_SAMPLES are kept, else STARTUP_PRIOR (cold_spread; calibrate measures one
+cold process, and two cold first generations of one pipeline paid 0.91 s and 0.24 s on one H100). One-sided: the low edge takes
 none of the start-up, which is measured on the calibrated model's kernels, and another pipeline's can be almost none
 (PixArt-Sigma's denoise paid 0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric
 (`Band.rel_low`, `Band.rel_high`) and a warm generation's carries none of it. What narrows it: calibrate again
@@ -186,8 +188,12 @@ def _codec_ratio(hw: HardwareSpec, k: float) -> HardwareSpec:
 
 
 # The start-up's spread where no cold process or report measured it: the H200's first generations (docs/bands-h200.md)
-# paid 1.3x to 5x the catalog's start-up; at 1.0 its band reaches 3x the figure, and down to none of it.
+# paid 1.3x to 5x the catalog's start-up; at 1.0 its band reaches 3x the figure, and down to none of it. A freshly
+# started machine's extra start-up has it too until COLD_MIN_SAMPLES samples say its spread (cold_spread): two cold
+# first generations of PixArt-Sigma on one H100 paid 0.91 s and 0.24 s over its warm denoise (docs/data/gpu-firstgen/
+# run-3), where calibrate's one cold process measures a single value.
 STARTUP_PRIOR = 1.0
+COLD_MIN_SAMPLES = 3  # `cold:*` samples (of keys with two or more) that measure the cold part's spread
 
 # The change from one calibration to the next of the fits two pairs of calibrations of one H200 measured
 # (DRIFT_SOURCE): the root mean square of second / first - 1 over each fit's figures (drift_between), pooled over the
@@ -257,8 +263,8 @@ FITS: dict[str, Fit] = {
                        _codec_ratio, None),
     "context": Fit("device memory torch does not count (context_bytes)", 0.03, "calibrate on an idle GPU",
                    _slower("context_bytes"), None),
-    "process_host": Fit("a process's own host memory (process_host_bytes)", 0.03, "calibrate",
-                        _slower("process_host_bytes"), None),
+    "process_host": Fit("a process's own host memory (process_host_bytes, process_start_host_bytes)", 0.03,
+                        "calibrate", _slower("process_host_bytes", "process_start_host_bytes"), None),
     "startup": Fit("a process's first-generation start-up (startup_s)", STARTUP_PRIOR,
                    "the start-up: `chunkflow calibrate` (cold processes) and `calibrate --from-report` with runs made "
                    "with --warmup", _slower("startup_s"), "chunkflow calibrate", drift=0.0,  # its samples are runs
@@ -342,16 +348,38 @@ class Band(BaseModel):
 
 
 def startup_edges(hw: HardwareSpec, startup: float, cold: float = 0.0) -> tuple[float, float, bool]:
-    """The start-up's own band, one-sided: (0, high) seconds of a start-up figure `startup` and what a freshly
-    started machine adds to it (`cold`), high at +Z x its samples' spread; and whether that spread was measured
-    (else STARTUP_PRIOR)."""
+    """The start-up's own band, one-sided: (0, high) seconds of a start-up figure `startup`, high at +Z x its
+    samples' spread, and what a freshly started machine adds to it (`cold`) at +Z x its own (cold_edge); and whether
+    both spreads were measured (else a prior stood in: STARTUP_PRIOR)."""
     sd, measured = spread_of(hw, "startup")
-    return 0.0, (startup + cold) * (1.0 + Z * sd), measured
+    cold_measured = cold <= 0 or cold_spread(hw)[1]
+    return 0.0, startup * (1.0 + Z * sd) + cold_edge(hw, cold), measured and cold_measured
+
+
+def cold_spread(hw: HardwareSpec) -> tuple[float, bool]:
+    """The relative spread of a freshly started machine's extra start-up (c = cold:<phase> - <phase>) and whether it
+    was measured: the `cold:*` samples of startup_samples_s (keys with two or more) about their key's mean, as shares
+    of that key's c, pooled (one value fitted a key: spread(fitted=keys)), where COLD_MIN_SAMPLES of them are kept;
+    else STARTUP_PRIOR (calibrate's one cold process says nothing of how far the next one's moves)."""
+    st = hw.pipeline.startup_s
+    residuals: list[float] = []
+    keys = 0
+    for key, xs in hw.pipeline.startup_samples_s.items():
+        if not key.startswith("cold:") or len(xs) < 2:
+            continue
+        mean = sum(xs) / len(xs)
+        c = mean - st.get(key.removeprefix("cold:"), 0.0)
+        if c > 0:
+            residuals += [(x - mean) / c for x in xs]
+            keys += 1
+    if len(residuals) < COLD_MIN_SAMPLES:
+        return STARTUP_PRIOR, False
+    return min(10.0, spread(residuals, fitted=keys)), True
 
 
 def cold_edge(hw: HardwareSpec, cold: float) -> float:
-    """Of startup_edges' high, the seconds `cold` (a freshly started machine's extra) adds."""
-    return cold * (1.0 + Z * spread_of(hw, "startup")[0])
+    """Of startup_edges' high, the seconds `cold` (a freshly started machine's extra) adds: c (1 + Z sd_c)."""
+    return cold * (1.0 + Z * cold_spread(hw)[0]) if cold > 0 else 0.0
 
 
 PHASES = ("encode", "denoise", "decode")

@@ -31,13 +31,15 @@ from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEnco
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.stepcache import StepCache
 
-CATALOG_SCHEMA_VERSION = 8  # 8: a freshly started machine's start-up (startup_s keys `cold:<phase>`; issue 55);
+CATALOG_SCHEMA_VERSION = 9  # 9: a started process's host memory before its first kernels (process_start_host_bytes)
+# and the libraries' page-cache share once warm (libraries_warm_share; issue 55); 8: a freshly started machine's
+# start-up (startup_s keys `cold:<phase>`; issue 55);
 # 7: a fit's bias (FitQuality.bias: the load path against the load model, the `load` fit;
 # issue 55); 6: the start-up's samples (startup_samples_s; issue 55); 5: the stored formats' decode rates (format_decode_gbps; issue 52); 4: each fit's
 # quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
 # (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is
 # migrated
-READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6, 7)  # profiles of these versions hold no field version 8 dropped or changed
+READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6, 7, 8)  # profiles of these versions hold no field version 9 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -394,7 +396,13 @@ class PipelineProfile(_Strict):
     flat (see HardwareSpec._lift and _flatten)."""
 
     process_host_bytes: int = Field(3 * 10**9, ge=0, le=2**44, description="host memory a chunkflow process holds "
-                                    "besides the weights: Python, torch, the CUDA libraries (calibrate measures it)")
+                                    "besides the weights: Python, torch, the CUDA libraries, those its kernels "
+                                    "loaded (calibrate: the start-up probes' resident set after their calls)")
+    process_start_host_bytes: int | None = Field(None, ge=0, le=2**44, description="host memory of a started "
+                                                 "process before its first kernels ran (torch, diffusers and CUDA "
+                                                 "started): what the load holds besides its copies (calibrate; "
+                                                 "`calibrate --from-report` from the loads' host peaks); unset: "
+                                                 "process_host_bytes")
     cpu_tflops: float = Field(1.0, gt=0, le=1e4, description="the host CPU's achieved bf16/fp32 matmul rate, for "
                               "components placed on the CPU (calibrate measures it)")
     cpu_gemm_eta: list[tuple[float, float, float, float]] | None = Field(
@@ -442,6 +450,12 @@ class PipelineProfile(_Strict):
     load_startup_s: float = Field(0.0, ge=0, le=600, description="one-time seconds of building a pipeline outside "
                                   "its reads, copies and page-locking: imports, modules made on the meta device, "
                                   "tokenizers, scheduler (`chunkflow calibrate --from-report` measures it)")
+    libraries_warm_share: float | None = Field(None, ge=0, le=1, description="the share of torch's, the NVIDIA "
+                                              "libraries' and triton's shared objects in the page cache once a "
+                                              "process's kernels ran (calibrate, after its start-up probes): a warm "
+                                              "run's share on this machine, which a run's libraries_cached is judged "
+                                              "against (many of those files no generation reads); unset: the share "
+                                              "of all of them")
     device_is_host: bool = Field(False, description="the 'GPU' is the host CPU (chunkflow's CPU mode): device memory "
                                  "is host memory, and a plan's host figure counts it")
 
@@ -848,7 +862,8 @@ def load_profile(path: Path) -> HardwareSpec:
     if version not in (1, *READ_AS_IS_VERSIONS, CATALOG_SCHEMA_VERSION):  # 1 is migrated (HardwareSpec._migrate)
         raise CatalogError(
             f"hardware profile {str(path)!r} has schema_version {version}; this chunkflow reads "
-            f"version {CATALOG_SCHEMA_VERSION} (and 2-7 as they are, 1 migrated). Re-run `chunkflow calibrate`."
+            f"version {CATALOG_SCHEMA_VERSION} (and {READ_AS_IS_VERSIONS[0]}-{READ_AS_IS_VERSIONS[-1]} as they are, 1 "
+            "migrated). Re-run `chunkflow calibrate`."
         )
     try:
         return HardwareSpec(**data)

@@ -2,7 +2,9 @@
 freshly started machine reads them from the disk at their first use, which a process's first generation pays on
 top of its start-up (bands.with_startup's `cold:<phase>`). `calibrate` drops them before its first cold process;
 `run` notes how much of them was cached when it started, before it imported torch, so its first generation is held
-to the fresh machine's band only where they were not."""
+to the fresh machine's band only where they were not: where its share is under CACHED_ENOUGH of this machine's warm
+share (calibrate's, after its start-up probes ran: `libraries_warm_share`; many of these files no generation reads,
+so a warm run on an H100 had only 0.32 of their bytes cached), else of all of them (were_cached)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 PACKAGES = ("torch", "nvidia", "triton")
-CACHED_ENOUGH = 0.5  # a process started with at least this share of the libraries cached is not a fresh machine's
+CACHED_ENOUGH = 0.5  # a process started with at least this share of the warm share cached is not a fresh machine's
 _AT_START: list[float | None] = []
 
 
@@ -61,3 +63,21 @@ def cached_at_start() -> float | None:
         except OSError:  # a package folder it may not walk: unknown, and the run goes on
             _AT_START.append(None)
     return _AT_START[0]
+
+
+def were_cached(share: float | None, warm: float | None) -> bool | None:
+    """Whether a process that started with a share `share` of the libraries cached started warm: at least
+    CACHED_ENOUGH of `warm`, the machine's warm share (`libraries_warm_share`), else of all their bytes (a profile
+    without it); None where the process did not say."""
+    if share is None:
+        return None
+    return share >= CACHED_ENOUGH * (warm if warm else 1.0)
+
+
+def warm_share() -> float | None:
+    """The libraries' cached share now, in a process whose kernels ran (calibrate, after its start-up probes): this
+    machine's warm share; None where the system cannot tell or a package folder cannot be walked."""
+    try:
+        return cached_share(library_files())
+    except OSError:
+        return None

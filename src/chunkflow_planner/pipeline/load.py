@@ -11,9 +11,11 @@ locked when a component is parked, after its reads (B_pin,p):
     T_load = t_start + max(B_read / BW_read(c), B_pin,r / BW_pin) + B_h2d / BW_h2d
              + B_pin,p / BW_pin + B_fresh / BW_fault + B_enc / BW_enc + B_spill / BW_disk         (eq. L1)
     1 / BW_read(c) = c / BW_cache + (1 - c) / BW_disk                                             (eq. L2)
-    M_load = M_process + host copies + M_staging (+ the device's part where the device is the host) (eq. L3)
+    M_load = M_start + host copies + M_staging (+ the device's part where the device is the host)   (eq. L3)
 
-with c the share of the files the page cache held before the load (0: cold, 1: warm). A component placed `phase`
+with c the share of the files the page cache held before the load (0: cold, 1: warm), and M_start the process
+before any kernel ran (`process_start_host_bytes`, else `process_host_bytes`): the load comes before the first
+generation, whose kernels load libraries of their own (about 1 GB more on an H100). A component placed `phase`
 is read onto the device and then parked: its bytes cross the host link twice. Every host byte is new memory the
 kernel maps at its first touch: page-locking does that for the pinned stores (BW_pin includes it), the first
 write for the rest (B_fresh: components on the CPU, and everything where the device is the host). The rates are measured by
@@ -198,11 +200,19 @@ def _tally_vae(tally: _LoadTally, vae: float, placement: str) -> None:
         tally.parks_after_load(vae)
 
 
+def load_process_bytes(hw: HardwareSpec) -> float:
+    """M_start: a started process's host memory before its first kernels (process_start_host_bytes, else
+    process_host_bytes)."""
+    start = hw.pipeline.process_start_host_bytes
+    return float(hw.pipeline.process_host_bytes if start is None else start)
+
+
 def _host_peak(host_bytes: dict[str, float], hw: HardwareSpec, staging: bool | None, tally: _LoadTally) -> float:
-    """M_load (eq. L3): the plan's host memory, the staging buffers where used (`staging` None: on a GPU) and, where
-    the device is the host, the device's part."""
+    """M_load (eq. L3): the plan's host memory with the process before its first kernels (load_process_bytes), the
+    staging buffers where used (`staging` None: on a GPU) and, where the device is the host, the device's part."""
     staging = (not hw.pipeline.device_is_host) if staging is None else staging
-    host = sum(v for k, v in host_bytes.items() if k not in ("output", "device"))
+    host = sum(v for k, v in host_bytes.items() if k not in ("output", "device", "process"))
+    host += load_process_bytes(hw) if "process" in host_bytes else 0.0
     host += STAGING_BYTES if staging else 0.0
     if hw.pipeline.device_is_host:  # the device's part is host memory too: what stays, and the largest parked one in passing
         host += tally.device_now + tally.parked

@@ -234,13 +234,16 @@ def _print_profile(hw) -> None:
     for key in ("peak_tflops", "gemm_tflops", "eta_comp", "h2d_link_gbps", "dma_startup_us", "eta_pref",
                 "coll_gbps", "contention", "block_overhead_us", "hbm_gbps", "fp8_cast_gbps", "mem_ops_scale", "cpu_tflops",
                 "encode_host_s", "host_margin", "postprocess_gbps", "alloc_slack", "reserve_fraction",
-                "mem_margin", "disk_read_gbps", "codec_ratio", "codec_decode_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s"):
+                "mem_margin", "disk_read_gbps", "codec_ratio", "codec_decode_gbps", "page_cache_gbps", "pin_gbps", "host_fault_gbps", "load_startup_s",
+                "libraries_warm_share"):
         v = hw.figure(key)
         t.add_row(key, "-" if v is None else f"{v:.4g}")
     if hw.format_decode_gbps:
         t.add_row("format_decode_gbps", ", ".join(f"{k} {v:.4g}" for k, v in hw.format_decode_gbps.items()))
     t.add_row("context_bytes", format_bytes(hw.context_bytes))
     t.add_row("process_host_bytes", format_bytes(hw.pipeline.process_host_bytes))
+    if hw.pipeline.process_start_host_bytes is not None:
+        t.add_row("process_start_host_bytes", format_bytes(hw.pipeline.process_start_host_bytes))
     if hw.pipeline.startup_s:
         t.add_row("startup_s", ", ".join(f"{k} {v:.3f}" for k, v in hw.pipeline.startup_s.items()))
     if hw.pipeline.text_layer_host_us:

@@ -458,8 +458,9 @@ def _load_fit(disk: dict | None, hw: HardwareSpec, on: str, log: Callable[[str],
 
 def _process_rss() -> int:
     """Host memory of a process that has started CUDA and loaded torch, diffusers and transformers but holds no
-    weights: what a generation holds besides its components (`process_host_bytes`), where no start-up probe ran
-    (the probes' figure, after their text encoder, block and VAE calls, replaces it: _with_fits)."""
+    weights and ran no pipeline's kernels: what the load holds besides its copies (`process_start_host_bytes`), and
+    `process_host_bytes` where no start-up probe ran (the probes' figure, after their text encoder, block and VAE
+    calls, replaces that: _with_fits)."""
     import diffusers  # noqa: F401
     import transformers  # noqa: F401
 
@@ -651,7 +652,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     curve = curves[specs[0].name]
     h2d_rows, fit = _h2d_fit(s, progress, log)
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
-    extra["process_host_bytes"] = process_rss
+    extra["process_host_bytes"] = extra["process_start_host_bytes"] = process_rss
     vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [], {})
     disk_raw, codec_raw, formats_raw = _device_figures(extra, s, cpu_smoke, weights, disk, log)
     coll = _collectives(s, progress, log) if s.world > 1 else None
@@ -670,7 +671,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
                peak_tflops=peak, blocks=blocks, eta_comp_curve=curve, eta_comp_curves=curves,
                h2d=h2d_rows, h2d_fit=dict(t0_us=fit.t0_s * 1e6, gbps=fit.bw_Bps / 1e9), collectives=coll,
                base=base_note, operators=ops_raw, vae=vae_raw, vae_residuals=vae_res, forwards=forwards, disk=disk_raw,
-               codec=codec_raw, formats=formats_raw, startup=startup_raw)
+               codec=codec_raw, formats=formats_raw, startup=startup_raw, process_start_rss_bytes=process_rss)
     return Calibration(profile, raw)
 
 
@@ -739,8 +740,10 @@ def _with_fits(profile: HardwareSpec, scaled: dict, fits: dict[str, Any], disk_r
     startup, startup_raw = _startup(model, startup_processes, s.device, log, cold)
     if startup.get("fit") is not None:
         fits["startup"] = startup["fit"]
-    # process_host_bytes: the probes' resident set, their kernels' libraries loaded (startup.py), where they ran
-    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s", "process_host_bytes") if k in startup}
+    # process_host_bytes: the probes' resident set, their kernels' libraries loaded (startup.py), where they ran;
+    # libraries_warm_share: the libraries' cached share after them
+    extra_startup = {k: startup[k] for k in ("startup_s", "startup_samples_s", "process_host_bytes",
+                                             "libraries_warm_share") if k in startup}
     profile = HardwareSpec(**{**profile.model_dump(), "eta_comp_curves": scaled, "fits": fits, **extra_startup})
     return profile, startup_raw
 

@@ -116,9 +116,10 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: 
     (`startup_samples_s`: calibrate's cold processes, earlier refits) and the figure is their mean, its `startup`
     FitQuality the spread of every sample kept about its key's mean (startup.startup_record); keys the reports do
     not measure keep the profile's figure. A report whose process started with its libraries out of the page cache
-    (`libraries_cached` under half) is a freshly started machine's: its gaps are `cold:<phase>` samples."""
+    (`libraries_cached` under half the profile's warm share: libraries.were_cached) is a freshly started machine's:
+    its gaps are `cold:<phase>` samples."""
     from chunkflow.commands.calibrate.startup import startup_record
-    from chunkflow.loading.libraries import CACHED_ENOUGH
+    from chunkflow.loading.libraries import were_cached
     from chunkflow_planner.catalog import encode_startup_key
     from chunkflow_planner.plan import model_of
 
@@ -128,7 +129,7 @@ def _refit_startup(hw: HardwareSpec, reports: Sequence, notes: list[str], fits: 
         if g is None or not g.first_phase_times_s:
             continue
         own = encode_startup_key(model_of(r.plan))
-        cold = g.libraries_cached is not None and g.libraries_cached < CACHED_ENOUGH  # a freshly started machine's
+        cold = were_cached(g.libraries_cached, hw.pipeline.libraries_warm_share) is False  # a fresh machine's
         for phase, first in g.first_phase_times_s.items():
             if phase in g.phases:
                 gap = max(0.0, first - g.phases[phase].measured_time_s)
@@ -279,21 +280,38 @@ class _PhaseSamples:
         return update
 
 
+def _load_process(r, e, hw: HardwareSpec) -> float | None:
+    """A started process's host memory before its first kernels, from a report's load: its host peak less the
+    load's other host bytes (eq. L3 on `hw` for the placement `e` as it ran); None without a load."""
+    from chunkflow_planner.pipeline.assemble import load_prediction
+    from chunkflow_planner.pipeline.load import load_process_bytes
+    from chunkflow_planner.plan import model_of
+
+    ld = r.generation.load
+    if ld is None or not ld.host_peak_bytes:
+        return None
+    predicted = load_prediction(model_of(r.plan), e).host_peak_bytes  # (the bytes read do not move the host peak)
+    return ld.host_peak_bytes - (predicted - load_process_bytes(hw))
+
+
 def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = None) -> dict[str, Any]:
     """From generation reports, the host memory a process holds besides its components (`process_host_bytes`:
-    the measured host peak less the plan's other host bytes, recomputed on `hw`; median) and the load's start-up
-    (`load_startup_s`: a load from a folder less its predicted reads, copies and page-locking for the bytes it
-    read and the share the page cache held, eq. L1; median, at least 0; needs the profile's disk rate)."""
+    the measured host peak less the plan's other host bytes, recomputed on `hw`; median), the same before its first
+    kernels (`process_start_host_bytes`: the load's host peak less the load's other bytes, _load_process; median)
+    and the load's start-up (`load_startup_s`: a load from a folder less its predicted reads, copies and
+    page-locking for the bytes it read and the share the page cache held, eq. L1; median, at least 0; needs the
+    profile's disk rate)."""
     from chunkflow_planner.pipeline.load import LoadEstimate, T_load
 
     notes = [] if notes is None else notes
     gens = [r for r in reports if r.generation is not None and r.plan.pipeline is not None]
-    process, startup = [], []
+    process, start, startup = [], [], []
     zero = hw.model_copy(update={"load_startup_s": 0.0})
     for r in gens:
         e, _ = generation_estimate(r, hw)
         others = sum(v for k, v in e.host_bytes.items() if k != "process")
         process.append(r.generation.host_peak_bytes - others)
+        start += [x for x in [_load_process(r, e, hw)] if x is not None]
         ld, lp = r.generation.load, r.plan.prediction.load
         if ld is not None and lp is not None and ld.read_bytes > 0:
             est = LoadEstimate(ld.read_bytes, lp.h2d_bytes, lp.pinned_bytes, lp.host_peak_bytes, lp.fresh_bytes,
@@ -304,6 +322,8 @@ def refit_load(hw: HardwareSpec, reports: Sequence, notes: list[str] | None = No
     update: dict[str, Any] = {}
     if process and statistics.median(process) > 0:
         update["process_host_bytes"] = int(statistics.median(process))
+    if start and statistics.median(start) > 0:
+        update["process_start_host_bytes"] = int(statistics.median(start))
     if startup:
         update["load_startup_s"] = statistics.median(startup)
     elif gens:
@@ -455,7 +475,8 @@ def refit(hw: HardwareSpec, reports: Sequence) -> tuple[HardwareSpec, list[str]]
     - fits: block_overhead and startup where 2 samples or more give them (each sample about the value written,
       _refit_quality); fewer keep the profile's record, else the prior.
     - encode_host_s, postprocess_gbps, alloc_slack, mem_margin: from generation reports (_refit_pipeline).
-    - process_host_bytes, load_startup_s: from generation reports' loads (refit_load).
+    - process_host_bytes, process_start_host_bytes, load_startup_s: from generation reports and their loads
+      (refit_load).
     - model_errors: the planner's errors in the reports by kind of prediction (model_errors), added to those the
       profile keeps of the same kind (merge_model_errors); kinds the reports do not measure keep the profile's.
     """

@@ -183,13 +183,24 @@ def measure_cold_startup(model: str, device: str, log: Callable[[str], None] = l
     return {f"cold:{k}": v for k, v in samples.items() if k in PHASES}
 
 
+def _warm_share(found: dict[str, Any], log: Callable[[str], None]) -> None:
+    """The libraries' cached share once the probes ran (libraries.warm_share) into `found` as
+    `libraries_warm_share`, where the system can tell."""
+    from chunkflow.loading.libraries import warm_share
+
+    share = warm_share()
+    if share is not None:
+        found["libraries_warm_share"] = share
+        log(f"the libraries' bytes in the page cache once warm: {share:.0%} (a run under half of that starts cold)")
+
+
 def calibrated_startup(model: str, processes: int, device: str, log: Callable[[str], None],
                        cold: Mapping[str, Sequence[float]] | None = None
                        ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The profile's start-up figures from `processes` cold processes (startup_record) and `cold`, a freshly started
     machine's samples (measure_cold_startup, taken before the parent ran a kernel): {startup_s, startup_samples_s,
-    fit: the `startup` FitQuality or None; process_host_bytes: the probes' median resident set, RSS_KEY}, and the
-    raw samples."""
+    fit: the `startup` FitQuality or None; process_host_bytes: the probes' median resident set, RSS_KEY;
+    libraries_warm_share: the libraries' cached share after them}, and the raw samples."""
     raw = {**measure_startup(model, processes, device, log), **(cold or {})}
     samples = {k: v for k, v in raw.items() if k != RSS_KEY}
     if not samples:
@@ -199,6 +210,7 @@ def calibrated_startup(model: str, processes: int, device: str, log: Callable[[s
     log("start-up of a process's first calls over " + f"{processes} cold processes: "
         + ", ".join(f"{k} {v:.3f} s" for k, v in means.items()))
     found = dict(startup_s=means, startup_samples_s=kept, fit=q)
+    _warm_share(found, log)
     if raw.get(RSS_KEY):
         found["process_host_bytes"] = int(statistics.median(raw[RSS_KEY]))
         log(f"a process's own host memory after its first calls: {found['process_host_bytes'] / 1e9:.2f} GB "
