@@ -6,7 +6,7 @@
 # offloading (block level, streams) with the same cache config, and the same cache all on the GPU (diffusers alone)
 # for the latents, which must be bit-identical to chunkflow's; first-block caching also at the no-cache plan's setting
 # (block 0 streamed). `first-block:auto`: the threshold probe.py finds nearest the planner's prior hit rate on these
-# random weights (FBC_THRESHOLD=T gives it). Where the part's budget does not fit (Wan2.2-5B's tiled decode at 704x1280
+# random weights (FBC_THRESHOLD=T gives it; THRESHOLDS=record: one generation's measures, probe.py). Where the part's budget does not fit (Wan2.2-5B's tiled decode at 704x1280
 # x81 needs more than 8 GB on both profiles), the budget goes up by 1 GB until the no-cache plan fits (budget-PART.txt
 # says which), and every way of the part is planned at it. WARMUP=N: whole generations before the measured one (default
 # 1; 0 measures the process's first, as the plan predicts it). Raw files in $OUT (tarred as cache.tgz).
