@@ -36,7 +36,8 @@ read from the disk at their first use: `calibrate`'s first cold process runs wit
 keyed `cold:<phase>` in startup_s; 0 unmeasured; `Band.startup_cold_s` holds its part of the high edge, which a run
 that started with the libraries cached is judged without: reports.band_verdicts), sd_c its own spread: the `cold:*`
 samples about their means where COLD_MIN_SAMPLES are kept, else STARTUP_PRIOR (cold_spread; calibrate measures one
-cold process, and two cold first generations of one pipeline paid 0.91 s and 0.24 s on one H100). One-sided: the low edge takes
+cold process, and two cold first generations of one pipeline paid values far apart: docs/data/gpu-firstgen/README.md,
+round 3). One-sided: the low edge takes
 none of the start-up, which is measured on the calibrated model's kernels, and another pipeline's can be almost none
 (PixArt-Sigma's denoise paid 0.03 s where Wan2.2-5B's probe paid 0.20 s, on an H100). So that band is asymmetric
 (`Band.rel_low`, `Band.rel_high`) and a warm generation's carries none of it. What narrows it: calibrate again
@@ -190,8 +191,8 @@ def _codec_ratio(hw: HardwareSpec, k: float) -> HardwareSpec:
 # The start-up's spread where no cold process or report measured it: the H200's first generations (docs/bands-h200.md)
 # paid 1.3x to 5x the catalog's start-up; at 1.0 its band reaches 3x the figure, and down to none of it. A freshly
 # started machine's extra start-up has it too until COLD_MIN_SAMPLES samples say its spread (cold_spread): two cold
-# first generations of PixArt-Sigma on one H100 paid 0.91 s and 0.24 s over its warm denoise (docs/data/gpu-firstgen/
-# run-3), where calibrate's one cold process measures a single value.
+# first generations of PixArt-Sigma on one H100 paid values far apart over its warm denoise (docs/data/gpu-firstgen/
+# README.md, round 3), where calibrate's one cold process measures a single value.
 STARTUP_PRIOR = 1.0
 COLD_MIN_SAMPLES = 3  # `cold:*` samples (of keys with two or more) that measure the cold part's spread
 

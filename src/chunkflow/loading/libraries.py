@@ -58,10 +58,7 @@ def cached_at_start() -> float | None:
     """The libraries' cached share when this process first asked, before it imported torch (None once torch is
     imported: its mapped pages would count); the same answer after."""
     if not _AT_START:
-        try:
-            _AT_START.append(None if "torch" in sys.modules else cached_share(library_files()))
-        except OSError:  # a package folder it may not walk: unknown, and the run goes on
-            _AT_START.append(None)
+        _AT_START.append(None if "torch" in sys.modules else _share_now())
     return _AT_START[0]
 
 
@@ -77,6 +74,12 @@ def were_cached(share: float | None, warm: float | None) -> bool | None:
 def warm_share() -> float | None:
     """The libraries' cached share now, in a process whose kernels ran (calibrate, after its start-up probes): this
     machine's warm share; None where the system cannot tell or a package folder cannot be walked."""
+    return _share_now()
+
+
+def _share_now() -> float | None:
+    """The libraries' cached share now; None where the system cannot tell or a package folder cannot be walked
+    (unknown, and the run or calibration goes on)."""
     try:
         return cached_share(library_files())
     except OSError:
