@@ -20,7 +20,7 @@ from chunkflow_planner.claims import ROOT  # noqa: E402
 from chunkflow_planner.plan import load_plan, model_of  # noqa: E402
 from chunkflow_planner.planner import ACTIVATION_PRIOR, make_plan, resolve_hardware  # noqa: E402
 from chunkflow_planner.reprice import prediction_values  # noqa: E402
-from pipelines import _seeded, _t5, one_thread, t5_tokenizer  # noqa: E402
+from pipelines import one_thread  # noqa: E402
 
 RUN = ROOT / "docs" / "data" / "gpu-firstgen" / "run-2"  # PixArt-Sigma's first generation on an H100
 PROFILE = RUN / "profile.yaml"  # that H100's calibrated profile
@@ -31,24 +31,11 @@ SHAPE = ["--height", 512, "--width", 512, "--steps", 8, "--mem-budget", "6GB", "
 
 
 def _pixart(folder: Path) -> Path:
-    """A small PixArt-Sigma pipeline (a class the catalog never measured), saved with save_pretrained: hidden size
-    256, so its activations are a real share of its peaks beside the CUDA context."""
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+    """A small PixArt-Sigma pipeline (a class the catalog never measured): hidden size 256, so its activations are a
+    real share of its peaks beside the CUDA context."""
+    from test_pipelines_53 import _pixart as pixart
 
-    from test_run_any import _save
-
-    tok = t5_tokenizer()
-    transformer = _seeded(0, lambda: PixArtTransformer2DModel(
-        num_attention_heads=4, attention_head_dim=64, in_channels=4, out_channels=8, num_layers=2,
-        cross_attention_dim=256, caption_channels=16, sample_size=32, patch_size=2, norm_type="ada_norm_single",
-        use_additional_conditions=False))
-    vae = _seeded(2, lambda: AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1,
-        norm_num_groups=4, sample_size=32))
-    pipe = PixArtSigmaPipeline(tokenizer=tok, text_encoder=_t5(tok, 1, d_model=16, t5_class="T5EncoderModel"),
-                               vae=vae, transformer=transformer, scheduler=DPMSolverMultistepScheduler())
-    return _save(pipe, folder)
+    return pixart(folder, heads=4, head_dim=64)
 
 
 @pytest.fixture(scope="module")

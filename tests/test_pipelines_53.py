@@ -65,15 +65,18 @@ def test_latte_frames_are_its_video_length_planned_and_run_with_diffusers_latent
     assert got.shape[2] == 4 and torch.equal(got, loop)
 
 
-def _pixart(folder: Path) -> Path:
+def _pixart(folder: Path, heads: int = 2, head_dim: int = 8) -> Path:
+    """A small PixArt-Sigma pipeline saved with save_pretrained (hidden size heads x head_dim, its cross-attention
+    width the same)."""
     from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
 
     from test_run_any import _save
 
     tok = t5_tokenizer()
     transformer = _seeded(0, lambda: PixArtTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
-        cross_attention_dim=16, caption_channels=16, sample_size=32, patch_size=2, norm_type="ada_norm_single",
+        num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=8, num_layers=2,
+        cross_attention_dim=heads * head_dim, caption_channels=16, sample_size=32, patch_size=2,
+        norm_type="ada_norm_single",
         use_additional_conditions=False))
     vae = _seeded(2, lambda: AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
