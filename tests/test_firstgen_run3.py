@@ -194,27 +194,12 @@ def test_a_run_counts_as_cached_against_the_machines_warm_share(workdir):
     fresh machine's part, one at 0.0 to the edge with it. A profile without the warm share keeps the rule of all the
     bytes: 0.32 is cold there, 0.9 cached."""
     from chunkflow.loading.libraries import were_cached
-    from chunkflow.reports import load_reports
-    from tests.test_bands import _gpu_report, _hw, _plan
+    from tests.test_startup_bands import cold_encode_plan, encode_inside
 
     assert were_cached(0.32, 0.33) and not were_cached(0.0, 0.33) and were_cached(None, 0.33) is None
     assert not were_cached(0.32, None) and were_cached(0.9, None)
-    data, path = _gpu_report(workdir)
-
     def inside(warm: float | None, cached: float | None) -> bool:
-        hw = _hw({"startup": 0.3}).spec
-        pipe = hw.pipeline.model_copy(update={"startup_s": {**hw.pipeline.startup_s, "encode": 0.2,
-                                                            "cold:encode": 1.0}, "libraries_warm_share": warm})
-        plan = _plan(ResolvedHardware(hw.model_copy(update={"pipeline": pipe}), "test"))
-        first = plan.prediction.bands["phases.encode.time_s"]
-        between = (first.without_cold().edges()[1] + first.edges()[1]) / 2  # over the cached edge, under the fresh
-        data["plan"] = json.loads(plan.to_json())
-        phase = dict(measured_time_s=1.0, time_error=between)
-        data["generation"] = dict(prompt="p", seed=0, steps=8, components={}, phases={"encode": phase},
-                                  generation_time_s=1.0, host_peak_bytes=1, warmup_generations=0,
-                                  libraries_cached=cached)
-        path.write_text(json.dumps(data))
-        return load_reports([path])[0].bands["phases.encode.time_s"].inside
+        return encode_inside(workdir, cold_encode_plan(warm), cached)
 
     assert not inside(0.33, 0.32) and inside(0.33, 0.0) and inside(0.33, None)
     assert inside(None, 0.32) and not inside(None, 0.9)

@@ -4,6 +4,7 @@ is judged against the band of the generation it measured (first, or after a warm
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -123,28 +124,14 @@ def test_a_first_generation_is_held_to_the_fresh_machine_edge_only_where_its_lib
     """A profile with a freshly started machine's start-up (`cold:encode`): the plan's first-generation band carries
     what that adds to its high edge; a run that started with the libraries cached (`libraries_cached`, taken before
     torch was imported) is held to the edge without it, one that started cold (or says nothing) to the edge with it."""
-    from chunkflow.reports import load_reports
-    from tests.test_bands import _gpu_report, _hw, _plan
-
-    hw = _hw({"startup": 0.3})
-    pipe = hw.spec.pipeline.model_copy(update={"startup_s": {**hw.spec.pipeline.startup_s, "encode": 0.2,
-                                                             "cold:encode": 1.0}})
-    plan = _plan(type(hw)(hw.spec.model_copy(update={"pipeline": pipe}), "test"))
+    plan = cold_encode_plan(None)
     first = plan.prediction.bands["phases.encode.time_s"]
     assert first.startup_cold_s == pytest.approx(0.8 * (1 + Z * STARTUP_PRIOR))  # no cold samples: the prior
     warm_edge = first.without_cold()
     assert warm_edge.high == pytest.approx(first.high - first.startup_cold_s) and warm_edge.low == first.low
-    data, path = _gpu_report(workdir)
-    data["plan"] = json.loads(plan.to_json())
-    between = (warm_edge.edges()[1] + first.edges()[1]) / 2  # over the cached edge, under the fresh machine's
 
     def inside(cached: float | None) -> bool:
-        phase = dict(measured_time_s=1.0, time_error=between)
-        data["generation"] = dict(prompt="p", seed=0, steps=8, components={}, phases={"encode": phase},
-                                  generation_time_s=1.0, host_peak_bytes=1, warmup_generations=0,
-                                  libraries_cached=cached)
-        path.write_text(json.dumps(data))
-        return load_reports([path])[0].bands["phases.encode.time_s"].inside
+        return encode_inside(workdir, plan, cached)
 
     assert inside(0.0) and inside(None) and not inside(0.9)
 
@@ -184,3 +171,30 @@ def test_a_process_own_host_memory_is_the_start_up_probes_resident_set_after_the
                              capture_output=True, text=True, check=True, env={**__import__("os").environ,
                                                                               "CUDA_VISIBLE_DEVICES": ""})
     assert out["process_host_bytes"] > int(started.stdout.split()[-1])
+
+
+def cold_encode_plan(warm_share: float | None):
+    """A plan whose encode start-up has a fresh machine's part (`cold:encode`), the machine's warm share given."""
+    from chunkflow_planner.planner import ResolvedHardware
+    from tests.test_bands import _hw, _plan
+
+    hw = _hw({"startup": 0.3}).spec
+    pipe = hw.pipeline.model_copy(update={"startup_s": {**hw.pipeline.startup_s, "encode": 0.2, "cold:encode": 1.0},
+                                          "libraries_warm_share": warm_share})
+    return _plan(ResolvedHardware(hw.model_copy(update={"pipeline": pipe}), "test"))
+
+
+def encode_inside(workdir: Path, plan, cached: float | None) -> bool:
+    """Whether a report of the plan whose encode took between the cached edge and the fresh machine's, its process
+    started with a share `cached` of the libraries cached, is judged inside its encode band."""
+    from chunkflow.reports import load_reports
+    from tests.test_bands import _gpu_report
+
+    data, path = _gpu_report(workdir)
+    first = plan.prediction.bands["phases.encode.time_s"]
+    data["plan"] = json.loads(plan.to_json())
+    phase = dict(measured_time_s=1.0, time_error=(first.without_cold().edges()[1] + first.edges()[1]) / 2)
+    data["generation"] = dict(prompt="p", seed=0, steps=8, components={}, phases={"encode": phase},
+                              generation_time_s=1.0, host_peak_bytes=1, warmup_generations=0, libraries_cached=cached)
+    path.write_text(json.dumps(data))
+    return load_reports([path])[0].bands["phases.encode.time_s"].inside
