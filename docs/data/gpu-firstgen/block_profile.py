@@ -1,0 +1,129 @@
+"""One transformer block of a saved pipeline, timed on the GPU and split by kernel class (GEMM, attention, the rest:
+the memory-bound passes), beside the operator model's split of the same block from the pipeline's plan: which term
+a step-time miss sits in (step_breakdown.py says the model's side alone). The block's inputs are the ones the
+pipeline gives it: one step of the pipeline, all on the GPU, with the plan's workload (its size and guidance).
+
+    python docs/data/gpu-firstgen/block_profile.py PLAN.json FOLDER PROFILE.yaml --out block-NAME.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from chunkflow_planner.catalog import ModelSpec, load_profile
+from chunkflow_planner.ops import Attention, Gemm, MemPass, block_ops, op_time
+
+GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "addmm", "aten::mm", "aten::bmm", "linear")
+ATTENTION_NAMES = ("flash", "fmha", "attention", "attn", "cudnn")
+
+
+def kernel_class(name: str) -> str:
+    """'attention', 'gemm' or 'other' (elementwise, norms, reductions, copies) by the kernel's name."""
+    low = name.lower()
+    if any(k in low for k in ATTENTION_NAMES):
+        return "attention"
+    return "gemm" if any(k in low for k in GEMM_NAMES) else "other"
+
+
+def block_inputs(folder: Path, plan: dict, device: str):
+    """The first block and the (args, kwargs) the pipeline gives it in its first step."""
+    from diffusers import DiffusionPipeline
+
+    from chunkflow.models.adapters import find_blocks
+
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device)
+    block = find_blocks(pipe.transformer)[0]
+    seen: list = []
+
+    def grab(module, args, kwargs):
+        if not seen:
+            seen.append((args, kwargs))
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    w = plan["workload"]
+    with torch.no_grad():
+        pipe(prompt="a red fox in the snow", height=w["height"], width=w["width"], num_inference_steps=1,
+             output_type="latent")
+    handle.remove()
+    return block, seen[0]
+
+
+def profile_block(block, args, kwargs, device: str, repeats: int = 10) -> dict:
+    """Kernel time by class over `repeats` calls, and the calls' median wall time (CUDA events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(3):
+            block(*args, **kwargs)
+        times = []
+        for _ in range(repeats):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            block(*args, **kwargs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                block(*args, **kwargs)
+            torch.cuda.synchronize()
+    by_class: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    kernels: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        s = evt.device_time / 1e6 / repeats
+        by_class[kernel_class(evt.name)] += s
+        kernels[evt.name] = kernels.get(evt.name, 0.0) + s
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {"block_s": statistics.median(times), "kernel_s": by_class,
+            "top_kernels": [{"name": n[:160], "s": s, "class": kernel_class(n)} for n, s in top]}
+
+
+def model_split(plan: dict, profile: Path) -> dict:
+    """The operator model's price of the plan's first block, by the same classes."""
+    hw = load_profile(profile)
+    spec = ModelSpec.model_validate(plan["model"]["spec"])
+    w = plan["workload"]
+    batch = w["batch"] * (w["cfg_passes"] if plan["offload"]["cfg_batched"] else 1)
+    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "mem_pass_bytes": 0.0}
+    for op in block_ops(spec, spec.blocks[0], batch, w["tokens"], spec.text_len):
+        key = "gemm" if isinstance(op, Gemm) else "attention" if isinstance(op, Attention) else "other"
+        out[key] += op_time(op, hw)
+        out["mem_pass_bytes"] += op.nbytes if isinstance(op, MemPass) else 0.0
+    out["mem_ops_scale"] = hw.mem_ops_scale
+    out["arch"] = spec.blocks[0].arch
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("plan", type=Path)
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("profile", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    plan = json.loads(a.plan.read_text())
+    block, (args, kwargs) = block_inputs(a.folder, plan, "cuda")
+    measured = profile_block(block, args, kwargs, "cuda")
+    modelled = model_split(plan, a.profile)
+    other = measured["kernel_s"]["other"]
+    shapes = {"args": [list(getattr(x, "shape", [])) for x in args],
+              "kwargs": {k: list(v.shape) for k, v in kwargs.items() if hasattr(v, "shape")}}
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "block_input_shapes": shapes,
+              "block_class": type(block).__name__, "measured": measured,
+              "model": modelled, "workload": plan["workload"],
+              "mem_ops_scale_this_block": other / (modelled["other"] / modelled["mem_ops_scale"])
+              if modelled["other"] else None}
+    a.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("mem_ops_scale_this_block",)} | {"measured": measured["kernel_s"],
+          "block_s": measured["block_s"], "model": {k: modelled[k] for k in ("gemm", "attention", "other")}}))
+
+
+if __name__ == "__main__":
+    main()
