@@ -139,6 +139,7 @@ def test_a_load_from_a_folder_says_its_start_up_and_its_read_rate_apart(cli, wor
     assert float(m.group(5)) > 0 and "0.00 GB/s" not in out
     load = json.loads((workdir / "run-report.json").read_text())["generation"]["load"]
     assert 0 < load["startup_s"] < load["measured_time_s"] and load["read_seconds"] > 0
+    assert load["pin_seconds"] == load["pin_wait_seconds"] == 0.0  # timed, and nothing page-locked on the CPU
     assert "time not predicted" not in out  # a CPU plan's load time is nominal: nothing to calibrate for it
 
 

@@ -111,6 +111,7 @@ def load_result(built, plan: Plan, hw, folder, variant: str | None, comparable: 
         weights=str(folder) if folder is not None else "random", variant=variant, measured_time_s=m.seconds,
         startup_s=m.startup_seconds,
         read_bytes=m.read_bytes, cached_fraction=cached, read_seconds=m.read_seconds,
+        pin_seconds=m.pin_seconds, pin_wait_seconds=m.pin_wait_seconds,
         host_peak_bytes=m.host_peak_bytes, component_bytes=m.component_bytes, planned_component_bytes=planned,
         disk_component_bytes=m.disk_component_bytes,
         transformer_files={k: f for k, (f, _) in built.transformer_files.items()},

@@ -74,6 +74,10 @@ class LoadResult(BaseModel):
     cached_fraction: float | None = Field(None, description="share of the bytes read that the page cache held "
                                           "before the load (None: not known on this system)")
     read_seconds: float = Field(0.0, description="seconds inside the reads")
+    pin_seconds: float | None = Field(None, description="seconds page-locking host stores (cudaHostRegister) during "
+                                      "the load, on any thread (None: a report from before they were timed)")
+    pin_wait_seconds: float | None = Field(None, description="of pin_seconds, those the load's own thread spent: "
+                                           "the page-locking the reads did not hide")
     host_peak_bytes: int = Field(description="the process's peak resident memory at the load's end")
     component_bytes: dict[str, int] = Field(default_factory=dict, description="bytes each component holds")
     disk_component_bytes: dict[str, int] = Field(default_factory=dict, description="components placed on disk: "

@@ -651,6 +651,9 @@ def load_line(ld, gpu: bool = True) -> str:  # noqa: ANN001 - chunkflow.commands
                   else f", {ld.cached_fraction:.0%} of it in the page cache before")
         rate = f" at {format_rate(ld.read_bytes / ld.read_seconds)}" if ld.read_seconds > 0 else ""
         line += (f"; {format_bytes(ld.read_bytes)} read in {format_seconds(ld.read_seconds)}{rate}{cached}")
+        if ld.pin_seconds:
+            line += (f"; {format_seconds(ld.pin_seconds)} page-locking, {format_seconds(ld.pin_wait_seconds or 0.0)}"
+                     " of it not hidden by the reads")
         if ld.predicted_time_s is not None:
             line += f" (load predicted {format_seconds(ld.predicted_time_s)}, {_pct(ld.time_error)})"
         elif ld.predicted_host_peak_bytes is not None and gpu:

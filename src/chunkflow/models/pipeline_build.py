@@ -220,6 +220,8 @@ class LoadMeasurement:
     read_bytes: int = 0
     cached_bytes: int | None = 0  # None: the page cache's state could not be told
     read_seconds: float = 0.0
+    pin_seconds: float = 0.0  # inside cudaHostRegister, on any thread (store.PIN_CLOCK)
+    pin_wait_seconds: float = 0.0  # of the build's own thread: the page-locking the reads did not hide
     host_peak_bytes: int = 0
     component_bytes: dict[str, int] = field(default_factory=dict)
     disk_component_bytes: dict[str, int] = field(default_factory=dict)  # placed `disk`: left in the files, not read
@@ -324,7 +326,9 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     from chunkflow.models.transformer_file import load_file_component
     from chunkflow.loading.reader import FileReader
 
-    t0 = time.perf_counter()
+    from chunkflow.runtime.store import PIN_CLOCK
+
+    t0, pin0 = time.perf_counter(), PIN_CLOCK.now()
     pipe_spec = spec.pipeline
     built = BuiltPipeline(None, spec, device, dict(placements), random_weights=weights is None)
     folder = Path(weights) if weights is not None else None
@@ -371,6 +375,8 @@ def build_pipeline(spec, placements: dict[str, str], transformer_cfg: OffloadCon
     finally:
         reader.close()
     built.load = _load_measurement(built, parts, reader.stats, time.perf_counter() - t0, t_first - t0)
+    pin1 = PIN_CLOCK.now()
+    built.load.pin_seconds, built.load.pin_wait_seconds = pin1[0] - pin0[0], pin1[1] - pin0[1]
     return built
 
 

@@ -18,6 +18,7 @@ does not, the registration fails and says so (one copy per rank, CHUNKFLOW_SHARE
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -30,6 +31,29 @@ class HostStoreError(ChunkflowError):
 
 REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
 REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads it (a read-only map must say so)
+
+
+class PinClock:
+    """The process's seconds page-locking host stores: `locked_s` inside cudaHostRegister on any thread, `waited_s`
+    of them a caller's thread spent (a lock in the constructor, or waiting for the pinning thread): what the reads
+    did not hide. A load reports how much of each its build took (LoadResult.pin_seconds, pin_wait_seconds)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.locked_s = 0.0
+        self.waited_s = 0.0
+
+    def add(self, locked_s: float = 0.0, waited_s: float = 0.0) -> None:
+        with self._lock:
+            self.locked_s += locked_s
+            self.waited_s += waited_s
+
+    def now(self) -> tuple[float, float]:
+        with self._lock:
+            return self.locked_s, self.waited_s
+
+
+PIN_CLOCK = PinClock()
 
 
 def own_storage(flat: torch.Tensor) -> torch.Tensor:
@@ -53,7 +77,9 @@ class HostStore:
         self._pin_error: BaseException | None = None
         if pin and nbytes > 0:
             if ranges is None or len(ranges) < 2:
+                t0 = time.perf_counter()
                 self._register(0, nbytes)
+                PIN_CLOCK.add(waited_s=time.perf_counter() - t0)
             else:
                 device = torch.cuda.current_device()
                 self._pinning = threading.Thread(target=self._register_all, args=(ranges, device),
@@ -62,9 +88,11 @@ class HostStore:
 
     def _register(self, offset: int, nbytes: int) -> None:
         cudart = torch.cuda.cudart()
+        t0 = time.perf_counter()
         # portable: page-locked for every CUDA context of the process (a store read by a reader thread, a rank's GPU)
         flags = REGISTER_PORTABLE | (REGISTER_READ_ONLY if self.read_only else 0)
         ret = cudart.cudaHostRegister(self.data.data_ptr() + offset, nbytes, flags)
+        PIN_CLOCK.add(locked_s=time.perf_counter() - t0)
         if int(ret) != 0 and self.read_only:
             raise HostStoreError(
                 f"cudaHostRegister of {nbytes} bytes of the host copy the ranks share, read-only, failed (cudaError "
@@ -91,14 +119,18 @@ class HostStore:
     def pin_now(self, ranges: list[tuple[int, int]] | None = None) -> None:
         """Page-lock a store made with pin=False now, span by span (`ranges`, else whole): a shared segment once it is
         sealed."""
+        t0 = time.perf_counter()
         for offset, nbytes in ranges if ranges else [(0, self.nbytes)]:
             if nbytes > 0:
                 self._register(offset, nbytes)
+        PIN_CLOCK.add(waited_s=time.perf_counter() - t0)
 
     def wait(self) -> None:
         """Return once the whole store is page-locked (at once where it was locked in the constructor)."""
         if self._pinning is not None:
+            t0 = time.perf_counter()
             self._pinning.join()
+            PIN_CLOCK.add(waited_s=time.perf_counter() - t0)
             self._pinning = None
         if self._pin_error is not None:
             exc, self._pin_error = self._pin_error, None
@@ -116,7 +148,9 @@ class HostStore:
     def release(self) -> None:
         """Unregister (if pinned) and drop the bytes. Callers make sure no copy still reads them."""
         if self._pinning is not None:
+            t0 = time.perf_counter()
             self._pinning.join()
+            PIN_CLOCK.add(waited_s=time.perf_counter() - t0)
             self._pinning = None
         self._pin_error = None
         failed = []
