@@ -947,3 +947,31 @@ def test_a_browser_uses_a_token_server_from_the_pages_fragment(server, tmp_path)
     finally:
         uv.should_exit = True
         thread.join(WAIT_S)
+
+
+def test_the_queued_jobs_images_together_are_capped_and_a_job_over_it_waits_for_room(tmp_path):
+    """Each image is checked alone (the body limit, its header), and together the queued jobs' images are held to
+    max_image_bytes: 64 jobs of ~24 MB would keep 1.5 GB from the model. A job past it is a 429 that says why,
+    nothing is queued, and once a job finishes (its image dropped) the same request is taken."""
+    from chunkflow.serve.app import make_app
+    from chunkflow.serve.queue import JobQueue
+
+    data = png(64, 64, noise=True)
+    queue = JobQueue(ImageSession(), tmp_path / "out", max_queue=8, paused=True, max_image_bytes=2 * len(data) + 10)
+    port, uv, thread = serve_app(make_app(queue, max_body_bytes=BODY_LIMIT))
+    server = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port, "queue": queue})()
+    body = {"prompt": "animate", "image_base64": base64.b64encode(data).decode()}
+    try:
+        first = [call(server, "POST", "/jobs", body) for _ in range(2)]
+        assert [status for status, _, _ in first] == [201, 201]
+        status, err, _ = call(server, "POST", "/jobs", body)
+        assert status == 429 and "images hold" in err["error"] and len(queue) == 2, err
+        queue.resume()
+        for _, snap, _ in first:
+            assert finished(server, snap["id"])["state"] == "done"
+        status, snap, _ = call(server, "POST", "/jobs", body)
+        assert status == 201, snap
+    finally:
+        uv.should_exit = True
+        thread.join(WAIT_S)
+        queue.shutdown(WAIT_S)

@@ -28,12 +28,15 @@ __all__ = ["JobQueue", "QueuedJob", "QueueFull", "QueueClosed", "UnknownJob", "S
 STATES = ("queued", "running", "done", "failed", "cancelled")
 FINISHED = ("done", "failed", "cancelled")
 DEFAULT_MAX_QUEUE = 64
+# the image files the queued jobs hold, together (each is checked from its header, at most the app's body limit): 64
+# jobs of ~24 MB would keep 1.5 GB of a 32 GB desktop's memory from the model; a job over it waits for room
+DEFAULT_MAX_IMAGE_BYTES = 256 * 2**20
 DEFAULT_HISTORY = 256
 RATIO_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)  # measured / predicted
 
 
 class QueueFull(JobError):
-    """The queue holds max_queue jobs already."""
+    """The queue holds max_queue jobs already, or its jobs' images max_image_bytes."""
 
 
 class QueueClosed(ChunkflowError):
@@ -157,13 +160,14 @@ class JobQueue:
 
     def __init__(self, session, out_dir: str | Path, *, max_queue: int = DEFAULT_MAX_QUEUE,
                  history: int = DEFAULT_HISTORY, observer: Callable[[str, int, int], None] | None = None,
-                 paused: bool = False) -> None:
+                 paused: bool = False, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> None:
         if max_queue < 1:
             raise ChunkflowError(f"max_queue must be at least 1, got {max_queue}")
         self.session = session
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_queue = max_queue
+        self.max_image_bytes = max_image_bytes
         self.stats = Stats()
         self._observer = observer
         self._cond = threading.Condition()
@@ -203,6 +207,11 @@ class JobQueue:
                 self.stats.refused += 1
                 raise QueueFull(f"the queue holds {len(self._queue)} jobs already (at most {self.max_queue}); "
                                 "submit again when some have finished")
+            held = self._image_bytes()
+            if image is not None and held + len(image) > self.max_image_bytes:
+                self.stats.refused += 1
+                raise QueueFull(f"the queued jobs' images hold {held:,} bytes already, and this one's {len(image):,} "
+                                f"would pass {self.max_image_bytes:,}; submit again when some have finished")
             qj = QueuedJob(uuid.uuid4().hex, job, image, time.time(), first, later,
                            settings=settings(job, fit.workload, self.session.spec, cache_label_of(self.session)))
             self._queue.append(qj)
@@ -210,6 +219,11 @@ class JobQueue:
             self.stats.submitted += 1
             self._cond.notify_all()
             return self._snapshots()[qj.id]
+
+    def _image_bytes(self) -> int:
+        """Bytes of the image files the queued and the running jobs hold (the caller holds the lock)."""
+        jobs = list(self._queue) + ([self._running] if self._running is not None else [])
+        return sum(len(qj.image) for qj in jobs if qj.image is not None)
 
     def _check(self, job: Job, image: bytes | None):  # noqa: ANN202 - planner.pipeline.jobs.JobFit
         """Whatever would make the job fail that can be known now: a path from the request, an image the
