@@ -41,6 +41,8 @@ for part in ${PARTS:-flux wan}; do
   [ -d "$folder" ] || step save-$part 900 $py "$repo/scripts/save_pipeline.py" $model "$folder" --device $dev
   for cache in ${CACHES:-none first-block:auto mag:ratios=flux}; do
     if [ "$cache" = first-block:auto ]; then  # the threshold nearest the prior's hit rate on these random weights
+      [ -f "$work/plan-$part-none.json" ] || step plan-$part-none 60 $py -m chunkflow plan --model $model $shape \
+        --steps $steps --hardware $hw --mem-budget $budget --out "$work/plan-$part-none.json"  # the probe's setting
       [ -f "$work/probe-$part.json" ] || step probe-$part 600 $py "$repo/docs/data/gpu-cache/probe.py" \
         "$work/plan-$part-none.json" "$folder" --device $dev --out "$work/probe-$part.json" \
         --thresholds ${THRESHOLDS:-0.3,0.45,0.6,0.8}
