@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,20 @@ def block_inputs(folder: Path, plan: dict, device: str):
     return block, seen[0]
 
 
+def _timed(block, args, kwargs, device: str) -> float:
+    """Seconds of one call of the block (CUDA events on the GPU; the wall clock on the CPU, a dry run's)."""
+    if device != "cuda":
+        t0 = time.perf_counter()
+        block(*args, **kwargs)
+        return time.perf_counter() - t0
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    block(*args, **kwargs)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def profile_block(block, args, kwargs, device: str, repeats: int = 10) -> dict:
     """Kernel time by class over `repeats` calls, and the calls' median wall time (CUDA events)."""
     from torch.profiler import ProfilerActivity, profile
@@ -60,24 +75,19 @@ def profile_block(block, args, kwargs, device: str, repeats: int = 10) -> dict:
     with torch.no_grad():
         for _ in range(3):
             block(*args, **kwargs)
-        times = []
-        for _ in range(repeats):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            block(*args, **kwargs)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        times = [_timed(block, args, kwargs, device) for _ in range(repeats)]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=activities) as prof:
             for _ in range(repeats):
                 block(*args, **kwargs)
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
     by_class: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     kernels: dict[str, float] = {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        s = evt.device_time / 1e6 / repeats
+        s = evt.device_time_total / 1e6 / repeats  # a kernel: its own span, in microseconds
         by_class[kernel_class(evt.name)] += s
         kernels[evt.name] = kernels.get(evt.name, 0.0) + s
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
@@ -85,14 +95,21 @@ def profile_block(block, args, kwargs, device: str, repeats: int = 10) -> dict:
             "top_kernels": [{"name": n[:160], "s": s, "class": kernel_class(n)} for n, s in top]}
 
 
-def model_split(plan: dict, profile: Path) -> dict:
-    """The operator model's price of the plan's first block, by the same classes."""
+def seen_shape(args, kwargs) -> tuple[int, int] | None:
+    """(batch, tokens) of the image stream the block was given (its `hidden_states`), None where not found."""
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    return (int(x.shape[0]), int(x.shape[1])) if getattr(x, "ndim", 0) == 3 else None
+
+
+def model_split(plan: dict, profile: Path, seen: tuple[int, int] | None = None) -> dict:
+    """The operator model's price of the plan's first block, by the same classes, at the batch and tokens the
+    block was given where known (`seen`: a pipeline may round the size, PixArt's resolution bins), else the plan's."""
     hw = load_profile(profile)
     spec = ModelSpec.model_validate(plan["model"]["spec"])
     w = plan["workload"]
-    batch = w["batch"] * (w["cfg_passes"] if plan["offload"]["cfg_batched"] else 1)
-    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "mem_pass_bytes": 0.0}
-    for op in block_ops(spec, spec.blocks[0], batch, w["tokens"], spec.text_len):
+    batch, tokens = seen or (w["batch"] * (w["cfg_passes"] if plan["offload"]["cfg_batched"] else 1), w["tokens"])
+    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "mem_pass_bytes": 0.0, "batch": batch, "tokens": tokens}
+    for op in block_ops(spec, spec.blocks[0], batch, tokens, spec.text_len):
         key = "gemm" if isinstance(op, Gemm) else "attention" if isinstance(op, Attention) else "other"
         out[key] += op_time(op, hw)
         out["mem_pass_bytes"] += op.nbytes if isinstance(op, MemPass) else 0.0
@@ -109,13 +126,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     plan = json.loads(a.plan.read_text())
-    block, (args, kwargs) = block_inputs(a.folder, plan, "cuda")
-    measured = profile_block(block, args, kwargs, "cuda")
-    modelled = model_split(plan, a.profile)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run (no kernels to split)
+    block, (args, kwargs) = block_inputs(a.folder, plan, device)
+    measured = profile_block(block, args, kwargs, device)
+    modelled = model_split(plan, a.profile, seen_shape(args, kwargs))
     other = measured["kernel_s"]["other"]
     shapes = {"args": [list(getattr(x, "shape", [])) for x in args],
               "kwargs": {k: list(v.shape) for k, v in kwargs.items() if hasattr(v, "shape")}}
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "block_input_shapes": shapes,
+    result = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)", "torch": torch.__version__, "block_input_shapes": shapes,
               "block_class": type(block).__name__, "measured": measured,
               "model": modelled, "workload": plan["workload"],
               "mem_ops_scale_this_block": other / (modelled["other"] / modelled["mem_ops_scale"])
