@@ -62,7 +62,7 @@ fi
 if [ $stage = mochi ] && [ $(left) -gt 120 ]; then
   rm -rf /tmp/firstgen-evidence/folder-*
   mkdir -p /tmp/prev && cp /tmp/firstgen-evidence/profile.yaml /tmp/firstgen-evidence/calibration.json /tmp/prev/ 2>/dev/null
-  PREV=/tmp/prev NAMES=mochi ROUNDS=${MOCHI_ROUNDS:-1} PARTS="save plan fresh after" WORK=/tmp/mochi-evidence \
+  PREV=/tmp/prev NAMES=mochi ROUNDS=${MOCHI_ROUNDS:-3} PARTS="save plan fresh after" WORK=/tmp/mochi-evidence \
     timeout $(left) bash docs/data/gpu-firstgen/gpu_firstgen.sh $OUT/mochi
 fi
 echo "stage now: $(cat /tmp/stage); left $(left) s"; df -h /tmp | tail -1
