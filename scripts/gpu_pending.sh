@@ -19,7 +19,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "GPU: $gpu"; df -
 if echo "$gpu" | grep -q H100; then HW=docs/data/gpu-formats/raw/profile.yaml; caches="none first-block:auto mag:ratios=flux"
   skip="run-wan-none gpu-wan-none group-wan-none run-wan-first-block-streamed"
 else HW=h200; caches="none first-block:auto mag:ratios=flux"; skip="gpu-wan-none group-wan-none run-wan-first-block-streamed"; fi
-[ -f /tmp/stage ] || echo cache > /tmp/stage
+[ -f /tmp/stage ] || echo ${STAGE:-cache} > /tmp/stage  # STAGE=fg: begin at a later stage
 stage=$(cat /tmp/stage)
 mkdir -p $OUT/cache $OUT/fg $OUT/mochi
 if [ $stage = cache ]; then
