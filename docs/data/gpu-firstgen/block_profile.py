@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from chunkflow_planner.catalog import ModelSpec, load_profile
-from chunkflow_planner.ops import Attention, Gemm, MemPass, block_ops, op_time
+from chunkflow_planner.ops import Attention, Gemm, block_ops, op_time, split
+from chunkflow_planner.workload import Workload, per_forward
 
 GEMM_NAMES = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "addmm", "aten::mm", "aten::bmm", "linear")
 ATTENTION_NAMES = ("flash", "fmha", "attention", "attn", "cudnn")
@@ -102,20 +103,20 @@ def seen_shape(args, kwargs) -> tuple[int, int] | None:
 
 
 def model_split(plan: dict, profile: Path, seen: tuple[int, int] | None = None) -> dict:
-    """The operator model's price of the plan's first block, by the same classes, at the batch and tokens the
-    block was given where known (`seen`: a pipeline may round the size, PixArt's resolution bins), else the plan's."""
+    """The operator model's price of the plan's first block, by the same classes (`ops.split` for the memory passes
+    at mem_ops_scale 1), at the batch and tokens the block was given where known (`seen`: a pipeline may round the
+    size, PixArt's resolution bins), else the plan's forward's (workload.per_forward)."""
     hw = load_profile(profile)
     spec = ModelSpec.model_validate(plan["model"]["spec"])
-    w = plan["workload"]
-    batch, tokens = seen or (w["batch"] * (w["cfg_passes"] if plan["offload"]["cfg_batched"] else 1), w["tokens"])
-    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "mem_pass_bytes": 0.0, "batch": batch, "tokens": tokens}
-    for op in block_ops(spec, spec.blocks[0], batch, tokens, spec.text_len):
-        key = "gemm" if isinstance(op, Gemm) else "attention" if isinstance(op, Attention) else "other"
-        out[key] += op_time(op, hw)
-        out["mem_pass_bytes"] += op.nbytes if isinstance(op, MemPass) else 0.0
-    out["mem_ops_scale"] = hw.mem_ops_scale
-    out["arch"] = spec.blocks[0].arch
-    return out
+    work = Workload.model_validate({k: v for k, v in plan["workload"].items() if k != "tokens"})
+    forward, _ = per_forward(work, bool(plan["offload"].get("cfg_batched")))
+    batch, tokens = seen or (forward.batch, plan["workload"]["tokens"])
+    ops = block_ops(spec, spec.blocks[0], batch, tokens, spec.text_len)
+    _, mem_at_scale_1 = split(ops, hw)
+    return {"gemm": sum(op_time(op, hw) for op in ops if isinstance(op, Gemm)),
+            "attention": sum(op_time(op, hw) for op in ops if isinstance(op, Attention)),
+            "other": hw.mem_ops_scale * mem_at_scale_1, "mem_at_scale_1": mem_at_scale_1,
+            "mem_ops_scale": hw.mem_ops_scale, "arch": spec.blocks[0].arch, "batch": batch, "tokens": tokens}
 
 
 def main() -> None:
@@ -136,8 +137,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)", "torch": torch.__version__, "block_input_shapes": shapes,
               "block_class": type(block).__name__, "measured": measured,
               "model": modelled, "workload": plan["workload"],
-              "mem_ops_scale_this_block": other / (modelled["other"] / modelled["mem_ops_scale"])
-              if modelled["other"] else None}
+              "mem_ops_scale_this_block": other / modelled["mem_at_scale_1"] if modelled["mem_at_scale_1"] else None}
     a.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("mem_ops_scale_this_block",)} | {"measured": measured["kernel_s"],
           "block_s": measured["block_s"], "model": {k: modelled[k] for k in ("gemm", "attention", "other")}}))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from chunkflow_planner.catalog import ModelSpec, load_profile
 from chunkflow_planner.flops import F_kind
-from chunkflow_planner.ops import Attention, Gemm, MemPass, block_ops, op_time
+from chunkflow_planner.ops import block_ops, split
+from chunkflow_planner.workload import Workload, per_forward
 
 
 def main(run: Path) -> None:
@@ -25,15 +26,14 @@ def main(run: Path) -> None:
         plan = json.loads(plan_path.read_text())
         spec = ModelSpec.model_validate(plan["model"]["spec"])
         w = plan["workload"]
-        B = w["batch"] * (w["cfg_passes"] if plan["offload"]["cfg_batched"] else 1)
+        work = Workload.model_validate({k: v for k, v in w.items() if k != "tokens"})
+        B = per_forward(work, bool(plan["offload"].get("cfg_batched")))[0].batch
         medians = [json.loads(Path(p).read_text())["measured"]["median_step_s"]
                    for p in sorted(glob.glob(str(run / f"report-*-{name}.json")))]
         F_step = t_flops = t_mem = 0.0
         for g in spec.blocks:
-            for op in block_ops(spec, g, B, w["tokens"], spec.text_len):
-                t = g.count * op_time(op, hw)
-                t_mem += t if isinstance(op, MemPass) else 0.0
-                t_flops += t if isinstance(op, (Gemm, Attention)) else 0.0
+            flops_t, mem_t = split(block_ops(spec, g, B, w["tokens"], spec.text_len), hw)
+            t_flops, t_mem = t_flops + g.count * flops_t, t_mem + g.count * hw.mem_ops_scale * mem_t
             F_step += g.count * F_kind(g.kind, B, w["tokens"], spec.text_len, spec.d, spec.f)
         planned = plan["prediction"]["step_time_s"]
         print(f"{name}: archs {sorted({g.arch for g in spec.blocks})}, {F_step:.4g} FLOP a step (batch {B})")
