@@ -241,7 +241,7 @@ class _PhaseSamples:
                 self._add_time(name, m, m.measured_time_s - (start.get(name) or 0.0), e, w, base,
                                warm=bool(g.warmup_generations))
             act = e.phases[name].activation_bytes
-            if name == "denoise" and bound_activations(r):
+            if not peak_judged(r, name):
                 self.bound += 1
                 continue
             if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
@@ -375,14 +375,19 @@ def bound_activations(r) -> bool:
     return model_of(r.plan).activation.prior_multiple is not None
 
 
+def peak_judged(r, name: str) -> bool:
+    """Whether phase `name`'s peak in report `r` measures the memory model's and the allocator's error: all but a
+    denoise whose activations were priced at a bound (bound_activations)."""
+    return not (name == "denoise" and bound_activations(r))
+
+
 def _peak_errors(hw: HardwareSpec, gens: Sequence) -> list[float]:
     """measured / predicted - 1 of every phase's peak GPU memory in generation reports, predicted on `hw`."""
     errors = []
     for r in gens:
         e, _ = generation_estimate(r, hw)
-        bound = bound_activations(r)
         for name, m in r.generation.phases.items():
-            if m.measured_peak_memory_bytes and e.peak_memory(name) > 0 and not (bound and name == "denoise"):
+            if m.measured_peak_memory_bytes and e.peak_memory(name) > 0 and peak_judged(r, name):
                 errors.append(m.measured_peak_memory_bytes / e.peak_memory(name) - 1)
     return errors
 
@@ -416,10 +421,9 @@ def report_errors(r, hw: HardwareSpec | None = None, refit_hw: HardwareSpec | No
     else:
         add("generation_time", g.generation_time_error)
         add("host_memory", g.host_memory_error)
-        bound = bound_activations(r)
         for name, m in g.phases.items():
             add("phase_time", m.time_error)
-            if not (bound and name == "denoise"):
+            if peak_judged(r, name):
                 add("peak_memory", m.memory_error)
         if g.load is not None:
             add("load_time", g.load.time_error)
