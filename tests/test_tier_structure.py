@@ -21,7 +21,8 @@ import chunkflow
 RUNTIME = Path(chunkflow.__file__).parent / "runtime"
 TIERS_DIR, CODECS_DIR = RUNTIME / "tiers", RUNTIME / "codecs"
 INTERFACES = {"Tier", "ParkHome", "BlockBytes"}  # tiers/base.py: what every tier, park home and byte holder is
-HELPERS = {"base", "files", "hostcopies", "__init__"}  # tiers/ modules that are not tiers (the package is the registry)
+# tiers/ modules that are not tiers (the package is the registry)
+HELPERS = {"base", "files", "hostcopies", "keyed", "__init__"}
 CODEC_WORDS = ("codec", "encod", "decod", "exponent", "escape", "spilled")
 EXPONENT_PACK_NAMES = {"k", "n_escapes", "escape", "escapes", "sections", "GROUP", "exponent_pack", "exponent_pack_gpu",
                        "Decode", "decode_into", "Encoded", "MAX_K"}

@@ -4,8 +4,8 @@
 holds its tail); the host tier, which takes every block, is last. Adding a tier is its module and one `register_tier`
 call: the handle, streamer, layout and fill code only ever see the interface. `PARK_HOMES` does the same for where a
 parked module's non-block tensors live (runtime/parking.py). A tier holds bytes and does not ask what they are: a
-codec is a layer over the tiers (runtime/codecs/layer.py). files.py and hostcopies.py are helpers some tiers share,
-not tiers.
+codec is a layer over the tiers (runtime/codecs/layer.py). files.py, hostcopies.py and keyed.py are helpers some tiers
+share, not tiers.
 """
 
 from __future__ import annotations

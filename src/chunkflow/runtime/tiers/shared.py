@@ -39,7 +39,8 @@ from chunkflow.runtime.digest import module_digest, tensors_digest
 from chunkflow.runtime.hostshare import PAGE, HostGroup, SharedSegment, host_group
 from chunkflow.runtime.layout import BlockLayout, TensorEntry
 from chunkflow.runtime.store import HostStore, own_storage
-from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes, ParkHome, Tier, host_copy
+from chunkflow.runtime.tiers.base import BlockBytes, ByteKind, Bytes, ParkHome, Tier
+from chunkflow.runtime.tiers.keyed import KeyedHostBytes
 from chunkflow.runtime.tiers.files import pwrite_all
 from chunkflow.runtime.tiers.hostcopies import HostCopies
 
@@ -249,32 +250,18 @@ class SharedHostTier(Tier):
                     shared_owner=self.group.owner)
 
 
-class SharedBytes(BlockBytes):
+class SharedBytes(KeyedHostBytes, BlockBytes):
     """Bytes given for some blocks in one copy per host (module docstring), each block's seen through a host buffer
     of its own (page-locked on CUDA); blocks laid out anew later in this rank's own buffers."""
 
     def __init__(self, group: HostGroup, what: str, values: str, tag: dict):
+        super().__init__()
         self.group, self.what, self.values, self.tag = group, what, values, tag
         self.segment: SharedSegment | None = None
-        self.held: dict[str, tuple[HostStore, list]] = {}  # key -> (its bytes, its row)
-        self.keys: dict[int, str] = {}  # block -> key in this layout
 
-    def keep(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool) -> dict[int, list]:
+    def _first_layout(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool) -> None:
         if self.segment is None and not self.held and wanted:
             self.held = self._shared(wanted, make, pin)
-        kept = {}
-        for l, key in wanted.items():
-            if key not in kept:
-                old = self.held.pop(key, None)
-                kept[key] = old if old is not None else self._own(make(l), pin)
-        for store, _row in self.held.values():
-            store.release()
-        self.held, self.keys = kept, dict(wanted)
-        return {l: kept[key][1] for l, key in wanted.items()}
-
-    @staticmethod
-    def _own(made: Bytes, pin: bool) -> tuple[HostStore, list]:
-        return host_copy(made, pin), made.row
 
     def _shared(self, wanted: dict[int, str], make: Callable[[int], Bytes], pin: bool
                 ) -> dict[str, tuple[HostStore, list]]:
@@ -306,24 +293,14 @@ class SharedBytes(BlockBytes):
                                   read_only=True), row)
         return out
 
-    def acquire(self, l: int) -> torch.Tensor:
-        return self.held[self.keys[l]][0].data
-
-    def in_memory(self, l: int) -> torch.Tensor:
-        return self.acquire(l)
-
     def close(self) -> None:
-        for store, _row in self.held.values():
-            store.release()
-        self.held, self.keys = {}, {}
+        super().close()
         if self.segment is not None:
             self.segment.close()
             self.segment = None
 
     def stats(self) -> dict:
-        stores = [self.held[k][0] for k in self.keys.values()]
-        return dict(host_bytes=sum(s.nbytes for s in stores), pinned_bytes=sum(s.pinned_bytes for s in stores),
-                    shared_bytes=self.segment.nbytes if self.segment is not None else 0)
+        return dict(super().stats(), shared_bytes=self.segment.nbytes if self.segment is not None else 0)
 
 
 class SharedParking(ParkHome):
