@@ -20,6 +20,7 @@ from chunkflow.models.build import build_transformer  # noqa: E402
 from chunkflow.models.inputs import make_inputs  # noqa: E402
 from chunkflow.runtime import tiers  # noqa: E402
 from chunkflow.runtime.tiers.base import ParkHome, Tier  # noqa: E402
+from test_tier_structure import HELPERS, _identifiers, _imports  # noqa: E402
 from chunkflow_planner.catalog import get_model  # noqa: E402
 from chunkflow_planner.offload import OffloadConfig  # noqa: E402
 
@@ -34,37 +35,8 @@ def test_each_tier_is_one_module_behind_the_interface():
             assert issubclass(cls, base) and cls.name == name
             assert cls.__module__ == f"chunkflow.runtime.tiers.{name}", cls
             assert (RUNTIME / "tiers" / f"{name}.py").is_file()
-    modules = {p.stem for p in (RUNTIME / "tiers").glob("*.py")} - {"__init__", "base", "files", "hostcopies", "keyed"}
+    modules = {p.stem for p in (RUNTIME / "tiers").glob("*.py")} - HELPERS
     assert modules == set(tiers.TIERS) | set(tiers.PARK_HOMES)  # no module that is not a registered tier (or a helper)
-
-
-def _identifiers(tree: ast.AST) -> set[str]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            out.add(node.id)
-        elif isinstance(node, ast.Attribute):
-            out.add(node.attr)
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-            out.add(node.name)
-        elif isinstance(node, ast.arg):
-            out.add(node.arg)
-        elif isinstance(node, ast.keyword) and node.arg:
-            out.add(node.arg)
-        elif isinstance(node, ast.alias):
-            out.add((node.asname or node.name).split(".")[-1])
-    return out
-
-
-def _imported(tree: ast.AST) -> set[str]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-    return out
 
 
 def test_the_handle_streamer_fill_and_layout_name_no_tier():
@@ -77,7 +49,7 @@ def test_the_handle_streamer_fill_and_layout_name_no_tier():
     concrete = {f"chunkflow.runtime.tiers.{n}" for n in tiers.TIERS} | {"chunkflow.runtime.disk"}
     for file in SEAM_USERS:
         tree = ast.parse((RUNTIME / file).read_text())
-        assert not _imported(tree) & concrete, file
+        assert not _imports(tree) & concrete, file
         bad = {i for i in _identifiers(tree) - setting if any(n in i.lower() for n in named)}
         assert not bad, (file, bad)
 
