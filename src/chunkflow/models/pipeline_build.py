@@ -101,21 +101,17 @@ class BuiltPipeline:
 
     def remove(self) -> None:
         """Every hook and handle off; components back as they were built (block tensors on the CPU)."""
-        if self.prompts is not None:
-            self.prompts.remove()
-            self.prompts = None
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-        for h in self.handles.values():
-            h.remove()
-        self.handles = {}
+        self._unhook(lambda h: h.remove())
 
     def discard(self) -> None:
         """Every hook and handle off and every host and device buffer freed, nothing put back (no copy of the
         weights): for a run that is done with the pipeline. Its modules are left on the meta device."""
         from chunkflow.runtime.handle import discard
 
+        self._unhook(discard)
+
+    def _unhook(self, end_handle) -> None:
+        """The prompt cache and every hook off, then `end_handle(h)` for each offload handle."""
         if self.prompts is not None:
             self.prompts.remove()
             self.prompts = None
@@ -123,7 +119,7 @@ class BuiltPipeline:
             h.remove()
         self.hooks = []
         for h in self.handles.values():
-            discard(h)
+            end_handle(h)
         self.handles = {}
 
 
