@@ -292,6 +292,42 @@ def test_prompts_under_torchrun_is_refused_before_anything_runs(cli, workdir, mo
     assert "run each prompt with --prompt under torchrun" in " ".join(result.output.split())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["mag:ratios=flux", "taylorseer:2,lite"])
+def test_a_cache_known_ahead_runs_under_torchrun_as_in_one_process(cli, workdir, saved, torchrun, cache):
+    """A cache whose schedule follows from its setting and the steps (stepcache.schedule_known) decides the same on
+    both ranks: the SP run skips the blocks one process skips, and its latents are one process's, bit for bit."""
+    plan = _plan(cli, "tiny-flux", "--steps", "8")
+    args = ["--plan", str(plan), "--weights", str(saved["tiny-flux"]), "--prompt", PROMPT, "--seed", str(SEED),
+            "--cache", cache]
+    with one_thread():
+        one = cli("run", *args, "--device", "cpu", "--latents", "one.safetensors", "--report", "one.json")
+    assert one.exit_code == 0, one.output
+    p = torchrun(2, ["-m", "chunkflow", "run", *args, "--out", "x.png", "--latents", "sp.safetensors", "--report",
+                     "sp.json"], timeout=120)
+    assert "Traceback" not in p.stderr
+    sp, ref = (json.loads(Path(f).read_text()) for f in ("sp.json", "one.json"))
+    assert sp["run"]["sp_degree"] == 2
+    got, want = sp["generation"]["cache"], ref["generation"]["cache"]
+    assert want["blocks_skipped"] > 0 and 0 < want["forwards_skipped"] < want["forwards"]
+    assert {k: got[k] for k in ("label", "blocks_skipped", "skipped_per_forward", "forwards_skipped")} == \
+        {k: want[k] for k in ("label", "blocks_skipped", "skipped_per_forward", "forwards_skipped")}
+    _same(_latents("sp.safetensors"), _latents("one.safetensors"), f"one process with --cache {cache}")
+
+
+@pytest.mark.parametrize("cache", ["first-block:0.1", "sea:0.3", "mag:calibrate"])
+def test_a_cache_deciding_from_the_data_is_refused_under_torchrun_before_the_load(cli, workdir, monkeypatch, cache):
+    """Each rank holds a share of the tokens, so a cache that decides (or measures) from them could decide
+    differently on each: refused in one line, with the caches that do run under torchrun, before any file is read."""
+    plan = _plan(cli, "tiny-flux")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("chunkflow.commands.ranks.together", lambda step: step())  # one process: no job to join
+    result = cli("run", "--plan", plan, "--weights", str(workdir / "nowhere"), "--prompt", PROMPT, "--cache", cache)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "under torchrun" in said and "from the data" in said, said
+    assert "mag:ratios=" in said and "nowhere" not in said and "Traceback" not in said
+
+
 # ------------------------------------------------------------------------------------------- the reference
 
 

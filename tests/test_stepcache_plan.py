@@ -289,13 +289,34 @@ def test_whole_blocks_are_a_chunkflow_setting_said_in_its_label_and_kept_by_over
         OffloadConfig("layerwise", whole_blocks=(0,))
 
 
-def test_a_cache_under_sequence_parallelism_is_refused_in_one_line(cli):
-    """`run` takes no cache under torchrun, and a data-driven cache would decide on each rank's share of the tokens:
-    the plan refuses it rather than price a run that cannot happen."""
-    result = cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2", "--cache", "first-block:0.1")
-    assert result.exit_code != 0 and "with --sp 2: a step cache under sequence parallelism" in result.output
+@pytest.mark.parametrize("cache", ["first-block:0.1", "sea:0.3"])
+def test_a_data_driven_cache_under_sequence_parallelism_is_refused_in_one_line(cli, cache):
+    """A cache that decides from the data would decide on each rank's share of the tokens: the plan refuses it
+    rather than price a run whose ranks could disagree, and says which caches do go with --sp."""
+    result = cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2", "--cache", cache)
+    assert result.exit_code != 0, result.output
+    said = " ".join(result.output.split())
+    assert "with --sp 2:" in said and "from the data" in said and "mag:ratios=" in said, said
     assert "Traceback" not in result.output
     assert cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2").exit_code == 0
+
+
+@pytest.mark.parametrize("cache", ["mag:ratios=flux", "taylorseer:3,lite"])
+def test_a_cache_known_ahead_is_planned_under_sequence_parallelism_as_on_one_gpu(cli, workdir, cache):
+    """A schedule known ahead decides the same on every rank: --sp 2 plans it, computing the steps one GPU's plan
+    computes, in less time than the same --sp 2 plan without the cache."""
+    def plan(out, *extra):
+        result = cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--out", out, *extra)
+        assert result.exit_code == 0, result.output
+        return json.loads(Path(out).read_text())
+
+    sp, one, plain = plan("sp.json", "--sp", "2", "--cache", cache), plan("one.json", "--cache", cache), \
+        plan("plain.json", "--sp", "2")
+    assert sp["parallel"]["sp_degree"] == 2 and sp["workload"]["cache"] == one["workload"]["cache"]
+    c = sp["prediction"]["cache"]
+    assert c["computed_steps"] == one["prediction"]["cache"]["computed_steps"] < sp["workload"]["steps"]
+    assert c["steps_s"] < c["uncached_steps_s"] and plain["prediction"]["cache"] is None
+    assert sp["prediction"]["generation_time_s"] < plain["prediction"]["generation_time_s"]
 
 
 def test_a_plan_naming_a_whole_block_the_model_lacks_is_refused_before_the_load(cli):

@@ -521,15 +521,14 @@ def assemble(spec: ModelSpec, workload: Workload, hardware: ResolvedHardware, pr
 
 
 def check_cache_parallel(workload: Workload, sp: int) -> None:
-    """A step cache under sequence parallelism is refused (stepcache.CacheError): a first-block or Sea cache decides
-    from each rank's share of the tokens, so the ranks could take different decisions and wait on each other's
-    collectives, and `chunkflow run` takes no cache under torchrun yet."""
+    """A step cache that decides from the data refused under sequence parallelism (stepcache.parallel_problem,
+    CacheError); one whose schedule is known ahead decides the same on every rank and is planned as on one GPU."""
     if sp > 1 and workload.cache is not None:
-        from chunkflow_planner.stepcache import CacheError
+        from chunkflow_planner.stepcache import CacheError, parallel_problem
 
-        raise CacheError(f"--cache {workload.cache.label()} with --sp {sp}: a step cache under sequence parallelism is "
-                         "not supported (a cache that decides from the data decides on each rank's share of the "
-                         "tokens, and the ranks must agree); plan it for one GPU (--sp 1), or leave --cache out")
+        problem = parallel_problem(workload.cache.setting)
+        if problem is not None:
+            raise CacheError(f"--cache {workload.cache.label()} with --sp {sp}: {problem}")
 
 
 def cache_prediction(workload: Workload, point) -> CachePrediction | None:

@@ -86,8 +86,23 @@ def runs_when_skipped(setting: CacheSetting) -> Literal["first", "none", "all"]:
     return "none"
 
 
-def _schedule_known(setting: CacheSetting) -> bool:
+def schedule_known(setting: CacheSetting) -> bool:
+    """Whether the cache's decisions follow from its setting and the steps alone (taylorseer; mag with its ratios),
+    never from the data: the same on every rank of a sequence-parallel run, whatever share of the tokens it holds."""
     return setting.kind == "taylorseer" or (setting.kind == "mag" and setting.ratios is not None)
+
+
+def parallel_problem(setting: CacheSetting) -> str | None:
+    """Why this cache cannot run under sequence parallelism, in one sentence; None where it can (schedule_known).
+    A cache that decides from the data (first-block, sea) decides from each rank's share of the tokens (mag:calibrate
+    measures its ratios from it): the ranks could decide differently, then skip different steps or wait on each
+    other's collectives."""
+    if schedule_known(setting):
+        return None
+    verb = "measures its ratios from" if getattr(setting, "calibrate", False) else "decides from"
+    return (f"{cache_label(setting)} {verb} the data, and under sequence parallelism each process holds a "
+            "share of the tokens, so the processes could decide differently; use a cache whose schedule is known "
+            "ahead (mag:ratios=..., taylorseer:...), or run it in one process")
 
 
 def _refuse(setting: CacheSetting, text: str) -> None:
@@ -115,12 +130,12 @@ def plan_cache(text: str, hit_rate: float | None = None, source: str = "given", 
     why = does_nothing(setting, steps) if steps is not None else None
     if why:
         raise CacheError(f"--cache {text}: {why}, so it would change nothing; plan without --cache, or with more steps")
-    if hit_rate is not None and _schedule_known(setting):
+    if hit_rate is not None and schedule_known(setting):
         raise CacheError(f"--cache-hit-rate: {setting.kind}'s schedule is known ahead from its setting and the steps; "
                          "leave --cache-hit-rate out")
     if hit_rate is not None and not 0.0 <= hit_rate < 1.0:
         raise CacheError(f"--cache-hit-rate {hit_rate:g}: a share of the steps skipped, from 0 to below 1")
-    if _schedule_known(setting):
+    if schedule_known(setting):
         return StepCache(setting=setting, hit_rate=None, hit_rate_source="schedule")
     if hit_rate is None:
         mean, spread = CACHE_PRIOR_HIT_RATE
@@ -183,7 +198,7 @@ def computed_steps(cache: StepCache | None, steps: int, hit_rate: float | None =
 def does_nothing(setting: CacheSetting, steps: int) -> str | None:
     """Why `setting` can skip no step of `steps` (a distilled few-step schedule, a schedule that computes every
     step), as words; None where it can skip some."""
-    known = _schedule_known(setting)
+    known = schedule_known(setting)
     cache = StepCache(setting=setting, hit_rate=None if known else 0.99, hit_rate_source="schedule" if known else
                       "given")
     if computed_steps(cache, steps) < steps:

@@ -359,7 +359,11 @@ def _check_cache(text: str | None, generating: bool, prompts: bool, plan=None):
         raise UserError("--cache goes with --prompt: a cache keys on the pipeline's denoising steps, which the "
                         "synthetic steps do not run")
     if torchrun_world() > 1:
-        raise UserError(f"{what} under torchrun (sequence parallel) is not supported yet: run it in one process")
+        from chunkflow_planner.stepcache import parallel_problem
+
+        problem = parallel_problem(setting)
+        if problem is not None:
+            raise UserError(f"{what} under torchrun: {problem}")
     return setting
 
 
