@@ -145,3 +145,24 @@ def load_gguf(cls, path: Path, folder: Path, dtype=torch.bfloat16):
 
     return cls.from_single_file(str(path), quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
                                 config=str(folder), subfolder="transformer", torch_dtype=dtype).eval()
+
+
+# the two tiny architectures the GGUF tests cover: kind -> (file writer, diffusers class name, inputs)
+KINDS = {"flux": (flux_gguf, "FluxTransformer2DModel", flux_inputs),
+         "wan": (wan_gguf, "WanTransformer3DModel", wan_inputs)}
+TYPES = [Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q4_0]  # the types users download, K and legacy
+
+
+def gguf_module(folder: Path, kind: str, qtype: Q):
+    """(diffusers' module loaded from a fresh `kind` file of `qtype`, its inputs, the file's path)."""
+    import diffusers
+
+    write, cls_name, inputs = KINDS[kind]
+    path = write(folder, qtype)
+    return load_gguf(getattr(diffusers, cls_name), path, folder), inputs(), path
+
+
+def forward0(m, kw) -> torch.Tensor:
+    """The module's first output, without autograd."""
+    with torch.no_grad():
+        return m(**kw)[0]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
 
 import chunkflow
@@ -22,24 +21,11 @@ from chunkflow.formats.gguf import GGUFSource
 from chunkflow.runtime.codecs.gguf import DecodedGGUFParameter
 from chunkflow.runtime.errors import OffloadError
 from chunkflow.runtime.params import DecodedParameter
-from gguf_files import Q, flux_gguf, flux_inputs, load_gguf, wan_gguf, wan_inputs
+from gguf_files import KINDS, TYPES, Q, forward0, gguf_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fp8_scaled import BF16, CASES, blocks_of, forward  # noqa: E402
 
-KINDS = {"flux": (flux_gguf, FluxTransformer2DModel, flux_inputs), "wan": (wan_gguf, WanTransformer3DModel, wan_inputs)}
-TYPES = [Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q4_0]
-
-
-def _gguf(tmp_path, kind: str, qtype):
-    write, cls, inputs = KINDS[kind]
-    path = write(tmp_path, qtype)
-    return load_gguf(cls, path, tmp_path), inputs(), path
-
-
-def _run(m, kw) -> torch.Tensor:
-    with torch.no_grad():
-        return m(**kw)[0]
 
 
 def _block_layers(m, layer_cls) -> dict[str, torch.nn.Module]:
@@ -80,15 +66,15 @@ def _decoded_bytes(layers) -> list[int]:
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_gguf_decoded_ahead_is_bit_identical_and_the_forward_skips_its_dequantization(tmp_path, kind, qtype):
-    m, kw, _ = _gguf(tmp_path, kind, qtype)
-    ref = _run(m, kw)
+    m, kw, _ = gguf_module(tmp_path, kind, qtype)
+    ref = forward0(m, kw)
     before = _snapshot(m)
     layers = _block_layers(m, GGUFLinear)
     seen, hooks = _seen(layers)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     st = h.stats()
     assert st.decode == "ahead" and st.decoded_tensors == len(layers) > 0
-    assert torch.equal(_run(m, kw), ref) and torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref) and torch.equal(forward0(m, kw), ref)
     assert set(seen) == set(layers) and all(c is DecodedGGUFParameter for c in seen.values())
     most = max(_decoded_bytes(layers))  # two decode buffers, each the largest block's weights in bf16 (aligned)
     assert st.decoded_bytes == sum(_decoded_bytes(layers))
@@ -101,74 +87,74 @@ def test_gguf_decoded_ahead_is_bit_identical_and_the_forward_skips_its_dequantiz
     _same_state(m, before)
     assert all(type(m.get_parameter(n)) is GGUFParameter for n in before if isinstance(before[n][2], torch.Tensor)
                and before[n][0] is GGUFParameter)
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_both_ways_equal_and_forward_keeps_the_old_path(tmp_path, qtype):
-    m, kw, _ = _gguf(tmp_path, "flux", qtype)
-    ref = _run(m, kw)
+    m, kw, _ = gguf_module(tmp_path, "flux", qtype)
+    ref = forward0(m, kw)
     layers = _block_layers(m, GGUFLinear)
     seen, _ = _seen(layers)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.3, device="cpu", decode="forward")
     st = h.stats()
     assert st.decode == "forward" and st.decoded_tensors == 0 and st.decode_buffer_bytes == 0
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
     assert all(issubclass(c, GGUFParameter) for c in seen.values())
     h.remove()
     seen.clear()
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.3, device="cpu", decode="ahead")
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
     assert all(c is DecodedGGUFParameter for c in seen.values())
     h.remove()
 
 
 def test_resident_blocks_keep_their_quantized_bytes(tmp_path):
     """Blocks kept whole on the device are not decoded ahead: each layer dequantizes in its forward."""
-    m, kw, _ = _gguf(tmp_path, "wan", Q.Q6_K)
-    ref = _run(m, kw)
+    m, kw, _ = gguf_module(tmp_path, "wan", Q.Q6_K)
+    ref = forward0(m, kw)
     seen, _ = _seen(_block_layers(m, GGUFLinear))
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=1.0, device="cpu", decode="ahead")
     assert h.stats().n_streamed_blocks == 0 and h.stats().decoded_tensors == 0
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
     assert seen and all(issubclass(c, GGUFParameter) for c in seen.values())
     h.remove()
 
 
 @pytest.mark.parametrize("kind,qtype", [("flux", Q.Q5_K), ("wan", Q.Q8_0), ("wan", Q.Q4_0)], ids=str)
 def test_gguf_disk_blocks_decoded_ahead(tmp_path, kind, qtype):
-    m, kw, path = _gguf(tmp_path, kind, qtype)
-    ref = _run(m, kw)
+    m, kw, path = gguf_module(tmp_path, kind, qtype)
+    ref = forward0(m, kw)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.25, device="cpu", disk_blocks=2, decode="ahead",
                           source=GGUFSource(path, m))
     assert h.stats().disk_blocks == 2 and h.stats().decoded_tensors > 0
-    assert torch.equal(_run(m, kw), ref) and torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref) and torch.equal(forward0(m, kw), ref)
     h.remove()
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
 
 
 def test_a_write_between_forwards_is_decoded_again(tmp_path):
-    m, kw, _ = _gguf(tmp_path, "flux", Q.Q8_0)
+    m, kw, _ = gguf_module(tmp_path, "flux", Q.Q8_0)
     (tmp_path / "p").mkdir()
-    plain, _, _ = _gguf(tmp_path / "p", "flux", Q.Q8_0)
+    plain, _, _ = gguf_module(tmp_path / "p", "flux", Q.Q8_0)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
-    _run(m, kw)
+    forward0(m, kw)
     name = "transformer_blocks.1.ff.net.2.weight"
     src = plain.get_parameter(name).detach().clone()
     src[:, 2:34] = src[:, 2:34].flip(1)
     with torch.no_grad():
         m.get_parameter(name).copy_(src)
         plain.get_parameter(name).copy_(src)
-    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert torch.equal(forward0(m, kw), forward0(plain, kw))
     h.remove()
 
 
 def test_a_write_inside_the_forward_to_a_later_disk_block_is_decoded_again(tmp_path):
     """A hook on block 0 writes a quantized weight of block 1, a disk block (its bytes come from the file, so the
     written ones are copied over its slot's and decoded again before it runs)."""
-    m, kw, path = _gguf(tmp_path, "wan", Q.Q8_0)
+    m, kw, path = gguf_module(tmp_path, "wan", Q.Q8_0)
     (tmp_path / "p").mkdir()
-    plain, _, _ = _gguf(tmp_path / "p", "wan", Q.Q8_0)
+    plain, _, _ = gguf_module(tmp_path / "p", "wan", Q.Q8_0)
     name = "blocks.1.attn1.to_q.weight"
     src = plain.get_parameter(name).detach().clone()
     src[:, 2:34] = src[:, 2:34].flip(1)
@@ -180,21 +166,21 @@ def test_a_write_inside_the_forward_to_a_later_disk_block_is_decoded_again(tmp_p
         return hook
 
     plain.blocks[0].register_forward_pre_hook(write(plain))
-    want = _run(plain, kw)
+    want = forward0(plain, kw)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", disk_blocks=2, decode="ahead",
                           source=GGUFSource(path, m))
     m.blocks[0].register_forward_pre_hook(write(m))
-    assert torch.equal(_run(m, kw), want)
+    assert torch.equal(forward0(m, kw), want)
     h.remove()
 
 
 def test_a_write_to_a_decoded_weight_inside_its_forward_is_refused_and_the_block_released(tmp_path):
-    m, kw, _ = _gguf(tmp_path, "wan", Q.Q8_0)
+    m, kw, _ = gguf_module(tmp_path, "wan", Q.Q8_0)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     layer = m.blocks[0].attn1.to_q
     hk = layer.register_forward_pre_hook(lambda mod, args: mod.weight.data.mul_(1))
     with pytest.raises(OffloadError, match="decoded ahead"):
-        _run(m, kw)
+        forward0(m, kw)
     hk.remove()
     assert type(layer.weight) is not DecodedGGUFParameter and isinstance(layer.weight, GGUFParameter)
     assert not h.streamer.bound
@@ -211,23 +197,23 @@ def test_lora_on_a_decoded_block_as_diffusers(tmp_path):
         m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False),
                       adapter_name="a")
 
-    m, kw, _ = _gguf(tmp_path, "wan", Q.Q4_K)
+    m, kw, _ = gguf_module(tmp_path, "wan", Q.Q4_K)
     (tmp_path / "p").mkdir()
-    plain, _, _ = _gguf(tmp_path / "p", "wan", Q.Q4_K)
+    plain, _, _ = gguf_module(tmp_path / "p", "wan", Q.Q4_K)
     adapter(plain)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="ahead")
     n = h.stats().decoded_tensors
     adapter(m)
     base = m.blocks[1].attn1.to_q.base_layer
     seen, _ = _seen({"base": base})
-    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert torch.equal(forward0(m, kw), forward0(plain, kw))
     assert h.stats().relayouts == 1 and h.stats().decoded_tensors == n and seen["base"] is DecodedGGUFParameter
     h.remove()
-    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert torch.equal(forward0(m, kw), forward0(plain, kw))
 
 
 def test_a_bad_decode_is_refused_in_one_line_before_anything_changes(tmp_path):
-    m, kw, _ = _gguf(tmp_path, "flux", Q.Q8_0)
+    m, kw, _ = gguf_module(tmp_path, "flux", Q.Q8_0)
     before = _snapshot(m)
     with pytest.raises(OffloadError, match=r"^decode='early': .* use 'ahead' .* or 'forward'") as e:
         chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", decode="early")

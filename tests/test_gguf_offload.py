@@ -8,26 +8,12 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 from diffusers.quantizers.gguf.utils import GGUFParameter
 
 import chunkflow
 from chunkflow.runtime.errors import OffloadError
-from gguf_files import Q, flux_gguf, flux_inputs, load_gguf, wan_gguf, wan_inputs
+from gguf_files import KINDS, TYPES, Q, forward0, gguf_module
 
-KINDS = {"flux": (flux_gguf, FluxTransformer2DModel, flux_inputs), "wan": (wan_gguf, WanTransformer3DModel, wan_inputs)}
-TYPES = [Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q4_0]
-
-
-def _module(tmp_path, kind: str, qtype):
-    write, cls, inputs = KINDS[kind]
-    path = write(tmp_path, qtype)
-    return load_gguf(cls, path, tmp_path), inputs(), path
-
-
-def _run(m, kw) -> torch.Tensor:
-    with torch.no_grad():
-        return m(**kw)[0]
 
 
 def _snapshot(m) -> dict[str, tuple[type, object, torch.Tensor]]:
@@ -46,14 +32,14 @@ def _same_state(m, before) -> None:
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_offload_gguf_module_bit_identical(tmp_path, kind, qtype):
-    m, kw, _ = _module(tmp_path, kind, qtype)
+    m, kw, _ = gguf_module(tmp_path, kind, qtype)
     quantized = [n for n, p in m.named_parameters() if isinstance(p, GGUFParameter)]
     assert quantized and all(m.get_parameter(n).dtype == torch.uint8 for n in quantized)
-    ref = _run(m, kw)
+    ref = forward0(m, kw)
     before = _snapshot(m)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.3, device="cpu")
     assert h.stats().n_streamed_blocks > 0
-    assert torch.equal(_run(m, kw), ref) and torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref) and torch.equal(forward0(m, kw), ref)
     _same_state(m, before)  # outside the forward: GGUFParameters holding the file's bytes
     for n in quantized:
         p = m.get_parameter(n)
@@ -61,7 +47,7 @@ def test_offload_gguf_module_bit_identical(tmp_path, kind, qtype):
     h.remove()
     assert all(type(m.get_parameter(n)) is GGUFParameter for n in quantized)
     _same_state(m, before)
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
 
 
 @pytest.mark.parametrize("setting", [dict(mode="chunkflow", chunk_size="16KB", residency=0.0),
@@ -69,40 +55,40 @@ def test_offload_gguf_module_bit_identical(tmp_path, kind, qtype):
                                      dict(mode="chunkflow", chunk_size="4097", residency=0.9),
                                      dict(mode="layerwise"), dict(mode="none")], ids=str)
 def test_settings(tmp_path, setting):
-    m, kw, _ = _module(tmp_path, "wan", Q.Q4_K)
-    ref = _run(m, kw)
+    m, kw, _ = gguf_module(tmp_path, "wan", Q.Q4_K)
+    ref = forward0(m, kw)
     h = chunkflow.offload(m, device="cpu", **setting)
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
     h.remove()
-    assert torch.equal(_run(m, kw), ref)
+    assert torch.equal(forward0(m, kw), ref)
 
 
 @pytest.mark.parametrize("kw,match", [(dict(weight_dtype="fp8_e4m3"), "quantized already"),
                                       (dict(codec="exponent-pack"), "gain nothing")])
 def test_refused_before_anything_changes(tmp_path, kw, match):
-    m, inputs, _ = _module(tmp_path, "flux", Q.Q8_0)
-    ref = _run(m, inputs)
+    m, inputs, _ = gguf_module(tmp_path, "flux", Q.Q8_0)
+    ref = forward0(m, inputs)
     before = _snapshot(m)
     with pytest.raises(OffloadError, match=match):
         chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu", **kw)
     _same_state(m, before)
-    assert torch.equal(_run(m, inputs), ref)
+    assert torch.equal(forward0(m, inputs), ref)
 
 
 def test_in_place_write_reaches_the_forward(tmp_path):
     """A write to a quantized weight's bytes while offloaded (as to any parameter) is used by the next forward."""
-    m, kw, _ = _module(tmp_path, "flux", Q.Q8_0)
+    m, kw, _ = gguf_module(tmp_path, "flux", Q.Q8_0)
     (tmp_path / "p").mkdir()
-    plain, _, _ = _module(tmp_path / "p", "flux", Q.Q8_0)
+    plain, _, _ = gguf_module(tmp_path / "p", "flux", Q.Q8_0)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.0, device="cpu")
-    _run(m, kw)
+    forward0(m, kw)
     name = "single_transformer_blocks.1.proj_out.weight"
     src = plain.get_parameter(name).detach().clone()
     src[:, 2:34] = src[:, 2:34].flip(1)  # the first Q8_0 block's int8 values of every row, reversed
     with torch.no_grad():
         m.get_parameter(name).copy_(src)
         plain.get_parameter(name).copy_(src)
-    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert torch.equal(forward0(m, kw), forward0(plain, kw))
     h.remove()
 
 
@@ -118,14 +104,14 @@ def test_lora_on_gguf_blocks_as_diffusers(tmp_path):
         m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False),
                       adapter_name="a")
 
-    m, kw, _ = _module(tmp_path, "wan", Q.Q8_0)
+    m, kw, _ = gguf_module(tmp_path, "wan", Q.Q8_0)
     (tmp_path / "p").mkdir()
-    plain, _, _ = _module(tmp_path / "p", "wan", Q.Q8_0)
+    plain, _, _ = gguf_module(tmp_path / "p", "wan", Q.Q8_0)
     adapter(plain)
     h = chunkflow.offload(m, mode="chunkflow", chunk_size="64KB", residency=0.3, device="cpu")
     adapter(m)
     assert type(m.blocks[0].attn1.to_q.base_layer).__name__ == "GGUFLinear"
-    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert torch.equal(forward0(m, kw), forward0(plain, kw))
     assert h.stats().relayouts == 1
     h.remove()
-    assert torch.equal(_run(m, kw), _run(plain, kw))
+    assert torch.equal(forward0(m, kw), forward0(plain, kw))
