@@ -3,8 +3,9 @@
 # each call goes on where the last stopped (the steps' done markers in /tmp WORK folders survive between quick calls
 # on a machine held warm) and stops inside LIMIT seconds (under the device's 600 s a call), its raw files under
 # $OUT/cache, $OUT/fg and $OUT/mochi. Stages, each begun once the one before is whole:
-#   cache  issue 54's Wan2.2-5B ways not yet run (docs/data/gpu-cache/README.md): first-block caching with hits
-#          (probe.py --thresholds record), each cache's latents against diffusers all on the GPU, then group offloading
+#   cache  issue 54's Wan2.2-5B ways not yet run (docs/data/gpu-cache/README.md): each cache's latents against
+#          diffusers all on the GPU, then group offloading; first-block at run 4's recorded threshold (0.8477, hit rate
+#          0.35: probe.py --thresholds record on these weights), so the probe is not run again
 #   fg     issue 55: one block of PixArt-Sigma and SD3 profiled (block_profile.py, on round 3's plans), then round 4
 #          (calibrate, plans, 3 fresh + 3 after; docs/data/gpu-firstgen/README.md), its blocks profiled on its plans
 #   mochi  issue 55's third pipeline, alone (the device's disk holds it alone)
@@ -25,7 +26,8 @@ mkdir -p $OUT/cache $OUT/fg $OUT/mochi
 if [ $stage = cache ]; then
   for extra in "group-wan-mag group-wan-first-block" ""; do  # the bit-for-bit checks and the hits first, groups last
     [ $(left) -gt 20 ] || break
-    PARTS=wan CACHES="$caches" THRESHOLDS=record WARMUP=0 SKIP="$skip $extra" HW=$HW WORK=/tmp/cache-evidence \
+    PARTS=wan CACHES="$caches" THRESHOLDS=record WARMUP=0 SKIP="$skip $extra probe-wan" HW=$HW WORK=/tmp/cache-evidence \
+      FBC_THRESHOLD=${FBC_THRESHOLD:-0.8477} FBC_HIT_RATE=${FBC_HIT_RATE:-0.35} \
       timeout $(left) bash docs/data/gpu-cache/gpu_cache.sh $OUT/cache
   done
   n=$(ls /tmp/cache-evidence/*.done 2>/dev/null | wc -l); echo "cache done markers: $n"; ls /tmp/cache-evidence/*.done

@@ -69,12 +69,13 @@ for part in ${PARTS:-flux wan}; do
       --out "$work/diffusers-gpu-$tag.json"
     step group-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
       --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
-    if [ -n "${same:-}" ]; then  # the two settings' latents, bit for bit (the same kernels on the same weights)
+    if [ -n "${same:-}" ] && [ -f "$work/latents-$tag-streamed.safetensors" ]; then  # the two settings' latents,
+      # bit for bit (the same kernels on the same weights); none where the streamed run was skipped
       $py -c "import json,sys,torch; from safetensors.torch import load_file as f; a,b=f(sys.argv[1]),f(sys.argv[2]); \
 json.dump({'identical': a.keys()==b.keys() and all(torch.equal(a[k],b[k]) for k in a)}, open(sys.argv[3],'w'))" \
         "$work/latents-$tag.safetensors" "$work/latents-$tag-streamed.safetensors" "$work/compare-$tag-streamed.json"
-      unset same
     fi
+    unset same
     keep
   done
 done
