@@ -6,6 +6,7 @@ computed and skipped (the same count as the runtime's) and the bytes copied for 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import TypeAdapter
@@ -112,6 +113,31 @@ def test_run_with_a_cache_gives_the_latents_of_the_same_cache_not_streamed_and_c
     # first-block skips three blocks in a row here, so less than each skipped block's bytes
     assert 0 < c["skipped_h2d_bytes"] == st["skipped_h2d_bytes"] < c["blocks_skipped"] * block_bytes
     assert w["skipped_h2d_bytes"] is None  # nothing streamed, nothing copied
+    # the median step the report compares with the plan's step is a computed step's: the steps in which the cache
+    # skipped blocks (cheaper than any the plan prices) are left out of it, and the report says over how many
+    import statistics
+
+    m, per = streamed["measured"], c["forwards_per_step"]
+    computed = [t for i, t in enumerate(m["step_times_s"]) if not any(c["skipped_per_forward"][i * per:(i + 1) * per])]
+    assert 0 < len(computed) < len(m["step_times_s"]) == 8
+    assert m["median_steps_counted"] == len(computed) and m["median_step_s"] == statistics.median(computed)
+
+
+def test_the_median_step_leaves_out_only_steps_a_cache_skipped_blocks_in():
+    from chunkflow.reports import CacheResult, computed_step_times
+    from chunkflow_planner.cache import parse_cache
+
+    def result(skipped: list[int], per: int) -> CacheResult:
+        return CacheResult(setting=parse_cache("first-block:0.3"), label="first-block:threshold=0.3",
+                           transformers=["transformer"], forwards=len(skipped), forwards_per_step=per,
+                           blocks_computed=1, blocks_skipped=sum(skipped), skipped_per_forward=skipped)
+
+    times = [1.0, 0.1, 0.6, 1.2]
+    # two passes a step: step 1 skipped in both, step 2 in one of them: each is left out
+    assert computed_step_times(times, result([0, 0, 3, 3, 3, 0, 0, 0], 2)) == [1.0, 1.2]
+    assert computed_step_times(times, result([0, 0, 0, 0], 1)) is None  # nothing skipped: every step counts
+    assert computed_step_times(times, result([0, 3, 0], 1)) is None  # forwards that do not line up with the steps
+    assert computed_step_times(times, None) is None
 
 
 @pytest.mark.parametrize("args,words", [
@@ -126,3 +152,28 @@ def test_a_cache_the_run_cannot_take_is_refused_in_one_line_before_the_load(cli,
     assert result.exit_code == 2, result.output
     assert words in " ".join(result.output.split())
     assert "built the" not in result.output and "Traceback" not in result.output
+
+
+def test_a_report_written_before_the_computed_median_is_read_with_it(tmp_path):
+    """Run 4's report (issue 54, Wan2.2-5B with first-block caching on an H100) has the median over every step,
+    skipped ones too (-22.4% against the plan's step); read back, its median and step-time error are the computed
+    steps', as `calibrate --from-report` and the bands then take them. A report without a cache reads as written."""
+    import statistics
+
+    from chunkflow.reports import load_reports
+
+    root = Path(__file__).resolve().parent.parent / "docs/data/gpu-cache"
+    raw = json.loads((root / "run-4-h100/report-wan-first-block.json").read_text())
+    m, c = raw["measured"], raw["generation"]["cache"]
+    per = c["forwards_per_step"]
+    computed = [t for i, t in enumerate(m["step_times_s"]) if not any(c["skipped_per_forward"][i * per:(i + 1) * per])]
+    assert "median_steps_counted" not in m and m["median_step_s"] != statistics.median(computed)
+    report = load_reports([root / "run-4-h100/report-wan-first-block.json"])[0]
+    assert report.measured.median_steps_counted == len(computed) < len(m["step_times_s"])
+    assert report.measured.median_step_s == statistics.median(computed)
+    assert report.rel_error.step_time == pytest.approx(statistics.median(computed) / raw["predicted"]["step_time_s"] - 1)
+    assert report.measured.step_times_s == m["step_times_s"]  # the raw times kept
+    plain = json.loads((root / "run-3-h100/report-wan-none.json").read_text())
+    again = load_reports([root / "run-3-h100/report-wan-none.json"])[0]
+    assert again.measured.median_step_s == plain["measured"]["median_step_s"]
+    assert again.rel_error.step_time == plain["rel_error"]["step_time"]

@@ -8,6 +8,7 @@ write these, neither is needed to read them.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Annotated, Any, Sequence
 
@@ -233,6 +234,9 @@ PositiveTime = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 class Measured(BaseModel):
     step_times_s: list[PositiveTime] = Field(min_length=1)
     median_step_s: PositiveTime
+    median_steps_counted: int | None = Field(None, description="where a step cache skipped blocks in some steps: the "
+                                             "steps median_step_s is the median of (those in which every forward "
+                                             "computed, the step the plan prices); None: every step")
     peak_allocated_bytes: int | None = Field(None, description="torch peak allocated over the timed steps (GPU)")
     peak_reserved_bytes: int | None = None
     pinned_host_bytes: int = 0
@@ -454,7 +458,7 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
                 raise RunError(f"{where} is not a run report of schema_version {RUN_REPORT_SCHEMA_VERSION} "
                                "(write it with `chunkflow run`)")
             try:
-                out.append(RunReport.model_validate(data))
+                out.append(with_computed_median(RunReport.model_validate(data)))
             except ValidationError as exc:
                 raise RunError(f"run report {where} is malformed: {field_errors(exc)}") from None
             except (TypeError, ValueError, RecursionError) as exc:  # a section's own check (its offload setting's)
@@ -462,6 +466,34 @@ def load_reports(paths: Sequence[str | Path]) -> list[RunReport]:
     if not out:
         raise RunError("no run reports given")
     return out
+
+
+def computed_step_times(times: list[float], cache: CacheResult | None) -> list[float] | None:
+    """The times of the steps in which every forward computed, where the step cache (`cache`, over the same measured
+    generations) skipped blocks in some: the step the plan prices is a computed one, and a median over skipped and
+    computed steps alike is neither. None without a cache, where it skipped nothing, or where its forwards do not
+    line up with the steps."""
+    if cache is None or not cache.blocks_skipped:
+        return None
+    per, skipped = cache.forwards_per_step, cache.skipped_per_forward
+    if per < 1 or len(skipped) != len(times) * per:
+        return None
+    return [t for i, t in enumerate(times) if not any(skipped[i * per:(i + 1) * per])] or None
+
+
+def with_computed_median(report: RunReport) -> RunReport:
+    """A report written before `median_steps_counted` (a cached run's median over every step) with its median step
+    and step-time error taken over the computed steps, as `chunkflow run` now writes them; others as they are."""
+    m, g = report.measured, report.generation
+    counted = computed_step_times(m.step_times_s, g.cache) if g is not None else None
+    if counted is None or m.median_steps_counted is not None:
+        return report
+    median = statistics.median(counted)
+    measured = m.model_copy(update={"median_step_s": median, "median_steps_counted": len(counted)})
+    step = report.rel_error.step_time  # None where the run was not compared with the plan's step
+    errors = report.rel_error.model_copy(update={"step_time": None if step is None else
+                                                 rel_error(median, report.predicted.step_time_s)})
+    return report.model_copy(update={"measured": measured, "rel_error": errors})
 
 
 def rel_error(measured: float | None, predicted: float | None) -> float | None:

@@ -709,7 +709,9 @@ def print_run(console: Console, report) -> None:  # noqa: ANN001 - chunkflow.rep
     t = Table(title=f"Measured vs predicted (hardware profile {escape(report.hardware)}, regime {p.regime})")
     for col in ("quantity", "measured", "predicted", "error"):
         t.add_column(col, justify="left" if col == "quantity" else "right")
-    t.add_row("step time (median)", format_seconds(m.median_step_s),
+    median = ("step time (median)" if m.median_steps_counted is None
+              else f"step time (median of the {m.median_steps_counted} computed)")
+    t.add_row(median, format_seconds(m.median_step_s),
               "- (nominal)" if host else format_seconds(p.step_time_s), _pct(e.step_time))
     dev = report.plan.hardware.device_word
     peak = (format_bytes(m.peak_allocated_bytes) if m.peak_allocated_bytes is not None

@@ -304,7 +304,7 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
     import torch
 
     from chunkflow.commands.steps import environment, make_report
-    from chunkflow.reports import Measured, MemorySample, RunConfig, rel_error
+    from chunkflow.reports import Measured, MemorySample, RunConfig, computed_step_times, rel_error
     from chunkflow_planner.predict import predict
 
     device, steps, measured = setup.device, setup.w.steps, runs.measured
@@ -314,7 +314,9 @@ def _report(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions, setup: Pipeli
     dn = phases_of["denoise"].measurement
     # a class that reports no step: each step its generation's mean (the phase over its steps), not the phase
     times = [t for ph, st in measured for t in (st or [ph["denoise"].time_s / steps] * steps)]
-    result = Measured(step_times_s=times, median_step_s=statistics.median(times),
+    counted = computed_step_times(times, runs.cache)
+    result = Measured(step_times_s=times, median_step_s=statistics.median(counted or times),
+                      median_steps_counted=len(counted) if counted else None,
                       peak_allocated_bytes=dn.peak_allocated_bytes, peak_reserved_bytes=dn.peak_reserved_bytes,
                       pinned_host_bytes=runs.stats.get("pinned_bytes", 0),
                       achieved_residency=runs.stats.get("achieved_residency"),
