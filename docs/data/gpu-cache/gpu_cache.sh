@@ -46,8 +46,8 @@ for part in ${PARTS:-flux wan}; do
       [ -f "$work/probe-$part.json" ] || step probe-$part 600 $py "$repo/docs/data/gpu-cache/probe.py" \
         "$work/plan-$part-none.json" "$folder" --device $dev --out "$work/probe-$part.json" \
         --thresholds ${THRESHOLDS:-0.3,0.45,0.6,0.8}
-      read -r threshold rate < <($py -c "import json,sys; p=json.load(open(sys.argv[1])); print(p['chosen'], p['hit_rate'])" \
-        "$work/probe-$part.json")
+      [ -f "$work/probe-$part.json" ] && read -r threshold rate < <($py -c "import json,sys; p=json.load(open(sys.argv[1])); \
+print(p['chosen'], p['hit_rate'])" "$work/probe-$part.json")  # none where SKIP left the probe out (FBC_THRESHOLD)
       cache=first-block:${FBC_THRESHOLD:-$threshold}; rate=${FBC_HIT_RATE:-$rate}
     fi
     tag=$part-${cache%%:*}

@@ -63,14 +63,17 @@ def run_generation(plan: Plan, cfg: OffloadConfig, o, g: GenerateOptions,
 
     o.check()
     world = torchrun_world()
-    setup = _setup(plan, cfg, o, progress, log, image=g.image is not None, world=world)
-    try:
-        cache = None
-        if g.cache is not None:
-            from chunkflow.caches import CacheRun
+    enabled: list = []  # the step cache's run (chunkflow.caches.CacheRun), enabled by _setup where --cache is given
 
-            cache = CacheRun.enable(g.cache, setup.built, setup.w.steps, log)
-        runs = _generations(setup, cfg, o, g, progress, log, cache)
+    def enable_cache(setup: PipelineSetup) -> None:
+        from chunkflow.caches import CacheRun
+
+        enabled.append(CacheRun.enable(g.cache, setup.built, setup.w.steps, log))
+
+    setup = _setup(plan, cfg, o, progress, log, image=g.image is not None, world=world,
+                   before_parallel=enable_cache if g.cache is not None else None)
+    try:
+        runs = _generations(setup, cfg, o, g, progress, log, enabled[0] if enabled else None)
         host = _host_memory(setup.world)  # every rank, while the pipeline (and its shared copies) is still held
     finally:
         setup.built.discard()  # the run is done with it: free, do not copy the weights back
@@ -99,10 +102,14 @@ def _with_planned(result, plan: Plan, steps: int):
                                          else None))
 
 
-def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False, world: int = 1) -> PipelineSetup:
+def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False, world: int = 1,
+           before_parallel: Callable[[PipelineSetup], None] | None = None) -> PipelineSetup:
     """The run's device (commands.steps._place: the torchrun job joined where `world` > 1, its notes on SP said),
-    then the pipeline built (setup_pipeline) and, where `world` > 1, sequence parallel on every transformer; every
-    rank's build agreed on before any generates (commands.ranks.together). The setup's `rank` is this process's."""
+    then the pipeline built (setup_pipeline), `before_parallel(setup)` (the step cache's hooks), and, where `world`
+    > 1, sequence parallel on every transformer; every rank's build agreed on before any generates
+    (commands.ranks.together). The setup's `rank` is this process's. The cache's hooks go on first because diffusers
+    runs the hook registered last outermost: where a model splits the tokens in a hook on its first block (Wan),
+    the split then wraps the cache's head hook, which sees this rank's share, as its tail hook does."""
     from chunkflow.commands.steps import _place
 
     rank, device = _place(o, world, plan, log)
@@ -111,6 +118,8 @@ def _setup(plan: Plan, cfg: OffloadConfig, o, progress, log, image: bool = False
         setup = setup_pipeline(plan, cfg, device, weights=o.weights, variant=o.variant, profile=o.profile,
                                seed=o.seed, steps=o.steps, progress=progress, log=log, image=image,
                                transformers=o.transformers)
+        if before_parallel is not None:
+            before_parallel(setup)
         if world > 1:
             from chunkflow.parallel import enable_sequence_parallel
 
