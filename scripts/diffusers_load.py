@@ -1,6 +1,7 @@
 """diffusers alone, for comparison with `chunkflow run --weights`: time `Pipeline.from_pretrained(DIR).to(device)`
 and the process's host peak, then generate with the call chunkflow makes and compare the latents with chunkflow's.
-MODEL is a catalog name or a plan file (its model: the catalog's or the one derived from a folder); `--image PATH`
+MODEL is a catalog name or a plan file (its model: the catalog's or the one derived from a folder; its workload:
+the plan's, each flag given replacing its field); `--image PATH`
 animates or edits that image with the class chunkflow runs (WanPipeline's folder as WanImageToVideoPipeline). The
 latents compared are the denoising loop's last (what `run --latents` saves). With `--disk-offload TMP`, diffusers'
 own disk offload instead of `.to(device)`: the transformer(s) and text encoder
@@ -31,8 +32,6 @@ def main() -> None:
     from chunkflow.models.adapters import run_class
     from chunkflow_planner.catalog import get_model
     from chunkflow_planner.plan import load_plan, model_of
-    from chunkflow_planner.workload import make_workload
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("folder")
@@ -57,8 +56,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     cuda = a.device == "cuda"
-    spec = model_of(load_plan(a.model)) if a.model.endswith(".json") else get_model(a.model)
-    w = make_workload(spec, batch=a.batch, frames=a.frames, height=a.height, width=a.width, steps=a.steps)
+    plan = load_plan(a.model) if a.model.endswith(".json") else None
+    spec = model_of(plan) if plan else get_model(a.model)
+    w = _workload(spec, plan, a)
     dtypes = {"default": torch.bfloat16, "vae": getattr(torch, spec.pipeline.vae.dtype)}
     cls = run_class(spec.pipeline.cls, None, a.image is not None, spec=spec) if a.image else \
         getattr(diffusers, spec.pipeline.cls)
@@ -126,6 +126,18 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
+
+
+def _workload(spec, plan, a):
+    """The generation's workload: a plan's own (its shape and steps, as `chunkflow run --plan` makes it), else the
+    model's defaults, with the flags given replacing either. A plan's shape is never left to the catalog's defaults:
+    Wan2.2's are 121 frames where a plan may say 81, and the latents compared would then differ in shape."""
+    from chunkflow_planner.workload import make_workload
+
+    base = plan.workload.to_workload() if plan else None
+    given = {k: getattr(a, k) for k in ("batch", "frames", "height", "width", "steps")}
+    fields = {k: v if v is not None or base is None else getattr(base, k) for k, v in given.items()}
+    return make_workload(spec, **fields)
 
 
 _kept: dict = {}
