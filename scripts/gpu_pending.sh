@@ -6,8 +6,8 @@
 #   cache  issue 54's Wan2.2-5B ways not yet run (docs/data/gpu-cache/README.md): each cache's latents against
 #          diffusers all on the GPU, then group offloading; first-block at run 4's recorded threshold (0.8477, hit rate
 #          0.35: probe.py --thresholds record on these weights), so the probe is not run again
-#   fg     issue 55: one block of PixArt-Sigma and SD3 profiled (block_profile.py, on round 3's plans), then round 4
-#          (calibrate, plans, 3 fresh + 3 after; docs/data/gpu-firstgen/README.md), its blocks profiled on its plans
+#   fg     issue 55: the next round (calibrate, plans, 3 fresh + 3 after; docs/data/gpu-firstgen/README.md), its blocks
+#          profiled on its plans (round 3's were profiled in run-4/)
 #   mochi  issue 55's third pipeline, alone (the device's disk holds it alone)
 # The device's first call (carry .whl: the wheels the device README says to bring):
 #   LIMIT=560 bash scripts/gpu_pending.sh
@@ -35,6 +35,8 @@ if [ $stage = cache ]; then
     echo fg > /tmp/stage; rm -rf /tmp/cache-evidence/folder-wan; stage=fg; fi
   (cd /tmp/cache-evidence && tar czf $OUT/cache/cache.tgz --exclude="*.safetensors" --exclude="folder-*" --exclude="*.done" .)
 fi
+# round 3's plans were profiled in run-4 (2026-12-07): not again
+[ -f docs/data/gpu-firstgen/run-4/block-run3-sd3-medium.json ] && touch /tmp/block.ok
 if [ $stage = fg ] && [ $(left) -gt 90 ] && [ ! -f /tmp/block.ok ]; then  # one block of PixArt and SD3, profiled (run-3's plans)
   rm -rf /tmp/cache-evidence/folder-wan
   NAMES="pixart-sigma sd3-medium" PARTS="save" WORK=/tmp/firstgen-evidence timeout $(left) bash docs/data/gpu-firstgen/gpu_firstgen.sh $OUT/fg

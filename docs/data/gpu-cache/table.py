@@ -52,7 +52,9 @@ def rows(folder: Path) -> dict[str, dict]:
             tag = f.stem.removeprefix(f"diffusers-{way}-")
             d = json.loads(f.read_text())
             out[f"{tag} diffusers-{way}"] = {"way": f"diffusers {way}", "generation_s": d.get("generation_s"),
-                                            "latents_identical": d.get("latents_identical"), "cache": d.get("cache")}
+                                            "latents_identical": d.get("latents_identical"), "cache": d.get("cache"),
+                                            "other_shape": d.get("latents_identical") is False
+                                            and d.get("latents_max_abs_diff") is None}
     return out
 
 
@@ -86,8 +88,9 @@ def markdown(table: dict[str, dict]) -> str:
                          f"{'-' if same is None else ('= whole-first run' if same else 'DIFFER')} |")
         else:
             same = r["latents_identical"]
-            lines.append(f"| {tag} | {_s(r['generation_s'])} | | | | | | | | | | "
-                         f"{'-' if same is None else ('= chunkflow' if same else 'DIFFER')} |")
+            verdict = "-" if same is None else "= chunkflow" if same else \
+                "other shape: not compared" if r.get("other_shape") else "DIFFER"
+            lines.append(f"| {tag} | {_s(r['generation_s'])} | | | | | | | | | | {verdict} |")
     return "\n".join(lines)
 
 
