@@ -9,7 +9,9 @@
 #   fg     issue 55: the next round (calibrate, plans, 3 fresh + 3 after; docs/data/gpu-firstgen/README.md), its blocks
 #          profiled on its plans (round 3's were profiled in run-4/)
 #   mochi  issue 55's third pipeline, alone (the device's disk holds it alone)
-# The device's first call (carry .whl: the wheels the device README says to bring):
+# The device's first call (carry .whl: the wheels the device README says to bring, made by scripts/device_wheels.sh;
+# with them the tree is over the device's 64 MiB unless the raw folders are held: bash scripts/device_tree.sh hold,
+# then restore after the calls):
 #   LIMIT=560 bash scripts/gpu_pending.sh
 set -uo pipefail
 start=$(date +%s); LIMIT=${LIMIT:-575}
