@@ -115,6 +115,9 @@ def test_a_whole_step_skip_costs_nothing_of_the_blocks_and_the_prior_has_a_range
     (["--cache", "first-block", "--cache-hit-rate", "1.5"], "from 0 to below 1"),
     (["--cache", "mag:speed=3"], "mag takes threshold"),
     (["--cache-hit-rate", "0.3"], "give the cache with --cache KIND"),
+    (["--cache", "first-block", "--cache-hit-rate", "0.35+-x"], "a rate and its spread are two numbers"),
+    (["--cache", "first-block", "--cache-hit-rate", "0.35+-1.5"], "the spread 1.5 is a share of the steps"),
+    (["--cache", "first-block", "--cache-hit-rate", "0.35±nan"], "the spread nan is a share of the steps"),
 ])
 def test_what_cannot_be_planned_is_one_line(cli, args, said):
     result = cli("plan", "--model", "flux", "--hardware", "h100-sxm", *args)
@@ -142,6 +145,13 @@ def test_the_hit_rate_spread_widens_the_generation_band(cli):
     moved = max(c["steps_s"] - c["steps_s_range"][0], c["steps_s_range"][1] - c["steps_s"])
     assert p["rel"] == pytest.approx((g["rel"] ** 2 + (moved / prior["generation_time_s"]) ** 2) ** 0.5)
     assert "cache hit rate" in p["fits"] and "cache hit rate" in p["supposed"] and "cache hit rate" not in g["fits"]
+    # a spread given with the rate (a probe's, a user's own runs) widens it as the prior's does: the prior is 0.35+-0.2
+    spread = _plan(cli, "--cache", "sea:0.3", "--cache-hit-rate", "0.35+-0.2")
+    assert spread["workload"]["cache"]["hit_rate_spread"] == 0.2
+    assert spread["workload"]["cache"]["hit_rate_source"] == "given"
+    s = spread["prediction"]["bands"]["generation_time_s"]
+    assert s["rel"] == pytest.approx(p["rel"]) and "cache hit rate" in s["fits"] and "cache hit rate" not in s["supposed"]
+    assert spread["prediction"]["cache"]["computed_steps_range"] == c["computed_steps_range"]
 
 
 def test_a_run_of_a_cached_plan_runs_its_cache_and_reports_the_hit_rate_against_the_plan(cli, workdir):
@@ -182,6 +192,13 @@ def test_a_run_report_gives_the_next_plan_its_hit_rate(cli, workdir):
     wc = d["workload"]["cache"]
     assert wc["hit_rate"] == pytest.approx(measured) and wc["hit_rate_source"] == "reports"
     assert wc["hit_rate_spread"] == 0
+    # several reports (other prompts, seeds): their mean, and half their range as the spread the band takes
+    other = json.loads(Path("r.json").read_text())
+    other["generation"]["cache"]["measured_hit_rate"] = measured / 2
+    Path("r2.json").write_text(json.dumps(other))
+    wc = _plan(cli, "--cache", "first-block:0.3", "--cache-hit-rate", "r.json, r2.json")["workload"]["cache"]
+    assert wc["hit_rate"] == pytest.approx(0.75 * measured) and wc["hit_rate_spread"] == pytest.approx(measured / 4)
+    assert wc["hit_rate_source"] == "reports"
     for spec, said in (("sea:0.3", "the report's cache is first-block, not sea"),):
         bad = cli("plan", "--model", "flux", "--cache", spec, "--cache-hit-rate", "r.json")
         assert bad.exit_code == 2 and said in " ".join(bad.output.split()), bad.output

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # steptime imports the catalog, whose Workload holds a StepCa
     from chunkflow_planner.steptime import StepTime
 
 __all__ = ["StepCache", "CacheError", "plan_cache", "does_nothing", "computed_steps", "CachedSteps", "cached_steps", "mag_schedule",
-           "runs_when_skipped", "CACHE_SCHEMA_VERSION", "CACHE_PRIOR_HIT_RATE", "FLUX_MAG_RATIOS"]
+           "runs_when_skipped", "parse_hit_rate", "CACHE_SCHEMA_VERSION", "CACHE_PRIOR_HIT_RATE", "FLUX_MAG_RATIOS"]
 
 CACHE_SCHEMA_VERSION = 1
 CACHE_PRIOR_HIT_RATE = (0.35, 0.2)  # a hit-rate cache's rate where nothing measured it: (mean, spread), supposed
@@ -121,10 +121,31 @@ def _refuse(setting: CacheSetting, text: str) -> None:
                          "--cache, or with ratios=FILE of what the calibration printed")
 
 
-def plan_cache(text: str, hit_rate: float | None = None, source: str = "given", steps: int | None = None
-               ) -> StepCache:
-    """`--cache KIND[:PARAMS]` (cache.parse_cache) with `--cache-hit-rate`, checked for planning (`steps`: refused
-    where it can skip none of them)."""
+_SPREAD_SIGNS = ("+-", "±", "+/-")
+
+
+def parse_hit_rate(text: str) -> tuple[float, float] | None:
+    """`--cache-hit-rate` as a number: `0.35` or `0.35+-0.1` (also `±`, `+/-`) as (rate, spread); None where the
+    text is no number (a report's path). A number out of range is left to plan_cache, which says so."""
+    rate, spread = text.strip(), "0"
+    for sign in _SPREAD_SIGNS:
+        if sign in rate:
+            rate, spread = rate.split(sign, 1)
+            break
+    try:
+        value = float(rate)
+    except ValueError:
+        return None
+    try:
+        return value, float(spread)
+    except ValueError:
+        raise CacheError(f"--cache-hit-rate {text!r}: a rate and its spread are two numbers, as 0.35+-0.1") from None
+
+
+def plan_cache(text: str, hit_rate: float | None = None, source: str = "given", steps: int | None = None,
+               spread: float = 0.0) -> StepCache:
+    """`--cache KIND[:PARAMS]` (cache.parse_cache) with `--cache-hit-rate` and its spread, checked for planning
+    (`steps`: refused where it can skip none of them)."""
     setting = parse_cache(text)
     _refuse(setting, text)
     why = does_nothing(setting, steps) if steps is not None else None
@@ -135,12 +156,15 @@ def plan_cache(text: str, hit_rate: float | None = None, source: str = "given", 
                          "leave --cache-hit-rate out")
     if hit_rate is not None and not 0.0 <= hit_rate < 1.0:
         raise CacheError(f"--cache-hit-rate {hit_rate:g}: a share of the steps skipped, from 0 to below 1")
+    if not 0.0 <= spread <= 1.0:  # nan fails both
+        raise CacheError(f"--cache-hit-rate: the spread {spread:g} is a share of the steps, from 0 to 1")
     if schedule_known(setting):
         return StepCache(setting=setting, hit_rate=None, hit_rate_source="schedule")
     if hit_rate is None:
         mean, spread = CACHE_PRIOR_HIT_RATE
         return StepCache(setting=setting, hit_rate=mean, hit_rate_spread=spread, hit_rate_source="prior")
-    return StepCache(setting=setting, hit_rate=hit_rate, hit_rate_source=source)  # type: ignore[arg-type]
+    return StepCache(setting=setting, hit_rate=hit_rate, hit_rate_spread=spread,  # type: ignore[arg-type]
+                     hit_rate_source=source)
 
 
 def _stretch(ratios: list[float] | tuple[float, ...], steps: int) -> list[float]:

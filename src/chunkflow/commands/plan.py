@@ -162,9 +162,11 @@ _Transformer = Annotated[Optional[str], typer.Option(help="with --weights DIR: t
 _Cache = Annotated[Optional[str], typer.Option(help="price a step cache, as `run --cache` takes it: KIND[:PARAMS], "
                                                  "e.g. first-block:0.1, mag:ratios=flux, taylorseer:2,lite, sea:0.3")]
 _CacheHitRate = Annotated[Optional[str], typer.Option(help="the share of steps the cache is expected to skip "
-                                                      "(first-block, sea): a number, or an earlier run's report "
-                                                      "(run --cache ... --report R.json) whose measured share it "
-                                                      "takes. Default: a wide prior")]
+                                                      "(first-block, sea): a number (0.35, or 0.35+-0.1 with the "
+                                                      "spread the band takes), or earlier runs' reports, "
+                                                      "comma-separated (run --cache ... --report R.json): their "
+                                                      "measured shares' mean, half their range the spread. "
+                                                      "Default: a wide prior")]
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
                          INPUT]
 
@@ -355,8 +357,8 @@ def _note_transformer_alone(prefetch_bytes: int | None, text_len: int | None) ->
          "components for their phase only")
 
 def _with_cache(workload, cache: str | None, hit_rate: str | None):
-    """The workload with the step cache `--cache` names (stepcache.plan_cache) at `--cache-hit-rate` (a number, or
-    a run report's measured share): one line for a bad spec."""
+    """The workload with the step cache `--cache` names (stepcache.plan_cache) at `--cache-hit-rate` (a number with
+    an optional spread, or earlier runs' reports): one line for a bad spec."""
     if cache is None:
         if hit_rate is not None:
             raise UserError("--cache-hit-rate is the hit rate of a cache: give the cache with --cache KIND")
@@ -365,38 +367,49 @@ def _with_cache(workload, cache: str | None, hit_rate: str | None):
     from chunkflow_planner.stepcache import plan_cache
 
     try:
-        rate, source = _hit_rate(hit_rate, parse_cache(cache))
-        return workload.model_copy(update={"cache": plan_cache(cache, rate, source, workload.steps)})
+        rate, spread, source = _hit_rate(hit_rate, parse_cache(cache))
+        return workload.model_copy(update={"cache": plan_cache(cache, rate, source, workload.steps, spread)})
     except CacheSpecError as exc:
         raise UserError(str(exc)) from None
 
 
-def _hit_rate(text: str | None, setting) -> tuple[float | None, str]:
-    """`--cache-hit-rate` as (rate, source): a number as given, or a run report's measured share of skipped steps
-    for the same kind of cache."""
+def _hit_rate(text: str | None, setting) -> tuple[float | None, float, str]:
+    """`--cache-hit-rate` as (rate, spread, source): a number as given (`0.35`, or `0.35+-0.1` with its spread), or
+    run reports of the same cache, comma-separated: their measured shares' mean, and half their range as the spread
+    (one report: none; the same prompt and seed skip the same steps, another prompt may not)."""
     if text is None:
-        return None, "given"
-    try:
-        return float(text), "given"
-    except ValueError:
-        pass
+        return None, 0.0, "given"
+    from chunkflow_planner.stepcache import parse_hit_rate
+
+    number = parse_hit_rate(text)
+    if number is not None:
+        return number[0], number[1], "given"
+    rates = [_report_hit_rate(part.strip(), setting) for part in text.split(",") if part.strip()]
+    if not rates:
+        raise UserError(f"--cache-hit-rate {text!r}: give a number, or run reports (run --cache ... --report R.json)")
+    mean = sum(rates) / len(rates)
+    return mean, max(abs(r - mean) for r in rates), "reports"
+
+
+def _report_hit_rate(path: str, setting) -> float:
+    """One run report's measured share of skipped steps, for a cache of `setting`'s kind."""
     from chunkflow_planner.files import FileError, read_bounded
 
     try:
-        raw = read_bounded(Path(text).expanduser(), f"--cache-hit-rate {text!r}", 256 * 2**20,
+        raw = read_bounded(Path(path).expanduser(), f"--cache-hit-rate {path!r}", 256 * 2**20,
                            fix="give a number, or a run report (run --report R.json)")
         got = json.loads(raw.decode()).get("generation", {}).get("cache")
     except FileError as exc:
         raise UserError(str(exc)) from None
     except (UnicodeDecodeError, ValueError, AttributeError):
-        raise UserError(f"--cache-hit-rate {text!r} is neither a number nor a readable run report (JSON)") from None
+        raise UserError(f"--cache-hit-rate {path!r} is neither a number nor a readable run report (JSON)") from None
     if not isinstance(got, dict) or not isinstance(got.get("measured_hit_rate"), (int, float)):
-        raise UserError(f"--cache-hit-rate {text!r}: the report ran no step cache (run --cache ... --report)")
+        raise UserError(f"--cache-hit-rate {path!r}: the report ran no step cache (run --cache ... --report)")
     kind = (got.get("setting") or {}).get("kind")
     if kind != setting.kind:
-        raise UserError(f"--cache-hit-rate {text!r}: the report's cache is {kind}, not {setting.kind}: give a report "
+        raise UserError(f"--cache-hit-rate {path!r}: the report's cache is {kind}, not {setting.kind}: give a report "
                         "of the same cache")
-    return float(got["measured_hit_rate"]), "reports"
+    return float(got["measured_hit_rate"])
 
 
 def _check_transformer_files(spec, weights: str | None, files: dict[str, str | None]) -> None:
