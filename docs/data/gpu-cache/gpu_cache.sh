@@ -64,11 +64,14 @@ print(p['chosen'], p['hit_rate'])" "$work/probe-$part.json")  # none where SKIP 
         --latents "$work/latents-$tag-streamed.safetensors" --report "$work/report-$tag-streamed.json"
       same=1
     fi
+    # diffusers all on the GPU, then group-offloaded, each against chunkflow's latents where this machine made them
+    lat() { [ -f "$work/latents-$tag.safetensors" ] && echo "--latents $work/latents-$tag.safetensors"; }
     step gpu-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
-      --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with --latents "$work/latents-$tag.safetensors" \
+      --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with $(lat) \
       --out "$work/diffusers-gpu-$tag.json"
     step group-$tag 900 $py "$repo/scripts/diffusers_load.py" "$work/plan-$tag.json" "$folder" --steps $steps \
-      --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with --group-offload --out "$work/diffusers-group-$tag.json"
+      --prompt "a red fox in the snow" --seed 0 --warmup ${WARMUP:-1} --device $dev $with --group-offload $(lat) \
+      --out "$work/diffusers-group-$tag.json"
     if [ -n "${same:-}" ] && [ -f "$work/latents-$tag-streamed.safetensors" ]; then  # the two settings' latents,
       # bit for bit (the same kernels on the same weights); none where the streamed run was skipped
       $py -c "import json,sys,torch; from safetensors.torch import load_file as f; a,b=f(sys.argv[1]),f(sys.argv[2]); \
