@@ -306,21 +306,24 @@ def test_whole_blocks_are_a_chunkflow_setting_said_in_its_label_and_kept_by_over
         OffloadConfig("layerwise", whole_blocks=(0,))
 
 
-@pytest.mark.parametrize("cache", ["first-block:0.1", "sea:0.3"])
+@pytest.mark.parametrize("cache", ["sea:0.3", "sea:0.1,retention_steps=2"])
 def test_a_data_driven_cache_under_sequence_parallelism_is_refused_in_one_line(cli, cache):
     """A cache that decides from the data would decide on each rank's share of the tokens: the plan refuses it
-    rather than price a run whose ranks could disagree, and says which caches do go with --sp."""
+    rather than price a run whose ranks could disagree, and says which caches do go with --sp (first-block, whose
+    measure the ranks sum together, among them)."""
     result = cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2", "--cache", cache)
     assert result.exit_code != 0, result.output
     said = " ".join(result.output.split())
     assert "with --sp 2:" in said and "from the data" in said and "mag:ratios=" in said, said
+    assert "or first-block (its measure is summed over the processes)" in said
     assert "Traceback" not in result.output
     assert cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--sp", "2").exit_code == 0
 
 
-@pytest.mark.parametrize("cache", ["mag:ratios=flux", "taylorseer:3,lite"])
-def test_a_cache_known_ahead_is_planned_under_sequence_parallelism_as_on_one_gpu(cli, workdir, cache):
-    """A schedule known ahead decides the same on every rank: --sp 2 plans it, computing the steps one GPU's plan
+@pytest.mark.parametrize("cache", ["mag:ratios=flux", "taylorseer:3,lite", "first-block:0.1"])
+def test_a_cache_every_rank_decides_alike_is_planned_under_sequence_parallelism_as_on_one_gpu(cli, workdir, cache):
+    """A schedule known ahead decides the same on every rank, and so does first-block caching from its measure
+    summed over the ranks: --sp 2 plans it, computing the steps one GPU's plan
     computes, in less time than the same --sp 2 plan without the cache."""
     def plan(out, *extra):
         result = cli("plan", "--model", "wan2.1-14b", "--hardware", "h200-x2", "--out", out, *extra)

@@ -152,6 +152,10 @@ class CacheRun:
             for name in names:
                 module = getattr(built.pipe, name)
                 enable_cache(module, setting, steps, name)
+                if setting.kind == "first-block":  # under torchrun: one decision from every rank's tokens
+                    from chunkflow.cache_ranks import decide_across_ranks
+
+                    decide_across_ranks(module)
                 where = {id(m): n for n, m in module.named_modules()}
                 watch.watch(module, [(f"{name}.{where[id(b)]}", b) for b in find_blocks(module)])
         except CacheSpecError:

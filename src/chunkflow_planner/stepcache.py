@@ -93,16 +93,17 @@ def schedule_known(setting: CacheSetting) -> bool:
 
 
 def parallel_problem(setting: CacheSetting) -> str | None:
-    """Why this cache cannot run under sequence parallelism, in one sentence; None where it can (schedule_known).
-    A cache that decides from the data (first-block, sea) decides from each rank's share of the tokens (mag:calibrate
-    measures its ratios from it): the ranks could decide differently, then skip different steps or wait on each
-    other's collectives."""
-    if schedule_known(setting):
+    """Why this cache cannot run under sequence parallelism, in one sentence; None where it can: a schedule known
+    ahead, or first-block caching, whose measure the ranks sum together (chunkflow/cache_ranks.py). Another cache
+    that decides from the data (sea) decides from each rank's share of the tokens (mag:calibrate measures its ratios
+    from it): the ranks could decide differently, then skip different steps or wait on each other's collectives."""
+    if schedule_known(setting) or setting.kind == "first-block":
         return None
     verb = "measures its ratios from" if getattr(setting, "calibrate", False) else "decides from"
     return (f"{cache_label(setting)} {verb} the data, and under sequence parallelism each process holds a "
             "share of the tokens, so the processes could decide differently; use a cache whose schedule is known "
-            "ahead (mag:ratios=..., taylorseer:...), or run it in one process")
+            "ahead (mag:ratios=..., taylorseer:...) or first-block (its measure is summed over the processes), or "
+            "run it in one process")
 
 
 def _refuse(setting: CacheSetting, text: str) -> None:
