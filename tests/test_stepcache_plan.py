@@ -194,11 +194,20 @@ def test_a_run_report_gives_the_next_plan_its_hit_rate(cli, workdir):
     assert wc["hit_rate_spread"] == 0
     # several reports (other prompts, seeds): their mean, and half their range as the spread the band takes
     other = json.loads(Path("r.json").read_text())
-    other["generation"]["cache"]["measured_hit_rate"] = measured / 2
-    Path("r2.json").write_text(json.dumps(other))
+    for name, share in (("r2.json", measured / 2), ("0.3+-a.json", measured / 4)):  # a name that reads as a number
+        other["generation"]["cache"]["measured_hit_rate"] = share
+        Path(name).write_text(json.dumps(other))
     wc = _plan(cli, "--cache", "first-block:0.3", "--cache-hit-rate", "r.json, r2.json")["workload"]["cache"]
     assert wc["hit_rate"] == pytest.approx(0.75 * measured) and wc["hit_rate_spread"] == pytest.approx(measured / 4)
     assert wc["hit_rate_source"] == "reports"
+    # three: the mean, and the farthest from it as the spread, so that each report's rate is inside the band
+    wc = _plan(cli, "--cache", "first-block:0.3", "--cache-hit-rate", "r.json,r2.json,0.3+-a.json")["workload"]["cache"]
+    mean = (1 + 1 / 2 + 1 / 4) / 3 * measured
+    assert wc["hit_rate"] == pytest.approx(mean) and wc["hit_rate_spread"] == pytest.approx(measured - mean)
+    assert _plan(cli, "--cache", "first-block:0.3", "--cache-hit-rate", "0.3+-a.json")["workload"]["cache"][
+        "hit_rate"] == pytest.approx(measured / 4)  # a file of that name is read as the report it is
+    bad = cli("plan", "--model", "flux", "--cache", "first-block", "--cache-hit-rate", "0.3,0.4")
+    assert bad.exit_code == 2 and "give one number" in " ".join(bad.output.split()), bad.output
     for spec, said in (("sea:0.3", "the report's cache is first-block, not sea"),):
         bad = cli("plan", "--model", "flux", "--cache", spec, "--cache-hit-rate", "r.json")
         assert bad.exit_code == 2 and said in " ".join(bad.output.split()), bad.output

@@ -34,6 +34,12 @@ def decide_across_ranks(module: nn.Module, group=None) -> int:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
         return 0
     hooks = _head_hooks(module)
+    if not hooks or not all(callable(getattr(h, "_should_compute_remaining_blocks", None)) for h in hooks):
+        from chunkflow_planner.cache import CacheSpecError
+
+        raise CacheSpecError("--cache first-block under torchrun: this diffusers' first-block cache has no decision "
+                             "chunkflow can share between the processes (each would decide alone, and they could "
+                             "disagree and wait on each other); run it in one process, or use mag:ratios=...")
     for hook in hooks:
         hook._should_compute_remaining_blocks = _global_decision(hook, group)
     return len(hooks)

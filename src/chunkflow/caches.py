@@ -155,7 +155,11 @@ class CacheRun:
                 if setting.kind == "first-block":  # under torchrun: one decision from every rank's tokens
                     from chunkflow.cache_ranks import decide_across_ranks
 
-                    decide_across_ranks(module)
+                    try:
+                        decide_across_ranks(module)
+                    except CacheSpecError:
+                        module.disable_cache()
+                        raise
                 where = {id(m): n for n, m in module.named_modules()}
                 watch.watch(module, [(f"{name}.{where[id(b)]}", b) for b in find_blocks(module)])
         except CacheSpecError:

@@ -54,7 +54,7 @@ def rows(folder: Path) -> dict[str, dict]:
             out[f"{tag} diffusers-{way}"] = {"way": f"diffusers {way}", "generation_s": d.get("generation_s"),
                                             "latents_identical": d.get("latents_identical"), "cache": d.get("cache"),
                                             "other_shape": d.get("latents_identical") is False
-                                            and d.get("latents_max_abs_diff") is None}
+                                            and "latents_max_abs_diff" in d and d["latents_max_abs_diff"] is None}
     return out
 
 

@@ -165,7 +165,7 @@ _CacheHitRate = Annotated[Optional[str], typer.Option(help="the share of steps t
                                                       "(first-block, sea): a number (0.35, or 0.35+-0.1 with the "
                                                       "spread the band takes), or earlier runs' reports, "
                                                       "comma-separated (run --cache ... --report R.json): their "
-                                                      "measured shares' mean, half their range the spread. "
+                                                      "measured shares' mean, the farthest from it the spread. "
                                                       "Default: a wide prior")]
 _Transformer2 = Annotated[Optional[str], typer.Option(help="as --transformer, for the second expert (transformer_2)"),
                          INPUT]
@@ -375,20 +375,36 @@ def _with_cache(workload, cache: str | None, hit_rate: str | None):
 
 def _hit_rate(text: str | None, setting) -> tuple[float | None, float, str]:
     """`--cache-hit-rate` as (rate, spread, source): a number as given (`0.35`, or `0.35+-0.1` with its spread), or
-    run reports of the same cache, comma-separated: their measured shares' mean, and half their range as the spread
-    (one report: none; the same prompt and seed skip the same steps, another prompt may not)."""
+    run reports of the same cache (a file, or files comma-separated): their measured shares' mean, with the largest
+    distance of one from it as the spread, so that every report's rate lies inside the band (one report: none; the
+    same prompt and seed skip the same steps, another prompt may not)."""
     if text is None:
         return None, 0.0, "given"
     from chunkflow_planner.stepcache import parse_hit_rate
 
+    if Path(text).expanduser().is_file():
+        return _report_hit_rate(text, setting), 0.0, "reports"
     number = parse_hit_rate(text)
     if number is not None:
         return number[0], number[1], "given"
-    rates = [_report_hit_rate(part.strip(), setting) for part in text.split(",") if part.strip()]
-    if not rates:
-        raise UserError(f"--cache-hit-rate {text!r}: give a number, or run reports (run --cache ... --report R.json)")
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or any(not Path(p).expanduser().is_file() and _is_number(p) for p in parts):
+        raise UserError(f"--cache-hit-rate {text!r}: give one number (0.35 or 0.35+-0.1), or run reports "
+                        "comma-separated (run --cache ... --report R.json)")
+    rates = [_report_hit_rate(part, setting) for part in parts]
     mean = sum(rates) / len(rates)
     return mean, max(abs(r - mean) for r in rates), "reports"
+
+
+def _is_number(text: str) -> bool:
+    """Whether `text` reads as a rate (with or without its spread), not as a report's path."""
+    from chunkflow_planner.cache import CacheSpecError
+    from chunkflow_planner.stepcache import parse_hit_rate
+
+    try:
+        return parse_hit_rate(text) is not None
+    except CacheSpecError:
+        return True
 
 
 def _report_hit_rate(path: str, setting) -> float:
