@@ -110,7 +110,8 @@ def cache_said(plan: Plan) -> str | None:
     else:
         spread = w.cache.hit_rate_spread if w.cache is not None else 0.0
         rate = f"hit rate {c.hit_rate:.0%}" + (f" +-{spread:.0%}" if spread else "") + {
-            "given": " (given)", "reports": " (run reports' measured share)", "prior": " (a prior: nothing measured it; --cache-hit-rate from a run's report)",
+            "given": " (given)", "reports": " (run reports' measured share)",
+            "prior": " (a prior: nothing measured it; --cache-hit-rate from a run's report)",
         }.get(c.hit_rate_source, f" ({c.hit_rate_source})")
     lo, hi = c.computed_steps_range
     ends = f" ({lo}-{hi} at the spread)" if lo != hi else ""
