@@ -49,6 +49,9 @@ if [ $stage = fg ] && [ $(left) -gt 90 ] && [ ! -f /tmp/block.ok ]; then  # one 
   [ -f /tmp/firstgen-evidence/block-run3-sd3-medium.json ] && touch /tmp/block.ok
   (cd /tmp/firstgen-evidence && tar czf $OUT/fg/block.tgz block-* gpu.txt machine.txt save-*.log 2>/dev/null)
 fi
+# the calibration (about 260 s on an H100) is not resumable: a call with less left ends here and the next begins it
+if [ $stage = fg ] && [ ! -f /tmp/firstgen-evidence/calib.done ] && [ $(left) -lt ${CALIB_NEEDS:-330} ]; then
+  echo "fg: $(left) s left, under the calibration's ${CALIB_NEEDS:-330} s: the next call begins it"; stage=wait; fi
 if [ $stage = fg ] && [ $(left) -gt 120 ]; then
   rm -rf /tmp/cache-evidence/folder-wan
   if [ ! -f /tmp/fg1.ok ]; then
