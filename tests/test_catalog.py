@@ -311,10 +311,10 @@ def test_a_version_1_profile_is_migrated_on_load(tmp_path):
     assert not {"text_host", "host_op_us", "cpu_op_us"} & set(dumped)
     assert type(hw).model_validate(data) == hw  # embedded (plan.hardware.spec): the same migration
     assert load_profile(_write(tmp_path / "v5.yaml", dumped)) == hw  # written back as version 5, read as is
-    for old in (2, 3, 4, 5, 6, 7, 8):  # no field changed since: read as they are
+    for old in (2, 3, 4, 5, 6, 7, 8, 9):  # no field changed since: read as they are
         assert load_profile(_write(tmp_path / f"v{old}.yaml", {**dumped, "schema_version": old})) == hw
-    with pytest.raises(CatalogError, match="schema_version 10"):  # a version this chunkflow does not know
-        load_profile(_write(tmp_path / "v10.yaml", {**dumped, "schema_version": 10}))
+    with pytest.raises(CatalogError, match="schema_version 11"):  # a version this chunkflow does not know
+        load_profile(_write(tmp_path / "v11.yaml", {**dumped, "schema_version": 11}))
 
 
 def _write(path: Path, data: dict) -> Path:

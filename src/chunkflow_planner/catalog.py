@@ -31,7 +31,8 @@ from chunkflow_planner.components import PipelineSpec, TextEncoderArch, TextEnco
 from chunkflow_planner.errors import ChunkflowError
 from chunkflow_planner.stepcache import StepCache
 
-CATALOG_SCHEMA_VERSION = 9  # 9: a started process's host memory before its first kernels (process_start_host_bytes)
+CATALOG_SCHEMA_VERSION = 10  # 10: the allocator's slack measured with each VAE decode fit (VaeDecodeFit.alloc_slack;
+# issue 55); 9: a started process's host memory before its first kernels (process_start_host_bytes)
 # and the libraries' page-cache share once warm (libraries_warm_share; issue 55); 8: a freshly started machine's
 # start-up (startup_s keys `cold:<phase>`; issue 55);
 # 7: a fit's bias (FitQuality.bias: the load path against the load model, the `load` fit;
@@ -39,7 +40,7 @@ CATALOG_SCHEMA_VERSION = 9  # 9: a started process's host memory before its firs
 # quality and the planner's errors from run reports (fits, model_errors; issue 41); 3: the codec's figures
 # (codec_decode_gbps, codec_ratio; issue 39); 2: the host model of issue 28 (text_layer_host_us, host_margin); 1 is
 # migrated
-READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6, 7, 8)  # profiles of these versions hold no field version 9 dropped or changed
+READ_AS_IS_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)  # profiles of these versions hold no field version 10 dropped or changed
 
 # Plausible ranges of the figures the planner divides by. Outside them the arithmetic stops meaning anything
 # (an efficiency of 1e-300 puts F* beyond any float); a measurement that lands there is wrong.
@@ -307,7 +308,7 @@ PeerLink = Literal["nvlink", "pcie", "none"]
 class VaeDecodeFit(_Strict):
     """A VAE decode measured at a few sizes and fitted linearly: peak allocated bytes mem_const + mem_per_px * (H W)
     + mem_per_voxel * (B F H W), time time_const + time_per_voxel * (B F H W) + time_per_call * (B x decoder calls);
-    F = 1 for images. `tiled` is the same with VAE tiling on, its time fitted per decoder call (the VAE's
+    F = 1 for images; the allocator's slack over those bytes as measured (alloc_slack, where calibrate measured it). `tiled` is the same with VAE tiling on, its time fitted per decoder call (the VAE's
     `tiling` counts them: components.VaeTiling) where the catalog knows the VAE's tiling. Where and when it was
     measured in `source`."""
 
@@ -317,6 +318,9 @@ class VaeDecodeFit(_Strict):
     time_const: float = Field(ge=-10, le=1e4)
     time_per_voxel: float = Field(0.0, ge=0, le=1)
     time_per_call: float = Field(0.0, ge=0, le=100)
+    alloc_slack: float | None = Field(None, ge=0, le=10, description="bytes the allocator held beyond the decode's "
+                                      "peak allocation, per activation byte, measured with the fit (calibrate: the "
+                                      "median over its decodes); None: the profile's alloc_slack")
     tiled: "VaeDecodeFit | None" = None
     source: str = ""
 

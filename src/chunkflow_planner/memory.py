@@ -81,11 +81,13 @@ class MemoryEstimate:
         return self.codec_saved + self.codec_spill_raw - self.codec_spill
 
 
-def device_need(allocated: float, activations: float, hw: HardwareSpec) -> int:
+def device_need(allocated: float, activations: float, hw: HardwareSpec, slack: float | None = None) -> int:
     """Device bytes in use at a peak allocation on `hw`: the allocation, what the allocator holds of freed
-    activations (alloc_slack x activations), its reserve (reserve_fraction) and the memory torch does not count
-    (context_bytes). The one memory model of the plan's budget checks, transformer-only and whole-pipeline."""
-    return int((allocated + hw.alloc_slack * activations) * (1 + hw.reserve_fraction) + hw.context_bytes)
+    activations (`slack`, where the work's own was measured, else hw's alloc_slack, x activations), its reserve
+    (reserve_fraction) and the memory torch does not count (context_bytes). The one memory model of the plan's budget
+    checks, transformer-only and whole-pipeline."""
+    held = hw.alloc_slack if slack is None else slack
+    return int((allocated + held * activations) * (1 + hw.reserve_fraction) + hw.context_bytes)
 
 
 def allocation_within(budget: float, activations: float, hw: HardwareSpec) -> float:

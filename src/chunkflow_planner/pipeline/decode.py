@@ -48,14 +48,25 @@ def decode_calls(spec: ModelSpec, w: Workload) -> int:
     return w.batch * tiling.decoder_calls(w.height, w.width, lf, spec.vae_spatial, vt)
 
 
-def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> tuple[float, float]:
-    """(seconds, peak activation bytes) of decoding `w`'s output, from the VAE's fit (tiled or not), and of the
-    pipeline's postprocessing of it (output_bytes at postprocess_gbps)."""
+def decode_fit(spec: ModelSpec, hw: HardwareSpec, tiled: bool) -> VaeDecodeFit:
+    """The fit a decode is priced with: the VAE's (vae_fit), or its tiled one."""
     fit = vae_fit(spec, hw)
     if tiled:
         if fit.tiled is None:
             raise PipelineError(f"the decode fit of {spec.pipeline.vae.name} has no tiled measurement")
         fit = fit.tiled
+    return fit
+
+
+def decode_slack(spec: ModelSpec, hw: HardwareSpec, tiled: bool) -> float | None:
+    """The allocator's slack measured with the decode's fit (VaeDecodeFit.alloc_slack); None where it was not."""
+    return decode_fit(spec, hw, tiled).alloc_slack
+
+
+def decode_cost(spec: ModelSpec, w: Workload, hw: HardwareSpec, tiled: bool) -> tuple[float, float]:
+    """(seconds, peak activation bytes) of decoding `w`'s output, from the VAE's fit (tiled or not), and of the
+    pipeline's postprocessing of it (output_bytes at postprocess_gbps)."""
+    fit = decode_fit(spec, hw, tiled)
     calls = decode_calls(spec, w) if fit.time_per_call > 0 else 0
     if fit.time_per_call > 0 and not calls:
         raise PipelineError(f"the decode fit of {spec.pipeline.vae.name} is per decoder call, but the catalog has "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from chunkflow_planner.catalog import HardwareSpec, ModelSpec, Workload, encode_startup_key
 from chunkflow_planner.offload import DISK_RING_BLOCKS, disk_block_indices
-from chunkflow_planner.pipeline.decode import decode_cost, output_host_bytes
+from chunkflow_planner.pipeline.decode import decode_cost, decode_slack, output_host_bytes
 from chunkflow_planner.pipeline.experts import expert_names, expert_steps
 from chunkflow_planner.pipeline.hostshare import shared_host_bytes
 from chunkflow_planner.pipeline.placement import ON_DISK, ExpertRun, Phase, PipelineEstimate, Placements
@@ -189,6 +189,7 @@ def _decode(spec: ModelSpec, w: Workload, hw: HardwareSpec, pl: Placements, alwa
     dec.time_s = sum(dec.detail.values())
     dec.allocated_bytes = always + (vae_bytes if pl.vae in ("phase", ON_DISK) else 0.0) + act
     dec.activation_bytes = act
+    dec.alloc_slack = decode_slack(spec, hw, pl.vae_tiling)
     _add_startup(dec, "decode", hw, spec)
     return dec
 

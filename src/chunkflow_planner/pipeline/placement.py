@@ -100,6 +100,7 @@ class Phase:
     detail: dict[str, float] = field(default_factory=dict)
     startup_s: float = 0.0  # part of time_s paid only by a process's first generation (PipelineProfile.startup_s)
     activation_bytes: float = 0.0  # of allocated_bytes, the activations (the allocator's slack scales with them)
+    alloc_slack: float | None = None  # the slack measured for this phase's work (a VAE's decode), else the profile's
 
 
 @dataclass
@@ -123,7 +124,7 @@ class PipelineEstimate:
         """Device memory in use at the phase's peak: allocation, the allocator's slack over the activations (what
         it keeps mapped of freed ones, `alloc_slack`), its reserve and the context."""
         ph = self.phases[phase]
-        return device_need(ph.allocated_bytes, ph.activation_bytes, self.hw)
+        return device_need(ph.allocated_bytes, ph.activation_bytes, self.hw, ph.alloc_slack)
 
     @property
     def hw_word(self) -> str:

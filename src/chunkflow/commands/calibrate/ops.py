@@ -253,6 +253,7 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
                     torch.cuda.synchronize(device)
                     torch.cuda.empty_cache()
                     base = torch.cuda.memory_allocated(device)
+                    base_reserved = torch.cuda.memory_reserved(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
                 vae.decode(z, return_dict=False)
@@ -260,8 +261,9 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
                 peak = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+                held = torch.cuda.max_memory_reserved(device) - base_reserved if cuda else 0
                 rows.append(dict(vae=vae_spec.name, batch=b, frames=f, height=h, width=w, tiled=tiled, time_s=dt,
-                                 peak_bytes=int(peak)))
+                                 peak_bytes=int(peak), reserved_bytes=int(held)))
                 del z
     finally:
         handle.remove()
@@ -303,8 +305,18 @@ def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], 
     if rate <= 0 or t0 < 0:  # a line through the origin: a negative intercept would price small decodes at 0 s
         (rate,), t0 = _lstsq(rows, lambda r: [float(size(r))], "time_s"), 0.0
     timing = dict(time_per_call=rate, time_per_voxel=0.0) if calls else dict(time_per_voxel=rate)
+    slack = vae_slack(rows)
     return dict(mem_const=c0, mem_per_px=max(0.0, c_px), mem_per_voxel=max(0.0, c_vox), time_const=t0, **timing,
-                source=source)
+                source=source, **({} if slack is None else {"alloc_slack": slack}))
+
+
+def vae_slack(rows: list[dict]) -> float | None:
+    """The allocator's slack over decodes `rows`: what it reserved beyond each decode's peak allocation, per byte of
+    that allocation (both over the decode's start, after emptying the cache), the median over the decodes; None where
+    none was measured (the CPU: 0 bytes, or rows from before calibrate recorded `reserved_bytes`)."""
+    held = [(r["reserved_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in rows
+            if r.get("reserved_bytes", 0) > 0 and r["peak_bytes"] > 0]
+    return max(0.0, statistics.median(held)) if held else None
 
 
 def vae_residuals(rows: list[dict], fit: dict, calls: Callable[[dict], int] | None = None

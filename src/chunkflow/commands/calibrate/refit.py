@@ -189,7 +189,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
       for the phase) that were bound by the host took than calibrate timed their layers (text_layer_host_us); one
       ratio per encoder and report, their median (_host_ratios);
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
-    - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase (median);
+    - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase priced with
+      the profile's slack (median; a decode whose VAE fit has its own, VaeDecodeFit.alloc_slack, is left out);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
       (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md);
     - mem_margin: the largest under-prediction of a phase's peak left with those terms (rounded up), which plans
@@ -243,6 +244,8 @@ class _PhaseSamples:
             act = e.phases[name].activation_bytes
             if not peak_judged(r, name):
                 self.bound += 1
+                continue
+            if e.phases[name].alloc_slack is not None:  # priced with its own slack (a VAE's, measured by calibrate)
                 continue
             if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
                 over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
