@@ -83,11 +83,13 @@ class MemoryEstimate:
 
 def device_need(allocated: float, activations: float, hw: HardwareSpec, slack: float | None = None) -> int:
     """Device bytes in use at a peak allocation on `hw`: the allocation, what the allocator holds of freed
-    activations (`slack`, where the work's own was measured, else hw's alloc_slack, x activations), its reserve
-    (reserve_fraction) and the memory torch does not count (context_bytes). The one memory model of the plan's budget
-    checks, transformer-only and whole-pipeline."""
-    held = hw.alloc_slack if slack is None else slack
-    return int((allocated + held * activations) * (1 + hw.reserve_fraction) + hw.context_bytes)
+    activations (hw's alloc_slack x activations) and its reserve (reserve_fraction), and the memory torch does not
+    count (context_bytes). Where the work's own `slack` was measured (a VAE's decodes: all the allocator reserved
+    beyond their peak allocation), it stands for both the slack and the reserve. The one memory model of the plan's
+    budget checks, transformer-only and whole-pipeline."""
+    if slack is not None:
+        return int(allocated + slack * activations + hw.context_bytes)
+    return int((allocated + hw.alloc_slack * activations) * (1 + hw.reserve_fraction) + hw.context_bytes)
 
 
 def allocation_within(budget: float, activations: float, hw: HardwareSpec) -> float:

@@ -253,13 +253,20 @@ def _print_profile(hw) -> None:
     if hw.gemm_eta:
         t.add_row("GEMM / attention shapes", f"{len(hw.gemm_eta)} / {len(hw.attn_eta or [])} measured")
     for name, fit in hw.pipeline.vae_decode.items():
-        t.add_row(f"VAE {name}", f"{fit.mem_const / 1e9:.2f} GB + {fit.mem_per_px:.0f} B/px + {fit.mem_per_voxel:.1f} B/voxel; "
-                  f"{fit.time_per_voxel * 1e9:.2f} ns/voxel"
-                  + ("" if fit.alloc_slack is None else f"; allocator slack {fit.alloc_slack:.2f}") + (
-                      "" if not fit.tiled else f"; tiled {fit.tiled.time_per_call * 1e3:.1f} ms/decoder call"
-                      if fit.tiled.time_per_call else " (+tiled)"))
+        t.add_row(f"VAE {name}", _vae_words(fit))
     console.print(t)
     _print_fits(hw)
+
+
+def _vae_words(fit) -> str:
+    """A VAE decode fit in one line: memory, rate, allocator slack, and its tiled fit's."""
+    slack = lambda f: "" if f.alloc_slack is None else f"; allocator slack {f.alloc_slack:.2f}"  # noqa: E731
+    words = (f"{fit.mem_const / 1e9:.2f} GB + {fit.mem_per_px:.0f} B/px + {fit.mem_per_voxel:.1f} B/voxel; "
+             f"{fit.time_per_voxel * 1e9:.2f} ns/voxel" + slack(fit))
+    if fit.tiled is None:
+        return words
+    tiled = f"; tiled {fit.tiled.time_per_call * 1e3:.1f} ms/decoder call" if fit.tiled.time_per_call else " (+tiled)"
+    return words + tiled + slack(fit.tiled)
 
 
 def _print_fits(hw) -> None:

@@ -261,9 +261,9 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
                 peak = torch.cuda.max_memory_allocated(device) - base if cuda else 0
-                held = torch.cuda.max_memory_reserved(device) - base_reserved if cuda else 0
+                held = torch.cuda.max_memory_reserved(device) - base_reserved if cuda else None
                 rows.append(dict(vae=vae_spec.name, batch=b, frames=f, height=h, width=w, tiled=tiled, time_s=dt,
-                                 peak_bytes=int(peak), reserved_bytes=int(held)))
+                                 peak_bytes=int(peak), reserved_bytes=None if held is None else int(held)))
                 del z
     finally:
         handle.remove()
@@ -310,13 +310,17 @@ def fit_vae(rows: list[dict], video: bool, source: str, calls: Callable[[dict], 
                 source=source, **({} if slack is None else {"alloc_slack": slack}))
 
 
+SLACK_MOST = 10.0  # VaeDecodeFit.alloc_slack's bound: a decode reserving more is priced at it
+
+
 def vae_slack(rows: list[dict]) -> float | None:
     """The allocator's slack over decodes `rows`: what it reserved beyond each decode's peak allocation, per byte of
-    that allocation (both over the decode's start, after emptying the cache), the median over the decodes; None where
-    none was measured (the CPU: 0 bytes, or rows from before calibrate recorded `reserved_bytes`)."""
+    that allocation (both over the decode's start, after emptying the cache), the median over the decodes, within
+    [0, SLACK_MOST]; None where none was measured (the CPU: `reserved_bytes` None, or rows from before calibrate
+    recorded it)."""
     held = [(r["reserved_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in rows
-            if r.get("reserved_bytes", 0) > 0 and r["peak_bytes"] > 0]
-    return max(0.0, statistics.median(held)) if held else None
+            if r.get("reserved_bytes") is not None and r["peak_bytes"] > 0]
+    return min(SLACK_MOST, max(0.0, statistics.median(held))) if held else None
 
 
 def vae_residuals(rows: list[dict], fit: dict, calls: Callable[[dict], int] | None = None

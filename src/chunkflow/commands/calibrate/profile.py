@@ -72,4 +72,16 @@ def profile_changes(old: HardwareSpec, new: HardwareSpec) -> list[str]:
     out = [f"{k} {old.figure(k)!r} -> {new.figure(k)!r}" for k in PROFILE_FIELDS if old.figure(k) != new.figure(k)]
     if old.eta_comp_curves != new.eta_comp_curves or old.eta_comp_curve != new.eta_comp_curve:
         out.append("eta_comp curves changed")
+    out += [f"VAE {name}{how}: allocator slack {a!r} -> {b!r}" for name, how, a, b in _vae_slacks(old, new) if a != b]
     return out or ["none"]
+
+
+def _vae_slacks(old: HardwareSpec, new: HardwareSpec) -> list[tuple[str, str, float | None, float | None]]:
+    """(VAE, '' or ' (tiled)', old slack, new slack) of each VAE decode fit in `new` (VaeDecodeFit.alloc_slack)."""
+    out = []
+    for name, fit in sorted(new.pipeline.vae_decode.items()):
+        was = old.pipeline.vae_decode.get(name)
+        out.append((name, "", was.alloc_slack if was else None, fit.alloc_slack))
+        if fit.tiled is not None:
+            out.append((name, " (tiled)", was.tiled.alloc_slack if was and was.tiled else None, fit.tiled.alloc_slack))
+    return out

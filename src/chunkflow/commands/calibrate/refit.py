@@ -190,7 +190,8 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
       ratio per encoder and report, their median (_host_ratios);
     - postprocess_gbps: output bytes over the measured decode less the VAE's predicted decode (median);
     - alloc_slack: (measured peak - context - peak allocated) per predicted activation byte, every phase priced with
-      the profile's slack (median; a decode whose VAE fit has its own, VaeDecodeFit.alloc_slack, is left out);
+      the profile's slack (median); a decode whose VAE fit has its own (VaeDecodeFit.alloc_slack, measured by
+      calibrate) refits that one instead (the median of its decodes, plain and tiled apart);
       it replaces the flat reserve over every allocated byte (reserve_fraction set to 0), which fits worse
       (whole pipelines on an H200: median error 0.8% against 2.9%, docs/pipeline-h200.md);
     - mem_margin: the largest under-prediction of a phase's peak left with those terms (rounded up), which plans
@@ -208,7 +209,10 @@ def _refit_pipeline(hw: HardwareSpec, reports: Sequence, notes: list[str]) -> di
     errors = _peak_errors(hw.model_copy(update=update), gens)
     if errors:  # what the model, refit, still misses: a plan keeps that much of the budget free
         update["mem_margin"] = min(0.5, math.ceil(max(0.0, *errors) * 1000) / 1000)
-    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(f"{k} {v:.3g}" for k, v in update.items()))
+    notes.append(f"from {len(gens)} generation report(s): " + ", ".join(
+        f"{k} {v:.3g}" for k, v in update.items() if k != "vae_decode"))
+    notes += [f"VAE {vae}{' (tiled)' if tiled else ''}: its own allocator slack from {len(s)} decode(s), "
+              f"{statistics.median(s):.3g}" for (vae, tiled), s in sorted(samples.vae_slack.items())]
     return update
 
 
@@ -220,6 +224,9 @@ class _PhaseSamples:
     encode_host: list[float] = field(default_factory=list)
     postprocess: list[float] = field(default_factory=list)
     slack: list[float] = field(default_factory=list)
+    vae_slack: dict[tuple[str, bool], list[float]] = field(default_factory=dict)  # (VAE, tiled): decodes priced with
+    # their VAE fit's own slack (VaeDecodeFit.alloc_slack), which they refit
+    vae_fits: dict[str, Any] = field(default_factory=dict)  # those VAEs' fits as priced (pipeline.decode.vae_fit)
     host_ratios: list[float] = field(default_factory=list)
     cold: int = 0  # reports of a process's first generation with no start-up known to take out
     bound: int = 0  # denoise phases whose activations were priced at a bound (bound_activations): left out
@@ -245,11 +252,15 @@ class _PhaseSamples:
             if not peak_judged(r, name):
                 self.bound += 1
                 continue
-            if e.phases[name].alloc_slack is not None:  # priced with its own slack (a VAE's, measured by calibrate)
-                continue
             if m.measured_peak_memory_bytes is not None and m.measured_peak_allocated_bytes is not None and act > 0:
-                over = m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes
-                self.slack.append(max(0.0, over / act))
+                over = max(0.0, (m.measured_peak_memory_bytes - hw.context_bytes - m.measured_peak_allocated_bytes) / act)
+                if e.phases[name].alloc_slack is None:
+                    self.slack.append(over)
+                else:  # priced with its VAE's own slack (calibrate measured it): that one's sample, not the profile's
+                    from chunkflow_planner.pipeline.decode import vae_fit
+
+                    self.vae_fits[spec.pipeline.vae.name] = vae_fit(spec, hw)
+                    self.vae_slack.setdefault((spec.pipeline.vae.name, bool(r.plan.pipeline.vae_tiling)), []).append(over)
 
     def _add_time(self, name: str, m, t: float, e, w, base: HardwareSpec, warm: bool) -> None:
         """A phase's measured time `t` (start-up out) as a sample of the encode's host time or the output's rate."""
@@ -287,7 +298,24 @@ class _PhaseSamples:
         if self.slack:
             update["alloc_slack"] = statistics.median(self.slack)
             update["reserve_fraction"] = 0.0
+        if self.vae_slack:
+            update["vae_decode"] = self._vae_fits(hw)
         return update
+
+    def _vae_fits(self, hw: HardwareSpec) -> dict:
+        """The profile's VAE decode fits, each with its own slack (plain or tiled) refit from the decodes priced with
+        it: their median, within the fit's bounds."""
+        from chunkflow.commands.calibrate.ops import SLACK_MOST
+
+        fits = dict(hw.pipeline.vae_decode)
+        for (vae, tiled), samples in sorted(self.vae_slack.items()):
+            fit = fits.get(vae, self.vae_fits[vae])
+            slack = min(SLACK_MOST, statistics.median(samples))
+            if tiled:
+                fits[vae] = fit.model_copy(update={"tiled": fit.tiled.model_copy(update={"alloc_slack": slack})})
+            else:
+                fits[vae] = fit.model_copy(update={"alloc_slack": slack})
+        return fits
 
 
 def _load_process(r, e, hw: HardwareSpec) -> float | None:
