@@ -308,9 +308,9 @@ PeerLink = Literal["nvlink", "pcie", "none"]
 class VaeDecodeFit(_Strict):
     """A VAE decode measured at a few sizes and fitted linearly: peak allocated bytes mem_const + mem_per_px * (H W)
     + mem_per_voxel * (B F H W), time time_const + time_per_voxel * (B F H W) + time_per_call * (B x decoder calls);
-    F = 1 for images; the allocator's slack over those bytes as measured (alloc_slack, where calibrate measured it). `tiled` is the same with VAE tiling on, its time fitted per decoder call (the VAE's
-    `tiling` counts them: components.VaeTiling) where the catalog knows the VAE's tiling. Where and when it was
-    measured in `source`."""
+    F = 1 for images; the allocator's slack over those bytes where calibrate measured it (alloc_slack). `tiled` is
+    the same with VAE tiling on, its time fitted per decoder call (the VAE's `tiling` counts them:
+    components.VaeTiling) where the catalog knows the VAE's tiling. Where and when it was measured in `source`."""
 
     mem_const: float = Field(ge=-1e12, le=1e13)
     mem_per_px: float = Field(0.0, ge=0, le=1e9)
