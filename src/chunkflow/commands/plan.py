@@ -502,6 +502,17 @@ def _read_bytes(spec, weights: str | None, variant: str | None, transformer_only
     return pipeline_read_bytes(resolve_weights(weights), spec, variant)
 
 
+def _untimed(plan, untimed: list[str]) -> list[str]:
+    """The derived model's parts no calibration timed: its VAE is timed where the profile planned with holds a decode
+    fit by its name (`calibrate --weights` of its folder)."""
+    from chunkflow_planner.plan import hardware_of
+
+    vae = plan.model.spec.pipeline.vae if plan.model.spec.pipeline is not None else None
+    if vae is None or vae.name not in hardware_of(plan).pipeline.vae_decode:
+        return untimed
+    return [u for u in untimed if not u.startswith(f"{vae.component} (")]
+
+
 def _show_plan(plan, decision, analysis, out: str | None, json_out: bool) -> None:
     """The plan to --out, then as JSON on stdout (--json) or as tables."""
     if out:
@@ -516,9 +527,10 @@ def _show_plan(plan, decision, analysis, out: str | None, json_out: bool) -> Non
     if derived is not None:
         console.print(f"Model derived from {derived.source} (no catalog entry; the plan file carries it)",
                       markup=False)
-        if derived.untimed:
+        untimed = _untimed(plan, derived.untimed)
+        if untimed:
             console.print("Not timed by any calibration (priced from their shapes, with a margin): "
-                          + "; ".join(derived.untimed), markup=False)
+                          + "; ".join(untimed), markup=False)
         for note in derived.notes:
             console.print(f"Assumed: {note}", markup=False)
     if out:

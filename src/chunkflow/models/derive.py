@@ -275,6 +275,16 @@ def _header_float32(folder: Path) -> bool:
     return f32 * 2 > ckpt.nbytes
 
 
+def derived_vae_name(cls_name: str, config: dict, dtype: str) -> str:
+    """The name of an uncatalogued VAE: its class and a digest of its config and dtype, so a profile's decode fit
+    (measured by `calibrate --weights`, kept by name) and a refit's samples belong to that VAE alone, not to every
+    VAE of its class."""
+    import hashlib
+
+    blob = json.dumps({"cls": cls_name, "config": config, "dtype": dtype}, sort_keys=True, default=str)
+    return f"{cls_name}:derived-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
 def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[str], untimed: list[str]):
     from chunkflow_planner.catalog import load_models
     from chunkflow_planner.components import VaeSpec
@@ -300,8 +310,8 @@ def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[s
 
         fit = decode_fit(vae.to(getattr(torch, dtype)), int(latent), video, getattr(torch, dtype))
         untimed.append(f"{name} ({cls_name}, priced from its operator shapes)")
-        return VaeSpec(name=f"{cls_name}:derived", component=name, cls=cls_name, config=clean, total_params=total,
-                       decoder_params=decoder, dtype=dtype, decode=fit), vae, cfg
+        return VaeSpec(name=derived_vae_name(cls_name, clean, dtype), component=name, cls=cls_name, config=clean,
+                       total_params=total, decoder_params=decoder, dtype=dtype, decode=fit), vae, cfg
     except Exception as exc:  # a decoder the meta device cannot run: the nearest catalog VAE's, scaled
         tiled_only = _decodes_only_tiled(vae, int(latent), video, exc)
         notes.append(f"{name}: its decode could not be traced on the meta device ({type(exc).__name__}); priced "
@@ -324,8 +334,8 @@ def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[s
     untimed.append(f"{name} ({cls_name}, priced from {near.name}'s decode by its parameters, x{VAE_MARGIN})")
     if tiled_only:  # the same borrowed price for its tiled decode (per voxel: no tile count is needed)
         fit["tiled"] = dict(fit)
-    return VaeSpec(name=f"{cls_name}:derived", component=name, cls=cls_name, config=clean, total_params=total,
-                   decoder_params=decoder, dtype=dtype, decode=fit, tiled_only=tiled_only), vae, cfg
+    return VaeSpec(name=derived_vae_name(cls_name, clean, dtype), component=name, cls=cls_name, config=clean,
+                   total_params=total, decoder_params=decoder, dtype=dtype, decode=fit, tiled_only=tiled_only), vae, cfg
 
 
 def _decodes_only_tiled(vae, latent_channels: int, video: bool, untiled: Exception) -> bool:

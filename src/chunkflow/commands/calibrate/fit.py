@@ -219,7 +219,8 @@ def scale_to_forwards(spec: ModelSpec, hw: HardwareSpec, rows: Sequence[dict]
 def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: str
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The VaeDecodeFit (as a dict) of `spec`'s VAE from its measured decodes: untiled per voxel, tiled per decoder
-    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`); and the residuals of
+    call where the catalog knows the VAE's tiling (each tiled row gains its `decoder_calls`), the tiled fit alone
+    for both where there are no untiled decodes (a VAE that decodes only tiled); and the residuals of
     both fits ({vae_time, vae_memory}: ops.vae_residuals) with, under `fitted`, the coefficients fitted to them
     (ops.vae_coefficients of each fit that gave residuals: fit_quality's `fitted`)."""
     from chunkflow.commands.calibrate.ops import fit_vae, vae_coefficients, vae_residuals
@@ -233,6 +234,10 @@ def fit_vae_rows(spec: ModelSpec, plain: list[dict], tiled: list[dict], source: 
                 out[name] += res
                 out["fitted"][name] += n
 
+    if not plain:  # a class that decodes only tiled (VaeSpec.tiled_only): its tiled fit prices both
+        fit = fit_vae(tiled, spec.is_video, source + " (tiled)")
+        pool(tiled, fit)
+        return {**fit, "tiled": dict(fit)}, out
     fit = fit_vae(plain, spec.is_video, source)
     pool(plain, fit)
     if tiled:

@@ -480,40 +480,67 @@ def vae_owners() -> dict[str, ModelSpec]:
     return owners
 
 
-def _vae_fits(s, cpu_smoke: bool, progress, log):
-    """Every catalog VAE (the tiny one alone for --cpu-smoke) decoded at a few sizes, tiled and not, and fitted: the
-    fits, the raw rows, and the fits' residuals pooled over the VAEs ({vae_time, vae_memory}, and under `fitted`
-    the coefficients fitted to each: fit.fit_vae_rows)."""
-    from chunkflow.commands.calibrate.ops import measure_vae, vae_points
+def _vae_owners(cpu_smoke: bool, weights: str | None, log) -> dict[str, ModelSpec]:
+    """The VAEs calibrate times, each with a model using it: every catalog VAE (the tiny one alone for --cpu-smoke),
+    and the VAE of the --weights folder where it is not one of them (folder_vae.py)."""
+    from chunkflow.commands.calibrate.folder_vae import folder_vae_owner
 
     owners = vae_owners()
     if cpu_smoke:
         owners = {n: sp for n, sp in owners.items() if n == "tiny-wan-vae"}
     else:  # the tiny pipelines' VAEs are for CPU tests (tiled, their small tiles take longer than the real ones)
         owners = {n: sp for n, sp in owners.items() if not n.startswith("tiny")}
+    folder = folder_vae_owner(weights, set(owners), log)
+    if folder is not None:
+        owners[folder.pipeline.vae.name] = folder
+    return owners
+
+
+def _vae_fits(s, cpu_smoke: bool, progress, log, weights: str | None = None):
+    """Every VAE _vae_owners names decoded at a few sizes, tiled and not (tiled alone for a class that decodes only
+    tiled), and fitted: the fits, the raw rows, and the fits' residuals pooled over the VAEs ({vae_time,
+    vae_memory}, and under `fitted` the coefficients fitted to each: fit.fit_vae_rows)."""
+    from chunkflow.commands.calibrate.ops import measure_vae, vae_points
+
+    owners = _vae_owners(cpu_smoke, weights, log)
     date = datetime.date.today().isoformat()
     fits, raw = {}, []
     residuals: dict[str, Any] = {"vae_time": [], "vae_memory": [], "fitted": {"vae_time": 0, "vae_memory": 0}}
     step = progress("VAE decodes", len(owners))
     for name, spec in owners.items():
         plain, tiled = vae_points(spec, cpu_smoke)
-        rows = measure_vae(spec, s.device, plain, tiled=False)
+        tiled = tiled if _tiles(spec) else []
+        only_tiled = spec.pipeline.vae.tiled_only
+        rows = [] if only_tiled else measure_vae(spec, s.device, plain, tiled=False)
         trows = measure_vae(spec, s.device, tiled, tiled=True) if tiled else []
-        fit, res = fit_vae_rows(spec, rows, trows, f"chunkflow calibrate {date} on {s.name}: {len(plain)} decodes")
+        where = f" from {spec.derived.source}" if spec.derived is not None else ""
+        fit, res = fit_vae_rows(spec, rows, trows, f"chunkflow calibrate {date} on {s.name}: "
+                                f"{len(rows) or len(trows)} decodes{where}")
         for k in ("vae_time", "vae_memory"):
             residuals[k] += res[k]
             residuals["fitted"][k] += res["fitted"][k]
         fits[name] = fit
         raw += rows + trows
-        tiled_rate = ""
-        if fit.get("tiled"):
-            t = fit["tiled"]
-            tiled_rate = (f"; tiled {t['time_per_call'] * 1e3:.1f} ms/decoder call" if t.get("time_per_call")
-                          else f"; tiled {t['time_per_voxel'] * 1e9:.2f} ns/voxel")
-        log(f"VAE {name}: decode peak {fit['mem_const'] / 1e9:.2f} GB + {fit['mem_per_px']:.0f} B/px + "
-            f"{fit['mem_per_voxel']:.1f} B/voxel, {fit['time_per_voxel'] * 1e9:.2f} ns/voxel{tiled_rate}")
+        _log_vae_fit(name, fit, log)
         step()
     return fits, raw, residuals
+
+
+def _tiles(spec: ModelSpec) -> bool:
+    """Whether the VAE's diffusers class can decode tiled (enable_tiling)."""
+    import diffusers
+
+    return callable(getattr(getattr(diffusers, spec.pipeline.vae.cls, None), "enable_tiling", None))
+
+
+def _log_vae_fit(name: str, fit: dict, log) -> None:
+    tiled_rate = ""
+    if fit.get("tiled"):
+        t = fit["tiled"]
+        tiled_rate = (f"; tiled {t['time_per_call'] * 1e3:.1f} ms/decoder call" if t.get("time_per_call")
+                      else f"; tiled {t['time_per_voxel'] * 1e9:.2f} ns/voxel")
+    log(f"VAE {name}: decode peak {fit['mem_const'] / 1e9:.2f} GB + {fit['mem_per_px']:.0f} B/px + "
+        f"{fit['mem_per_voxel']:.1f} B/voxel, {fit['time_per_voxel'] * 1e9:.2f} ns/voxel{tiled_rate}")
 
 
 def _peak(gemm: float, given: float | None, catalog: HardwareSpec | None, cpu_smoke: bool) -> float:
@@ -653,7 +680,7 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     h2d_rows, fit = _h2d_fit(s, progress, log)
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
     extra["process_host_bytes"] = extra["process_start_host_bytes"] = process_rss
-    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log) if vaes else ({}, [], {})
+    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log, weights) if vaes else ({}, [], {})
     disk_raw, codec_raw, formats_raw = _device_figures(extra, s, cpu_smoke, weights, disk, log)
     coll = _collectives(s, progress, log) if s.world > 1 else None
     if coll is not None:

@@ -213,7 +213,7 @@ def _warmup_frames(spec) -> int:
 
 
 def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[dict]:
-    """Decode random latents at each point with the catalog model's VAE (random weights, its dtype): seconds and
+    """Decode random latents at each point with model `spec`'s VAE (random weights, its dtype): seconds and
     the peak allocation above what was allocated before (weights and latents), per point. The warm-up decodes the
     first point's size at the fewest frames that take every path of its tiled decode (_warmup_frames), so every
     tile shape has run once."""
@@ -234,7 +234,7 @@ def measure_vae(spec, device, points, tiled: bool, warmup: bool = True) -> list[
         vae.enable_tiling()
     cuda = device.type == "cuda"
     s = spec.vae_spatial
-    image_2d = vae_spec.cls == "AutoencoderKL"
+    image_2d = not any(isinstance(m, torch.nn.Conv3d) for m in vae.modules())  # a video decoder takes frames
 
     def latents(b, f, h, w):
         lf = (f - 1) // (spec.vae_temporal or 1) + 1
