@@ -90,3 +90,19 @@ def test_a_video_vae_decodes_frames_and_one_that_decodes_only_tiled_is_fitted_fr
     assert {r["tiled"] for r in raw if r["vae"] == vae.name} == {True}
     fit = VaeDecodeFit(**fits[vae.name])
     assert fit.tiled is not None and fit.tiled.time_per_voxel == fit.time_per_voxel > 0
+
+
+def test_a_plan_written_before_the_digest_reads_its_derived_vae_under_the_name_it_has_now(workdir):
+    """Round 4's plans and reports say "AutoencoderKL:derived": read back, the VAE takes the name derive gives it now,
+    so a profile's fit of that VAE prices them (docs/data/gpu-firstgen/reprice_decode.py); a catalog VAE keeps its
+    name."""
+    from chunkflow_planner.catalog import get_model
+    from chunkflow_planner.components import VaeSpec
+
+    vae = derived(_pixart(workdir / "pixart"), height=32, width=32, steps=2).pipeline.vae
+    old = {**vae.model_dump(), "name": "AutoencoderKL:derived"}
+    assert VaeSpec(**old).name == vae.name != old["name"]
+    other = "bfloat16" if vae.dtype == "float32" else "float32"
+    assert VaeSpec(**{**old, "dtype": other}).name != vae.name  # the dtype is part of it
+    flux = get_model("flux").pipeline.vae
+    assert VaeSpec(**flux.model_dump()).name == flux.name == "flux-vae"

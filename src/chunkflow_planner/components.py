@@ -202,8 +202,28 @@ class VaeTiling(_Strict):
         return tiles
 
 
+def derived_vae_name(cls_name: str, config: dict[str, Any], dtype: str) -> str:
+    """The name of a VAE no catalog entry has (models/derive.py): its class and a digest of its config and dtype, so
+    a profile's decode fit (measured by `calibrate --weights`, kept by name) and a refit's samples belong to that VAE
+    alone, not to every VAE of its class."""
+    import hashlib
+    import json
+
+    blob = json.dumps({"cls": cls_name, "config": config, "dtype": dtype}, sort_keys=True, default=str)
+    return f"{cls_name}:derived-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
 class VaeSpec(_Strict):
     """The pipeline's VAE: its diffusers class and config, and how its decode was measured."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_by_config(cls, data: Any) -> Any:
+        """A derived VAE of a plan or report written before its name held its config's digest ("CLS:derived") is
+        read under the name it has now, so a profile's fit of that VAE prices it."""
+        if isinstance(data, dict) and data.get("name") == f"{data.get('cls')}:derived" and "config" in data:
+            data = {**data, "name": derived_vae_name(data["cls"], data["config"], data.get("dtype", "bfloat16"))}
+        return data
 
     name: str = Field(description="the VAE's name, shared by models that use the same one (e.g. wan2.1-vae); "
                       "measured decode fits are kept by it")

@@ -275,19 +275,9 @@ def _header_float32(folder: Path) -> bool:
     return f32 * 2 > ckpt.nbytes
 
 
-def derived_vae_name(cls_name: str, config: dict, dtype: str) -> str:
-    """The name of an uncatalogued VAE: its class and a digest of its config and dtype, so a profile's decode fit
-    (measured by `calibrate --weights`, kept by name) and a refit's samples belong to that VAE alone, not to every
-    VAE of its class."""
-    import hashlib
-
-    blob = json.dumps({"cls": cls_name, "config": config, "dtype": dtype}, sort_keys=True, default=str)
-    return f"{cls_name}:derived-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
-
-
 def _vae_spec(folder: Path, name: str, cls_name: str, video: bool, notes: list[str], untimed: list[str]):
     from chunkflow_planner.catalog import load_models
-    from chunkflow_planner.components import VaeSpec
+    from chunkflow_planner.components import VaeSpec, derived_vae_name
 
     cfg = _read(folder / name, f"VAE {str(folder / name)!r}")
     cls = _diffusers_cls(cls_name, f"model_index.json in {str(folder)!r}", "VAE")

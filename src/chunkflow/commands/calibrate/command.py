@@ -34,8 +34,10 @@ _Base = Annotated[Optional[str], typer.Option(help="catalog GPU whose unmeasured
 _Raw = Annotated[Optional[str], typer.Option(help="also write the raw measurements as JSON here"), OUTPUT]
 _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeline folder (or Hub id in the local "
                                                       "cache) is on, as the loader reads it, cold and warm (default: "
-                                                      "the Hugging Face cache's disk), and measure the lossless "
-                                                      "codec's ratio on its transformer's weights (--codec)"), INPUT]
+                                                      "the Hugging Face cache's disk), measure the lossless "
+                                                      "codec's ratio on its transformer's weights (--codec), and time "
+                                                      "its VAE's decodes where the catalog does not have that VAE"),
+                    INPUT]
 _StartupProcesses = Annotated[int, typer.Option(min=0, max=20, help="cold processes the start-up of a process's "
                                                  "first generation is measured over (each phase's first call less "
                                                  "its second; 0: not measured, the profile keeps its own)")]
