@@ -64,11 +64,7 @@ if [ $stage = fg ] && [ $(left) -gt 120 ]; then
     NAMES="pixart-sigma sd3-medium" ROUNDS=1 PARTS="save calib plan fresh after" WORK=/tmp/firstgen-evidence \
       timeout $(left) bash docs/data/gpu-firstgen/gpu_firstgen.sh $OUT/fg && [ -f /tmp/firstgen-evidence/run-after1-sd3-medium.done ] && touch /tmp/fg1.ok
   fi
-  w=/tmp/firstgen-evidence  # the slack calibrate's method measures on these pipelines' own VAEs (derived, so the
-  # calibration above, on the catalog's VAEs, did not): beside what their decodes held
-  if [ -f /tmp/fg1.ok ] && [ ! -f $w/vae-slack.json ] && [ $(left) -gt 60 ]; then
-    timeout 60 python3 docs/data/gpu-firstgen/vae_slack.py $w/plan-pixart-sigma.json $w/plan-sd3-medium.json \
-      --out $w/vae-slack.json > $w/vae-slack.log 2>&1; tail -2 $w/vae-slack.log | cut -c1-300; fi
+  # both folders' derived VAEs are timed by the calibration (--vae-weights): vae_slack.py is not run again
   for n in pixart-sigma sd3-medium; do w=/tmp/firstgen-evidence
     if [ -f /tmp/fg1.ok ] && [ ! -f $w/block-$n.json ] && [ $(left) -gt 100 ]; then
       timeout 150 python3 docs/data/gpu-firstgen/block_profile.py $w/plan-$n.json $w/folder-$n $w/profile.yaml \

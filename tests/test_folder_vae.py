@@ -26,12 +26,12 @@ from chunkflow_planner.pipeline.decode import decode_cost  # noqa: E402
 CPU = types.SimpleNamespace(device=torch.device("cpu"), name="cpu")
 
 
-def _fits(weights: Path | None):
-    """calibrate's VAE timing on the CPU (--cpu-smoke's sizes) with `--weights weights`: fits, raw rows, log."""
+def _fits(*folders: Path):
+    """calibrate's VAE timing on the CPU (--cpu-smoke's sizes) with these folders (--weights, then --vae-weights):
+    fits, raw rows, log."""
     lines: list[str] = []
     with one_thread():
-        fits, raw, _ = _vae_fits(CPU, True, lambda what, n: (lambda: None), lines.append,
-                                 None if weights is None else str(weights))
+        fits, raw, _ = _vae_fits(CPU, True, lambda what, n: (lambda: None), lines.append, [str(f) for f in folders])
     return fits, raw, lines
 
 
@@ -55,7 +55,7 @@ def test_calibrate_times_the_folders_vae_and_its_plans_price_the_decode_from_tha
     mine = [r for r in raw if r["vae"] == name]
     assert len(mine) >= 2 and all(r["time_s"] > 0 for r in mine)
     assert str(pixart) in fits[name]["source"] and any(name in line for line in lines)
-    assert set(_fits(None)[0]) == {"tiny-wan-vae"}  # without --weights, the catalog's alone
+    assert set(_fits()[0]) == {"tiny-wan-vae"}  # without --weights, the catalog's alone
 
     fit = VaeDecodeFit(**fits[name])
     hw = get_hardware("cpu")
@@ -106,3 +106,57 @@ def test_a_plan_written_before_the_digest_reads_its_derived_vae_under_the_name_i
     assert VaeSpec(**{**old, "dtype": other}).name != vae.name  # the dtype is part of it
     flux = get_model("flux").pipeline.vae
     assert VaeSpec(**flux.model_dump()).name == flux.name == "flux-vae"
+
+
+def test_vae_weights_times_a_second_folders_vae_and_a_decode_that_fails_leaves_the_rest_timed(workdir, monkeypatch):
+    """Round 4's two derived VAEs (PixArt's and SD3's) in one calibration: each folder's VAE gets its own fit. A
+    folder's VAE that cannot decode at calibrate's sizes (out of memory on a GPU) is said not timed; the catalog's
+    VAEs and the other folder's are still fitted. A catalog VAE's failure is chunkflow's own and still stops it."""
+    import chunkflow.commands.calibrate.ops as ops
+
+    pixart = _pixart(workdir / "pixart")
+    sd3_folder = workdir / "sd3"
+    sd3, _ = _sd3(sd3_folder)
+    mine = derived(pixart, height=32, width=32, steps=2).pipeline.vae.name
+    fits, _, _ = _fits(pixart, sd3_folder)
+    assert set(fits) == {"tiny-wan-vae", mine, sd3.pipeline.vae.name}
+
+    real = ops.measure_vae
+
+    def out_of_memory_on(name):
+        def measure(spec, *args, **kwargs):
+            if spec.pipeline.vae.name == name:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+            return real(spec, *args, **kwargs)
+        return measure
+
+    monkeypatch.setattr(ops, "measure_vae", out_of_memory_on(mine))
+    fits, raw, lines = _fits(pixart, sd3_folder)
+    assert set(fits) == {"tiny-wan-vae", sd3.pipeline.vae.name}
+    assert not [r for r in raw if r["vae"] == mine]
+    said = [line for line in lines if mine in line]
+    assert said and "not timed" in said[0] and "OutOfMemoryError" in said[0] and str(pixart) in said[0]
+    monkeypatch.setattr(ops, "measure_vae", out_of_memory_on("tiny-wan-vae"))
+    with pytest.raises(torch.OutOfMemoryError):
+        _fits(pixart)
+
+
+def test_calibrate_vae_weights_puts_that_folders_vae_fit_in_the_profile(cli, workdir):
+    from chunkflow_planner.catalog import load_profile
+
+    pixart = _pixart(workdir / "pixart")
+    name = derived(pixart, height=32, width=32, steps=2).pipeline.vae.name
+    with one_thread():
+        r = cli("calibrate", "--cpu-smoke", "--no-save", "--vae-weights", str(pixart), "--out", "p.yaml",
+                "--startup-processes", "0")
+    assert r.exit_code == 0, r.output
+    fit = load_profile(workdir / "p.yaml").pipeline.vae_decode[name]
+    assert fit.time_per_voxel > 0 and str(pixart) in fit.source
+
+
+def test_calibrate_checks_every_vae_folder_before_measuring(cli, workdir):
+    r = cli("calibrate", "--cpu-smoke", "--vae-weights", str(workdir / "nowhere"), "--out", "p.yaml")
+    assert r.exit_code != 0 and "nowhere" in r.output and "Traceback" not in r.output
+    assert not (workdir / "p.yaml").exists()
+    r = cli("calibrate", "--from-report", "r.json", "--vae-weights", str(workdir))
+    assert r.exit_code != 0 and "--vae-weights" in r.output and "Traceback" not in r.output

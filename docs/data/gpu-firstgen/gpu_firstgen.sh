@@ -6,7 +6,8 @@
 # Stable Diffusion 3 medium and Mochi-1, saved as diffusers folders (scripts/save_uncatalogued.py: the public
 # checkpoints' architectures and configs, random values). Parts, in order (PARTS, default all):
 #   save    the three folders
-#   calib   chunkflow calibrate --startup-processes 3 --weights (the first folder: the load path) -> profile.yaml
+#   calib   chunkflow calibrate --startup-processes 3 --weights (the first folder: the load path) --vae-weights (the
+#           others: every folder's derived VAE timed) -> profile.yaml
 #   plan    each pipeline planned from its folder with that profile, before any run
 #   fresh   the files a process reads (torch's and the NVIDIA libraries, the folders) dropped from the page cache,
 #           as on a freshly started machine; then ROUNDS rounds, each pipeline once a round, each run its own new
@@ -59,9 +60,10 @@ if wanted save; then
   done
 fi
 if wanted calib; then
-  first=$(echo $names | cut -d' ' -f1)
+  first=$(echo $names | cut -d' ' -f1); more=""
+  for n in $(echo $names | cut -d' ' -f2-); do [ "$n" = "$first" ] || more="$more --vae-weights $work/folder-$n"; done
   step calib 600 $py -m chunkflow calibrate $([ -n "${TINY:-}" ] && echo --cpu-smoke || echo --model ${CAL_MODEL:-wan2.2}) \
-    --startup-processes 3 --weights "$work/folder-$first" --out "$work/profile.yaml" --raw "$work/calibration.json" --no-save
+    --startup-processes 3 --weights "$work/folder-$first" $more --out "$work/profile.yaml" --raw "$work/calibration.json" --no-save
 fi
 if [ -n "${TINY:-}" ]; then hw=cpu; elif [ -n "${SPARSE:-}" ]; then hw=${HW:-h200}; else hw="$work/profile.yaml"; fi
 if wanted plan; then

@@ -38,6 +38,10 @@ _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeli
                                                       "codec's ratio on its transformer's weights (--codec), and time "
                                                       "its VAE's decodes where the catalog does not have that VAE"),
                     INPUT]
+_VaeWeights = Annotated[Optional[list[str]], typer.Option("--vae-weights", help="also time the VAE of this pipeline "
+                                                          "folder (or Hub id in the local cache) where the catalog "
+                                                          "does not have it, as --weights does; repeat the flag for "
+                                                          "several folders"), INPUT]
 _StartupProcesses = Annotated[int, typer.Option(min=0, max=20, help="cold processes the start-up of a process's "
                                                  "first generation is measured over (each phase's first call less "
                                                  "its second; 0: not measured, the profile keeps its own)")]
@@ -51,7 +55,8 @@ _MoreReports = Annotated[Optional[list[str]], typer.Argument(metavar="REPORT", s
 def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save = None, cpu_smoke: _CpuSmoke = False,
                   from_report: _FromReport = None, profile: _Profile = None, gemm_size: _GemmSize = 8192,
                   peak_tflops: _PeakTflops = None, base: _Base = None, raw: _Raw = None, weights: _Weights = None,
-                  more_reports: _MoreReports = None, startup_processes: _StartupProcesses = 3) -> None:
+                  more_reports: _MoreReports = None, startup_processes: _StartupProcesses = 3,
+                  vae_weights: _VaeWeights = None) -> None:
     """Measure this machine (GEMM rate, eta_comp curve of a real block, pinned H2D, and under torchrun the
     all-to-all and its contention with H2D) and write a hardware profile that `chunkflow plan` uses.
 
@@ -59,7 +64,8 @@ def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save
     and prints what changed."""
     import os
 
-    from_report = _check_calibrate(model, cpu_smoke, from_report, more_reports, gemm_size, peak_tflops, raw, weights)
+    from_report = _check_calibrate(model, cpu_smoke, from_report, more_reports, gemm_size, peak_tflops, raw,
+                                   [weights] if weights is not None else [], vae_weights or [])
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `run` measures
     default = save if save is not None else not cpu_smoke
     _check_outputs(out, raw, default, from_report, profile)
@@ -67,7 +73,7 @@ def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save
         new, header = _refit_profile(from_report, profile)
     else:
         measured = _measure_profile(model or "wan2.2", cpu_smoke, gemm_size, peak_tflops, base, raw, weights,
-                                    startup_processes)
+                                    startup_processes, vae_weights or [])
         if measured is None:  # not rank 0
             return
         new, header = measured
@@ -77,7 +83,7 @@ def calibrate_cmd(model: _Models = None, out: _Out = "profile.yaml", save: _Save
 
 def _check_calibrate(model: str | None, cpu_smoke: bool, from_report: list[str] | None,
                      more_reports: list[str] | None, gemm_size: int, peak_tflops: float | None, raw: str | None,
-                     weights: str | None) -> list[str]:
+                     weights: list[str], vae_weights: list[str]) -> list[str]:
     """The measuring and refitting flags checked together; the run reports to refit from (flag and arguments)."""
     import math
 
@@ -91,13 +97,14 @@ def _check_calibrate(model: str | None, cpu_smoke: bool, from_report: list[str] 
         raise UserError(f"unexpected argument(s) {' '.join(more_reports)} (report files go after --from-report: "
                         "`chunkflow calibrate --from-report out/*-report.json`)")
     reports = (from_report or []) + (more_reports or [])
-    if reports and (cpu_smoke or model is not None or raw is not None or weights is not None):
-        raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw and --weights measure: use "
-                        "one or the other")
-    if weights is not None:
+    if reports and (cpu_smoke or model is not None or raw is not None or weights or vae_weights):
+        raise UserError("--from-report refits from run reports; --model, --cpu-smoke, --raw, --weights and "
+                        "--vae-weights measure: use one or the other")
+    if weights or vae_weights:
         from chunkflow.commands.calibrate.disk import disk_folder
 
-        disk_folder(weights)  # a missing folder or uncached Hub id fails before anything is measured
+        for folder in weights + vae_weights:  # a missing folder or uncached Hub id fails before anything is measured
+            disk_folder(folder)
     return reports
 
 
@@ -204,7 +211,8 @@ def _refit_profile(reports: list[str], profile: str | None):
 
 
 def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: float | None, base: str | None,
-                     raw: str | None, weights: str | None = None, startup_processes: int = 3):
+                     raw: str | None, weights: str | None = None, startup_processes: int = 3,
+                     vae_weights: list[str] | None = None):
     """(measured profile, header) on rank 0; None on other ranks under torchrun (every rank measures)."""
     import json
 
@@ -220,6 +228,7 @@ def _measure_profile(model: str, cpu_smoke: bool, gemm_size: int, peak_tflops: f
 
         cal = calibrate(model, cpu_smoke=cpu_smoke, gemm_n=gemm_size, peak_tflops=peak_tflops, base=base,
                         progress=progress, weights=weights, startup_processes=startup_processes,
+                        vae_weights=vae_weights or (),
                         log=_say if rank0 else (lambda s: None))
     if not rank0:
         return None

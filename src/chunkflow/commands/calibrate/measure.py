@@ -480,9 +480,9 @@ def vae_owners() -> dict[str, ModelSpec]:
     return owners
 
 
-def _vae_owners(cpu_smoke: bool, weights: str | None, log) -> dict[str, ModelSpec]:
+def _vae_owners(cpu_smoke: bool, folders: Sequence[str], log) -> dict[str, ModelSpec]:
     """The VAEs calibrate times, each with a model using it: every catalog VAE (the tiny one alone for --cpu-smoke),
-    and the VAE of the --weights folder where it is not one of them (folder_vae.py)."""
+    and the VAE of each pipeline folder (--weights, --vae-weights) that is not one of them (folder_vae.py)."""
     from chunkflow.commands.calibrate.folder_vae import folder_vae_owner
 
     owners = vae_owners()
@@ -490,29 +490,34 @@ def _vae_owners(cpu_smoke: bool, weights: str | None, log) -> dict[str, ModelSpe
         owners = {n: sp for n, sp in owners.items() if n == "tiny-wan-vae"}
     else:  # the tiny pipelines' VAEs are for CPU tests (tiled, their small tiles take longer than the real ones)
         owners = {n: sp for n, sp in owners.items() if not n.startswith("tiny")}
-    folder = folder_vae_owner(weights, set(owners), log)
-    if folder is not None:
-        owners[folder.pipeline.vae.name] = folder
+    for weights in folders:
+        folder = folder_vae_owner(weights, set(owners), log)
+        if folder is not None:
+            owners[folder.pipeline.vae.name] = folder
     return owners
 
 
-def _vae_fits(s, cpu_smoke: bool, progress, log, weights: str | None = None):
+def _vae_fits(s, cpu_smoke: bool, progress, log, folders: Sequence[str] = ()):
     """Every VAE _vae_owners names decoded at a few sizes, tiled and not (tiled alone for a class that decodes only
     tiled), and fitted: the fits, the raw rows, and the fits' residuals pooled over the VAEs ({vae_time,
-    vae_memory}, and under `fitted` the coefficients fitted to each: fit.fit_vae_rows)."""
-    from chunkflow.commands.calibrate.ops import measure_vae, vae_points
-
-    owners = _vae_owners(cpu_smoke, weights, log)
+    vae_memory}, and under `fitted` the coefficients fitted to each: fit.fit_vae_rows). A folder's VAE that fails to
+    decode (out of memory at calibrate's sizes, a class that cannot run here) is logged as not timed; the rest go on."""
+    owners = _vae_owners(cpu_smoke, folders, log)
     date = datetime.date.today().isoformat()
     fits, raw = {}, []
     residuals: dict[str, Any] = {"vae_time": [], "vae_memory": [], "fitted": {"vae_time": 0, "vae_memory": 0}}
     step = progress("VAE decodes", len(owners))
     for name, spec in owners.items():
-        plain, tiled = vae_points(spec, cpu_smoke)
-        tiled = tiled if _tiles(spec) else []
-        only_tiled = spec.pipeline.vae.tiled_only
-        rows = [] if only_tiled else measure_vae(spec, s.device, plain, tiled=False)
-        trows = measure_vae(spec, s.device, tiled, tiled=True) if tiled else []
+        try:
+            rows, trows = _vae_decodes(spec, s.device, cpu_smoke)
+        except Exception as exc:  # noqa: BLE001 - a folder's VAE is the user's code; a catalog VAE's failure is ours
+            if spec.derived is None:
+                raise
+            log(f"VAE {name} from {spec.derived.source}: not timed, its decode failed ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); plans of that folder price its decode from its operator shapes")
+            _free_device_memory(s.device)
+            step()
+            continue
         where = f" from {spec.derived.source}" if spec.derived is not None else ""
         fit, res = fit_vae_rows(spec, rows, trows, f"chunkflow calibrate {date} on {s.name}: "
                                 f"{len(rows) or len(trows)} decodes{where}")
@@ -524,6 +529,34 @@ def _vae_fits(s, cpu_smoke: bool, progress, log, weights: str | None = None):
         _log_vae_fit(name, fit, log)
         step()
     return fits, raw, residuals
+
+
+def _vae_decodes(spec: ModelSpec, device, cpu_smoke: bool) -> tuple[list[dict], list[dict]]:
+    """The VAE of `spec` decoded at calibrate's sizes: (untiled rows, tiled rows); a class that decodes only tiled has
+    no untiled rows, one without enable_tiling no tiled ones."""
+    from chunkflow.commands.calibrate.ops import measure_vae, vae_points
+
+    plain, tiled = vae_points(spec, cpu_smoke)
+    tiled = tiled if _tiles(spec) else []
+    rows = [] if spec.pipeline.vae.tiled_only else measure_vae(spec, device, plain, tiled=False)
+    trows = measure_vae(spec, device, tiled, tiled=True) if tiled else []
+    return rows, trows
+
+
+def _free_device_memory(device) -> None:
+    """What a failed decode left in the CUDA allocator's cache given back (nothing to do on the CPU)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _folders(weights: str | None, vae_weights: Sequence[str]) -> list[str]:
+    """The pipeline folders whose VAEs calibrate times: --weights, then each --vae-weights, each once."""
+    return list(dict.fromkeys(([weights] if weights is not None else []) + list(vae_weights)))
 
 
 def _tiles(spec: ModelSpec) -> bool:
@@ -656,9 +689,10 @@ def medians(groups: Iterable[Sequence[float]]) -> dict[str, Any]:
 def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False, gemm_n: int = 8192, peak_tflops: float | None = None,
               base: str | None = None, peer_link: str | None = None, progress: Progress = _no_progress,
               log: Callable[[str], None] = lambda s: None, vaes: bool = True, weights: str | None = None,
-              disk: bool = True, startup_processes: int = 3) -> Calibration:
+              disk: bool = True, startup_processes: int = 3, vae_weights: Sequence[str] = ()) -> Calibration:
     """Measure and assemble a profile. Raises CalibrationError without CUDA (unless cpu_smoke). `weights`: the
-    pipeline folder whose disk the load rates are measured on (calibrate_disk.disk_folder); `disk`: measure them;
+    pipeline folder whose disk the load rates are measured on (calibrate_disk.disk_folder); `vae_weights`: more
+    pipeline folders whose VAEs are timed (with `weights`'s) where the catalog lacks them; `disk`: measure them;
     `startup_processes`: cold processes the first model's start-up is measured over (startup.py; 0: none)."""
     import torch
 
@@ -680,7 +714,8 @@ def calibrate(model: str | Sequence[str] = "wan2.2", *, cpu_smoke: bool = False,
     h2d_rows, fit = _h2d_fit(s, progress, log)
     extra, ops_raw = _operator_model(specs, blocks, s, peak, cpu_smoke, base_hw, progress, log)
     extra["process_host_bytes"] = extra["process_start_host_bytes"] = process_rss
-    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log, weights) if vaes else ({}, [], {})
+    folders = _folders(weights, vae_weights)
+    vae_fits, vae_raw, vae_res = _vae_fits(s, cpu_smoke, progress, log, folders) if vaes else ({}, [], {})
     disk_raw, codec_raw, formats_raw = _device_figures(extra, s, cpu_smoke, weights, disk, log)
     coll = _collectives(s, progress, log) if s.world > 1 else None
     if coll is not None:
