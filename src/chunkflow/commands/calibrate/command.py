@@ -38,10 +38,9 @@ _Weights = Annotated[Optional[str], typer.Option(help="time the disk this pipeli
                                                       "codec's ratio on its transformer's weights (--codec), and time "
                                                       "its VAE's decodes where the catalog does not have that VAE"),
                     INPUT]
-_VaeWeights = Annotated[Optional[list[str]], typer.Option("--vae-weights", help="also time the VAE of this pipeline "
-                                                          "folder (or Hub id in the local cache) where the catalog "
-                                                          "does not have it, as --weights does; repeat the flag for "
-                                                          "several folders"), INPUT]
+_VaeWeights = Annotated[Optional[list[str]], typer.Option(
+    "--vae-weights", metavar="DIR", help="also time the VAE of this pipeline folder (or Hub id in the local cache) "
+    "where the catalog does not have it, as --weights does; repeat the flag for several folders"), INPUT]
 _StartupProcesses = Annotated[int, typer.Option(min=0, max=20, help="cold processes the start-up of a process's "
                                                  "first generation is measured over (each phase's first call less "
                                                  "its second; 0: not measured, the profile keeps its own)")]
