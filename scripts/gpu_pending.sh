@@ -28,7 +28,8 @@ else HW=h200; caches="none first-block:auto mag:ratios=flux"; skip="gpu-wan-none
 wwork=/tmp/cache-evidence; warm=0; last=group-wan-first-block
 if [ -f docs/data/gpu-cache/run-6-h100/diffusers-group-wan-mag.json ]; then
   skip="gpu-wan-none group-wan-none run-wan-first-block-streamed gpu-wan-first-block gpu-wan-mag group-wan-first-block group-wan-mag"
-  wwork=/tmp/cache-warm; warm=1; last=run-wan-mag; fi  # after a warm-up: no cache too (runs 3-6 had it first-generation only)
+  wwork=/tmp/cache-warm; warm=1; last=run-wan-none  # after a warm-up: no cache too (runs 3-6 had it first-generation
+  caches="first-block:auto mag:ratios=flux none"; fi  # only), after the caches, which a short call must not miss
 [ -f /tmp/stage ] || echo ${STAGE:-cache} > /tmp/stage  # STAGE=fg: begin at a later stage
 stage=$(cat /tmp/stage)
 mkdir -p $OUT/cache $OUT/fg $OUT/mochi
