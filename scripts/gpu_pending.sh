@@ -33,6 +33,12 @@ if [ -f docs/data/gpu-cache/run-6-h100/diffusers-group-wan-mag.json ]; then
 [ -f /tmp/stage ] || echo ${STAGE:-cache} > /tmp/stage  # STAGE=fg: begin at a later stage
 stage=$(cat /tmp/stage)
 mkdir -p $OUT/cache $OUT/fg $OUT/mochi
+pack() {  # what the stage begun has written, packed: also when the device ends the call at its limit (SIGTERM)
+  [ -d $wwork ] && (cd $wwork && tar czf $OUT/cache/cache.tgz --exclude="*.safetensors" --exclude="folder-*" --exclude="*.done" .)
+  [ -d /tmp/firstgen-evidence ] && (cd /tmp/firstgen-evidence && tar czf $OUT/fg/firstgen.tgz --exclude="folder-*" \
+    --exclude="*.done" --exclude="*.png" --exclude="*.safetensors" .)
+}
+trap 'echo "ended by a signal: packing"; pack; exit 143' TERM INT
 if [ $stage = cache ]; then
   for extra in "group-wan-mag group-wan-first-block" ""; do  # the bit-for-bit checks and the hits first, groups last
     [ $(left) -gt 20 ] || break
@@ -43,7 +49,7 @@ if [ $stage = cache ]; then
   n=$(ls $wwork/*.done 2>/dev/null | wc -l); echo "cache done markers: $n"; ls $wwork/*.done
   if [ -f $wwork/$last.done ] || [ "${FORCE_NEXT:-}" = 1 ]; then
     echo fg > /tmp/stage; rm -rf $wwork/folder-wan; stage=fg; fi
-  (cd $wwork && tar czf $OUT/cache/cache.tgz --exclude="*.safetensors" --exclude="folder-*" --exclude="*.done" .)
+  pack
 fi
 # round 3's plans were profiled in run-4 (2026-12-07): not again
 [ -f docs/data/gpu-firstgen/run-4/block-run3-sd3-medium.json ] && touch /tmp/block.ok
@@ -75,7 +81,7 @@ if [ $stage = fg ] && [ $(left) -gt 120 ]; then
     NAMES="pixart-sigma sd3-medium" ROUNDS=3 PARTS="fresh after" WORK=/tmp/firstgen-evidence \
       timeout $(left) bash docs/data/gpu-firstgen/gpu_firstgen.sh $OUT/fg && [ -f /tmp/firstgen-evidence/run-after3-sd3-medium.done ] && { echo mochi > /tmp/stage; stage=mochi; }
   fi
-  (cd /tmp/firstgen-evidence && tar czf $OUT/fg/firstgen.tgz --exclude="folder-*" --exclude="*.done" --exclude="*.png" .)
+  pack
 fi
 if [ $stage = mochi ] && [ $(left) -gt 120 ]; then
   rm -rf /tmp/firstgen-evidence/folder-*
