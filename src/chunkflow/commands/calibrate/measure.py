@@ -514,7 +514,7 @@ def _vae_fits(s, cpu_smoke: bool, progress, log, folders: Sequence[str] = ()):
             if spec.derived is None:
                 raise
             log(f"VAE {name} from {spec.derived.source}: not timed, its decode failed ({type(exc).__name__}: "
-                f"{str(exc)[:200]}); plans of that folder price its decode from its operator shapes")
+                f"{str(exc)[:200]}); plans of that folder keep the price `chunkflow plan` lists as not timed")
             _free_device_memory(s.device)
             step()
             continue
